@@ -1,0 +1,31 @@
+"""Typed run configuration: dataclasses, recipes, YAML and dotted overrides."""
+
+from rlloom.config.components import (
+    AlgorithmConfig,
+    ClusterConfig,
+    ConfigError,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainEngineConfig,
+    TrainerConfig,
+)
+from rlloom.config.loading import load_config, to_dict, to_yaml
+
+__all__ = [
+    "AlgorithmConfig",
+    "ClusterConfig",
+    "ConfigError",
+    "DataConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "TrainEngineConfig",
+    "TrainerConfig",
+    "load_config",
+    "to_dict",
+    "to_yaml",
+]

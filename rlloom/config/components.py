@@ -1,0 +1,478 @@
+"""Typed configs, one dataclass per component, composed into `RunConfig`.
+
+Every field has a docstring right under it. Range checks live in `__post_init__` and raise
+`ConfigError` naming the key, the value, the rule and the fix; type checks and unknown keys are
+handled once by `rlloom.config.loading` when a YAML file or overrides are applied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+class ConfigError(ValueError):
+    """A user error in the run configuration (unknown key, wrong type, impossible value)."""
+
+
+def _check(ok: bool, key: str, value: object, rule: str, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: {rule}. Fix: {fix}.")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    path: str = "smollm2-135m-instruct"
+    """Hugging Face checkpoint folder, or the embedded model name `smollm2-135m-instruct`."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype: `auto` is float32 on CPU and bfloat16 on GPU."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    task: Literal["arithmetic", "countdown", "jsonl", "parquet"] = "arithmetic"
+    """Built-in procedural task, or a dataset file (`path`) of prompts and ground truths."""
+    path: str = ""
+    """Dataset file for task=jsonl/parquet."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt: a string or a list of chat messages."""
+    answer_key: str = "answer"
+    """Field holding the ground truth."""
+    max_prompt_length: int = 256
+    """Prompts longer than this (in tokens, after templating) are skipped and counted."""
+    chat_template: bool = True
+    """Apply the tokenizer's chat template to the prompt."""
+    system_prompt: str = ""
+    """Optional system message put before every prompt when chat_template is on."""
+    num_digits: int = 2
+    """Arithmetic: digits per operand."""
+    operators: str = "+"
+    """Arithmetic: operators drawn from, e.g. `+-*`."""
+    num_train: int = 10000
+    """Procedural tasks: number of training prompts generated."""
+    num_eval: int = 200
+    """Held-out prompts for evaluation (procedural tasks: generated with a different seed)."""
+    seed: int = 0
+    """Seed for shuffling and procedural generation."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.max_prompt_length >= 1,
+            "data.max_prompt_length",
+            self.max_prompt_length,
+            "must be >= 1",
+            "use a positive token count",
+        )
+        _check(
+            1 <= self.num_digits <= 9,
+            "data.num_digits",
+            self.num_digits,
+            "must be in [1, 9]",
+            "pick 1..9 digits",
+        )
+        bad = set(self.operators) - set("+-*")
+        _check(
+            bool(self.operators) and not bad,
+            "data.operators",
+            self.operators,
+            "must be a non-empty string of + - *",
+            "e.g. data.operators='+-'",
+        )
+        _check(
+            self.num_eval >= 0, "data.num_eval", self.num_eval, "must be >= 0", "use 0 to disable evaluation"
+        )
+        _check(self.num_train >= 1, "data.num_train", self.num_train, "must be >= 1", "use a positive count")
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    n_samples: int = 8
+    """Completions per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature of the RL policy (> 0; greedy is not a valid RL policy)."""
+    top_p: float = 1.0
+    """Nucleus sampling; 1.0 samples from the full distribution as RL needs."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables it."""
+    max_new_tokens: int = 64
+    """Response length limit."""
+    stop_strings: list[str] = field(default_factory=list)
+    """Extra stop strings besides the tokenizer's end-of-sequence token."""
+    num_blocks: int = 0
+    """KV-cache blocks; 0 sizes the cache from kv_cache_memory_gb."""
+    kv_cache_memory_gb: float = 1.0
+    """KV-cache memory when num_blocks is 0."""
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    max_num_seqs: int = 256
+    """Most sequences decoded together."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs (GPU only)."""
+    eval_temperature: float = 0.0
+    """Temperature for evaluation (0 = greedy)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.n_samples >= 1,
+            "rollout.n_samples",
+            self.n_samples,
+            "must be >= 1",
+            "use 2 or more for GRPO groups",
+        )
+        _check(
+            self.temperature > 0,
+            "rollout.temperature",
+            self.temperature,
+            "must be > 0; temperature 0 is greedy decoding and is not a valid RL policy",
+            "use 1.0",
+        )
+        _check(
+            0 < self.top_p <= 1,
+            "rollout.top_p",
+            self.top_p,
+            "must be in (0, 1]",
+            "use 1.0 for the full distribution",
+        )
+        _check(
+            self.top_k == -1 or self.top_k >= 1,
+            "rollout.top_k",
+            self.top_k,
+            "must be -1 (off) or >= 1",
+            "use -1",
+        )
+        _check(
+            self.max_new_tokens >= 1,
+            "rollout.max_new_tokens",
+            self.max_new_tokens,
+            "must be >= 1",
+            "use a positive length",
+        )
+        _check(self.block_size >= 1, "rollout.block_size", self.block_size, "must be >= 1", "use 16")
+        _check(
+            self.num_blocks >= 0,
+            "rollout.num_blocks",
+            self.num_blocks,
+            "must be >= 0",
+            "use 0 to size by memory",
+        )
+        _check(
+            self.kv_cache_memory_gb > 0,
+            "rollout.kv_cache_memory_gb",
+            self.kv_cache_memory_gb,
+            "must be > 0",
+            "e.g. 1.0",
+        )
+        _check(self.max_num_seqs >= 1, "rollout.max_num_seqs", self.max_num_seqs, "must be >= 1", "e.g. 256")
+        _check(
+            self.eval_temperature >= 0,
+            "rollout.eval_temperature",
+            self.eval_temperature,
+            "must be >= 0",
+            "use 0 for greedy evaluation",
+        )
+
+
+Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+PolicyLoss = Literal["ppo_clip", "gspo", "cispo"]
+AggMode = Literal[
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+]
+
+
+@dataclass(kw_only=True, slots=True)
+class AlgorithmConfig:
+    estimator: Estimator = "grpo"
+    """Advantage estimator."""
+    loss: PolicyLoss = "ppo_clip"
+    """Policy loss."""
+    eps_low: float = 0.2
+    """Lower clip range of the importance ratio (1 - eps_low)."""
+    eps_high: float = 0.2
+    """Upper clip range (1 + eps_high); DAPO's clip-higher uses 0.28."""
+    dual_clip_c: float = 0.0
+    """Dual-clip constant (> 1 enables it; 0 disables)."""
+    agg_mode: AggMode = "token-mean"
+    """How per-token losses reduce to the step loss."""
+    norm_constant: int = 0
+    """Normaliser for seq-mean-token-sum-norm; 0 means rollout.max_new_tokens."""
+    kl_kind: Literal["k1", "k2", "k3", "abs"] = "k3"
+    """KL estimator for the KL loss against the reference (initial) policy."""
+    kl_coef: float = 0.0
+    """KL loss coefficient; 0 turns the reference policy off."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    gamma: float = 1.0
+    """Discount for REINFORCE++ returns."""
+    use_rollout_logprobs: bool = False
+    """Use the rollout engine's logprobs as old logprobs instead of recomputing them."""
+    is_correction: Literal["none", "tis", "mis"] = "none"
+    """Train/inference mismatch correction: truncated (tis) or masked (mis) importance sampling."""
+    is_level: Literal["token", "sequence"] = "token"
+    """Level at which IS weights are computed."""
+    is_high: float = 2.0
+    """Upper bound of the IS weight."""
+    is_low: float = 0.0
+    """Lower bound of the IS weight for mis (0 = none)."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal and sample more prompts until the batch is full."""
+    max_sampling_rounds: int = 3
+    """Most extra generation rounds per step for dynamic sampling."""
+    overlong_buffer: int = 0
+    """DAPO overlong shaping buffer in tokens (0 = off)."""
+    overlong_factor: float = 1.0
+    """Penalty at max length for overlong shaping."""
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.eps_low < 1, "algorithm.eps_low", self.eps_low, "must be in [0, 1)", "use 0.2")
+        _check(
+            self.eps_high >= 0,
+            "algorithm.eps_high",
+            self.eps_high,
+            "must be >= 0",
+            "use 0.2 or 0.28 (clip-higher)",
+        )
+        _check(
+            self.dual_clip_c == 0 or self.dual_clip_c > 1,
+            "algorithm.dual_clip_c",
+            self.dual_clip_c,
+            "must be 0 (off) or > 1",
+            "use 3.0 or 0",
+        )
+        _check(
+            self.norm_constant >= 0,
+            "algorithm.norm_constant",
+            self.norm_constant,
+            "must be >= 0",
+            "use 0 for max_new_tokens",
+        )
+        _check(
+            self.kl_coef >= 0,
+            "algorithm.kl_coef",
+            self.kl_coef,
+            "must be >= 0",
+            "use 0 to disable the KL loss",
+        )
+        _check(0 < self.gamma <= 1, "algorithm.gamma", self.gamma, "must be in (0, 1]", "use 1.0")
+        _check(self.is_high > 0, "algorithm.is_high", self.is_high, "must be > 0", "use 2.0")
+        _check(
+            0 <= self.is_low < self.is_high,
+            "algorithm.is_low",
+            self.is_low,
+            "must be in [0, is_high)",
+            "use 0",
+        )
+        _check(
+            self.max_sampling_rounds >= 1,
+            "algorithm.max_sampling_rounds",
+            self.max_sampling_rounds,
+            "must be >= 1",
+            "use 3",
+        )
+        _check(
+            self.overlong_buffer >= 0,
+            "algorithm.overlong_buffer",
+            self.overlong_buffer,
+            "must be >= 0",
+            "use 0 to disable",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainEngineConfig:
+    lr: float = 1e-5
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Schedule after warmup: constant, linear decay to 0, or cosine decay to min_lr_ratio * lr."""
+    warmup_steps: int = 0
+    """Linear warmup optimizer steps."""
+    min_lr_ratio: float = 0.0
+    """Cosine floor as a fraction of lr."""
+    grad_clip: float = 1.0
+    """Clip gradients by global norm (0 = off)."""
+    max_tokens_per_micro_batch: int = 4096
+    """Token budget per micro-batch (max_tokens_per_gpu of verl and slime)."""
+    activation_checkpointing: Literal["off", "full", "every_k"] = "off"
+    """Recompute activations in backward for all layers, or every k-th layer."""
+    ac_every_k: int = 2
+    """With activation_checkpointing=every_k: checkpoint every k-th layer."""
+    optimizer_offload: bool = False
+    """Run the AdamW step on CPU with its state in CPU memory (CPU Adam)."""
+    optimizer_offload_fraction: float = 1.0
+    """Fraction of parameters whose optimizer state is offloaded when optimizer_offload is on."""
+    logprob_chunk_tokens: int = 1024
+    """Tokens per chunk of the logprob head (bounds fp32 logits memory)."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "train.lr", self.lr, "must be > 0", "e.g. 1e-5")
+        _check(
+            self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "must be >= 0", "use 0.0 or 0.01"
+        )
+        _check(
+            all(0 <= b < 1 for b in self.betas),
+            "train.betas",
+            self.betas,
+            "each must be in [0, 1)",
+            "use [0.9, 0.999]",
+        )
+        _check(self.warmup_steps >= 0, "train.warmup_steps", self.warmup_steps, "must be >= 0", "use 0")
+        _check(
+            0 <= self.min_lr_ratio <= 1,
+            "train.min_lr_ratio",
+            self.min_lr_ratio,
+            "must be in [0, 1]",
+            "use 0.0",
+        )
+        _check(
+            self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "must be >= 0", "use 1.0 or 0 to disable"
+        )
+        _check(
+            self.max_tokens_per_micro_batch >= 1,
+            "train.max_tokens_per_micro_batch",
+            self.max_tokens_per_micro_batch,
+            "must be >= 1",
+            "e.g. 4096",
+        )
+        _check(self.ac_every_k >= 1, "train.ac_every_k", self.ac_every_k, "must be >= 1", "use 2")
+        _check(
+            0 < self.optimizer_offload_fraction <= 1,
+            "train.optimizer_offload_fraction",
+            self.optimizer_offload_fraction,
+            "must be in (0, 1]",
+            "use 1.0",
+        )
+        _check(
+            self.logprob_chunk_tokens >= 1,
+            "train.logprob_chunk_tokens",
+            self.logprob_chunk_tokens,
+            "must be >= 1",
+            "use 1024",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    total_steps: int = 20
+    """RL steps (each: generate, score, update, sync)."""
+    prompts_per_step: int = 8
+    """Prompts per RL step; the batch is prompts_per_step x rollout.n_samples completions."""
+    ppo_epochs: int = 1
+    """Passes over the step's batch."""
+    num_mini_batches: int = 1
+    """Optimizer steps per pass (the batch is split into this many mini-batches)."""
+    eval_every: int = 0
+    """Evaluate every k steps (0 = only before and after training)."""
+    save_every: int = 0
+    """Checkpoint every k steps (0 = only at the end)."""
+    run_dir: str = "runs/latest"
+    """Folder for logs, checkpoints and plots."""
+    resume: str = "never"
+    """`never`, `auto` (newest complete checkpoint in run_dir) or a checkpoint path."""
+    seed: int = 0
+    """Global seed (sampling, shuffling, initialisation)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.total_steps >= 0,
+            "trainer.total_steps",
+            self.total_steps,
+            "must be >= 0",
+            "use a positive step count",
+        )
+        _check(
+            self.prompts_per_step >= 1,
+            "trainer.prompts_per_step",
+            self.prompts_per_step,
+            "must be >= 1",
+            "e.g. 8",
+        )
+        _check(self.ppo_epochs >= 1, "trainer.ppo_epochs", self.ppo_epochs, "must be >= 1", "use 1")
+        _check(
+            self.num_mini_batches >= 1,
+            "trainer.num_mini_batches",
+            self.num_mini_batches,
+            "must be >= 1",
+            "use 1 (fully on-policy)",
+        )
+        _check(self.eval_every >= 0, "trainer.eval_every", self.eval_every, "must be >= 0", "use 0")
+        _check(self.save_every >= 0, "trainer.save_every", self.save_every, "must be >= 0", "use 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class ClusterConfig:
+    mode: Literal["inline", "ray"] = "inline"
+    """`inline`: everything in this process; `ray`: one actor per GPU (or CPU slot)."""
+    num_workers: int = 1
+    """Workers (data-parallel ranks, each with a colocated rollout replica)."""
+    address: str = ""
+    """Ray address: empty starts a local Ray; `auto` or host:port joins a cluster."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device for engines: auto picks cuda when available."""
+    timeout_s: float = 600.0
+    """Longest wait for any worker call before the run is stopped as hung."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_workers >= 1, "cluster.num_workers", self.num_workers, "must be >= 1", "use 1")
+        _check(self.timeout_s > 0, "cluster.timeout_s", self.timeout_s, "must be > 0", "e.g. 600")
+        _check(
+            self.mode == "ray" or self.num_workers == 1,
+            "cluster.num_workers",
+            self.num_workers,
+            "more than one worker needs cluster.mode=ray",
+            "set cluster.mode=ray or cluster.num_workers=1",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class LoggingConfig:
+    console: bool = True
+    """Live progress line on the console."""
+    jsonl: bool = True
+    """Write metrics.jsonl in the run folder."""
+    tensorboard: bool = False
+    """Write TensorBoard events (needs `pip install rlloom[tensorboard]`)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    """The whole run: one field per component."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainEngineConfig = field(default_factory=TrainEngineConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        if self.data.task in ("jsonl", "parquet"):
+            _check(
+                bool(self.data.path),
+                "data.path",
+                self.data.path,
+                f"data.task={self.data.task} needs a dataset file",
+                "set data.path=/path/to/file",
+            )
+        if self.algorithm.estimator in ("grpo", "dr_grpo", "rloo") and self.rollout.n_samples < 2:
+            _check(
+                False,
+                "rollout.n_samples",
+                self.rollout.n_samples,
+                f"estimator {self.algorithm.estimator} needs groups of 2 or more",
+                "set rollout.n_samples=4 or more",
+            )
+        batch = self.trainer.prompts_per_step * self.rollout.n_samples
+        _check(
+            batch % self.trainer.num_mini_batches == 0,
+            "trainer.num_mini_batches",
+            self.trainer.num_mini_batches,
+            f"must divide the batch of {batch} completions",
+            "pick a divisor of prompts_per_step x n_samples",
+        )

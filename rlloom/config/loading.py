@@ -1,0 +1,194 @@
+"""Turn a recipe name or a YAML file plus dotted overrides into one validated `RunConfig`.
+
+The dataclasses in `components.py` are the single source of truth: a recipe returns a `RunConfig`,
+a YAML file is a (partial) nested mapping of the same fields, and `a.b=value` overrides set single
+fields. Everything is merged as plain data first, then the dataclasses are built once, which runs
+every check before anything heavy starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+from rlloom.config.components import ConfigError, RunConfig
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A dataclass config as nested plain data (tuples become lists, as in YAML)."""
+
+    def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v
+
+    return plain(cfg)
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    """The resolved config as YAML; `load_config` of this text gives back an equal config."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def recipe_names() -> list[str]:
+    from rlloom.config import recipes
+
+    return sorted(recipes.RECIPES)
+
+
+def load_config(source: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Resolve `source` (recipe name or YAML path) and apply `key.sub=value` overrides."""
+    from rlloom.config import recipes
+
+    source = str(source)
+    if source in recipes.RECIPES:
+        data = to_dict(recipes.RECIPES[source]())
+    elif source.endswith((".yaml", ".yml")) or Path(source).is_file():
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(
+                f"config file {source!r} does not exist. Fix: pass an existing YAML file or a recipe ({', '.join(recipe_names())})."
+            )
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(
+                f"config file {source!r} must hold a mapping of sections, found {type(loaded).__name__}."
+            )
+        base = loaded.pop("recipe", None)
+        data = to_dict(recipes.RECIPES[base]()) if base in recipes.RECIPES else to_dict(RunConfig())
+        if base is not None and base not in recipes.RECIPES:
+            raise ConfigError(
+                f"recipe={base!r} in {source} is unknown{_suggest(base, recipe_names())}. Known recipes: {', '.join(recipe_names())}."
+            )
+        _merge(data, loaded, RunConfig, prefix="")
+    else:
+        raise ConfigError(
+            f"{source!r} is neither a recipe nor a YAML file{_suggest(source, recipe_names())}. Known recipes: {', '.join(recipe_names())}."
+        )
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(
+                f"override {item!r} must look like section.key=value, e.g. algorithm.eps_high=0.28."
+            )
+        nested: dict[str, Any] = {}
+        node = nested
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+        _merge(data, nested, RunConfig, prefix="")
+    return build(RunConfig, data, prefix="")
+
+
+def _suggest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _merge(dst: dict[str, Any], src: dict[str, Any], cls: type, prefix: str) -> None:
+    """Merge `src` into `dst` in place, rejecting keys that `cls` does not have."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in src.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            options = [f"{prefix}{k}" for k in fields]
+            raise ConfigError(
+                f"unknown config key {dotted!r}{_suggest(dotted, options)}. Valid keys here: {', '.join(options)}."
+            )
+        ftype = _field_type(cls, key)
+        if dataclasses.is_dataclass(ftype):
+            if not isinstance(value, dict):
+                raise ConfigError(
+                    f"{dotted} is a section; set its keys, e.g. {dotted}.{next(iter(f.name for f in dataclasses.fields(ftype)))}=..., found {value!r}."
+                )
+            _merge(dst.setdefault(key, {}), value, ftype, prefix=f"{dotted}.")
+        else:
+            dst[key] = value
+
+
+def _field_type(cls: type, name: str) -> Any:
+    return typing.get_type_hints(cls, vars(importlib.import_module(cls.__module__)))[name]
+
+
+def build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    """Construct `cls` from plain data, checking each value against the field's type."""
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        ftype = _field_type(cls, f.name)
+        dotted = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(ftype):
+            kwargs[f.name] = build(ftype, data[f.name], prefix=f"{dotted}.")
+        else:
+            kwargs[f.name] = _coerce(data[f.name], ftype, dotted)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(
+                f"{key}={value!r} is invalid: must be one of {', '.join(map(repr, args))}{_suggest(str(value), [str(a) for a in args])}."
+            )
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0])
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r} is invalid: must be a list. Fix: e.g. {key}=[...].")
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ConfigError(f"{key}={value!r} is invalid: must have {len(args)} entries.")
+            return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        inner = args[0] if args else Any
+        items = [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(
+            f"{key}={value!r} is invalid: must be true or false. Fix: {key}=true or {key}=false."
+        )
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(
+            f"{key}={value!r} is invalid: must be an integer. Fix: give a whole number, e.g. {key}=4."
+        )
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(
+            f"{key}={value!r} is invalid: must be a number. Fix: give a number, e.g. {key}=0.5."
+        )
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}={value!r} is invalid: must be a string. Fix: quote it, e.g. {key}='...'.")
+    raise ConfigError(f"{key}: unsupported config type {tp!r}")

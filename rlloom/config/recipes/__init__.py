@@ -1,0 +1,12 @@
+"""Recipes: Python functions that return a full `RunConfig`. Variants derive in a few lines."""
+
+from collections.abc import Callable
+
+from rlloom.config.components import RunConfig
+from rlloom.config.recipes.arithmetic import arithmetic_demo, arithmetic_smoke, dapo_arithmetic
+
+RECIPES: dict[str, Callable[[], RunConfig]] = {
+    "arithmetic_demo": arithmetic_demo,
+    "arithmetic_smoke": arithmetic_smoke,
+    "dapo_arithmetic": dapo_arithmetic,
+}

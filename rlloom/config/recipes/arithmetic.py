@@ -1,0 +1,47 @@
+"""GRPO on two-digit addition with the embedded SmolLM2-135M-Instruct (the `make demo` job)."""
+
+import dataclasses
+
+from rlloom.config.components import (
+    AlgorithmConfig,
+    DataConfig,
+    ModelConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainEngineConfig,
+    TrainerConfig,
+)
+
+
+def arithmetic_demo() -> RunConfig:
+    """The demo: GRPO, full fine-tuning in fp32 on CPU, greedy accuracy before and after."""
+    return RunConfig(
+        model=ModelConfig(path="smollm2-135m-instruct"),
+        data=DataConfig(task="arithmetic", num_digits=2, operators="+", num_eval=200),
+        rollout=RolloutConfig(n_samples=4, temperature=1.0, max_new_tokens=32),
+        algorithm=AlgorithmConfig(estimator="grpo", loss="ppo_clip", agg_mode="token-mean"),
+        train=TrainEngineConfig(lr=1e-5, max_tokens_per_micro_batch=2048),
+        trainer=TrainerConfig(total_steps=40, prompts_per_step=8, run_dir="runs/arithmetic_demo"),
+    )
+
+
+def arithmetic_smoke() -> RunConfig:
+    """A few tiny steps of the demo, for tests and quick checks."""
+    cfg = arithmetic_demo()
+    return dataclasses.replace(
+        cfg,
+        data=dataclasses.replace(cfg.data, num_eval=8),
+        rollout=dataclasses.replace(cfg.rollout, max_new_tokens=8),
+        trainer=dataclasses.replace(
+            cfg.trainer, total_steps=2, prompts_per_step=2, run_dir="runs/arithmetic_smoke"
+        ),
+    )
+
+
+def dapo_arithmetic() -> RunConfig:
+    """DAPO variant: clip-higher, token-mean, dynamic sampling, overlong shaping."""
+    cfg = arithmetic_demo()
+    algo = dataclasses.replace(
+        cfg.algorithm, eps_high=0.28, dynamic_sampling=True, overlong_buffer=8, agg_mode="token-mean"
+    )
+    return dataclasses.replace(cfg, algorithm=algo)

@@ -1,0 +1,1 @@
+"""Records between stages, datasets, templating, packing and micro-batching."""

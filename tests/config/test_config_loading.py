@@ -1,0 +1,113 @@
+"""Config: recipes, YAML, dotted overrides and validation map onto the same dataclasses."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from rlloom.config import ConfigError, RunConfig, load_config, to_dict, to_yaml
+from rlloom.config.recipes import RECIPES
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_every_recipe_round_trips_through_yaml(name, tmp_path):
+    cfg = load_config(name)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(path) == cfg
+
+
+def test_overrides_set_typed_fields():
+    cfg = load_config(
+        "arithmetic_demo", ["algorithm.eps_high=0.28", "trainer.total_steps=50", "train.betas=[0.9,0.95]"]
+    )
+    assert cfg.algorithm.eps_high == 0.28
+    assert cfg.trainer.total_steps == 50
+    assert cfg.train.betas == (0.9, 0.95)
+    # Everything else is the recipe.
+    base = load_config("arithmetic_demo")
+    assert dataclasses.replace(cfg, algorithm=base.algorithm, trainer=base.trainer, train=base.train) == base
+
+
+def test_int_accepted_for_float_field():
+    cfg = load_config("arithmetic_demo", ["train.lr=1"])
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+
+
+def test_yaml_file_with_recipe_base(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("recipe: arithmetic_demo\nrollout:\n  n_samples: 16\n")
+    cfg = load_config(path, ["rollout.max_new_tokens=12"])
+    assert cfg.rollout.n_samples == 16 and cfg.rollout.max_new_tokens == 12
+    assert cfg.trainer == load_config("arithmetic_demo").trainer
+
+
+@pytest.mark.parametrize(
+    "override, needles",
+    [
+        (["algorithm.eps_hgh=0.28"], ["algorithm.eps_hgh", "did you mean 'algorithm.eps_high'"]),
+        (["algorthm.eps_high=0.28"], ["algorthm", "did you mean 'algorithm'"]),
+        (["rollout.temperature=0"], ["rollout.temperature=0.0", "greedy", "Fix"]),
+        (["train.lr=abc"], ["train.lr='abc'", "number"]),
+        (["trainer.total_steps=1.5"], ["trainer.total_steps=1.5", "integer"]),
+        (["algorithm.agg_mode=token_mean"], ["one of", "did you mean 'token-mean'"]),
+        (["rollout.n_samples=1"], ["rollout.n_samples=1", "groups of 2"]),
+        (["trainer.num_mini_batches=3"], ["must divide the batch of 32"]),
+        (["cluster.num_workers=2"], ["cluster.mode=ray"]),
+        (["noequals"], ["section.key=value"]),
+    ],
+)
+def test_bad_input_names_key_value_and_fix(override, needles):
+    with pytest.raises(ConfigError) as err:
+        load_config("arithmetic_demo", override)
+    for needle in needles:
+        assert needle in str(err.value)
+
+
+def test_unknown_source_lists_recipes():
+    with pytest.raises(ConfigError, match="arithmetic_demo"):
+        load_config("arithmetic_dem")
+
+
+def test_yaml_unknown_key_rejected(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("trainer:\n  total_step: 3\n")
+    with pytest.raises(ConfigError, match="did you mean 'trainer.total_steps'"):
+        load_config(path)
+
+
+def test_to_dict_is_plain_data():
+    data = to_dict(RunConfig())
+    assert yaml.safe_load(yaml.safe_dump(data)) == data
+
+
+def test_cli_config_show_round_trips(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "rlloom.cli", "config", "show", "arithmetic_demo", "algorithm.kl_coef=0.01"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    path = tmp_path / "shown.yaml"
+    path.write_text(out)
+    assert load_config(path) == load_config("arithmetic_demo", ["algorithm.kl_coef=0.01"])
+
+
+def test_cli_bad_override_exits_2():
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlloom.cli", "config", "show", "arithmetic_demo", "rollout.top_p=2"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert "rollout.top_p=2" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["train", "--help"], ["config", "show", "--help"], ["plot", "--help"]]
+)
+def test_cli_help(argv):
+    proc = subprocess.run([sys.executable, "-m", "rlloom.cli", *argv], capture_output=True, text=True)
+    assert proc.returncode == 0 and "usage: rlloom" in proc.stdout
