@@ -1,0 +1,116 @@
+"""Console progress: a live line on a terminal, one plain line per step everywhere else.
+
+On a TTY, rich redraws one line in place (a bar, step/total, reward, accuracy, step time, ETA), and
+whatever else is printed or logged appears above it. When stdout is not a TTY (CI, `make demo | tee`)
+each `log` call prints one line instead, e.g.
+
+    [rlloom] step 3/20 | reward 0.500 | acc 0.250 | eval_acc 0.300 | 1.23 s/step | eta 0:00:21
+
+Fields whose metric has not been logged yet are left out; the last value of each is shown until a
+new one arrives (evaluation runs only every few steps).
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+import time
+from collections.abc import Mapping
+from typing import TextIO
+
+from rlloom.observability.loggers import Logger
+
+# (label, metric key, format) shown in this order when present.
+FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("reward", "reward/mean", "{:.3f}"),
+    ("acc", "train/accuracy", "{:.3f}"),
+    ("eval_acc", "eval/accuracy", "{:.3f}"),
+    ("len", "response/length_mean", "{:.0f}"),
+    ("kl", "kl/mean", "{:.4f}"),
+)
+STEP_TIME_KEY = "time/step_s"
+
+
+def format_eta(seconds: float) -> str:
+    """`H:MM:SS` for a non-negative number of seconds (rounded to whole seconds)."""
+    return str(datetime.timedelta(seconds=round(max(seconds, 0.0))))
+
+
+class ConsoleLogger(Logger):
+    """Shows training progress; see the module docstring for the line format."""
+
+    def __init__(
+        self, total_steps: int | None = None, file: TextIO | None = None, live: bool | None = None
+    ) -> None:
+        """`file` defaults to stdout; `live=None` redraws in place only when `file` is a TTY."""
+        self.total_steps = total_steps
+        self._file = file if file is not None else sys.stdout
+        if live is None:
+            isatty = getattr(self._file, "isatty", None)
+            live = bool(isatty and isatty())
+        self._live_enabled = live
+        self._live = None  # rich.live.Live, started on the first log call
+        self._last: dict[str, float] = {}
+        self._start = time.monotonic()
+        self._steps_seen: list[int] = []
+        self._last_step_time: float | None = None
+        self._last_step_at = self._start
+
+    def _step_seconds(self, metrics: Mapping[str, float], now: float, new_step: bool) -> float | None:
+        if STEP_TIME_KEY in metrics:
+            return float(metrics[STEP_TIME_KEY])
+        if new_step:
+            # No step timer in the metrics: use the wall time between steps.
+            return now - self._last_step_at
+        return self._last_step_time
+
+    def line(self, step: int, metrics: Mapping[str, float]) -> str:
+        """Fold `metrics` into the shown state and return the progress line (without the tag)."""
+        now = time.monotonic()
+        new_step = not self._steps_seen or self._steps_seen[-1] != step
+        self._last_step_time = self._step_seconds(metrics, now, new_step)
+        if new_step:
+            self._steps_seen.append(step)
+            self._last_step_at = now
+        self._last.update({k: float(v) for k, v in metrics.items()})
+
+        parts = [f"step {step}/{self.total_steps}" if self.total_steps else f"step {step}"]
+        for label, key, fmt in FIELDS:
+            if key in self._last:
+                parts.append(f"{label} {fmt.format(self._last[key])}")
+        if self._last_step_time is not None:
+            parts.append(f"{self._last_step_time:.2f} s/step")
+        if self.total_steps:
+            # ETA from the wall-clock rate of this process (evaluation and checkpoints included).
+            rate = (now - self._start) / len(self._steps_seen)
+            parts.append(f"eta {format_eta(rate * max(self.total_steps - step, 0))}")
+        return " | ".join(parts)
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        text = self.line(step, metrics)
+        if not self._live_enabled:
+            print(f"[rlloom] {text}", file=self._file, flush=True)
+            return
+        self._draw(step, text)
+
+    def _draw(self, step: int, text: str) -> None:
+        from rich.console import Console
+        from rich.live import Live
+        from rich.progress_bar import ProgressBar
+        from rich.table import Table
+
+        row = Table.grid(padding=(0, 1))
+        if self.total_steps:
+            row.add_row(ProgressBar(total=self.total_steps, completed=step, width=24), text)
+        else:
+            row.add_row(text)
+        if self._live is None:
+            self._live = Live(row, console=Console(file=self._file), refresh_per_second=4)
+            self._live.start()
+        else:
+            self._live.update(row)
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None

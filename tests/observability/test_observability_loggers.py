@@ -1,0 +1,135 @@
+"""Loggers: JSONL resume truncation, console line format off a TTY, the factory, init_logger."""
+
+import io
+import json
+import logging
+
+import pytest
+
+from rlloom.config.components import LoggingConfig
+from rlloom.observability.console import ConsoleLogger, format_eta
+from rlloom.observability.jsonl import JsonlLogger, read_metrics_jsonl
+from rlloom.observability.log import init_logger, warn_once
+from rlloom.observability.loggers import METRICS_FILE, MultiLogger, build_loggers
+
+
+def metrics_at(step: int) -> dict:
+    return {"reward/mean": step / 10, "time/step_s": 1.5}
+
+
+def test_resumed_jsonl_equals_uninterrupted(tmp_path):
+    full = tmp_path / "full.jsonl"
+    with JsonlLogger(full) as logger:
+        for step in range(1, 7):
+            logger.log(step, metrics_at(step))
+
+    # Interrupted after step 5, with a torn last line; the checkpoint is from step 3.
+    resumed = tmp_path / "resumed.jsonl"
+    with JsonlLogger(resumed) as logger:
+        for step in range(1, 6):
+            logger.log(step, metrics_at(step))
+    with resumed.open("a") as f:
+        f.write('{"step": 6, "rew')
+    with JsonlLogger(resumed, resume_from_step=4) as logger:
+        assert [r["step"] for r in read_metrics_jsonl(resumed)] == [1, 2, 3]
+        for step in range(4, 7):
+            logger.log(step, metrics_at(step))
+    assert resumed.read_bytes() == full.read_bytes()
+
+
+def test_jsonl_fresh_start_overwrites_and_values_are_strict_json(tmp_path):
+    path = tmp_path / "m.jsonl"
+    with JsonlLogger(path) as logger:
+        logger.log(1, {"loss/policy": 1.0})
+    with JsonlLogger(path) as logger:
+        logger.log(1, {"loss/policy": float("nan"), "perf/tokens": 7})
+        with pytest.raises(ValueError, match="reserved"):
+            logger.log(2, {"step": 3})
+    lines = path.read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [{"step": 1, "loss/policy": None, "perf/tokens": 7}]
+
+
+def test_jsonl_resume_of_missing_file_starts_empty(tmp_path):
+    path = tmp_path / "sub" / "m.jsonl"
+    with JsonlLogger(path, resume_from_step=10) as logger:
+        logger.log(10, {"reward/mean": 0.5})
+    assert read_metrics_jsonl(path) == [{"step": 10, "reward/mean": 0.5}]
+    with pytest.raises(FileNotFoundError, match="logging.jsonl"):
+        read_metrics_jsonl(tmp_path / "absent.jsonl")
+
+
+def test_console_prints_one_tagged_line_per_step_off_a_tty():
+    out = io.StringIO()
+    logger = ConsoleLogger(total_steps=20, file=out)
+    logger.log(1, {"reward/mean": 0.5, "train/accuracy": 0.25, "time/step_s": 1.234})
+    logger.log(2, {"reward/mean": 0.625, "eval/accuracy": 0.3, "time/step_s": 1.0, "other/x": 9})
+    logger.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("[rlloom] step 1/20 | reward 0.500 | acc 0.250 | 1.23 s/step | eta ")
+    # Values not re-logged keep showing; unknown keys are not shown.
+    assert lines[1].startswith(
+        "[rlloom] step 2/20 | reward 0.625 | acc 0.250 | eval_acc 0.300 | 1.00 s/step | eta "
+    )
+    assert "other" not in lines[1]
+
+
+def test_console_without_total_or_timer():
+    out = io.StringIO()
+    logger = ConsoleLogger(file=out)
+    logger.log(3, {"reward/mean": 1.0})
+    line = out.getvalue().strip()
+    assert line.startswith("[rlloom] step 3 | reward 1.000 | ") and line.endswith(" s/step")
+    assert format_eta(3725.4) == "1:02:05"
+
+
+def test_console_live_mode_draws_without_error():
+    out = io.StringIO()
+    logger = ConsoleLogger(total_steps=4, file=out, live=True)
+    for step in range(1, 5):
+        logger.log(step, {"reward/mean": 0.1 * step})
+    logger.close()
+    assert "step 4/4" in out.getvalue()
+
+
+def test_build_loggers_follows_config(tmp_path):
+    logger = build_loggers(LoggingConfig(console=False, jsonl=True), tmp_path)
+    assert isinstance(logger, MultiLogger) and len(logger.loggers) == 1
+    logger.log(1, {"reward/mean": 0.1})
+    logger.close()
+    assert read_metrics_jsonl(tmp_path / METRICS_FILE) == [{"step": 1, "reward/mean": 0.1}]
+    assert build_loggers(LoggingConfig(console=False, jsonl=False), tmp_path).loggers == []
+
+
+def test_tensorboard_missing_says_how_to_install(tmp_path):
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match=r"rlloom\[tensorboard\]"):
+            build_loggers(LoggingConfig(console=False, jsonl=False, tensorboard=True), tmp_path)
+    else:
+        logger = build_loggers(LoggingConfig(console=False, jsonl=False, tensorboard=True), tmp_path)
+        logger.log(1, {"reward/mean": 0.1})
+        logger.close()
+        assert any((tmp_path / "tensorboard").iterdir())
+
+
+@pytest.fixture
+def restore_rlloom_logger():
+    # init_logger changes process-wide state; undo it so other tests' caplog still sees rlloom records.
+    logger = logging.getLogger("rlloom")
+    saved = (list(logger.handlers), logger.propagate, logger.level)
+    yield
+    logger.handlers[:], logger.propagate = saved[0], saved[1]
+    logger.setLevel(saved[2])
+
+
+def test_init_logger_once_and_warn_once(capsys, restore_rlloom_logger):
+    logger = init_logger()
+    init_logger()
+    assert sum(h.get_name() == "rlloom-stderr" for h in logger.handlers) == 1
+    child = logging.getLogger("rlloom.trainer.test")
+    warn_once(child, "kl_coef=0 ignores kl_kind")
+    warn_once(child, "kl_coef=0 ignores kl_kind")
+    err = capsys.readouterr().err
+    assert err.count("[rlloom]") == 1 and "WARNING kl_coef=0 ignores kl_kind" in err
