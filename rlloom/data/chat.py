@@ -1,0 +1,118 @@
+"""Chat templating and tokenization of prompts, done once up front.
+
+With `chat_template=True` a prompt (a user string, or a list of chat messages) goes through the
+tokenizer's own template with the generation prompt added, and the resulting text is encoded
+WITHOUT adding special tokens again (the template already wrote them). With
+`chat_template=False` the prompt string is encoded as it is, with the tokenizer's usual special
+tokens (e.g. a BOS token for Llama-style tokenizers).
+
+Any object with `encode(text, add_special_tokens=...)` and
+`apply_chat_template(messages, add_generation_prompt=True, tokenize=False)` works as a tokenizer:
+Hugging Face tokenizers do, and so do the small fakes used in tests.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from rlloom.data.dataset import Message, PromptItem, RawPrompt
+
+logger = logging.getLogger(__name__)
+
+
+class PromptTokenizer(Protocol):
+    """The part of a (Hugging Face) tokenizer that prompt preparation uses."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def apply_chat_template(
+        self, conversation: list[Message], *, add_generation_prompt: bool, tokenize: bool
+    ) -> Any: ...
+
+
+@dataclass(kw_only=True, slots=True)
+class TokenizedPrompts:
+    """The prompts that fit, and how many were skipped for length."""
+
+    items: list[PromptItem]
+    num_too_long: int
+    """Prompts longer than max_prompt_length tokens, skipped."""
+
+
+def prompt_messages(prompt: str | list[Message], system_prompt: str = "") -> list[Message]:
+    """The chat messages of a prompt: a string becomes one user message; `system_prompt` goes first
+    unless the prompt already starts with its own system message (which then wins)."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def render_prompt(
+    prompt: str | list[Message], tokenizer: PromptTokenizer, *, chat_template: bool, system_prompt: str = ""
+) -> str:
+    """The text the model sees for this prompt (the chat template's output, or the raw string)."""
+    if chat_template:
+        if getattr(tokenizer, "chat_template", "") is None:
+            raise ValueError(
+                "data.chat_template=True but the tokenizer has no chat template; "
+                "fix: set data.chat_template=false to encode raw prompt text, or use an instruct tokenizer"
+            )
+        messages = prompt_messages(prompt, system_prompt)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if not isinstance(prompt, str):
+        raise ValueError(
+            "data.chat_template=False but a prompt is a list of chat messages, which has no raw-text form; "
+            "fix: set data.chat_template=true or store prompts as strings"
+        )
+    return prompt
+
+
+def tokenize_prompts(
+    prompts: Sequence[RawPrompt],
+    tokenizer: PromptTokenizer,
+    *,
+    chat_template: bool,
+    system_prompt: str = "",
+    max_prompt_length: int,
+) -> TokenizedPrompts:
+    """Template and encode every prompt; those over `max_prompt_length` tokens are skipped and counted.
+
+    Raises ValueError when prompts were given and none fits.
+    """
+    if system_prompt and not chat_template:
+        logger.warning("data.system_prompt is set but data.chat_template=False, so it is not used")
+    items: list[PromptItem] = []
+    too_long: list[int] = []
+    for raw in prompts:
+        text = render_prompt(raw.prompt, tokenizer, chat_template=chat_template, system_prompt=system_prompt)
+        ids = list(tokenizer.encode(text, add_special_tokens=not chat_template))
+        if len(ids) > max_prompt_length:
+            too_long.append(len(ids))
+            continue
+        items.append(
+            PromptItem(
+                prompt_ids=ids,
+                prompt_text=text,
+                ground_truth=raw.ground_truth,
+                index=raw.index,
+                metadata=dict(raw.metadata),
+            )
+        )
+    if too_long and not items:
+        raise ValueError(
+            f"data.max_prompt_length={max_prompt_length}: all {len(too_long)} prompts are longer "
+            f"(shortest {min(too_long)} tokens); fix: raise data.max_prompt_length to at least {min(too_long)}"
+        )
+    if too_long:
+        logger.warning(
+            "skipped %d of %d prompts longer than data.max_prompt_length=%d tokens (longest %d)",
+            len(too_long),
+            len(prompts),
+            max_prompt_length,
+            max(too_long),
+        )
+    return TokenizedPrompts(items=items, num_too_long=len(too_long))

@@ -1,0 +1,197 @@
+"""Prompt records and reading them from jsonl or parquet files.
+
+A dataset row holds a prompt under `prompt_key` (a string, or a list of chat messages
+`{"role": ..., "content": ...}`) and a ground truth under `answer_key`. Reading gives `RawPrompt`
+records (text, not yet tokenized); `rlloom.data.chat.tokenize_prompts` turns them into the
+`PromptItem` records that rollout consumes.
+
+Bad rows (malformed JSON, a missing or wrongly typed field) never crash a run on their own: they
+are collected with their line numbers, skipped, and reported in one warning. Only a file where
+every row is bad raises, listing the first few with their line numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
+
+Message = dict[str, str]
+"""A chat message: {"role": "system" | "user" | "assistant", "content": text}."""
+
+FileFormat = Literal["jsonl", "parquet"]
+
+_NUM_LISTED = 5  # bad rows listed by line number in errors and warnings
+
+
+@dataclass(kw_only=True, slots=True)
+class RawPrompt:
+    """A prompt before templating and tokenization, from a file or a procedural task.
+
+    Example: `RawPrompt(prompt="What is 2 + 3? Answer with just the number.", ground_truth="5",
+    index=0, metadata={"task": "arithmetic"})`.
+    """
+
+    prompt: str | list[Message]
+    """The user text, or a list of chat messages."""
+    ground_truth: str
+    """What the reward function compares the response with (JSON text for structured answers)."""
+    index: int
+    """Position in the source: the row of a file (0-based, blank lines not counted) or the item of a
+    generated task."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Other fields of the row, or task details (operands, solution); passed on to samples."""
+
+
+@dataclass(kw_only=True, slots=True)
+class PromptItem:
+    """A templated, tokenized prompt ready for rollout.
+
+    Example: `PromptItem(prompt_ids=[1, 504, 30], prompt_text="<|im_start|>user\\nWhat is 2 + 3?...",
+    ground_truth="5", index=0)`.
+    """
+
+    prompt_ids: list[int]
+    """Token ids of `prompt_text` (no special tokens added beyond what the template writes)."""
+    prompt_text: str
+    """The exact text that was encoded: the chat template's output, or the raw prompt."""
+    ground_truth: str
+    """What the reward function compares the response with."""
+    index: int
+    """Position in the source (see `RawPrompt.index`)."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Other fields of the row, or task details."""
+
+
+@dataclass(frozen=True, slots=True)
+class BadRow:
+    """A row that was skipped, with its 1-based line (jsonl) or row (parquet) number."""
+
+    line: int
+    reason: str
+
+
+def load_prompt_file(
+    path: str | Path,
+    *,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    file_format: FileFormat | None = None,
+) -> list[RawPrompt]:
+    """Read a jsonl or parquet file of prompts; bad rows are skipped with one warning.
+
+    `file_format` None picks by the file suffix (`.parquet` -> parquet, anything else -> jsonl).
+    Raises ValueError when the file is missing or holds no usable row.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(
+            f"data.path={str(path)!r} is not a file; fix: point data.path at a .jsonl or .parquet file"
+        )
+    fmt = file_format or ("parquet" if path.suffix == ".parquet" else "jsonl")
+    numbered = _parquet_rows(path) if fmt == "parquet" else _jsonl_rows(path)
+    unit = "row" if fmt == "parquet" else "line"
+    prompts: list[RawPrompt] = []
+    bad: list[BadRow] = []
+    for index, (line, row) in enumerate(numbered):
+        if isinstance(row, BadRow):
+            bad.append(row)
+            continue
+        parsed = parse_row(row, index=index, prompt_key=prompt_key, answer_key=answer_key)
+        if isinstance(parsed, str):
+            bad.append(BadRow(line, parsed))
+        else:
+            prompts.append(parsed)
+    _report_bad_rows(
+        path, bad, total=len(prompts) + len(bad), unit=unit, prompt_key=prompt_key, answer_key=answer_key
+    )
+    return prompts
+
+
+def parse_row(row: object, *, index: int, prompt_key: str, answer_key: str) -> RawPrompt | str:
+    """One decoded row as a `RawPrompt`, or the reason it is unusable."""
+    if not isinstance(row, dict):
+        return f"row is a {type(row).__name__}, not an object"
+    if prompt_key not in row:
+        return f"missing prompt field {prompt_key!r} (fields: {sorted(row)[:8]})"
+    if answer_key not in row or row[answer_key] is None:
+        return f"missing answer field {answer_key!r} (fields: {sorted(row)[:8]})"
+    prompt = row[prompt_key]
+    problem = _prompt_problem(prompt)
+    if problem:
+        return problem
+    metadata = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
+    return RawPrompt(
+        prompt=prompt, ground_truth=ground_truth_text(row[answer_key]), index=index, metadata=metadata
+    )
+
+
+def ground_truth_text(answer: object) -> str:
+    """A ground truth as text: strings as they are, numbers and structures as JSON."""
+    return answer if isinstance(answer, str) else json.dumps(answer)
+
+
+def _prompt_problem(prompt: object) -> str:
+    """Why `prompt` is not a usable prompt, or '' when it is."""
+    if isinstance(prompt, str):
+        return "" if prompt.strip() else "prompt is an empty string"
+    if isinstance(prompt, list) and prompt:
+        for i, message in enumerate(prompt):
+            if not (
+                isinstance(message, dict)
+                and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)
+            ):
+                return f"prompt message {i} is not a {{role, content}} object of strings"
+        return ""
+    return f"prompt must be a non-empty string or list of {{role, content}} messages, got {type(prompt).__name__}"
+
+
+def _jsonl_rows(path: Path) -> list[tuple[int, object]]:
+    """(line number, decoded object or BadRow) for each non-blank line."""
+    rows: list[tuple[int, object]] = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((line_no, json.loads(line)))
+            except json.JSONDecodeError as e:
+                rows.append((line_no, BadRow(line_no, f"malformed JSON ({e.msg} at column {e.colno})")))
+    return rows
+
+
+def _parquet_rows(path: Path) -> list[tuple[int, object]]:
+    """(row number, row dict) for each row of a parquet file."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ImportError(
+            f"data.path={str(path)!r} is a parquet file, which needs pyarrow; "
+            "fix: `pip install rlloom[parquet]` (or convert the file to jsonl)"
+        ) from e
+    return list(enumerate(pq.read_table(path).to_pylist(), start=1))
+
+
+def _report_bad_rows(
+    path: Path, bad: list[BadRow], *, total: int, unit: str, prompt_key: str, answer_key: str
+) -> None:
+    """Raise when every row is bad; warn once with counts and line numbers when some are."""
+    listed = "; ".join(f"{unit} {b.line}: {b.reason}" for b in bad[:_NUM_LISTED])
+    if total == 0:
+        raise ValueError(
+            f"data.path={str(path)!r} holds no rows; fix: point data.path at a non-empty dataset"
+        )
+    if len(bad) == total:
+        raise ValueError(
+            f"data.path={str(path)!r}: all {total} rows are unusable (each needs a prompt under "
+            f"data.prompt_key={prompt_key!r} and a ground truth under data.answer_key={answer_key!r}); "
+            f"first: {listed}. Fix: correct the file or set data.prompt_key / data.answer_key"
+        )
+    if bad:
+        more = f" (and {len(bad) - _NUM_LISTED} more)" if len(bad) > _NUM_LISTED else ""
+        logger.warning("%s: skipped %d of %d rows: %s%s", path, len(bad), total, listed, more)

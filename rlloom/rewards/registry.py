@@ -1,0 +1,71 @@
+"""Reward functions by name: built-ins, plug-ins by dotted path, and weighted sums of both.
+
+`get_reward_fn(name)` accepts
+- a built-in name: `number`, `math`, `countdown`, `format_number`, `format_boxed`, `format_answer`;
+- a plug-in, "package.module:function", any importable function `(response_text, ground_truth)
+  -> float` (it may also return a bool or an int; the runner turns anything that is not a finite
+  number into the default score and counts it);
+- a weighted sum of those, e.g. "number + 0.1*format_number" or "my.mod:fn + 0.5*format_answer".
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+from rlloom.rewards.countdown import countdown_reward
+from rlloom.rewards.format import format_answer, format_boxed, format_number
+from rlloom.rewards.math_answer import math_answer
+from rlloom.rewards.numbers import number_match
+from rlloom.rewards.weighted import RewardFn, WeightedReward
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "number": number_match,
+    "math": math_answer,
+    "countdown": countdown_reward,
+    "format_number": format_number,
+    "format_boxed": format_boxed,
+    "format_answer": format_answer,
+}
+
+_TERM = re.compile(r"^\s*(?:(?P<weight>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*\*\s*)?(?P<name>[\w.:]+)\s*$")
+
+
+def get_reward_fn(name: str) -> RewardFn:
+    """The reward function for a built-in name, a "package.module:function" path, or a weighted sum."""
+    terms = name.split("+")
+    if len(terms) == 1 and "*" not in name:
+        return _resolve(name.strip())
+    parsed = []
+    for term in terms:
+        match = _TERM.match(term)
+        if not match:
+            raise ValueError(
+                f"reward {name!r}: the term {term.strip()!r} is not `name` or `weight*name`; "
+                "fix: write e.g. 'number + 0.1*format_number'"
+            )
+        parsed.append((_resolve(match["name"]), float(match["weight"] or 1.0)))
+    return WeightedReward(tuple(parsed))
+
+
+def _resolve(name: str) -> RewardFn:
+    if name in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[name]
+    if ":" not in name:
+        raise ValueError(
+            f"reward {name!r} is unknown; fix: use a built-in ({', '.join(BUILTIN_REWARDS)}) "
+            "or a plug-in path 'package.module:function'"
+        )
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(
+            f"reward {name!r}: cannot import module {module_name!r} ({e}); fix: install it or put it on PYTHONPATH"
+        ) from e
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(
+            f"reward {name!r}: module {module_name!r} has no function {attr!r}; fix: check the name"
+        )
+    return fn

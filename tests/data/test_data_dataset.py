@@ -1,0 +1,91 @@
+"""Reading prompt files: good rows, bad rows with line numbers, chat prompts, parquet."""
+
+import json
+import logging
+
+import pytest
+
+from rlloom.data.dataset import load_prompt_file
+
+
+def write_lines(path, lines):
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_reads_string_and_chat_prompts_with_metadata(tmp_path):
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    path = write_lines(
+        tmp_path / "d.jsonl",
+        [
+            json.dumps({"question": "What is 1+1?", "solution": 2, "source": "toy"}),
+            "",
+            json.dumps({"question": chat, "solution": "4"}),
+            json.dumps({"question": "Count", "solution": {"numbers": [1, 2], "target": 3}}),
+        ],
+    )
+    rows = load_prompt_file(path, prompt_key="question", answer_key="solution")
+    assert [r.index for r in rows] == [0, 1, 2]
+    assert rows[0].prompt == "What is 1+1?" and rows[0].ground_truth == "2"
+    assert rows[0].metadata == {"source": "toy"}
+    assert rows[1].prompt == chat and rows[1].ground_truth == "4"
+    assert json.loads(rows[2].ground_truth) == {"numbers": [1, 2], "target": 3}
+
+
+def test_bad_rows_are_skipped_and_reported_once_with_line_numbers(tmp_path, caplog):
+    path = write_lines(
+        tmp_path / "d.jsonl",
+        [
+            json.dumps({"prompt": "ok 1", "answer": "1"}),
+            "{not json",
+            json.dumps({"prompt": "no answer"}),
+            json.dumps({"answer": "no prompt"}),
+            json.dumps({"prompt": [{"role": "user"}], "answer": "1"}),
+            json.dumps(["a", "list"]),
+            json.dumps({"prompt": "", "answer": "1"}),
+            json.dumps({"prompt": "ok 2", "answer": 2}),
+        ],
+    )
+    with caplog.at_level(logging.WARNING, logger="rlloom.data.dataset"):
+        rows = load_prompt_file(path)
+    assert [r.prompt for r in rows] == ["ok 1", "ok 2"]
+    assert [r.index for r in rows] == [0, 7]
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1
+    assert "skipped 6 of 8 rows" in warnings[0]
+    for line in (2, 3, 4, 5, 6):
+        assert f"line {line}:" in warnings[0]
+    assert "malformed JSON" in warnings[0] and "1 more" in warnings[0]
+
+
+def test_all_rows_bad_raises_listing_line_numbers(tmp_path):
+    path = write_lines(
+        tmp_path / "d.jsonl", [json.dumps({"q": "x"}), "oops", json.dumps({"q": "y", "answer": 1})]
+    )
+    with pytest.raises(ValueError) as err:
+        load_prompt_file(path)
+    message = str(err.value)
+    assert "all 3 rows" in message and "line 1:" in message and "line 2:" in message
+    assert "data.prompt_key='prompt'" in message
+
+
+def test_missing_or_empty_file_raises(tmp_path):
+    with pytest.raises(ValueError, match="not a file"):
+        load_prompt_file(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="no rows"):
+        load_prompt_file(write_lines(tmp_path / "e.jsonl", [""]))
+
+
+def test_parquet(tmp_path):
+    path = tmp_path / "d.parquet"
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        path.write_bytes(b"PAR1")
+        with pytest.raises(ImportError, match=r"pip install rlloom\[parquet\]"):
+            load_prompt_file(path)
+        return
+    pq.write_table(pa.table({"prompt": ["a", None, "c"], "answer": ["1", "2", None]}), path)
+    rows = load_prompt_file(path)
+    assert [(r.prompt, r.ground_truth, r.index) for r in rows] == [("a", "1", 0)]

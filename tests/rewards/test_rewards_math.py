@@ -1,0 +1,65 @@
+"""Math answers: boxed and GSM8K extraction, the fallback comparison, and math_verify when present."""
+
+import pytest
+
+from rlloom.rewards import math_answer as ma
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (r"so \boxed{42}.", "42"),
+        (r"\boxed{1} then \boxed{\frac{1}{2}}", r"\frac{1}{2}"),
+        (r"\boxed{\{1, 2\} \cup \{3\}}", r"\{1, 2\} \cup \{3\}"),
+        (r"\boxed{x^{2}}", "x^{2}"),
+        (r"cut off \boxed{\frac{1}{2", None),
+        ("no box", None),
+    ],
+)
+def test_extract_boxed(text, expected):
+    assert ma.extract_boxed(text) == expected
+
+
+def test_extract_gsm8k_and_priority():
+    assert ma.extract_hash_answer("She has 3 + 4 = 7 apples.\n#### 7") == "7"
+    assert ma.extract_hash_answer("#### ") is None
+    assert ma.extract_math_answer(r"#### 5 but \boxed{6}") == "6"
+
+
+@pytest.mark.parametrize(
+    "response, truth",
+    [
+        (r"\boxed{42}", "42"),
+        (r"The answer is $\boxed{1,000}$.", "1000"),
+        (r"\boxed{\dfrac{1}{2}}", r"\frac{1}{2}"),
+        (r"\boxed{\frac{2}{4}}", "1/2"),
+        (r"\boxed{0.5}", r"\frac{1}{2}"),
+        (r"\boxed{\text{(B)}}", "(B)"),
+        (r"\boxed{50\%}", "50"),
+        ("Total: 3 + 4 = 7\n#### 7", "Natalia sold 48/2 = 24 clips.\n#### 7"),
+        (r"\boxed{ x + 1 }", "x+1"),
+    ],
+)
+def test_fallback_accepts_equal_answers(response, truth):
+    assert ma.math_answer(response, truth) == 1.0
+
+
+@pytest.mark.parametrize(
+    "response, truth",
+    [(r"\boxed{41}", "42"), ("42", "42"), (r"\boxed{\frac{1}{3}}", "0.5"), (r"\boxed{x+2}", "x+1")],
+)
+def test_rejects_wrong_or_unmarked_answers(response, truth):
+    # "42" without \boxed or "####" is not a final answer for this reward.
+    assert ma.math_answer(response, truth) == 0.0
+
+
+def test_fallback_is_used_without_math_verify(monkeypatch):
+    monkeypatch.setattr(ma, "HAVE_MATH_VERIFY", False)
+    assert ma.math_answer(r"\boxed{\frac12}", "0.5") == 0.0  # needs a symbolic reader
+    assert ma.math_answer(r"\boxed{\frac{1}{2}}", "0.5") == 1.0
+
+
+@pytest.mark.skipif(not ma.HAVE_MATH_VERIFY, reason="math_verify not installed (pip install rlloom[math])")
+def test_math_verify_reads_equivalent_forms():
+    assert ma.math_answer(r"\boxed{\frac12}", "0.5") == 1.0
+    assert ma.math_answer(r"\boxed{\{3, 1, 2\}}", r"\{1,2,3\}") == 1.0
