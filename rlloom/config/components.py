@@ -172,6 +172,24 @@ class RolloutConfig:
         )
 
 
+@dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    name: str = ""
+    """Reward function: a built-in name (number, math, countdown, format_number, ...), a plug-in
+    `package.module:function`, or a weighted sum such as `number + 0.1*format_number`; empty picks
+    the task's default."""
+    num_workers: int = 0
+    """Worker processes that run reward functions (0 = inline, for cheap built-ins)."""
+    timeout_s: float = 10.0
+    """Per-sample timeout in worker processes; a hung sample scores default_score."""
+    default_score: float = 0.0
+    """Score of a sample whose reward function hung, raised or returned a non-number."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_workers >= 0, "reward.num_workers", self.num_workers, "must be >= 0", "use 0 for inline scoring")
+        _check(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "must be > 0", "e.g. 10")
+
+
 Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 PolicyLoss = Literal["ppo_clip", "gspo", "cispo"]
 AggMode = Literal[
@@ -445,6 +463,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     train: TrainEngineConfig = field(default_factory=TrainEngineConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -1,0 +1,1 @@
+"""Worker groups: `inline` (in the driver process) and `ray` (one actor per GPU or CPU slot)."""

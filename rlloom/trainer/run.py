@@ -1,0 +1,129 @@
+"""`run(cfg)`: the whole training job, reading like the algorithm (STYLE.md §3).
+
+build -> (resume) -> evaluate -> [rl_step -> log -> evaluate every k -> checkpoint every k] -> final
+evaluation and checkpoint -> one summary line.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rlloom.cluster.inline import build_worker_group
+from rlloom.config.components import RunConfig
+from rlloom.config.loading import to_yaml
+from rlloom.models import load_tokenizer
+from rlloom.observability.log import init_logger
+from rlloom.observability.loggers import build_loggers
+from rlloom.observability.memory import peak_memory_gib
+from rlloom.rewards.build import build_reward_runner
+from rlloom.tasks.build import build_task_source
+from rlloom.trainer.checkpoint import TrainerState, load_checkpoint, resolve_resume, save_checkpoint
+from rlloom.trainer.evaluate import evaluate
+from rlloom.trainer.faults import maybe_fail
+from rlloom.trainer.step import StepContext, rl_step
+
+
+@dataclass(kw_only=True, slots=True)
+class RunResult:
+    steps: int
+    seconds: float
+    accuracy_before: float | None
+    accuracy_after: float | None
+    run_dir: Path
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def run(cfg: RunConfig) -> RunResult:
+    log = init_logger()
+    start = time.perf_counter()
+    seed_everything(cfg.trainer.seed)
+    run_dir = Path(cfg.trainer.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+
+    tokenizer = load_tokenizer(cfg.model.path)
+    source = build_task_source(cfg.data, tokenizer, "train")
+    eval_items = list(build_task_source(cfg.data, tokenizer, "eval").items)
+    runner = build_reward_runner(cfg.reward, task=cfg.data.task)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    stop_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    group = build_worker_group(cfg)
+    ctx = StepContext(
+        cfg=cfg, group=group, source=source, runner=runner, decode=decode, stop_token_ids=stop_token_ids
+    )
+
+    state = TrainerState(step=0, data_state=source.state_dict())
+    resume_from = resolve_resume(cfg)
+    if resume_from is not None:
+        state = load_checkpoint(group, resume_from)
+        source.load_state_dict(state.data_state)
+        log.info("resumed from %s at step %d", resume_from, state.step)
+    loggers = build_loggers(
+        cfg.logging,
+        run_dir,
+        resume_from_step=state.step + 1 if resume_from else None,
+        total_steps=cfg.trainer.total_steps,
+    )
+    run_eval = lambda: evaluate(group, eval_items, runner, decode, cfg, stop_token_ids=stop_token_ids)
+    try:
+        if state.step == 0 and state.accuracy_before is None and eval_items:
+            before = run_eval()
+            state.accuracy_before = before["eval/accuracy"]
+            loggers.log(0, before)
+        after: dict[str, float] = {}
+        while state.step < cfg.trainer.total_steps:
+            metrics = rl_step(ctx, state.step)
+            state.step += 1
+            metrics["memory/peak_gib"] = peak_memory_gib(group_device(cfg))
+            is_last = state.step == cfg.trainer.total_steps
+            if eval_items and (
+                is_last or (cfg.trainer.eval_every and state.step % cfg.trainer.eval_every == 0)
+            ):
+                after = run_eval()
+                metrics.update(after)
+            loggers.log(state.step, metrics)
+            if is_last or (cfg.trainer.save_every and state.step % cfg.trainer.save_every == 0):
+                state.data_state = source.state_dict()
+                save_checkpoint(group, cfg, state)
+                maybe_fail("after_checkpoint", state.step)
+    finally:
+        loggers.close()
+        runner.close()
+        group.close()
+    seconds = time.perf_counter() - start
+    result = RunResult(
+        steps=state.step,
+        seconds=seconds,
+        accuracy_before=state.accuracy_before,
+        accuracy_after=after.get("eval/accuracy"),
+        run_dir=run_dir,
+    )
+    print(
+        f"demo: accuracy_before={_fmt(result.accuracy_before)} accuracy_after={_fmt(result.accuracy_after)} "
+        f"steps={result.steps} seconds={seconds:.0f}",
+        flush=True,
+    )
+    return result
+
+
+def group_device(cfg: RunConfig) -> str:
+    return (
+        "cuda"
+        if cfg.cluster.device == "cuda" or (cfg.cluster.device == "auto" and torch.cuda.is_available())
+        else "cpu"
+    )
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"

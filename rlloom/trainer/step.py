@@ -1,0 +1,135 @@
+"""One RL step, read straight through: generate -> rewards -> old/ref logprobs -> advantages ->
+policy update -> weight sync. Every stage is timed."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rlloom.cluster.inline import WorkerGroup
+from rlloom.config.components import RunConfig
+from rlloom.data.source import PromptSource
+from rlloom.data.types import RolloutBatch
+from rlloom.observability.timers import StageTimer
+from rlloom.rewards.runner import RewardRunner
+from rlloom.trainer.policy import PolicyUpdate, build_update
+from rlloom.trainer.rollout import collect_rollouts
+
+
+@dataclass(kw_only=True)
+class StepContext:
+    """Everything a step needs that lives across steps."""
+
+    cfg: RunConfig
+    group: WorkerGroup
+    source: PromptSource
+    runner: RewardRunner
+    decode: Callable[[list[int]], str]
+    stop_token_ids: list[int]
+
+
+def is_single_pass(cfg: RunConfig) -> bool:
+    """One optimizer step over the batch: the policy that generated it is the one being trained, so
+    old logprobs are the detached current ones and need no separate forward."""
+    return cfg.trainer.ppo_epochs == 1 and cfg.trainer.num_mini_batches == 1
+
+
+def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
+    cfg, group = ctx.cfg, ctx.group
+    timer = StageTimer()
+    metrics: dict[str, float] = {}
+
+    with timer("generate"):
+        rollout = collect_rollouts(
+            group, ctx.source, ctx.runner, ctx.decode, cfg, step=step, stop_token_ids=ctx.stop_token_ids
+        )
+    metrics.update(rollout.metrics)
+    if not rollout.samples:  # dynamic sampling found no informative group: nothing to learn from
+        metrics.update(timer.seconds())
+        metrics["train/skipped_step"] = 1.0
+        return metrics
+    batch = RolloutBatch(rollout.samples)
+
+    old_logp_BT = None
+    need_old = not is_single_pass(cfg) or cfg.algorithm.is_correction != "none"
+    with timer("old_logprobs"):
+        if cfg.algorithm.use_rollout_logprobs:
+            old_logp_BT = batch.rollout_logprobs()
+        elif need_old:
+            # Per first-epoch mini-batch, so the forward sees exactly the micro-batches its update will:
+            # the first update's importance ratio is then exactly 1.
+            parts = [
+                group.old_logprobs(batch.select(rows)) for rows in mini_batch_rows(cfg, len(batch), epoch=0)
+            ]
+            old_logp_BT = torch.cat(parts)
+    with timer("ref_logprobs"):
+        ref_logp_BT = group.ref_logprobs(batch) if cfg.algorithm.kl_coef > 0 else None
+    with timer("advantages"):
+        norm_constant = cfg.algorithm.norm_constant or cfg.rollout.max_new_tokens
+        update, adv_metrics = build_update(
+            cfg.algorithm,
+            batch,
+            norm_constant=norm_constant,
+            old_logp_BT=old_logp_BT,
+            ref_logp_BT=ref_logp_BT,
+        )
+    metrics.update(adv_metrics)
+    if old_logp_BT is not None:
+        metrics.update(logprob_gap(old_logp_BT, batch))
+
+    with timer("train"):
+        metrics.update(update_policy(cfg, group, update, norm_constant, seed=step))
+    with timer("sync"):
+        metrics.update(group.sync_weights())
+
+    seconds = timer.seconds()
+    metrics.update(seconds)
+    metrics["time/step_s"] = sum(seconds.values())
+    metrics["perf/tokens"] = float(batch.num_tokens)
+    metrics["perf/step_tok_per_s"] = batch.num_tokens / max(metrics["time/step_s"], 1e-9)
+    metrics["policy/version"] = float(group.version)
+    return metrics
+
+
+def update_policy(
+    cfg: RunConfig, group: WorkerGroup, update: PolicyUpdate, norm_constant: int, *, seed: int
+) -> dict[str, float]:
+    """`ppo_epochs` passes over `num_mini_batches` mini-batches, one optimizer step each."""
+    totals: dict[str, float] = {}
+    count = 0
+    for epoch in range(cfg.trainer.ppo_epochs):
+        for rows in mini_batch_rows(cfg, len(update.batch), epoch=epoch, seed=seed):
+            mini = (
+                update
+                if cfg.trainer.num_mini_batches == 1
+                else update.select(rows, cfg.algorithm, norm_constant)
+            )
+            for k, v in group.update_policy(mini).items():
+                totals[k] = totals.get(k, 0.0) + v
+            count += 1
+    return {k: v / count for k, v in totals.items()}
+
+
+def mini_batch_rows(cfg: RunConfig, num_samples: int, *, epoch: int, seed: int = 0) -> list[list[int]]:
+    """Rows of each mini-batch: contiguous in the first epoch (whole groups stay together), shuffled
+    by (seed, epoch) in later ones."""
+    order = list(range(num_samples))
+    if epoch > 0:
+        random.Random(f"{seed}:{epoch}").shuffle(order)
+    # Near-equal contiguous chunks: dynamic sampling can leave a batch that does not divide evenly.
+    bounds = [
+        num_samples * m // cfg.trainer.num_mini_batches for m in range(cfg.trainer.num_mini_batches + 1)
+    ]
+    return [order[lo:hi] for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+
+
+def logprob_gap(old_logp_BT: torch.Tensor, batch: RolloutBatch) -> dict[str, float]:
+    """Train-vs-rollout logprob gap over valid tokens: mean |dlogp| and mean exp|dlogp|."""
+    mask = batch.response_mask()
+    diff = (old_logp_BT - batch.rollout_logprobs())[mask].abs().double()
+    if diff.numel() == 0:
+        return {"rollout/logp_gap_abs": 0.0, "rollout/logp_gap_exp": 1.0}
+    return {"rollout/logp_gap_abs": float(diff.mean()), "rollout/logp_gap_exp": float(diff.exp().mean())}
