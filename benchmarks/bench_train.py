@@ -1,0 +1,174 @@
+"""Training-engine throughput: one optimizer step and one logprob pass over a packed batch (one table).
+
+GPU (default): random weights of Qwen3-1.7B's shape (28 layers, hidden 2048, intermediate 6144,
+16 heads, 8 KV heads, head dim 128, vocab 151936, tied embeddings) with fp32 master weights and
+bf16 compute (FSDP2 on one GPU). The batch is sequences of lengths uniform in 256..4096 (fixed
+seed, a quarter prompt, the rest response), packed into micro-batches of at most 16k tokens until
+four micro-batches are full. Reported per pass: tokens/s, MFU (model FLOPs over 989 TFLOP/s, see
+rlloom.observability.mfu) and peak allocated memory; the first step is a warm-up and not timed.
+
+    python benchmarks/bench_train.py                 # needs a CUDA device
+    python benchmarks/bench_train.py --ac off        # without activation checkpointing
+    python benchmarks/bench_train.py --tiny          # a tiny shape on CPU, to check the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from rlloom.algorithms.losses import aggregate_loss_sum, loss_normalizer
+from rlloom.config.components import TrainEngineConfig
+from rlloom.data.types import RolloutBatch, Sample
+from rlloom.engines.train.native import NativeTrainEngine
+from rlloom.engines.train.native.flops import step_flops
+from rlloom.engines.train.native.microbatch import pack_micro_batches
+from rlloom.models.checkpoint import build_model
+from rlloom.observability.mfu import H100_BF16_PEAK_FLOPS
+
+QWEN3_17B = {
+    "model_type": "qwen3",
+    "architectures": ["Qwen3ForCausalLM"],
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+}
+TINY = QWEN3_17B | {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
+MODE = "token-mean"
+
+
+def make_batch(
+    min_len: int, max_len: int, budget: int, num_micro_batches: int, vocab: int, seed: int
+) -> RolloutBatch:
+    """Add random-length samples while first-fit decreasing still packs them into the micro-batches."""
+    rng = random.Random(seed)
+    lengths: list[int] = []
+    while True:
+        n = rng.randint(min_len, max_len)
+        if len(pack_micro_batches(range(len(lengths) + 1), [*lengths, n], budget)) > num_micro_batches:
+            break
+        lengths.append(n)
+    samples = []
+    for n in lengths:
+        p = max(1, n // 4)
+        samples.append(
+            Sample(
+                prompt_ids=[rng.randrange(vocab) for _ in range(p)],
+                response_ids=[rng.randrange(vocab) for _ in range(n - p)],
+            )
+        )
+    return RolloutBatch(samples)
+
+
+def random_model(cfg: dict, device: torch.device) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = build_model(cfg, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02) if p.ndim >= 2 else p.fill_(1.0)
+    model.init_buffers()
+    return model
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tiny", action="store_true", help="tiny shape on CPU (checks the script runs)")
+    parser.add_argument(
+        "--ac", choices=["off", "full", "every_k"], default="full", help="activation checkpointing"
+    )
+    parser.add_argument("--budget", type=int, default=16384, help="max tokens per micro-batch")
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=2, help="timed optimizer steps (after one warm-up)")
+    parser.add_argument("--optimizer-offload", action="store_true", help="AdamW step on CPU")
+    args = parser.parse_args()
+
+    device = torch.device("cpu" if args.tiny else "cuda")
+    cfg_model, (min_len, max_len, budget) = (
+        (TINY, (16, 128, 256)) if args.tiny else (QWEN3_17B, (256, 4096, args.budget))
+    )
+    batch = make_batch(min_len, max_len, budget, args.micro_batches, cfg_model["vocab_size"], seed=0)
+    cfg = TrainEngineConfig(
+        lr=1e-6,
+        max_tokens_per_micro_batch=budget,
+        activation_checkpointing=args.ac,
+        optimizer_offload=args.optimizer_offload,
+    )
+    engine = NativeTrainEngine(cfg, random_model(cfg_model, device), device=device)
+    mask = batch.response_mask()
+    adv_B = torch.randn(len(batch))
+
+    def loss_fn(logp_bT, entropy_bT, rows):
+        adv = adv_B[rows].to(logp_bT.device)[:, None]
+        return aggregate_loss_sum(-adv * logp_bT, mask[rows].to(logp_bT.device), MODE), {}
+
+    normalizer = loss_normalizer(mask, MODE)
+    train = []
+    for i in range(args.steps + 1):
+        metrics = engine.train_step(batch, loss_fn, loss_normalizer=normalizer)
+        if i > 0:
+            train.append(metrics)
+    seconds = sum(m["time/train_step_s"] for m in train) / len(train)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    engine.forward_logprobs(batch)  # warm-up
+    sync(device)
+    start = time.perf_counter()
+    engine.forward_logprobs(batch)
+    sync(device)
+    fwd_seconds = time.perf_counter() - start
+    fwd_peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+
+    tokens = batch.num_tokens
+    seq_lens = [s.num_tokens for s in batch.samples]
+    fwd_flops = step_flops(
+        engine.model, seq_lens, int(mask.sum()), body_params=engine._body_params, backward=False
+    )
+    train_flops = step_flops(engine.model, seq_lens, int(mask.sum()), body_params=engine._body_params)
+    peak = train[-1].get("memory/peak_allocated_gib", float("nan"))
+    print(
+        f"model {'tiny' if args.tiny else 'Qwen3-1.7B shape'}, {engine.compute_dtype}, ac={args.ac}, "
+        f"optimizer_offload={args.optimizer_offload}, device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}"
+    )
+    print(
+        f"batch: {len(batch)} sequences, {tokens} tokens ({int(mask.sum())} response), "
+        f"{int(train[-1]['train/num_micro_batches'])} micro-batches of <= {budget} tokens"
+    )
+    print(f"{'pass':<26}{'seconds':>10}{'tokens/s':>12}{'MFU':>8}{'peak GiB':>10}")
+    for name, secs, flops, mem in (
+        ("train_step (fwd+bwd+opt)", seconds, train_flops, peak),
+        ("forward_logprobs", fwd_seconds, fwd_flops, fwd_peak),
+    ):
+        mfu = f"{flops / (secs * H100_BF16_PEAK_FLOPS):.1%}" if device.type == "cuda" else "-"
+        print(f"{name:<26}{secs:>10.3f}{tokens / secs:>12.0f}{mfu:>8}{mem:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()

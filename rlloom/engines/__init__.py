@@ -1,0 +1,1 @@
+"""Engines: `train/` (forward, backward and optimizer step) and `rollout/` (generation)."""

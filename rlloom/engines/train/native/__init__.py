@@ -1,0 +1,8 @@
+"""The native PyTorch training engine: FSDP2 data parallelism, bf16 compute with fp32 master
+weights, token-budget micro-batching, CPU optimizer offload, crash-safe DCP checkpoints."""
+
+from rlloom.engines.train.base import LossFn
+from rlloom.engines.train.native.engine import NativeTrainEngine
+from rlloom.engines.train.native.weights import tensor_checksum
+
+__all__ = ["LossFn", "NativeTrainEngine", "tensor_checksum"]

@@ -1,0 +1,342 @@
+"""NativeTrainEngine: the PyTorch training engine (FSDP2 data parallel, bf16 compute, fp32 master).
+
+One call of `train_step` is one optimizer step over a global batch:
+
+    plan     balance samples over data-parallel ranks by tokens, pack each rank's share into
+             micro-batches of at most max_tokens_per_micro_batch tokens (no padding, no truncation)
+    run      per micro-batch: packed forward, logprobs at response positions, the caller's loss_fn,
+             backward of loss_sum / loss_normalizer (gradients accumulate; FSDP sums them over ranks)
+    step     global grad norm, clip, AdamW (skipped when the loss or the norm is not finite)
+
+Every rank receives the same global batch and computes the same plan from it, so no plan is sent.
+Ranks with fewer micro-batches run zero-weight copies of their smallest sample, so every rank issues
+the same collectives. Because each micro-batch's loss sum is divided by the normaliser of the
+global batch and gradients are summed, loss and gradients equal those of the whole batch at once,
+for any token budget and any number of ranks.
+
+Shape legend: B samples of the global batch, b of a micro-batch, T response tokens (batch.T).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlloom.config.components import TrainEngineConfig
+from rlloom.data.types import RolloutBatch
+from rlloom.engines.train.base import LossFn
+from rlloom.engines.train.native.checkpoint import load_checkpoint, save_checkpoint
+from rlloom.engines.train.native.flops import active_body_params, step_flops
+from rlloom.engines.train.native.lr_schedule import lr_at
+from rlloom.engines.train.native.microbatch import plan_rank
+from rlloom.engines.train.native.optimizer import EngineOptimizer
+from rlloom.engines.train.native.policy import PolicyHead, run_micro_batch
+from rlloom.engines.train.native.weights import named_weight_buckets
+from rlloom.models import from_pretrained
+from rlloom.observability.memory import memory_metrics, reset_peak_memory
+from rlloom.observability.metrics import Max, Mean, Metric, MetricsAccumulator, Min, Sum, reduce_across_ranks
+from rlloom.observability.mfu import H100_BF16_PEAK_FLOPS
+from rlloom.parallel import ParallelDims, apply_ac, apply_fsdp, clip_grad_norm_, init_distributed
+
+
+class NativeTrainEngine:
+    """Training engine over a native CausalLM; see the module docstring for one step's anatomy.
+
+    `model`: a native CausalLM (fp32 weights on CPU or `device`). `dtype`: compute dtype (default
+    bf16 on CUDA, fp32 on CPU). With more than one rank (an initialised process group, or torchrun
+    variables WORLD_SIZE/RANK/MASTER_ADDR/MASTER_PORT), or a compute dtype other than fp32, the
+    model is sharded with FSDP2 (a one-rank process group is started when none exists).
+    `total_steps`: optimizer steps of the run, needed by the linear and cosine LR schedules.
+    """
+
+    def __init__(
+        self,
+        cfg: TrainEngineConfig,
+        model: nn.Module,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        total_steps: int | None = None,
+        parallel_dims: ParallelDims | None = None,
+        reshard_after_forward: bool = True,
+    ) -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.compute_dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.total_steps = total_steps
+        lr_at(0, cfg, total_steps)  # fail now, not at the first step, on a schedule without total_steps
+        world_size = (
+            dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        )
+        self.sharded = world_size > 1 or self.compute_dtype != torch.float32 or parallel_dims is not None
+
+        self.model = model.float()  # parameters are the fp32 master weights
+        apply_ac(self.model, cfg.activation_checkpointing, cfg.ac_every_k)
+        self.module = PolicyHead(self.model, chunk_tokens=cfg.logprob_chunk_tokens)
+        self.dp_group: dist.ProcessGroup | None = None
+        self.dp_rank, self.dp_size = 0, 1
+        if self.sharded:
+            init_distributed(self.device.type)  # also picks this rank's GPU (LOCAL_RANK)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.sharded:
+            self.parallel_dims = parallel_dims or ParallelDims(world_size=dist.get_world_size())
+            extra = {
+                k: v for k, v in self.parallel_dims.degrees().items() if k in ("tp", "cp", "pp") and v > 1
+            }
+            if extra:
+                raise ValueError(
+                    f"parallel degrees {extra} are not implemented by the native engine yet; it shards with "
+                    "FSDP (dp_shard) and HSDP (dp_replicate) only. Fix: set tp=cp=pp=1."
+                )
+            self.parallel_dims.build_mesh(self.device.type)
+            apply_fsdp(
+                self.module,
+                self.parallel_dims.dp_shard_mesh(),
+                param_dtype=self.compute_dtype,
+                reduce_dtype=torch.float32,
+                reshard_after_forward=reshard_after_forward,
+                layers_of=self.model,
+            )
+            dp_mesh = self.parallel_dims.dp_mesh()
+            self.dp_group, self.dp_rank, self.dp_size = (
+                dp_mesh.get_group(),
+                dp_mesh.get_local_rank(),
+                dp_mesh.size(),
+            )
+        else:
+            self.module.to(self.device)
+        self.optimizer = EngineOptimizer(list(self.module.named_parameters()), cfg)
+        self.version = 0
+        """Optimizer steps applied so far: the policy version of the current weights."""
+        self.num_skipped_steps = 0
+        self._body_params = active_body_params(self.model)
+
+    @classmethod
+    def build(cls, cfg: TrainEngineConfig, model_path: str, **kwargs: Any) -> NativeTrainEngine:
+        """Load a Hugging Face checkpoint folder (or the embedded model name) in fp32 on CPU and build."""
+        return cls(cfg, from_pretrained(model_path, dtype=torch.float32, device="cpu"), **kwargs)
+
+    # ---- planning and one micro-batch -------------------------------------------------------
+
+    def _plan(self, batch: RolloutBatch) -> tuple[list[list[int] | None], int]:
+        """This rank's micro-batches (None = a zero-weight filler) and the filler's sample index."""
+        self._check_same_batch(batch)
+        num_tokens = [s.num_tokens for s in batch.samples]
+        return plan_rank(
+            num_tokens,
+            rank=self.dp_rank,
+            num_ranks=self.dp_size,
+            max_tokens=self.cfg.max_tokens_per_micro_batch,
+        )
+
+    def _check_same_batch(self, batch: RolloutBatch) -> None:
+        # A rank with another batch would plan other collectives and hang; one tiny all-reduce instead.
+        if self.dp_size == 1:
+            return
+        local = torch.tensor(
+            [len(batch), batch.num_tokens, batch.T], dtype=torch.float64, device=self._comm_device
+        )
+        both = torch.cat([local, -local])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.dp_group)
+        if not torch.equal(both[:3], -both[3:]):
+            raise ValueError(
+                f"data-parallel ranks received different batches (samples, tokens, T): rank {self.dp_rank} has "
+                f"{local.long().tolist()}, the max over ranks is {both[:3].long().tolist()}. Fix: pass every rank "
+                "the same global batch; the engine picks each rank's share itself."
+            )
+
+    @property
+    def _comm_device(self) -> torch.device:
+        return self.device if dist.get_backend(self.dp_group) == "nccl" else torch.device("cpu")
+
+    def _run(
+        self, batch: RolloutBatch, indices: list[int], temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        return run_micro_batch(self.module, batch.select(indices), self.device, temperature, with_entropy)
+
+    # ---- the engine interface ---------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward_logprobs(
+        self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logprobs (and entropies) of the batch's response tokens: fp32 [B, T] on CPU, 0 where masked.
+
+        Every data-parallel rank passes the same global batch and gets the whole result.
+        """
+        self.module.eval()
+        micro_batches, filler = self._plan(batch)
+        logp_BT = torch.zeros(len(batch), batch.T, dtype=torch.float32, device=self.device)
+        entropy_BT = torch.zeros_like(logp_BT) if with_entropy else None
+        for mb in micro_batches:
+            logp_bT, entropy_bT, _ = self._run(batch, mb or [filler], temperature, with_entropy)
+            if mb is None:
+                continue
+            rows = torch.tensor(mb, device=self.device)
+            logp_BT[rows] = logp_bT
+            if entropy_BT is not None:
+                entropy_BT[rows] = entropy_bT
+        if self.sharded:
+            self.module.reshard()  # the root unit stays gathered after a forward (see apply_fsdp)
+        if self.dp_size > 1:  # each row was computed on exactly one rank and is 0 elsewhere
+            for t in (logp_BT, entropy_BT):
+                if t is not None:
+                    dist.all_reduce(t, group=self.dp_group)
+        return logp_BT.cpu(), (entropy_BT.cpu() if entropy_BT is not None else None)
+
+    def forward_backward(
+        self,
+        batch: RolloutBatch,
+        loss_fn: LossFn,
+        *,
+        loss_normalizer: float,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> dict[str, float]:
+        """Replace the gradients with those of sum(loss_sum over micro-batches) / loss_normalizer.
+
+        `loss_normalizer` is the global batch's, e.g. `rlloom.algorithms.losses.loss_normalizer(
+        batch.response_mask(), mode)`. Returns metrics reduced over micro-batches and ranks.
+        """
+        if not (loss_normalizer > 0 and math.isfinite(loss_normalizer)):
+            raise ValueError(
+                f"loss_normalizer={loss_normalizer} is invalid: must be a finite number > 0. Fix: pass "
+                "rlloom.algorithms.losses.loss_normalizer(global_mask_BT, agg_mode)."
+            )
+        self.optimizer.zero_grad()
+        self.module.train()
+        micro_batches, filler = self._plan(batch)
+        acc = MetricsAccumulator()
+        for mb in micro_batches:
+            logp_bT, entropy_bT, mask_bT = self._run(batch, mb or [filler], temperature, with_entropy)
+            if mb is None:
+                # Zero-weight filler: same collectives as a real micro-batch, no contribution.
+                (logp_bT.sum() * 0.0).backward()
+                continue
+            loss_sum, mb_metrics = loss_fn(logp_bT, entropy_bT, torch.tensor(mb, dtype=torch.int64))
+            if not isinstance(loss_sum, torch.Tensor) or loss_sum.numel() != 1:
+                raise ValueError(
+                    f"loss_fn returned a loss of type {type(loss_sum).__name__} "
+                    f"{tuple(getattr(loss_sum, 'shape', ()))}; it must return a scalar tensor (the "
+                    "micro-batch's loss sum). Fix: return aggregate_loss_sum(loss_bT, mask_bT, mode)."
+                )
+            (loss_sum.reshape(()) / loss_normalizer).backward()
+            num_response = int(mask_bT.sum())
+            acc.add(_weighted(mb_metrics, num_response))
+            acc.add(
+                {
+                    "train/loss": Sum(loss_sum.detach() / loss_normalizer),
+                    "train/tokens": Sum(sum(batch.samples[i].num_tokens for i in mb)),
+                    "train/response_tokens": Sum(num_response),
+                }
+            )
+        acc.add({"train/num_micro_batches": Max(len(micro_batches))})
+        return reduce_across_ranks(acc, self.dp_group)
+
+    def train_step(
+        self,
+        batch: RolloutBatch,
+        loss_fn: LossFn,
+        *,
+        loss_normalizer: float,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> dict[str, float]:
+        """One optimizer step on the global batch; returns the step's metrics (same on every rank)."""
+        reset_peak_memory(self.device)
+        start = time.perf_counter()
+        metrics = self.forward_backward(
+            batch,
+            loss_fn,
+            loss_normalizer=loss_normalizer,
+            temperature=temperature,
+            with_entropy=with_entropy,
+        )
+        lr = lr_at(self.version, self.cfg, self.total_steps)
+        grad_norm = float(clip_grad_norm_(self.optimizer.params, self.cfg.grad_clip))
+        skip = not (math.isfinite(grad_norm) and math.isfinite(metrics.get("train/loss", 0.0)))
+        if skip:  # never applied: no update, no version bump, and so never saved
+            self.num_skipped_steps += 1
+        else:
+            self.optimizer.set_lr(lr)
+            self.optimizer.step()
+            self.version += 1
+        self.optimizer.zero_grad()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        metrics |= {"train/grad_norm": grad_norm, "train/lr": lr, "train/skipped_step": float(skip)}
+        metrics |= self._perf_metrics(batch, metrics["train/response_tokens"], seconds)
+        return metrics
+
+    def _perf_metrics(self, batch: RolloutBatch, num_response: float, seconds: float) -> dict[str, float]:
+        seq_lens = [s.num_tokens for s in batch.samples]
+        out = {"perf/train_tok_per_s": sum(seq_lens) / seconds, "time/train_step_s": seconds}
+        acc = MetricsAccumulator()
+        acc.add(memory_metrics(self.device))
+        out |= reduce_across_ranks(acc, self.dp_group)
+        if self.device.type == "cuda":
+            flops = step_flops(self.model, seq_lens, int(num_response), body_params=self._body_params)
+            out["perf/mfu"] = flops / (seconds * H100_BF16_PEAK_FLOPS * self.dp_size)
+        return out
+
+    def named_weights(
+        self, *, bucket_bytes: int = 1 << 29, dtype: torch.dtype | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Buckets of (Hugging Face name, full tensor) for weight sync; version is `self.version`.
+
+        Gathers shards: every rank must consume the generator. See `weights.tensor_checksum`.
+        """
+        return named_weight_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype)
+
+    # ---- checkpoint and memory --------------------------------------------------------------
+
+    def _dcp_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.optimizer.device_optim] if self.optimizer.device_optim is not None else []
+
+    def save(self, path: str) -> None:
+        """Save model, optimizer, schedule position and RNG states to the folder `path` (all ranks)."""
+        state = {"version": self.version, "num_skipped_steps": self.num_skipped_steps}
+        save_checkpoint(
+            path, self.module, self._dcp_optimizers(), self.optimizer.offloaded_state_dict(), state
+        )
+
+    def load(self, path: str) -> None:
+        """Restore a `save`d folder into this engine (built with the same model and settings)."""
+        state, extra = load_checkpoint(
+            path, self.module, self._dcp_optimizers(), self.optimizer.offloaded_state_dict()
+        )
+        self.optimizer.load_offloaded_state_dict(extra)
+        self.version = int(state["version"])
+        self.num_skipped_steps = int(state["num_skipped_steps"])
+
+    def offload(self) -> None:
+        """Move parameters, gradients and optimizer state to CPU (frees the GPU for rollout)."""
+        self._move(torch.device("cpu"))
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        """Move everything `offload` moved back to the engine's device."""
+        self._move(self.device)
+
+    def _move(self, device: torch.device) -> None:
+        self.module.to(device)  # FSDP2 keeps its sharded parameters registered across .to()
+        self.optimizer.move_state(device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _weighted(metrics: Mapping[str, Any], weight: int) -> dict[str, Metric]:
+    """loss_fn metrics as Metric values: plain scalars become token-weighted means."""
+    return {
+        k: v if isinstance(v, Mean | Sum | Max | Min) else Mean(v, weight=weight) for k, v in metrics.items()
+    }

@@ -1,0 +1,91 @@
+"""`PolicyHead`: the causal LM and its chunked logprob head as one module with one `forward`.
+
+FSDP hooks run around a module's `forward`, so the head's weight (the lm head or the tied embedding,
+owned by the root FSDP unit) must be used inside the root's forward. Wrapping hidden states and
+`token_logprobs` in one forward does that, and lets the head run only at the positions that predict
+a trained response token instead of over the whole packed stream.
+
+Shape legend: N tokens in the packed stream, S sequences, K selected positions, D hidden size,
+b samples of a micro-batch, T response tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rlloom.data.types import RolloutBatch
+from rlloom.models.logprobs import token_logprobs
+
+
+class PolicyHead(nn.Module):
+    """Wraps a CausalLM (`self.model`); `forward` returns logprobs (and entropies) at K positions."""
+
+    def __init__(self, model: nn.Module, *, chunk_tokens: int) -> None:
+        super().__init__()
+        self.model = model
+        self.chunk_tokens = chunk_tokens
+
+    def forward(
+        self,
+        input_ids_N: torch.Tensor,
+        position_ids_N: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        positions_K: torch.Tensor,
+        targets_K: torch.Tensor,
+        temperature: float,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 log p(targets_K[k] | stream up to positions_K[k]) [K], and entropy [K] or None.
+
+        input_ids_N, position_ids_N: [N]; cu_seqlens: [S + 1] int32; positions_K, targets_K: [K] int64.
+        """
+        hidden_ND = self.model.hidden_states(
+            input_ids_N, position_ids=position_ids_N, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
+        )
+        num_selected = positions_K.shape[0]
+        if num_selected == 0:
+            # Run the head on one position and keep none of it: the result is still connected to
+            # every parameter, so backward gives (zero) gradients everywhere, as on other ranks.
+            positions_K = positions_K.new_zeros(1)
+            targets_K = targets_K.new_zeros(1)
+        logp_K, entropy_K = token_logprobs(
+            hidden_ND[positions_K],
+            self.model.lm_head_weight,
+            targets_K,
+            temperature=temperature,
+            chunk_tokens=self.chunk_tokens,
+            with_entropy=with_entropy,
+        )
+        if num_selected == 0:
+            logp_K = logp_K[:0]
+            entropy_K = entropy_K[:0] if entropy_K is not None else None
+        return logp_K, entropy_K
+
+
+def run_micro_batch(
+    module: nn.Module, batch: RolloutBatch, device: torch.device, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Pack `batch` (one micro-batch), run `module` (a PolicyHead, maybe FSDP-wrapped) on it.
+
+    Returns logp_bT, entropy_bT (or None) and the response mask_bT, all on `device`; the [b, T]
+    tensors are fp32 and 0 where the mask is false. Differentiable when grad is enabled.
+    """
+    packed = batch.packed().to(device)
+    mask_bT = packed.response_mask_BT
+    positions_K = packed.gather_index_BT[mask_bT]
+    logp_K, entropy_K = module(
+        packed.input_ids_N,
+        packed.position_ids_N,
+        packed.cu_seqlens,
+        packed.max_seqlen,
+        positions_K,
+        packed.target_ids_N[positions_K],
+        temperature,
+        with_entropy,
+    )
+    zeros_bT = torch.zeros(mask_bT.shape, dtype=torch.float32, device=device)
+    logp_bT = zeros_bT.masked_scatter(mask_bT, logp_K)
+    entropy_bT = zeros_bT.masked_scatter(mask_bT, entropy_K) if entropy_K is not None else None
+    return logp_bT, entropy_bT, mask_bT

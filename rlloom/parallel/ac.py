@@ -1,0 +1,42 @@
+"""Activation checkpointing: recompute a decoder layer's activations in backward instead of keeping
+them, trading about one extra forward of that layer for its activation memory.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from rlloom.parallel.layers import decoder_layers, layer_items
+
+ACMode = Literal["off", "full", "every_k"]
+
+
+def apply_ac(model: nn.Module, mode: ACMode, every_k: int = 1) -> int:
+    """Wrap decoder layers of `model` (in place) in non-reentrant activation checkpointing.
+
+    mode "off" leaves the model alone, "full" wraps every layer, "every_k" wraps layers 0, k, 2k...
+    Apply before FSDP so each checkpointed layer is also one FSDP unit. State-dict keys are
+    unchanged (the wrapper strips its own prefix). Returns the number of layers wrapped.
+    """
+    if mode not in ("off", "full", "every_k"):
+        raise ValueError(
+            f"activation_checkpointing={mode!r} is invalid: must be off, full or every_k. Fix: pick one of those."
+        )
+    if every_k < 1:
+        raise ValueError(
+            f"ac_every_k={every_k} is invalid: must be >= 1. Fix: use 2 to checkpoint every other layer."
+        )
+    if mode == "off":
+        return 0
+    layers = decoder_layers(model)
+    num_wrapped = 0
+    for i, (key, layer) in enumerate(layer_items(layers)):
+        if mode == "full" or i % every_k == 0:
+            # Non-reentrant checkpointing supports keyword arguments (cu_seqlens, max_seqlen) and
+            # inputs that do not require grad, which the reentrant variant does not.
+            layers[key] = checkpoint_wrapper(layer)
+            num_wrapped += 1
+    return num_wrapped

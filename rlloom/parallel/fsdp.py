@@ -1,0 +1,51 @@
+"""FSDP2 data parallelism: shard every decoder layer, then the root (embeddings, final norm, head).
+
+Parameters stay in their dtype (fp32 master weights); compute runs in `param_dtype` and gradients
+are reduced in `reduce_dtype`. Gradients are SUMMED over data-parallel ranks, not averaged: the
+training engine divides each rank's loss by the normaliser of the global batch, so the sum over
+ranks is already the global batch's gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from rlloom.parallel.layers import decoder_layers, layer_items
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+    layers_of: nn.Module | None = None,
+) -> FSDPModule:
+    """Shard `model` over `dp_mesh` (1-D: FSDP, 2-D (replicate, shard): HSDP) in place.
+
+    `layers_of` is the module holding `.layers` when `model` wraps it (default: `model` itself).
+    `reshard_after_forward=False` keeps the decoder layers gathered between forward and backward
+    (ZeRO-2 style: more memory, fewer all-gathers). Returns `model`, now an FSDPModule.
+    """
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    layers = decoder_layers(layers_of if layers_of is not None else model)
+    for _, layer in layer_items(layers):
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    # The root's parameters (embedding, head) are needed again right at the start of backward, so
+    # they stay gathered between forward and backward; call `model.reshard()` after a forward-only pass.
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    # Ranks may leave different parameters unused in a backward (an empty micro-batch, MoE experts
+    # no token reached); zero gradients for them keep every rank's reduce-scatter the same size.
+    model.set_reduce_scatter_unused_params(True)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # Divide by 1 = sum. Forcing plain SUM collectives (no NCCL PreMulSum) also makes the
+            # same code path run on gloo, which has no pre-multiplied sum.
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    assert isinstance(model, FSDPModule)
+    return model

@@ -1,0 +1,58 @@
+"""Global gradient norm and clipping for parameters that may be sharded DTensors (FSDP2) or plain.
+
+The norm is the 2-norm of the whole model's gradient: each rank sums the squares of its local
+shards, the sums are all-reduced over the mesh axes the gradient is sharded on (never over
+replicated axes, which would count it twice), and every rank gets the same value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+
+def _shard_groups(grad: DTensor) -> tuple[dist.ProcessGroup, ...]:
+    mesh = grad.device_mesh
+    return tuple(mesh.get_group(i) for i, p in enumerate(grad.placements) if isinstance(p, Shard))
+
+
+def grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
+    """Global 2-norm (fp32 scalar tensor, identical on every rank) of the gradients of `parameters`.
+
+    Parameters without a gradient are skipped. NaN or inf in any gradient gives a non-finite norm.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    plain = [p.grad for p in params if not isinstance(p.grad, DTensor)]
+    by_groups: dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]] = {}
+    for p in params:
+        if isinstance(p.grad, DTensor):
+            by_groups.setdefault(_shard_groups(p.grad), []).append(p.grad.to_local())
+    device = params[0].grad.device if params else torch.device("cpu")
+    total_sq = torch.zeros((), dtype=torch.float32, device=device)
+    if plain:
+        total_sq += torch.stack([n.float() for n in torch._foreach_norm(plain)]).square().sum()
+    for groups, locals_ in by_groups.items():
+        sq = torch.stack([n.float() for n in torch._foreach_norm(locals_)]).square().sum()
+        for group in groups:
+            dist.all_reduce(sq, group=group)
+        total_sq += sq
+    return total_sq.sqrt()
+
+
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale gradients in place so their global norm is at most `max_norm` (0 = only measure).
+
+    Returns the norm before clipping. A non-finite norm leaves the gradients untouched (the caller
+    skips the step).
+    """
+    params = [p for p in parameters if p.grad is not None]
+    norm = grad_norm(params)
+    if max_norm > 0 and params and bool(torch.isfinite(norm)):
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    return norm
