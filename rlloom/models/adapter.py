@@ -1,0 +1,225 @@
+"""State-dict adapter: Hugging Face tensor names <-> native CausalLM names, per architecture.
+
+The Hugging Face side is the checkpoint format on the Hub (what transformers' save_pretrained
+writes): one tensor per expert, e.g. `model.layers.3.mlp.experts.7.gate_proj.weight` (Qwen3-MoE,
+DeepSeek-V3) or `model.layers.3.block_sparse_moe.experts.7.w1.weight` (Mixtral). Natively the
+experts of a layer are stacked: `layers.3.moe.experts.w1` [E, I, D]; expert j is row j.
+
+API used by the engines:
+- `hf_named_tensors(model)` yields (hf_name, tensor) for every weight (experts split, views of the
+  live parameters; no lm_head when embeddings are tied). Weight sync and saving use it.
+- `load_hf_tensors(model, named_tensors)` copies HF-named tensors IN PLACE into the existing
+  parameters (`param.copy_`, no reallocation; an expert tensor lands in its slot of the stack) and
+  returns the set of native keys it filled. The rollout engine's update_weights calls it; a partial
+  update is fine. Unknown names and wrong shapes raise ValueError naming the tensor and the shapes.
+  DeepSeek-V3 multi-token-prediction layers (index >= num_hidden_layers) are skipped and logged.
+- `StateDictAdapter(args).from_hf(name)` / `.hf_name(native, expert)` for single names.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from rlloom.models.args import ModelArgs
+
+logger = logging.getLogger(__name__)
+
+NativeKey = tuple[str, int | None]
+"""(native parameter name, expert index or None)."""
+
+_TOP = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_NORMS = {
+    "input_layernorm.weight": "attention_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+_GQA = {
+    f"self_attn.{hf}_proj.{p}": f"attention.w{nat}.{p}"
+    for hf, nat in zip("qkvo", "qkvo")
+    for p in ("weight", "bias")
+} | {
+    "self_attn.q_norm.weight": "attention.q_norm.weight",
+    "self_attn.k_norm.weight": "attention.k_norm.weight",
+}
+_MLA = {
+    "self_attn.q_proj.weight": "attention.wq.weight",
+    "self_attn.q_a_proj.weight": "attention.wq_a.weight",
+    "self_attn.q_a_proj.bias": "attention.wq_a.bias",
+    "self_attn.q_a_layernorm.weight": "attention.q_norm.weight",
+    "self_attn.q_b_proj.weight": "attention.wq_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attention.wkv_a.weight",
+    "self_attn.kv_a_proj_with_mqa.bias": "attention.wkv_a.bias",
+    "self_attn.kv_a_layernorm.weight": "attention.kv_norm.weight",
+    "self_attn.kv_b_proj.weight": "attention.wkv_b.weight",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "self_attn.o_proj.bias": "attention.wo.bias",
+}
+_MLP = {
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+}
+_QWEN_MOE = {
+    "mlp.gate.weight": "moe.router.gate.weight",
+    "mlp.gate.e_score_correction_bias": "moe.router.expert_bias",
+    "mlp.shared_experts.gate_proj.weight": "moe.shared_experts.w1.weight",
+    "mlp.shared_experts.down_proj.weight": "moe.shared_experts.w2.weight",
+    "mlp.shared_experts.up_proj.weight": "moe.shared_experts.w3.weight",
+}
+_MIXTRAL_MOE = {"block_sparse_moe.gate.weight": "moe.router.gate.weight"}
+# (HF expert prefix inside a layer, {HF projection name: native stacked parameter}).
+_QWEN_EXPERTS = ("mlp.experts.", {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"})
+_MIXTRAL_EXPERTS = ("block_sparse_moe.experts.", {"w1": "w1", "w2": "w2", "w3": "w3"})
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_NATIVE_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+_STACKED_RE = re.compile(r"^moe\.experts\.(w[123])$")
+
+
+class StateDictAdapter:
+    """Name mapping for one architecture (chosen by `args.model_type`)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        self.args = args
+        layer_map = dict(_NORMS)
+        layer_map |= _MLA if args.mla is not None else _GQA
+        layer_map |= _MLP
+        experts = None
+        if args.model_type == "mixtral":
+            layer_map |= _MIXTRAL_MOE
+            experts = _MIXTRAL_EXPERTS
+        elif args.moe is not None:
+            layer_map |= _QWEN_MOE
+            experts = _QWEN_EXPERTS
+        self._layer_hf_to_native = layer_map
+        self._layer_native_to_hf = {v: k for k, v in layer_map.items()}
+        self._experts = experts
+        self._expert_re = (
+            re.compile(rf"^{re.escape(experts[0])}(\d+)\.({'|'.join(experts[1])})\.weight$")
+            if experts
+            else None
+        )
+
+    def is_mtp_layer(self, hf_name: str) -> bool:
+        """DeepSeek-V3 multi-token-prediction layers sit after the last decoder layer."""
+        m = _LAYER_RE.match(hf_name)
+        return (
+            self.args.model_type == "deepseek_v3"
+            and m is not None
+            and int(m.group(1)) >= self.args.num_layers
+        )
+
+    def from_hf(self, hf_name: str) -> NativeKey | None:
+        """Native key of an HF tensor name, or None when the name is not part of this architecture."""
+        if hf_name in _TOP:
+            return _TOP[hf_name], None
+        m = _LAYER_RE.match(hf_name)
+        if m is None:
+            return None
+        layer, rest = m.group(1), m.group(2)
+        if rest in self._layer_hf_to_native:
+            return f"layers.{layer}.{self._layer_hf_to_native[rest]}", None
+        if self._expert_re is not None:
+            e = self._expert_re.match(rest)
+            if e is not None:
+                return f"layers.{layer}.moe.experts.{self._experts[1][e.group(2)]}", int(e.group(1))
+        return None
+
+    def hf_name(self, native_name: str, expert: int | None = None) -> str:
+        """HF tensor name of a native parameter (or of one expert of a stacked parameter)."""
+        for hf, nat in _TOP.items():
+            if nat == native_name:
+                return hf
+        m = _NATIVE_LAYER_RE.match(native_name)
+        assert m is not None, native_name
+        layer, rest = m.group(1), m.group(2)
+        stacked = _STACKED_RE.match(rest)
+        if stacked is not None:
+            assert expert is not None and self._experts is not None, native_name
+            prefix, projections = self._experts
+            proj = next(hf for hf, nat in projections.items() if nat == stacked.group(1))
+            return f"model.layers.{layer}.{prefix}{expert}.{proj}.weight"
+        return f"model.layers.{layer}.{self._layer_native_to_hf[rest]}"
+
+    def to_hf(self, native_name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """(hf_name, tensor) pairs for one native tensor; stacked experts yield one per expert."""
+        rest = _NATIVE_LAYER_RE.match(native_name)
+        if rest is not None and _STACKED_RE.match(rest.group(2)):
+            for j in range(tensor.shape[0]):
+                yield self.hf_name(native_name, j), tensor[j]
+        else:
+            yield self.hf_name(native_name), tensor
+
+
+def native_keys(model: nn.Module) -> dict[NativeKey, torch.Tensor]:
+    """Every loadable slot of the model: (name, expert) -> the tensor (a view for experts)."""
+    keys: dict[NativeKey, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        rest = _NATIVE_LAYER_RE.match(name)
+        if rest is not None and _STACKED_RE.match(rest.group(2)):
+            for j in range(tensor.shape[0]):
+                keys[(name, j)] = tensor.data[j]
+        else:
+            keys[(name, None)] = tensor.data
+    return keys
+
+
+def hf_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, tensor) for every weight of `model` (detached views, model dtype and device)."""
+    adapter = StateDictAdapter(model.args)
+    for name, tensor in model.state_dict().items():
+        yield from adapter.to_hf(name, tensor.detach())
+
+
+def load_hf_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[NativeKey]:
+    """Copy HF-named tensors in place into `model`; returns the native keys that were filled."""
+    adapter = StateDictAdapter(model.args)
+    slots = native_keys(model)
+    filled: set[NativeKey] = set()
+    skipped_mtp = 0
+    with torch.no_grad():
+        for hf_name, tensor in named_tensors:
+            if adapter.is_mtp_layer(hf_name):
+                skipped_mtp += 1
+                continue
+            key = adapter.from_hf(hf_name)
+            if key is None or key not in slots:
+                if hf_name == "lm_head.weight" and model.args.tie_word_embeddings:
+                    continue  # a tied checkpoint may still carry a copy of the embedding
+                raise ValueError(
+                    f"unexpected tensor {hf_name!r} with shape {list(tensor.shape)}: it has no place in this "
+                    f"{model.args.model_type} model (native name: {key[0] if key else 'none'}). Fix: check that "
+                    "config.json matches the weights (layer count, experts, tied embeddings, biases)."
+                )
+            target = slots[key]
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"tensor {hf_name!r} has shape {list(tensor.shape)} but the model expects "
+                    f"{list(target.shape)} (native {key[0]}{'' if key[1] is None else f'[{key[1]}]'}). "
+                    "Fix: check that config.json matches the weights."
+                )
+            target.copy_(tensor)
+            filled.add(key)
+    if skipped_mtp:
+        logger.info(
+            "skipped %d multi-token-prediction tensors (layers >= %d)", skipped_mtp, model.args.num_layers
+        )
+    return filled
+
+
+def missing_hf_names(model: nn.Module, filled: set[NativeKey]) -> list[str]:
+    """HF names (with expected shapes) of the model slots not in `filled`."""
+    adapter = StateDictAdapter(model.args)
+    return [
+        f"{adapter.hf_name(name, expert)} {list(t.shape)}"
+        for (name, expert), t in native_keys(model).items()
+        if (name, expert) not in filled
+    ]

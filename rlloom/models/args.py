@@ -1,0 +1,303 @@
+"""ModelArgs: the architecture hyper-parameters of a native model, read from a Hugging Face config.
+
+One dataclass covers every supported family; the optional `moe` and `mla` parts are None for the
+dense models. `ModelArgs.from_hf_config(config_dict)` is the only way in from a `config.json`, and it
+raises a ValueError naming the field for anything we do not implement (an unknown architecture, an
+active sliding window, an unknown RoPE scaling type) instead of silently computing something else.
+
+Supported `model_type`s: llama, qwen2, qwen3 (dense); qwen3_moe, mixtral (MoE with softmax
+routing); deepseek_v3 (MLA attention, sigmoid group-limited routing, shared experts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(kw_only=True, slots=True)
+class RopeArgs:
+    """Rotary position embedding: base frequency and the optional context-extension scaling."""
+
+    theta: float = 10000.0
+    """Base of the inverse frequencies (`rope_theta`)."""
+    dim: int = 64
+    """Number of rotated channels per head (head_dim, or qk_rope_head_dim for MLA)."""
+    rope_type: str = "default"
+    """One of default, linear, llama3, yarn."""
+    factor: float = 1.0
+    """Context extension factor (linear, llama3, yarn)."""
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths above original_max / low_freq_factor are divided by `factor`."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max / high_freq_factor are kept."""
+    original_max_position_embeddings: int = 0
+    """llama3 and yarn: context length the model was pre-trained with."""
+    beta_fast: float = 32.0
+    """yarn: rotations bounding the extrapolated band."""
+    beta_slow: float = 1.0
+    """yarn: rotations bounding the interpolated band."""
+    mscale: float = 0.0
+    """yarn: mscale (DeepSeek); 0 means unset."""
+    mscale_all_dim: float = 0.0
+    """yarn: mscale_all_dim (DeepSeek); 0 means unset."""
+    attention_factor: float | None = None
+    """yarn: explicit cos/sin scaling; None derives it from factor and the mscales."""
+    truncate: bool = True
+    """yarn: round the correction range to whole channels."""
+    interleaved: bool = False
+    """Rotate channel pairs (2i, 2i+1) instead of halves (DeepSeek-V3 `rope_interleave`)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class MoEArgs:
+    """Mixture-of-experts feed-forward layers."""
+
+    num_experts: int
+    """Routed experts per MoE layer."""
+    top_k: int
+    """Experts per token."""
+    intermediate_size: int
+    """Hidden width of one routed expert."""
+    score_func: str = "softmax"
+    """softmax (Qwen3-MoE, Mixtral) or sigmoid (DeepSeek-V3)."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k weights to sum to one."""
+    num_groups: int = 1
+    """DeepSeek-V3 `n_group`: experts are split into groups for group-limited routing."""
+    topk_groups: int = 1
+    """DeepSeek-V3 `topk_group`: groups a token may route into."""
+    routed_scaling_factor: float = 1.0
+    """Multiplier of the routed weights (DeepSeek-V3)."""
+    score_bias: bool = False
+    """DeepSeek-V3 `e_score_correction_bias`: a per-expert bias used for choosing, not weighting."""
+    num_shared_experts: int = 0
+    """Always-on experts, fused into one MLP of width num_shared_experts * intermediate_size."""
+    sparse_layers: tuple[int, ...] = ()
+    """Indices of the decoder layers that are MoE; the others use the dense MLP."""
+
+
+@dataclass(kw_only=True, slots=True)
+class MLAArgs:
+    """DeepSeek-V3 multi-head latent attention."""
+
+    q_lora_rank: int | None
+    """Rank of the query low-rank projection; None projects queries directly."""
+    kv_lora_rank: int
+    """Width of the compressed key/value latent."""
+    qk_nope_head_dim: int
+    """Per-head query/key channels without RoPE."""
+    qk_rope_head_dim: int
+    """Per-head query/key channels with RoPE (the rope key is shared by all heads)."""
+    v_head_dim: int
+    """Per-head value channels."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelArgs:
+    """Hyper-parameters of a decoder-only causal LM."""
+
+    model_type: str
+    """Hugging Face `model_type`: selects the state-dict adapter."""
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    """Per-head query/key width (MLA: qk_nope_head_dim + qk_rope_head_dim)."""
+    intermediate_size: int
+    """Width of the dense SwiGLU MLP."""
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    """The lm head reuses the token embedding."""
+    attention_bias: bool = False
+    """Biases on the q/k/v projections (Qwen2, optional for Llama/Qwen3); MLA: on q_a, kv_a and o."""
+    attention_out_bias: bool = False
+    """Bias on the output projection (Llama/Qwen3 with attention_bias; never Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm over each head of q and k before RoPE (Qwen3)."""
+    rope: RopeArgs
+    moe: MoEArgs | None = None
+    mla: MLAArgs | None = None
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.mla.v_head_dim if self.mla is not None else self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
+        """Build from a `config.json` dict; ValueError for anything not supported."""
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"config.json model_type={model_type!r} (architectures={cfg.get('architectures')}) is not "
+                f"supported by rlloom.models; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}. "
+                "Fix: use a checkpoint of a supported family or add an adapter in rlloom/models/."
+            )
+        _check_no_sliding_window(cfg)
+        if cfg.get("mlp_bias"):
+            raise ValueError(
+                "config.json mlp_bias=true is not supported (rule: MLP projections have no bias). "
+                "Fix: use a checkpoint without MLP biases."
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(
+                f"config.json hidden_act={cfg['hidden_act']!r} is not supported (rule: 'silu', SwiGLU). "
+                "Fix: use a checkpoint with SwiGLU MLPs."
+            )
+        num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        mla = _mla_args(cfg) if model_type == "deepseek_v3" else None
+        if mla is not None:
+            head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        rope_dim = mla.qk_rope_head_dim if mla is not None else head_dim
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=num_heads if mla is not None else cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            intermediate_size=cfg["intermediate_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=_attention_bias(cfg, model_type),
+            attention_out_bias=model_type != "qwen2" and _attention_bias(cfg, model_type),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            rope=rope_args(
+                cfg, rope_dim, interleaved=model_type == "deepseek_v3" and cfg.get("rope_interleave", True)
+            ),
+            moe=_moe_args(cfg, model_type),
+            mla=mla,
+        )
+
+
+def _attention_bias(cfg: dict[str, Any], model_type: str) -> bool:
+    if model_type == "qwen2":
+        return True  # Qwen2 always has q/k/v biases (and no o bias).
+    if model_type == "mixtral":
+        return False
+    return bool(cfg.get("attention_bias", False))
+
+
+def _check_no_sliding_window(cfg: dict[str, Any]) -> None:
+    layer_types = cfg.get("layer_types") or []
+    if layer_types:
+        uses_window = any(t != "full_attention" for t in layer_types)
+    elif cfg.get("model_type") == "mixtral":
+        window = cfg.get("sliding_window")
+        uses_window = window is not None and window < cfg.get("max_position_embeddings", 0)
+    else:
+        uses_window = bool(cfg.get("use_sliding_window"))
+    if uses_window:
+        raise ValueError(
+            f"config.json asks for sliding-window attention (sliding_window={cfg.get('sliding_window')}, "
+            f"use_sliding_window={cfg.get('use_sliding_window')}, layer_types={layer_types or None}); "
+            "rlloom.models implements full causal attention only. Fix: use a checkpoint without sliding "
+            "windows or set use_sliding_window=false if the window exceeds your sequence lengths."
+        )
+
+
+def _rope_dict(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE parameters from either transformers 5 (`rope_parameters`) or 4 (`rope_scaling`)."""
+    params = dict(cfg.get("rope_parameters") or {})
+    legacy = cfg.get("rope_scaling") or {}
+    for key, value in legacy.items():
+        params.setdefault(key, value)
+    if "rope_type" not in params:
+        params["rope_type"] = params.get("type", "default")
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    return params
+
+
+def rope_args(cfg: dict[str, Any], dim: int, *, interleaved: bool = False) -> RopeArgs:
+    """RopeArgs for `dim` rotated channels from an HF config dict."""
+    p = _rope_dict(cfg)
+    rope_type = p["rope_type"]
+    if rope_type not in _ROPE_TYPES:
+        raise ValueError(
+            f"config.json rope type {rope_type!r} is not supported; supported: {', '.join(_ROPE_TYPES)}. "
+            "Fix: use a checkpoint with one of these RoPE scalings."
+        )
+    if p.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(
+            f"config.json partial_rotary_factor={p['partial_rotary_factor']} is not supported (rule: 1.0). "
+            "Fix: use a checkpoint that rotates all head channels."
+        )
+    return RopeArgs(
+        theta=float(p["rope_theta"]),
+        dim=dim,
+        rope_type=rope_type,
+        factor=float(p.get("factor") or 1.0),
+        low_freq_factor=float(p.get("low_freq_factor") or 1.0),
+        high_freq_factor=float(p.get("high_freq_factor") or 4.0),
+        original_max_position_embeddings=int(
+            p.get("original_max_position_embeddings") or cfg.get("max_position_embeddings") or 0
+        ),
+        beta_fast=float(p.get("beta_fast") or 32.0),
+        beta_slow=float(p.get("beta_slow") or 1.0),
+        mscale=float(p.get("mscale") or 0.0),
+        mscale_all_dim=float(p.get("mscale_all_dim") or 0.0),
+        attention_factor=p.get("attention_factor"),
+        truncate=bool(p.get("truncate", True)),
+        interleaved=bool(interleaved),
+    )
+
+
+def _moe_args(cfg: dict[str, Any], model_type: str) -> MoEArgs | None:
+    num_layers = cfg["num_hidden_layers"]
+    if model_type == "qwen3_moe":
+        step = cfg.get("decoder_sparse_step", 1)
+        dense = set(cfg.get("mlp_only_layers") or [])
+        sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+        return MoEArgs(
+            num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
+            top_k=cfg["num_experts_per_tok"],
+            intermediate_size=cfg["moe_intermediate_size"],
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            sparse_layers=sparse,
+        )
+    if model_type == "mixtral":
+        return MoEArgs(
+            num_experts=cfg.get("num_local_experts") or cfg["num_experts"],
+            top_k=cfg["num_experts_per_tok"],
+            intermediate_size=cfg["intermediate_size"],
+            norm_topk_prob=True,  # Mixtral always renormalises the top-k softmax weights.
+            sparse_layers=tuple(range(num_layers)),
+        )
+    if model_type == "deepseek_v3":
+        if cfg.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ValueError(
+                f"config.json topk_method={cfg['topk_method']!r} is not supported (rule: 'noaux_tc'). "
+                "Fix: use a DeepSeek-V3 style checkpoint."
+            )
+        first_dense = cfg.get("first_k_dense_replace", 0)
+        return MoEArgs(
+            num_experts=cfg["n_routed_experts"],
+            top_k=cfg["num_experts_per_tok"],
+            intermediate_size=cfg["moe_intermediate_size"],
+            score_func="sigmoid",
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            num_groups=cfg.get("n_group") or 1,
+            topk_groups=cfg.get("topk_group") or 1,
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            score_bias=True,
+            num_shared_experts=cfg.get("n_shared_experts") or 0,
+            sparse_layers=tuple(range(first_dense, num_layers)),
+        )
+    return None
+
+
+def _mla_args(cfg: dict[str, Any]) -> MLAArgs:
+    return MLAArgs(
+        q_lora_rank=cfg.get("q_lora_rank"),
+        kv_lora_rank=cfg["kv_lora_rank"],
+        qk_nope_head_dim=cfg["qk_nope_head_dim"],
+        qk_rope_head_dim=cfg["qk_rope_head_dim"],
+        v_head_dim=cfg["v_head_dim"],
+    )

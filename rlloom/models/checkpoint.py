@@ -1,0 +1,169 @@
+"""Load and save native models as Hugging Face checkpoint folders (config.json + safetensors).
+
+- `from_pretrained(path_or_name, *, dtype, device)`: reads config.json, builds the model on the meta
+  device, materialises it on `device`, then streams every tensor of the (possibly sharded, via
+  model.safetensors.index.json) safetensors files into it. Missing, unexpected or mis-shaped tensors
+  raise ValueError naming the tensor and the shapes. `path_or_name` is a folder or the embedded
+  model's name (`smollm2-135m-instruct`, built once by `embedded.py`).
+- `save_pretrained(model, path)`: writes the original config.json dict unchanged, the weights
+  under Hugging Face names (sharded with an index above `max_shard_bytes`), and copies tokenizer
+  and generation files from the folder the model was loaded from.
+- `load_tokenizer(path_or_name)`: transformers' AutoTokenizer for the folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from rlloom.models.adapter import hf_named_tensors, load_hf_tensors, missing_hf_names
+from rlloom.models.args import ModelArgs
+from rlloom.models.model import CausalLM
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Files of a checkpoint folder that are not copied as "tokenizer and generation files" on save.
+_NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_NOT_COPIED_NAMES = ("config.json", INDEX_FILE)
+
+
+def resolve_path(path_or_name: str | os.PathLike) -> Path:
+    """The checkpoint folder for a path or the embedded model name."""
+    from rlloom.models.embedded import EMBEDDED_NAME, ensure_embedded_model
+
+    if str(path_or_name) == EMBEDDED_NAME:
+        return ensure_embedded_model()
+    path = Path(path_or_name)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model path {str(path_or_name)!r} is not a Hugging Face checkpoint folder (no config.json). "
+            f"Fix: pass a folder with config.json and *.safetensors, or {EMBEDDED_NAME!r}."
+        )
+    return path
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    # Parameters are created in `dtype`; buffers that pin their own dtype (RoPE, expert bias) stay fp32.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder, in index order."""
+    if (path / INDEX_FILE).is_file():
+        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        return [path / f for f in dict.fromkeys(weight_map.values())]
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    raise ValueError(
+        f"checkpoint folder {str(path)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}. "
+        "Fix: convert the weights to safetensors (transformers save_pretrained does)."
+    )
+
+
+def _read_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def build_model(cfg: dict[str, Any], *, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
+    """An uninitialised model (weights are garbage until loaded) in `dtype` on `device`."""
+    args = ModelArgs.from_hf_config(cfg)
+    with _default_dtype(dtype), torch.device("meta"):
+        model = CausalLM(args, cfg)
+    return model.to_empty(device=device)
+
+
+def from_pretrained(
+    path_or_name: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> CausalLM:
+    """Load a Hugging Face checkpoint folder (or the embedded model) as a native CausalLM."""
+    path = resolve_path(path_or_name)
+    cfg = json.loads((path / "config.json").read_text())
+    if cfg.get("quantization_config"):
+        raise ValueError(
+            f"{path}/config.json has quantization_config "
+            f"({cfg['quantization_config'].get('quant_method', '?')}); rlloom.models loads unquantized "
+            "weights only. Fix: dequantize the checkpoint to bf16/fp32 first."
+        )
+    model = build_model(cfg, dtype=dtype, device=device)
+    filled = load_hf_tensors(model, _read_tensors(weight_files(path)))
+    missing = missing_hf_names(model, filled)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ValueError(
+            f"checkpoint {str(path)!r} is missing {len(missing)} tensor(s) the {cfg.get('model_type')} model "
+            f"needs: {shown} (expected shapes in brackets). Fix: check that config.json matches the weights."
+        )
+    model.source_path = str(path)
+    return model.eval()
+
+
+def _shards(model: CausalLM, max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in hf_named_tensors(model):
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        # clone: expert rows are views of one stacked tensor and safetensors refuses shared storage.
+        shards[-1][name] = tensor.detach().to("cpu").clone()
+        size += nbytes
+    return shards
+
+
+def save_pretrained(model: CausalLM, path: str | os.PathLike, *, max_shard_bytes: int = 5 * 1024**3) -> None:
+    """Write config.json, safetensors (sharded above max_shard_bytes) and the source's tokenizer files."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(model.hf_config, indent=2, sort_keys=True) + "\n")
+    shards = _shards(model, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], str(out / SINGLE_FILE), metadata={"format": "pt"})
+    else:
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards, start=1):
+            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / file), metadata={"format": "pt"})
+            weight_map |= dict.fromkeys(shard, file)
+            total += sum(t.numel() * t.element_size() for t in shard.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    _copy_side_files(model.source_path, out)
+
+
+def _copy_side_files(source: str | None, out: Path) -> None:
+    if source is None or Path(source).resolve() == out.resolve():
+        return
+    for file in Path(source).iterdir():
+        if (
+            file.is_file()
+            and not file.name.startswith(".")
+            and file.name not in _NOT_COPIED_NAMES
+            and not file.name.endswith(_NOT_COPIED_SUFFIXES)
+        ):
+            shutil.copy2(file, out / file.name)
+
+
+def load_tokenizer(path_or_name: str | os.PathLike) -> Any:
+    """transformers.AutoTokenizer for a checkpoint folder or the embedded model."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(resolve_path(path_or_name)))

@@ -1,0 +1,148 @@
+"""Building blocks shared by every architecture: RMSNorm, rotary embeddings, the SwiGLU MLP.
+
+The math follows the Hugging Face reference implementations so that logits match in fp32:
+RMSNorm normalises in fp32 and multiplies the weight in the input dtype; RoPE builds cos/sin in
+fp32 (scaled by the YaRN attention factor) and rotates halves of each head.
+
+RoPE frequency variants: default, linear (positions / factor), llama3 (Llama 3.1 wavelength bands),
+yarn (YaRN, Peng et al. 2023, "YaRN: Efficient Context Window Extension of Large Language Models",
+with DeepSeek's mscale / mscale_all_dim attention factor).
+
+Shape legend: N tokens (any leading token dims), H heads, D channels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlloom.models.args import RopeArgs
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm: x / rms(x) * weight, normalised in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 x) * w3 x): gate (w1), down (w2) and up (w3) projections without bias."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN magnitude correction 0.1 * mscale * ln(scale) + 1 (1 when not extending)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, r: RopeArgs) -> torch.Tensor:
+    old_ctx = r.original_max_position_embeddings
+    low_wavelen, high_wavelen = old_ctx / r.low_freq_factor, old_ctx / r.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / r.factor, inv_freq)
+    smooth = (old_ctx / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(r: RopeArgs) -> tuple[torch.Tensor, float]:
+    dim, base = r.dim, r.theta
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(r.original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (
+            2 * math.log(base)
+        )
+
+    low, high = correction_dim(r.beta_fast), correction_dim(r.beta_slow)
+    if r.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    inv_extra, inv_inter = 1.0 / pos_freqs, 1.0 / (r.factor * pos_freqs)
+    inv_freq = inv_inter * (1 - extrapolation_weight) + inv_extra * extrapolation_weight
+    if r.attention_factor is not None:
+        attention_factor = float(r.attention_factor)
+    elif r.mscale and r.mscale_all_dim:
+        attention_factor = yarn_mscale(r.factor, r.mscale) / yarn_mscale(r.factor, r.mscale_all_dim)
+    else:
+        attention_factor = yarn_mscale(r.factor)
+    return inv_freq, attention_factor
+
+
+def rope_inv_freq(r: RopeArgs) -> tuple[torch.Tensor, float]:
+    """(inv_freq [dim/2] fp32, attention_factor multiplying cos and sin)."""
+    if r.rope_type == "yarn":
+        return _yarn_inv_freq(r)
+    inv_freq = 1.0 / (r.theta ** (torch.arange(0, r.dim, 2, dtype=torch.int64).float() / r.dim))
+    if r.rope_type == "linear":
+        inv_freq = inv_freq / r.factor
+    elif r.rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, r)
+    return inv_freq, 1.0
+
+
+class RotaryEmbedding(nn.Module):
+    """Turns position ids into (cos, sin) [..., T, dim] in the compute dtype."""
+
+    def __init__(self, args: RopeArgs) -> None:
+        super().__init__()
+        self.args = args
+        inv_freq, self.attention_factor = rope_inv_freq(args)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def init_buffers(self) -> None:
+        """Recompute inv_freq in fp32 on its device (it holds garbage after `to_empty`)."""
+        if self.inv_freq.device.type != "meta":
+            self.inv_freq = rope_inv_freq(self.args)[0].to(self.inv_freq.device)
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202
+        # `model.to(bf16)` would round the frequencies and `to_empty` would leave them garbage:
+        # recompute them in fp32 after every device or dtype move.
+        super()._apply(fn, recurse)
+        self.init_buffers()
+        return self
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids.float().unsqueeze(-1) * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False
+) -> torch.Tensor:
+    """Rotate x [..., T, H, D] by cos/sin [..., T, D]; interleaved pairs are first de-interleaved."""
+    if interleaved:
+        x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return x * cos + _rotate_half(x) * sin

@@ -1,0 +1,175 @@
+"""CausalLM: the native decoder-only transformer shared by the training and rollout engines.
+
+Architecture only; Hugging Face names live in `adapter.py` and file I/O in `checkpoint.py`.
+One class covers Llama/Qwen2/Qwen3 (GQA + SwiGLU), Qwen3-MoE/Mixtral (MoE layers) and DeepSeek-V3
+(MLA + MoE with shared experts after `first_k_dense_replace` dense layers).
+
+Inputs (see docs/CONTRACTS.md):
+- padded: input_ids [B, T] (+ attention_mask [B, T] bool, right padding) -> logits [B, T, V]
+- packed: input_ids [N], position_ids [N], cu_seqlens [S + 1] -> logits [N, V]
+- backend: input_ids [N], position_ids [N], attn=<object with .attn(layer, q, k, v, scale)>
+
+Rotary tables are recomputed buffers: after materialising from the meta device call
+`init_buffers()`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlloom.models.args import ModelArgs
+from rlloom.models.attention import Attention
+from rlloom.models.attention_ops import AttnLayout, check_right_padded
+from rlloom.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from rlloom.models.mla import MLAttention
+from rlloom.models.moe import MoE
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(x)) where ffn is a SwiGLU MLP or MoE."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.attention = MLAttention(args, layer_idx) if args.mla is not None else Attention(args, layer_idx)
+        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        is_moe = args.moe is not None and layer_idx in args.moe.sparse_layers
+        self.moe = MoE(args.hidden_size, args.moe) if is_moe else None
+        self.feed_forward = None if is_moe else SwiGLU(args.hidden_size, args.intermediate_size)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: AttnLayout
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, layout)
+        ffn = self.moe if self.moe is not None else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
+
+
+class CausalLM(nn.Module):
+    """Token embedding, decoder blocks, final norm and (untied) lm head."""
+
+    def __init__(self, args: ModelArgs, hf_config: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.args = args
+        self.hf_config: dict[str, Any] = dict(hf_config or {})
+        self.source_path: str | None = None
+        """Folder the weights came from (tokenizer files are copied from here on save)."""
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.rope = RotaryEmbedding(args.rope)
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.output = (
+            None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        )
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[V, D] weight of the lm head (the token embedding when tied)."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    def init_buffers(self) -> None:
+        """Recompute non-persistent buffers (RoPE inverse frequencies) after `to_empty`."""
+        self.rope.init_buffers()
+
+    def moe_token_counts(self) -> dict[int, torch.Tensor]:
+        """Layer index -> [num_experts] tokens routed to each expert in the last forward."""
+        return {
+            i: layer.moe.last_token_counts
+            for i, layer in enumerate(self.layers)
+            if layer.moe is not None and layer.moe.last_token_counts is not None
+        }
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+        attn: Any = None,
+    ) -> torch.Tensor:
+        """Final-normed hidden states [.., D] (no lm head); arguments as in `forward`."""
+        layout, position_ids = _layout(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask, attn)
+        h = self.tok_embeddings(input_ids)
+        cos, sin = self.rope(position_ids, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, layout)
+        return self.norm(h)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+        attn: Any = None,
+    ) -> torch.Tensor:
+        """Logits [B, T, V] (padded input) or [N, V] (packed or backend input).
+
+        A padded batch must be right-padded; `attention_mask` is checked for that and the causal mask
+        then keeps padding out of every real position (logits at pad positions are meaningless).
+        """
+        h = self.hidden_states(
+            input_ids,
+            position_ids=position_ids,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+            attention_mask=attention_mask,
+            attn=attn,
+        )
+        return h @ self.lm_head_weight.T
+
+
+def _layout(
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    max_seqlen: int | None,
+    attention_mask: torch.Tensor | None,
+    attn: Any,
+) -> tuple[AttnLayout, torch.Tensor]:
+    """Validate the argument combination; return the layout and the position ids."""
+    if attn is not None:
+        if input_ids.dim() != 1 or position_ids is None:
+            raise ValueError(
+                f"CausalLM.forward with attn=<backend>: input_ids must be flat [N] (got shape "
+                f"{tuple(input_ids.shape)}) and position_ids [N] is required (got "
+                f"{None if position_ids is None else tuple(position_ids.shape)}). Fix: pass the flat stream."
+            )
+        return AttnLayout(kind="backend", backend=attn), position_ids
+    if input_ids.dim() == 2:
+        if cu_seqlens is not None:
+            raise ValueError(
+                f"CausalLM.forward: cu_seqlens is for a packed [N] stream but input_ids has shape "
+                f"{tuple(input_ids.shape)}. Fix: flatten the batch to [N] or drop cu_seqlens."
+            )
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        if attention_mask is not None:
+            check_right_padded(attention_mask)
+        return AttnLayout(kind="padded"), position_ids
+    if input_ids.dim() != 1:
+        raise ValueError(
+            f"CausalLM.forward: input_ids must be [B, T] or [N], got shape {tuple(input_ids.shape)}."
+        )
+    if attention_mask is not None:
+        raise ValueError(
+            "CausalLM.forward: attention_mask is for a padded [B, T] batch, not a packed [N] stream."
+        )
+    num_tokens = input_ids.shape[0]
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, num_tokens], dtype=torch.int32, device=input_ids.device)
+    if position_ids is None:
+        if len(cu_seqlens) != 2:
+            raise ValueError(
+                "CausalLM.forward: a packed stream of several sequences needs position_ids [N] restarting "
+                "at 0 per sequence. Fix: pass PackedTensors.position_ids_N."
+            )
+        position_ids = torch.arange(num_tokens, device=input_ids.device)
+    return AttnLayout(kind="packed", cu_seqlens=cu_seqlens, max_seqlen=max_seqlen), position_ids

@@ -1,0 +1,137 @@
+"""Mixture-of-experts feed-forward: a router and grouped SwiGLU experts (plus DeepSeek shared experts).
+
+Routing (always in fp32):
+- softmax (Qwen3-MoE, Mixtral): top-k of softmax(logits); renormalised to sum 1 when
+  `norm_topk_prob` (Qwen3-MoE's flag; Mixtral always renormalises).
+- sigmoid (DeepSeek-V3, "auxiliary-loss-free" noaux_tc): s = sigmoid(logits); experts are chosen on
+  s + e_score_correction_bias, only inside the `topk_groups` best groups (a group scores the sum of
+  its top-2 biased scores); the weights are the unbiased s of the chosen experts, renormalised
+  (+1e-20) when norm_topk_prob, times `routed_scaling_factor`.
+
+Experts are stored stacked, w1 (gate) [E, I, D], w2 (down) [E, D, I], w3 (up) [E, I, D]. The
+token-expert pairs are sorted by expert so each expert reads one contiguous slice: on CUDA with
+bf16 one `torch._grouped_mm` per projection, elsewhere a loop over experts (never over tokens).
+
+Shape legend: T tokens, D hidden, E experts, K experts per token, I expert hidden width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlloom.models.args import MoEArgs
+from rlloom.models.layers import SwiGLU
+
+
+class Router(nn.Module):
+    """Chooses K experts per token and their weights."""
+
+    def __init__(self, dim: int, args: MoEArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        if args.score_bias:
+            # Updated by a balancing rule, not by gradients, so it is a buffer (saved with the weights).
+            self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (weights_TK fp32, experts_TK int64)."""
+        logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+        a = self.args
+        if a.score_func == "softmax":
+            weights_TK, experts_TK = torch.topk(logits_TE.softmax(dim=-1), a.top_k, dim=-1)
+            if a.norm_topk_prob:
+                weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+            return weights_TK, experts_TK
+        scores_TE = logits_TE.sigmoid()
+        choice_TE = scores_TE if self.expert_bias is None else scores_TE + self.expert_bias.float()
+        if a.num_groups > 1:
+            choice_TE = _keep_top_groups(choice_TE, a.num_groups, a.topk_groups)
+        experts_TK = torch.topk(choice_TE, a.top_k, dim=-1, sorted=False)[1]
+        weights_TK = scores_TE.gather(1, experts_TK)
+        if a.norm_topk_prob:
+            weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights_TK * a.routed_scaling_factor, experts_TK
+
+
+def _keep_top_groups(choice_TE: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
+    """Set to -inf the scores of experts outside each token's `topk_groups` best groups."""
+    T, E = choice_TE.shape
+    grouped = choice_TE.view(T, num_groups, E // num_groups)
+    group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+    top_groups = torch.topk(group_scores, topk_groups, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, E)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts with stacked weights, run over token slices sorted by expert."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        for w in (self.w1, self.w2, self.w3):
+            nn.init.normal_(w, std=0.02)
+
+    def forward(
+        self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (out_TD, tokens per expert [E] int64)."""
+        K = experts_TK.shape[1]
+        flat_experts = experts_TK.flatten()
+        order = torch.argsort(flat_experts, stable=True)
+        token_of = order // K
+        counts_E = torch.bincount(flat_experts, minlength=self.w1.shape[0])
+        xs = x_TD[token_of]
+        if xs.is_cuda and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+            ys = self._grouped_mm(xs, counts_E)
+        else:
+            ys = self._loop(xs, counts_E)
+        ys = ys * weights_TK.flatten()[order].unsqueeze(-1).to(ys.dtype)
+        out = torch.zeros_like(x_TD).index_add_(0, token_of, ys)
+        return out, counts_E
+
+    def _loop(self, xs: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts_E.tolist()):
+            if n:
+                x = xs[start : start + n]
+                h = F.silu(x @ self.w1[e].T) * (x @ self.w3[e].T)
+                ys[start : start + n] = h @ self.w2[e].T
+            start += n
+        return ys
+
+    def _grouped_mm(self, xs: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        offsets = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+        gate = torch._grouped_mm(xs, self.w1.transpose(-2, -1), offs=offsets)
+        up = torch._grouped_mm(xs, self.w3.transpose(-2, -1), offs=offsets)
+        return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offsets)
+
+
+class MoE(nn.Module):
+    """Routed experts plus optional always-on shared experts; remembers the last token counts."""
+
+    def __init__(self, dim: int, args: MoEArgs) -> None:
+        super().__init__()
+        self.router = Router(dim, args)
+        self.experts = GroupedExperts(args.num_experts, dim, args.intermediate_size)
+        shared = args.num_shared_experts * args.intermediate_size
+        self.shared_experts = SwiGLU(dim, shared) if shared else None
+        self.last_token_counts: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [.., D] -> [.., D]."""
+        x_TD = x.reshape(-1, x.shape[-1])
+        weights_TK, experts_TK = self.router(x_TD)
+        out_TD, counts_E = self.experts(x_TD, weights_TK, experts_TK)
+        self.last_token_counts = counts_E.detach()
+        if self.shared_experts is not None:
+            out_TD = out_TD + self.shared_experts(x_TD)
+        return out_TD.view_as(x)

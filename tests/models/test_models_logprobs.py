@@ -1,0 +1,78 @@
+"""The chunked logprob/entropy head against log_softmax of the full logits (values and gradients)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models_testutil import assert_close
+
+from rlloom.models.logprobs import token_logprobs
+
+N, D, V = 37, 16, 50
+
+
+def _inputs(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, D, generator=gen, requires_grad=True)
+    weight = torch.randn(V, D, generator=gen, requires_grad=True)
+    targets = torch.randint(0, V, (N,), generator=gen)
+    return hidden, weight, targets
+
+
+def _reference(hidden, weight, targets, temperature):
+    logp_all = torch.log_softmax((hidden @ weight.T).float() / temperature, dim=-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 8, 37, 1024])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_values_and_grads_match_full_log_softmax(chunk_tokens, temperature):
+    hidden, weight, targets = _inputs()
+    logp, entropy = token_logprobs(
+        hidden, weight, targets, temperature=temperature, chunk_tokens=chunk_tokens, with_entropy=True
+    )
+    ref_logp, ref_entropy = _reference(hidden, weight, targets, temperature)
+    assert logp.dtype == torch.float32 and entropy.dtype == torch.float32
+    assert_close(logp, ref_logp, atol=5e-5)
+    assert_close(entropy, ref_entropy, atol=5e-5)
+    upstream = torch.randn(N, generator=torch.Generator().manual_seed(9))
+    grads = torch.autograd.grad((logp * upstream).sum() + 0.3 * entropy.sum(), (hidden, weight))
+    ref_grads = torch.autograd.grad((ref_logp * upstream).sum() + 0.3 * ref_entropy.sum(), (hidden, weight))
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r, atol=1e-4)  # grads are O(10); fp32 sums in another order
+
+
+def test_bf16_hidden_matches_reference_and_no_entropy_by_default():
+    hidden, weight, targets = _inputs(1)
+    h16, w16 = hidden.detach().bfloat16(), weight.detach().bfloat16()
+    logp, entropy = token_logprobs(h16, w16, targets, chunk_tokens=10)
+    assert entropy is None and logp.dtype == torch.float32
+    ref = torch.log_softmax((h16 @ w16.T).float(), -1).gather(-1, targets[:, None]).squeeze(-1)
+    assert_close(logp, ref, atol=1e-6)
+
+
+def test_rejects_bad_arguments():
+    hidden, weight, targets = _inputs()
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(hidden, weight, targets, temperature=0.0)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        token_logprobs(hidden, weight, targets, chunk_tokens=0)
+    with pytest.raises(ValueError, match="targets_N"):
+        token_logprobs(hidden, weight, targets[:3])
+
+
+def test_autograd_never_keeps_more_than_one_chunk_of_logits():
+    hidden, weight, targets = _inputs(2)
+    saved_shapes: list[tuple[int, ...]] = []
+
+    def pack(t):
+        saved_shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp, entropy = token_logprobs(hidden, weight, targets, chunk_tokens=8, with_entropy=True)
+    logits_like = [s for s in saved_shapes if s and s[-1] == V]
+    assert all(s[0] <= 8 for s in logits_like), saved_shapes  # at most one chunk of [chunk, V] logits
+    logp.sum().backward()
+    assert hidden.grad is not None and weight.grad is not None
