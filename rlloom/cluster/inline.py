@@ -32,6 +32,10 @@ class WorkerGroup(Protocol):
 
     def sync_weights(self) -> dict[str, float]: ...
 
+    def sleep_rollout(self) -> None: ...
+
+    def wake_rollout(self) -> None: ...
+
     def save(self, path: str) -> None: ...
 
     def load(self, path: str) -> None: ...
@@ -65,6 +69,12 @@ class InlineGroup:
 
     def sync_weights(self) -> dict[str, float]:
         return self.worker.sync_weights().metrics()
+
+    def sleep_rollout(self) -> None:
+        self.worker.sleep_rollout()
+
+    def wake_rollout(self) -> None:
+        self.worker.wake_rollout()
 
     def save(self, path: str) -> None:
         self.worker.save(path)

@@ -177,6 +177,12 @@ class RayGroup:
     def sync_weights(self) -> dict[str, float]:
         return self._all("sync_weights")[0]
 
+    def sleep_rollout(self) -> None:
+        self._all("sleep_rollout")
+
+    def wake_rollout(self) -> None:
+        self._all("wake_rollout")
+
     def save(self, path: str) -> None:
         self._all("save", path)
 

@@ -96,6 +96,12 @@ class RLWorker:
             with_entropy=True,
         )
 
+    def sleep_rollout(self) -> None:
+        self.rollout.sleep()
+
+    def wake_rollout(self) -> None:
+        self.rollout.wake()
+
     def sync_weights(self, *, checksum: bool = False) -> SyncReport:
         return sync_colocated(self.train, self.rollout, dtype=self.dtype, checksum=checksum)
 

@@ -110,6 +110,10 @@ class RolloutConfig:
     """Disable CUDA graphs (GPU only)."""
     eval_temperature: float = 0.0
     """Temperature for evaluation (0 = greedy)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS up to max_new_tokens (benchmarks with fixed lengths)."""
+    sleep_during_train: bool = True
+    """Free the KV cache between generation and weight sync, so training can use that memory."""
 
     def __post_init__(self) -> None:
         _check(
@@ -186,7 +190,13 @@ class RewardConfig:
     """Score of a sample whose reward function hung, raised or returned a non-number."""
 
     def __post_init__(self) -> None:
-        _check(self.num_workers >= 0, "reward.num_workers", self.num_workers, "must be >= 0", "use 0 for inline scoring")
+        _check(
+            self.num_workers >= 0,
+            "reward.num_workers",
+            self.num_workers,
+            "must be >= 0",
+            "use 0 for inline scoring",
+        )
         _check(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "must be > 0", "e.g. 10")
 
 
@@ -325,6 +335,8 @@ class TrainEngineConfig:
     """Fraction of parameters whose optimizer state is offloaded when optimizer_offload is on."""
     logprob_chunk_tokens: int = 1024
     """Tokens per chunk of the logprob head (bounds fp32 logits memory)."""
+    share_prompts: bool = True
+    """Pack a group's responses behind one copy of their shared prompt; exact, fewer FLOPs."""
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "train.lr", self.lr, "must be > 0", "e.g. 1e-5")

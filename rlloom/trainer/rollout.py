@@ -116,6 +116,7 @@ def collect_rollouts(
                 stop_token_ids=stop_token_ids,
                 stop_strings=list(ro.stop_strings),
                 seed=request_seed(cfg.trainer.seed, step, round_idx, i),
+                ignore_eos=ro.ignore_eos,
             )
             for i in range(len(items))
         ]

@@ -52,6 +52,9 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
         metrics["train/skipped_step"] = 1.0
         return metrics
     batch = RolloutBatch(rollout.samples)
+    if cfg.rollout.sleep_during_train:
+        with timer("rollout_sleep"):
+            group.sleep_rollout()  # the KV cache's memory goes to training until the sync
 
     old_logp_BT = None
     need_old = not is_single_pass(cfg) or cfg.algorithm.is_correction != "none"
@@ -83,6 +86,8 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     with timer("train"):
         metrics.update(update_policy(cfg, group, update, norm_constant, seed=step))
     with timer("sync"):
+        if cfg.rollout.sleep_during_train:
+            group.wake_rollout()
         metrics.update(group.sync_weights())
 
     seconds = timer.seconds()

@@ -31,6 +31,10 @@ def test_overrides_set_typed_fields():
     assert dataclasses.replace(cfg, algorithm=base.algorithm, trainer=base.trainer, train=base.train) == base
 
 
+def test_exponent_without_dot_is_a_number():
+    assert load_config("arithmetic_demo", ["train.lr=1e-6"]).train.lr == 1e-6
+
+
 def test_int_accepted_for_float_field():
     cfg = load_config("arithmetic_demo", ["train.lr=1"])
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)

@@ -1,0 +1,135 @@
+"""One GRPO step end to end on a GPU: generate -> reward -> update -> weight sync, with its breakdown.
+
+Workload (issue: end-to-end loop): random Qwen3-0.6B weights (28 layers, hidden 1024, 16 heads,
+8 KV heads, head dim 128, vocab 151936), 64 prompts x 8 samples, 128 prompt tokens, exactly 512
+new tokens (ignore_eos), no reference model, bf16 compute with fp32 master weights. The reward is
+a cheap deterministic function of the last token, so rewards vary inside groups and every group
+trains. Steps after the first are steady state; the table reports their median.
+
+    python benchmarks/bench_e2e.py                     # one GPU, inline
+    python benchmarks/bench_e2e.py --workers 2         # Ray, one actor per GPU
+    python benchmarks/bench_e2e.py --tiny --steps 2    # CPU smoke run of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from rlloom.cluster.inline import build_worker_group
+from rlloom.config import load_config
+from rlloom.data.dataset import PromptItem
+from rlloom.data.source import PromptSource
+from rlloom.rewards.runner import RewardRunner
+from rlloom.trainer.step import StepContext, rl_step
+
+
+def last_token_parity(response_text: str, ground_truth: str) -> float:
+    """Reward for the benchmark: 1 when the last generated token id is even."""
+    return float(int(response_text) % 2 == 0)
+
+
+def write_random_qwen3(path: Path, *, tiny: bool) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    shape = (
+        dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, vocab_size=512)
+        if tiny
+        else dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, vocab_size=151936)
+    )  # fmt: skip
+    config = Qwen3Config(**shape, max_position_embeddings=4096, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--kv-gb", type=float, default=40.0)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    if args.tiny:
+        args.prompts, args.samples, args.prompt_tokens, args.new_tokens, args.kv_gb = 4, 4, 16, 16, 0.1
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_random_qwen3(Path(tmp) / "model", tiny=args.tiny)
+        overrides = [
+            f"model.path={model_dir}",
+            f"trainer.prompts_per_step={args.prompts}",
+            f"rollout.n_samples={args.samples}",
+            f"rollout.max_new_tokens={args.new_tokens}",
+            "rollout.ignore_eos=true",
+            f"rollout.kv_cache_memory_gb={args.kv_gb}",
+            f"rollout.max_num_seqs={args.prompts * args.samples}",
+            f"data.max_prompt_length={args.prompt_tokens}",
+            "train.max_tokens_per_micro_batch=16384",
+            "train.lr=1e-6",
+            f"trainer.run_dir={tmp}/run",
+        ]
+        if args.workers > 1:
+            overrides += ["cluster.mode=ray", f"cluster.num_workers={args.workers}"]
+        cfg = load_config("arithmetic_demo", overrides)
+        vocab = 512 if args.tiny else 151936
+        rng = random.Random(0)
+        items = [
+            PromptItem(
+                prompt_ids=[rng.randrange(vocab) for _ in range(args.prompt_tokens)],
+                prompt_text="",
+                ground_truth="",
+                index=i,
+            )
+            for i in range(args.prompts * (args.steps + 1))
+        ]
+        group = build_worker_group(cfg)
+        ctx = StepContext(
+            cfg=cfg,
+            group=group,
+            source=PromptSource(items, seed=0),
+            runner=RewardRunner(last_token_parity),
+            decode=lambda ids: str(ids[-1]),
+            stop_token_ids=[],
+        )
+        records = []
+        for step in range(args.steps):
+            m = rl_step(ctx, step)
+            records.append(m)
+            print(
+                f"step {step}: {m['time/step_s']:.2f} s (generate {m['time/generate_s']:.2f}, "
+                f"train {m['time/train_s']:.2f}, sync {m['time/sync_s']:.2f}), "
+                f"mfu {m.get('perf/mfu', float('nan')):.3f}",
+                flush=True,
+            )
+        group.close()
+    steady = records[1:] or records
+    keys = sorted(k for k in steady[0] if k.startswith("time/"))
+    gen_tokens = args.prompts * args.samples * args.new_tokens
+    print(f"\n| stage | median s ({len(steady)} steady steps, workers={args.workers}) |")
+    print("|---|---|")
+    for k in keys:
+        print(f"| {k} | {statistics.median(r[k] for r in steady):.3f} |")
+    gen_s = statistics.median(r["time/generate_s"] for r in steady)
+    print(f"| rollout tok/s | {gen_tokens / gen_s:.0f} |")
+    print(f"| train MFU | {statistics.median(r.get('perf/mfu', 0.0) for r in steady):.3f} |")
+    print(f"| weight sync ms/GB | {statistics.median(r['sync/ms_per_gb'] for r in steady):.0f} |")
+    print(f"| peak memory GiB | {max(r.get('memory/peak_allocated_gib', 0.0) for r in steady):.1f} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(records))
+
+
+if __name__ == "__main__":
+    main()
