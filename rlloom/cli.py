@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rlloom.cluster import WorkerFailure
 from rlloom.config.components import ConfigError
 
 _OVERRIDES_HELP = "dotted overrides such as algorithm.eps_high=0.28 trainer.total_steps=50"
@@ -67,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"rlloom: error: {e}", file=sys.stderr)
         return 2
+    except WorkerFailure as e:
+        print(f"rlloom: worker failure: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

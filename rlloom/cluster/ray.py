@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from rlloom.cluster import WorkerFailure
 from rlloom.config.components import RunConfig
 from rlloom.data.types import RolloutBatch
 from rlloom.engines.rollout.native import Completion, SamplingParams
@@ -29,10 +30,6 @@ try:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("cluster.mode=ray needs Ray: pip install 'rlloom[ray]'") from e
-
-
-class WorkerFailure(RuntimeError):
-    """A worker died, raised or hung; the message names its rank, host and stage."""
 
 
 class _RankActor:
@@ -79,7 +76,8 @@ class RayGroup:
         self.cfg = cfg
         self.timeout_s = cfg.cluster.timeout_s
         n = cfg.cluster.num_workers
-        if not ray.is_initialized():
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
             env = {k: v for k, v in os.environ.items() if k.startswith(("RLLOOM_", "NCCL_", "TORCH_"))}
             ray.init(
                 address=cfg.cluster.address or None,
@@ -196,3 +194,6 @@ class RayGroup:
         if getattr(self, "pg", None) is not None:
             remove_placement_group(self.pg)
             self.pg = None
+        if getattr(self, "_owns_ray", False):
+            ray.shutdown()  # a later group in this process starts afresh (e.g. a resumed run)
+            self._owns_ray = False
