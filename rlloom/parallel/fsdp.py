@@ -40,12 +40,15 @@ def apply_fsdp(
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
     # Ranks may leave different parameters unused in a backward (an empty micro-batch, MoE experts
     # no token reached); zero gradients for them keep every rank's reduce-scatter the same size.
-    model.set_reduce_scatter_unused_params(True)
+    # (torch < 2.12 has no such switch; there, dense models are fine and MoE needs every expert used.)
+    if hasattr(model, "set_reduce_scatter_unused_params"):
+        model.set_reduce_scatter_unused_params(True)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # Divide by 1 = sum. Forcing plain SUM collectives (no NCCL PreMulSum) also makes the
             # same code path run on gloo, which has no pre-multiplied sum.
             module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
+            if hasattr(module, "set_force_sum_reduction_for_comms"):
+                module.set_force_sum_reduction_for_comms(True)
     assert isinstance(model, FSDPModule)
     return model

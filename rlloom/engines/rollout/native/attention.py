@@ -1,0 +1,115 @@
+"""PagedAttention: the attention backend the model calls during rollout; it owns the paged KV cache.
+
+`CausalLM.hidden_states(input_ids_N, position_ids=..., attn=backend)` calls
+`backend.attn(layer, q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, Dv], scale)` for every layer. The
+backend writes the new k/v into the cache at `slot_mapping`, gathers each sequence's keys and values
+(cached prefix included) through its block table, and runs one SDPA call for the whole batch with a
+causal mask per sequence. Prefill (many queries per sequence) and decode (one) take the same path.
+
+Grouped-query attention without repeating k/v: the G = Hq / Hkv query heads that share a kv head are
+folded into the query-length axis, q [S, Hkv, Q * G, D] against k [S, Hkv, K, D].
+
+The gather reads every key slot up to the key length K of the batch (on GPU the decode forward is
+captured in CUDA graphs with K fixed per graph, cuda_graphs.py) and copies it once more. With
+`use_decode_kernel` (CUDA, when paged_decode.py's Triton kernel passes its check) forwards of one
+token per sequence read the cache through the block table instead, each byte once. Both paths are
+graph-safe (no host syncs, no data-dependent shapes).
+
+Shape legend: N new tokens, S sequences, Q most new tokens of a sequence (1 in decode), K key slots
+gathered per sequence (a multiple of the block size), Hq/Hkv heads, G = Hq / Hkv, D/Dv head dims.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rlloom.engines.rollout.native.paged_decode import paged_decode
+
+
+@dataclass(slots=True)
+class AttnContext:
+    """Where one forward's tokens go and what they see (tensors on the cache's device)."""
+
+    slot_mapping_N: torch.Tensor
+    """[N] int64 cache slot receiving each new token's k/v."""
+    block_tables_SB: torch.Tensor
+    """[S, K / block_size] int64 blocks of each sequence (entries past its length: any valid block)."""
+    query_index_SQ: torch.Tensor
+    """[S, Q] int64 index in N of each sequence's i-th new token (padding: 0)."""
+    query_pos_SQ: torch.Tensor
+    """[S, Q] int64 position of that token in its sequence (padding: 0, so no row is fully masked)."""
+    output_index_N: torch.Tensor
+    """[N] int64 index of each new token in the flattened [S * Q] query grid."""
+
+
+class PagedAttention:
+    def __init__(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_size: int,
+        *,
+        use_decode_kernel: bool = False,
+    ) -> None:
+        """k_cache [L, slots, Hkv, D], v_cache [L, slots, Hkv, Dv]; slot = block * block_size + offset."""
+        self.k_cache = k_cache
+        self.v_cache = v_cache
+        self.block_size = block_size
+        self.use_decode_kernel = use_decode_kernel
+        self.context: AttnContext | None = None
+        self._num_keys_S: torch.Tensor | None = None
+        self._kv_slots_SK: torch.Tensor | None = None
+        self._mask_S1QK: torch.Tensor | None = None
+
+    def prepare(self, context: AttnContext) -> None:
+        """Set the context of the next forward and derive the per-batch gather index and mask."""
+        self.context = context
+        if self.use_decode_kernel and context.query_pos_SQ.shape[1] == 1:
+            self._num_keys_S = context.query_pos_SQ[:, 0] + 1
+            return
+        self._num_keys_S = None
+        num_keys = context.block_tables_SB.shape[1] * self.block_size
+        key_pos_K = torch.arange(num_keys, device=context.block_tables_SB.device)
+        self._kv_slots_SK = (
+            context.block_tables_SB[:, key_pos_K // self.block_size] * self.block_size
+            + key_pos_K % self.block_size
+        )
+        self._mask_S1QK = (key_pos_K[None, None, :] <= context.query_pos_SQ[:, :, None]).unsqueeze(1)
+
+    def attn(
+        self, layer_idx: int, q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """-> [N, Hq, Dv]; also stores k/v of the new tokens in the cache."""
+        ctx = self.context
+        assert ctx is not None
+        k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
+        k_cache.index_copy_(0, ctx.slot_mapping_N, k_NHD.to(k_cache.dtype))
+        v_cache.index_copy_(0, ctx.slot_mapping_N, v_NHD.to(v_cache.dtype))
+        if self._num_keys_S is not None:
+            q_SHD = q_NHD[ctx.query_index_SQ[:, 0]].to(k_cache.dtype)
+            out_SHD = paged_decode(
+                q_SHD, k_cache, v_cache, ctx.block_tables_SB, self._num_keys_S, scale, self.block_size
+            )
+            return out_SHD[ctx.output_index_N]
+        assert self._kv_slots_SK is not None and self._mask_S1QK is not None
+
+        S, Q = ctx.query_index_SQ.shape
+        Hq, Hkv = q_NHD.shape[1], k_NHD.shape[1]
+        G = Hq // Hkv
+        q = (
+            q_NHD[ctx.query_index_SQ]
+            .reshape(S, Q, Hkv, G, -1)
+            .permute(0, 2, 1, 3, 4)
+            .reshape(S, Hkv, Q * G, -1)
+        )
+        k = k_cache[self._kv_slots_SK].transpose(1, 2)
+        v = v_cache[self._kv_slots_SK].transpose(1, 2)
+        mask = self._mask_S1QK  # [S, 1, Q, K]; with Q = 1 it broadcasts over the G folded heads
+        if G > 1 and Q > 1:
+            mask = mask.unsqueeze(3).expand(S, 1, Q, G, mask.shape[-1]).reshape(S, 1, Q * G, -1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out = out.reshape(S, Hkv, Q, G, -1).permute(0, 2, 1, 3, 4).reshape(S * Q, Hq, -1)
+        return out[ctx.output_index_N]

@@ -1,0 +1,104 @@
+"""BlockManager: hands out the paged KV cache's blocks and counts who points at each.
+
+The cache is `num_blocks` blocks of `block_size` token slots; a sequence's `block_table` lists its
+blocks in order, so token position p lives in slot `block_table[p // block_size] * block_size +
+p % block_size`.
+
+Prefix sharing: the n samples of one prompt are forked from the prefilled leader; every fork's block
+table points at the leader's blocks and each block's reference count says how many tables hold it.
+Full blocks stay shared until the last holder frees them. A partially filled block is shared too,
+and the first fork to write into it gets a private copy (copy-on-write): the block manager takes a
+free block, records the (source, destination) pair in `pending_copies` for the model runner to copy
+before the next forward, and drops one reference to the shared block.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from rlloom.engines.rollout.native.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.pending_copies: list[tuple[int, int]] = []
+        """Copy-on-write (source, destination) block pairs the runner copies before the next forward."""
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_blocks)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _take(self) -> int:
+        block = self.free_blocks.popleft()
+        assert self.ref_counts[block] == 0, (block, self.ref_counts[block])
+        self.ref_counts[block] = 1
+        return block
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        assert self.ref_counts[block] >= 0, block
+        if self.ref_counts[block] == 0:
+            self.free_blocks.append(block)
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Room to prefill all of `seq`'s tokens (its forks share these blocks)."""
+        return self.blocks_for(seq.num_tokens) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        assert not seq.block_table, seq.seq_id
+        seq.block_table = [self._take() for _ in range(self.blocks_for(seq.num_tokens))]
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give `child` the parent's blocks (shared, counted) and cached-token count."""
+        assert not child.block_table, child.seq_id
+        for block in parent.block_table:
+            self.ref_counts[block] += 1
+        child.block_table = list(parent.block_table)
+        child.num_cached_tokens = parent.num_cached_tokens
+
+    def free(self, seq: Sequence) -> None:
+        for block in reversed(seq.block_table):
+            self._release(block)
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+
+    def append_cost(self, seq: Sequence) -> int:
+        """Free blocks the next decode of `seq` needs: 1 for a new or copied-on-write block, else 0."""
+        pos = seq.num_tokens - 1
+        index = pos // self.block_size
+        if index == len(seq.block_table):
+            return 1
+        return 1 if self.ref_counts[seq.block_table[index]] > 1 else 0
+
+    def can_append(self, seq: Sequence) -> bool:
+        return self.append_cost(seq) <= self.num_free_blocks
+
+    def may_append(self, seq: Sequence) -> None:
+        """Make the slot of `seq`'s last token writable: a new block, or a private copy of a shared one."""
+        pos = seq.num_tokens - 1
+        index = pos // self.block_size
+        assert index <= len(seq.block_table), (seq.seq_id, pos, len(seq.block_table))
+        if index == len(seq.block_table):
+            seq.block_table.append(self._take())
+            return
+        shared = seq.block_table[index]
+        if self.ref_counts[shared] > 1:
+            private = self._take()
+            self.pending_copies.append((shared, private))
+            self._release(shared)
+            seq.block_table[index] = private
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies

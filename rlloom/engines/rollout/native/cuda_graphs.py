@@ -1,0 +1,131 @@
+"""DecodeGraphs: the decode forward captured in CUDA graphs, replayed with padded batches.
+
+One graph per (batch size, key-block bucket), captured on first use. Batch sizes are 1, 2, 4, 8,
+then every 16 up to max_num_seqs; key buckets are the block counts covering 128, 256, 384, ...
+tokens up to max_model_len, so the torch attention path gathers at most 128 key slots more than the
+step's longest sequence needs; with the Triton decode kernel, which reads only each sequence's own
+keys, there is one bucket. A step pads its batch to the nearest captured size: padded rows read and
+write only the scratch block (the block after the cache's last real block), never used otherwise.
+
+All graphs share one memory pool and read their inputs from static buffers that `run` fills before
+`replay`. A graph is captured with the current step's inputs already in the buffers, so its warm-up
+forward writes exactly the keys/values the replay then writes again. The weights and the KV cache
+are read at the addresses they had at capture: update weights in place (`load_hf_tensors`) and
+start a new DecodeGraphs after anything reallocates them (the engine's wake()).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rlloom.engines.rollout.native.attention import AttnContext, PagedAttention
+
+
+def _batch_sizes(max_num_seqs: int) -> list[int]:
+    sizes = {b for b in (1, 2, 4, 8) if b <= max_num_seqs} | set(range(16, max_num_seqs + 1, 16))
+    return sorted(sizes | {max_num_seqs})
+
+
+def _block_buckets(max_blocks: int, block_size: int, step_tokens: int = 128) -> list[int]:
+    buckets = {
+        min(max_blocks, -(-tokens // block_size))
+        for tokens in range(step_tokens, max_blocks * block_size, step_tokens)
+    }
+    return sorted(buckets | {max_blocks})
+
+
+class GraphCaptureError(RuntimeError):
+    """The model cannot be captured (e.g. a layer that reads a device value on the host)."""
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: PagedAttention,
+        *,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        scratch_block: int,
+        bucket_tokens: int = 128,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.batch_sizes = _batch_sizes(max_num_seqs)
+        self.block_buckets = (
+            [max_blocks_per_seq]
+            if backend.use_decode_kernel
+            else _block_buckets(max_blocks_per_seq, backend.block_size, bucket_tokens)
+        )
+        self.scratch_block = scratch_block
+        device = backend.k_cache.device
+        max_bs = self.batch_sizes[-1]
+        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_bs,), scratch_block * backend.block_size, device=device)
+        self.block_tables = torch.full((max_bs, max_blocks_per_seq), scratch_block, device=device)
+        self.rows = torch.arange(max_bs, device=device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.pool = None
+
+    def _forward(self, bs: int, num_blocks: int) -> torch.Tensor:
+        self.backend.prepare(
+            AttnContext(
+                slot_mapping_N=self.slot_mapping[:bs],
+                block_tables_SB=self.block_tables[:bs, :num_blocks],
+                query_index_SQ=self.rows[:bs, None],
+                query_pos_SQ=self.positions[:bs, None],
+                output_index_N=self.rows[:bs],
+            )
+        )
+        return self.model.hidden_states(
+            self.input_ids[:bs], position_ids=self.positions[:bs], attn=self.backend
+        )
+
+    def _capture(self, bs: int, num_blocks: int) -> None:
+        self._forward(bs, num_blocks)  # warm-up outside the graph: lazy kernel and cuBLAS set-up
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[(bs, num_blocks)] = self._forward(bs, num_blocks)
+        except RuntimeError as err:
+            raise GraphCaptureError(
+                f"capturing the decode forward (batch {bs}, {num_blocks} blocks) failed: {err}"
+            ) from err
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[(bs, num_blocks)] = graph
+        torch.cuda.synchronize()
+
+    def fits(self, batch_size: int, width: int) -> bool:
+        return batch_size <= self.batch_sizes[-1] and width <= self.block_buckets[-1]
+
+    @torch.no_grad()
+    def run(
+        self, input_ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]]
+    ) -> torch.Tensor:
+        """Final hidden states [B, D] of one decode step (B = len(input_ids))."""
+        B = len(input_ids)
+        width = max(len(t) for t in block_tables)
+        bs = next(b for b in self.batch_sizes if b >= B)
+        num_blocks = next(n for n in self.block_buckets if n >= width)
+        scratch_slot = self.scratch_block * self.backend.block_size
+        rows = [
+            [token, pos, slot, *table, *[self.scratch_block] * (num_blocks - len(table))]
+            for token, pos, slot, table in zip(input_ids, positions, slots, block_tables)
+        ]
+        rows += [[0, 0, scratch_slot, *[self.scratch_block] * num_blocks]] * (bs - B)
+        host = torch.tensor(rows, dtype=torch.int64)
+        device = self.input_ids.device
+        staged = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+        self.input_ids[:bs].copy_(staged[:, 0])
+        self.positions[:bs].copy_(staged[:, 1])
+        self.slot_mapping[:bs].copy_(staged[:, 2])
+        self.block_tables[:bs, :num_blocks].copy_(staged[:, 3:])
+        if (bs, num_blocks) not in self.graphs:
+            self._capture(bs, num_blocks)
+        self.graphs[(bs, num_blocks)].replay()
+        return self.outputs[(bs, num_blocks)][:B]

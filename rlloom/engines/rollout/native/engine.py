@@ -1,0 +1,321 @@
+"""NativeEngine: the rollout engine on rlloom's own model code (continuous batching, paged KV cache).
+
+    engine = NativeEngine.from_pretrained("smollm2-135m-instruct", max_model_len=1024)
+    completions = engine.generate(prompt_ids, SamplingParams(n=8, temperature=1.0, max_new_tokens=256))
+
+`generate` is built on the step-level API: `add_request` queues a prompt (its n samples), `step`
+runs one scheduled forward and returns the completions that finished, `abort` ends in-flight
+requests. A step is schedule -> (copy-on-write block copies) -> forward -> sample -> postprocess.
+
+Requests are validated one by one: a bad one (empty prompt, prompt of max_model_len tokens or more,
+token ids outside the vocabulary, invalid SamplingParams, stop strings without `decode`, a sequence
+larger than the whole KV cache) comes back as completions with finish_reason "abort" and `error`
+set, and the other requests proceed.
+
+Weights: `update_weights` copies Hugging Face-named tensors in place (the CUDA graphs stay valid);
+`sleep` frees the KV cache (and optionally moves the weights to CPU), `wake` takes them back (the
+CUDA graphs are captured again on first use).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from rlloom.config.components import RolloutConfig
+from rlloom.engines.rollout.native.block_manager import BlockManager
+from rlloom.engines.rollout.native.model_runner import ModelRunner, kv_bytes_per_block
+from rlloom.engines.rollout.native.sampler import Sampler, SamplingRows, noise_key
+from rlloom.engines.rollout.native.sampling_params import SamplingParams
+from rlloom.engines.rollout.native.scheduler import Batch, Scheduler
+from rlloom.engines.rollout.native.sequence import Completion, Sequence, Status
+from rlloom.engines.rollout.native.validation import request_problem
+
+
+def _check(ok: bool, name: str, value: object, rule: str, fix: str) -> None:
+    if not ok:
+        raise ValueError(f"NativeEngine {name}={value!r} is invalid: {rule}. Fix: {fix}.")
+
+
+def _eos_ids(model: torch.nn.Module) -> list[int]:
+    """EOS ids from config.json and, when the model came from a folder, generation_config.json."""
+    found: list[int] = []
+    sources = [model.hf_config]
+    gen_file = Path(model.source_path or "", "generation_config.json")
+    if model.source_path and gen_file.is_file():
+        sources.append(json.loads(gen_file.read_text()))
+    for cfg in sources:
+        eos = cfg.get("eos_token_id")
+        found += [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return sorted(set(found))
+
+
+class NativeEngine:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_model_len: int = 2048,
+        num_blocks: int = 0,
+        kv_cache_memory_gb: float = 1.0,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 16384,
+        enforce_eager: bool = False,
+        enable_prefix_sharing: bool = True,
+        decode: Callable[[list[int]], str] | None = None,
+        eos_token_ids: Iterable[int] | None = None,
+        seed: int | None = None,
+    ) -> None:
+        """Wrap a loaded `rlloom.models.CausalLM`; `decode(token_ids) -> str` enables stop strings."""
+        _check(max_model_len >= 2, "max_model_len", max_model_len, "must be >= 2", "e.g. 2048")
+        _check(
+            num_blocks >= 0, "num_blocks", num_blocks, "must be >= 0", "use 0 to size by kv_cache_memory_gb"
+        )
+        _check(kv_cache_memory_gb > 0, "kv_cache_memory_gb", kv_cache_memory_gb, "must be > 0", "e.g. 1.0")
+        _check(block_size >= 1, "block_size", block_size, "must be >= 1", "use 16")
+        _check(max_num_seqs >= 1, "max_num_seqs", max_num_seqs, "must be >= 1", "e.g. 256")
+        _check(
+            max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            max_num_batched_tokens,
+            "must be >= 1",
+            "e.g. 16384",
+        )
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        if num_blocks == 0:
+            num_blocks = int(kv_cache_memory_gb * 1024**3) // kv_bytes_per_block(model, block_size, dtype)
+            _check(
+                num_blocks >= 1,
+                "kv_cache_memory_gb",
+                kv_cache_memory_gb,
+                "holds less than one KV block",
+                "raise it",
+            )
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.enable_prefix_sharing = enable_prefix_sharing
+        self.decode = decode
+        self.policy_version = 0
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=max_num_seqs,
+            # A preempted sequence of up to max_model_len tokens must fit in one prefill.
+            max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
+            max_model_len=max_model_len,
+            eos_token_ids=_eos_ids(model) if eos_token_ids is None else eos_token_ids,
+            decode=decode,
+        )
+        self.runner = ModelRunner(
+            model,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+        )
+        self.sampler = Sampler(self.device, seed if seed is not None else random.randrange(2**62))
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._ready: list[Completion] = []
+        self._offloaded = False
+        self.last_batch: Batch | None = None
+        """The batch the last step() ran (None if it ran nothing): for benchmarks and metrics."""
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_name: str | os.PathLike,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        **kwargs: object,
+    ) -> NativeEngine:
+        """Load a checkpoint folder (or the embedded model name); `decode` comes from its tokenizer
+        when the folder has one and none is passed. Other keywords as in `NativeEngine(...)`."""
+        from rlloom.models import from_pretrained, load_tokenizer
+
+        model = from_pretrained(path_or_name, dtype=dtype, device=device)
+        folder = Path(model.source_path or "")
+        if kwargs.get("decode") is None and any(
+            (folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")
+        ):
+            tokenizer = load_tokenizer(folder)
+            kwargs["decode"] = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        return cls(model, **kwargs)
+
+    @classmethod
+    def from_config(
+        cls,
+        model: torch.nn.Module,
+        config: RolloutConfig,
+        *,
+        max_model_len: int,
+        decode: Callable[[list[int]], str] | None = None,
+        seed: int | None = None,
+    ) -> NativeEngine:
+        """Build from the run's `RolloutConfig` (cache and batching fields) and runtime objects."""
+        return cls(
+            model,
+            max_model_len=max_model_len,
+            num_blocks=config.num_blocks,
+            kv_cache_memory_gb=config.kv_cache_memory_gb,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            enforce_eager=config.enforce_eager,
+            decode=decode,
+            seed=seed,
+        )
+
+    # ---- step-level API -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        request_id: str | None = None,
+        prompt_index: int | None = None,
+    ) -> str:
+        """Queue `sampling.n` completions of one prompt; returns the request id (made if not given)."""
+        arrival = next(self._arrivals)
+        request_id = f"req-{arrival}" if request_id is None else request_id
+        prompt_index = arrival if prompt_index is None else prompt_index
+        seqs = [
+            Sequence(
+                seq_id=next(self._seq_ids),
+                request_id=request_id,
+                prompt_index=prompt_index,
+                sample_index=j,
+                prompt_ids=list(prompt_ids),
+                params=sampling,
+                policy_version=self.policy_version,
+            )
+            for j in range(max(sampling.n, 1))
+        ]
+        error = request_problem(
+            prompt_ids,
+            sampling,
+            max_model_len=self.max_model_len,
+            vocab_size=self.model.args.vocab_size,
+            can_decode=self.decode is not None,
+            block_manager=self.block_manager,
+        )
+        if error is not None:
+            for seq in seqs:
+                seq.status, seq.finish_reason, seq.error = Status.FINISHED, "abort", error
+                self._ready.append(seq.completion())
+            return request_id
+        group = self.max_num_seqs if self.enable_prefix_sharing else 1
+        for start in range(0, len(seqs), group):
+            leader, *forks = seqs[start : start + group]
+            leader.forks = forks
+            self.scheduler.add(leader)
+        return request_id
+
+    def step(self) -> list[Completion]:
+        """Run one scheduled forward; return the completions finished since the last call."""
+        if self.runner.backend is None and self.scheduler.has_unfinished():
+            raise ValueError("step() on a sleeping engine: its KV cache is freed. Fix: call wake() first.")
+        batch = self.last_batch = self.scheduler.schedule()
+        if batch is not None:
+            self.runner.copy_blocks(self.block_manager.take_pending_copies())
+            logits_SV = self.runner.run(batch.seqs, batch.is_prefill)
+            token_ids, logprobs = self._sample(batch, logits_SV)
+            for seq in self.scheduler.postprocess(batch, token_ids, logprobs):
+                self._ready.append(seq.completion())
+        ready, self._ready = self._ready, []
+        return ready
+
+    def _sample(self, batch: Batch, logits_SV: torch.Tensor) -> tuple[list[int], list[float]]:
+        if batch.row_source != list(range(len(batch.seqs))):
+            logits_SV = logits_SV[torch.tensor(batch.row_source, device=logits_SV.device)]
+        params = [seq.params for seq in batch.rows]
+        rows = SamplingRows.build(
+            [p.temperature for p in params],
+            [p.top_p for p in params],
+            [p.top_k for p in params],
+            [
+                None
+                if seq.params.seed is None
+                else noise_key(seq.params.seed, seq.sample_index, len(seq.output_ids))
+                for seq in batch.rows
+            ],
+            self.device,
+        )
+        token_ids_R, logprobs_R = self.sampler(logits_SV, rows)
+        return token_ids_R.tolist(), logprobs_R.tolist()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._ready)
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """End these requests; their completions (tokens so far, "abort") come out of the next step()."""
+        for seq in self.scheduler.abort(set(request_ids)):
+            self._ready.append(seq.completion())
+
+    # ---- batch API ------------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]
+    ) -> list[Completion]:
+        """Completions of every prompt, ordered by (prompt index, sample index)."""
+        per_prompt = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(
+                f"generate: {len(per_prompt)} SamplingParams for {len(prompts)} prompts. "
+                "Fix: pass one SamplingParams, or one per prompt."
+            )
+        if self.has_unfinished():
+            raise ValueError(
+                "generate: requests added with add_request are still in flight. Fix: step() them out first."
+            )
+        for i, (prompt, params) in enumerate(zip(prompts, per_prompt)):
+            self.add_request(prompt, params, request_id=str(i), prompt_index=i)
+        out: list[Completion] = []
+        while self.has_unfinished():
+            out += self.step()
+        return sorted(out, key=lambda c: (c.prompt_index, c.sample_index))
+
+    # ---- weights and memory ---------------------------------------------------------------------
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy Hugging Face-named tensors into the model in place and set the policy version."""
+        from rlloom.models import load_hf_tensors
+
+        load_hf_tensors(self.model, named_tensors)
+        self.policy_version = version
+
+    def sleep(self, offload_weights: bool = False) -> None:
+        """Free the KV cache (and with offload_weights move the weights to CPU); requests must be done."""
+        if self.scheduler.has_unfinished():
+            raise ValueError(
+                "sleep() with requests in flight would lose their KV cache. Fix: finish or abort() them first."
+            )
+        self.runner.free()
+        if offload_weights and self.device.type != "cpu":
+            self.model.to("cpu")
+            self._offloaded = True
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        """Take back the weights and the KV cache (the CUDA graphs are captured again on first use)."""
+        if self._offloaded:
+            self.model.to(self.device)
+            self._offloaded = False
+        if self.runner.backend is None:
+            self.runner.allocate()
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions

@@ -1,0 +1,172 @@
+"""ModelRunner: owns the KV cache, turns scheduled sequences into model inputs, returns logits.
+
+- prefill: the uncached tokens of every sequence packed into one flat stream [N] with their
+  positions and cache slots; attention sees each sequence's cached prefix plus its new tokens.
+- decode: one token per sequence. On CUDA (unless enforce_eager) the forward replays a captured
+  CUDA graph (cuda_graphs.py) and attention uses the Triton paged-decode kernel when it passes its
+  known-answer check (paged_decode.py); elsewhere it runs eagerly through the torch path.
+
+Only the last position of each sequence goes through the lm head, so prefill never builds [N, V]
+logits. Logits are computed as the model's own forward does (hidden @ lm_head_weight.T in the model
+dtype) and returned in fp32.
+
+The cache is `num_blocks + 1` blocks: the extra one is scratch space for padded graph rows.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from rlloom.engines.rollout.native.attention import AttnContext, PagedAttention
+from rlloom.engines.rollout.native.cuda_graphs import DecodeGraphs, GraphCaptureError
+from rlloom.engines.rollout.native.paged_decode import decode_kernel_works
+from rlloom.engines.rollout.native.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one block holds across all layers."""
+    a = model.args
+    return a.num_layers * block_size * a.num_kv_heads * (a.head_dim + a.v_head_dim) * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        enforce_eager: bool,
+    ) -> None:
+        self.model = model
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.use_graphs = self.device.type == "cuda" and not enforce_eager
+        self.backend: PagedAttention | None = None
+        self.graphs: DecodeGraphs | None = None
+        self.allocate()
+
+    def allocate(self) -> None:
+        """Allocate the KV cache (zeros, so masked-out slots never hold NaN); graphs are captured on use."""
+        a = self.model.args
+        self.device = next(self.model.parameters()).device
+        slots = (self.num_blocks + 1) * self.block_size
+        k_cache = torch.zeros(
+            a.num_layers, slots, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device
+        )
+        v_cache = torch.zeros(
+            a.num_layers, slots, a.num_kv_heads, a.v_head_dim, dtype=self.dtype, device=self.device
+        )
+        use_kernel = self.device.type == "cuda" and decode_kernel_works(
+            self.device, self.dtype, a.num_heads, a.num_kv_heads, a.head_dim, a.v_head_dim
+        )
+        self.backend = PagedAttention(k_cache, v_cache, self.block_size, use_decode_kernel=use_kernel)
+        if self.use_graphs:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.backend,
+                max_num_seqs=self.max_num_seqs,
+                max_blocks_per_seq=self.max_blocks_per_seq,
+                scratch_block=self.num_blocks,
+            )
+
+    def free(self) -> None:
+        """Drop the KV cache and the graphs (they point into it)."""
+        self.backend = None
+        self.graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.int64)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    @torch.no_grad()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (copy-on-write of shared blocks); all sources are read before any write."""
+        if not pairs:
+            return
+        assert self.backend is not None
+        src, dst = self._tensor([s for s, _ in pairs]), self._tensor([d for _, d in pairs])
+        for cache in (self.backend.k_cache, self.backend.v_cache):
+            blocks = cache.view(cache.shape[0], -1, self.block_size, *cache.shape[2:])
+            blocks[:, dst] = blocks[:, src]
+
+    @torch.no_grad()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
+        """Logits [S, V] fp32 of the last position of each sequence."""
+        assert self.backend is not None, "the KV cache is freed (engine asleep)"
+        hidden_SD = self._prefill(seqs) if is_prefill else self._decode(seqs)
+        return (hidden_SD @ self.model.lm_head_weight.T).float()
+
+    def _slot(self, seq: Sequence, pos: int) -> int:
+        return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _padded_tables(self, seqs: list[Sequence], num_blocks: int) -> torch.Tensor:
+        return self._tensor([s.block_table + [0] * (num_blocks - len(s.block_table)) for s in seqs])
+
+    def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        num_new = [s.num_tokens - s.num_cached_tokens for s in seqs]
+        Q = max(num_new)
+        width = max(len(s.block_table) for s in seqs)
+        ids, positions, slots, query_index, query_pos, output_index, last = [], [], [], [], [], [], []
+        offset = 0
+        for row, (seq, n) in enumerate(zip(seqs, num_new)):
+            start, end = seq.num_cached_tokens, seq.num_tokens
+            ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += [self._slot(seq, p) for p in range(start, end)]
+            query_index.append(list(range(offset, offset + n)) + [0] * (Q - n))
+            query_pos.append(list(range(start, end)) + [0] * (Q - n))
+            output_index += range(row * Q, row * Q + n)
+            offset += n
+            last.append(offset - 1)
+        self.backend.prepare(
+            AttnContext(
+                slot_mapping_N=self._tensor(slots),
+                block_tables_SB=self._padded_tables(seqs, width),
+                query_index_SQ=self._tensor(query_index),
+                query_pos_SQ=self._tensor(query_pos),
+                output_index_N=self._tensor(output_index),
+            )
+        )
+        hidden_ND = self.model.hidden_states(
+            self._tensor(ids), position_ids=self._tensor(positions), attn=self.backend
+        )
+        return hidden_ND[self._tensor(last)]
+
+    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        ids = [s.last_token for s in seqs]
+        positions = [s.num_tokens - 1 for s in seqs]
+        slots = [self._slot(s, p) for s, p in zip(seqs, positions)]
+        width = max(len(s.block_table) for s in seqs)
+        if self.graphs is not None and self.graphs.fits(len(seqs), width):
+            try:
+                return self.graphs.run(ids, positions, slots, [s.block_table for s in seqs])
+            except GraphCaptureError as err:  # e.g. a layer that syncs with the host: decode eagerly
+                logger.warning("%s; decoding eagerly from now on", err)
+                self.graphs = None
+        rows = torch.arange(len(seqs), device=self.device)
+        positions_S = self._tensor(positions)
+        self.backend.prepare(
+            AttnContext(
+                slot_mapping_N=self._tensor(slots),
+                block_tables_SB=self._padded_tables(seqs, width),
+                query_index_SQ=rows[:, None],
+                query_pos_SQ=positions_S[:, None],
+                output_index_N=rows,
+            )
+        )
+        return self.model.hidden_states(self._tensor(ids), position_ids=positions_S, attn=self.backend)

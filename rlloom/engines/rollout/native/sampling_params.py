@@ -1,0 +1,84 @@
+"""SamplingParams: how the completions of one prompt are drawn.
+
+Invalid values are not raised at construction: the engine rejects the request that carries them
+(finish_reason "abort", `error` set to the message of `problem()`) and the rest of the batch
+proceeds, so one bad prompt never costs a whole rollout.
+
+Semantics (the trainer relies on these):
+- `temperature > 0` samples from softmax(logits / temperature), restricted by top-k then top-p.
+  The logprob returned for each token is log_softmax(logits / temperature) in fp32, taken BEFORE
+  the top-k/top-p truncation (the same quantity `rlloom.models.logprobs.token_logprobs` computes).
+- `temperature == 0` is greedy (argmax); its logprob is that of the raw distribution,
+  log_softmax(logits), i.e. temperature 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlloom.config.components import RolloutConfig
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingParams:
+    """Sampling settings of one prompt. Example: `SamplingParams(n=8, temperature=1.0, max_new_tokens=256)`."""
+
+    n: int = 1
+    """Completions drawn for the prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 is greedy decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1.0 = off)."""
+    top_k: int = -1
+    """Keep only the top_k most likely tokens (-1 = off)."""
+    max_new_tokens: int = 64
+    """Most tokens generated per completion (also capped by the engine's max_model_len)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Tokens that end a completion besides EOS (they stop it even with ignore_eos)."""
+    stop_strings: list[str] = field(default_factory=list)
+    """Strings that end a completion once the decoded response contains one; needs the engine's `decode`."""
+    seed: int | None = None
+    """Per-request seed: sample j of this prompt draws its noise from (seed, j, token position) only, so
+    the result does not depend on the batch it ran in, preemption, or prefix sharing. None = engine RNG."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks)."""
+
+    @classmethod
+    def from_config(cls, config: RolloutConfig, *, evaluation: bool = False) -> SamplingParams:
+        """Training sampling from `RolloutConfig`; with evaluation=True one sample at eval_temperature."""
+        return cls(
+            n=1 if evaluation else config.n_samples,
+            temperature=config.eval_temperature if evaluation else config.temperature,
+            top_p=config.top_p,
+            top_k=config.top_k,
+            max_new_tokens=config.max_new_tokens,
+            stop_strings=list(config.stop_strings),
+        )
+
+    def problem(self) -> str | None:
+        """Why this request must be rejected, or None if it is valid."""
+        checks = [
+            (self.n >= 1, "n", self.n, "must be >= 1", "ask for at least one completion per prompt"),
+            (self.temperature >= 0, "temperature", self.temperature, "must be >= 0", "use 1.0 (0 is greedy)"),
+            (
+                0 < self.top_p <= 1,
+                "top_p",
+                self.top_p,
+                "must be in (0, 1]",
+                "use 1.0 for the full distribution",
+            ),
+            (self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 (off) or >= 1", "use -1"),
+            (
+                self.max_new_tokens >= 1,
+                "max_new_tokens",
+                self.max_new_tokens,
+                "must be >= 1",
+                "use a positive length",
+            ),
+        ]
+        for ok, name, value, rule, fix in checks:
+            if not ok:
+                return f"SamplingParams.{name}={value!r} is invalid: {rule}. Fix: {fix}."
+        if any(not s for s in self.stop_strings):
+            return "SamplingParams.stop_strings contains an empty string, which would stop at once. Fix: remove it."
+        return None

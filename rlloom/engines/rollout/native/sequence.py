@@ -1,0 +1,99 @@
+"""Sequence: the engine's record of one completion in flight, and Completion, what it returns.
+
+A request with `n` samples becomes `n` sequences. With prefix sharing the first one (the leader)
+carries the other n - 1 in `forks` while it waits; its prefill computes the prompt's KV cache once
+and the forks then join with block tables pointing at the same blocks (see block_manager.py).
+
+KV invariant: after every step the cache holds the keys/values of all tokens but the last one
+(`num_tokens - 1`); the next forward writes the last token's and samples the one after.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from rlloom.data.types import FinishReason
+from rlloom.engines.rollout.native.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(kw_only=True, slots=True)
+class Completion:
+    """One sample of one prompt. Example: `Completion(request_id="r0", prompt_index=0, sample_index=1,
+    token_ids=[5, 9, 2], logprobs=[-0.3, -1.2, -0.1], finish_reason="stop", policy_version=4)`."""
+
+    request_id: str
+    """Id given to (or made by) `add_request`; `generate` uses the prompt's index as a string."""
+    prompt_index: int
+    """Position of the prompt in `generate`'s list (arrival order for `add_request`)."""
+    sample_index: int
+    """Which of the prompt's `n` samples this is (0..n-1)."""
+    token_ids: list[int]
+    """Generated tokens (the stop token included when one ended the completion)."""
+    logprobs: list[float]
+    """Per generated token: log_softmax(logits / T) in fp32 before top-k/top-p (T = 1 when greedy)."""
+    finish_reason: FinishReason
+    """"stop" (EOS, stop token or stop string), "length" (max_new_tokens or max_model_len) or "abort"."""
+    policy_version: int
+    """Weight version (`update_weights`) in force when the request was added."""
+    error: str | None = None
+    """Why the request was rejected or aborted; None for normal completions."""
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """Mutable state of one sample while it is generated (identity equality, used in queues)."""
+
+    seq_id: int
+    request_id: str
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    policy_version: int
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    """Tokens whose keys/values are in the cache."""
+    forks: list[Sequence] = field(default_factory=list)
+    """Waiting siblings that join when this (leader) sequence is prefilled; empty otherwise."""
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def group_size(self) -> int:
+        """Sequences admitted together with this one: itself plus its pending forks."""
+        return 1 + len(self.forks)
+
+    def completion(self) -> Completion:
+        assert self.finish_reason is not None
+        return Completion(
+            request_id=self.request_id,
+            prompt_index=self.prompt_index,
+            sample_index=self.sample_index,
+            token_ids=list(self.output_ids),
+            logprobs=list(self.logprobs),
+            finish_reason=self.finish_reason,
+            policy_version=self.policy_version,
+            error=self.error,
+        )

@@ -1,0 +1,51 @@
+"""Which requests the engine rejects, and why: one message per request, naming the value, rule and fix.
+
+A rejected request comes back as completions with finish_reason "abort" and `error` set to the
+message, while the rest of the batch proceeds (see engine.py).
+"""
+
+from __future__ import annotations
+
+from rlloom.engines.rollout.native.block_manager import BlockManager
+from rlloom.engines.rollout.native.sampling_params import SamplingParams
+
+
+def request_problem(
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    *,
+    max_model_len: int,
+    vocab_size: int,
+    can_decode: bool,
+    block_manager: BlockManager,
+) -> str | None:
+    """Why this request cannot run, or None when it can."""
+    problem = sampling.problem()
+    if problem is not None:
+        return problem
+    if not prompt_ids:
+        return "prompt is empty: a completion needs at least one prompt token. Fix: drop or fill the prompt."
+    if len(prompt_ids) >= max_model_len:
+        return (
+            f"prompt has {len(prompt_ids)} tokens; it must be shorter than max_model_len={max_model_len} "
+            "to leave room for a new token. Fix: truncate the prompt or raise max_model_len."
+        )
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
+        return (
+            f"prompt has token ids outside the model's vocabulary [0, {vocab_size}) (min {min(prompt_ids)}, "
+            f"max {max(prompt_ids)}). Fix: tokenize with this model's tokenizer."
+        )
+    if sampling.stop_strings and not can_decode:
+        return (
+            "SamplingParams.stop_strings needs a decode function. Fix: pass decode= to NativeEngine "
+            "(from_pretrained does when the checkpoint has a tokenizer) or use stop_token_ids."
+        )
+    longest = min(len(prompt_ids) + sampling.max_new_tokens, max_model_len)
+    needed = block_manager.blocks_for(longest)
+    if needed > block_manager.num_blocks:
+        return (
+            f"a sequence of up to {longest} tokens needs {needed} KV blocks of {block_manager.block_size} "
+            f"tokens but the cache has {block_manager.num_blocks}. Fix: raise num_blocks or "
+            "kv_cache_memory_gb, or lower max_new_tokens."
+        )
+    return None

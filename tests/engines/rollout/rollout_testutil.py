@@ -1,0 +1,80 @@
+"""Shared helpers of the rollout-engine tests: tiny random HF checkpoints and reference computations."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+VOCAB = 128
+
+
+def lively_(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Overwrite every weight so logits are O(1): greedy argmaxes are then far from ties."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * noise)
+            elif p.dim() == 1:
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(noise / math.sqrt(p.shape[-1]))
+    return model
+
+
+def tiny_dense(seed: int = 0) -> Qwen3ForCausalLM:
+    cfg = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+        eos_token_id=None, bos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    return lively_(Qwen3ForCausalLM(cfg), seed).eval()
+
+
+def tiny_moe(seed: int = 0) -> Qwen3MoeForCausalLM:
+    cfg = Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=512, norm_topk_prob=True, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    return lively_(Qwen3MoeForCausalLM(cfg), seed).eval()
+
+
+def save(hf_model: torch.nn.Module, folder: Path) -> str:
+    hf_model.save_pretrained(folder)
+    return str(folder)
+
+
+def prompts(num: int, *, max_len: int = 20, seed: int = 0) -> list[list[int]]:
+    """`num` random prompts of mixed lengths 1..max_len."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, max_len + 1, (num,), generator=gen).tolist()
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def hf_greedy(hf_model: torch.nn.Module, batch: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy generate of every prompt, left-padded into one batch."""
+    width = max(len(p) for p in batch)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    out = hf_model.generate(
+        ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens, pad_token_id=0, eos_token_id=None,
+    )  # fmt: skip
+    return out[:, width:].tolist()
+
+
+@torch.no_grad()
+def full_forward_logprobs(
+    model: torch.nn.Module, prompt: list[int], tokens: list[int], temperature: float
+) -> list[float]:
+    """log_softmax(logits / T) of each generated token from one full forward of the native model."""
+    ids = torch.tensor([prompt + tokens])
+    logits = model(ids)[0, len(prompt) - 1 : -1].float()
+    t = temperature if temperature > 0 else 1.0
+    return torch.log_softmax(logits / t, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()

@@ -1,0 +1,106 @@
+"""Block manager reference counts and copy-on-write, scheduler preemption, sampler exactness."""
+
+from __future__ import annotations
+
+import torch
+
+from rlloom.engines.rollout.native.block_manager import BlockManager
+from rlloom.engines.rollout.native.sampler import Sampler, SamplingRows, noise_key
+from rlloom.engines.rollout.native.sampling_params import SamplingParams
+from rlloom.engines.rollout.native.scheduler import Scheduler
+from rlloom.engines.rollout.native.sequence import Sequence
+
+
+def _seq(i: int, prompt_len: int, **params) -> Sequence:
+    return Sequence(
+        seq_id=i, request_id=str(i), prompt_index=i, sample_index=0, prompt_ids=list(range(1, prompt_len + 1)),
+        params=SamplingParams(**params), policy_version=0,
+    )  # fmt: skip
+
+
+def test_fork_shares_blocks_and_copies_the_partial_block_on_write():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    leader, child = _seq(0, 6), _seq(1, 6)
+    bm.allocate(leader)
+    assert len(leader.block_table) == 2 and bm.num_used_blocks == 2
+    leader.num_cached_tokens = 6
+    bm.fork(leader, child)
+    assert child.block_table == leader.block_table
+    assert [bm.ref_counts[b] for b in leader.block_table] == [2, 2]
+    # Both sample a token; position 6 lies in the shared partial block 1: the first writer copies it.
+    leader.output_ids.append(7)
+    child.output_ids.append(8)
+    assert bm.append_cost(leader) == 1
+    bm.may_append(leader)
+    assert bm.take_pending_copies() == [(child.block_table[1], leader.block_table[1])]
+    assert leader.block_table[0] == child.block_table[0] and leader.block_table[1] != child.block_table[1]
+    assert bm.append_cost(child) == 0  # now its only holder: writes in place
+    bm.may_append(child)
+    assert bm.take_pending_copies() == []
+    assert bm.ref_counts[leader.block_table[0]] == 2 and bm.num_used_blocks == 3
+    bm.free(leader)
+    bm.free(child)
+    assert bm.num_free_blocks == 10 and not any(bm.ref_counts)
+
+
+def test_new_block_at_a_block_boundary():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    seq = _seq(0, 4)
+    bm.allocate(seq)
+    seq.output_ids.append(5)
+    assert bm.append_cost(seq) == 1
+    bm.may_append(seq)
+    assert len(seq.block_table) == 2 and bm.take_pending_copies() == []
+
+
+def test_scheduler_preempts_the_newest_sequence_when_blocks_run_out():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, eos_token_ids=[])
+    a, b = _seq(0, 8, max_new_tokens=20), _seq(1, 8, max_new_tokens=20)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert batch.is_prefill and batch.seqs == [a, b] and bm.num_free_blocks == 0
+    sched.postprocess(batch, [1, 1], [0.0, 0.0])
+    batch = sched.schedule()  # both need a new block for position 8; only preempting b frees one
+    assert not batch.is_prefill and batch.seqs == [a]
+    assert list(sched.waiting) == [b] and b.block_table == [] and sched.num_preemptions == 1
+
+
+def test_sampler_frequencies_match_the_truncated_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    rows = 20000
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    spec = SamplingRows.build([0.7] * rows, [1.0] * rows, [3] * rows, [None] * rows, torch.device("cpu"))
+    tokens, logprobs = sampler(logits.expand(rows, -1), spec)
+    probs = torch.softmax(logits / 0.7, dim=-1)
+    top3 = probs[:3] / probs[:3].sum()
+    freq = torch.bincount(tokens, minlength=5).float() / rows
+    assert freq[3:].sum() == 0
+    assert (freq[:3] - top3).abs().max() < 0.015
+    # Reported logprobs are pre-truncation: log_softmax(logits / T), not the renormalised top-3.
+    assert torch.allclose(logprobs, torch.log(probs)[tokens], atol=1e-6)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    rows = 4000
+    sampler = Sampler(torch.device("cpu"), seed=1)
+    spec = SamplingRows.build([1.0] * rows, [0.75] * rows, [-1] * rows, [None] * rows, torch.device("cpu"))
+    tokens, _ = sampler(logits.expand(rows, -1), spec)
+    assert set(tokens.tolist()) == {0, 1}
+
+
+def test_greedy_and_seeded_rows():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    sampler = Sampler(torch.device("cpu"), seed=2)
+    keys = [None, noise_key(7, 0, 3), noise_key(7, 0, 3)]
+    spec = SamplingRows.build([0.0, 1.0, 1.0], [1.0] * 3, [-1] * 3, keys, torch.device("cpu"))
+    tokens, logprobs = sampler(logits[[0, 1, 1]], spec)
+    assert tokens[0] == logits[0].argmax()
+    assert torch.allclose(logprobs[0], torch.log_softmax(logits[0], -1).max())
+    assert tokens[1] == tokens[2]  # same key, same logits -> same token, whatever the batch
+    again, _ = Sampler(torch.device("cpu"), seed=99)(
+        logits[[1]], SamplingRows.build([1.0], [1.0], [-1], keys[1:2], torch.device("cpu"))
+    )
+    assert again[0] == tokens[1]

@@ -1,0 +1,251 @@
+"""NativeEngine on tiny random Qwen3 (dense and MoE) checkpoints: parity with transformers, logprob
+contract, invariance to prefix sharing and preemption, seeds, weight updates, rejection and abort."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from rollout_testutil import VOCAB, full_forward_logprobs, hf_greedy, prompts, save, tiny_dense, tiny_moe
+
+import rlloom.models as models
+from rlloom.engines.rollout.native import NativeEngine, SamplingParams
+from rlloom.engines.rollout.native.cuda_graphs import DecodeGraphs
+from rlloom.engines.rollout.native.sequence import Sequence
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    hf = tiny_dense(seed=0)
+    return hf, save(hf, tmp_path_factory.mktemp("dense"))
+
+
+def _engine(path: str, **kwargs) -> NativeEngine:
+    kwargs = {"max_model_len": 64, "num_blocks": 256, "block_size": BLOCK, "seed": 0} | kwargs
+    return NativeEngine(models.from_pretrained(path), **kwargs)
+
+
+def _assert_same(a, b, atol=1e-5):
+    assert [(c.prompt_index, c.sample_index, c.token_ids, c.finish_reason) for c in a] == [
+        (c.prompt_index, c.sample_index, c.token_ids, c.finish_reason) for c in b
+    ]
+    for x, y in zip(a, b):
+        assert max((abs(p - q) for p, q in zip(x.logprobs, y.logprobs)), default=0.0) <= atol
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_greedy_matches_transformers(kind, dense, tmp_path):
+    hf, path = dense if kind == "dense" else (lambda m: (m, save(m, tmp_path)))(tiny_moe(seed=1))
+    engine = _engine(path)
+    batch = prompts(24, max_len=24, seed=3)
+    out = engine.generate(batch, SamplingParams(temperature=0.0, max_new_tokens=8))
+    assert len(out) == len(batch)
+    for prompt, c, ref in zip(batch, out, hf_greedy(hf, batch, 8)):
+        assert c.token_ids == ref, (prompt, c)
+        assert c.finish_reason == "length" and c.error is None
+        expected = full_forward_logprobs(engine.model, prompt, c.token_ids, 0.0)
+        assert max(abs(p - q) for p, q in zip(c.logprobs, expected)) <= 1e-5
+
+
+def test_sampled_logprobs_match_full_forward(dense):
+    engine = _engine(dense[1])
+    batch = prompts(6, seed=4)
+    for temperature, top_p, top_k in [(0.7, 1.0, -1), (1.3, 0.8, 5)]:
+        params = SamplingParams(n=3, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=10)
+        out = engine.generate(batch, params)
+        assert len(out) == 18
+        for c in out:
+            expected = full_forward_logprobs(engine.model, batch[c.prompt_index], c.token_ids, temperature)
+            assert max(abs(p - q) for p, q in zip(c.logprobs, expected)) <= 1e-5
+
+
+def test_prefix_sharing_and_preemption_do_not_change_results(dense):
+    batch = prompts(8, max_len=18, seed=5)
+    # Half greedy, half seeded sampling, in one batch.
+    params = [
+        SamplingParams(n=4, temperature=float(i % 2), max_new_tokens=10, seed=100 + i) for i in range(8)
+    ]
+    reference = _engine(dense[1], enable_prefix_sharing=False).generate(batch, params)
+    shared = _engine(dense[1]).generate(batch, params)
+    _assert_same(shared, reference)
+    # 16 blocks of 4 tokens: two sequences of up to 28 tokens (7 blocks) fit, 32 do not -> preemptions.
+    tight = _engine(dense[1], num_blocks=16)
+    _assert_same(tight.generate(batch, params), reference)
+    assert tight.num_preemptions > 0
+    small_batches = _engine(dense[1], max_num_seqs=3, enable_prefix_sharing=False)
+    _assert_same(small_batches.generate(batch, params), reference)
+
+
+def test_seeded_sampling_is_reproducible_and_unseeded_varies(dense):
+    engine = _engine(dense[1])
+    batch = prompts(4, seed=6)
+    seeded = SamplingParams(n=4, temperature=1.0, max_new_tokens=10, seed=7)
+    a, b = engine.generate(batch, seeded), engine.generate(batch, seeded)
+    _assert_same(a, b, atol=0.0)
+    assert len({tuple(c.token_ids) for c in a}) > 1  # the n samples differ from each other
+    unseeded = SamplingParams(n=4, temperature=1.0, max_new_tokens=10)
+    assert [c.token_ids for c in engine.generate(batch, unseeded)] != [
+        c.token_ids for c in engine.generate(batch, unseeded)
+    ]
+
+
+def test_samples_of_one_prompt_share_kv_blocks(dense):
+    prompt = list(range(1, 18))  # 17 tokens: 4 full blocks + 1 token
+    used = {}
+    for sharing in (True, False):
+        engine = _engine(dense[1], enable_prefix_sharing=sharing)
+        engine.add_request(prompt, SamplingParams(n=8, max_new_tokens=4))
+        engine.step()  # prefill
+        used[sharing] = engine.block_manager.num_used_blocks
+        if sharing:
+            tables = [s.block_table for s in engine.scheduler.running]
+            assert len(tables) == 8 and all(t == tables[0] for t in tables)
+            assert all(engine.block_manager.ref_counts[b] == 8 for b in tables[0])
+        engine.step()  # first decode: the partial block is copied on write, full blocks stay shared
+        if sharing:
+            assert engine.block_manager.num_used_blocks == 4 + 8
+            assert all(engine.block_manager.ref_counts[b] == 8 for b in tables[0][:4])
+    assert used == {True: 5, False: 40}
+
+
+def test_update_weights_equals_a_fresh_engine(dense, tmp_path):
+    other = tiny_dense(seed=42)
+    fresh = _engine(save(other, tmp_path))
+    engine = _engine(dense[1])
+    batch = prompts(8, seed=8)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=1)
+    before = engine.generate(batch, params)
+    engine.update_weights(models.hf_named_tensors(fresh.model), version=3)
+    after = engine.generate(batch, params)
+    _assert_same(after, fresh.generate(batch, params))
+    assert [c.token_ids for c in after] != [c.token_ids for c in before]
+    assert {c.policy_version for c in after} == {3} and {c.policy_version for c in before} == {0}
+
+
+def test_bad_requests_are_rejected_one_by_one(dense):
+    engine = _engine(dense[1], max_model_len=32, num_blocks=6)
+    good = SamplingParams(temperature=0.0, max_new_tokens=4)
+    batch = [[1, 2, 3], [], list(range(1, 33)), [1, 2], [4, 5], [6], [7, VOCAB], [8, 9], [10]]
+    params = [
+        good, good, good,
+        SamplingParams(max_new_tokens=0), SamplingParams(n=0), SamplingParams(temperature=-1.0),
+        good, SamplingParams(stop_strings=["x"]), SamplingParams(max_new_tokens=30),
+    ]  # fmt: skip
+    out = engine.generate(batch, params)
+    assert [c.prompt_index for c in out] == list(range(9))
+    assert out[0].error is None and out[0].finish_reason == "length" and len(out[0].token_ids) == 4
+    expected_words = [
+        None,
+        "empty",
+        "max_model_len",
+        "max_new_tokens",
+        "n=0",
+        "temperature",
+        "vocabulary",
+        "decode",
+        "KV blocks",
+    ]
+    for c, word in zip(out[1:], expected_words[1:]):
+        assert c.finish_reason == "abort" and c.token_ids == [] and word in c.error, c.error
+
+
+def test_stop_tokens_strings_and_abort(dense):
+    engine = _engine(dense[1], decode=lambda ids: " ".join(map(str, ids)))
+    prompt = prompts(1, seed=9)[0]
+    free = engine.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=10))[0].token_ids
+    stop_tok = engine.generate(
+        [prompt], SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=[free[3]])
+    )[0]
+    assert stop_tok.token_ids == free[: free.index(free[3]) + 1] and stop_tok.finish_reason == "stop"
+    text = " ".join(map(str, free[2:4]))
+    stop_str = engine.generate(
+        [prompt], SamplingParams(temperature=0.0, max_new_tokens=10, stop_strings=[text])
+    )[0]
+    assert " ".join(map(str, stop_str.token_ids)).endswith(text) and stop_str.finish_reason == "stop"
+
+    keep = engine.add_request(prompt, SamplingParams(n=2, temperature=0.0, max_new_tokens=10))
+    gone = engine.add_request(prompt, SamplingParams(n=3, temperature=0.0, max_new_tokens=10))
+    engine.step()
+    engine.step()
+    engine.abort([gone])
+    done = []
+    while engine.has_unfinished():
+        done += engine.step()
+    aborted = [c for c in done if c.request_id == gone]
+    assert len(aborted) == 3 and all(c.finish_reason == "abort" and len(c.token_ids) == 2 for c in aborted)
+    assert [c.token_ids for c in done if c.request_id == keep] == [free, free]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_sleep_and_wake(dense):
+    engine = _engine(dense[1])
+    batch = prompts(3, seed=10)
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    before = engine.generate(batch, params)
+    engine.sleep(offload_weights=True)
+    assert engine.runner.backend is None
+    engine.wake()
+    _assert_same(engine.generate(batch, params), before, atol=0.0)
+
+
+class EagerGraphs(DecodeGraphs):
+    """DecodeGraphs whose "graphs" re-run the forward eagerly: tests the static-buffer plumbing on CPU."""
+
+    def _capture(self, bs, num_blocks):
+        self.outputs[(bs, num_blocks)] = self._forward(bs, num_blocks)
+        replay = lambda: self.outputs[(bs, num_blocks)].copy_(self._forward(bs, num_blocks))
+        self.graphs[(bs, num_blocks)] = SimpleNamespace(replay=replay)
+
+
+def test_decode_graph_buffers_padding_and_buckets(dense):
+    batch = sorted(prompts(6, max_len=20, seed=11), key=len)  # the longest prompt runs longest
+    params = [SamplingParams(n=2, temperature=1.0, max_new_tokens=3 + 3 * i, seed=i) for i in range(6)]
+    reference = _engine(dense[1]).generate(batch, params)
+    engine = _engine(dense[1], max_num_seqs=12)
+    runner = engine.runner
+    runner.graphs = EagerGraphs(
+        engine.model, runner.backend, max_num_seqs=12, max_blocks_per_seq=runner.max_blocks_per_seq,
+        scratch_block=runner.num_blocks, bucket_tokens=16,
+    )  # fmt: skip
+    _assert_same(engine.generate(batch, params), reference)
+    used = sorted(runner.graphs.graphs)
+    assert {bs for bs, _ in used} >= {2, 4, 8, 12} and len({nb for _, nb in used}) >= 2, used
+
+
+def test_built_from_rollout_config(dense):
+    from rlloom.config.components import RolloutConfig
+
+    cfg = RolloutConfig(
+        n_samples=3, temperature=0.9, max_new_tokens=5, num_blocks=32, block_size=8, max_num_seqs=4
+    )
+    engine = NativeEngine.from_config(models.from_pretrained(dense[1]), cfg, max_model_len=48)
+    assert engine.block_manager.num_blocks == 32 and engine.block_manager.block_size == 8
+    out = engine.generate(prompts(2, seed=12), SamplingParams.from_config(cfg))
+    assert [(c.prompt_index, len(c.token_ids)) for c in out] == [(0, 5)] * 3 + [(1, 5)] * 3
+    assert SamplingParams.from_config(cfg, evaluation=True).temperature == 0.0
+
+
+def test_prefill_attends_to_a_cached_prefix(dense):
+    engine = _engine(dense[1])
+    prompt = prompts(1, max_len=20, seed=13)[0] + [5, 6, 7, 8, 9, 10, 11]
+    seq = Sequence(seq_id=0, request_id="r", prompt_index=0, sample_index=0, prompt_ids=prompt[:9],
+                   params=SamplingParams(), policy_version=0)  # fmt: skip
+    bm = engine.block_manager
+    bm.allocate(seq)
+    engine.runner.run([seq], is_prefill=True)
+    seq.num_cached_tokens, seq.prompt_ids = 9, prompt  # the rest arrives as a second prefill chunk
+    seq.block_table += [bm._take() for _ in range(bm.blocks_for(len(prompt)) - len(seq.block_table))]
+    logits = engine.runner.run([seq], is_prefill=True)[0]
+    expected = engine.model(torch.tensor([prompt]))[0, -1]
+    assert (logits - expected).abs().max() < 1e-5
+
+
+def test_large_groups_and_the_model_length_cap(dense):
+    engine = _engine(dense[1], max_num_seqs=3)
+    out = engine.generate([[1, 2, 3]], SamplingParams(n=7, temperature=1.0, max_new_tokens=3, seed=0))
+    assert [c.sample_index for c in out] == list(range(7)) and all(len(c.token_ids) == 3 for c in out)
+    capped = engine.generate([list(range(1, 61))], SamplingParams(temperature=0.0, max_new_tokens=10))[0]
+    assert len(capped.token_ids) == 4 and capped.finish_reason == "length"  # 60 + 4 = max_model_len 64
