@@ -186,7 +186,11 @@ def run_models(args) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     hf = build_hf(cfg, device, dtype)
-    rows.append(measure("hf-sdpa", hf_step, hf, ids_BT, [T] * B, False, params, shape, args))
+    try:
+        rows.append(measure("hf-sdpa", hf_step, hf, ids_BT, [T] * B, False, params, shape, args))
+    except torch.OutOfMemoryError:
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        rows.append(dict(name="hf-sdpa (OOM)", tokens=B * T, tok_s=0.0, ms=float("nan"), mfu=0.0, peak=peak))
     print(
         f"shape: {'tiny' if args.tiny else 'Qwen3-1.7B'}, {B} x {T} tokens, {dtype}, {device}, {params / 1e6:.1f} M matmul params"
     )

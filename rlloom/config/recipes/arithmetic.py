@@ -18,7 +18,8 @@ def arithmetic_demo() -> RunConfig:
     return RunConfig(
         model=ModelConfig(path="smollm2-135m-instruct"),
         data=DataConfig(task="arithmetic", num_digits=2, operators="+", num_eval=200),
-        rollout=RolloutConfig(n_samples=4, temperature=1.0, max_new_tokens=32),
+        # On CPU the KV cache is cheap to keep; re-allocating it every step is not.
+        rollout=RolloutConfig(n_samples=4, temperature=1.0, max_new_tokens=32, sleep_during_train=False),
         algorithm=AlgorithmConfig(estimator="grpo", loss="ppo_clip", agg_mode="token-mean"),
         train=TrainEngineConfig(lr=1e-5, max_tokens_per_micro_batch=2048),
         trainer=TrainerConfig(total_steps=40, prompts_per_step=8, run_dir="runs/arithmetic_demo"),
