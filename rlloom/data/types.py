@@ -8,7 +8,17 @@ Alignment: the logit at position p predicts the token at p + 1. For a sample wit
 and response length R laid out at offset o, response token t is predicted at position
 o + P - 1 + t. `gather_index_BT` holds these positions, so per-position quantities computed over
 the packed stream (or the flattened padded batch) become `_BT` response tensors with
-`x_N[gather_index_BT]`, valid where `response_mask_BT` is true.
+`x_N[gather_index_BT]`, valid where `response_mask_BT` is true; the token each such position
+predicts is `target_ids_BT`.
+
+Shared-prompt ("prefix tree") layout, `RolloutBatch.packed(share_prompts=True)`: the samples of a
+batch that share a group id and identical prompt ids become ONE segment of the stream,
+[prompt (P), response_1 (R_1), ..., response_k (R_k)], with positions 0..P-1 for the prompt and
+P..P+R_i-1 for each response (a "branch"). Prompt tokens attend causally within the prompt; a
+branch token attends to the whole prompt and causally to its own branch, never to another branch.
+Response token t of branch i is predicted at the prompt's last position when t == 0 (one position
+shared by all branches, so `gather_index_BT` may repeat) and at branch i's token t - 1 otherwise.
+Logprobs are the same as in the sequence layout; the prompt is computed once instead of k times.
 """
 
 from __future__ import annotations
@@ -75,32 +85,58 @@ class Sample:
 
 @dataclass(kw_only=True, slots=True)
 class PackedTensors:
-    """Sequences concatenated into one stream (no padding). Attention is block-diagonal causal."""
+    """Segments concatenated into one stream (no padding); attention is block-diagonal over segments.
+
+    Sequence layout (`prefix_lens_S is None`): each segment is one sample's prompt + response, with
+    causal attention. Shared-prompt layout: each segment is a prompt followed by branches (see the
+    module docstring); `prefix_lens_S` and `branch_lens_Z` describe it, Z being the number of
+    non-empty branches in the stream.
+
+    Example (shared-prompt layout), two samples of one group with prompt [5, 6] and responses [7]
+    and [8, 9]: input_ids_N = [5, 6, 7, 8, 9], position_ids_N = [0, 1, 2, 2, 3], cu_seqlens = [0, 5],
+    prefix_lens_S = [2], branch_lens_Z = [1, 2], gather_index_BT = [[1, 0], [1, 3]],
+    target_ids_BT = [[7, 0], [8, 9]].
+    """
 
     input_ids_N: torch.Tensor
-    """[N] token ids of all sequences back to back."""
+    """[N] token ids of all segments back to back."""
     position_ids_N: torch.Tensor
-    """[N] position within its own sequence (restarts at 0 for each sequence)."""
+    """[N] position within its own sequence (restarts at 0 for each segment, and at the prompt
+    length for each branch)."""
     cu_seqlens: torch.Tensor
-    """[S + 1] int32 cumulative sequence lengths, cu_seqlens[0] = 0, cu_seqlens[-1] = N."""
+    """[S + 1] int32 cumulative segment lengths, cu_seqlens[0] = 0, cu_seqlens[-1] = N."""
     target_ids_N: torch.Tensor
-    """[N] the next token of each position (0 after a sequence's last token; never gathered)."""
+    """[N] the next token of each position along its sequence (0 after a sequence's last token, and at
+    a prompt's last position when several branches follow it); read targets with `target_ids_BT`."""
     gather_index_BT: torch.Tensor
     """[B, T] stream position predicting response token t of sample b (0 where masked)."""
+    target_ids_BT: torch.Tensor
+    """[B, T] the token predicted at `gather_index_BT[b, t]`: response token t of sample b (0 after)."""
     response_mask_BT: torch.Tensor
     """[B, T] bool: true for response tokens that exist and have loss mask 1."""
     max_seqlen: int
-    """Longest sequence in the stream."""
+    """Longest segment in the stream."""
+    prefix_lens_S: torch.Tensor | None = None
+    """Shared-prompt layout: [S] int32 tokens of the prompt that opens each segment; None otherwise."""
+    branch_lens_Z: torch.Tensor | None = None
+    """Shared-prompt layout: [Z] int32 lengths of the non-empty branches in stream order; segment s
+    owns the next entries, which sum to its length minus `prefix_lens_S[s]`. None otherwise."""
 
     def to(self, device: torch.device | str) -> PackedTensors:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t.to(device) if t is not None else None
+
         return PackedTensors(
             input_ids_N=self.input_ids_N.to(device),
             position_ids_N=self.position_ids_N.to(device),
             cu_seqlens=self.cu_seqlens.to(device),
             target_ids_N=self.target_ids_N.to(device),
             gather_index_BT=self.gather_index_BT.to(device),
+            target_ids_BT=self.target_ids_BT.to(device),
             response_mask_BT=self.response_mask_BT.to(device),
             max_seqlen=self.max_seqlen,
+            prefix_lens_S=move(self.prefix_lens_S),
+            branch_lens_Z=move(self.branch_lens_Z),
         )
 
 
@@ -179,30 +215,63 @@ class RolloutBatch:
             out[b, : len(s.rollout_logprobs)] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
         return out
 
-    def packed(self) -> PackedTensors:
-        """All samples as one packed stream, in batch order."""
-        ids, pos, tgt, lens = [], [], [], []
-        gather = torch.zeros(len(self.samples), self.T, dtype=torch.int64)
-        offset = 0
+    def shared_prompt_groups(self) -> list[list[int]]:
+        """Sample indices of the samples that can share one prompt copy: same group id and identical
+        prompt ids. Groups come in order of first appearance, each in batch order."""
+        groups: dict[tuple[int, tuple[int, ...]], list[int]] = {}
         for b, s in enumerate(self.samples):
-            tokens = s.token_ids
-            n, p, r = len(tokens), len(s.prompt_ids), len(s.response_ids)
-            ids.extend(tokens)
-            pos.extend(range(n))
-            tgt.extend(tokens[1:] + [0])
-            lens.append(n)
-            gather[b, :r] = torch.arange(offset + p - 1, offset + p - 1 + r)
-            offset += n
-        cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
+            groups.setdefault((s.group_id, tuple(s.prompt_ids)), []).append(b)
+        return list(groups.values())
+
+    def response_targets(self) -> torch.Tensor:
+        """[B, T] int64 response token ids (0 at padding)."""
+        out = torch.zeros(len(self.samples), self.T, dtype=torch.int64)
+        for b, s in enumerate(self.samples):
+            out[b, : len(s.response_ids)] = torch.tensor(s.response_ids, dtype=torch.int64)
+        return out
+
+    def packed(self, share_prompts: bool = False) -> PackedTensors:
+        """All samples as one packed stream, in batch order (see the module docstring for layouts).
+
+        With `share_prompts`, each of `shared_prompt_groups()` is one segment (placed where its first
+        sample is); otherwise each sample is a segment of its own.
+        """
+        segments = self.shared_prompt_groups() if share_prompts else [[b] for b in range(len(self.samples))]
+        ids, pos, tgt, seg_lens, prefix_lens, branch_lens = [], [], [], [], [], []
+        gather = torch.zeros(len(self.samples), self.T, dtype=torch.int64)
+        for members in segments:
+            prompt = self.samples[members[0]].prompt_ids
+            p, offset = len(prompt), len(ids)
+            responses = [self.samples[b].response_ids for b in members]
+            nonempty = [r for r in responses if r]
+            ids.extend(prompt)
+            pos.extend(range(p))
+            tgt.extend(prompt[1:] + [nonempty[0][0] if len(nonempty) == 1 else 0])
+            for b, response in zip(members, responses):
+                r, start = len(response), len(ids)
+                if r:
+                    # token 0 is predicted at the prompt's last position, token t at branch token t - 1
+                    gather[b, :r] = torch.arange(start - 1, start - 1 + r)
+                    gather[b, 0] = offset + p - 1
+                    branch_lens.append(r)
+                ids.extend(response)
+                pos.extend(range(p, p + r))
+                tgt.extend(response[1:] + [0] if r else [])
+            seg_lens.append(len(ids) - offset)
+            prefix_lens.append(p)
+        cu = torch.zeros(len(seg_lens) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(seg_lens, dtype=torch.int32), 0)
         return PackedTensors(
             input_ids_N=torch.tensor(ids, dtype=torch.int64),
             position_ids_N=torch.tensor(pos, dtype=torch.int64),
             cu_seqlens=cu,
             target_ids_N=torch.tensor(tgt, dtype=torch.int64),
             gather_index_BT=gather,
+            target_ids_BT=self.response_targets(),
             response_mask_BT=self.response_mask(),
-            max_seqlen=max(lens),
+            max_seqlen=max(seg_lens),
+            prefix_lens_S=torch.tensor(prefix_lens, dtype=torch.int32) if share_prompts else None,
+            branch_lens_Z=torch.tensor(branch_lens, dtype=torch.int32) if share_prompts else None,
         )
 
     def padded(self, pad_id: int = 0) -> PaddedTensors:

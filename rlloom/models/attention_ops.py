@@ -22,12 +22,17 @@ Packed kernels by device:
 - CUDA with bf16/fp16 and equal q/v head dims: `torch.nn.attention.varlen.varlen_attn`
   (FlashAttention varlen; causal through window (-1, 0)); untested here (no GPU in CI).
 
-Tree kernel (all devices): per segment, causal SDPA when it has at most one branch, else one SDPA
-with an explicit [L, L] bool mask built once per forward (`tree_masks`) and shared by all layers.
-Measured on 2 CPU cores (SmolLM2 shapes, forward + backward, prompt 46-50 + 4 branches of 5-32
-tokens), this was as fast or faster than causal SDPA over the prompt plus one masked SDPA per branch
-over cat(prompt k/v, branch k/v), which makes k + 1 calls. On CUDA it is correct but not tuned (a
-masked SDPA per segment); FlexAttention with a block mask is the fast path still to write.
+Tree kernels (`TreePlan` holds the structure, built once per forward and shared by all layers):
+- CPU and other cases: per segment, causal SDPA when it has at most one branch, else one SDPA with
+  an explicit [L, L] bool mask. Measured on 2 CPU cores (SmolLM2 shapes, forward + backward, prompt
+  50 + 4 branches of 20; benchmarks/bench_shared_prompts.py --attention): 2.0-2.6 ms against
+  4.4-5.0 ms for causal SDPA over the prompt plus one masked SDPA per branch over cat(prompt k/v,
+  branch k/v).
+- CUDA with bf16/fp16 and equal q/v head dims: ONE varlen call per layer. The stream is cut into
+  runs (each prompt, each branch); a prompt run attends to itself, a branch run to its prompt's
+  k/v followed by its own (gathered once per layer). FlashAttention aligns the causal mask to the
+  bottom right when a run has fewer queries than keys, so branch token t sees the whole prompt and
+  branch tokens 0..t: exactly the tree mask, with no per-segment launches.
 
 Shape legend: B batch, T padded length, N packed tokens, S sequences, Hq query heads, Hkv key/value
 heads, D head channels (Dqk for q/k, Dv for v).
@@ -63,8 +68,8 @@ class AttnLayout:
     """packed and tree: [S + 1] int32 cumulative sequence (segment) lengths."""
     max_seqlen: int | None = None
     """packed: longest sequence (needed by the CUDA varlen kernel)."""
-    tree_masks: list[torch.Tensor | None] | None = None
-    """tree: per segment, its [L, L] bool mask (True = may attend), or None for a causal segment."""
+    tree: TreePlan | None = None
+    """tree: the segments' prompt and branch structure."""
     backend: Any = None
     """backend: the object whose `.attn(...)` computes attention."""
 
@@ -78,7 +83,7 @@ def attend(
     if layout.kind == "padded":
         return padded_attention(q, k, v, scale)
     if layout.kind == "tree":
-        return tree_attention(q, k, v, scale, layout.cu_seqlens, layout.tree_masks)
+        return tree_attention(q, k, v, scale, layout.tree)
     assert layout.kind == "packed", layout.kind
     return packed_attention(q, k, v, scale, layout.cu_seqlens, layout.max_seqlen)
 
@@ -143,11 +148,26 @@ def _varlen_cuda(
     cu_seqlens: torch.Tensor,
     max_seqlen: int | None,
 ) -> torch.Tensor:
-    from torch.nn.attention.varlen import varlen_attn
-
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     if max_seqlen is None:
         max_seqlen = int((cu[1:] - cu[:-1]).max())
+    return _varlen_causal(q, k, v, scale, cu, cu, max_seqlen, max_seqlen)
+
+
+def _varlen_causal(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+) -> torch.Tensor:
+    """FlashAttention varlen, causal aligned to the bottom right (a run with fewer queries than keys
+    has its queries at the end of its keys)."""
+    from torch.nn.attention.varlen import varlen_attn
+
     # The keyword arguments changed across torch releases (2.11: is_causal, no scale and no GQA;
     # later: window_size, scale, enable_gqa): adapt to the installed one.
     params = _varlen_params()
@@ -166,7 +186,7 @@ def _varlen_cuda(
         else:
             reps = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(reps, dim=1), v.repeat_interleave(reps, dim=1)
-    return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
 
 
 @functools.cache
@@ -176,34 +196,88 @@ def _varlen_params() -> frozenset[str]:
     return frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def tree_masks(
-    cu_seqlens: torch.Tensor, prefix_lens: torch.Tensor, branch_lens: torch.Tensor
-) -> list[torch.Tensor | None]:
-    """Per segment of a tree stream: None when it has at most one branch, else its [L, L] bool mask.
+class TreePlan:
+    """The structure of a tree stream, with each kernel's view built on first use (once per forward).
 
-    cu_seqlens [S + 1], prefix_lens [S]: the prompt length opening each segment; branch_lens [Z]:
+    cu_seqlens [S + 1]; prefix_lens [S]: the prompt length opening each segment; branch_lens [Z]:
     the non-empty branch lengths in stream order, segment s owning the next entries that sum to its
-    length minus its prompt. Masks live on cu_seqlens' device.
+    length minus its prompt (as `rlloom.data.types.PackedTensors` describes).
     """
-    cu, prefix, branches = cu_seqlens.tolist(), prefix_lens.tolist(), branch_lens.tolist()
+
+    def __init__(
+        self, cu_seqlens: torch.Tensor, prefix_lens: torch.Tensor, branch_lens: torch.Tensor
+    ) -> None:
+        self.device = cu_seqlens.device
+        self.cu: list[int] = cu_seqlens.tolist()
+        self.prefix: list[int] = prefix_lens.tolist()
+        self.branches = _split_branches(self.cu, self.prefix, branch_lens.tolist())
+        """Per segment, its branch lengths."""
+        self._masks: list[torch.Tensor | None] | None = None
+        self._varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None = None
+
+    @property
+    def has_branches(self) -> bool:
+        """Whether some segment has several branches (otherwise the stream is plain packed)."""
+        return any(len(b) > 1 for b in self.branches)
+
+    def masks(self) -> list[torch.Tensor | None]:
+        """Per segment: None when it has at most one branch (causal), else its [L, L] bool mask."""
+        if self._masks is None:
+            self._masks = [
+                _branch_mask(p, b, self.device) if len(b) > 1 else None
+                for p, b in zip(self.prefix, self.branches)
+            ]
+        return self._masks
+
+    def varlen(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+        """(cu_q [U + 1], cu_k [U + 1] int32, kv_index [M] int64, max_q, max_k) over U runs (each
+        prompt, each branch): the queries are the stream itself; run u's keys are kv_index[cu_k[u]:
+        cu_k[u + 1]], its prompt's positions (for a branch) followed by its own."""
+        if self._varlen is None:
+            q_lens, k_lens, kv_index = [], [], []
+            for start, p, branches in zip(self.cu, self.prefix, self.branches):
+                prompt = torch.arange(start, start + p)
+                q_lens.append(p)
+                k_lens.append(p)
+                kv_index.append(prompt)
+                offset = start + p
+                for r in branches:
+                    q_lens.append(r)
+                    k_lens.append(p + r)
+                    kv_index += [prompt, torch.arange(offset, offset + r)]
+                    offset += r
+            cu_q, cu_k = (
+                torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+                for lens in (q_lens, k_lens)
+            )
+            self._varlen = (
+                cu_q.to(self.device),
+                cu_k.to(self.device),
+                torch.cat(kv_index).to(self.device),
+                max(q_lens),
+                max(k_lens),
+            )
+        return self._varlen
+
+
+def _split_branches(cu: list[int], prefix: list[int], branch_lens: list[int]) -> list[list[int]]:
     if len(prefix) != len(cu) - 1:
         raise ValueError(f"prefix_lens has {len(prefix)} entries for {len(cu) - 1} segments in cu_seqlens")
-    masks: list[torch.Tensor | None] = []
-    z = 0
+    out, z = [], 0
     for s, p in enumerate(prefix):
         rest, lens = cu[s + 1] - cu[s] - p, []
-        while rest > 0 and z < len(branches):
-            lens.append(branches[z])
-            rest, z = rest - branches[z], z + 1
+        while rest > 0 and z < len(branch_lens):
+            lens.append(branch_lens[z])
+            rest, z = rest - branch_lens[z], z + 1
         if rest != 0 or p < 1 or min(lens, default=1) < 1:
             raise ValueError(
                 f"segment {s} ({cu[s + 1] - cu[s]} tokens, prompt {p}) is not its prompt plus whole "
-                f"branches of branch_lens {branches}. Fix: pass PackedTensors.prefix_lens_S/branch_lens_Z."
+                f"branches of branch_lens {branch_lens}. Fix: pass PackedTensors.prefix_lens_S/branch_lens_Z."
             )
-        masks.append(None if len(lens) <= 1 else _branch_mask(p, lens, cu_seqlens.device))
-    if z != len(branches):
-        raise ValueError(f"branch_lens has {len(branches)} entries but the segments use {z}")
-    return masks
+        out.append(lens)
+    if z != len(branch_lens):
+        raise ValueError(f"branch_lens has {len(branch_lens)} entries but the segments use {z}")
+    return out
 
 
 def _branch_mask(prefix_len: int, branch_lens: list[int], device: torch.device) -> torch.Tensor:
@@ -216,31 +290,26 @@ def _branch_mask(prefix_len: int, branch_lens: list[int], device: torch.device) 
 
 
 def tree_attention(
-    q_NHD: torch.Tensor,
-    k_NHD: torch.Tensor,
-    v_NHD: torch.Tensor,
-    scale: float,
-    cu_seqlens: torch.Tensor,
-    masks: list[torch.Tensor | None],
+    q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, scale: float, tree: TreePlan
 ) -> torch.Tensor:
-    """Attention over a tree stream (masks from `tree_masks`) -> [N, Hq, Dv]."""
+    """Attention over a tree stream -> [N, Hq, Dv] (kernels: see the module docstring)."""
     gqa = q_NHD.shape[1] != k_NHD.shape[1]
-    cu = cu_seqlens.tolist()
+    if (
+        q_NHD.is_cuda
+        and q_NHD.dtype in (torch.bfloat16, torch.float16)
+        and q_NHD.shape[-1] == v_NHD.shape[-1]
+    ):
+        cu_q, cu_k, kv_index, max_q, max_k = tree.varlen()
+        return _varlen_causal(q_NHD, k_NHD[kv_index], v_NHD[kv_index], scale, cu_q, cu_k, max_q, max_k)
     outs = []
-    for start, end, mask in zip(cu[:-1], cu[1:], masks):
+    for start, end, mask in zip(tree.cu[:-1], tree.cu[1:], tree.masks()):
         q, k, v = (x[start:end].transpose(0, 1) for x in (q_NHD, k_NHD, v_NHD))
         if gqa and mask is not None and q.is_cuda:
             # CUDA's masked kernel (memory-efficient attention) takes no GQA; without repeated heads
             # SDPA would fall back to the math kernel.
             k, v = (x.repeat_interleave(q.shape[0] // k.shape[0], dim=0) for x in (k, v))
         out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=gqa and k.shape[0] != q.shape[0],
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=k.shape[0] != q.shape[0]
         )
         outs.append(out.transpose(0, 1))
     return torch.cat(outs, dim=0)

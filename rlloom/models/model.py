@@ -7,6 +7,8 @@ One class covers Llama/Qwen2/Qwen3 (GQA + SwiGLU), Qwen3-MoE/Mixtral (MoE layers
 Inputs (see docs/CONTRACTS.md):
 - padded: input_ids [B, T] (+ attention_mask [B, T] bool, right padding) -> logits [B, T, V]
 - packed: input_ids [N], position_ids [N], cu_seqlens [S + 1] -> logits [N, V]
+- shared-prompt packed: the same plus prefix_lens [S] and branch_lens [Z] (each segment a prompt
+  followed by branches that attend to the prompt and to themselves; see `attention_ops`)
 - backend: input_ids [N], position_ids [N], attn=<object with .attn(layer, q, k, v, scale)>
 
 Rotary tables are recomputed buffers: after materialising from the meta device call
@@ -22,7 +24,7 @@ from torch import nn
 
 from rlloom.models.args import ModelArgs
 from rlloom.models.attention import Attention
-from rlloom.models.attention_ops import AttnLayout, check_right_padded
+from rlloom.models.attention_ops import AttnLayout, TreePlan, check_right_padded
 from rlloom.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from rlloom.models.mla import MLAttention
 from rlloom.models.moe import MoE
@@ -91,9 +93,13 @@ class CausalLM(nn.Module):
         max_seqlen: int | None = None,
         attention_mask: torch.Tensor | None = None,
         attn: Any = None,
+        prefix_lens: torch.Tensor | None = None,
+        branch_lens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states [.., D] (no lm head); arguments as in `forward`."""
         layout, position_ids = _layout(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask, attn)
+        if prefix_lens is not None or branch_lens is not None:
+            layout = _tree_layout(layout, prefix_lens, branch_lens)
         h = self.tok_embeddings(input_ids)
         cos, sin = self.rope(position_ids, h.dtype)
         for layer in self.layers:
@@ -109,11 +115,15 @@ class CausalLM(nn.Module):
         max_seqlen: int | None = None,
         attention_mask: torch.Tensor | None = None,
         attn: Any = None,
+        prefix_lens: torch.Tensor | None = None,
+        branch_lens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, T, V] (padded input) or [N, V] (packed or backend input).
 
         A padded batch must be right-padded; `attention_mask` is checked for that and the causal mask
         then keeps padding out of every real position (logits at pad positions are meaningless).
+        `prefix_lens` [S] and `branch_lens` [Z] (with `cu_seqlens`) make a packed stream a
+        shared-prompt stream, as `PackedTensors.prefix_lens_S` and `branch_lens_Z` describe.
         """
         h = self.hidden_states(
             input_ids,
@@ -122,6 +132,8 @@ class CausalLM(nn.Module):
             max_seqlen=max_seqlen,
             attention_mask=attention_mask,
             attn=attn,
+            prefix_lens=prefix_lens,
+            branch_lens=branch_lens,
         )
         return h @ self.lm_head_weight.T
 
@@ -173,3 +185,19 @@ def _layout(
             )
         position_ids = torch.arange(num_tokens, device=input_ids.device)
     return AttnLayout(kind="packed", cu_seqlens=cu_seqlens, max_seqlen=max_seqlen), position_ids
+
+
+def _tree_layout(
+    layout: AttnLayout, prefix_lens: torch.Tensor | None, branch_lens: torch.Tensor | None
+) -> AttnLayout:
+    """The packed layout with shared-prompt segments; stays 'packed' when no segment branches."""
+    if layout.kind != "packed" or prefix_lens is None or branch_lens is None:
+        raise ValueError(
+            "CausalLM.forward: prefix_lens and branch_lens describe a packed [N] stream and come together "
+            f"(got a {layout.kind} input, prefix_lens {'set' if prefix_lens is not None else 'None'}, "
+            f"branch_lens {'set' if branch_lens is not None else 'None'}). Fix: pass both with cu_seqlens."
+        )
+    tree = TreePlan(layout.cu_seqlens, prefix_lens, branch_lens)
+    if not tree.has_branches:  # every segment is one causal sequence: keep the packed kernels
+        return layout
+    return AttnLayout(kind="tree", cu_seqlens=layout.cu_seqlens, max_seqlen=layout.max_seqlen, tree=tree)

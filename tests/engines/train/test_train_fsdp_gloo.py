@@ -1,9 +1,10 @@
 """Two processes with FSDP2 on gloo give the same results as one process on the same global batch:
-logprobs, parameters after three steps (uneven micro-batch counts, a rank with no sample, CPU
-optimizer offload of sharded parameters), weight export, and a sharded checkpoint round trip."""
+logprobs, parameters after three steps (shared-prompt groups, uneven micro-batch counts, a rank with
+no sample, CPU optimizer offload of sharded parameters), weight export, and a sharded checkpoint round trip."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 
@@ -24,7 +25,14 @@ MODE = "seq-mean-token-sum"
 def batches() -> list[RolloutBatch]:
     long = Sample(prompt_ids=list(range(40)), response_ids=[5] * 30)  # 70 tokens: a micro-batch of its own
     uneven = RolloutBatch([long, *make_batch(5, seed=11).samples])
-    return [make_batch(8, seed=10), uneven, make_batch(1, seed=12)]  # the last leaves a rank empty
+    # The first has groups of two sharing a prompt (shared-prompt packing, on by default); the last
+    # leaves a rank empty.
+    base = make_batch(8, seed=10).samples
+    paired = [
+        dataclasses.replace(s, prompt_ids=base[i - i % 2].prompt_ids, group_id=i // 2)
+        for i, s in enumerate(base)
+    ]
+    return [RolloutBatch(paired), uneven, make_batch(1, seed=12)]
 
 
 def cfg(**kwargs) -> TrainEngineConfig:

@@ -16,6 +16,7 @@ start a new DecodeGraphs after anything reallocates them (the engine's wake()).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -104,27 +105,23 @@ class DecodeGraphs:
         return batch_size <= self.batch_sizes[-1] and width <= self.block_buckets[-1]
 
     @torch.no_grad()
-    def run(
-        self, input_ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]]
-    ) -> torch.Tensor:
-        """Final hidden states [B, D] of one decode step (B = len(input_ids))."""
-        B = len(input_ids)
-        width = max(len(t) for t in block_tables)
+    def run(self, rows: np.ndarray) -> torch.Tensor:
+        """Final hidden states [B, D] of one decode step; rows [B, 3 + width] int64 hold each
+        sequence's token, position, slot and block table (padded with the scratch block)."""
+        B, width = rows.shape[0], rows.shape[1] - 3
         bs = next(b for b in self.batch_sizes if b >= B)
         num_blocks = next(n for n in self.block_buckets if n >= width)
-        scratch_slot = self.scratch_block * self.backend.block_size
-        rows = [
-            [token, pos, slot, *table, *[self.scratch_block] * (num_blocks - len(table))]
-            for token, pos, slot, table in zip(input_ids, positions, slots, block_tables)
-        ]
-        rows += [[0, 0, scratch_slot, *[self.scratch_block] * num_blocks]] * (bs - B)
-        host = torch.tensor(rows, dtype=torch.int64)
+        staged = np.full((bs, 3 + num_blocks), self.scratch_block, dtype=np.int64)
+        staged[:B, : 3 + width] = rows
+        staged[B:, :2] = 0  # padded rows: token 0 at position 0, written to the scratch block
+        staged[B:, 2] = self.scratch_block * self.backend.block_size
+        host = torch.from_numpy(staged)
         device = self.input_ids.device
-        staged = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
-        self.input_ids[:bs].copy_(staged[:, 0])
-        self.positions[:bs].copy_(staged[:, 1])
-        self.slot_mapping[:bs].copy_(staged[:, 2])
-        self.block_tables[:bs, :num_blocks].copy_(staged[:, 3:])
+        staged_t = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+        self.input_ids[:bs].copy_(staged_t[:, 0])
+        self.positions[:bs].copy_(staged_t[:, 1])
+        self.slot_mapping[:bs].copy_(staged_t[:, 2])
+        self.block_tables[:bs, :num_blocks].copy_(staged_t[:, 3:])
         if (bs, num_blocks) not in self.graphs:
             self._capture(bs, num_blocks)
         self.graphs[(bs, num_blocks)].replay()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from rlloom.engines.rollout.native.attention import AttnContext, PagedAttention
@@ -147,26 +148,40 @@ class ModelRunner:
         )
         return hidden_ND[self._tensor(last)]
 
-    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        ids = [s.last_token for s in seqs]
-        positions = [s.num_tokens - 1 for s in seqs]
-        slots = [self._slot(s, p) for s, p in zip(seqs, positions)]
+    def _decode_rows(self, seqs: list[Sequence]) -> np.ndarray:
+        """[S, 3 + B] int64 per sequence: last token, its position, its slot, then the block table
+        padded with the scratch block (B = the longest table). One numpy buffer, so a 256-sequence
+        step costs one host-to-device copy and no nested Python lists."""
         width = max(len(s.block_table) for s in seqs)
-        if self.graphs is not None and self.graphs.fits(len(seqs), width):
+        rows = np.full((len(seqs), 3 + width), self.num_blocks, dtype=np.int64)
+        bs = self.block_size
+        for i, seq in enumerate(seqs):
+            table = seq.block_table
+            pos = seq.num_tokens - 1
+            rows[i, :3] = (seq.last_token, pos, table[pos // bs] * bs + pos % bs)
+            rows[i, 3 : 3 + len(table)] = table
+        return rows
+
+    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        rows = self._decode_rows(seqs)
+        if self.graphs is not None and self.graphs.fits(len(seqs), rows.shape[1] - 3):
             try:
-                return self.graphs.run(ids, positions, slots, [s.block_table for s in seqs])
+                return self.graphs.run(rows)
             except GraphCaptureError as err:  # e.g. a layer that syncs with the host: decode eagerly
                 logger.warning("%s; decoding eagerly from now on", err)
                 self.graphs = None
-        rows = torch.arange(len(seqs), device=self.device)
-        positions_S = self._tensor(positions)
+        staged = torch.from_numpy(rows)
+        if self.device.type == "cuda":
+            staged = staged.pin_memory().to(self.device, non_blocking=True)
+        rows_S = torch.arange(len(seqs), device=self.device)
+        positions_S = staged[:, 1]
         self.backend.prepare(
             AttnContext(
-                slot_mapping_N=self._tensor(slots),
-                block_tables_SB=self._padded_tables(seqs, width),
-                query_index_SQ=rows[:, None],
+                slot_mapping_N=staged[:, 2],
+                block_tables_SB=staged[:, 3:],
+                query_index_SQ=rows_S[:, None],
                 query_pos_SQ=positions_S[:, None],
-                output_index_N=rows,
+                output_index_N=rows_S,
             )
         )
-        return self.model.hidden_states(self._tensor(ids), position_ids=positions_S, attn=self.backend)
+        return self.model.hidden_states(staged[:, 0], position_ids=positions_S, attn=self.backend)

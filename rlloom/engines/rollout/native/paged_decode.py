@@ -35,14 +35,16 @@ if triton is not None:
 
     @triton.jit
     def _paged_decode_kernel(
-        q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
+        q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr, scale,
         stride_q_s, stride_q_h, stride_k_slot, stride_k_h, stride_v_slot, stride_v_h, stride_t_s,
         stride_o_s, stride_o_h,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr,
-        DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+        DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
     ):  # fmt: skip
         s = tl.program_id(0)
         kv_head = tl.program_id(1)
+        split = tl.program_id(2)
         num_keys = tl.load(lens_ptr + s)
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D_PAD)
@@ -55,15 +57,20 @@ if triton is not None:
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
-        for start in range(0, num_keys, TILE):
+        end = tl.minimum(num_keys, (split + 1) * CHUNK)
+        for start in range(split * CHUNK, end, TILE):
             pos = start + t
-            valid = pos < num_keys
+            valid = pos < end
             block = tl.load(tables_ptr + s * stride_t_s + pos // BLOCK_SIZE, mask=valid, other=0)
             slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-            k_mask = valid[:, None] & (d[None, :] < D)
             k = tl.load(
                 k_ptr + slot[:, None] * stride_k_slot + kv_head * stride_k_h + d[None, :],
-                mask=k_mask,
+                mask=valid[:, None] & (d[None, :] < D),
+                other=0.0,
+            )
+            v = tl.load(
+                v_ptr + slot[:, None] * stride_v_slot + kv_head * stride_v_h + dv[None, :],
+                mask=valid[:, None] & (dv[None, :] < DV),
                 other=0.0,
             )
             scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [G_PAD, TILE]
@@ -72,21 +79,53 @@ if triton is not None:
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v_mask = valid[:, None] & (dv[None, :] < DV)
-            v = tl.load(
-                v_ptr + slot[:, None] * stride_v_slot + kv_head * stride_v_h + dv[None, :],
-                mask=v_mask,
-                other=0.0,
-            )
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
             m_i = m_new
-        out = acc / l_i[:, None]
         o_mask = (g[:, None] < G) & (dv[None, :] < DV)
-        tl.store(
-            out_ptr + s * stride_o_s + heads[:, None] * stride_o_h + dv[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=o_mask,
+        if NUM_SPLITS == 1:
+            out = acc / l_i[:, None]
+            tl.store(
+                out_ptr + s * stride_o_s + heads[:, None] * stride_o_h + dv[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=o_mask,
+            )
+        else:  # partial results [S, Hq, NUM_SPLITS, (DV | m, l)]; an empty split leaves m = -inf, l = 0
+            row = (s * (tl.num_programs(1) * G) + heads) * NUM_SPLITS + split
+            tl.store(part_acc_ptr + row[:, None] * DV + dv[None, :], acc, mask=o_mask)
+            tl.store(part_ml_ptr + row * 2, m_i, mask=g < G)
+            tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=g < G)
+
+    @triton.jit
+    def _combine_splits_kernel(
+        part_acc_ptr, part_ml_ptr, out_ptr, stride_o_s, stride_o_h, Hq,
+        DV: tl.constexpr, DV_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    ):  # fmt: skip
+        s = tl.program_id(0)
+        h = tl.program_id(1)
+        sp = tl.arange(0, SPLITS_PAD)
+        dv = tl.arange(0, DV_PAD)
+        row = (s * Hq + h) * NUM_SPLITS + sp
+        m = tl.load(part_ml_ptr + row * 2, mask=sp < NUM_SPLITS, other=float("-inf"))
+        lse_sum = tl.load(part_ml_ptr + row * 2 + 1, mask=sp < NUM_SPLITS, other=0.0)
+        acc = tl.load(
+            part_acc_ptr + row[:, None] * DV + dv[None, :],
+            mask=(sp[:, None] < NUM_SPLITS) & (dv[None, :] < DV),
+            other=0.0,
         )
+        m_max = tl.max(m, axis=0)  # finite: the first split always holds a key
+        w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
+        out = tl.sum(acc * w[:, None], axis=0) / tl.sum(lse_sum * w, axis=0)
+        tl.store(
+            out_ptr + s * stride_o_s + h * stride_o_h + dv, out.to(out_ptr.dtype.element_ty), mask=dv < DV
+        )
+
+
+def decode_config(num_seqs: int, max_keys: int, g_pad: int, d_pad: int) -> tuple[int, int]:
+    """(tile, num_splits) for a batch: split each sequence's keys into chunks (flash-decoding) only
+    when (sequence, kv head) programs alone would leave the GPU's memory pipes idle."""
+    # Keep the [G, TILE, D] product of one step near 8k fp32 values per program (registers).
+    tile = max(16, min(64, 8192 // (g_pad * d_pad)))
+    return tile, 1
 
 
 def paged_decode(
@@ -97,24 +136,45 @@ def paged_decode(
     num_keys_S: torch.Tensor,
     scale: float,
     block_size: int,
+    *,
+    tile: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """q [S, Hq, D] against the first num_keys_S[s] cached tokens of each sequence -> [S, Hq, Dv].
 
-    k_cache [slots, Hkv, D], v_cache [slots, Hkv, Dv] (one layer); block_tables_SB [S, B] int64."""
+    k_cache [slots, Hkv, D], v_cache [slots, Hkv, Dv] (one layer); block_tables_SB [S, B] int64.
+    tile / num_splits default to `decode_config` (keyword overrides are for benchmarks)."""
     S, Hq, D = q_SHD.shape
     Hkv, Dv = k_cache.shape[1], v_cache.shape[2]
     G = Hq // Hkv
     g_pad, d_pad, dv_pad = (triton.next_power_of_2(x) for x in (G, D, Dv))
-    # Keep the [G, TILE, D] product of one step near 8k fp32 values per program (registers).
-    tile = max(16, min(64, 8192 // (g_pad * d_pad)))
+    max_keys = block_tables_SB.shape[1] * block_size
+    auto_tile, auto_splits = decode_config(S, max_keys, g_pad, d_pad)
+    tile = tile or auto_tile
+    num_splits = num_splits or auto_splits
+    chunk = tile * -(-max_keys // (tile * num_splits))
+    num_splits = -(-max_keys // chunk)
     out = torch.empty(S, Hq, Dv, dtype=q_SHD.dtype, device=q_SHD.device)
-    _paged_decode_kernel[(S, Hkv)](
-        q_SHD, k_cache, v_cache, block_tables_SB, num_keys_S, out, scale,
+    part_acc = part_ml = out
+    if num_splits > 1:
+        part_acc = torch.empty(S, Hq, num_splits, Dv, dtype=torch.float32, device=q_SHD.device)
+        part_ml = torch.empty(S, Hq, num_splits, 2, dtype=torch.float32, device=q_SHD.device)
+    extra = {} if num_stages is None else {"num_stages": num_stages}
+    _paged_decode_kernel[(S, Hkv, num_splits)](
+        q_SHD, k_cache, v_cache, block_tables_SB, num_keys_S, out, part_acc, part_ml, scale,
         q_SHD.stride(0), q_SHD.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), block_tables_SB.stride(0), out.stride(0), out.stride(1),
         G=G, G_PAD=g_pad, D=D, D_PAD=d_pad, DV=Dv, DV_PAD=dv_pad, BLOCK_SIZE=block_size, TILE=tile,
-        num_warps=4,
+        CHUNK=chunk, NUM_SPLITS=num_splits, num_warps=num_warps, **extra,
     )  # fmt: skip
+    if num_splits > 1:
+        _combine_splits_kernel[(S, Hq)](
+            part_acc, part_ml, out, out.stride(0), out.stride(1), Hq,
+            DV=Dv, DV_PAD=dv_pad, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=1,
+        )  # fmt: skip
     return out
 
 
@@ -157,9 +217,14 @@ def decode_kernel_works(device: torch.device, dtype: torch.dtype, hq: int, hkv: 
         tables = torch.randperm(num_blocks, generator=gen)[: S * 4].view(S, 4).to(device)
         num_keys = torch.tensor([1, 16, 17, 40, 64], device=device)
         try:
-            got = paged_decode(q, k, v, tables, num_keys, d**-0.5, block)
             want = reference_decode(q.float(), k.float(), v.float(), tables, num_keys, d**-0.5, block)
-            error = (got.float() - want).abs().max().item()
+            error = max(  # the default configuration and a split one (flash-decoding)
+                (paged_decode(q, k, v, tables, num_keys, d**-0.5, block, num_splits=splits).float() - want)
+                .abs()
+                .max()
+                .item()
+                for splits in (None, 3)
+            )
             _checked[key] = error < (1e-4 if dtype == torch.float32 else 3e-2)
             if not _checked[key]:
                 logger.warning(

@@ -6,22 +6,36 @@ fp32, the temperature-scaled distribution BEFORE top-k/top-p truncation (what
 log_softmax(logits), the raw distribution's logprob.
 
 Sampling is the exponential race (equivalently Gumbel-max): with E_v ~ Exponential(1) independent,
-argmax_v p_v / E_v = argmax_v (log p_v - log E_v) is an exact draw from p. It costs one noise draw
-and one argmax over the vocabulary, where torch.multinomial builds a CDF per row. top-k, then top-p
-(on the renormalised top-k distribution), are applied by setting the dropped tokens to -inf first.
+argmax_v p_v / E_v = argmax_v (logits_v / T - log E_v) is an exact draw from p. It costs one noise
+draw and one argmax over the vocabulary, where torch.multinomial builds a CDF per row. top-k, then
+top-p (on the renormalised top-k distribution), are applied by setting the dropped tokens to -inf.
 
-Noise: rows without a seed share one draw from the engine's generator. A row with a seed draws its
-own noise from a generator seeded by (seed, sample index, token position), so its tokens do not
-depend on the batch it runs in, on preemption or on prefix sharing.
+Noise: every row has a 63-bit noise key. A row with a seed uses `noise_key(seed, sample index,
+token position)`, so its tokens do not depend on the batch it runs in, on preemption or on prefix
+sharing; the other rows draw a fresh key per step from the engine's seeded host generator. On CUDA
+the uniforms are Triton's Philox of (key, vocabulary index), and rows without top-k/top-p (the RL
+case) go through one fused kernel that reads the model-dtype logits once (softmax statistics, noise,
+argmax and the logprob in a single pass); with top-k/top-p the torch path below runs on the same
+noise. On CPU the uniforms come from a torch generator seeded with the key.
 
 Shape legend: R sampled rows, V vocabulary.
 """
 
+# Triton reads a kernel's annotations as specialisation hints, so its pointer arguments stay bare.
+# ruff: noqa: ANN001
+
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch path with torch generators is used
+    triton = None
 
 _MASK64 = (1 << 64) - 1
 
@@ -36,6 +50,55 @@ def noise_key(seed: int, sample_index: int, position: int) -> int:
     return (x ^ (x >> 31)) >> 1
 
 
+if triton is not None:
+
+    @triton.jit
+    def _log_exponential(key, offs):
+        """log E with E = -log U, U = Philox(key, offs) in [0, 1); U = 0 gives +inf (never wins)."""
+        return tl.log(-tl.log(tl.rand(key, offs)))
+
+    @triton.jit
+    def _log_noise_kernel(keys_ptr, out_ptr, V, BLOCK: tl.constexpr):
+        r = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        key = tl.load(keys_ptr + r)
+        tl.store(out_ptr + r.to(tl.int64) * V + offs, _log_exponential(key, offs), mask=offs < V)
+
+    @triton.jit
+    def _fused_sample_kernel(
+        logits_ptr, stride_r, temperature_ptr, keys_ptr, token_ptr, logprob_ptr, V, BLOCK: tl.constexpr
+    ):
+        """One row: online log-sum-exp of logits / T, argmax of (logits / T - log E) (of the logits
+        when T = 0), and the chosen token's log_softmax, in one pass over the row."""
+        r = tl.program_id(0)
+        row_ptr = logits_ptr + r.to(tl.int64) * stride_r
+        temperature = tl.load(temperature_ptr + r)
+        greedy = temperature == 0.0
+        temperature = tl.where(greedy, 1.0, temperature)
+        key = tl.load(keys_ptr + r)
+        m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
+        total = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
+        best, best_idx = m, tl.argmax(tl.zeros([BLOCK], tl.float32), axis=0)
+        for start in range(0, V, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            valid = offs < V
+            x = tl.load(row_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32)
+            z = tl.math.div_rn(x, temperature)  # IEEE division, as torch's logits / T
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            total = total * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m = m_new
+            score = tl.where(greedy, z, z - _log_exponential(key, offs))
+            score = tl.where(valid, score, float("-inf"))
+            chunk_best = tl.max(score, axis=0)
+            chunk_idx = tl.argmax(score, axis=0) + start  # first maximum, as torch.argmax
+            better = chunk_best > best  # strict: an earlier chunk keeps a tie
+            best_idx = tl.where(better, chunk_idx, best_idx)
+            best = tl.where(better, chunk_best, best)
+        z_token = tl.math.div_rn(tl.load(row_ptr + best_idx).to(tl.float32), temperature)
+        tl.store(token_ptr + r, best_idx.to(tl.int64))
+        tl.store(logprob_ptr + r, z_token - m - tl.log(total))
+
+
 @dataclass(slots=True)
 class SamplingRows:
     """Per-row sampling settings of one step (tensors on the logits' device)."""
@@ -48,6 +111,10 @@ class SamplingRows:
     """[R] int64; -1 = off."""
     noise_keys: list[int | None]
     """Per row: a `noise_key` for seeded rows, None to use the engine's generator."""
+    all_greedy: bool = False
+    """Every row has T = 0 (known on the host, so no device sync decides the path)."""
+    truncate: bool = True
+    """Some row uses top-k or top-p."""
 
     @classmethod
     def build(
@@ -63,33 +130,66 @@ class SamplingRows:
             top_p_R=torch.tensor(top_ps, dtype=torch.float32, device=device),
             top_k_R=torch.tensor(top_ks, dtype=torch.int64, device=device),
             noise_keys=noise_keys,
+            all_greedy=all(t == 0 for t in temperatures),
+            truncate=any(k > 0 for k in top_ks) or any(p < 1 for p in top_ps),
         )
 
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
+        self.use_triton = triton is not None and torch.device(device).type == "cuda"
         self.generator = torch.Generator(device).manual_seed(seed)
         self.row_generator = torch.Generator(device)
+        self.host_rng = random.Random(seed)
 
     @torch.no_grad()
     def __call__(self, logits_RV: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (token_ids_R int64, logprobs_R float32)."""
+        """-> (token_ids_R int64, logprobs_R float32); logits in any float dtype."""
+        keys_R = None
+        if self.use_triton and logits_RV.is_cuda:
+            keys = [self.host_rng.getrandbits(63) if k is None else k for k in rows.noise_keys]
+            keys_R = (
+                torch.tensor(keys, dtype=torch.int64).pin_memory().to(logits_RV.device, non_blocking=True)
+            )
+            if not rows.truncate:
+                return self._fused(logits_RV, rows.temperature_R, keys_R)
         logits_RV = logits_RV.float()
         greedy_R = rows.temperature_R == 0
         temperature_R = torch.where(greedy_R, torch.ones_like(rows.temperature_R), rows.temperature_R)
-        logp_RV = torch.log_softmax(logits_RV / temperature_R[:, None], dim=-1)
-        if bool(greedy_R.all()):  # evaluation: no noise to draw
+        z_RV = logits_RV / temperature_R[:, None]
+        logp_RV = torch.log_softmax(z_RV, dim=-1)
+        if rows.all_greedy:  # evaluation: no noise to draw
             token_ids_R = logits_RV.argmax(dim=-1)
             return token_ids_R, logp_RV.gather(1, token_ids_R[:, None]).squeeze(1)
-        scores_RV = self._truncate(logp_RV, rows)
-        log_noise_RV = self._log_noise(scores_RV, rows.noise_keys)
+        scores_RV = self._truncate(z_RV, logp_RV, rows)
+        log_noise_RV = self._log_noise(scores_RV, rows.noise_keys, keys_R)
         sampled_R = (scores_RV - log_noise_RV).argmax(dim=-1)
         token_ids_R = torch.where(greedy_R, logits_RV.argmax(dim=-1), sampled_R)
         return token_ids_R, logp_RV.gather(1, token_ids_R[:, None]).squeeze(1)
 
-    def _log_noise(self, like_RV: torch.Tensor, noise_keys: list[int | None]) -> torch.Tensor:
+    @staticmethod
+    def _fused(
+        logits_RV: torch.Tensor, temperature_R: torch.Tensor, keys_R: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        R, V = logits_RV.shape
+        token_ids_R = torch.empty(R, dtype=torch.int64, device=logits_RV.device)
+        logprobs_R = torch.empty(R, dtype=torch.float32, device=logits_RV.device)
+        _fused_sample_kernel[(R,)](
+            logits_RV, logits_RV.stride(0), temperature_R, keys_R, token_ids_R, logprobs_R, V,
+            BLOCK=4096, num_warps=8,
+        )  # fmt: skip
+        return token_ids_R, logprobs_R
+
+    def _log_noise(
+        self, like_RV: torch.Tensor, noise_keys: list[int | None], keys_R: torch.Tensor | None
+    ) -> torch.Tensor:
         """log E with E = -log U ~ Exponential(1), U ~ Uniform[0, 1); U = 0 gives +inf (never wins).
         (Drawn from uniforms: on CPU `exponential_` is about 5x slower than uniform_ + log_.)"""
+        if keys_R is not None:  # CUDA: the fused kernel's noise, so a seeded row gets the same draw
+            R, V = like_RV.shape
+            out_RV = torch.empty(R, V, dtype=torch.float32, device=like_RV.device)
+            _log_noise_kernel[(R, triton.cdiv(V, 4096))](keys_R, out_RV, V, BLOCK=4096)
+            return out_RV
         uniform_RV = torch.empty_like(like_RV)
         if any(key is None for key in noise_keys):
             uniform_RV.uniform_(generator=self.generator)
@@ -100,25 +200,25 @@ class Sampler:
         return uniform_RV.log_().neg_().log_()
 
     @staticmethod
-    def _truncate(logp_RV: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
-        """logp with the tokens dropped by top-k, then top-p, set to -inf (logp itself when neither is on)."""
+    def _truncate(z_RV: torch.Tensor, logp_RV: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+        """logits / T with the tokens dropped by top-k, then top-p, set to -inf (z itself when
+        neither is on). The scores are z rather than logp so that a row's draw matches the fused path."""
+        if not rows.truncate:
+            return z_RV
         vocab = logp_RV.shape[-1]
         top_k_R = torch.where(rows.top_k_R > 0, rows.top_k_R.clamp(max=vocab), vocab)
-        use_top_k = bool((top_k_R < vocab).any())
-        use_top_p = bool((rows.top_p_R < 1).any())
-        if not (use_top_k or use_top_p):
-            return logp_RV
+        drop_RV = torch.zeros_like(logp_RV, dtype=torch.bool)
         scores_RV = logp_RV
-        if use_top_k:
+        if bool((top_k_R < vocab).any()):
             top_RK = logp_RV.topk(int(top_k_R.max()), dim=-1).values
             threshold_R = top_RK.gather(1, (top_k_R.clamp(max=top_RK.shape[1]) - 1)[:, None])
             threshold_R = torch.where((top_k_R < vocab)[:, None], threshold_R, float("-inf"))
-            scores_RV = scores_RV.masked_fill(scores_RV < threshold_R, float("-inf"))
-        if use_top_p:
+            drop_RV |= scores_RV < threshold_R
+            scores_RV = scores_RV.masked_fill(drop_RV, float("-inf"))
+        if bool((rows.top_p_R < 1).any()):
             sorted_RV, order_RV = scores_RV.sort(dim=-1, descending=True)
             probs_RV = sorted_RV.softmax(dim=-1)
             mass_before_RV = probs_RV.cumsum(dim=-1) - probs_RV
             drop_sorted_RV = mass_before_RV >= rows.top_p_R[:, None]
-            drop_RV = torch.zeros_like(drop_sorted_RV).scatter_(1, order_RV, drop_sorted_RV)
-            scores_RV = scores_RV.masked_fill(drop_RV, float("-inf"))
-        return scores_RV
+            drop_RV |= torch.zeros_like(drop_sorted_RV).scatter_(1, order_RV, drop_sorted_RV)
+        return z_RV.masked_fill(drop_RV, float("-inf"))

@@ -3,7 +3,8 @@
 One call of `train_step` is one optimizer step over a global batch:
 
     plan     balance samples over data-parallel ranks by tokens, pack each rank's share into
-             micro-batches of at most max_tokens_per_micro_batch tokens (no padding, no truncation)
+             micro-batches of at most max_tokens_per_micro_batch tokens (no padding, no truncation);
+             with share_prompts the packing units are groups (one prompt copy + its responses)
     run      per micro-batch: packed forward, logprobs at response positions, the caller's loss_fn,
              backward of loss_sum / loss_normalizer (gradients accumulate; FSDP sums them over ranks)
     step     global grad norm, clip, AdamW (skipped when the loss or the norm is not finite)
@@ -35,7 +36,7 @@ from rlloom.engines.train.base import LossFn
 from rlloom.engines.train.native.checkpoint import load_checkpoint, save_checkpoint
 from rlloom.engines.train.native.flops import active_body_params, step_flops
 from rlloom.engines.train.native.lr_schedule import lr_at
-from rlloom.engines.train.native.microbatch import plan_rank
+from rlloom.engines.train.native.microbatch import plan_rank, shared_prompt_units
 from rlloom.engines.train.native.optimizer import EngineOptimizer
 from rlloom.engines.train.native.policy import PolicyHead, run_micro_batch
 from rlloom.engines.train.native.weights import named_weight_buckets
@@ -129,12 +130,18 @@ class NativeTrainEngine:
     def _plan(self, batch: RolloutBatch) -> tuple[list[list[int] | None], int]:
         """This rank's micro-batches (None = a zero-weight filler) and the filler's sample index."""
         self._check_same_batch(batch)
-        num_tokens = [s.num_tokens for s in batch.samples]
+        budget = self.cfg.max_tokens_per_micro_batch
+        if not self.cfg.share_prompts:
+            num_tokens = [s.num_tokens for s in batch.samples]
+            return plan_rank(num_tokens, rank=self.dp_rank, num_ranks=self.dp_size, max_tokens=budget)
+        units, unit_tokens = shared_prompt_units(
+            batch.shared_prompt_groups(),
+            [len(s.prompt_ids) for s in batch.samples],
+            [len(s.response_ids) for s in batch.samples],
+            budget,
+        )
         return plan_rank(
-            num_tokens,
-            rank=self.dp_rank,
-            num_ranks=self.dp_size,
-            max_tokens=self.cfg.max_tokens_per_micro_batch,
+            unit_tokens, rank=self.dp_rank, num_ranks=self.dp_size, max_tokens=budget, units=units
         )
 
     def _check_same_batch(self, batch: RolloutBatch) -> None:
@@ -159,8 +166,15 @@ class NativeTrainEngine:
 
     def _run(
         self, batch: RolloutBatch, indices: list[int], temperature: float, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        return run_micro_batch(self.module, batch.select(indices), self.device, temperature, with_entropy)
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int]:
+        return run_micro_batch(
+            self.module,
+            batch.select(indices),
+            self.device,
+            temperature,
+            with_entropy,
+            share_prompts=self.cfg.share_prompts,
+        )
 
     # ---- the engine interface ---------------------------------------------------------------
 
@@ -177,7 +191,7 @@ class NativeTrainEngine:
         logp_BT = torch.zeros(len(batch), batch.T, dtype=torch.float32, device=self.device)
         entropy_BT = torch.zeros_like(logp_BT) if with_entropy else None
         for mb in micro_batches:
-            logp_bT, entropy_bT, _ = self._run(batch, mb or [filler], temperature, with_entropy)
+            logp_bT, entropy_bT, _, _ = self._run(batch, mb or [filler], temperature, with_entropy)
             if mb is None:
                 continue
             rows = torch.tensor(mb, device=self.device)
@@ -216,7 +230,9 @@ class NativeTrainEngine:
         micro_batches, filler = self._plan(batch)
         acc = MetricsAccumulator()
         for mb in micro_batches:
-            logp_bT, entropy_bT, mask_bT = self._run(batch, mb or [filler], temperature, with_entropy)
+            logp_bT, entropy_bT, mask_bT, num_tokens = self._run(
+                batch, mb or [filler], temperature, with_entropy
+            )
             if mb is None:
                 # Zero-weight filler: same collectives as a real micro-batch, no contribution.
                 (logp_bT.sum() * 0.0).backward()
@@ -235,6 +251,7 @@ class NativeTrainEngine:
                 {
                     "train/loss": Sum(loss_sum.detach() / loss_normalizer),
                     "train/tokens": Sum(sum(batch.samples[i].num_tokens for i in mb)),
+                    "train/computed_tokens": Sum(num_tokens),
                     "train/response_tokens": Sum(num_response),
                 }
             )

@@ -1,8 +1,10 @@
 """Token-budget micro-batching and data-parallel load balancing, as pure index arithmetic.
 
-Both functions take per-sample token counts (prompt + response, every token the model computes)
-and return lists of sample indices. They are deterministic: every rank computes the same plan from
-the same global batch, so no plan has to be communicated.
+The planners take per-item token counts (every token the model computes) and return lists of item
+indices. An item is a sample (prompt + response), or with shared-prompt packing a unit from
+`shared_prompt_units`: a group's prompt plus the responses packed behind it. Everything is
+deterministic: every rank computes the same plan from the same global batch, so no plan has to be
+communicated.
 """
 
 from __future__ import annotations
@@ -58,19 +60,63 @@ def pack_micro_batches(indices: Sequence[int], num_tokens: Sequence[int], max_to
     return [sorted(b) for b in bins]
 
 
-def plan_rank(
-    num_tokens: Sequence[int], *, rank: int, num_ranks: int, max_tokens: int
-) -> tuple[list[list[int] | None], int]:
-    """Micro-batches of one data-parallel rank, padded with `None` to the most any rank has.
+def shared_prompt_units(
+    groups: Sequence[Sequence[int]], prompt_lens: Sequence[int], response_lens: Sequence[int], max_tokens: int
+) -> tuple[list[list[int]], list[int]]:
+    """Packing units for shared-prompt packing: (units as sample index lists, tokens of each unit).
 
+    `groups` are the sample indices sharing one prompt (`RolloutBatch.shared_prompt_groups()`);
+    `prompt_lens` and `response_lens` are indexed by sample. A group costs its prompt once plus all
+    its responses. A group over `max_tokens` is split into sub-groups, each with its own prompt copy:
+    responses first-fit decreasing into sub-groups of at most `max_tokens` tokens; a sample that alone
+    exceeds the budget is a unit of its own (never truncated). First fit keeps any two sub-groups of
+    a group from fitting one micro-batch together, so they never share a segment again.
+    """
+    units: list[list[int]] = []
+    unit_tokens: list[int] = []
+    for group in groups:
+        prompt_len = prompt_lens[group[0]]
+        total = prompt_len + sum(response_lens[i] for i in group)
+        if total <= max_tokens:
+            units.append(sorted(group))
+            unit_tokens.append(total)
+            continue
+        sub_units, sub_loads = [], []
+        for i in sorted(group, key=lambda i: (-response_lens[i], i)):
+            for u, load in enumerate(sub_loads):
+                if load + response_lens[i] <= max_tokens:
+                    sub_units[u].append(i)
+                    sub_loads[u] += response_lens[i]
+                    break
+            else:
+                sub_units.append([i])
+                sub_loads.append(prompt_len + response_lens[i])
+        units.extend(sorted(u) for u in sub_units)
+        unit_tokens.extend(sub_loads)
+    return units, unit_tokens
+
+
+def plan_rank(
+    num_tokens: Sequence[int],
+    *,
+    rank: int,
+    num_ranks: int,
+    max_tokens: int,
+    units: Sequence[Sequence[int]] | None = None,
+) -> tuple[list[list[int] | None], int]:
+    """Micro-batches (sample indices) of one data-parallel rank, padded with `None` to the most any rank has.
+
+    `num_tokens` is per sample, or per unit when `units` (lists of sample indices, e.g. from
+    `shared_prompt_units`) is given: units are then balanced and packed whole.
     Every rank computes every rank's plan (cheap index arithmetic), so all agree on the number of
     micro-batches without communicating; a `None` is a zero-weight filler micro-batch that keeps the
     rank's collectives in step with the others. Returns (plan, filler sample index): the filler is
-    the rank's smallest sample (or the batch's, for a rank without samples).
+    the first sample of the rank's smallest item (or the batch's, for a rank without items).
     """
+    members = [list(u) for u in units] if units is not None else [[i] for i in range(len(num_tokens))]
     shares = balance_across_ranks(num_tokens, num_ranks)
     plans = [pack_micro_batches(share, num_tokens, max_tokens) for share in shares]
     num_steps = max(len(p) for p in plans)
-    mine: list[list[int] | None] = list(plans[rank])
-    filler = min(shares[rank] or range(len(num_tokens)), key=lambda i: (num_tokens[i], i))
-    return mine + [None] * (num_steps - len(mine)), filler
+    mine: list[list[int] | None] = [sorted(i for u in mb for i in members[u]) for mb in plans[rank]]
+    smallest = min(shares[rank] or range(len(num_tokens)), key=lambda u: (num_tokens[u], u))
+    return mine + [None] * (num_steps - len(mine)), min(members[smallest])

@@ -5,8 +5,8 @@ owned by the root FSDP unit) must be used inside the root's forward. Wrapping hi
 `token_logprobs` in one forward does that, and lets the head run only at the positions that predict
 a trained response token instead of over the whole packed stream.
 
-Shape legend: N tokens in the packed stream, S sequences, K selected positions, D hidden size,
-b samples of a micro-batch, T response tokens.
+Shape legend: N tokens in the packed stream, S segments, Z branches of shared-prompt segments,
+K selected positions, D hidden size, b samples of a micro-batch, T response tokens.
 """
 
 from __future__ import annotations
@@ -36,13 +36,22 @@ class PolicyHead(nn.Module):
         targets_K: torch.Tensor,
         temperature: float,
         with_entropy: bool,
+        prefix_lens_S: torch.Tensor | None = None,
+        branch_lens_Z: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """fp32 log p(targets_K[k] | stream up to positions_K[k]) [K], and entropy [K] or None.
+        """fp32 log p(targets_K[k] | what position positions_K[k] attends to) [K], and entropy [K] or None.
 
-        input_ids_N, position_ids_N: [N]; cu_seqlens: [S + 1] int32; positions_K, targets_K: [K] int64.
+        input_ids_N, position_ids_N: [N]; cu_seqlens: [S + 1] int32; positions_K, targets_K: [K] int64
+        (positions may repeat: a shared prompt's last position predicts the first token of each
+        branch); prefix_lens_S [S], branch_lens_Z [Z] int32: the shared-prompt layout, or None.
         """
         hidden_ND = self.model.hidden_states(
-            input_ids_N, position_ids=position_ids_N, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
+            input_ids_N,
+            position_ids=position_ids_N,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+            prefix_lens=prefix_lens_S,
+            branch_lens=branch_lens_Z,
         )
         num_selected = positions_K.shape[0]
         if num_selected == 0:
@@ -65,27 +74,36 @@ class PolicyHead(nn.Module):
 
 
 def run_micro_batch(
-    module: nn.Module, batch: RolloutBatch, device: torch.device, temperature: float, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Pack `batch` (one micro-batch), run `module` (a PolicyHead, maybe FSDP-wrapped) on it.
+    module: nn.Module,
+    batch: RolloutBatch,
+    device: torch.device,
+    temperature: float,
+    with_entropy: bool,
+    *,
+    share_prompts: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int]:
+    """Pack `batch` (one micro-batch; shared-prompt layout with `share_prompts`), run `module` (a
+    PolicyHead, maybe FSDP-wrapped) on it.
 
-    Returns logp_bT, entropy_bT (or None) and the response mask_bT, all on `device`; the [b, T]
-    tensors are fp32 and 0 where the mask is false. Differentiable when grad is enabled.
+    Returns logp_bT, entropy_bT (or None), the response mask_bT, all on `device`, and the number of
+    tokens in the packed stream; the [b, T] tensors are fp32 and 0 where the mask is false.
+    Differentiable when grad is enabled.
     """
-    packed = batch.packed().to(device)
+    packed = batch.packed(share_prompts=share_prompts).to(device)
     mask_bT = packed.response_mask_BT
-    positions_K = packed.gather_index_BT[mask_bT]
     logp_K, entropy_K = module(
         packed.input_ids_N,
         packed.position_ids_N,
         packed.cu_seqlens,
         packed.max_seqlen,
-        positions_K,
-        packed.target_ids_N[positions_K],
+        packed.gather_index_BT[mask_bT],
+        packed.target_ids_BT[mask_bT],
         temperature,
         with_entropy,
+        packed.prefix_lens_S,
+        packed.branch_lens_Z,
     )
     zeros_bT = torch.zeros(mask_bT.shape, dtype=torch.float32, device=device)
     logp_bT = zeros_bT.masked_scatter(mask_bT, logp_K)
     entropy_bT = zeros_bT.masked_scatter(mask_bT, entropy_K) if entropy_K is not None else None
-    return logp_bT, entropy_bT, mask_bT
+    return logp_bT, entropy_bT, mask_bT, packed.input_ids_N.numel()
