@@ -89,11 +89,11 @@ class PagedAttention:
         k_cache.index_copy_(0, ctx.slot_mapping_N, k_NHD.to(k_cache.dtype))
         v_cache.index_copy_(0, ctx.slot_mapping_N, v_NHD.to(v_cache.dtype))
         if self._num_keys_S is not None:
-            q_SHD = q_NHD[ctx.query_index_SQ[:, 0]].to(k_cache.dtype)
-            out_SHD = paged_decode(
-                q_SHD, k_cache, v_cache, ctx.block_tables_SB, self._num_keys_S, scale, self.block_size
-            )
-            return out_SHD[ctx.output_index_N]
+            # One query per sequence: query_index and output_index are the identity here.
+            return paged_decode(
+                q_NHD.to(k_cache.dtype), k_cache, v_cache, ctx.block_tables_SB, self._num_keys_S, scale,
+                self.block_size,
+            )  # fmt: skip
         assert self._kv_slots_SK is not None and self._mask_S1QK is not None
 
         S, Q = ctx.query_index_SQ.shape

@@ -8,7 +8,7 @@
 
 Only the last position of each sequence goes through the lm head, so prefill never builds [N, V]
 logits. Logits are computed as the model's own forward does (hidden @ lm_head_weight.T in the model
-dtype) and returned in fp32.
+dtype) and returned in that dtype; the sampler works in fp32.
 
 The cache is `num_blocks + 1` blocks: the extra one is scratch space for padded graph rows.
 """
@@ -107,10 +107,11 @@ class ModelRunner:
 
     @torch.no_grad()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
-        """Logits [S, V] fp32 of the last position of each sequence."""
+        """Logits [S, V] in the model dtype of the last position of each sequence (the sampler
+        upcasts; its fused CUDA kernel reads them once instead of an fp32 copy)."""
         assert self.backend is not None, "the KV cache is freed (engine asleep)"
         hidden_SD = self._prefill(seqs) if is_prefill else self._decode(seqs)
-        return (hidden_SD @ self.model.lm_head_weight.T).float()
+        return hidden_SD @ self.model.lm_head_weight.T
 
     def _slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
