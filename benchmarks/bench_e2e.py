@@ -74,6 +74,7 @@ def main() -> None:
             f"rollout.n_samples={args.samples}",
             f"rollout.max_new_tokens={args.new_tokens}",
             "rollout.ignore_eos=true",
+            "rollout.sleep_during_train=true",
             f"rollout.kv_cache_memory_gb={args.kv_gb}",
             f"rollout.max_num_seqs={args.prompts * args.samples}",
             f"data.max_prompt_length={args.prompt_tokens}",
