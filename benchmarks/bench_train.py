@@ -107,6 +107,7 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2, help="timed optimizer steps (after one warm-up)")
     parser.add_argument("--optimizer-offload", action="store_true", help="AdamW step on CPU")
+    parser.add_argument("--profile", action="store_true", help="also print the top kernels of one train step")
     args = parser.parse_args()
 
     device = torch.device("cpu" if args.tiny else "cuda")
@@ -168,6 +169,33 @@ def main() -> None:
     ):
         mfu = f"{flops / (secs * H100_BF16_PEAK_FLOPS):.1%}" if device.type == "cuda" else "-"
         print(f"{name:<26}{secs:>10.3f}{tokens / secs:>12.0f}{mfu:>8}{mem:>10.2f}")
+    if args.profile:
+        print_profile(engine, batch, loss_fn, normalizer, device)
+
+
+def print_profile(engine: NativeTrainEngine, batch: RolloutBatch, loss_fn, normalizer: float, device) -> None:
+    """Where one train step's device time goes: the top kernels, and the device-busy fraction."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        engine.train_step(batch, loss_fn, loss_normalizer=normalizer)
+        sync(device)
+    wall = time.perf_counter() - start
+    # Operator-level rows (aten::...) carry the device time of the kernels they launch, so listing
+    # both would count each kernel twice: show operators only.
+    events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    busy = sum(getattr(e, attr) for e in events) / 1e6
+    print(
+        f"\nprofiled train step: wall {wall:.3f} s, operators on the device {busy:.3f} s ({busy / wall:.0%} busy)"
+    )
+    print(f"{'operator':<70}{'seconds':>10}{'share':>8}{'calls':>8}")
+    for e in sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:15]:
+        secs = getattr(e, attr) / 1e6
+        print(f"{e.key[:69]:<70}{secs:>10.3f}{secs / max(busy, 1e-9):>8.1%}{e.count:>8}")
 
 
 if __name__ == "__main__":
