@@ -6,12 +6,16 @@ method is one stage of the RL step as seen from one rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from rlloom.config.components import RunConfig
 from rlloom.data.types import RolloutBatch
 from rlloom.engines.rollout.native import Completion, NativeEngine, SamplingParams
 from rlloom.engines.train.native import NativeTrainEngine
+from rlloom.models import from_pretrained, load_tokenizer
+from rlloom.models.checkpoint import resolve_path
 from rlloom.trainer.faults import maybe_fail
 from rlloom.trainer.policy import PolicyUpdate, make_loss_fn
 from rlloom.weight_sync.colocated import SyncReport, sync_colocated
@@ -35,6 +39,15 @@ def resolve_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
 
 
+def _decoder(path: str) -> Callable[[list[int]], str] | None:
+    """Token ids -> text with the checkpoint's tokenizer (for stop strings); None without one."""
+    folder = resolve_path(path)
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    tokenizer = load_tokenizer(folder)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class RLWorker:
     """A training-engine rank plus a rollout-engine replica on the same device."""
 
@@ -48,18 +61,14 @@ class RLWorker:
         self.train = NativeTrainEngine.build(
             cfg.train, cfg.model.path, device=self.device, dtype=dtype, total_steps=total_steps
         )
-        ro = cfg.rollout
-        max_model_len = cfg.data.max_prompt_length + ro.max_new_tokens
-        self.rollout = NativeEngine.from_pretrained(
-            cfg.model.path,
-            dtype=dtype,
-            device=self.device,
-            max_model_len=max_model_len,
-            num_blocks=ro.num_blocks,
-            kv_cache_memory_gb=ro.kv_cache_memory_gb,
-            block_size=ro.block_size,
-            max_num_seqs=ro.max_num_seqs,
-            enforce_eager=ro.enforce_eager,
+        # The rollout replica has its own copy of the weights (in the rollout dtype), kept current by
+        # the in-place weight sync after every optimizer step.
+        self.rollout = NativeEngine.from_config(
+            from_pretrained(cfg.model.path, dtype=dtype, device=self.device),
+            cfg.rollout,
+            max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
+            decode=_decoder(cfg.model.path),
+            seed=cfg.trainer.seed,
         )
         self.ref = None
         if cfg.algorithm.kl_coef > 0:

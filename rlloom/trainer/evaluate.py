@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from rlloom.config.components import RunConfig
@@ -22,15 +23,9 @@ def evaluate(
     """`eval/accuracy` (fraction scoring >= 1) and `eval/length_mean` over the held-out prompts."""
     if not items:
         return {}
+    base = SamplingParams.from_config(cfg.rollout, evaluation=True)
     sampling = [
-        SamplingParams(
-            n=1,
-            temperature=cfg.rollout.eval_temperature,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            stop_token_ids=stop_token_ids,
-            stop_strings=list(cfg.rollout.stop_strings),
-            seed=cfg.trainer.seed + i,
-        )
+        dataclasses.replace(base, stop_token_ids=stop_token_ids, seed=cfg.trainer.seed + i)
         for i in range(len(items))
     ]
     completions = group.generate([it.prompt_ids for it in items], sampling)  # type: ignore[attr-defined]

@@ -7,7 +7,7 @@ micro-batch with the rows it holds. Shape legend: B samples, T response tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,13 +28,7 @@ from rlloom.algorithms import (
 )
 from rlloom.config.components import AlgorithmConfig
 from rlloom.data.types import RolloutBatch
-
-LossFn = Callable[
-    [torch.Tensor, "torch.Tensor | None", torch.Tensor],
-    tuple[torch.Tensor, dict[str, torch.Tensor]],
-]
-"""loss_fn(logp_bT, entropy_bT or None, rows_b) -> (loss numerator, metrics) for the rows `rows_b`
-of the update's batch; the engine divides the summed numerators by `PolicyUpdate.normalizer`."""
+from rlloom.engines.train.base import LossFn
 
 
 def compute_advantages(algo: AlgorithmConfig, batch: RolloutBatch) -> torch.Tensor:

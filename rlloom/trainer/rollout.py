@@ -6,6 +6,7 @@ resumed run draws exactly the completions the uninterrupted run drew.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -106,17 +107,10 @@ def collect_rollouts(
         if missing <= 0:
             break
         items = source.next_batch(missing)
+        base = SamplingParams.from_config(ro)
         sampling = [
-            SamplingParams(
-                n=ro.n_samples,
-                temperature=ro.temperature,
-                top_p=ro.top_p,
-                top_k=ro.top_k,
-                max_new_tokens=ro.max_new_tokens,
-                stop_token_ids=stop_token_ids,
-                stop_strings=list(ro.stop_strings),
-                seed=request_seed(cfg.trainer.seed, step, round_idx, i),
-                ignore_eos=ro.ignore_eos,
+            dataclasses.replace(
+                base, stop_token_ids=stop_token_ids, seed=request_seed(cfg.trainer.seed, step, round_idx, i)
             )
             for i in range(len(items))
         ]

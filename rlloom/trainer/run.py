@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from rlloom.cluster.inline import build_worker_group
+from rlloom.cluster.worker import resolve_device
 from rlloom.config.components import RunConfig
 from rlloom.config.loading import to_yaml
 from rlloom.models import load_tokenizer
@@ -85,7 +86,7 @@ def run(cfg: RunConfig) -> RunResult:
         while state.step < cfg.trainer.total_steps:
             metrics = rl_step(ctx, state.step)
             state.step += 1
-            metrics["memory/peak_gib"] = peak_memory_gib(group_device(cfg))
+            metrics["memory/peak_gib"] = peak_memory_gib(resolve_device(cfg).type)
             is_last = state.step == cfg.trainer.total_steps
             if eval_items and (
                 is_last or (cfg.trainer.eval_every and state.step % cfg.trainer.eval_every == 0)
@@ -115,14 +116,6 @@ def run(cfg: RunConfig) -> RunResult:
         flush=True,
     )
     return result
-
-
-def group_device(cfg: RunConfig) -> str:
-    return (
-        "cuda"
-        if cfg.cluster.device == "cuda" or (cfg.cluster.device == "auto" and torch.cuda.is_available())
-        else "cpu"
-    )
 
 
 def _fmt(x: float | None) -> str:

@@ -53,6 +53,7 @@ class SamplingParams:
             top_k=config.top_k,
             max_new_tokens=config.max_new_tokens,
             stop_strings=list(config.stop_strings),
+            ignore_eos=config.ignore_eos and not evaluation,
         )
 
     def problem(self) -> str | None:
