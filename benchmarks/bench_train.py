@@ -107,6 +107,7 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2, help="timed optimizer steps (after one warm-up)")
     parser.add_argument("--optimizer-offload", action="store_true", help="AdamW step on CPU")
+    parser.add_argument("--eager", action="store_true", help="no torch.compile of the decoder layers")
     parser.add_argument("--profile", action="store_true", help="also print the top kernels of one train step")
     args = parser.parse_args()
 
@@ -120,6 +121,7 @@ def main() -> None:
         max_tokens_per_micro_batch=budget,
         activation_checkpointing=args.ac,
         optimizer_offload=args.optimizer_offload,
+        compile=not args.eager,
     )
     engine = NativeTrainEngine(cfg, random_model(cfg_model, device), device=device)
     mask = batch.response_mask()
@@ -155,7 +157,7 @@ def main() -> None:
     train_flops = step_flops(engine.model, seq_lens, int(mask.sum()), body_params=engine._body_params)
     peak = train[-1].get("memory/peak_allocated_gib", float("nan"))
     print(
-        f"model {'tiny' if args.tiny else 'Qwen3-1.7B shape'}, {engine.compute_dtype}, ac={args.ac}, "
+        f"model {'tiny' if args.tiny else 'Qwen3-1.7B shape'}, {engine.compute_dtype}, ac={args.ac}, compile={not args.eager}, "
         f"optimizer_offload={args.optimizer_offload}, device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}"
     )
     print(

@@ -44,7 +44,14 @@ from rlloom.models import from_pretrained
 from rlloom.observability.memory import memory_metrics, reset_peak_memory
 from rlloom.observability.metrics import Max, Mean, Metric, MetricsAccumulator, Min, Sum, reduce_across_ranks
 from rlloom.observability.mfu import H100_BF16_PEAK_FLOPS
-from rlloom.parallel import ParallelDims, apply_ac, apply_fsdp, clip_grad_norm_, init_distributed
+from rlloom.parallel import (
+    ParallelDims,
+    apply_ac,
+    apply_compile,
+    apply_fsdp,
+    clip_grad_norm_,
+    init_distributed,
+)
 
 
 class NativeTrainEngine:
@@ -80,6 +87,8 @@ class NativeTrainEngine:
 
         self.model = model.float()  # parameters are the fp32 master weights
         apply_ac(self.model, cfg.activation_checkpointing, cfg.ac_every_k)
+        if cfg.compile and self.device.type == "cuda":  # after AC, before FSDP (rlloom/parallel/compile.py)
+            apply_compile(self.model)
         self.module = PolicyHead(self.model, chunk_tokens=cfg.logprob_chunk_tokens)
         self.dp_group: dist.ProcessGroup | None = None
         self.dp_rank, self.dp_size = 0, 1
