@@ -130,6 +130,9 @@ def build_update(
 def make_loss_fn(algo: AlgorithmConfig, update: PolicyUpdate) -> LossFn:
     """The per-micro-batch loss of the configured policy loss, KL and entropy terms."""
     mask_all_BT = update.batch.response_mask()
+    # In a single pass the current logprobs are the trainer's view of the rollout policy: the
+    # train-vs-rollout gap is measured here, at no extra forward.
+    rollout_BT = update.batch.rollout_logprobs() if update.old_logp_BT is None else None
 
     def loss_fn(
         logp_bT: torch.Tensor, entropy_bT: torch.Tensor | None, rows_b: torch.Tensor
@@ -166,6 +169,11 @@ def make_loss_fn(algo: AlgorithmConfig, update: PolicyUpdate) -> LossFn:
         if algo.entropy_coef > 0:
             assert entropy_bT is not None, "entropy bonus on but the engine returned no entropy"
             loss_bT = loss_bT - algo.entropy_coef * entropy_bT * mask_bT
+        if rollout_BT is not None:
+            gap_bT = (logp_bT.detach() - rollout_BT[rows_b].to(dev)).abs()
+            count = mask_bT.sum().clamp(min=1)
+            metrics["rollout/logp_gap_abs"] = (gap_bT * mask_bT).sum() / count
+            metrics["rollout/logp_gap_exp"] = (torch.exp(gap_bT) * mask_bT).sum() / count
         if entropy_bT is not None:
             metrics["actor/entropy"] = ((entropy_bT * mask_bT).sum() / mask_bT.sum().clamp(min=1)).detach()
         return aggregate_loss_sum(loss_bT, mask_bT, algo.agg_mode), metrics
