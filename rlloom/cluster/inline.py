@@ -68,7 +68,7 @@ class InlineGroup:
         return self.worker.update_policy(update)
 
     def sync_weights(self) -> dict[str, float]:
-        return self.worker.sync_weights().metrics()
+        return self.worker.sync_weights()
 
     def sleep_rollout(self) -> None:
         self.worker.sleep_rollout()

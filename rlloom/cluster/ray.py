@@ -62,8 +62,7 @@ class _RankActor:
         self.worker = RLWorker(cfg, rank=self.rank, world_size=self.world_size)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        out = getattr(self.worker, method)(*args, **kwargs)
-        return out.metrics() if method == "sync_weights" else out
+        return getattr(self.worker, method)(*args, **kwargs)
 
     def version(self) -> int:
         return self.worker.version

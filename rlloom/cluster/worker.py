@@ -6,19 +6,16 @@ method is one stage of the RL step as seen from one rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from rlloom.config.components import RunConfig
 from rlloom.data.types import RolloutBatch
 from rlloom.engines.rollout.native import Completion, NativeEngine, SamplingParams
 from rlloom.engines.train.native import NativeTrainEngine
-from rlloom.models import from_pretrained, load_tokenizer
-from rlloom.models.checkpoint import resolve_path
+from rlloom.models import from_pretrained, load_decoder
 from rlloom.trainer.faults import maybe_fail
 from rlloom.trainer.policy import PolicyUpdate, make_loss_fn
-from rlloom.weight_sync.colocated import SyncReport, sync_colocated
+from rlloom.weight_sync.colocated import sync_colocated
 
 
 def resolve_device(cfg: RunConfig, local_rank: int = 0) -> torch.device:
@@ -37,15 +34,6 @@ def resolve_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
     if cfg.model.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
-
-
-def _decoder(path: str) -> Callable[[list[int]], str] | None:
-    """Token ids -> text with the checkpoint's tokenizer (for stop strings); None without one."""
-    folder = resolve_path(path)
-    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    tokenizer = load_tokenizer(folder)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
 class RLWorker:
@@ -67,7 +55,7 @@ class RLWorker:
             from_pretrained(cfg.model.path, dtype=dtype, device=self.device),
             cfg.rollout,
             max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
-            decode=_decoder(cfg.model.path),
+            decode=load_decoder(cfg.model.path),
             seed=cfg.trainer.seed,
         )
         self.ref = None
@@ -111,8 +99,8 @@ class RLWorker:
     def wake_rollout(self) -> None:
         self.rollout.wake()
 
-    def sync_weights(self, *, checksum: bool = False) -> SyncReport:
-        return sync_colocated(self.train, self.rollout, dtype=self.dtype, checksum=checksum)
+    def sync_weights(self) -> dict[str, float]:
+        return sync_colocated(self.train, self.rollout, dtype=self.dtype).metrics()
 
     def save(self, path: str) -> None:
         self.train.save(path)

@@ -8,7 +8,7 @@ side, in place); the logprob head is `rlloom.models.logprobs.token_logprobs`.
 
 from rlloom.models.adapter import StateDictAdapter, hf_named_tensors, load_hf_tensors
 from rlloom.models.args import ModelArgs
-from rlloom.models.checkpoint import from_pretrained, load_tokenizer, save_pretrained
+from rlloom.models.checkpoint import from_pretrained, load_decoder, load_tokenizer, save_pretrained
 from rlloom.models.model import CausalLM
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "from_pretrained",
     "hf_named_tensors",
     "load_hf_tensors",
+    "load_decoder",
     "load_tokenizer",
     "save_pretrained",
 ]

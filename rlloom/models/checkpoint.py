@@ -17,7 +17,7 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -167,3 +167,13 @@ def load_tokenizer(path_or_name: str | os.PathLike) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(resolve_path(path_or_name)))
+
+
+def load_decoder(path_or_name: str | os.PathLike) -> Callable[[list[int]], str] | None:
+    """Token ids -> text (special tokens skipped) with the checkpoint's tokenizer; None when the
+    folder has no tokenizer (e.g. a weights-only benchmark checkpoint)."""
+    folder = resolve_path(path_or_name)
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    tokenizer = load_tokenizer(folder)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)

@@ -94,8 +94,7 @@ def build_update(
     metrics: dict[str, float] = {}
     weights_BT = None
     if algo.is_correction != "none":
-        behaviour_BT = old_logp_BT if old_logp_BT is not None else None
-        if behaviour_BT is None:
+        if old_logp_BT is None:
             raise ValueError(
                 "algorithm.is_correction needs recomputed old logprobs to compare with the rollout's; "
                 "it cannot be combined with the on-policy shortcut. Fix: set algorithm.is_correction=none "
@@ -104,7 +103,7 @@ def build_update(
         mode = "truncate" if algo.is_correction == "tis" else "mask"
         low = algo.is_low if algo.is_low > 0 else None
         weights_BT, is_metrics = is_weights(
-            behaviour_BT,
+            old_logp_BT,
             batch.rollout_logprobs(),
             mask_BT,
             level=algo.is_level,

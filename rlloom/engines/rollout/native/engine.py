@@ -142,15 +142,11 @@ class NativeEngine:
     ) -> NativeEngine:
         """Load a checkpoint folder (or the embedded model name); `decode` comes from its tokenizer
         when the folder has one and none is passed. Other keywords as in `NativeEngine(...)`."""
-        from rlloom.models import from_pretrained, load_tokenizer
+        from rlloom.models import from_pretrained, load_decoder
 
         model = from_pretrained(path_or_name, dtype=dtype, device=device)
-        folder = Path(model.source_path or "")
-        if kwargs.get("decode") is None and any(
-            (folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")
-        ):
-            tokenizer = load_tokenizer(folder)
-            kwargs["decode"] = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        if kwargs.get("decode") is None:
+            kwargs["decode"] = load_decoder(path_or_name)
         return cls(model, **kwargs)
 
     @classmethod
