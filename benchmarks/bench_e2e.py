@@ -9,6 +9,7 @@ trains. Steps after the first are steady state; the table reports their median.
     python benchmarks/bench_e2e.py                     # one GPU, inline
     python benchmarks/bench_e2e.py --workers 2         # Ray, one actor per GPU
     python benchmarks/bench_e2e.py --tiny --steps 2    # CPU smoke run of the script
+    python benchmarks/bench_e2e.py --profile           # + top device kernels of the last step
 """
 
 from __future__ import annotations
@@ -51,6 +52,16 @@ def write_random_qwen3(path: Path, *, tiny: bool) -> Path:
     return path
 
 
+def profiled(fn):  # noqa: ANN001, ANN201
+    """fn() under torch.profiler; prints the top operators by self device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        result = fn()
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60))
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
@@ -62,6 +73,10 @@ def main() -> None:
     parser.add_argument("--kv-gb", type=float, default=40.0)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", default="")
+    parser.add_argument("--profile", action="store_true", help="torch.profiler over the last step (inline)")
+    parser.add_argument(
+        "--eager", action="store_true", help="no torch.compile (train layers, rollout decode)"
+    )
     args = parser.parse_args()
     if args.tiny:
         args.prompts, args.samples, args.prompt_tokens, args.new_tokens, args.kv_gb = 4, 4, 16, 16, 0.1
@@ -82,6 +97,8 @@ def main() -> None:
             "train.lr=1e-6",
             f"trainer.run_dir={tmp}/run",
         ]
+        if args.eager:
+            overrides += ["train.compile=false", "rollout.compile=false"]
         if args.workers > 1:
             overrides += ["cluster.mode=ray", f"cluster.num_workers={args.workers}"]
         cfg = load_config("arithmetic_demo", overrides)
@@ -107,7 +124,10 @@ def main() -> None:
         )
         records = []
         for step in range(args.steps):
-            m = rl_step(ctx, step)
+            if args.profile and step == args.steps - 1:
+                m = profiled(lambda s=step: rl_step(ctx, s))
+            else:
+                m = rl_step(ctx, step)
             records.append(m)
             print(
                 f"step {step}: {m['time/step_s']:.2f} s (generate {m['time/generate_s']:.2f}, "

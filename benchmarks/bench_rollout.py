@@ -11,6 +11,7 @@ CPU (`--cpu`): the embedded SmolLM2-135M-Instruct, 64 chat prompts, 32 new token
 T = 1 with ignore_eos, against HF generate on the left-padded batch.
 
     python benchmarks/bench_rollout.py           # needs a CUDA device
+    python benchmarks/bench_rollout.py --model 8b --skip-hf   # the larger shapes, native only
     python benchmarks/bench_rollout.py --cpu [--threads 1]   # 1 thread is steadier on a busy machine
 """
 
@@ -39,6 +40,17 @@ QWEN3_06B = {
     "tie_word_embeddings": True,
     "attention_bias": False,
 }
+
+
+QWEN3_17B = QWEN3_06B | {"hidden_size": 2048, "intermediate_size": 6144}
+QWEN3_8B = QWEN3_06B | {
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "tie_word_embeddings": False,
+}
+SHAPES = {"0.6b": QWEN3_06B, "1.7b": QWEN3_17B, "8b": QWEN3_8B}
 
 
 def sync(device: torch.device) -> None:
@@ -124,13 +136,22 @@ def print_table(title: str, table: list[tuple[str, ...]]) -> None:
 
 
 def random_model(
-    config: dict, device: torch.device, dtype: torch.dtype
-) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(native model, HF model) with the same random weights (HF's own initialisation)."""
+    config: dict, device: torch.device, dtype: torch.dtype, *, with_hf: bool = True
+) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """(native model, HF model) with the same random weights (HF's own initialisation); without HF,
+    the native model alone with N(0, 0.02) matrices and unit norms."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from rlloom.models import load_hf_tensors
     from rlloom.models.checkpoint import build_model
+
+    if not with_hf:
+        native = build_model(config, dtype=dtype, device=device)
+        with torch.no_grad():
+            for p in native.parameters():
+                p.fill_(1.0) if p.dim() == 1 else p.normal_(0.0, 0.02)
+        native.init_buffers()
+        return native.eval(), None
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -156,9 +177,11 @@ def logprob_gap(engine: NativeEngine, prompts: list[list[int]], new: int) -> flo
     return gap
 
 
-def bench_gpu(config: dict, device: torch.device, num_prompts: int, prompt_len: int, new: int) -> None:
+def bench_gpu(
+    config: dict, device: torch.device, num_prompts: int, prompt_len: int, new: int, *, with_hf: bool = True
+) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    native, hf = random_model(config, device, dtype)
+    native, hf = random_model(config, device, dtype, with_hf=with_hf)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, config["vocab_size"], (num_prompts, prompt_len), generator=gen).tolist()
     max_len = prompt_len + new
@@ -191,8 +214,10 @@ def bench_gpu(config: dict, device: torch.device, num_prompts: int, prompt_len: 
     del engine
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    row(table, name, "HF generate", hf_generate(hf, prompts, new, pad_id=0))
+    if hf is not None:
+        row(table, name, "HF generate", hf_generate(hf, prompts, new, pad_id=0))
     title = torch.cuda.get_device_name() if device.type == "cuda" else "CPU smoke run of the GPU workload"
+    title += f", {config['num_hidden_layers']} layers x hidden {config['hidden_size']}"
     print_table(f"bench_rollout ({title}, {dtype})", table)
 
 
@@ -252,6 +277,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="the GPU workload's code path, tiny, on CPU")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     parser.add_argument("--repeats", type=int, default=2, help="CPU mode: interleaved runs, best of each")
+    parser.add_argument("--model", choices=sorted(SHAPES), default="0.6b", help="GPU: the Qwen3 shape")
+    parser.add_argument("--skip-hf", action="store_true", help="GPU: leave out transformers' generate")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -273,7 +300,7 @@ def main() -> None:
             16,
         )
     elif torch.cuda.is_available():
-        bench_gpu(QWEN3_06B, torch.device("cuda"), 256, 128, 512)
+        bench_gpu(SHAPES[args.model], torch.device("cuda"), 256, 128, 512, with_hf=not args.skip_hf)
     else:
         raise SystemExit("bench_rollout: no CUDA device; run with --cpu for the CPU benchmark")
 

@@ -6,7 +6,39 @@ batch fails at the function that received it instead of surfacing later as a NaN
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
+
+_deferred: list[tuple[str, torch.Tensor, int]] | None = None
+
+
+@contextlib.contextmanager
+def deferred_finite_checks() -> Iterator[None]:
+    """Inside, `check_finite` of a CUDA tensor queues its count of bad entries instead of reading it
+    (a host sync per check); on exit the counts are read at once and the first bad one raises the
+    same ValueError. The training engine runs its micro-batch loop under this, so the GPU queue
+    never drains for a check."""
+    global _deferred
+    outer, _deferred = _deferred, []
+    try:
+        yield
+        pending = _deferred
+    finally:
+        _deferred = outer
+    if pending:
+        counts = torch.stack([bad for _, bad, _ in pending]).tolist()
+        for (name, _, numel), num_bad in zip(pending, counts):
+            if num_bad:
+                raise _not_finite(name, int(num_bad), numel)
+
+
+def _not_finite(name: str, num_bad: int, numel: int) -> ValueError:
+    return ValueError(
+        f"{name} has {num_bad} NaN/inf entries out of {numel}; every entry must be finite. "
+        "Fix: find the upstream overflow (e.g. -inf logprobs at padding) and put a finite value there."
+    )
 
 
 def check_tensor(name: str, x: object, *, ndim: int | None = None) -> torch.Tensor:
@@ -25,12 +57,13 @@ def check_tensor(name: str, x: object, *, ndim: int | None = None) -> torch.Tens
 
 def check_finite(name: str, x: torch.Tensor) -> None:
     """Raise ValueError if a floating tensor holds NaN or inf (never propagate them silently)."""
-    if x.is_floating_point() and not bool(torch.isfinite(x).all()):
-        num_bad = int((~torch.isfinite(x)).sum())
-        raise ValueError(
-            f"{name} has {num_bad} NaN/inf entries out of {x.numel()}; every entry must be finite. "
-            "Fix: find the upstream overflow (e.g. -inf logprobs at padding) and put a finite value there."
-        )
+    if not x.is_floating_point():
+        return
+    if _deferred is not None and x.is_cuda:
+        _deferred.append((name, (~torch.isfinite(x.detach())).sum(), x.numel()))
+        return
+    if not bool(torch.isfinite(x).all()):
+        raise _not_finite(name, int((~torch.isfinite(x)).sum()), x.numel())
 
 
 def float_input(name: str, x: object, *, ndim: int | None = None) -> torch.Tensor:

@@ -108,6 +108,9 @@ class RolloutConfig:
     """Most sequences decoded together."""
     enforce_eager: bool = False
     """Disable CUDA graphs (GPU only)."""
+    compile: bool = True
+    """torch.compile the decode forward that the CUDA graphs capture (GPU only; the first decode
+    step compiles, tens of seconds)."""
     eval_temperature: float = 0.0
     """Temperature for evaluation (0 = greedy)."""
     ignore_eos: bool = False
@@ -336,8 +339,8 @@ class TrainEngineConfig:
     """Run the AdamW step on CPU with its state in CPU memory (CPU Adam)."""
     optimizer_offload_fraction: float = 1.0
     """Fraction of parameters whose optimizer state is offloaded when optimizer_offload is on."""
-    logprob_chunk_tokens: int = 1024
-    """Tokens per chunk of the logprob head (bounds fp32 logits memory)."""
+    logprob_chunk_tokens: int = 4096
+    """Tokens per chunk of the logprob head (bounds the logits memory: chunk x vocabulary)."""
     share_prompts: bool = True
     """Pack a group's responses behind one copy of their shared prompt; exact, fewer FLOPs."""
 

@@ -29,6 +29,8 @@ from typing import Any, Literal
 
 import torch
 
+from rlloom.devices import to_device
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -123,17 +125,20 @@ class PackedTensors:
     owns the next entries, which sum to its length minus `prefix_lens_S[s]`. None otherwise."""
 
     def to(self, device: torch.device | str) -> PackedTensors:
+        """Every tensor on `device` (CPU -> CUDA through pinned memory, without a host sync)."""
+        device = torch.device(device)
+
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return t.to(device) if t is not None else None
+            return to_device(t, device) if t is not None else None
 
         return PackedTensors(
-            input_ids_N=self.input_ids_N.to(device),
-            position_ids_N=self.position_ids_N.to(device),
-            cu_seqlens=self.cu_seqlens.to(device),
-            target_ids_N=self.target_ids_N.to(device),
-            gather_index_BT=self.gather_index_BT.to(device),
-            target_ids_BT=self.target_ids_BT.to(device),
-            response_mask_BT=self.response_mask_BT.to(device),
+            input_ids_N=move(self.input_ids_N),
+            position_ids_N=move(self.position_ids_N),
+            cu_seqlens=move(self.cu_seqlens),
+            target_ids_N=move(self.target_ids_N),
+            gather_index_BT=move(self.gather_index_BT),
+            target_ids_BT=move(self.target_ids_BT),
+            response_mask_BT=move(self.response_mask_BT),
             max_seqlen=self.max_seqlen,
             prefix_lens_S=move(self.prefix_lens_S),
             branch_lens_Z=move(self.branch_lens_Z),

@@ -49,6 +49,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from rlloom.devices import to_device
+
 
 class AttnBackend(Protocol):
     """The rollout engine's attention: it owns the KV cache and knows the sequence structure."""
@@ -201,19 +203,28 @@ class TreePlan:
 
     cu_seqlens [S + 1]; prefix_lens [S]: the prompt length opening each segment; branch_lens [Z]:
     the non-empty branch lengths in stream order, segment s owning the next entries that sum to its
-    length minus its prompt (as `rlloom.data.types.PackedTensors` describes).
+    length minus its prompt (as `rlloom.data.types.PackedTensors` describes). The plan reads them on
+    the host: pass CPU tensors to keep a CUDA forward free of host syncs. `device`: where the
+    kernels' index tensors go (default: cu_seqlens's device).
     """
 
     def __init__(
-        self, cu_seqlens: torch.Tensor, prefix_lens: torch.Tensor, branch_lens: torch.Tensor
+        self,
+        cu_seqlens: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        branch_lens: torch.Tensor,
+        device: torch.device | None = None,
     ) -> None:
-        self.device = cu_seqlens.device
+        self.device = cu_seqlens.device if device is None else device
         self.cu: list[int] = cu_seqlens.tolist()
         self.prefix: list[int] = prefix_lens.tolist()
         self.branches = _split_branches(self.cu, self.prefix, branch_lens.tolist())
         """Per segment, its branch lengths."""
         self._masks: list[torch.Tensor | None] | None = None
         self._varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None = None
+        if self.device.type == "cuda":
+            # Built here, before the layers: inside a compiled layer the pinned copy would not trace.
+            self.varlen()
 
     @property
     def has_branches(self) -> bool:
@@ -251,9 +262,9 @@ class TreePlan:
                 for lens in (q_lens, k_lens)
             )
             self._varlen = (
-                cu_q.to(self.device),
-                cu_k.to(self.device),
-                torch.cat(kv_index).to(self.device),
+                to_device(cu_q, self.device),
+                to_device(cu_k, self.device),
+                to_device(torch.cat(kv_index), self.device),
                 max(q_lens),
                 max(k_lens),
             )

@@ -1,41 +1,148 @@
 """Chunked logprob / entropy head: per-token log p(target) without materialising all fp32 logits.
 
 token_logprobs computes log_softmax((h @ W.T).float() / temperature)[target] chunk by chunk over
-tokens, so fp32 logits of at most `chunk_tokens` tokens exist at once (a 4096-token chunk of a
-151936-token vocabulary is 2.5 GB in fp32, a full 32k-token batch would be 20 GB). When a gradient
-is needed each chunk runs under activation checkpointing (non-reentrant): the forward keeps only
-the chunk's inputs and the backward recomputes that chunk's logits, so memory stays bounded in the
-backward pass too, at the cost of one extra [chunk, D] x [D, V] matmul per chunk.
+tokens, so logits of at most `chunk_tokens` tokens exist at once (a 4096-token chunk of a
+151936-token vocabulary is 1.2 GB in bf16, a full 32k-token batch would be 20 GB in fp32).
+
+With a gradient, one autograd Function (`_LogprobHead`) runs the chunks: the forward keeps only the
+inputs and each token's log-sum-exp (and entropy), the backward recomputes each chunk's logits with
+one matmul and turns them into the logit gradient in one elementwise pass:
+
+    z = logits / T,  p = softmax(z),  logp = z[target] - lse,  H = lse - sum(p * z)
+    dlogp/dz = onehot(target) - p,    dH/dz = -p * (z - lse + H)
+
+The weight gradient is accumulated over chunks in fp32 and cast once at the end. On CUDA with
+`compiled=True` the two elementwise passes (statistics, logit gradient) are torch.compile'd: each
+reads the chunk's bf16 logits once or twice instead of materialising several fp32 [chunk, V]
+temporaries (upcast, exp, softmax, scatter, sum), which made the unfused head memory-bound.
 
 The rollout engine returns the same quantity for sampled tokens: temperature-scaled logprobs
 before any top-p/top-k truncation.
 
-Shape legend: N tokens, D hidden, V vocabulary.
+Shape legend: N tokens, C tokens of a chunk, D hidden, V vocabulary.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
-from torch.utils.checkpoint import checkpoint
 
 
-def _chunk_logprobs(
-    hidden_CD: torch.Tensor,
-    weight_VD: torch.Tensor,
-    targets_C: torch.Tensor,
-    temperature: float,
-    with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    logits_CV = (hidden_CD @ weight_VD.T).float()
-    if temperature != 1.0:
-        logits_CV = logits_CV / temperature
-    lse_C = logits_CV.logsumexp(dim=-1)
-    logp_C = logits_CV.gather(-1, targets_C.unsqueeze(-1)).squeeze(-1) - lse_C
+def chunk_stats(
+    logits_CV: torch.Tensor, targets_C: torch.Tensor, inv_temp: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """fp32 (logp [C], lse [C], entropy [C] or None) of the temperature-scaled logits."""
+    z_CV = logits_CV.float()
+    if inv_temp != 1.0:
+        z_CV = z_CV * inv_temp
+    lse_C = z_CV.logsumexp(dim=-1)
+    logp_C = z_CV.gather(-1, targets_C.unsqueeze(-1)).squeeze(-1) - lse_C
     if not with_entropy:
-        return logp_C, None
-    probs_CV = torch.exp(logits_CV - lse_C.unsqueeze(-1))
-    entropy_C = lse_C - (probs_CV * logits_CV).sum(dim=-1)
-    return logp_C, entropy_C
+        return logp_C, lse_C, None
+    entropy_C = lse_C - (torch.exp(z_CV - lse_C.unsqueeze(-1)) * z_CV).sum(dim=-1)
+    return logp_C, lse_C, entropy_C
+
+
+def chunk_logit_grad(
+    logits_CV: torch.Tensor,
+    targets_C: torch.Tensor,
+    lse_C: torch.Tensor,
+    grad_logp_C: torch.Tensor,
+    grad_entropy_C: torch.Tensor | None,
+    entropy_C: torch.Tensor | None,
+    inv_temp: float,
+) -> torch.Tensor:
+    """d(sum grad_logp * logp + sum grad_entropy * entropy) / d logits, in the logits' dtype [C, V]."""
+    z_CV = logits_CV.float()
+    if inv_temp != 1.0:
+        z_CV = z_CV * inv_temp
+    p_CV = torch.exp(z_CV - lse_C.unsqueeze(-1))
+    grad_CV = -grad_logp_C.unsqueeze(-1) * p_CV
+    if grad_entropy_C is not None:
+        assert entropy_C is not None
+        grad_CV = grad_CV - grad_entropy_C.unsqueeze(-1) * p_CV * (z_CV - (lse_C - entropy_C).unsqueeze(-1))
+    grad_CV = grad_CV.scatter_add(-1, targets_C.unsqueeze(-1), grad_logp_C.unsqueeze(-1))
+    if inv_temp != 1.0:
+        grad_CV = grad_CV * inv_temp
+    return grad_CV.to(logits_CV.dtype)
+
+
+@functools.cache
+def _compiled(fn):  # noqa: ANN001, ANN202 - one compiled version of each elementwise pass
+    return torch.compile(fn, dynamic=True)
+
+
+def _kernels(compiled: bool, device: torch.device):  # noqa: ANN202
+    if compiled and device.type == "cuda":
+        return _compiled(chunk_stats), _compiled(chunk_logit_grad)
+    return chunk_stats, chunk_logit_grad
+
+
+def _accumulate_weight_grad(grad_VD: torch.Tensor, grad_CV: torch.Tensor, hidden_CD: torch.Tensor) -> None:
+    """grad_VD (fp32) += grad_CV.T @ hidden_CD, products of the compute dtype accumulated in fp32."""
+    if grad_CV.dtype == grad_VD.dtype:
+        grad_VD.addmm_(grad_CV.T, hidden_CD)
+    else:
+        grad_VD.add_(grad_CV.T @ hidden_CD)
+
+
+class _LogprobHead(torch.autograd.Function):
+    @staticmethod
+    def forward(  # noqa: ANN205
+        ctx,  # noqa: ANN001
+        hidden_ND: torch.Tensor,
+        weight_VD: torch.Tensor,
+        targets_N: torch.Tensor,
+        inv_temp: float,
+        chunk: int,
+        with_entropy: bool,
+        compiled: bool,
+    ):
+        logp_N, lse_N, entropy_N = _chunked_stats(
+            hidden_ND, weight_VD, targets_N, inv_temp, chunk, with_entropy, compiled
+        )
+        ctx.save_for_backward(hidden_ND, weight_VD, targets_N, lse_N, entropy_N)
+        ctx.inv_temp, ctx.chunk, ctx.compiled = inv_temp, chunk, compiled
+        ctx.set_materialize_grads(False)
+        return logp_N, entropy_N
+
+    @staticmethod
+    def backward(ctx, grad_logp_N: torch.Tensor | None, grad_entropy_N: torch.Tensor | None):  # noqa: ANN001, ANN205
+        hidden_ND, weight_VD, targets_N, lse_N, entropy_N = ctx.saved_tensors
+        _, logit_grad = _kernels(ctx.compiled, hidden_ND.device)
+        if grad_logp_N is None:
+            grad_logp_N = torch.zeros_like(lse_N)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden_ND) if need_h else None
+        grad_w = (
+            torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device) if need_w else None
+        )
+        for start in range(0, hidden_ND.shape[0], ctx.chunk):
+            sl = slice(start, start + ctx.chunk)
+            hidden_CD = hidden_ND[sl]
+            grad_CV = logit_grad(
+                hidden_CD @ weight_VD.T,
+                targets_N[sl],
+                lse_N[sl],
+                grad_logp_N[sl],
+                None if grad_entropy_N is None else grad_entropy_N[sl],
+                None if entropy_N is None else entropy_N[sl],
+                ctx.inv_temp,
+            )
+            if grad_h is not None:
+                torch.mm(grad_CV, weight_VD, out=grad_h[sl])
+            if grad_w is not None:
+                _accumulate_weight_grad(grad_w, grad_CV, hidden_CD)
+        return (
+            grad_h,
+            (grad_w.to(weight_VD.dtype) if grad_w is not None else None),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def token_logprobs(
@@ -46,6 +153,7 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_tokens: int = 1024,
     with_entropy: bool = False,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities of `targets_N` and optionally the entropy of each position, both fp32 [N].
 
@@ -54,6 +162,7 @@ def token_logprobs(
     targets_N: [N] int64 token ids whose logprob is returned.
     temperature: divides the logits (the sampling temperature of the policy), > 0.
     chunk_tokens: tokens per chunk, >= 1.
+    compiled: on CUDA, run the elementwise passes torch.compile'd (same math, fused).
     """
     if temperature <= 0:
         raise ValueError(
@@ -67,18 +176,33 @@ def token_logprobs(
             f"token_logprobs: hidden_ND has {hidden_ND.shape[0]} tokens but targets_N has {targets_N.shape[0]}. "
             "Fix: pass one target per hidden state."
         )
-    needs_grad = torch.is_grad_enabled() and (hidden_ND.requires_grad or weight_VD.requires_grad)
-    logps, entropies = [], []
-    for start in range(0, hidden_ND.shape[0], chunk_tokens):
-        args = (hidden_ND[start : start + chunk_tokens], weight_VD, targets_N[start : start + chunk_tokens])
-        if needs_grad:
-            logp, entropy = checkpoint(_chunk_logprobs, *args, temperature, with_entropy, use_reentrant=False)
-        else:
-            logp, entropy = _chunk_logprobs(*args, temperature, with_entropy)
-        logps.append(logp)
-        entropies.append(entropy)
-    if not logps:
+    if hidden_ND.shape[0] == 0:
         empty = hidden_ND.new_zeros(0, dtype=torch.float32)
         return empty, (empty if with_entropy else None)
-    logp_N = torch.cat(logps)
-    return logp_N, (torch.cat(entropies) if with_entropy else None)
+    args = (hidden_ND, weight_VD, targets_N, 1.0 / temperature, chunk_tokens, with_entropy, compiled)
+    if torch.is_grad_enabled() and (hidden_ND.requires_grad or weight_VD.requires_grad):
+        return _LogprobHead.apply(*args)
+    with torch.no_grad():
+        logp_N, _, entropy_N = _chunked_stats(*args)
+    return logp_N, entropy_N
+
+
+def _chunked_stats(
+    hidden_ND: torch.Tensor,
+    weight_VD: torch.Tensor,
+    targets_N: torch.Tensor,
+    inv_temp: float,
+    chunk: int,
+    with_entropy: bool,
+    compiled: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(logp [N], lse [N], entropy [N] or None), one chunk of logits at a time."""
+    stats, _ = _kernels(compiled, hidden_ND.device)
+    logps, lses, entropies = [], [], []
+    for start in range(0, hidden_ND.shape[0], chunk):
+        logits_CV = hidden_ND[start : start + chunk] @ weight_VD.T
+        logp, lse, entropy = stats(logits_CV, targets_N[start : start + chunk], inv_temp, with_entropy)
+        logps.append(logp)
+        lses.append(lse)
+        entropies.append(entropy)
+    return torch.cat(logps), torch.cat(lses), (torch.cat(entropies) if with_entropy else None)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlloom.devices import to_device
 from rlloom.models.args import ModelArgs
 from rlloom.models.attention import Attention
 from rlloom.models.attention_ops import AttnLayout, TreePlan, check_right_padded
@@ -95,11 +96,17 @@ class CausalLM(nn.Module):
         attn: Any = None,
         prefix_lens: torch.Tensor | None = None,
         branch_lens: torch.Tensor | None = None,
+        tree: TreePlan | None = None,
     ) -> torch.Tensor:
-        """Final-normed hidden states [.., D] (no lm head); arguments as in `forward`."""
+        """Final-normed hidden states [.., D] (no lm head); arguments as in `forward`, plus `tree`:
+        the shared-prompt structure as a `TreePlan` the caller built on the host, instead of
+        prefix_lens/branch_lens (a wrapper such as FSDP would copy those tensors to the GPU, and
+        reading them back there costs a host sync)."""
         layout, position_ids = _layout(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask, attn)
-        if prefix_lens is not None or branch_lens is not None:
-            layout = _tree_layout(layout, prefix_lens, branch_lens)
+        if tree is not None or prefix_lens is not None or branch_lens is not None:
+            layout = _tree_layout(layout, prefix_lens, branch_lens, input_ids.device, tree)
+        if layout.cu_seqlens is not None:  # structure may come on CPU (read there); kernels need it here
+            layout.cu_seqlens = to_device(layout.cu_seqlens, input_ids.device)
         h = self.tok_embeddings(input_ids)
         cos, sin = self.rope(position_ids, h.dtype)
         for layer in self.layers:
@@ -188,16 +195,27 @@ def _layout(
 
 
 def _tree_layout(
-    layout: AttnLayout, prefix_lens: torch.Tensor | None, branch_lens: torch.Tensor | None
+    layout: AttnLayout,
+    prefix_lens: torch.Tensor | None,
+    branch_lens: torch.Tensor | None,
+    device: torch.device,
+    tree: TreePlan | None = None,
 ) -> AttnLayout:
     """The packed layout with shared-prompt segments; stays 'packed' when no segment branches."""
-    if layout.kind != "packed" or prefix_lens is None or branch_lens is None:
+    if tree is not None:
+        if layout.kind != "packed" or prefix_lens is not None or branch_lens is not None:
+            raise ValueError(
+                "CausalLM.forward: tree describes a packed [N] stream (with cu_seqlens) and replaces "
+                "prefix_lens/branch_lens. Fix: pass either tree or prefix_lens and branch_lens."
+            )
+    elif layout.kind != "packed" or prefix_lens is None or branch_lens is None:
         raise ValueError(
             "CausalLM.forward: prefix_lens and branch_lens describe a packed [N] stream and come together "
             f"(got a {layout.kind} input, prefix_lens {'set' if prefix_lens is not None else 'None'}, "
             f"branch_lens {'set' if branch_lens is not None else 'None'}). Fix: pass both with cu_seqlens."
         )
-    tree = TreePlan(layout.cu_seqlens, prefix_lens, branch_lens)
+    if tree is None:
+        tree = TreePlan(layout.cu_seqlens, prefix_lens, branch_lens, device)
     if not tree.has_branches:  # every segment is one causal sequence: keep the packed kernels
         return layout
     return AttnLayout(kind="tree", cu_seqlens=layout.cu_seqlens, max_seqlen=layout.max_seqlen, tree=tree)

@@ -28,6 +28,7 @@ from rlloom.algorithms import (
 )
 from rlloom.config.components import AlgorithmConfig
 from rlloom.data.types import RolloutBatch
+from rlloom.devices import to_device
 from rlloom.engines.train.base import LossFn
 
 
@@ -138,9 +139,13 @@ def make_loss_fn(algo: AlgorithmConfig, update: PolicyUpdate) -> LossFn:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         rows_b = rows_b.to("cpu")
         dev = logp_bT.device
-        mask_bT = mask_all_BT[rows_b].to(dev)
-        adv_bT = update.advantages_BT[rows_b].to(dev)
-        old_bT = logp_bT.detach() if update.old_logp_BT is None else update.old_logp_BT[rows_b].to(dev)
+
+        def rows(t_BT: torch.Tensor) -> torch.Tensor:  # this micro-batch's rows, copied without a sync
+            return to_device(t_BT[rows_b], dev)
+
+        mask_bT = rows(mask_all_BT)
+        adv_bT = rows(update.advantages_BT)
+        old_bT = logp_bT.detach() if update.old_logp_BT is None else rows(update.old_logp_BT)
         if algo.loss == "ppo_clip":
             dual = algo.dual_clip_c if algo.dual_clip_c > 0 else None
             loss_bT, metrics = ppo_clip_loss(
@@ -159,17 +164,17 @@ def make_loss_fn(algo: AlgorithmConfig, update: PolicyUpdate) -> LossFn:
         else:
             loss_bT, metrics = cispo_loss(logp_bT, old_bT, adv_bT, mask_bT, eps_high=algo.eps_high)
         if update.is_weights_BT is not None:
-            loss_bT = loss_bT * update.is_weights_BT[rows_b].to(dev)
+            loss_bT = loss_bT * rows(update.is_weights_BT)
         if algo.kl_coef > 0:
             assert update.ref_logp_BT is not None, "KL loss on but no reference logprobs"
-            kl_bT = kl_estimate(logp_bT, update.ref_logp_BT[rows_b].to(dev), algo.kl_kind) * mask_bT
+            kl_bT = kl_estimate(logp_bT, rows(update.ref_logp_BT), algo.kl_kind) * mask_bT
             loss_bT = loss_bT + algo.kl_coef * kl_bT
             metrics["loss/kl"] = (kl_bT.sum() / mask_bT.sum().clamp(min=1)).detach()
         if algo.entropy_coef > 0:
             assert entropy_bT is not None, "entropy bonus on but the engine returned no entropy"
             loss_bT = loss_bT - algo.entropy_coef * entropy_bT * mask_bT
         if rollout_BT is not None:
-            gap_bT = (logp_bT.detach() - rollout_BT[rows_b].to(dev)).abs()
+            gap_bT = (logp_bT.detach() - rows(rollout_BT)).abs()
             count = mask_bT.sum().clamp(min=1)
             metrics["rollout/logp_gap_abs"] = (gap_bT * mask_bT).sum() / count
             metrics["rollout/logp_gap_exp"] = (torch.exp(gap_bT) * mask_bT).sum() / count

@@ -3,6 +3,7 @@ engine with CUDA graphs, the bf16 FSDP training engine, and one RL step. Skipped
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -75,9 +76,15 @@ def test_rollout_engine_cuda_graphs_match_eager_and_forward(tmp_path):
     prompts = [[int(x) for x in torch.randint(0, 512, (n,))] for n in (3, 17, 40, 5, 90, 33, 8, 61)]
     sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=7, ignore_eos=True)
     kw = dict(dtype=torch.float32, device="cuda", max_model_len=256, kv_cache_memory_gb=0.5)
-    graphs = NativeEngine.from_pretrained(folder, **kw).generate(prompts, sp)
+    compiled_engine = NativeEngine.from_pretrained(folder, **kw)
+    graphs = compiled_engine.generate(prompts, sp)
+    assert compiled_engine.runner.compiled_forward is not None  # captured compiled, no fallback
     eager = NativeEngine.from_pretrained(folder, enforce_eager=True, **kw).generate(prompts, sp)
     assert [c.token_ids for c in graphs] == [c.token_ids for c in eager]
+    # sleep/wake re-allocates the cache and recaptures, without compiling again
+    compiled_engine.sleep()
+    compiled_engine.wake()
+    assert [c.token_ids for c in compiled_engine.generate(prompts, sp)] == [c.token_ids for c in graphs]
     engine = NativeEngine.from_pretrained(folder, **kw)
     for c in graphs[:4]:
         want = _forward_logprobs(engine.model, prompts[c.prompt_index], c.token_ids)
@@ -163,3 +170,76 @@ def test_compiled_layers_match_eager(tmp_path):
     for _ in range(2):  # a second call must not recompile into something else
         got, _ = compiled.forward_logprobs(batch.select(list(range(8))))
         assert rel_err(got[mask], want[mask]) < 2e-2
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_compiled_logprob_head_matches_eager(with_entropy):
+    from rlloom.models.logprobs import token_logprobs
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3000, 256, generator=gen).cuda().bfloat16().requires_grad_()
+    weight = (torch.randn(5000, 256, generator=gen) * 0.05).cuda().bfloat16().requires_grad_()
+    targets = torch.randint(0, 5000, (3000,), generator=gen).cuda()
+    upstream = torch.randn(3000, generator=gen).cuda()
+    results = []
+    for compiled in (False, True):
+        logp, ent = token_logprobs(
+            hidden, weight, targets, temperature=0.8, chunk_tokens=1024, with_entropy=with_entropy,
+            compiled=compiled,
+        )  # fmt: skip
+        loss = (logp * upstream).sum() + (ent.sum() * 0.1 if ent is not None else 0.0)
+        results.append((logp, ent, *torch.autograd.grad(loss, (hidden, weight))))
+    for eager, fused in zip(*results):
+        if eager is not None:
+            assert rel_err(fused, eager) < 1e-2
+
+
+def test_train_micro_batch_loop_never_syncs_with_the_host(tmp_path, monkeypatch):
+    """forward_backward queues every micro-batch without a host sync (the host packs the next one
+    while the GPU runs); only the metric reduction at the end reads values back. A NaN found by a
+    deferred check still raises, naming the input."""
+    from rlloom.algorithms import aggregate_loss_sum, loss_normalizer
+    from rlloom.algorithms._validate import check_finite, deferred_finite_checks
+    from rlloom.config import TrainEngineConfig
+    from rlloom.data.types import RolloutBatch, Sample
+    from rlloom.devices import to_device
+    from rlloom.engines.train.native import NativeTrainEngine
+    from rlloom.engines.train.native import engine as engine_module
+
+    folder = _hf_folder("dense", tmp_path)
+    gen = torch.Generator().manual_seed(2)
+    samples = [
+        Sample(prompt_ids=torch.randint(0, 512, (20,), generator=gen).tolist(),
+               response_ids=torch.randint(0, 512, (5 + 9 * (i % 4),), generator=gen).tolist(),
+               group_id=i // 4, reward=float(i % 2))
+        for i in range(16)
+    ]  # fmt: skip
+    batch = RolloutBatch(samples)
+    mask = batch.response_mask()
+    norm = loss_normalizer(mask, "token-mean")
+    cfg = TrainEngineConfig(max_tokens_per_micro_batch=128)
+    engine = NativeTrainEngine.build(cfg, str(folder), device="cuda")
+
+    def loss_fn(logp, ent, rows):
+        return aggregate_loss_sum(-logp, to_device(mask[rows], "cuda"), "token-mean"), {"loss/m": logp.sum()}
+
+    engine.forward_backward(batch, loss_fn, loss_normalizer=norm)  # warm-up: compilation, allocations
+    torch.cuda.synchronize()
+
+    @contextlib.contextmanager
+    def checks_then_allow_sync():  # the loop is over: reading values back is allowed again
+        with deferred_finite_checks():
+            yield
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(engine_module, "deferred_finite_checks", checks_then_allow_sync)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        m = engine.forward_backward(batch, loss_fn, loss_normalizer=norm)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert m["train/num_micro_batches"] > 2
+    with pytest.raises(ValueError, match="logp_BT has 1 NaN"):
+        with deferred_finite_checks():
+            check_finite("logp_BT", torch.tensor([0.0, float("nan")], device="cuda"))
+            check_finite("ok", torch.zeros(3, device="cuda"))  # queued too: no raise before the exit

@@ -76,3 +76,17 @@ def test_autograd_never_keeps_more_than_one_chunk_of_logits():
     assert all(s[0] <= 8 for s in logits_like), saved_shapes  # at most one chunk of [chunk, V] logits
     logp.sum().backward()
     assert hidden.grad is not None and weight.grad is not None
+
+
+@pytest.mark.parametrize("needs", ["hidden", "weight"])
+def test_gradient_of_logp_alone_with_entropy_returned_but_unused(needs):
+    """The entropy output gets no gradient (None in the backward) and only one input needs one."""
+    hidden, weight, targets = _inputs(3)
+    hidden.requires_grad_(needs == "hidden")
+    weight.requires_grad_(needs == "weight")
+    logp, _ = token_logprobs(hidden, weight, targets, chunk_tokens=5, with_entropy=True, temperature=1.3)
+    ref_logp, _ = _reference(hidden, weight, targets, 1.3)
+    leaf = hidden if needs == "hidden" else weight
+    (got,) = torch.autograd.grad(logp.sum(), leaf)
+    (want,) = torch.autograd.grad(ref_logp.sum(), leaf)
+    assert_close(got, want, atol=1e-4)

@@ -106,7 +106,8 @@ def test_user_errors_name_the_key():
 def test_reduce_without_process_group_is_summary():
     acc = MetricsAccumulator()
     acc.add({"perf/tokens": Sum(5), "memory/peak_gib": Max(1.5)})
-    assert not dist.is_initialized()
+    if dist.is_initialized():
+        pytest.skip("an earlier test in this process initialised torch.distributed (GPU runs)")
     assert reduce_across_ranks(acc) == acc.summary()
 
 

@@ -215,6 +215,25 @@ def test_decode_graph_buffers_padding_and_buckets(dense):
     assert {bs for bs, _ in used} >= {2, 4, 8, 12} and len({nb for _, nb in used}) >= 2, used
 
 
+def test_compiled_decode_forward_is_one_graph_and_matches_eager(dense):
+    """The forward the GPU runner captures, compiled (fullgraph: any graph break fails), through the
+    same static buffers; a batch of one pads to two (size 1 would compile again)."""
+    from rlloom.engines.rollout.native.model_runner import compile_decode_forward
+
+    torch._dynamo.reset()
+    batch = prompts(3, max_len=12, seed=5)
+    params = [SamplingParams(temperature=1.0, max_new_tokens=2 + 4 * i, seed=i) for i in range(3)]
+    reference = _engine(dense[1]).generate(batch, params)
+    engine = _engine(dense[1], max_num_seqs=4)
+    runner = engine.runner
+    runner.graphs = EagerGraphs(
+        engine.model, runner.backend, max_num_seqs=4, max_blocks_per_seq=runner.max_blocks_per_seq,
+        scratch_block=runner.num_blocks, forward=compile_decode_forward(engine.model),
+    )  # fmt: skip
+    _assert_same(engine.generate(batch, params), reference)
+    assert {bs for bs, _ in runner.graphs.graphs} == {2, 4}
+
+
 def test_built_from_rollout_config(dense):
     from rlloom.config.components import RolloutConfig
 

@@ -15,12 +15,22 @@ captured in CUDA graphs with K fixed per graph, cuda_graphs.py) and copies it on
 token per sequence read the cache through the block table instead, each byte once. Both paths are
 graph-safe (no host syncs, no data-dependent shapes).
 
+The model reaches the backend through one custom op, `rlloom::paged_attention(q, k, v, handle,
+layer, scale)`: the op looks the backend up by its handle and runs `PagedAttention.run_layer`. To
+torch.compile the op is opaque (its fake returns an empty [N, Hq, Dv]), so the compiled decode
+forward (model_runner.py) traces the whole model in one graph while the cache writes and the Triton
+kernel stay outside Inductor; the KV cache is not an argument, so the compiler never copies it to
+functionalise its mutation (vLLM's attention op does the same). A runner keeps one handle across
+sleep/wake, so a re-allocated cache needs no recompilation.
+
 Shape legend: N new tokens, S sequences, Q most new tokens of a sequence (1 in decode), K key slots
 gathered per sequence (a multiple of the block size), Hq/Hkv heads, G = Hq / Hkv, D/Dv head dims.
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +55,30 @@ class AttnContext:
     """[N] int64 index of each new token in the flattened [S * Q] query grid."""
 
 
+_handles = itertools.count()
+_backends: weakref.WeakValueDictionary[int, PagedAttention] = weakref.WeakValueDictionary()
+
+
+def new_handle() -> int:
+    """A fresh backend handle (the key `rlloom::paged_attention` finds a backend by)."""
+    return next(_handles)
+
+
+@torch.library.custom_op("rlloom::paged_attention", mutates_args=())
+def paged_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int, layer: int, scale: float
+) -> torch.Tensor:
+    """Attention of one layer through the backend registered under `handle` (writes its KV cache)."""
+    return _backends[handle].run_layer(layer, q, k, v, scale)
+
+
+@paged_attention_op.register_fake
+def _paged_attention_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int, layer: int, scale: float
+) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+
+
 class PagedAttention:
     def __init__(
         self,
@@ -53,8 +87,12 @@ class PagedAttention:
         block_size: int,
         *,
         use_decode_kernel: bool = False,
+        handle: int | None = None,
     ) -> None:
-        """k_cache [L, slots, Hkv, D], v_cache [L, slots, Hkv, Dv]; slot = block * block_size + offset."""
+        """k_cache [L, slots, Hkv, D], v_cache [L, slots, Hkv, Dv]; slot = block * block_size + offset.
+        `handle` (from `new_handle()`) replaces an earlier backend of the same handle."""
+        self.handle = new_handle() if handle is None else handle
+        _backends[self.handle] = self
         self.k_cache = k_cache
         self.v_cache = v_cache
         self.block_size = block_size
@@ -82,7 +120,12 @@ class PagedAttention:
     def attn(
         self, layer_idx: int, q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """-> [N, Hq, Dv]; also stores k/v of the new tokens in the cache."""
+        """-> [N, Hq, Dv]; also stores k/v of the new tokens in the cache (the model's entry point)."""
+        return paged_attention_op(q_NHD, k_NHD, v_NHD, self.handle, layer_idx, scale)
+
+    def run_layer(
+        self, layer_idx: int, q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         ctx = self.context
         assert ctx is not None
         k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]

@@ -75,14 +75,24 @@ class BlockManager:
 
     def append_cost(self, seq: Sequence) -> int:
         """Free blocks the next decode of `seq` needs: 1 for a new or copied-on-write block, else 0."""
-        pos = seq.num_tokens - 1
-        index = pos // self.block_size
-        if index == len(seq.block_table):
-            return 1
-        return 1 if self.ref_counts[seq.block_table[index]] > 1 else 0
+        index = (seq.num_tokens - 1) // self.block_size
+        table = seq.block_table
+        return 1 if index == len(table) or self.ref_counts[table[index]] > 1 else 0
 
     def can_append(self, seq: Sequence) -> bool:
-        return self.append_cost(seq) <= self.num_free_blocks
+        return self.append_cost(seq) <= len(self.free_blocks)
+
+    def try_append(self, seq: Sequence) -> bool:
+        """`may_append` when the free blocks allow it (True), else nothing (False). The decode
+        scheduler's per-sequence call: one look at the table instead of can_append + may_append."""
+        index = (seq.num_tokens - 1) // self.block_size
+        table = seq.block_table
+        if index < len(table) and self.ref_counts[table[index]] == 1:
+            return True  # the common case: the slot is in a private block already
+        if not self.free_blocks:
+            return False
+        self.may_append(seq)
+        return True
 
     def may_append(self, seq: Sequence) -> None:
         """Make the slot of `seq`'s last token writable: a new block, or a private copy of a shared one."""

@@ -7,6 +7,10 @@ step's longest sequence needs; with the Triton decode kernel, which reads only e
 keys, there is one bucket. A step pads its batch to the nearest captured size: padded rows read and
 write only the scratch block (the block after the cache's last real block), never used otherwise.
 
+`forward` (default: the model's own `hidden_states`) is what gets captured: the runner passes a
+torch.compile'd one. Compiled graphs start at batch size 2 (a batch of 1 pads to 2), because a
+dynamic-shape compilation specialises size 1 and would compile the whole model again for it.
+
 All graphs share one memory pool and read their inputs from static buffers that `run` fills before
 `replay`. A graph is captured with the current step's inputs already in the buffers, so its warm-up
 forward writes exactly the keys/values the replay then writes again. The weights and the KV cache
@@ -16,15 +20,18 @@ start a new DecodeGraphs after anything reallocates them (the engine's wake()).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from torch import nn
 
+from rlloom.devices import to_device
 from rlloom.engines.rollout.native.attention import AttnContext, PagedAttention
 
 
-def _batch_sizes(max_num_seqs: int) -> list[int]:
-    sizes = {b for b in (1, 2, 4, 8) if b <= max_num_seqs} | set(range(16, max_num_seqs + 1, 16))
+def _batch_sizes(max_num_seqs: int, smallest: int = 1) -> list[int]:
+    sizes = {b for b in (1, 2, 4, 8) if smallest <= b <= max_num_seqs} | set(range(16, max_num_seqs + 1, 16))
     return sorted(sizes | {max_num_seqs})
 
 
@@ -50,10 +57,12 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         scratch_block: int,
         bucket_tokens: int = 128,
+        forward: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
-        self.batch_sizes = _batch_sizes(max_num_seqs)
+        self.forward = model.hidden_states if forward is None else forward
+        self.batch_sizes = _batch_sizes(max_num_seqs, smallest=1 if forward is None else 2)
         self.block_buckets = (
             [max_blocks_per_seq]
             if backend.use_decode_kernel
@@ -81,12 +90,13 @@ class DecodeGraphs:
                 output_index_N=self.rows[:bs],
             )
         )
-        return self.model.hidden_states(
-            self.input_ids[:bs], position_ids=self.positions[:bs], attn=self.backend
-        )
+        return self.forward(self.input_ids[:bs], position_ids=self.positions[:bs], attn=self.backend)
 
     def _capture(self, bs: int, num_blocks: int) -> None:
-        self._forward(bs, num_blocks)  # warm-up outside the graph: lazy kernel and cuBLAS set-up
+        try:  # warm-up outside the graph: compilation, lazy kernel and cuBLAS set-up
+            self._forward(bs, num_blocks)
+        except Exception as err:  # noqa: BLE001 - e.g. an Inductor failure: the caller falls back
+            raise GraphCaptureError(f"the decode forward (batch {bs}) failed before capture: {err}") from err
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         try:
@@ -115,9 +125,7 @@ class DecodeGraphs:
         staged[:B, : 3 + width] = rows
         staged[B:, :2] = 0  # padded rows: token 0 at position 0, written to the scratch block
         staged[B:, 2] = self.scratch_block * self.backend.block_size
-        host = torch.from_numpy(staged)
-        device = self.input_ids.device
-        staged_t = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+        staged_t = to_device(torch.from_numpy(staged), self.input_ids.device)
         self.input_ids[:bs].copy_(staged_t[:, 0])
         self.positions[:bs].copy_(staged_t[:, 1])
         self.slot_mapping[:bs].copy_(staged_t[:, 2])

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from rlloom.config.components import RolloutConfig
+from rlloom.devices import to_device
 from rlloom.engines.rollout.native.block_manager import BlockManager
 from rlloom.engines.rollout.native.model_runner import ModelRunner, kv_bytes_per_block
 from rlloom.engines.rollout.native.sampler import Sampler, SamplingRows, noise_key
@@ -68,6 +69,7 @@ class NativeEngine:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 16384,
         enforce_eager: bool = False,
+        compile: bool = True,
         enable_prefix_sharing: bool = True,
         decode: Callable[[list[int]], str] | None = None,
         eos_token_ids: Iterable[int] | None = None,
@@ -122,6 +124,7 @@ class NativeEngine:
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             enforce_eager=enforce_eager,
+            compile=compile,
         )
         self.sampler = Sampler(self.device, seed if seed is not None else random.randrange(2**62))
         self._seq_ids = itertools.count()
@@ -168,6 +171,7 @@ class NativeEngine:
             block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
             enforce_eager=config.enforce_eager,
+            compile=config.compile,
             decode=decode,
             seed=seed,
         )
@@ -224,32 +228,35 @@ class NativeEngine:
             raise ValueError("step() on a sleeping engine: its KV cache is freed. Fix: call wake() first.")
         batch = self.last_batch = self.scheduler.schedule()
         if batch is not None:
+            rows = self._sampling_rows(batch)  # host work and copies queued before the forward
             self.runner.copy_blocks(self.block_manager.take_pending_copies())
             logits_SV = self.runner.run(batch.seqs, batch.is_prefill)
-            token_ids, logprobs = self._sample(batch, logits_SV)
+            token_ids, logprobs = self._sample(batch, logits_SV, rows)
             for seq in self.scheduler.postprocess(batch, token_ids, logprobs):
                 self._ready.append(seq.completion())
         ready, self._ready = self._ready, []
         return ready
 
-    def _sample(self, batch: Batch, logits_SV: torch.Tensor) -> tuple[list[int], list[float]]:
+    def _sample(
+        self, batch: Batch, logits_SV: torch.Tensor, rows: SamplingRows | None = None
+    ) -> tuple[list[int], list[float]]:
         if batch.row_source != list(range(len(batch.seqs))):
-            logits_SV = logits_SV[torch.tensor(batch.row_source, device=logits_SV.device)]
+            logits_SV = logits_SV[to_device(torch.tensor(batch.row_source), logits_SV.device)]
+        token_ids_R, logprobs_R = self.sampler(logits_SV, rows or self._sampling_rows(batch))
+        return token_ids_R.tolist(), logprobs_R.tolist()
+
+    def _sampling_rows(self, batch: Batch) -> SamplingRows:
         params = [seq.params for seq in batch.rows]
-        rows = SamplingRows.build(
+        return SamplingRows.build(
             [p.temperature for p in params],
             [p.top_p for p in params],
             [p.top_k for p in params],
             [
-                None
-                if seq.params.seed is None
-                else noise_key(seq.params.seed, seq.sample_index, len(seq.output_ids))
-                for seq in batch.rows
+                None if p.seed is None else noise_key(p.seed, seq.sample_index, len(seq.output_ids))
+                for p, seq in zip(params, batch.rows)
             ],
             self.device,
         )
-        token_ids_R, logprobs_R = self.sampler(logits_SV, rows)
-        return token_ids_R.tolist(), logprobs_R.tolist()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._ready)

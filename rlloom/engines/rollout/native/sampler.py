@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rlloom.devices import to_device
+
 try:
     import triton
     import triton.language as tl
@@ -126,9 +128,9 @@ class SamplingRows:
         device: torch.device,
     ) -> SamplingRows:
         return cls(
-            temperature_R=torch.tensor(temperatures, dtype=torch.float32, device=device),
-            top_p_R=torch.tensor(top_ps, dtype=torch.float32, device=device),
-            top_k_R=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            temperature_R=to_device(torch.tensor(temperatures, dtype=torch.float32), device),
+            top_p_R=to_device(torch.tensor(top_ps, dtype=torch.float32), device),
+            top_k_R=to_device(torch.tensor(top_ks, dtype=torch.int64), device),
             noise_keys=noise_keys,
             all_greedy=all(t == 0 for t in temperatures),
             truncate=any(k > 0 for k in top_ks) or any(p < 1 for p in top_ps),
@@ -148,9 +150,7 @@ class Sampler:
         keys_R = None
         if self.use_triton and logits_RV.is_cuda:
             keys = [self.host_rng.getrandbits(63) if k is None else k for k in rows.noise_keys]
-            keys_R = (
-                torch.tensor(keys, dtype=torch.int64).pin_memory().to(logits_RV.device, non_blocking=True)
-            )
+            keys_R = to_device(torch.tensor(keys, dtype=torch.int64), logits_RV.device)
             if not rows.truncate:
                 return self._fused(logits_RV, rows.temperature_R, keys_R)
         logits_RV = logits_RV.float()

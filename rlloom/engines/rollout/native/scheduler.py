@@ -95,16 +95,16 @@ class Scheduler:
 
     def _schedule_decode(self) -> Batch | None:
         seqs: list[Sequence] = []
+        try_append = self.block_manager.try_append
         while self.running:
             seq = self.running.popleft()
-            while not self.block_manager.can_append(seq):
+            while not try_append(seq):
                 if self.running:
                     self._preempt(self.running.pop())
                 else:
                     self._preempt(seq)
                     break
             else:
-                self.block_manager.may_append(seq)
                 seqs.append(seq)
         self.running.extend(seqs)
         if not seqs:
@@ -132,21 +132,31 @@ class Scheduler:
             seq.logprobs.append(logprob)
             reason = self._finish_reason(seq, token)
             if reason is not None:
-                self._finish(seq, reason)
                 finished.append(seq)
+        if finished:  # one pass over the running queue instead of a remove() per finished sequence
+            done = set(map(id, finished))
+            self.running = deque(s for s in self.running if id(s) not in done)
+            for seq in finished:
+                seq.status = Status.FINISHED
+                self.block_manager.free(seq)
         return finished
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        """Why `seq` ends with `token` (also stored in seq.finish_reason), or None."""
         params = seq.params
+        reason: FinishReason | None = None
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            return "stop"
-        if params.stop_strings and self.decode is not None:
-            text = self.decode(seq.output_ids)
-            if any(s in text for s in params.stop_strings):
-                return "stop"
-        if len(seq.output_ids) >= params.max_new_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+            reason = "stop"
+        elif (
+            params.stop_strings
+            and self.decode is not None
+            and any(s in self.decode(seq.output_ids) for s in params.stop_strings)
+        ):
+            reason = "stop"
+        elif len(seq.output_ids) >= params.max_new_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        seq.finish_reason = reason
+        return reason
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         seq.status = Status.FINISHED

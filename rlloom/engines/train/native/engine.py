@@ -30,8 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rlloom.algorithms._validate import deferred_finite_checks
 from rlloom.config.components import TrainEngineConfig
 from rlloom.data.types import RolloutBatch
+from rlloom.devices import to_device
 from rlloom.engines.train.base import LossFn
 from rlloom.engines.train.native.checkpoint import load_checkpoint, save_checkpoint
 from rlloom.engines.train.native.flops import active_body_params, step_flops
@@ -87,9 +89,10 @@ class NativeTrainEngine:
 
         self.model = model.float()  # parameters are the fp32 master weights
         apply_ac(self.model, cfg.activation_checkpointing, cfg.ac_every_k)
-        if cfg.compile and self.device.type == "cuda":  # after AC, before FSDP (rlloom/parallel/compile.py)
+        compiled = cfg.compile and self.device.type == "cuda"
+        if compiled:  # after AC, before FSDP (rlloom/parallel/compile.py)
             apply_compile(self.model)
-        self.module = PolicyHead(self.model, chunk_tokens=cfg.logprob_chunk_tokens)
+        self.module = PolicyHead(self.model, chunk_tokens=cfg.logprob_chunk_tokens, compiled=compiled)
         self.dp_group: dist.ProcessGroup | None = None
         self.dp_rank, self.dp_size = 0, 1
         if self.sharded:
@@ -175,7 +178,7 @@ class NativeTrainEngine:
 
     def _run(
         self, batch: RolloutBatch, indices: list[int], temperature: float, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int, int]:
         return run_micro_batch(
             self.module,
             batch.select(indices),
@@ -200,10 +203,10 @@ class NativeTrainEngine:
         logp_BT = torch.zeros(len(batch), batch.T, dtype=torch.float32, device=self.device)
         entropy_BT = torch.zeros_like(logp_BT) if with_entropy else None
         for mb in micro_batches:
-            logp_bT, entropy_bT, _, _ = self._run(batch, mb or [filler], temperature, with_entropy)
+            logp_bT, entropy_bT, _, _, _ = self._run(batch, mb or [filler], temperature, with_entropy)
             if mb is None:
                 continue
-            rows = torch.tensor(mb, device=self.device)
+            rows = to_device(torch.tensor(mb), self.device)
             logp_BT[rows] = logp_bT
             if entropy_BT is not None:
                 entropy_BT[rows] = entropy_bT
@@ -237,33 +240,37 @@ class NativeTrainEngine:
         self.optimizer.zero_grad()
         self.module.train()
         micro_batches, filler = self._plan(batch)
-        acc = MetricsAccumulator()
-        for mb in micro_batches:
-            logp_bT, entropy_bT, mask_bT, num_tokens = self._run(
-                batch, mb or [filler], temperature, with_entropy
-            )
-            if mb is None:
-                # Zero-weight filler: same collectives as a real micro-batch, no contribution.
-                (logp_bT.sum() * 0.0).backward()
-                continue
-            loss_sum, mb_metrics = loss_fn(logp_bT, entropy_bT, torch.tensor(mb, dtype=torch.int64))
-            if not isinstance(loss_sum, torch.Tensor) or loss_sum.numel() != 1:
-                raise ValueError(
-                    f"loss_fn returned a loss of type {type(loss_sum).__name__} "
-                    f"{tuple(getattr(loss_sum, 'shape', ()))}; it must return a scalar tensor (the "
-                    "micro-batch's loss sum). Fix: return aggregate_loss_sum(loss_bT, mask_bT, mode)."
+        # No host reads inside the loop (metrics stay tensors, finiteness checks are queued): on CUDA
+        # the host packs the next micro-batch while the GPU still runs this one.
+        records: list[dict[str, Metric]] = []
+        with deferred_finite_checks():
+            for mb in micro_batches:
+                logp_bT, entropy_bT, _, num_tokens, num_response = self._run(
+                    batch, mb or [filler], temperature, with_entropy
                 )
-            (loss_sum.reshape(()) / loss_normalizer).backward()
-            num_response = int(mask_bT.sum())
-            acc.add(_weighted(mb_metrics, num_response))
-            acc.add(
-                {
-                    "train/loss": Sum(loss_sum.detach() / loss_normalizer),
-                    "train/tokens": Sum(sum(batch.samples[i].num_tokens for i in mb)),
-                    "train/computed_tokens": Sum(num_tokens),
-                    "train/response_tokens": Sum(num_response),
-                }
-            )
+                if mb is None:
+                    # Zero-weight filler: same collectives as a real micro-batch, no contribution.
+                    (logp_bT.sum() * 0.0).backward()
+                    continue
+                loss_sum, mb_metrics = loss_fn(logp_bT, entropy_bT, torch.tensor(mb, dtype=torch.int64))
+                if not isinstance(loss_sum, torch.Tensor) or loss_sum.numel() != 1:
+                    raise ValueError(
+                        f"loss_fn returned a loss of type {type(loss_sum).__name__} "
+                        f"{tuple(getattr(loss_sum, 'shape', ()))}; it must return a scalar tensor (the "
+                        "micro-batch's loss sum). Fix: return aggregate_loss_sum(loss_bT, mask_bT, mode)."
+                    )
+                (loss_sum.reshape(()) / loss_normalizer).backward()
+                records.append(_weighted(mb_metrics, num_response))
+                records.append(
+                    {
+                        "train/loss": Sum(loss_sum.detach() / loss_normalizer),
+                        "train/tokens": Sum(sum(batch.samples[i].num_tokens for i in mb)),
+                        "train/computed_tokens": Sum(num_tokens),
+                        "train/response_tokens": Sum(num_response),
+                    }
+                )
+        acc = MetricsAccumulator()
+        acc.add_all(records)
         acc.add({"train/num_micro_batches": Max(len(micro_batches))})
         return reduce_across_ranks(acc, self.dp_group)
 

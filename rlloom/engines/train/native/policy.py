@@ -15,16 +15,20 @@ import torch
 from torch import nn
 
 from rlloom.data.types import RolloutBatch
+from rlloom.devices import to_device
+from rlloom.models.attention_ops import TreePlan
 from rlloom.models.logprobs import token_logprobs
 
 
 class PolicyHead(nn.Module):
     """Wraps a CausalLM (`self.model`); `forward` returns logprobs (and entropies) at K positions."""
 
-    def __init__(self, model: nn.Module, *, chunk_tokens: int) -> None:
+    def __init__(self, model: nn.Module, *, chunk_tokens: int, compiled: bool = False) -> None:
         super().__init__()
         self.model = model
         self.chunk_tokens = chunk_tokens
+        self.compiled = compiled
+        """Fuse the head's elementwise passes with torch.compile (CUDA; see models/logprobs.py)."""
 
     def forward(
         self,
@@ -36,22 +40,21 @@ class PolicyHead(nn.Module):
         targets_K: torch.Tensor,
         temperature: float,
         with_entropy: bool,
-        prefix_lens_S: torch.Tensor | None = None,
-        branch_lens_Z: torch.Tensor | None = None,
+        tree: TreePlan | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """fp32 log p(targets_K[k] | what position positions_K[k] attends to) [K], and entropy [K] or None.
 
         input_ids_N, position_ids_N: [N]; cu_seqlens: [S + 1] int32; positions_K, targets_K: [K] int64
         (positions may repeat: a shared prompt's last position predicts the first token of each
-        branch); prefix_lens_S [S], branch_lens_Z [Z] int32: the shared-prompt layout, or None.
+        branch); tree: the shared-prompt layout built on the host (a `TreePlan`: FSDP leaves it
+        alone, where it would copy tensors to the GPU), or None for plain packed sequences.
         """
         hidden_ND = self.model.hidden_states(
             input_ids_N,
             position_ids=position_ids_N,
             cu_seqlens=cu_seqlens,
             max_seqlen=max_seqlen,
-            prefix_lens=prefix_lens_S,
-            branch_lens=branch_lens_Z,
+            tree=tree,
         )
         num_selected = positions_K.shape[0]
         if num_selected == 0:
@@ -66,6 +69,7 @@ class PolicyHead(nn.Module):
             temperature=temperature,
             chunk_tokens=self.chunk_tokens,
             with_entropy=with_entropy,
+            compiled=self.compiled,
         )
         if num_selected == 0:
             logp_K = logp_K[:0]
@@ -81,29 +85,40 @@ def run_micro_batch(
     with_entropy: bool,
     *,
     share_prompts: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int, int]:
     """Pack `batch` (one micro-batch; shared-prompt layout with `share_prompts`), run `module` (a
     PolicyHead, maybe FSDP-wrapped) on it.
 
-    Returns logp_bT, entropy_bT (or None), the response mask_bT, all on `device`, and the number of
-    tokens in the packed stream; the [b, T] tensors are fp32 and 0 where the mask is false.
-    Differentiable when grad is enabled.
+    Returns logp_bT, entropy_bT (or None), the response mask_bT, all on `device`, the number of
+    tokens in the packed stream and the number of response tokens; the [b, T] tensors are fp32 and 0
+    where the mask is false. Differentiable when grad is enabled. Everything the host must read (the
+    segment structure, the selected positions, the counts) is computed on CPU before the copy, so
+    on CUDA the call queues its kernels without waiting for the GPU.
     """
-    packed = batch.packed(share_prompts=share_prompts).to(device)
+    packed = batch.packed(share_prompts=share_prompts)
     mask_bT = packed.response_mask_BT
+    positions_K, targets_K = packed.gather_index_BT[mask_bT], packed.target_ids_BT[mask_bT]
+    flat_K = mask_bT.flatten().nonzero().squeeze(1)
+    tree = None
+    if packed.prefix_lens_S is not None and packed.branch_lens_Z is not None:
+        tree = TreePlan(packed.cu_seqlens, packed.prefix_lens_S, packed.branch_lens_Z, device)
+    on = packed.to(device)
     logp_K, entropy_K = module(
-        packed.input_ids_N,
-        packed.position_ids_N,
-        packed.cu_seqlens,
+        on.input_ids_N,
+        on.position_ids_N,
+        on.cu_seqlens,
         packed.max_seqlen,
-        packed.gather_index_BT[mask_bT],
-        packed.target_ids_BT[mask_bT],
+        to_device(positions_K, device),
+        to_device(targets_K, device),
         temperature,
         with_entropy,
-        packed.prefix_lens_S,
-        packed.branch_lens_Z,
+        tree,
     )
-    zeros_bT = torch.zeros(mask_bT.shape, dtype=torch.float32, device=device)
-    logp_bT = zeros_bT.masked_scatter(mask_bT, logp_K)
-    entropy_bT = zeros_bT.masked_scatter(mask_bT, entropy_K) if entropy_K is not None else None
-    return logp_bT, entropy_bT, mask_bT, packed.input_ids_N.numel()
+    flat_K = to_device(flat_K, device)
+
+    def spread(values_K: torch.Tensor) -> torch.Tensor:
+        zeros = torch.zeros(mask_bT.numel(), dtype=torch.float32, device=device)
+        return zeros.index_put((flat_K,), values_K).view(mask_bT.shape)
+
+    entropy_bT = spread(entropy_K) if entropy_K is not None else None
+    return spread(logp_K), entropy_bT, on.response_mask_BT, packed.input_ids_N.numel(), int(flat_K.numel())
