@@ -29,8 +29,6 @@ from typing import Any, Literal
 
 import torch
 
-from rlloom.devices import to_device
-
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -123,26 +121,6 @@ class PackedTensors:
     branch_lens_Z: torch.Tensor | None = None
     """Shared-prompt layout: [Z] int32 lengths of the non-empty branches in stream order; segment s
     owns the next entries, which sum to its length minus `prefix_lens_S[s]`. None otherwise."""
-
-    def to(self, device: torch.device | str) -> PackedTensors:
-        """Every tensor on `device` (CPU -> CUDA through pinned memory, without a host sync)."""
-        device = torch.device(device)
-
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return to_device(t, device) if t is not None else None
-
-        return PackedTensors(
-            input_ids_N=move(self.input_ids_N),
-            position_ids_N=move(self.position_ids_N),
-            cu_seqlens=move(self.cu_seqlens),
-            target_ids_N=move(self.target_ids_N),
-            gather_index_BT=move(self.gather_index_BT),
-            target_ids_BT=move(self.target_ids_BT),
-            response_mask_BT=move(self.response_mask_BT),
-            max_seqlen=self.max_seqlen,
-            prefix_lens_S=move(self.prefix_lens_S),
-            branch_lens_Z=move(self.branch_lens_Z),
-        )
 
 
 @dataclass(kw_only=True, slots=True)

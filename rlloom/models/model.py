@@ -22,7 +22,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlloom.devices import to_device
 from rlloom.models.args import ModelArgs
 from rlloom.models.attention import Attention
 from rlloom.models.attention_ops import AttnLayout, TreePlan, check_right_padded
@@ -105,8 +104,6 @@ class CausalLM(nn.Module):
         layout, position_ids = _layout(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask, attn)
         if tree is not None or prefix_lens is not None or branch_lens is not None:
             layout = _tree_layout(layout, prefix_lens, branch_lens, input_ids.device, tree)
-        if layout.cu_seqlens is not None:  # structure may come on CPU (read there); kernels need it here
-            layout.cu_seqlens = to_device(layout.cu_seqlens, input_ids.device)
         h = self.tok_embeddings(input_ids)
         cos, sin = self.rope(position_ids, h.dtype)
         for layer in self.layers:

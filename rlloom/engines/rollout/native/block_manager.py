@@ -79,16 +79,11 @@ class BlockManager:
         table = seq.block_table
         return 1 if index == len(table) or self.ref_counts[table[index]] > 1 else 0
 
-    def can_append(self, seq: Sequence) -> bool:
-        return self.append_cost(seq) <= len(self.free_blocks)
-
     def try_append(self, seq: Sequence) -> bool:
-        """`may_append` when the free blocks allow it (True), else nothing (False). The decode
-        scheduler's per-sequence call: one look at the table instead of can_append + may_append."""
-        index = (seq.num_tokens - 1) // self.block_size
-        table = seq.block_table
-        if index < len(table) and self.ref_counts[table[index]] == 1:
-            return True  # the common case: the slot is in a private block already
+        """`may_append` if the free blocks allow it (True), else nothing (False): the decode
+        scheduler's per-sequence call."""
+        if self.append_cost(seq) == 0:
+            return True  # the slot is in a private block already: nothing to do
         if not self.free_blocks:
             return False
         self.may_append(seq)

@@ -132,39 +132,35 @@ class Scheduler:
             seq.logprobs.append(logprob)
             reason = self._finish_reason(seq, token)
             if reason is not None:
+                self._finish(seq, reason)
                 finished.append(seq)
-        if finished:  # one pass over the running queue instead of a remove() per finished sequence
-            done = set(map(id, finished))
-            self.running = deque(s for s in self.running if id(s) not in done)
-            for seq in finished:
-                seq.status = Status.FINISHED
-                self.block_manager.free(seq)
+        self._drop_running(finished)
         return finished
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        """Why `seq` ends with `token` (also stored in seq.finish_reason), or None."""
         params = seq.params
-        reason: FinishReason | None = None
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            reason = "stop"
-        elif (
-            params.stop_strings
-            and self.decode is not None
-            and any(s in self.decode(seq.output_ids) for s in params.stop_strings)
-        ):
-            reason = "stop"
-        elif len(seq.output_ids) >= params.max_new_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
-        seq.finish_reason = reason
-        return reason
+            return "stop"
+        if params.stop_strings and self.decode is not None:
+            text = self.decode(seq.output_ids)
+            if any(s in text for s in params.stop_strings):
+                return "stop"
+        if len(seq.output_ids) >= params.max_new_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        """Mark `seq` finished and free its blocks; the caller takes it out of the running queue
+        (`_drop_running`, one pass for all of a step's finished sequences)."""
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         seq.error = error
         self.block_manager.free(seq)
-        if seq in self.running:
-            self.running.remove(seq)
+
+    def _drop_running(self, seqs: list[Sequence]) -> None:
+        if seqs:
+            gone = set(map(id, seqs))
+            self.running = deque(s for s in self.running if id(s) not in gone)
 
     def abort(self, request_ids: set[str]) -> list[Sequence]:
         """Finish every waiting or running sequence of these requests with "abort"; return them."""
@@ -176,4 +172,5 @@ class Scheduler:
                 self._finish(member, "abort", "aborted by the caller (engine.abort)")
                 aborted.append(member)
             seq.forks = []
+        self._drop_running(aborted)
         return aborted

@@ -178,7 +178,7 @@ class NativeTrainEngine:
 
     def _run(
         self, batch: RolloutBatch, indices: list[int], temperature: float, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int, int]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
         return run_micro_batch(
             self.module,
             batch.select(indices),
@@ -203,7 +203,7 @@ class NativeTrainEngine:
         logp_BT = torch.zeros(len(batch), batch.T, dtype=torch.float32, device=self.device)
         entropy_BT = torch.zeros_like(logp_BT) if with_entropy else None
         for mb in micro_batches:
-            logp_bT, entropy_bT, _, _, _ = self._run(batch, mb or [filler], temperature, with_entropy)
+            logp_bT, entropy_bT, _, _ = self._run(batch, mb or [filler], temperature, with_entropy)
             if mb is None:
                 continue
             rows = to_device(torch.tensor(mb), self.device)
@@ -245,7 +245,7 @@ class NativeTrainEngine:
         records: list[dict[str, Metric]] = []
         with deferred_finite_checks():
             for mb in micro_batches:
-                logp_bT, entropy_bT, _, num_tokens, num_response = self._run(
+                logp_bT, entropy_bT, num_tokens, num_response = self._run(
                     batch, mb or [filler], temperature, with_entropy
                 )
                 if mb is None:

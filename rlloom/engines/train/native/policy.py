@@ -85,40 +85,38 @@ def run_micro_batch(
     with_entropy: bool,
     *,
     share_prompts: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int, int]:
+) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
     """Pack `batch` (one micro-batch; shared-prompt layout with `share_prompts`), run `module` (a
     PolicyHead, maybe FSDP-wrapped) on it.
 
-    Returns logp_bT, entropy_bT (or None), the response mask_bT, all on `device`, the number of
-    tokens in the packed stream and the number of response tokens; the [b, T] tensors are fp32 and 0
-    where the mask is false. Differentiable when grad is enabled. Everything the host must read (the
-    segment structure, the selected positions, the counts) is computed on CPU before the copy, so
-    on CUDA the call queues its kernels without waiting for the GPU.
+    Returns logp_bT and entropy_bT (or None) on `device`, fp32 [b, T] and 0 where the response mask
+    is false, then the number of tokens in the packed stream and the number of response tokens.
+    Differentiable when grad is enabled. Everything the host must read (the segment structure, the
+    selected positions, the counts) is computed on CPU and only the model's inputs are copied, so on
+    CUDA the call queues its kernels without waiting for the GPU.
     """
     packed = batch.packed(share_prompts=share_prompts)
     mask_bT = packed.response_mask_BT
-    positions_K, targets_K = packed.gather_index_BT[mask_bT], packed.target_ids_BT[mask_bT]
     flat_K = mask_bT.flatten().nonzero().squeeze(1)
     tree = None
     if packed.prefix_lens_S is not None and packed.branch_lens_Z is not None:
         tree = TreePlan(packed.cu_seqlens, packed.prefix_lens_S, packed.branch_lens_Z, device)
-    on = packed.to(device)
     logp_K, entropy_K = module(
-        on.input_ids_N,
-        on.position_ids_N,
-        on.cu_seqlens,
+        to_device(packed.input_ids_N, device),
+        to_device(packed.position_ids_N, device),
+        to_device(packed.cu_seqlens, device),
         packed.max_seqlen,
-        to_device(positions_K, device),
-        to_device(targets_K, device),
+        to_device(packed.gather_index_BT[mask_bT], device),
+        to_device(packed.target_ids_BT[mask_bT], device),
         temperature,
         with_entropy,
         tree,
     )
-    flat_K = to_device(flat_K, device)
+    flat_K_device = to_device(flat_K, device)
 
     def spread(values_K: torch.Tensor) -> torch.Tensor:
         zeros = torch.zeros(mask_bT.numel(), dtype=torch.float32, device=device)
-        return zeros.index_put((flat_K,), values_K).view(mask_bT.shape)
+        return zeros.index_put((flat_K_device,), values_K).view(mask_bT.shape)
 
     entropy_bT = spread(entropy_K) if entropy_K is not None else None
-    return spread(logp_K), entropy_bT, on.response_mask_BT, packed.input_ids_N.numel(), int(flat_K.numel())
+    return spread(logp_K), entropy_bT, packed.input_ids_N.numel(), flat_K.numel()
