@@ -10,6 +10,7 @@ trains. Steps after the first are steady state; the table reports their median.
     python benchmarks/bench_e2e.py --workers 2         # Ray, one actor per GPU
     python benchmarks/bench_e2e.py --tiny --steps 2    # CPU smoke run of the script
     python benchmarks/bench_e2e.py --profile           # + top device kernels of the last step
+    python benchmarks/bench_e2e.py --profile-train     # the same for its policy update, + host ops
 """
 
 from __future__ import annotations
@@ -52,13 +53,26 @@ def write_random_qwen3(path: Path, *, tiny: bool) -> Path:
     return path
 
 
-def profiled(fn):  # noqa: ANN001, ANN201
-    """fn() under torch.profiler; prints the top operators by self device time."""
+def profiled(fn, *, host_table: bool = False):  # noqa: ANN001, ANN201
+    """fn() under torch.profiler; prints the top operators by self device time (and by self host
+    time), and the fraction of the wall time the GPU spent in kernels."""
+    import time
+
     from torch.profiler import ProfilerActivity, profile
 
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
         result = fn()
-    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60))
+        torch.cuda.synchronize()
+        wall_s = time.perf_counter() - start
+    averages = prof.key_averages()
+    print(averages.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60))
+    if host_table:
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+    # Kernel rows have no host time of their own; the ops that launch them would count them twice.
+    kernel_s = sum(e.self_device_time_total for e in averages if e.cpu_time_total == 0) / 1e6
+    print(f"profiled wall {wall_s:.2f} s, GPU kernels {kernel_s:.2f} s, busy {kernel_s / wall_s:.2f}")
     return result
 
 
@@ -75,7 +89,13 @@ def main() -> None:
     parser.add_argument("--out", default="")
     parser.add_argument("--profile", action="store_true", help="torch.profiler over the last step (inline)")
     parser.add_argument(
+        "--profile-train", action="store_true", help="torch.profiler over the last step's policy update"
+    )
+    parser.add_argument(
         "--eager", action="store_true", help="no torch.compile (train layers, rollout decode)"
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="extra config override"
     )
     args = parser.parse_args()
     if args.tiny:
@@ -99,6 +119,7 @@ def main() -> None:
         ]
         if args.eager:
             overrides += ["train.compile=false", "rollout.compile=false"]
+        overrides += args.set
         if args.workers > 1:
             overrides += ["cluster.mode=ray", f"cluster.num_workers={args.workers}"]
         cfg = load_config("arithmetic_demo", overrides)
@@ -124,6 +145,9 @@ def main() -> None:
         )
         records = []
         for step in range(args.steps):
+            if args.profile_train and step == args.steps - 1:
+                update = group.update_policy
+                group.update_policy = lambda u, f=update: profiled(lambda: f(u), host_table=True)
             if args.profile and step == args.steps - 1:
                 m = profiled(lambda s=step: rl_step(ctx, s))
             else:

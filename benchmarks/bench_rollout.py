@@ -65,11 +65,13 @@ def run_engine(engine: NativeEngine, prompts: list[list[int]], params: SamplingP
     sync(engine.device)
     start = time.perf_counter()
     decode_s, peak_blocks, tokens = 0.0, 0, 0
+    waits_for = None  # the batch whose tokens the next step() reads back (it launches the one after)
     while engine.has_unfinished():
         t0 = time.perf_counter()
-        done = engine.step()  # ends with a host sync (sampled tokens are read back)
-        if engine.last_batch is not None and not engine.last_batch.is_prefill:
+        done = engine.step()
+        if waits_for is not None and not waits_for.is_prefill:
             decode_s += time.perf_counter() - t0
+        waits_for = engine.last_batch
         peak_blocks = max(peak_blocks, engine.block_manager.num_used_blocks)
         tokens += sum(len(c.token_ids) for c in done)
     total_s = time.perf_counter() - start

@@ -96,7 +96,10 @@ def sampler_checks() -> str:
 
 
 def timed_step(engine: NativeEngine) -> dict[str, float]:
-    """engine.step() split into phases, with a device sync closing each (ms)."""
+    """One engine step run without overlap, split into phases, each closed by a device sync (ms):
+    the host-only phases are what the engine overlaps with the previous step's device work."""
+    engine._drain()
+    torch.cuda.synchronize()
     times, t0 = {}, time.perf_counter()
 
     def mark(name: str, sync: bool = False) -> None:
@@ -109,15 +112,12 @@ def timed_step(engine: NativeEngine) -> dict[str, float]:
 
     batch = engine.scheduler.schedule()
     mark("schedule (host)")
-    engine.runner.copy_blocks(engine.block_manager.take_pending_copies())
-    logits = engine.runner.run(batch.seqs, batch.is_prefill)
-    mark("forward enqueue (host)")
+    step = engine._launch(batch, None)
+    mark("inputs + forward + sample enqueue (host)")
     torch.cuda.synchronize()
-    mark("forward wait (GPU)")
-    token_ids, logprobs = engine._sample(batch, logits)
-    mark("sample (host+GPU)", sync=True)
-    engine._ready += [s.completion() for s in engine.scheduler.postprocess(batch, token_ids, logprobs)]
-    mark("postprocess (host)")
+    mark("forward + sample wait (GPU)")
+    engine._resolve(step)
+    mark("resolve (host)")
     return times
 
 
@@ -234,6 +234,7 @@ def main() -> None:
         for name, ms in timed_step(engine).items():
             phases.setdefault(name, []).append(ms)
     median = {name: sorted(v)[len(v) // 2] for name, v in phases.items()}
+    engine._drain()
     seqs = list(engine.scheduler.running)
     graphs = engine.runner.graphs
     key = next(k for k in sorted(graphs.graphs) if k[0] >= len(seqs))
@@ -242,9 +243,9 @@ def main() -> None:
     head_ms = cuda_ms(lambda: hidden @ engine.model.lm_head_weight.T)
     logits = hidden @ engine.model.lm_head_weight.T
     batch = Batch(seqs, False, seqs, list(range(len(seqs))))  # the live decode batch, for the sampler
-    sample_ms = cuda_ms(lambda: engine._sample(batch, logits))
+    sample_ms = cuda_ms(lambda: engine.sampler(logits, engine._sampling_rows(batch)))
     engine.sampler.use_triton = False
-    sample_torch_ms = cuda_ms(lambda: engine._sample(batch, logits))
+    sample_torch_ms = cuda_ms(lambda: engine.sampler(logits, engine._sampling_rows(batch)))
     engine.sampler.use_triton = True
     idle = profile_steps(engine, args.profiled_steps, args.out)
 

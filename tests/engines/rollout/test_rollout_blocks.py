@@ -8,7 +8,7 @@ from rlloom.engines.rollout.native.block_manager import BlockManager
 from rlloom.engines.rollout.native.sampler import Sampler, SamplingRows, noise_key
 from rlloom.engines.rollout.native.sampling_params import SamplingParams
 from rlloom.engines.rollout.native.scheduler import Scheduler
-from rlloom.engines.rollout.native.sequence import Sequence
+from rlloom.engines.rollout.native.sequence import Sequence, pending
 
 
 def _seq(i: int, prompt_len: int, **params) -> Sequence:
@@ -61,10 +61,63 @@ def test_scheduler_preempts_the_newest_sequence_when_blocks_run_out():
     sched.add(b)
     batch = sched.schedule()
     assert batch.is_prefill and batch.seqs == [a, b] and bm.num_free_blocks == 0
-    sched.postprocess(batch, [1, 1], [0.0, 0.0])
+    sched.resolve(batch.rows, sched.launched(batch), [1, 1], [0.0, 0.0])
     batch = sched.schedule()  # both need a new block for position 8; only preempting b frees one
     assert not batch.is_prefill and batch.seqs == [a]
     assert list(sched.waiting) == [b] and b.block_table == [] and sched.num_preemptions == 1
+
+
+def _overlapped_scheduler(num_blocks: int = 16) -> tuple[BlockManager, Scheduler]:
+    bm = BlockManager(num_blocks=num_blocks, block_size=4)
+    return bm, Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, eos_token_ids=[2])
+
+
+def test_a_sequence_that_stops_while_its_next_step_runs_drops_that_step():
+    bm, sched = _overlapped_scheduler()
+    a, b = _seq(0, 3, max_new_tokens=10), _seq(1, 3, max_new_tokens=10)
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    first_at = sched.launched(first)
+    assert a.output_ids == [pending(0)] and b.output_ids == [pending(1)]
+    second = sched.schedule()  # scheduled before the first step's tokens are known
+    assert second.seqs == [a, b] and a.num_tokens == 4
+    second_at = sched.launched(second)
+    assert a.output_ids == [pending(0), pending(0)] and second_at == [1, 1]
+    assert sched.resolve(first.rows, first_at, [2, 7], [-0.5, -0.25]) == [a]  # a samples EOS
+    assert a.output_ids == [2] and a.logprobs == [-0.5] and a.finish_reason == "stop"
+    assert a.block_table == [] and list(sched.running) == [b]
+    assert b.output_ids == [7, pending(1)]
+    assert sched.resolve(second.rows, second_at, [9, 8], [-1.0, -1.0]) == []  # a's result: ignored
+    assert a.output_ids == [2] and b.output_ids == [7, 8] and b.logprobs == [-0.25, -1.0]
+
+
+def test_a_sequence_whose_pending_token_is_its_last_is_not_scheduled_again():
+    bm, sched = _overlapped_scheduler()
+    a, b = _seq(0, 3, max_new_tokens=1), _seq(1, 3, max_new_tokens=5)
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    first_at = sched.launched(first)
+    second = sched.schedule()
+    assert second.seqs == [b] and set(sched.running) == {a, b}
+    sched.launched(second)
+    assert sched.resolve(first.rows, first_at, [5, 6], [0.0, 0.0]) == [a]
+    assert a.finish_reason == "length" and a.output_ids == [5] and list(sched.running) == [b]
+
+
+def test_a_sequence_preempted_while_its_step_runs_can_still_finish():
+    bm, sched = _overlapped_scheduler(num_blocks=2)
+    a, b = _seq(0, 4, max_new_tokens=10), _seq(1, 4, max_new_tokens=10)
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    first_at = sched.launched(first)
+    second = sched.schedule()  # position 4 needs a new block for each: b is preempted
+    assert second.seqs == [a] and list(sched.waiting) == [b] and b.output_ids == [pending(1)]
+    sched.launched(second)
+    assert sched.resolve(first.rows, first_at, [3, 2], [0.0, 0.0]) == [b]  # b samples EOS
+    assert not sched.waiting and b.finish_reason == "stop" and b.output_ids == [2]
 
 
 def test_sampler_frequencies_match_the_truncated_distribution():

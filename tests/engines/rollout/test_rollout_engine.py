@@ -79,6 +79,30 @@ def test_prefix_sharing_and_preemption_do_not_change_results(dense):
     _assert_same(small_batches.generate(batch, params), reference)
 
 
+def test_overlapped_steps_equal_steps_run_one_after_the_other(dense):
+    # Frequent stop tokens end sequences at different steps while their next step is in flight;
+    # a tight cache adds preemptions of sequences whose token is still pending.
+    batch = prompts(8, max_len=18, seed=11)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12, seed=3, stop_token_ids=[5, 9, 17])
+
+    def sequential(engine: NativeEngine) -> list:
+        for i, prompt in enumerate(batch):
+            engine.add_request(prompt, params, request_id=str(i), prompt_index=i)
+        out = []
+        while engine.has_unfinished():
+            out += engine.step()
+            engine._drain()  # read this step's tokens before the next one is scheduled
+        return sorted(out, key=lambda c: (c.prompt_index, c.sample_index))
+
+    for kwargs in ({}, {"num_blocks": 14}):
+        overlapped = _engine(dense[1], **kwargs)
+        got = overlapped.generate(batch, params)
+        _assert_same(got, sequential(_engine(dense[1], **kwargs)))  # batch sizes differ: fp32 rounding
+        assert {c.finish_reason for c in got} == {"stop", "length"}
+        assert overlapped.block_manager.num_free_blocks == overlapped.block_manager.num_blocks
+    assert overlapped.num_preemptions > 0
+
+
 def test_seeded_sampling_is_reproducible_and_unseeded_varies(dense):
     engine = _engine(dense[1])
     batch = prompts(4, seed=6)

@@ -28,6 +28,7 @@ from torch import nn
 
 from rlloom.devices import to_device
 from rlloom.engines.rollout.native.attention import AttnContext, PagedAttention
+from rlloom.engines.rollout.native.sequence import take_pending
 
 
 def _batch_sizes(max_num_seqs: int, smallest: int = 1) -> list[int]:
@@ -115,9 +116,10 @@ class DecodeGraphs:
         return batch_size <= self.batch_sizes[-1] and width <= self.block_buckets[-1]
 
     @torch.no_grad()
-    def run(self, rows: np.ndarray) -> torch.Tensor:
+    def run(self, rows: np.ndarray, pending_R: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states [B, D] of one decode step; rows [B, 3 + width] int64 hold each
-        sequence's token, position, slot and block table (padded with the scratch block)."""
+        sequence's token, position, slot and block table (padded with the scratch block). With
+        `pending_R`, token -1 - r stands for `pending_R[r]` (the step in flight's sampled tokens)."""
         B, width = rows.shape[0], rows.shape[1] - 3
         bs = next(b for b in self.batch_sizes if b >= B)
         num_blocks = next(n for n in self.block_buckets if n >= width)
@@ -126,7 +128,8 @@ class DecodeGraphs:
         staged[B:, :2] = 0  # padded rows: token 0 at position 0, written to the scratch block
         staged[B:, 2] = self.scratch_block * self.backend.block_size
         staged_t = to_device(torch.from_numpy(staged), self.input_ids.device)
-        self.input_ids[:bs].copy_(staged_t[:, 0])
+        ids = staged_t[:, 0] if pending_R is None else take_pending(staged_t[:, 0], pending_R)
+        self.input_ids[:bs].copy_(ids)
         self.positions[:bs].copy_(staged_t[:, 1])
         self.slot_mapping[:bs].copy_(staged_t[:, 2])
         self.block_tables[:bs, :num_blocks].copy_(staged_t[:, 3:])

@@ -5,7 +5,13 @@
 
 `generate` is built on the step-level API: `add_request` queues a prompt (its n samples), `step`
 runs one scheduled forward and returns the completions that finished, `abort` ends in-flight
-requests. A step is schedule -> (copy-on-write block copies) -> forward -> sample -> postprocess.
+requests. A step is schedule -> (copy-on-write block copies) -> forward -> sample, queued on the
+device without waiting; then the previous step's sampled tokens are read back and recorded. So one
+step is always in flight: the host schedules and prepares step k + 1 (and records step k - 1's
+tokens) while the device computes step k, and step k + 1 takes the tokens of step k straight from
+the device (`Scheduler.launched`/`resolve`, pending tokens in sequence.py). Results are the same as
+running the steps one after the other; completions come out of the step() after the one that
+sampled their last token.
 
 Requests are validated one by one: a bad one (empty prompt, prompt of max_model_len tokens or more,
 token ids outside the vocabulary, invalid SamplingParams, stop strings without `decode`, a sequence
@@ -24,6 +30,7 @@ import json
 import os
 import random
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,6 +62,21 @@ def _eos_ids(model: torch.nn.Module) -> list[int]:
         eos = cfg.get("eos_token_id")
         found += [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     return sorted(set(found))
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A launched step whose sampled tokens are on their way to the host."""
+
+    rows: list[Sequence]
+    offsets: list[int]
+    """Where each row's pending token sits in its `output_ids` (`Scheduler.launched`)."""
+    token_ids_R: torch.Tensor
+    """The sampled tokens on the device: the next step's forward reads its pending tokens here."""
+    host_token_ids_R: torch.Tensor
+    host_logprobs_R: torch.Tensor
+    copied: torch.cuda.Event | None
+    """Recorded after the device-to-host copies (None on CPU, where they are done already)."""
 
 
 class NativeEngine:
@@ -130,6 +152,9 @@ class NativeEngine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._ready: list[Completion] = []
+        self._in_flight: _InFlight | None = None
+        self._host_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """Two pinned (token, logprob) buffers on CUDA, used by alternate steps."""
         self._offloaded = False
         self.last_batch: Batch | None = None
         """The batch the last step() ran (None if it ran nothing): for benchmarks and metrics."""
@@ -223,27 +248,62 @@ class NativeEngine:
         return request_id
 
     def step(self) -> list[Completion]:
-        """Run one scheduled forward; return the completions finished since the last call."""
+        """Launch the next scheduled step, then record the previous one; return the completions
+        finished since the last call."""
         if self.runner.backend is None and self.scheduler.has_unfinished():
             raise ValueError("step() on a sleeping engine: its KV cache is freed. Fix: call wake() first.")
         batch = self.last_batch = self.scheduler.schedule()
+        previous, self._in_flight = self._in_flight, None
         if batch is not None:
-            rows = self._sampling_rows(batch)  # host work and copies queued before the forward
-            self.runner.copy_blocks(self.block_manager.take_pending_copies())
-            logits_SV = self.runner.run(batch.seqs, batch.is_prefill)
-            token_ids, logprobs = self._sample(batch, logits_SV, rows)
-            for seq in self.scheduler.postprocess(batch, token_ids, logprobs):
-                self._ready.append(seq.completion())
+            self._in_flight = self._launch(batch, previous)
+        if previous is not None:
+            self._resolve(previous)
         ready, self._ready = self._ready, []
         return ready
 
-    def _sample(
-        self, batch: Batch, logits_SV: torch.Tensor, rows: SamplingRows | None = None
-    ) -> tuple[list[int], list[float]]:
+    def _launch(self, batch: Batch, previous: _InFlight | None) -> _InFlight:
+        """Queue `batch`'s forward and sampling on the device and record it as launched."""
+        rows = self._sampling_rows(batch)  # host work and copies queued before the forward
+        self.runner.copy_blocks(self.block_manager.take_pending_copies())
+        logits_SV = self.runner.run(
+            batch.seqs, batch.is_prefill, None if previous is None else previous.token_ids_R
+        )
         if batch.row_source != list(range(len(batch.seqs))):
             logits_SV = logits_SV[to_device(torch.tensor(batch.row_source), logits_SV.device)]
-        token_ids_R, logprobs_R = self.sampler(logits_SV, rows or self._sampling_rows(batch))
-        return token_ids_R.tolist(), logprobs_R.tolist()
+        token_ids_R, logprobs_R = self.sampler(logits_SV, rows)
+        offsets = self.scheduler.launched(batch)
+        if token_ids_R.device.type != "cuda":
+            return _InFlight(batch.rows, offsets, token_ids_R, token_ids_R, logprobs_R, None)
+        if not self._host_buffers:
+            self._host_buffers = [
+                (
+                    torch.empty(self.max_num_seqs, dtype=torch.int64, pin_memory=True),
+                    torch.empty(self.max_num_seqs, dtype=torch.float32, pin_memory=True),
+                )
+                for _ in range(2)
+            ]
+        self._host_buffers.reverse()  # the other buffer than the step still being read
+        R = len(batch.rows)
+        host_tokens, host_logprobs = (buf[:R] for buf in self._host_buffers[0])
+        host_tokens.copy_(token_ids_R, non_blocking=True)
+        host_logprobs.copy_(logprobs_R, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return _InFlight(batch.rows, offsets, token_ids_R, host_tokens, host_logprobs, copied)
+
+    def _resolve(self, step: _InFlight) -> None:
+        """Wait for a launched step's tokens and record them (finished sequences go to `_ready`)."""
+        if step.copied is not None:
+            step.copied.synchronize()
+        token_ids, logprobs = step.host_token_ids_R.tolist(), step.host_logprobs_R.tolist()
+        for seq in self.scheduler.resolve(step.rows, step.offsets, token_ids, logprobs):
+            self._ready.append(seq.completion())
+
+    def _drain(self) -> None:
+        """Record the step in flight, if any: afterwards every sequence holds only real tokens."""
+        step, self._in_flight = self._in_flight, None
+        if step is not None:
+            self._resolve(step)
 
     def _sampling_rows(self, batch: Batch) -> SamplingRows:
         params = [seq.params for seq in batch.rows]
@@ -259,10 +319,11 @@ class NativeEngine:
         )
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._ready)
+        return self.scheduler.has_unfinished() or bool(self._ready) or self._in_flight is not None
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """End these requests; their completions (tokens so far, "abort") come out of the next step()."""
+        self._drain()
         for seq in self.scheduler.abort(set(request_ids)):
             self._ready.append(seq.completion())
 

@@ -29,7 +29,7 @@ from rlloom.devices import to_device
 from rlloom.engines.rollout.native.attention import AttnContext, PagedAttention, new_handle
 from rlloom.engines.rollout.native.cuda_graphs import DecodeGraphs, GraphCaptureError
 from rlloom.engines.rollout.native.paged_decode import decode_kernel_works
-from rlloom.engines.rollout.native.sequence import Sequence
+from rlloom.engines.rollout.native.sequence import Sequence, take_pending
 
 logger = logging.getLogger(__name__)
 
@@ -126,11 +126,15 @@ class ModelRunner:
             blocks[:, dst] = blocks[:, src]
 
     @torch.no_grad()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
+    def run(
+        self, seqs: list[Sequence], is_prefill: bool, pending_R: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits [S, V] in the model dtype of the last position of each sequence (the sampler
-        upcasts; its fused CUDA kernel reads them once instead of an fp32 copy)."""
+        upcasts; its fused CUDA kernel reads them once instead of an fp32 copy). A decode sequence
+        whose last token is pending (`sequence.pending(r)`) reads it from `pending_R[r]`, the
+        sampled tokens of the step in flight."""
         assert self.backend is not None, "the KV cache is freed (engine asleep)"
-        hidden_SD = self._prefill(seqs) if is_prefill else self._decode(seqs)
+        hidden_SD = self._prefill(seqs) if is_prefill else self._decode(seqs, pending_R)
         return hidden_SD @ self.model.lm_head_weight.T
 
     def _slot(self, seq: Sequence, pos: int) -> int:
@@ -155,6 +159,7 @@ class ModelRunner:
             output_index += range(row * Q, row * Q + n)
             offset += n
             last.append(offset - 1)
+        assert min(ids) >= 0, "a prefill got a pending token: resolve the step in flight first"
         self.backend.prepare(
             AttnContext(
                 slot_mapping_N=self._tensor(slots),
@@ -190,17 +195,21 @@ class ModelRunner:
                 rows[i, 3 : 3 + len(table)] = table
         return rows
 
-    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _decode(self, seqs: list[Sequence], pending_R: torch.Tensor | None) -> torch.Tensor:
         rows = self._decode_rows(seqs)
+        if not (rows[:, 0] < 0).any():
+            pending_R = None  # every input token is known on the host
+        else:
+            assert pending_R is not None, "a decode input is pending but no step is in flight"
         if self.graphs is not None and self.graphs.fits(len(seqs), rows.shape[1] - 3):
             try:
-                return self.graphs.run(rows)
+                return self.graphs.run(rows, pending_R)
             except GraphCaptureError as err:
                 if self.compiled_forward is not None:  # capture the plain forward instead
                     logger.warning("%s; capturing the uncompiled decode forward from now on", err)
                     self.compiled_forward = None
                     self.graphs = self._new_graphs()
-                    return self._decode(seqs)
+                    return self._decode(seqs, pending_R)
                 # e.g. a layer that syncs with the host: decode eagerly
                 logger.warning("%s; decoding eagerly from now on", err)
                 self.graphs = None
@@ -216,4 +225,5 @@ class ModelRunner:
                 output_index_N=rows_S,
             )
         )
-        return self.model.hidden_states(staged[:, 0], position_ids=positions_S, attn=self.backend)
+        ids_S = staged[:, 0] if pending_R is None else take_pending(staged[:, 0], pending_R)
+        return self.model.hidden_states(ids_S, position_ids=positions_S, attn=self.backend)

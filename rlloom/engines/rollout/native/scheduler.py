@@ -9,7 +9,15 @@ Each step is either a prefill or a decode:
   back to the front of the waiting queue, to be prefilled later with its prompt and the tokens it
   has generated (sampling keys on token positions, so the result is the same as without preemption).
 
-`postprocess` appends the sampled tokens, joins a prefilled leader's forks, and finishes sequences.
+A step's results are recorded in two halves, so that the engine can schedule and launch the next
+step while the device still samples this one (see engine.py):
+- `launched(batch)`, right after the forward is queued: marks the tokens cached, joins a prefilled
+  leader's forks, and appends a pending token (`sequence.pending(row)`) to every row;
+- `resolve(...)`, once the sampled tokens are on the host: writes them over the pending entries and
+  finishes sequences. A sequence that finished was possibly scheduled once more in the meantime:
+  that step's pending token is dropped, and its result ignored.
+A sequence whose pending token is certainly its last (`max_new_tokens` or `max_model_len` reached)
+is not scheduled again while it waits for its result.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from dataclasses import dataclass
 
 from rlloom.data.types import FinishReason
 from rlloom.engines.rollout.native.block_manager import BlockManager
-from rlloom.engines.rollout.native.sequence import Sequence, Status
+from rlloom.engines.rollout.native.sequence import Sequence, Status, pending
 
 
 @dataclass(slots=True)
@@ -95,9 +103,13 @@ class Scheduler:
 
     def _schedule_decode(self) -> Batch | None:
         seqs: list[Sequence] = []
+        done: list[Sequence] = []  # last token pending: nothing more to compute
         try_append = self.block_manager.try_append
         while self.running:
             seq = self.running.popleft()
+            if self._at_limit(seq, len(seq.output_ids)):
+                done.append(seq)
+                continue
             while not try_append(seq):
                 if self.running:
                     self._preempt(self.running.pop())
@@ -107,6 +119,7 @@ class Scheduler:
             else:
                 seqs.append(seq)
         self.running.extend(seqs)
+        self.running.extend(done)
         if not seqs:
             return None
         return Batch(seqs, False, list(seqs), list(range(len(seqs))))
@@ -117,8 +130,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, batch: Batch, token_ids: list[int], logprobs: list[float]) -> list[Sequence]:
-        """Record the sampled tokens; return the sequences that finished in this step."""
+    def launched(self, batch: Batch) -> list[int]:
+        """Record that `batch`'s forward is queued; return, per row, where its pending token sits in
+        the row's `output_ids` (row r's token is `pending(r)` until `resolve`)."""
         for seq in batch.seqs:
             seq.num_cached_tokens = seq.num_tokens
             for fork in seq.forks:
@@ -126,28 +140,48 @@ class Scheduler:
                 fork.status = Status.RUNNING
                 self.running.append(fork)
             seq.forks = []
+        offsets = []
+        for row, seq in enumerate(batch.rows):
+            offsets.append(len(seq.output_ids))
+            seq.output_ids.append(pending(row))
+            seq.logprobs.append(float("nan"))
+        return offsets
+
+    def resolve(
+        self, rows: list[Sequence], offsets: list[int], token_ids: list[int], logprobs: list[float]
+    ) -> list[Sequence]:
+        """Write a launched step's sampled tokens; return the sequences that finished with them."""
         finished = []
-        for seq, token, logprob in zip(batch.rows, token_ids, logprobs):
-            seq.output_ids.append(token)
-            seq.logprobs.append(logprob)
-            reason = self._finish_reason(seq, token)
+        for seq, at, token, logprob in zip(rows, offsets, token_ids, logprobs):
+            if seq.status is Status.FINISHED:  # finished (or aborted) while this step ran
+                continue
+            seq.output_ids[at] = token
+            seq.logprobs[at] = logprob
+            reason = self._finish_reason(seq, at + 1)
             if reason is not None:
+                del seq.output_ids[at + 1 :], seq.logprobs[at + 1 :]  # a later step's pending token
+                if seq.status is Status.WAITING:  # preempted while this step ran
+                    self.waiting.remove(seq)
                 self._finish(seq, reason)
                 finished.append(seq)
         self._drop_running(finished)
         return finished
 
-    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        params = seq.params
+    def _at_limit(self, seq: Sequence, num_output: int) -> bool:
+        return (
+            num_output >= seq.params.max_new_tokens or len(seq.prompt_ids) + num_output >= self.max_model_len
+        )
+
+    def _finish_reason(self, seq: Sequence, num_output: int) -> FinishReason | None:
+        """Why `seq` ends after its first `num_output` generated tokens, or None."""
+        params, token = seq.params, seq.output_ids[num_output - 1]
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return "stop"
         if params.stop_strings and self.decode is not None:
-            text = self.decode(seq.output_ids)
+            text = self.decode(seq.output_ids[:num_output])
             if any(s in text for s in params.stop_strings):
                 return "stop"
-        if len(seq.output_ids) >= params.max_new_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        return "length" if self._at_limit(seq, num_output) else None
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         """Mark `seq` finished and free its blocks; the caller takes it out of the running queue

@@ -6,6 +6,11 @@ and the forks then join with block tables pointing at the same blocks (see block
 
 KV invariant: after every step the cache holds the keys/values of all tokens but the last one
 (`num_tokens - 1`); the next forward writes the last token's and samples the one after.
+
+Pending tokens: while a step's sampled tokens are still on the device, each of its rows has a
+placeholder at the end of `output_ids`, `pending(row)` = -1 - row (negative, so never a real token),
+and NaN in `logprobs`. The next step's forward takes such a token from the device (model_runner.py),
+so the host never waits for it before launching; `Scheduler.resolve` writes the real values.
 """
 
 from __future__ import annotations
@@ -13,8 +18,20 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import torch
+
 from rlloom.data.types import FinishReason
 from rlloom.engines.rollout.native.sampling_params import SamplingParams
+
+
+def pending(row: int) -> int:
+    """The placeholder token of row `row` of the step in flight (see the module docstring)."""
+    return -1 - row
+
+
+def take_pending(ids_S: torch.Tensor, pending_R: torch.Tensor) -> torch.Tensor:
+    """`ids_S` with each pending token `pending(r)` replaced by `pending_R[r]` (on the device, no sync)."""
+    return torch.where(ids_S < 0, pending_R[(-1 - ids_S).clamp_(min=0)], ids_S)
 
 
 class Status(enum.Enum):
@@ -75,10 +92,6 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
-
-    @property
-    def last_token(self) -> int:
-        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
     @property
     def group_size(self) -> int:
