@@ -2,7 +2,8 @@
 
 Workload (issue: end-to-end loop): random Qwen3-0.6B weights (28 layers, hidden 1024, 16 heads,
 8 KV heads, head dim 128, vocab 151936), 64 prompts x 8 samples, 128 prompt tokens, exactly 512
-new tokens (ignore_eos), no reference model, bf16 compute with fp32 master weights. The reward is
+new tokens (ignore_eos), no reference model, bf16 compute with fp32 master weights, 32k-token
+micro-batches with `train.gather_once_per_step` (FSDP gathers once per step). The reward is
 a cheap deterministic function of the last token, so rewards vary inside groups and every group
 trains. Steps after the first are steady state; the table reports their median.
 
@@ -113,7 +114,10 @@ def main() -> None:
             f"rollout.kv_cache_memory_gb={args.kv_gb}",
             f"rollout.max_num_seqs={args.prompts * args.samples}",
             f"data.max_prompt_length={args.prompt_tokens}",
-            "train.max_tokens_per_micro_batch=16384",
+            # 32k-token micro-batches (peak 58 GiB with the KV cache asleep) gathered once per step:
+            # 10 micro-batches of FSDP copies and per-layer launches instead of 20 (train 3.8 -> 2.9 s).
+            "train.max_tokens_per_micro_batch=32768",
+            "train.gather_once_per_step=true",
             "train.lr=1e-6",
             f"trainer.run_dir={tmp}/run",
         ]

@@ -328,6 +328,12 @@ class TrainEngineConfig:
     """Clip gradients by global norm (0 = off)."""
     max_tokens_per_micro_batch: int = 4096
     """Token budget per micro-batch (max_tokens_per_gpu of verl and slime)."""
+    gather_once_per_step: bool = False
+    """FSDP: gather the compute-dtype parameters once per optimizer step and reduce the gradients
+    once, after the last micro-batch (accumulating them unsharded in fp32), instead of around every
+    micro-batch. Saves per-micro-batch copies, casts and collectives; costs a full compute-dtype
+    copy of the parameters plus a full fp32 gradient on every rank for the whole step. Worth it for
+    models that fit on one GPU several times over (e.g. 0.6B-4B), not for sharding large ones."""
     activation_checkpointing: Literal["off", "full", "every_k"] = "off"
     """Recompute activations in backward for all layers, or every k-th layer."""
     ac_every_k: int = 2

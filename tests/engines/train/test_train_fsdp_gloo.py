@@ -102,3 +102,43 @@ def test_two_process_fsdp_equals_one_process(tmp_path):
     losses = [train(single, b)["train/loss"] for b in batches()]
     expected = {"logp": logp, "losses": losses, "weights": full_weights(single)}
     mp.spawn(worker, args=(free_port(), ckpt, str(tmp_path), expected), nprocs=2, join=True)
+
+
+def gather_once_worker(rank: int, ckpt: str, expected: dict) -> None:
+    from rlloom.parallel import ParallelDims
+
+    try:
+        for gather_once in (False, True):
+            engine = NativeTrainEngine(
+                cfg(gather_once_per_step=gather_once),
+                load_tiny(ckpt),
+                parallel_dims=ParallelDims(world_size=1),
+            )
+            assert engine.sharded
+            metrics = [train(engine, b) for b in batches()]
+            assert metrics[1]["train/num_micro_batches"] > 1
+            losses = [m["train/loss"] for m in metrics]
+            assert torch.allclose(
+                torch.tensor(losses), torch.tensor(expected["losses"]), rtol=1e-5, atol=1e-6
+            )
+            for name, t in full_weights(engine).items():
+                torch.testing.assert_close(t, expected["weights"][name], atol=1e-6, rtol=0, msg=name)
+            # FSDP's settings are back to per-micro-batch gathering after the step.
+            group = engine.model.layers[0]._get_fsdp_state()._fsdp_param_group
+            assert (
+                group.reduce_grads
+                and group.reshard_after_backward
+                and group.post_forward_mesh_info is not None
+            )
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_gathering_once_per_step_equals_gathering_per_micro_batch(tmp_path):
+    # FSDP on one rank with several micro-batches per step: keeping the layers gathered and the
+    # gradients unsharded across micro-batches gives the unsharded engine's losses and weights.
+    ckpt = make_tiny_checkpoint(tmp_path / "tiny")
+    single = NativeTrainEngine(cfg(), load_tiny(ckpt))
+    losses = [train(single, b)["train/loss"] for b in batches()]
+    mp.spawn(gather_once_worker, args=(ckpt, {"losses": losses, "weights": full_weights(single)}), nprocs=1)

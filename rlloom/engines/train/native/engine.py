@@ -20,10 +20,11 @@ Shape legend: B samples of the global batch, b of a micro-batch, T response toke
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -54,6 +55,7 @@ from rlloom.parallel import (
     clip_grad_norm_,
     init_distributed,
 )
+from rlloom.parallel.layers import decoder_layers, layer_items
 
 
 class NativeTrainEngine:
@@ -93,6 +95,7 @@ class NativeTrainEngine:
         if compiled:  # after AC, before FSDP (rlloom/parallel/compile.py)
             apply_compile(self.model)
         self.module = PolicyHead(self.model, chunk_tokens=cfg.logprob_chunk_tokens, compiled=compiled)
+        self.reshard_after_forward = reshard_after_forward
         self.dp_group: dist.ProcessGroup | None = None
         self.dp_rank, self.dp_size = 0, 1
         if self.sharded:
@@ -243,8 +246,10 @@ class NativeTrainEngine:
         # No host reads inside the loop (metrics stay tensors, finiteness checks are queued): on CUDA
         # the host packs the next micro-batch while the GPU still runs this one.
         records: list[dict[str, Metric]] = []
-        with deferred_finite_checks():
-            for mb in micro_batches:
+        keep_gathered = self.sharded and self.cfg.gather_once_per_step
+        with deferred_finite_checks(), self._gathered_until_last(keep_gathered) as set_last:
+            for i, mb in enumerate(micro_batches):
+                set_last(i == len(micro_batches) - 1)
                 logp_bT, entropy_bT, num_tokens, num_response = self._run(
                     batch, mb or [filler], temperature, with_entropy
                 )
@@ -273,6 +278,27 @@ class NativeTrainEngine:
         acc.add_all(records)
         acc.add({"train/num_micro_batches": Max(len(micro_batches))})
         return reduce_across_ranks(acc, self.dp_group)
+
+    @contextlib.contextmanager
+    def _gathered_until_last(self, enabled: bool) -> Iterator[Callable[[bool], None]]:
+        """`gather_once_per_step`: yields `set_last(is_last)`, to call before each micro-batch. Until
+        the last one the layers stay gathered after forward and backward and their gradients
+        accumulate unsharded (no reduce-scatter); the last reduces them and reshards as usual. The
+        FSDP settings are restored on exit, also after an error."""
+
+        def keep(on: bool) -> None:
+            self.module.set_requires_gradient_sync(not on)
+            self.module.set_reshard_after_backward(not on)
+            for _, layer in layer_items(decoder_layers(self.model)):
+                layer.set_reshard_after_forward(not on and self.reshard_after_forward)
+
+        if not enabled:
+            yield lambda is_last: None
+            return
+        try:
+            yield lambda is_last: keep(not is_last)
+        finally:
+            keep(False)
 
     def train_step(
         self,
