@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from rlloom.engines.rollout.native.block_manager import BlockManager
+from rlloom.engines.rollout.native.paged_decode import shared_prefix_groups
 from rlloom.engines.rollout.native.sampler import Sampler, SamplingRows, noise_key
 from rlloom.engines.rollout.native.sampling_params import SamplingParams
 from rlloom.engines.rollout.native.scheduler import Scheduler
@@ -157,3 +159,44 @@ def test_greedy_and_seeded_rows():
         logits[[1]], SamplingRows.build([1.0], [1.0], [-1], keys[1:2], torch.device("cpu"))
     )
     assert again[0] == tokens[1]
+
+
+def _naive_groups(tables, positions, block_size, max_members):
+    """Runs of at most max_members sequences with the same first block (batch order), each with the
+    blocks all members share with the group's first sequence, before the block each one writes."""
+    by_first: dict[int, list[int]] = {}
+    for row, first in enumerate(tables[:, 0].tolist()):
+        by_first.setdefault(first, []).append(row)
+    found = []
+    for rows in by_first.values():
+        leader = tables[rows[0]].tolist()
+        for lo in range(0, len(rows), max_members):
+            run = rows[lo : lo + max_members]
+            common = []
+            for r in run:
+                same = next((j for j, b in enumerate(tables[r].tolist()) if b != leader[j]), len(leader))
+                common.append(min(same, positions[r] // block_size))
+            if len(run) > 1 and min(common) > 0:
+                found.append((tuple(run), min(common) * block_size))
+    return sorted(found)
+
+
+def test_shared_prefix_groups_match_a_naive_grouping():
+    rng = np.random.default_rng(0)
+    cut = 0  # cases with a group cut into runs of max_members
+    for _ in range(300):
+        S, width, max_members = int(rng.integers(1, 30)), int(rng.integers(1, 8)), int(rng.integers(1, 6))
+        tables = rng.integers(0, 5, size=(S, width))  # few distinct blocks: many shared prefixes
+        positions = rng.integers(0, width * 4, size=S)
+        members, num_keys, start = shared_prefix_groups(tables, positions, 4, max_members)
+        got = sorted(
+            (tuple(int(m) for m in members[g] if m >= 0), int(num_keys[g])) for g in range(S) if num_keys[g]
+        )
+        want = _naive_groups(tables, positions, 4, max_members)
+        assert got == want
+        expected_start = np.zeros(S, dtype=np.int64)
+        for run, keys in want:
+            expected_start[list(run)] = keys
+        assert (start == expected_start).all()
+        cut += max_members > 1 and sum(len(run) == max_members for run, _ in want) > 1
+    assert cut > 20

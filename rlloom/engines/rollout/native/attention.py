@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rlloom.engines.rollout.native.paged_decode import paged_decode
+from rlloom.engines.rollout.native.paged_decode import SharedPrefix, paged_decode
 
 
 @dataclass(slots=True)
@@ -53,6 +53,9 @@ class AttnContext:
     """[S, Q] int64 position of that token in its sequence (padding: 0, so no row is fully masked)."""
     output_index_N: torch.Tensor
     """[N] int64 index of each new token in the flattened [S * Q] query grid."""
+    shared_prefix: SharedPrefix | None = None
+    """Decode only: groups whose shared prompt blocks the Triton kernel reads once (paged_decode.py);
+    the torch path ignores it (it reads every sequence's keys itself, with the same result)."""
 
 
 _handles = itertools.count()
@@ -135,7 +138,7 @@ class PagedAttention:
             # One query per sequence: query_index and output_index are the identity here.
             return paged_decode(
                 q_NHD.to(k_cache.dtype), k_cache, v_cache, ctx.block_tables_SB, self._num_keys_S, scale,
-                self.block_size,
+                self.block_size, shared_prefix=ctx.shared_prefix,
             )  # fmt: skip
         assert self._kv_slots_SK is not None and self._mask_S1QK is not None
 

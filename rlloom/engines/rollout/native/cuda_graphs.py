@@ -28,7 +28,19 @@ from torch import nn
 
 from rlloom.devices import to_device
 from rlloom.engines.rollout.native.attention import AttnContext, PagedAttention
+from rlloom.engines.rollout.native.paged_decode import SharedPrefix, max_group_members
 from rlloom.engines.rollout.native.sequence import take_pending
+
+# Columns of a decode step's host rows (built by `ModelRunner._decode_rows`, read by `run` below):
+# per sequence s its last token, that token's position and cache slot and the first key it reads
+# itself (after its group's shared prefix); then group s's shared keys and its M members (see
+# paged_decode.SharedPrefix); then the block table.
+TOKEN, POSITION, SLOT, PREFIX_START, PREFIX_KEYS, MEMBERS = range(6)
+
+
+def table_column(max_members: int) -> int:
+    """The first block-table column of decode rows with groups of up to `max_members`."""
+    return MEMBERS + max_members
 
 
 def _batch_sizes(max_num_seqs: int, smallest: int = 1) -> list[int]:
@@ -76,6 +88,10 @@ class DecodeGraphs:
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_bs,), scratch_block * backend.block_size, device=device)
         self.block_tables = torch.full((max_bs, max_blocks_per_seq), scratch_block, device=device)
+        self.max_members = max_members = max_group_members(model.args.num_heads, model.args.num_kv_heads)
+        self.members = torch.full((max_bs, max_members), -1, device=device)
+        self.prefix_keys = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.prefix_start = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.rows = torch.arange(max_bs, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -89,6 +105,9 @@ class DecodeGraphs:
                 query_index_SQ=self.rows[:bs, None],
                 query_pos_SQ=self.positions[:bs, None],
                 output_index_N=self.rows[:bs],
+                shared_prefix=SharedPrefix(self.members[:bs], self.prefix_keys[:bs], self.prefix_start[:bs])
+                if self.backend.use_decode_kernel
+                else None,
             )
         )
         return self.forward(self.input_ids[:bs], position_ids=self.positions[:bs], attn=self.backend)
@@ -117,22 +136,27 @@ class DecodeGraphs:
 
     @torch.no_grad()
     def run(self, rows: np.ndarray, pending_R: torch.Tensor | None = None) -> torch.Tensor:
-        """Final hidden states [B, D] of one decode step; rows [B, 3 + width] int64 hold each
-        sequence's token, position, slot and block table (padded with the scratch block). With
-        `pending_R`, token -1 - r stands for `pending_R[r]` (the step in flight's sampled tokens)."""
-        B, width = rows.shape[0], rows.shape[1] - 3
+        """Final hidden states [B, D] of one decode step; rows [B, table_column(M) + width] int64
+        in the column layout above (tables padded with the scratch block). With `pending_R`, token
+        -1 - r stands for `pending_R[r]` (the step in flight's sampled tokens)."""
+        first_table = table_column(self.max_members)
+        B, width = rows.shape[0], rows.shape[1] - first_table
         bs = next(b for b in self.batch_sizes if b >= B)
         num_blocks = next(n for n in self.block_buckets if n >= width)
-        staged = np.full((bs, 3 + num_blocks), self.scratch_block, dtype=np.int64)
-        staged[:B, : 3 + width] = rows
-        staged[B:, :2] = 0  # padded rows: token 0 at position 0, written to the scratch block
-        staged[B:, 2] = self.scratch_block * self.backend.block_size
+        staged = np.full((bs, first_table + num_blocks), self.scratch_block, dtype=np.int64)
+        staged[:B, : first_table + width] = rows
+        # Padded rows: token 0 at position 0, written to the scratch block, in no group.
+        staged[B:, :MEMBERS] = [0, 0, self.scratch_block * self.backend.block_size, 0, 0]
+        staged[B:, MEMBERS:first_table] = -1
         staged_t = to_device(torch.from_numpy(staged), self.input_ids.device)
-        ids = staged_t[:, 0] if pending_R is None else take_pending(staged_t[:, 0], pending_R)
+        ids = staged_t[:, TOKEN] if pending_R is None else take_pending(staged_t[:, TOKEN], pending_R)
         self.input_ids[:bs].copy_(ids)
-        self.positions[:bs].copy_(staged_t[:, 1])
-        self.slot_mapping[:bs].copy_(staged_t[:, 2])
-        self.block_tables[:bs, :num_blocks].copy_(staged_t[:, 3:])
+        self.positions[:bs].copy_(staged_t[:, POSITION])
+        self.slot_mapping[:bs].copy_(staged_t[:, SLOT])
+        self.prefix_start[:bs].copy_(staged_t[:, PREFIX_START])
+        self.prefix_keys[:bs].copy_(staged_t[:, PREFIX_KEYS])
+        self.members[:bs].copy_(staged_t[:, MEMBERS:first_table])
+        self.block_tables[:bs, :num_blocks].copy_(staged_t[:, first_table:])
         if (bs, num_blocks) not in self.graphs:
             self._capture(bs, num_blocks)
         self.graphs[(bs, num_blocks)].replay()

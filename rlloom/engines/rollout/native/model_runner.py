@@ -27,8 +27,23 @@ import torch
 
 from rlloom.devices import to_device
 from rlloom.engines.rollout.native.attention import AttnContext, PagedAttention, new_handle
-from rlloom.engines.rollout.native.cuda_graphs import DecodeGraphs, GraphCaptureError
-from rlloom.engines.rollout.native.paged_decode import decode_kernel_works
+from rlloom.engines.rollout.native.cuda_graphs import (
+    MEMBERS,
+    POSITION,
+    PREFIX_KEYS,
+    PREFIX_START,
+    SLOT,
+    TOKEN,
+    DecodeGraphs,
+    GraphCaptureError,
+    table_column,
+)
+from rlloom.engines.rollout.native.paged_decode import (
+    SharedPrefix,
+    decode_kernel_works,
+    max_group_members,
+    shared_prefix_groups,
+)
 from rlloom.engines.rollout.native.sequence import Sequence, take_pending
 
 logger = logging.getLogger(__name__)
@@ -65,6 +80,7 @@ class ModelRunner:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.max_members = max_group_members(model.args.num_heads, model.args.num_kv_heads)
         self.use_graphs = self.device.type == "cuda" and not enforce_eager
         self.compiled_forward = compile_decode_forward(model) if self.use_graphs and compile else None
         """The decode forward the graphs capture when compiled (one compilation per runner: the
@@ -175,33 +191,47 @@ class ModelRunner:
         return hidden_ND[self._tensor(last)]
 
     def _decode_rows(self, seqs: list[Sequence]) -> np.ndarray:
-        """[S, 3 + B] int64 per sequence: last token, its position, its slot, then the block table
-        padded with the scratch block (B = the longest table). One numpy buffer, so a 256-sequence
-        step costs one host-to-device copy and no nested Python lists."""
+        """[S, table_column(M) + B] int64 in the column layout above (B = the longest table, padded
+        with the scratch block). One numpy buffer, so a 512-sequence step costs one host-to-device
+        copy and no nested Python lists. Groups are found only for the Triton kernel (the torch path
+        reads every sequence's keys itself): none has 0 keys and no members (-1)."""
         tables = [s.block_table for s in seqs]
         width = max(map(len, tables))
-        rows = np.full((len(seqs), 3 + width), self.num_blocks, dtype=np.int64)
+        first_table = table_column(self.max_members)
+        rows = np.full((len(seqs), first_table + width), self.num_blocks, dtype=np.int64)
         bs = self.block_size
         heads = []
         for seq, table in zip(seqs, tables):
             out = seq.output_ids
             pos = len(seq.prompt_ids) + len(out) - 1
             heads.append((out[-1] if out else seq.prompt_ids[-1], pos, table[pos // bs] * bs + pos % bs))
-        rows[:, :3] = heads
+        rows[:, :PREFIX_START] = heads
         if all(len(t) == width for t in tables):
-            rows[:, 3:] = tables
+            rows[:, first_table:] = tables
         else:
             for i, table in enumerate(tables):
-                rows[i, 3 : 3 + len(table)] = table
+                rows[i, first_table : first_table + len(table)] = table
+        if self.backend.use_decode_kernel and len(seqs) > 1:
+            members, num_keys, start = shared_prefix_groups(
+                rows[:, first_table:], rows[:, POSITION], bs, self.max_members
+            )
+            rows[:, PREFIX_START], rows[:, PREFIX_KEYS], rows[:, MEMBERS:first_table] = (
+                start,
+                num_keys,
+                members,
+            )
+        else:
+            rows[:, PREFIX_START : PREFIX_KEYS + 1], rows[:, MEMBERS:first_table] = 0, -1
         return rows
 
     def _decode(self, seqs: list[Sequence], pending_R: torch.Tensor | None) -> torch.Tensor:
         rows = self._decode_rows(seqs)
-        if not (rows[:, 0] < 0).any():
+        first_table = table_column(self.max_members)
+        if not (rows[:, TOKEN] < 0).any():
             pending_R = None  # every input token is known on the host
         else:
             assert pending_R is not None, "a decode input is pending but no step is in flight"
-        if self.graphs is not None and self.graphs.fits(len(seqs), rows.shape[1] - 3):
+        if self.graphs is not None and self.graphs.fits(len(seqs), rows.shape[1] - first_table):
             try:
                 return self.graphs.run(rows, pending_R)
             except GraphCaptureError as err:
@@ -215,15 +245,24 @@ class ModelRunner:
                 self.graphs = None
         staged = to_device(torch.from_numpy(rows), self.device)
         rows_S = torch.arange(len(seqs), device=self.device)
-        positions_S = staged[:, 1]
+        positions_S = staged[:, POSITION]
+        prefix = None
+        if (rows[:, PREFIX_KEYS] > 0).any():
+            prefix = SharedPrefix(
+                staged[:, MEMBERS:first_table].contiguous(),
+                staged[:, PREFIX_KEYS].contiguous(),
+                staged[:, PREFIX_START].contiguous(),
+            )
         self.backend.prepare(
             AttnContext(
-                slot_mapping_N=staged[:, 2],
-                block_tables_SB=staged[:, 3:],
+                slot_mapping_N=staged[:, SLOT],
+                block_tables_SB=staged[:, first_table:],
                 query_index_SQ=rows_S[:, None],
                 query_pos_SQ=positions_S[:, None],
                 output_index_N=rows_S,
+                shared_prefix=prefix,
             )
         )
-        ids_S = staged[:, 0] if pending_R is None else take_pending(staged[:, 0], pending_R)
+        tokens_S = staged[:, TOKEN]
+        ids_S = tokens_S if pending_R is None else take_pending(tokens_S, pending_R)
         return self.model.hidden_states(ids_S, position_ids=positions_S, attn=self.backend)

@@ -13,6 +13,17 @@ layer at 256 sequences x ~400 keys on an H100, 0.29 of the copy bandwidth; the t
 runs the same in 182 us, 0.70 (benchmarks/profile_rollout.py). P is rounded to the cache dtype for
 the P @ V product, as FlashAttention does; fp32 caches use exact (ieee) products.
 
+Shared prompts (cascade attention): the n samples of a GRPO group share their prompt's full KV
+blocks (prefix sharing, block_manager.py), and reading those blocks once per sample is most of the
+bytes a decode step moves at short responses. With `shared_prefix`, a first kernel runs one program
+per (group, kv head): it loads the queries of all the group's members (M members x G heads rows,
+so tl.dot has at least 16 rows without padding) and walks the shared blocks once, storing each
+row's partial softmax state (acc, max, sum). The per-sequence kernel then starts at the end of its
+group's prefix and merges that state into its own before normalising. The host finds the groups
+each step from the block tables (`shared_prefix_groups`). Rounding differs from the one-pass kernel
+in the last bits (the sum is split at another point), so on CUDA a seeded sample can depend on
+whether its group was still whole in that step, as with any split-K attention.
+
 Used on CUDA for every forward with one new token per sequence (decode), if Triton imports and the
 known-answer check `decode_kernel_works` passes on the device; otherwise the torch path runs. The
 kernel accumulates in fp32 and writes the output in q's dtype. On CPU it can be exercised with
@@ -27,7 +38,9 @@ Shape legend: S sequences, Hq/Hkv heads, G = Hq / Hkv, D/Dv head dims, B blocks 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -38,16 +51,142 @@ try:
 except ImportError:  # CPU-only installs: the torch path is used
     triton = None
 
+
+@dataclass(slots=True)
+class SharedPrefix:
+    """Groups of decode sequences whose first blocks are the same (tensors on the cache's device;
+    row g of the group tensors is group g, unused rows have 0 keys)."""
+
+    members_GM: torch.Tensor
+    """[G', M] int64 batch rows of each group's members, -1 past its size."""
+    num_keys_G: torch.Tensor
+    """[G'] int64 shared keys of each group (whole blocks), 0 for unused rows."""
+    start_S: torch.Tensor
+    """[S] int64 first key each sequence reads itself: its group's shared keys, 0 outside groups."""
+
+
+def max_group_members(num_heads: int, num_kv_heads: int) -> int:
+    """Members per group in the prefix kernel: M x G query rows = 32 (larger groups are split)."""
+    g_pad = 1 << (num_heads // num_kv_heads - 1).bit_length()
+    return max(1, 32 // g_pad)
+
+
+def shared_prefix_groups(
+    tables_SB: np.ndarray, positions_S: np.ndarray, block_size: int, max_members: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Host side of `SharedPrefix`: (members [S, M], num_keys [S], start [S]) int64 arrays.
+
+    Sequences whose first block is the same are cut, in batch order, into runs of at most
+    `max_members`; a run's shared keys are the leading blocks that all its members' tables have in
+    common, up to the block each member writes this step (never shared: copy-on-write makes it
+    private). Runs of one sequence, or with no common block, are dropped.
+    """
+    S = tables_SB.shape[0]
+    members = np.full((S, max_members), -1, dtype=np.int64)
+    num_keys = np.zeros(S, dtype=np.int64)
+    start = np.zeros(S, dtype=np.int64)
+    order = np.argsort(tables_SB[:, 0], kind="stable")
+    first = tables_SB[order, 0]
+    heads = np.flatnonzero(np.r_[True, first[1:] != first[:-1]])  # where each group starts in `order`
+    sizes = np.diff(np.r_[heads, S])
+    leader = np.repeat(order[heads], sizes)  # per position in `order`: its group's first row
+    same = tables_SB[order] == tables_SB[leader]
+    common = np.cumprod(same, axis=1).sum(axis=1)  # leading blocks equal to the leader's
+    usable = np.minimum(common, positions_S[order] // block_size)  # blocks before the written one
+    runs = [
+        (lo, min(lo + max_members, head + size))
+        for head, size in zip(heads.tolist(), sizes.tolist())
+        if size > 1
+        for lo in range(head, head + size, max_members)
+    ]
+    if not runs:
+        return members, num_keys, start
+    bounds = np.array(runs).ravel()  # min over each [lo, hi) (a sentinel makes hi = S valid)
+    run_blocks = np.minimum.reduceat(np.r_[usable, 0], bounds)[::2]
+    row = 0
+    for (lo, hi), blocks in zip(runs, run_blocks.tolist()):
+        if hi - lo < 2 or blocks == 0:
+            continue
+        rows = order[lo:hi]
+        members[row, : hi - lo] = rows
+        num_keys[row] = start[rows] = blocks * block_size
+        row += 1
+    return members, num_keys, start
+
+
 if triton is not None:
+
+    @triton.jit
+    def _shared_prefix_kernel(
+        q_ptr, k_ptr, v_ptr, tables_ptr, members_ptr, group_keys_ptr, acc_ptr, ml_ptr, scale, Hq,
+        stride_q_s, stride_q_h, stride_k_slot, stride_k_h, stride_v_slot, stride_v_h, stride_t_s,
+        G: tl.constexpr, G_POW2: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
+        D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """One (group, kv head): the M x G query rows of the group's members (padded to ROWS >= 16
+        for tl.dot) against the shared keys, read once; stores each row's unnormalised output and
+        (max, sum) in fp32."""
+        grp = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        num_keys = tl.load(group_keys_ptr + grp)
+        if num_keys == 0:
+            return
+        r = tl.arange(0, ROWS)
+        gi = r % G_POW2
+        in_group = r < M * G_POW2
+        seq = tl.load(members_ptr + grp * M + r // G_POW2, mask=in_group, other=-1)
+        valid = (gi < G) & (seq >= 0)
+        seq = tl.maximum(seq, 0)
+        heads = kv_head * G + gi
+        d = tl.arange(0, D_PAD)
+        dv = tl.arange(0, DV_PAD)
+        t = tl.arange(0, TILE)
+        q = tl.load(
+            q_ptr + seq[:, None] * stride_q_s + heads[:, None] * stride_q_h + d[None, :],
+            mask=valid[:, None] & (d[None, :] < D),
+            other=0.0,
+        )
+        table = tables_ptr + tl.load(members_ptr + grp * M) * stride_t_s  # the shared blocks
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, DV_PAD], tl.float32)
+        for start in range(0, num_keys, TILE):
+            pos = start + t
+            in_prefix = pos < num_keys
+            block = tl.load(table + pos // BLOCK_SIZE, mask=in_prefix, other=0)
+            slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+            k = tl.load(
+                k_ptr + slot[:, None] * stride_k_slot + kv_head * stride_k_h + d[None, :],
+                mask=in_prefix[:, None] & (d[None, :] < D),
+                other=0.0,
+            )
+            v = tl.load(
+                v_ptr + slot[:, None] * stride_v_slot + kv_head * stride_v_h + dv[None, :],
+                mask=in_prefix[:, None] & (dv[None, :] < DV),
+                other=0.0,
+            )
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+            scores = tl.where(in_prefix[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        out_row = seq * Hq + heads
+        tl.store(acc_ptr + out_row[:, None] * DV + dv[None, :], acc, mask=valid[:, None] & (dv[None, :] < DV))
+        tl.store(ml_ptr + out_row * 2, m_i, mask=valid)
+        tl.store(ml_ptr + out_row * 2 + 1, l_i, mask=valid)
 
     @triton.jit
     def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr, scale,
         stride_q_s, stride_q_h, stride_k_slot, stride_k_h, stride_v_slot, stride_v_h, stride_t_s,
-        stride_o_s, stride_o_h,
+        stride_o_s, stride_o_h, start_ptr, prefix_acc_ptr, prefix_ml_ptr,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr,
         DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_PREFIX: tl.constexpr,
     ):  # fmt: skip
         s = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -64,7 +203,10 @@ if triton is not None:
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
         end = tl.minimum(num_keys, (split + 1) * CHUNK)
-        for start in range(split * CHUNK, end, TILE):
+        first_key = split * CHUNK
+        if HAS_PREFIX:  # keys before `first_key` were read by _shared_prefix_kernel (NUM_SPLITS = 1)
+            first_key = tl.load(start_ptr + s)
+        for start in range(first_key, end, TILE):
             pos = start + t
             valid = pos < end
             block = tl.load(tables_ptr + s * stride_t_s + pos // BLOCK_SIZE, mask=valid, other=0)
@@ -89,6 +231,21 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         o_mask = (g[:, None] < G) & (dv[None, :] < DV)
+        if HAS_PREFIX:  # merge the group's prefix state (none: m = -inf, l = 0, acc = 0)
+            row = s * (tl.num_programs(1) * G) + heads
+            in_group = (g < G) & (tl.zeros([G_PAD], tl.int64) + first_key > 0)
+            m_p = tl.load(prefix_ml_ptr + row * 2, mask=in_group, other=float("-inf"))
+            l_p = tl.load(prefix_ml_ptr + row * 2 + 1, mask=in_group, other=0.0)
+            acc_p = tl.load(
+                prefix_acc_ptr + row[:, None] * DV + dv[None, :],
+                mask=in_group[:, None] & (dv[None, :] < DV),
+                other=0.0,
+            )
+            m_new = tl.maximum(m_i, m_p)  # finite: every sequence reads its own last key
+            alpha, beta = tl.exp(m_i - m_new), tl.exp(m_p - m_new)
+            acc = acc * alpha[:, None] + acc_p * beta[:, None]
+            l_i = l_i * alpha + l_p * beta
+            m_i = m_new
         if NUM_SPLITS == 1:
             out = acc / l_i[:, None]
             tl.store(
@@ -150,11 +307,15 @@ def paged_decode(
     num_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
+    shared_prefix: SharedPrefix | None = None,
+    prefix_tile: int = 64,
+    prefix_warps: int = 4,
 ) -> torch.Tensor:
     """q [S, Hq, D] against the first num_keys_S[s] cached tokens of each sequence -> [S, Hq, Dv].
 
     k_cache [slots, Hkv, D], v_cache [slots, Hkv, Dv] (one layer); block_tables_SB [S, B] int64.
-    tile / num_splits default to `decode_config` (keyword overrides are for benchmarks)."""
+    tile / num_splits default to `decode_config` (keyword overrides are for benchmarks). With
+    `shared_prefix`, each group's shared keys are read once for all its members (one split only)."""
     S, Hq, D = q_SHD.shape
     Hkv, Dv = k_cache.shape[1], v_cache.shape[2]
     G = Hq // Hkv
@@ -174,12 +335,33 @@ def paged_decode(
         part_acc = torch.empty(S, Hq, num_splits, Dv, dtype=torch.float32, device=q_SHD.device)
         part_ml = torch.empty(S, Hq, num_splits, 2, dtype=torch.float32, device=q_SHD.device)
     extra = {} if num_stages is None else {"num_stages": num_stages}
+    precision = "ieee" if q_SHD.dtype == torch.float32 else "tf32"
+    start_S = prefix_acc = prefix_ml = num_keys_S  # placeholders when there is no shared prefix
+    if shared_prefix is not None:
+        if num_splits != 1:
+            raise ValueError(f"paged_decode: shared_prefix needs num_splits=1, got {num_splits}")
+        members, g_pow2 = shared_prefix.members_GM, triton.next_power_of_2(G)
+        assert members.is_contiguous() and shared_prefix.start_S.is_contiguous(), "pass contiguous tensors"
+        assert shared_prefix.num_keys_G.is_contiguous(), "pass contiguous tensors"
+        prefix_acc = torch.empty(S, Hq, Dv, dtype=torch.float32, device=q_SHD.device)
+        prefix_ml = torch.empty(S, Hq, 2, dtype=torch.float32, device=q_SHD.device)
+        start_S = shared_prefix.start_S
+        _shared_prefix_kernel[(members.shape[0], Hkv)](
+            q_SHD, k_cache, v_cache, block_tables_SB, members, shared_prefix.num_keys_G, prefix_acc,
+            prefix_ml, scale, Hq, q_SHD.stride(0), q_SHD.stride(1), k_cache.stride(0), k_cache.stride(1),
+            v_cache.stride(0), v_cache.stride(1), block_tables_SB.stride(0),
+            G=G, G_POW2=g_pow2, M=members.shape[1], ROWS=max(16, members.shape[1] * g_pow2), D=D, D_PAD=d_pad, DV=Dv,
+            DV_PAD=dv_pad, BLOCK_SIZE=block_size, TILE=prefix_tile, DOT_PRECISION=precision,
+            num_warps=prefix_warps,
+        )  # fmt: skip
     _paged_decode_kernel[(S, Hkv, num_splits)](
         q_SHD, k_cache, v_cache, block_tables_SB, num_keys_S, out, part_acc, part_ml, scale,
         q_SHD.stride(0), q_SHD.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), block_tables_SB.stride(0), out.stride(0), out.stride(1),
+        v_cache.stride(1), block_tables_SB.stride(0), out.stride(0), out.stride(1), start_S, prefix_acc,
+        prefix_ml,
         G=G, G_PAD=g_pad, D=D, D_PAD=d_pad, DV=Dv, DV_PAD=dv_pad, BLOCK_SIZE=block_size, TILE=tile,
-        CHUNK=chunk, NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q_SHD.dtype == torch.float32 else "tf32", num_warps=num_warps, **extra,
+        CHUNK=chunk, NUM_SPLITS=num_splits, DOT_PRECISION=precision, HAS_PREFIX=shared_prefix is not None,
+        num_warps=num_warps, **extra,
     )  # fmt: skip
     if num_splits > 1:
         _combine_splits_kernel[(S, Hq)](
@@ -227,15 +409,21 @@ def decode_kernel_works(device: torch.device, dtype: torch.dtype, hq: int, hkv: 
         v = torch.randn(num_blocks * block, hkv, dv, generator=gen).to(device, dtype)
         q = torch.randn(S, hq, d, generator=gen).to(device, dtype)
         tables = torch.randperm(num_blocks, generator=gen)[: S * 4].view(S, 4).to(device)
-        num_keys = torch.tensor([1, 16, 17, 40, 64], device=device)
+        num_keys = torch.tensor([1, 40, 17, 40, 64], device=device)
+        # Sequences 1-4 share block 0 of sequence 1, and 3-4 also its block 1: with groups of at
+        # most two, (1, 2) share one block (2 writes its block 1) and (3, 4) share two.
+        tables[2:, 0] = tables[1, 0]
+        tables[3:, 1] = tables[1, 1]
+        groups = shared_prefix_groups(tables.cpu().numpy(), num_keys.cpu().numpy() - 1, block, 2)
+        prefix = SharedPrefix(*(torch.from_numpy(a).to(device) for a in groups))
         try:
             want = reference_decode(q.float(), k.float(), v.float(), tables, num_keys, d**-0.5, block)
-            error = max(  # the default configuration and a split one (flash-decoding)
+            error = max(  # the default configuration, a split one (flash-decoding), shared prefixes
                 (paged_decode(q, k, v, tables, num_keys, d**-0.5, block, **kw).float() - want)
                 .abs()
                 .max()
                 .item()
-                for kw in ({}, {"tile": 16, "num_splits": 3})
+                for kw in ({}, {"tile": 16, "num_splits": 3}, {"shared_prefix": prefix})
             )
             _checked[key] = error < (1e-4 if dtype == torch.float32 else 3e-2)
             if not _checked[key]:

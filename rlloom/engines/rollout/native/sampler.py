@@ -14,9 +14,10 @@ Noise: every row has a 63-bit noise key. A row with a seed uses `noise_key(seed,
 token position)`, so its tokens do not depend on the batch it runs in, on preemption or on prefix
 sharing; the other rows draw a fresh key per step from the engine's seeded host generator. On CUDA
 the uniforms are Triton's Philox of (key, vocabulary index), and rows without top-k/top-p (the RL
-case) go through one fused kernel that reads the model-dtype logits once (softmax statistics, noise,
-argmax and the logprob in a single pass); with top-k/top-p the torch path below runs on the same
-noise. On CPU the uniforms come from a torch generator seeded with the key.
+case) go through fused kernels that read the model-dtype logits once: each (row, vocabulary chunk)
+computes its softmax statistics, noise and best score in one pass, and a small kernel per row
+combines the chunks into the token and its logprob; with top-k/top-p the torch path below runs on
+the same noise. On CPU the uniforms come from a torch generator seeded with the key.
 
 Shape legend: R sampled rows, V vocabulary.
 """
@@ -67,12 +68,15 @@ if triton is not None:
         tl.store(out_ptr + r.to(tl.int64) * V + offs, _log_exponential(key, offs), mask=offs < V)
 
     @triton.jit
-    def _fused_sample_kernel(
-        logits_ptr, stride_r, temperature_ptr, keys_ptr, token_ptr, logprob_ptr, V, BLOCK: tl.constexpr
-    ):
-        """One row: online log-sum-exp of logits / T, argmax of (logits / T - log E) (of the logits
-        when T = 0), and the chosen token's log_softmax, in one pass over the row."""
+    def _sample_chunk_kernel(
+        logits_ptr, stride_r, temperature_ptr, keys_ptr, part_ptr, V, NUM_CHUNKS,
+        CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """One (row, vocabulary chunk): online log-sum-exp of logits / T over the chunk, and its
+        best score logits / T - log E (the logits when T = 0) with its first index. Stores
+        (max, sum, best score, best index) at part[row, chunk]."""
         r = tl.program_id(0)
+        c = tl.program_id(1)
         row_ptr = logits_ptr + r.to(tl.int64) * stride_r
         temperature = tl.load(temperature_ptr + r)
         greedy = temperature == 0.0
@@ -80,8 +84,8 @@ if triton is not None:
         key = tl.load(keys_ptr + r)
         m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
         total = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
-        best, best_idx = m, tl.argmax(tl.zeros([BLOCK], tl.float32), axis=0)
-        for start in range(0, V, BLOCK):
+        best, best_idx = m, tl.argmax(tl.zeros([BLOCK], tl.float32), axis=0) + c * CHUNK
+        for start in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             valid = offs < V
             x = tl.load(row_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32)
@@ -93,11 +97,40 @@ if triton is not None:
             score = tl.where(valid, score, float("-inf"))
             chunk_best = tl.max(score, axis=0)
             chunk_idx = tl.argmax(score, axis=0) + start  # first maximum, as torch.argmax
-            better = chunk_best > best  # strict: an earlier chunk keeps a tie
+            better = chunk_best > best  # strict: an earlier block keeps a tie
             best_idx = tl.where(better, chunk_idx, best_idx)
             best = tl.where(better, chunk_best, best)
-        z_token = tl.math.div_rn(tl.load(row_ptr + best_idx).to(tl.float32), temperature)
-        tl.store(token_ptr + r, best_idx.to(tl.int64))
+        out = part_ptr + (r * NUM_CHUNKS + c) * 4
+        tl.store(out, m)
+        tl.store(out + 1, total)
+        tl.store(out + 2, best)
+        tl.store(out + 3, best_idx.to(tl.float32))  # exact: vocabulary indices < 2**24
+
+    @triton.jit
+    def _sample_combine_kernel(
+        logits_ptr, stride_r, temperature_ptr, part_ptr, token_ptr, logprob_ptr, NUM_CHUNKS,
+        CHUNKS_POW2: tl.constexpr,
+    ):  # fmt: skip
+        """One row: the chunks' (max, sum) into the row's log-sum-exp, the first chunk holding the
+        best score gives the token, and its log_softmax(logits / T)."""
+        r = tl.program_id(0)
+        c = tl.arange(0, CHUNKS_POW2)
+        in_row = c < NUM_CHUNKS
+        part = part_ptr + (r * NUM_CHUNKS + c) * 4
+        m_c = tl.load(part, mask=in_row, other=float("-inf"))
+        total_c = tl.load(part + 1, mask=in_row, other=0.0)
+        best_c = tl.load(part + 2, mask=in_row, other=float("-inf"))
+        idx_c = tl.load(part + 3, mask=in_row, other=0.0)
+        m = tl.max(m_c, axis=0)
+        total = tl.sum(tl.where(in_row, total_c * tl.exp(m_c - m), 0.0), axis=0)
+        winner = tl.argmax(best_c, axis=0)  # the first chunk with the best score
+        token = tl.sum(tl.where(c == winner, idx_c, 0.0), axis=0).to(tl.int64)
+        temperature = tl.load(temperature_ptr + r)
+        temperature = tl.where(temperature == 0.0, 1.0, temperature)
+        z_token = tl.math.div_rn(
+            tl.load(logits_ptr + r.to(tl.int64) * stride_r + token).to(tl.float32), temperature
+        )
+        tl.store(token_ptr + r, token)
         tl.store(logprob_ptr + r, z_token - m - tl.log(total))
 
 
@@ -169,14 +202,22 @@ class Sampler:
 
     @staticmethod
     def _fused(
-        logits_RV: torch.Tensor, temperature_R: torch.Tensor, keys_R: torch.Tensor
+        logits_RV: torch.Tensor, temperature_R: torch.Tensor, keys_R: torch.Tensor, chunk: int = 8192
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two kernels: every (row, vocabulary chunk) in parallel, then one combine per row (one
+        program per row over a 152k vocabulary reads the logits at a tenth of the bandwidth)."""
         R, V = logits_RV.shape
+        num_chunks = triton.cdiv(V, chunk)
+        part = torch.empty(R, num_chunks, 4, dtype=torch.float32, device=logits_RV.device)
         token_ids_R = torch.empty(R, dtype=torch.int64, device=logits_RV.device)
         logprobs_R = torch.empty(R, dtype=torch.float32, device=logits_RV.device)
-        _fused_sample_kernel[(R,)](
-            logits_RV, logits_RV.stride(0), temperature_R, keys_R, token_ids_R, logprobs_R, V,
-            BLOCK=4096, num_warps=8,
+        _sample_chunk_kernel[(R, num_chunks)](
+            logits_RV, logits_RV.stride(0), temperature_R, keys_R, part, V, num_chunks,
+            CHUNK=chunk, BLOCK=min(chunk, 2048), num_warps=4,
+        )  # fmt: skip
+        _sample_combine_kernel[(R,)](
+            logits_RV, logits_RV.stride(0), temperature_R, part, token_ids_R, logprobs_R, num_chunks,
+            CHUNKS_POW2=max(2, triton.next_power_of_2(num_chunks)), num_warps=1,
         )  # fmt: skip
         return token_ids_R, logprobs_R
 
