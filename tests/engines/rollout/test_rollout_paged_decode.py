@@ -1,4 +1,5 @@
-"""The Triton paged-decode kernel, run by Triton's CPU interpreter (skipped where Triton is absent).
+"""The Triton kernels (paged decode with and without shared prefixes, the chunked sampler), run by
+Triton's CPU interpreter (skipped where Triton is absent; `pip install triton` enables them on CPU).
 
 TRITON_INTERPRET must be set before Triton compiles the kernel, so the checks run in a subprocess.
 """
@@ -44,13 +45,43 @@ print("ok")
 """
 
 
-def test_paged_decode_kernel_in_the_interpreter():
+SAMPLER_SCRIPT = r"""
+import torch
+from rlloom.engines.rollout.native.sampler import Sampler, SamplingRows, noise_key
+
+R, V = 6, 5000
+logits = torch.randn(R, V, generator=torch.Generator().manual_seed(0)) * 3
+logits[5, 100] = logits[5, 4000] = 50.0  # a tie across chunks: the first index wins, as torch.argmax
+temps = [1.0, 0.7, 0.0, 1.3, 1.0, 0.0]
+keys = [noise_key(3, r, 7) for r in range(R)]
+rows = SamplingRows.build(temps, [1.0] * R, [-1] * R, keys, torch.device("cpu"))
+tokens, logprobs = Sampler._fused(logits, rows.temperature_R, torch.tensor(keys), chunk=1024)
+sampler = Sampler(torch.device("cpu"), 0)
+noise = sampler._log_noise(logits, keys, torch.tensor(keys))  # the same Triton noise
+z = logits / torch.where(rows.temperature_R == 0, 1.0, rows.temperature_R)[:, None]
+want = torch.where(rows.temperature_R == 0, logits.argmax(-1), (z - noise).argmax(-1))
+assert tokens.tolist() == want.tolist() and tokens[5] == 100, (tokens, want)
+assert (logprobs - torch.log_softmax(z, -1).gather(1, want[:, None])[:, 0]).abs().max() < 1e-5
+print("ok")
+"""
+
+
+def _run_interpreted(script: str) -> None:
     here = Path(__file__).parent
     env = os.environ | {
         "TRITON_INTERPRET": "1",
         "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]),
     }
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_paged_decode_kernel_in_the_interpreter():
+    # decode_kernel_works includes shared-prefix groups; n=2 samples make the engine form groups.
+    _run_interpreted(SCRIPT)
+
+
+def test_chunked_sampler_in_the_interpreter():
+    _run_interpreted(SAMPLER_SCRIPT)

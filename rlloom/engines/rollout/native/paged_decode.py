@@ -117,6 +117,39 @@ def shared_prefix_groups(
 if triton is not None:
 
     @triton.jit
+    def _attend_tile(
+        q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, pos, valid, kv_head, scale,
+        stride_k_slot, stride_k_h, stride_v_slot, stride_v_h,
+        D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """Online-softmax step of query rows q [R, D_PAD] over the keys at positions `pos` (those
+        with `valid`) of one block table: returns the updated (max, sum, unnormalised output)."""
+        d = tl.arange(0, D_PAD)
+        dv = tl.arange(0, DV_PAD)
+        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        k = tl.load(
+            k_ptr + slot[:, None] * stride_k_slot + kv_head * stride_k_h + d[None, :],
+            mask=valid[:, None] & (d[None, :] < D),
+            other=0.0,
+        )
+        v = tl.load(
+            v_ptr + slot[:, None] * stride_v_slot + kv_head * stride_v_h + dv[None, :],
+            mask=valid[:, None] & (dv[None, :] < DV),
+            other=0.0,
+        )
+        # Tensor cores: R >= 16 query rows (padding rows are zeros and never stored).
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [R, TILE]
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _shared_prefix_kernel(
         q_ptr, k_ptr, v_ptr, tables_ptr, members_ptr, group_keys_ptr, acc_ptr, ml_ptr, scale, Hq,
         stride_q_s, stride_q_h, stride_k_slot, stride_k_h, stride_v_slot, stride_v_h, stride_t_s,
@@ -153,27 +186,11 @@ if triton is not None:
         acc = tl.zeros([ROWS, DV_PAD], tl.float32)
         for start in range(0, num_keys, TILE):
             pos = start + t
-            in_prefix = pos < num_keys
-            block = tl.load(table + pos // BLOCK_SIZE, mask=in_prefix, other=0)
-            slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-            k = tl.load(
-                k_ptr + slot[:, None] * stride_k_slot + kv_head * stride_k_h + d[None, :],
-                mask=in_prefix[:, None] & (d[None, :] < D),
-                other=0.0,
-            )
-            v = tl.load(
-                v_ptr + slot[:, None] * stride_v_slot + kv_head * stride_v_h + dv[None, :],
-                mask=in_prefix[:, None] & (dv[None, :] < DV),
-                other=0.0,
-            )
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-            scores = tl.where(in_prefix[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, k_ptr, v_ptr, table, pos, pos < num_keys, kv_head, scale,
+                stride_k_slot, stride_k_h, stride_v_slot, stride_v_h,
+                D, D_PAD, DV, DV_PAD, BLOCK_SIZE, DOT_PRECISION,
+            )  # fmt: skip
         out_row = seq * Hq + heads
         tl.store(acc_ptr + out_row[:, None] * DV + dv[None, :], acc, mask=valid[:, None] & (dv[None, :] < DV))
         tl.store(ml_ptr + out_row * 2, m_i, mask=valid)
@@ -208,28 +225,11 @@ if triton is not None:
             first_key = tl.load(start_ptr + s)
         for start in range(first_key, end, TILE):
             pos = start + t
-            valid = pos < end
-            block = tl.load(tables_ptr + s * stride_t_s + pos // BLOCK_SIZE, mask=valid, other=0)
-            slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-            k = tl.load(
-                k_ptr + slot[:, None] * stride_k_slot + kv_head * stride_k_h + d[None, :],
-                mask=valid[:, None] & (d[None, :] < D),
-                other=0.0,
-            )
-            v = tl.load(
-                v_ptr + slot[:, None] * stride_v_slot + kv_head * stride_v_h + dv[None, :],
-                mask=valid[:, None] & (dv[None, :] < DV),
-                other=0.0,
-            )
-            # Tensor cores: G_PAD >= 16 query rows (the padding rows are zeros, never stored).
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [G_PAD, TILE]
-            scores = tl.where(valid[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, k_ptr, v_ptr, tables_ptr + s * stride_t_s, pos, pos < end, kv_head,
+                scale, stride_k_slot, stride_k_h, stride_v_slot, stride_v_h,
+                D, D_PAD, DV, DV_PAD, BLOCK_SIZE, DOT_PRECISION,
+            )  # fmt: skip
         o_mask = (g[:, None] < G) & (dv[None, :] < DV)
         if HAS_PREFIX:  # merge the group's prefix state (none: m = -inf, l = 0, acc = 0)
             row = s * (tl.num_programs(1) * G) + heads
