@@ -308,7 +308,7 @@ def paged_decode(
     num_warps: int = 4,
     num_stages: int | None = None,
     shared_prefix: SharedPrefix | None = None,
-    prefix_tile: int = 64,
+    prefix_tile: int = 32,
     prefix_warps: int = 4,
 ) -> torch.Tensor:
     """q [S, Hq, D] against the first num_keys_S[s] cached tokens of each sequence -> [S, Hq, Dv].
