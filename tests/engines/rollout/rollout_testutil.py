@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
-import math
+import sys
 from pathlib import Path
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+sys.path.insert(0, str(Path(__file__).parents[2] / "models"))
+from models_testutil import randomize_  # noqa: E402  (weights with O(1) logits: greedy far from ties)
+
 VOCAB = 128
-
-
-def lively_(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Overwrite every weight so logits are O(1): greedy argmaxes are then far from ties."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * noise)
-            elif p.dim() == 1:
-                p.copy_(0.1 * noise)
-            else:
-                p.copy_(noise / math.sqrt(p.shape[-1]))
-    return model
 
 
 def tiny_dense(seed: int = 0) -> Qwen3ForCausalLM:
@@ -32,7 +20,7 @@ def tiny_dense(seed: int = 0) -> Qwen3ForCausalLM:
         num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
         eos_token_id=None, bos_token_id=None, pad_token_id=None,
     )  # fmt: skip
-    return lively_(Qwen3ForCausalLM(cfg), seed).eval()
+    return randomize_(Qwen3ForCausalLM(cfg), seed).eval()
 
 
 def tiny_moe(seed: int = 0) -> Qwen3MoeForCausalLM:
@@ -41,7 +29,7 @@ def tiny_moe(seed: int = 0) -> Qwen3MoeForCausalLM:
         num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         max_position_embeddings=512, norm_topk_prob=True, eos_token_id=None, bos_token_id=None, pad_token_id=None,
     )  # fmt: skip
-    return lively_(Qwen3MoeForCausalLM(cfg), seed).eval()
+    return randomize_(Qwen3MoeForCausalLM(cfg), seed).eval()
 
 
 def save(hf_model: torch.nn.Module, folder: Path) -> str:
