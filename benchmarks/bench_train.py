@@ -16,9 +16,14 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_rollout import QWEN3_17B  # noqa: E402  (the shapes live in one place)
 
 from rlloom.algorithms.losses import aggregate_loss_sum, loss_normalizer
 from rlloom.config.components import TrainEngineConfig
@@ -29,22 +34,6 @@ from rlloom.engines.train.native.microbatch import pack_micro_batches
 from rlloom.models.checkpoint import build_model
 from rlloom.observability.mfu import H100_BF16_PEAK_FLOPS
 
-QWEN3_17B = {
-    "model_type": "qwen3",
-    "architectures": ["Qwen3ForCausalLM"],
-    "vocab_size": 151936,
-    "hidden_size": 2048,
-    "intermediate_size": 6144,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "max_position_embeddings": 40960,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0,
-    "tie_word_embeddings": True,
-    "attention_bias": False,
-}
 TINY = QWEN3_17B | {
     "vocab_size": 512,
     "hidden_size": 64,
