@@ -148,7 +148,7 @@ def random_model(
     from rlloom.models.checkpoint import build_model
 
     if not with_hf:
-        native = build_model(config, dtype=dtype, device=device)
+        native = build_model(config, dtype=dtype, device=device, fused_projections=True)
         with torch.no_grad():
             for p in native.parameters():
                 p.fill_(1.0) if p.dim() == 1 else p.normal_(0.0, 0.02)
@@ -160,7 +160,7 @@ def random_model(
     with torch.device(device):
         hf = Qwen3ForCausalLM(Qwen3Config(**config)).eval()
     torch.set_default_dtype(previous)
-    native = build_model(config, dtype=dtype, device=device)
+    native = build_model(config, dtype=dtype, device=device, fused_projections=True)
     load_hf_tensors(native, hf.state_dict().items())
     return native.eval(), hf
 

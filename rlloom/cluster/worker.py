@@ -52,7 +52,7 @@ class RLWorker:
         # The rollout replica has its own copy of the weights (in the rollout dtype), kept current by
         # the in-place weight sync after every optimizer step.
         self.rollout = NativeEngine.from_config(
-            from_pretrained(cfg.model.path, dtype=dtype, device=self.device),
+            from_pretrained(cfg.model.path, dtype=dtype, device=self.device, fused_projections=True),
             cfg.rollout,
             max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
             decode=load_decoder(cfg.model.path),

@@ -7,7 +7,8 @@ experts of a layer are stacked: `layers.3.moe.experts.w1` [E, I, D]; expert j is
 
 API used by the engines:
 - `hf_named_tensors(model)` yields (hf_name, tensor) for every weight (experts split, views of the
-  live parameters; no lm_head when embeddings are tied). Weight sync and saving use it.
+  live parameters; no lm_head when embeddings are tied; a fused q/k/v or gate/up projection yields
+  its parts under their own names). Weight sync and saving use it.
 - `load_hf_tensors(model, named_tensors)` copies HF-named tensors IN PLACE into the existing
   parameters (`param.copy_`, no reallocation; an expert tensor lands in its slot of the stack) and
   returns the set of native keys it filled. The rollout engine's update_weights calls it; a partial
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from rlloom.models.args import ModelArgs
+from rlloom.models.layers import FusedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -159,10 +161,30 @@ class StateDictAdapter:
             yield self.hf_name(native_name), tensor
 
 
+def separate_fused(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (a state dict of `model`) with each `FusedLinear` tensor replaced by the rows of its
+    parts under the separate projections' names (views, in place of the fused entry)."""
+    fused = {name: m for name, m in model.named_modules() if isinstance(m, FusedLinear)}
+    if not fused:
+        return state
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        module_name, _, param_name = key.rpartition(".")
+        module = fused.get(module_name)
+        if module is None:
+            out[key] = tensor
+            continue
+        parent = module_name.rpartition(".")[0]
+        for part, rows in zip(module.parts, tensor.split(list(module.parts.values()), dim=0)):
+            out[f"{parent}.{part}.{param_name}"] = rows
+    return out
+
+
 def native_keys(model: nn.Module) -> dict[NativeKey, torch.Tensor]:
-    """Every loadable slot of the model: (name, expert) -> the tensor (a view for experts)."""
+    """Every loadable slot of the model: (name, expert) -> the tensor (a view for experts and for
+    the parts of fused projections)."""
     keys: dict[NativeKey, torch.Tensor] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
+    for name, tensor in separate_fused(model, model.state_dict(keep_vars=True)).items():
         rest = _NATIVE_LAYER_RE.match(name)
         if rest is not None and _STACKED_RE.match(rest.group(2)):
             for j in range(tensor.shape[0]):
@@ -175,7 +197,7 @@ def native_keys(model: nn.Module) -> dict[NativeKey, torch.Tensor]:
 def hf_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf_name, tensor) for every weight of `model` (detached views, model dtype and device)."""
     adapter = StateDictAdapter(model.args)
-    for name, tensor in model.state_dict().items():
+    for name, tensor in separate_fused(model, model.state_dict()).items():
         yield from adapter.to_hf(name, tensor.detach())
 
 

@@ -123,6 +123,9 @@ class ModelArgs:
     rope: RopeArgs
     moe: MoEArgs | None = None
     mla: MLAArgs | None = None
+    fused_projections: bool = False
+    """Layout, not architecture: q/k/v (GQA) and the dense MLP's gate/up run as one matmul each
+    (`layers.FusedLinear`). The rollout engine's models use it; checkpoints are the same."""
 
     @property
     def v_head_dim(self) -> int:

@@ -13,11 +13,12 @@ from torch import nn
 
 from rlloom.models.args import ModelArgs
 from rlloom.models.attention_ops import AttnLayout, attend
-from rlloom.models.layers import RMSNorm, apply_rope
+from rlloom.models.layers import FusedLinear, RMSNorm, apply_rope
 
 
 class Attention(nn.Module):
-    """GQA attention with optional q/k/v (and output) biases and optional QK-norm."""
+    """GQA attention with optional q/k/v (and output) biases and optional QK-norm; with
+    `args.fused_projections` q/k/v are one `FusedLinear` (wqkv)."""
 
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
@@ -29,9 +30,12 @@ class Attention(nn.Module):
                 f"{self.num_kv_heads} for grouped-query attention. Fix: correct config.json."
             )
         dim, hd = args.hidden_size, args.head_dim
-        self.wq = nn.Linear(dim, self.num_heads * hd, bias=args.attention_bias)
-        self.wk = nn.Linear(dim, self.num_kv_heads * hd, bias=args.attention_bias)
-        self.wv = nn.Linear(dim, self.num_kv_heads * hd, bias=args.attention_bias)
+        widths = {"wq": self.num_heads * hd, "wk": self.num_kv_heads * hd, "wv": self.num_kv_heads * hd}
+        self.fused = args.fused_projections
+        if self.fused:
+            self.wqkv = FusedLinear(dim, widths, bias=args.attention_bias)
+        else:
+            self.wq, self.wk, self.wv = (nn.Linear(dim, w, bias=args.attention_bias) for w in widths.values())
         self.wo = nn.Linear(self.num_heads * hd, dim, bias=args.attention_out_bias)
         self.q_norm = RMSNorm(hd, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(hd, args.rms_norm_eps) if args.qk_norm else None
@@ -41,9 +45,10 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: AttnLayout
     ) -> torch.Tensor:
         """x [.., E], cos/sin [.., D] -> [.., E]."""
-        q = self.wq(x).unflatten(-1, (self.num_heads, self.head_dim))
-        k = self.wk(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = self.wv(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        q, k, v = self.wqkv.forward_parts(x) if self.fused else (self.wq(x), self.wk(x), self.wv(x))
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -82,18 +83,25 @@ def _read_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def build_model(cfg: dict[str, Any], *, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
+def build_model(
+    cfg: dict[str, Any], *, dtype: torch.dtype, device: str | torch.device, fused_projections: bool = False
+) -> CausalLM:
     """An uninitialised model (weights are garbage until loaded) in `dtype` on `device`."""
-    args = ModelArgs.from_hf_config(cfg)
+    args = dataclasses.replace(ModelArgs.from_hf_config(cfg), fused_projections=fused_projections)
     with _default_dtype(dtype), torch.device("meta"):
         model = CausalLM(args, cfg)
     return model.to_empty(device=device)
 
 
 def from_pretrained(
-    path_or_name: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path_or_name: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    fused_projections: bool = False,
 ) -> CausalLM:
-    """Load a Hugging Face checkpoint folder (or the embedded model) as a native CausalLM."""
+    """Load a Hugging Face checkpoint folder (or the embedded model) as a native CausalLM
+    (`fused_projections`: one matmul for q/k/v and one for gate/up, as the rollout engine runs)."""
     path = resolve_path(path_or_name)
     cfg = json.loads((path / "config.json").read_text())
     if cfg.get("quantization_config"):
@@ -102,7 +110,7 @@ def from_pretrained(
             f"({cfg['quantization_config'].get('quant_method', '?')}); rlloom.models loads unquantized "
             "weights only. Fix: dequantize the checkpoint to bf16/fp32 first."
         )
-    model = build_model(cfg, dtype=dtype, device=device)
+    model = build_model(cfg, dtype=dtype, device=device, fused_projections=fused_projections)
     filled = load_hf_tensors(model, _read_tensors(weight_files(path)))
     missing = missing_hf_names(model, filled)
     if missing:

@@ -36,17 +36,42 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-class SwiGLU(nn.Module):
-    """w2(silu(w1 x) * w3 x): gate (w1), down (w2) and up (w3) projections without bias."""
+class FusedLinear(nn.Linear):
+    """Several projections of the same input as one matmul: their weight (and bias) rows stacked in
+    the order of `parts` (name -> output width). Checkpoints and weight sync still see the separate
+    projections: `rlloom.models.adapter` maps `<parent>.<part>.weight` to rows of this weight.
 
-    def __init__(self, dim: int, hidden: int) -> None:
+    Rollout models use it (`ModelArgs.fused_projections`): at decode batch sizes one wide matmul
+    runs faster than three narrow ones. Training keeps the projections separate so that sharding
+    plans and FSDP see one tensor per checkpoint tensor."""
+
+    def __init__(self, dim: int, parts: dict[str, int], bias: bool) -> None:
+        super().__init__(dim, sum(parts.values()), bias=bias)
+        self.parts = dict(parts)
+
+    def forward_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [.., dim] -> one [.., width] tensor per part."""
+        return self(x).split(list(self.parts.values()), dim=-1)
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 x) * w3 x): gate (w1), down (w2) and up (w3) projections without bias; with
+    `fused` the gate and up projections are one `FusedLinear` (w13)."""
+
+    def __init__(self, dim: int, hidden: int, *, fused: bool = False) -> None:
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.fused = fused
+        if fused:
+            self.w13 = FusedLinear(dim, {"w1": hidden, "w3": hidden}, bias=False)
+            self.w2 = nn.Linear(hidden, dim, bias=False)
+        else:
+            self.w1 = nn.Linear(dim, hidden, bias=False)
+            self.w2 = nn.Linear(hidden, dim, bias=False)
+            self.w3 = nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.w13.forward_parts(x) if self.fused else (self.w1(x), self.w3(x))
+        return self.w2(F.silu(gate) * up)
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -12,9 +12,10 @@ one matmul and turns them into the logit gradient in one elementwise pass:
     dlogp/dz = onehot(target) - p,    dH/dz = -p * (z - lse + H)
 
 The weight gradient is accumulated over chunks in fp32 and cast once at the end. On CUDA with
-`compiled=True` the two elementwise passes (statistics, logit gradient) are torch.compile'd: each
-reads the chunk's bf16 logits once or twice instead of materialising several fp32 [chunk, V]
-temporaries (upcast, exp, softmax, scatter, sum), which made the unfused head memory-bound.
+`fused=True` the two elementwise passes (statistics, logit gradient) are the Triton kernels of
+`logprob_kernels.py`: each reads the chunk's bf16 logits once and the gradient pass writes its
+result in bf16, where the torch code materialises several fp32 [chunk, V] temporaries (upcast, exp,
+softmax, scatter, sum) and is memory-bound.
 
 The rollout engine returns the same quantity for sampled tokens: temperature-scaled logprobs
 before any top-p/top-k truncation.
@@ -23,8 +24,6 @@ Shape legend: N tokens, C tokens of a chunk, D hidden, V vocabulary.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
@@ -62,20 +61,17 @@ def chunk_logit_grad(
     if grad_entropy_C is not None:
         assert entropy_C is not None
         grad_CV = grad_CV - grad_entropy_C.unsqueeze(-1) * p_CV * (z_CV - (lse_C - entropy_C).unsqueeze(-1))
-    grad_CV = grad_CV.scatter_add(-1, targets_C.unsqueeze(-1), grad_logp_C.unsqueeze(-1))
+    grad_CV.scatter_add_(-1, targets_C.unsqueeze(-1), grad_logp_C.unsqueeze(-1))
     if inv_temp != 1.0:
         grad_CV = grad_CV * inv_temp
     return grad_CV.to(logits_CV.dtype)
 
 
-@functools.cache
-def _compiled(fn):  # noqa: ANN001, ANN202 - one compiled version of each elementwise pass
-    return torch.compile(fn, dynamic=True)
+def _kernels(fused: bool, device: torch.device):  # noqa: ANN202
+    if fused and device.type == "cuda":
+        from rlloom.models import logprob_kernels
 
-
-def _kernels(compiled: bool, device: torch.device):  # noqa: ANN202
-    if compiled and device.type == "cuda":
-        return _compiled(chunk_stats), _compiled(chunk_logit_grad)
+        return logprob_kernels.chunk_stats, logprob_kernels.chunk_logit_grad
     return chunk_stats, chunk_logit_grad
 
 
@@ -97,20 +93,20 @@ class _LogprobHead(torch.autograd.Function):
         inv_temp: float,
         chunk: int,
         with_entropy: bool,
-        compiled: bool,
+        fused: bool,
     ):
         logp_N, lse_N, entropy_N = _chunked_stats(
-            hidden_ND, weight_VD, targets_N, inv_temp, chunk, with_entropy, compiled
+            hidden_ND, weight_VD, targets_N, inv_temp, chunk, with_entropy, fused
         )
         ctx.save_for_backward(hidden_ND, weight_VD, targets_N, lse_N, entropy_N)
-        ctx.inv_temp, ctx.chunk, ctx.compiled = inv_temp, chunk, compiled
+        ctx.inv_temp, ctx.chunk, ctx.fused = inv_temp, chunk, fused
         ctx.set_materialize_grads(False)
         return logp_N, entropy_N
 
     @staticmethod
     def backward(ctx, grad_logp_N: torch.Tensor | None, grad_entropy_N: torch.Tensor | None):  # noqa: ANN001, ANN205
         hidden_ND, weight_VD, targets_N, lse_N, entropy_N = ctx.saved_tensors
-        _, logit_grad = _kernels(ctx.compiled, hidden_ND.device)
+        _, logit_grad = _kernels(ctx.fused, hidden_ND.device)
         if grad_logp_N is None:
             grad_logp_N = torch.zeros_like(lse_N)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -153,7 +149,7 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_tokens: int = 1024,
     with_entropy: bool = False,
-    compiled: bool = False,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities of `targets_N` and optionally the entropy of each position, both fp32 [N].
 
@@ -162,7 +158,7 @@ def token_logprobs(
     targets_N: [N] int64 token ids whose logprob is returned.
     temperature: divides the logits (the sampling temperature of the policy), > 0.
     chunk_tokens: tokens per chunk, >= 1.
-    compiled: on CUDA, run the elementwise passes torch.compile'd (same math, fused).
+    fused: on CUDA, run the elementwise passes as Triton kernels (same math, one read of the logits).
     """
     if temperature <= 0:
         raise ValueError(
@@ -179,7 +175,7 @@ def token_logprobs(
     if hidden_ND.shape[0] == 0:
         empty = hidden_ND.new_zeros(0, dtype=torch.float32)
         return empty, (empty if with_entropy else None)
-    args = (hidden_ND, weight_VD, targets_N, 1.0 / temperature, chunk_tokens, with_entropy, compiled)
+    args = (hidden_ND, weight_VD, targets_N, 1.0 / temperature, chunk_tokens, with_entropy, fused)
     if torch.is_grad_enabled() and (hidden_ND.requires_grad or weight_VD.requires_grad):
         return _LogprobHead.apply(*args)
     with torch.no_grad():
@@ -194,10 +190,10 @@ def _chunked_stats(
     inv_temp: float,
     chunk: int,
     with_entropy: bool,
-    compiled: bool,
+    fused: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(logp [N], lse [N], entropy [N] or None), one chunk of logits at a time."""
-    stats, _ = _kernels(compiled, hidden_ND.device)
+    stats, _ = _kernels(fused, hidden_ND.device)
     logps, lses, entropies = [], [], []
     for start in range(0, hidden_ND.shape[0], chunk):
         logits_CV = hidden_ND[start : start + chunk] @ weight_VD.T

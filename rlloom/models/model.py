@@ -40,7 +40,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         is_moe = args.moe is not None and layer_idx in args.moe.sparse_layers
         self.moe = MoE(args.hidden_size, args.moe) if is_moe else None
-        self.feed_forward = None if is_moe else SwiGLU(args.hidden_size, args.intermediate_size)
+        self.feed_forward = (
+            None if is_moe else SwiGLU(args.hidden_size, args.intermediate_size, fused=args.fused_projections)
+        )
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: AttnLayout

@@ -174,19 +174,19 @@ def test_compiled_layers_match_eager(tmp_path):
 
 
 @pytest.mark.parametrize("with_entropy", [False, True])
-def test_compiled_logprob_head_matches_eager(with_entropy):
+def test_fused_logprob_head_matches_eager(with_entropy):
     from rlloom.models.logprobs import token_logprobs
 
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(0)  # V = 20000: three 8192-wide statistics slices, one partial
     hidden = torch.randn(3000, 256, generator=gen).cuda().bfloat16().requires_grad_()
-    weight = (torch.randn(5000, 256, generator=gen) * 0.05).cuda().bfloat16().requires_grad_()
-    targets = torch.randint(0, 5000, (3000,), generator=gen).cuda()
+    weight = (torch.randn(20000, 256, generator=gen) * 0.05).cuda().bfloat16().requires_grad_()
+    targets = torch.randint(0, 20000, (3000,), generator=gen).cuda()
     upstream = torch.randn(3000, generator=gen).cuda()
     results = []
-    for compiled in (False, True):
+    for fused in (False, True):
         logp, ent = token_logprobs(
             hidden, weight, targets, temperature=0.8, chunk_tokens=1024, with_entropy=with_entropy,
-            compiled=compiled,
+            fused=fused,
         )  # fmt: skip
         loss = (logp * upstream).sum() + (ent.sum() * 0.1 if ent is not None else 0.0)
         results.append((logp, ent, *torch.autograd.grad(loss, (hidden, weight))))

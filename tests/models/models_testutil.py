@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -58,3 +62,16 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-
     assert diff <= atol, (
         f"max abs diff {diff:.3e} > {atol:.0e} (reference scale {expected.abs().max().item():.3f})"
     )
+
+
+def run_in_triton_interpreter(script: str, *paths: Path) -> None:
+    """Run `script` in a subprocess with TRITON_INTERPRET=1 (it must be set before Triton compiles a
+    kernel); `paths` go on PYTHONPATH; the script must print "ok"."""
+    env = os.environ | {
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([*map(str, paths), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

@@ -117,3 +117,16 @@ def test_mtp_layers_are_skipped(pair, tmp_path, caplog):
     ids = torch.randint(0, VOCAB, (1, 6))
     with torch.no_grad():
         assert torch.equal(loaded(ids), ours(ids))
+
+
+def test_fused_projections_load_and_match(pair):
+    """The rollout layout of DeepSeek-V3 (fused gate/up in the dense layers; MLA stays as it is)."""
+    _, ours, path = pair
+    fused = models.from_pretrained(path, fused_projections=True)
+    seqs, ids, positions, cu = lengths_to_packed(LENGTHS, VOCAB, seed=13)
+    with torch.no_grad():
+        kw = dict(position_ids=positions, cu_seqlens=cu, max_seqlen=max(LENGTHS))
+        assert_close(fused(ids, **kw), ours(ids, **kw))
+    assert sorted(n for n, _ in models.hf_named_tensors(fused)) == sorted(
+        n for n, _ in models.hf_named_tensors(ours)
+    )

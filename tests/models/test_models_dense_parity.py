@@ -20,6 +20,8 @@ from transformers import (
 )
 
 import rlloom.models as models
+from rlloom.models.adapter import native_keys
+from rlloom.models.layers import FusedLinear
 
 VOCAB = 160
 LENGTHS = [13, 5, 29, 1, 18]
@@ -156,3 +158,23 @@ def test_left_padding_is_rejected(pair):
     mask = torch.tensor([[False, True, True]])
     with pytest.raises(ValueError, match="right padding"):
         ours(torch.zeros(1, 3, dtype=torch.long), attention_mask=mask)
+
+
+def test_fused_projections_are_the_same_model(pair):
+    """The rollout layout (one matmul for q/k/v and one for gate/up) loads the same checkpoint,
+    computes the same logits, yields the same named tensors and loads new ones into the right rows."""
+    _, ours = pair
+    fused = models.from_pretrained(ours.source_path, fused_projections=True)
+    attention, mlp = fused.layers[0].attention, fused.layers[0].feed_forward
+    assert isinstance(attention.wqkv, FusedLinear) and isinstance(mlp.w13, FusedLinear)
+    assert not hasattr(attention, "wq") and not hasattr(mlp, "w1")
+    seqs, ids, positions, cu = lengths_to_packed(LENGTHS, VOCAB, seed=4)
+    with torch.no_grad():
+        kw = dict(position_ids=positions, cu_seqlens=cu, max_seqlen=max(LENGTHS))
+        assert_close(fused(ids, **kw), ours(ids, **kw))
+    want = dict(models.hf_named_tensors(ours))
+    got = dict(models.hf_named_tensors(fused))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    update = {n: torch.randn_like(t) for n, t in want.items()}
+    assert models.load_hf_tensors(fused, update.items()) == set(native_keys(ours))
+    assert all(torch.equal(t, update[n]) for n, t in models.hf_named_tensors(fused))

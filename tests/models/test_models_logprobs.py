@@ -90,3 +90,36 @@ def test_gradient_of_logp_alone_with_entropy_returned_but_unused(needs):
     (got,) = torch.autograd.grad(logp.sum(), leaf)
     (want,) = torch.autograd.grad(ref_logp.sum(), leaf)
     assert_close(got, want, atol=1e-4)
+
+
+HEAD_KERNELS_SCRIPT = r"""
+import torch
+from rlloom.models import logprob_kernels, logprobs
+
+gen = torch.Generator().manual_seed(0)
+C, V = 5, 9000  # two statistics slices, the second partial
+for dtype in (torch.float32, torch.bfloat16):
+    logits = (torch.randn(C, V, generator=gen) * 3).to(dtype)
+    targets = torch.tensor([0, V - 1, 8191, 8192, 17])
+    grad_logp, grad_entropy = torch.randn(C, generator=gen), torch.randn(C, generator=gen)
+    for inv_temp in (1.0, 1 / 0.7):
+        for with_entropy in (False, True):
+            want = logprobs.chunk_stats(logits, targets, inv_temp, with_entropy)
+            got = logprob_kernels.chunk_stats(logits, targets, inv_temp, with_entropy)
+            for w, g in zip(want, got):
+                assert (w is None) == (g is None) and (w is None or (w - g).abs().max() < 1e-4), (w, g)
+            lse, entropy = want[1], want[2]
+            args = (grad_entropy if with_entropy else None, entropy, inv_temp)
+            want = logprobs.chunk_logit_grad(logits, targets, lse, grad_logp, *args)
+            got = logprob_kernels.chunk_logit_grad(logits, targets, lse, grad_logp, *args)
+            assert got.dtype == dtype and (want.float() - got.float()).abs().max() <= 1e-6 + 1e-2 * want.float().abs().max()
+print("ok")
+"""
+
+
+def test_triton_head_kernels_in_the_interpreter():
+    """The CUDA head kernels against the torch passes (Triton's CPU interpreter; skipped without Triton)."""
+    pytest.importorskip("triton")
+    from models_testutil import run_in_triton_interpreter
+
+    run_in_triton_interpreter(HEAD_KERNELS_SCRIPT)

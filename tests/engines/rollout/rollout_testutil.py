@@ -9,7 +9,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "models"))
-from models_testutil import randomize_  # noqa: E402  (weights with O(1) logits: greedy far from ties)
+# randomize_: weights with O(1) logits (greedy far from ties); run_in_triton_interpreter: re-exported.
+from models_testutil import randomize_, run_in_triton_interpreter  # noqa: E402, F401
 
 VOCAB = 128
 

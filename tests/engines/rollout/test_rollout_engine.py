@@ -25,7 +25,7 @@ def dense(tmp_path_factory):
 
 def _engine(path: str, **kwargs) -> NativeEngine:
     kwargs = {"max_model_len": 64, "num_blocks": 256, "block_size": BLOCK, "seed": 0} | kwargs
-    return NativeEngine(models.from_pretrained(path), **kwargs)
+    return NativeEngine(models.from_pretrained(path, fused_projections=True), **kwargs)
 
 
 def _assert_same(a, b, atol=1e-5):
@@ -264,7 +264,9 @@ def test_built_from_rollout_config(dense):
     cfg = RolloutConfig(
         n_samples=3, temperature=0.9, max_new_tokens=5, num_blocks=32, block_size=8, max_num_seqs=4
     )
-    engine = NativeEngine.from_config(models.from_pretrained(dense[1]), cfg, max_model_len=48)
+    engine = NativeEngine.from_config(
+        models.from_pretrained(dense[1], fused_projections=True), cfg, max_model_len=48
+    )
     assert engine.block_manager.num_blocks == 32 and engine.block_manager.block_size == 8
     out = engine.generate(prompts(2, seed=12), SamplingParams.from_config(cfg))
     assert [(c.prompt_index, len(c.token_ids)) for c in out] == [(0, 5)] * 3 + [(1, 5)] * 3

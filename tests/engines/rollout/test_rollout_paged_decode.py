@@ -6,12 +6,10 @@ TRITON_INTERPRET must be set before Triton compiles the kernel, so the checks ru
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from rollout_testutil import run_in_triton_interpreter
 
 pytest.importorskip("triton")
 
@@ -30,7 +28,7 @@ batch = prompts(5, max_len=20, seed=1)
 params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3)
 outs = []
 for kernel, graphs in ((False, False), (True, False), (True, True)):
-    engine = NativeEngine(models.from_pretrained(path), max_model_len=64, num_blocks=64, block_size=4, max_num_seqs=12)
+    engine = NativeEngine(models.from_pretrained(path, fused_projections=True), max_model_len=64, num_blocks=64, block_size=4, max_num_seqs=12)
     runner = engine.runner
     runner.backend.use_decode_kernel = kernel
     if graphs:  # padded batches (scratch-block rows) through the static graph buffers
@@ -62,26 +60,33 @@ z = logits / torch.where(rows.temperature_R == 0, 1.0, rows.temperature_R)[:, No
 want = torch.where(rows.temperature_R == 0, logits.argmax(-1), (z - noise).argmax(-1))
 assert tokens.tolist() == want.tolist() and tokens[5] == 100, (tokens, want)
 assert (logprobs - torch.log_softmax(z, -1).gather(1, want[:, None])[:, 0]).abs().max() < 1e-5
+
+# The noise is Exponential(1) in each of Philox's four output lanes, and the lanes are independent
+# (a lane mix-up, e.g. every index of a quad taking output 0, would correlate them perfectly).
+R, V = 64, 4099
+E = sampler._log_noise(torch.zeros(R, V), [None] * R, torch.tensor([noise_key(9, r, 0) for r in range(R)])).exp()
+lanes = [E[:, i : V - 3 : 4].flatten() for i in range(4)]
+for lane in lanes:
+    assert abs(lane.mean() - 1) < 0.02 and abs((lane > 1).float().mean() - 0.3679) < 0.01
+corr = torch.corrcoef(torch.stack(lanes))
+assert (corr - torch.eye(4)).abs().max() < 0.02, corr
+
+# Sampled frequencies match softmax(logits / T) (fresh keys per row, the RL case).
+R, V, T = 3000, 6, 0.8
+row = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, -3.0])
+keys = torch.tensor([noise_key(11, r, 0) for r in range(R)])
+tokens, _ = Sampler._fused(row.expand(R, V).contiguous(), torch.full((R,), T), keys, chunk=1024)
+p = torch.softmax(row / T, -1)
+freq = torch.bincount(tokens, minlength=V).float() / R
+assert ((freq - p).abs() <= 5 * (p * (1 - p) / R).sqrt() + 1e-3).all(), (freq, p)
 print("ok")
 """
 
 
-def _run_interpreted(script: str) -> None:
-    here = Path(__file__).parent
-    env = os.environ | {
-        "TRITON_INTERPRET": "1",
-        "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]),
-    }
-    result = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
-
-
 def test_paged_decode_kernel_in_the_interpreter():
     # decode_kernel_works includes shared-prefix groups; n=2 samples make the engine form groups.
-    _run_interpreted(SCRIPT)
+    run_in_triton_interpreter(SCRIPT, Path(__file__).parent)
 
 
 def test_chunked_sampler_in_the_interpreter():
-    _run_interpreted(SAMPLER_SCRIPT)
+    run_in_triton_interpreter(SAMPLER_SCRIPT)

@@ -172,7 +172,7 @@ class NativeEngine:
         when the folder has one and none is passed. Other keywords as in `NativeEngine(...)`."""
         from rlloom.models import from_pretrained, load_decoder
 
-        model = from_pretrained(path_or_name, dtype=dtype, device=device)
+        model = from_pretrained(path_or_name, dtype=dtype, device=device, fused_projections=True)
         if kwargs.get("decode") is None:
             kwargs["decode"] = load_decoder(path_or_name)
         return cls(model, **kwargs)

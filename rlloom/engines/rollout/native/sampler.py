@@ -13,11 +13,12 @@ top-p (on the renormalised top-k distribution), are applied by setting the dropp
 Noise: every row has a 63-bit noise key. A row with a seed uses `noise_key(seed, sample index,
 token position)`, so its tokens do not depend on the batch it runs in, on preemption or on prefix
 sharing; the other rows draw a fresh key per step from the engine's seeded host generator. On CUDA
-the uniforms are Triton's Philox of (key, vocabulary index), and rows without top-k/top-p (the RL
-case) go through fused kernels that read the model-dtype logits once: each (row, vocabulary chunk)
-computes its softmax statistics, noise and best score in one pass, and a small kernel per row
-combines the chunks into the token and its logprob; with top-k/top-p the torch path below runs on
-the same noise. On CPU the uniforms come from a torch generator seeded with the key.
+the uniforms come from Triton's Philox (vocabulary index 4c + i takes output i of Philox(key, c)),
+and rows without top-k/top-p (the RL case) go through fused kernels that read the model-dtype
+logits once: each (row, vocabulary chunk) computes its softmax statistics, noise and best score in
+one pass, and a small kernel per row combines the chunks into the token and its logprob; with
+top-k/top-p the torch path below runs on the same noise. On CPU the uniforms come from a torch
+generator seeded with the key.
 
 Shape legend: R sampled rows, V vocabulary.
 """
@@ -56,16 +57,32 @@ def noise_key(seed: int, sample_index: int, position: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _log_exponential(key, offs):
-        """log E with E = -log U, U = Philox(key, offs) in [0, 1); U = 0 gives +inf (never wins)."""
-        return tl.log(-tl.log(tl.rand(key, offs)))
+    def _log_exponential(key, first, QUADS: tl.constexpr):
+        """log E for the 4 * QUADS vocabulary indices from `first` (a multiple of 4) as a [QUADS, 4]
+        tile (row-major, so tile[c, i] is index first + 4c + i). E = -log U where index 4c + i takes
+        output i of Philox(key, c): one Philox evaluation serves four indices (it dominated the
+        sampler's time when every index ran its own). U = 0 gives E = +inf (never wins)."""
+        r0, r1, r2, r3 = tl.randint4x(key, first // 4 + tl.arange(0, QUADS))
+        lane = tl.arange(0, 4)[None, :]
+        bits = tl.where(
+            lane == 0,
+            r0[:, None],
+            tl.where(lane == 1, r1[:, None], tl.where(lane == 2, r2[:, None], r3[:, None])),
+        )
+        return tl.log(-tl.log(tl.uint_to_uniform_float(bits)))
 
     @triton.jit
-    def _log_noise_kernel(keys_ptr, out_ptr, V, BLOCK: tl.constexpr):
+    def _tile_offsets(QUADS: tl.constexpr):
+        """[QUADS, 4] offsets 0 .. 4 * QUADS - 1 in row-major order (the layout of `_log_exponential`)."""
+        return 4 * tl.arange(0, QUADS)[:, None] + tl.arange(0, 4)[None, :]
+
+    @triton.jit
+    def _log_noise_kernel(keys_ptr, out_ptr, V, QUADS: tl.constexpr):
         r = tl.program_id(0)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        first = tl.program_id(1) * 4 * QUADS
+        offs = first + _tile_offsets(QUADS)
         key = tl.load(keys_ptr + r)
-        tl.store(out_ptr + r.to(tl.int64) * V + offs, _log_exponential(key, offs), mask=offs < V)
+        tl.store(out_ptr + r.to(tl.int64) * V + offs, _log_exponential(key, first, QUADS), mask=offs < V)
 
     @triton.jit
     def _sample_chunk_kernel(
@@ -86,17 +103,18 @@ if triton is not None:
         total = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
         best, best_idx = m, tl.argmax(tl.zeros([BLOCK], tl.float32), axis=0) + c * CHUNK
         for start in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
+            offs = start + _tile_offsets(BLOCK // 4)
             valid = offs < V
             x = tl.load(row_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32)
             z = tl.math.div_rn(x, temperature)  # IEEE division, as torch's logits / T
-            m_new = tl.maximum(m, tl.max(z, axis=0))
-            total = total * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m_new = tl.maximum(m, tl.max(tl.max(z, axis=1), axis=0))
+            total = total * tl.exp(m - m_new) + tl.sum(tl.sum(tl.exp(z - m_new), axis=1), axis=0)
             m = m_new
-            score = tl.where(greedy, z, z - _log_exponential(key, offs))
+            score = tl.where(greedy, z, z - _log_exponential(key, start, BLOCK // 4))
             score = tl.where(valid, score, float("-inf"))
-            chunk_best = tl.max(score, axis=0)
-            chunk_idx = tl.argmax(score, axis=0) + start  # first maximum, as torch.argmax
+            chunk_best = tl.max(tl.max(score, axis=1), axis=0)
+            # The first index holding the maximum, as torch.argmax.
+            chunk_idx = tl.min(tl.min(tl.where(score == chunk_best, offs, V), axis=1), axis=0)
             better = chunk_best > best  # strict: an earlier block keeps a tie
             best_idx = tl.where(better, chunk_idx, best_idx)
             best = tl.where(better, chunk_best, best)
@@ -229,7 +247,7 @@ class Sampler:
         if keys_R is not None:  # CUDA: the fused kernel's noise, so a seeded row gets the same draw
             R, V = like_RV.shape
             out_RV = torch.empty(R, V, dtype=torch.float32, device=like_RV.device)
-            _log_noise_kernel[(R, triton.cdiv(V, 4096))](keys_R, out_RV, V, BLOCK=4096)
+            _log_noise_kernel[(R, triton.cdiv(V, 4096))](keys_R, out_RV, V, QUADS=1024)
             return out_RV
         uniform_RV = torch.empty_like(like_RV)
         if any(key is None for key in noise_keys):

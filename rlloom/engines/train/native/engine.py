@@ -94,7 +94,9 @@ class NativeTrainEngine:
         compiled = cfg.compile and self.device.type == "cuda"
         if compiled:  # after AC, before FSDP (rlloom/parallel/compile.py)
             apply_compile(self.model)
-        self.module = PolicyHead(self.model, chunk_tokens=cfg.logprob_chunk_tokens, compiled=compiled)
+        self.module = PolicyHead(
+            self.model, chunk_tokens=cfg.logprob_chunk_tokens, fused_head=self.device.type == "cuda"
+        )
         self.reshard_after_forward = reshard_after_forward
         self.dp_group: dist.ProcessGroup | None = None
         self.dp_rank, self.dp_size = 0, 1

@@ -23,12 +23,12 @@ from rlloom.models.logprobs import token_logprobs
 class PolicyHead(nn.Module):
     """Wraps a CausalLM (`self.model`); `forward` returns logprobs (and entropies) at K positions."""
 
-    def __init__(self, model: nn.Module, *, chunk_tokens: int, compiled: bool = False) -> None:
+    def __init__(self, model: nn.Module, *, chunk_tokens: int, fused_head: bool = False) -> None:
         super().__init__()
         self.model = model
         self.chunk_tokens = chunk_tokens
-        self.compiled = compiled
-        """Fuse the head's elementwise passes with torch.compile (CUDA; see models/logprobs.py)."""
+        self.fused_head = fused_head
+        """Run the head's elementwise passes as Triton kernels (CUDA; see models/logprobs.py)."""
 
     def forward(
         self,
@@ -69,7 +69,7 @@ class PolicyHead(nn.Module):
             temperature=temperature,
             chunk_tokens=self.chunk_tokens,
             with_entropy=with_entropy,
-            compiled=self.compiled,
+            fused=self.fused_head,
         )
         if num_selected == 0:
             logp_K = logp_K[:0]
