@@ -5,7 +5,9 @@ Shape: Qwen3-0.6B attention (16 query heads, 8 KV heads, head dim 128, bf16), 64
 samples, 128 prompt tokens, each sample `--generated` tokens into its response (default 256, the
 middle of a 512-token rollout). The plain kernel reads every sample's keys; with shared prefixes
 each group's 128 prompt keys are read once by `_shared_prefix_kernel`, then each sample reads its
-own. Errors are against `reference_decode` in fp32.
+own. Rows sweep the prefix kernel's tile and warps, then the per-sequence kernel's tile, warps and
+pipeline stages, then compare the kernel storing the new tokens' k/v itself (`new_kv`, what the
+engine does) with two `index_copy_` launches before it. Errors are against `reference_decode` in fp32.
 
     python benchmarks/bench_decode_attention.py [--generated 256]
 """
@@ -68,10 +70,38 @@ def main() -> None:
         for t in (32, 64, 128)
         for w in (2, 4, 8)
     ]  # fmt: skip
+    configs += [  # the per-sequence kernel's own configuration, with the default prefix kernel
+        (f"shared prefix, tile {t}, {w} warps, {st} stages", dict(shared_prefix=prefix, tile=t, num_warps=w, num_stages=st), shared_bytes)
+        for t in (32, 64, 128)
+        for w in (2, 4, 8)
+        for st in (1, 2, 3)
+    ]  # fmt: skip
+    last = tables[torch.arange(S, device="cuda"), (num_keys - 1) // block] * block + (num_keys - 1) % block
+    new_kv = (torch.randn(S, hkv, d, device="cuda", dtype=k.dtype), torch.randn_like(k[:S]), last)
+    write_bytes = 2 * S * token_bytes  # read the new k/v, write them
+    configs += [
+        ("shared prefix + the kernel stores the new k/v (engine default)", dict(shared_prefix=prefix, new_kv=new_kv), shared_bytes + write_bytes),
+        ("shared prefix + two index_copy_ for the new k/v (before)", dict(shared_prefix=prefix, copies=new_kv), shared_bytes + write_bytes),
+    ]  # fmt: skip
+
+    def run(kw: dict) -> torch.Tensor:
+        kw = dict(kw)
+        if "copies" in kw:
+            new_k, new_v, slots = kw.pop("copies")
+            k.index_copy_(0, slots, new_k)
+            v.index_copy_(0, slots, new_v)
+        return paged_decode(q, k, v, tables, num_keys, d**-0.5, block, **kw)
+
     for name, kw, nbytes in configs:
-        run = lambda kw=kw: paged_decode(q, k, v, tables, num_keys, d**-0.5, block, **kw)  # noqa: E731
-        err = (run().float() - want).abs().max().item()
-        us = cuda_us(run)
+        if "new_kv" in kw or "copies" in kw:  # the reference with the new tokens in place
+            new_k, new_v, slots = new_kv
+            k_want, v_want = k.clone(), v.clone()
+            k_want[slots], v_want[slots] = new_k, new_v
+            want = reference_decode(
+                q.float(), k_want.float(), v_want.float(), tables, num_keys, d**-0.5, block
+            )
+        err = (run(kw).float() - want).abs().max().item()
+        us = cuda_us(lambda kw=kw: run(kw))
         rows.append((name, us, nbytes / bandwidth * 1e6, err))
     print(f"\nbench_decode_attention ({torch.cuda.get_device_name()}, {S} sequences of {keys} keys, "
           f"groups of {n} sharing {prompt}, copy bandwidth {bandwidth / 1e12:.2f} TB/s)")  # fmt: skip

@@ -12,8 +12,9 @@ folded into the query-length axis, q [S, Hkv, Q * G, D] against k [S, Hkv, K, D]
 The gather reads every key slot up to the key length K of the batch (on GPU the decode forward is
 captured in CUDA graphs with K fixed per graph, cuda_graphs.py) and copies it once more. With
 `use_decode_kernel` (CUDA, when paged_decode.py's Triton kernel passes its check) forwards of one
-token per sequence read the cache through the block table instead, each byte once. Both paths are
-graph-safe (no host syncs, no data-dependent shapes).
+token per sequence read the cache through the block table instead, each byte once, and the kernel
+stores the new k/v itself (two fewer launches a layer). Both paths are graph-safe (no host syncs,
+no data-dependent shapes).
 
 The model reaches the backend through one custom op, `rlloom::paged_attention(q, k, v, handle,
 layer, scale)`: the op looks the backend up by its handle and runs `PagedAttention.run_layer`. To
@@ -132,14 +133,16 @@ class PagedAttention:
         ctx = self.context
         assert ctx is not None
         k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
-        k_cache.index_copy_(0, ctx.slot_mapping_N, k_NHD.to(k_cache.dtype))
-        v_cache.index_copy_(0, ctx.slot_mapping_N, v_NHD.to(v_cache.dtype))
+        k_NHD, v_NHD = k_NHD.to(k_cache.dtype), v_NHD.to(v_cache.dtype)
         if self._num_keys_S is not None:
-            # One query per sequence: query_index and output_index are the identity here.
+            # One query per sequence: query_index and output_index are the identity here, and the
+            # kernel stores the new k/v in the cache itself.
             return paged_decode(
                 q_NHD.to(k_cache.dtype), k_cache, v_cache, ctx.block_tables_SB, self._num_keys_S, scale,
-                self.block_size, shared_prefix=ctx.shared_prefix,
+                self.block_size, shared_prefix=ctx.shared_prefix, new_kv=(k_NHD, v_NHD, ctx.slot_mapping_N),
             )  # fmt: skip
+        k_cache.index_copy_(0, ctx.slot_mapping_N, k_NHD)
+        v_cache.index_copy_(0, ctx.slot_mapping_N, v_NHD)
         assert self._kv_slots_SK is not None and self._mask_S1QK is not None
 
         S, Q = ctx.query_index_SQ.shape

@@ -201,9 +201,11 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr, scale,
         stride_q_s, stride_q_h, stride_k_slot, stride_k_h, stride_v_slot, stride_v_h, stride_t_s,
         stride_o_s, stride_o_h, start_ptr, prefix_acc_ptr, prefix_ml_ptr,
+        new_k_ptr, new_v_ptr, new_slot_ptr, stride_nk_s, stride_nk_h, stride_nv_s, stride_nv_h, stride_slot,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr,
         DV_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_PREFIX: tl.constexpr,
+        WRITE_NEW: tl.constexpr,
     ):  # fmt: skip
         s = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -223,6 +225,16 @@ if triton is not None:
         first_key = split * CHUNK
         if HAS_PREFIX:  # keys before `first_key` were read by _shared_prefix_kernel (NUM_SPLITS = 1)
             first_key = tl.load(start_ptr + s)
+        if WRITE_NEW:  # the program whose keys include the new token stores its k/v in the cache first
+            if (num_keys - 1 >= first_key) & (num_keys - 1 < end):
+                slot = tl.load(new_slot_ptr + s * stride_slot)
+                k_new = tl.load(new_k_ptr + s * stride_nk_s + kv_head * stride_nk_h + d, mask=d < D)
+                v_new = tl.load(new_v_ptr + s * stride_nv_s + kv_head * stride_nv_h + dv, mask=dv < DV)
+                k_dst = k_ptr + slot * stride_k_slot + kv_head * stride_k_h + d
+                v_dst = v_ptr + slot * stride_v_slot + kv_head * stride_v_h + dv
+                tl.store(k_dst, k_new.to(k_ptr.dtype.element_ty), mask=d < D)
+                tl.store(v_dst, v_new.to(v_ptr.dtype.element_ty), mask=dv < DV)
+                tl.debug_barrier()  # the stores are visible to the block's loads below
         for start in range(first_key, end, TILE):
             pos = start + t
             m_i, l_i, acc = _attend_tile(
@@ -310,12 +322,15 @@ def paged_decode(
     shared_prefix: SharedPrefix | None = None,
     prefix_tile: int = 32,
     prefix_warps: int = 4,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q [S, Hq, D] against the first num_keys_S[s] cached tokens of each sequence -> [S, Hq, Dv].
 
     k_cache [slots, Hkv, D], v_cache [slots, Hkv, Dv] (one layer); block_tables_SB [S, B] int64.
     tile / num_splits default to `decode_config` (keyword overrides are for benchmarks). With
-    `shared_prefix`, each group's shared keys are read once for all its members (one split only)."""
+    `shared_prefix`, each group's shared keys are read once for all its members (one split only).
+    With `new_kv` = (k [S, Hkv, D], v [S, Hkv, Dv], slots [S] int64), the kernel first stores each
+    sequence's new token (its last key, at `slots[s]`) in the cache, saving the separate writes."""
     S, Hq, D = q_SHD.shape
     Hkv, Dv = k_cache.shape[1], v_cache.shape[2]
     G = Hq // Hkv
@@ -354,14 +369,18 @@ def paged_decode(
             DV_PAD=dv_pad, BLOCK_SIZE=block_size, TILE=prefix_tile, DOT_PRECISION=precision,
             num_warps=prefix_warps,
         )  # fmt: skip
+    new_k, new_v, new_slots = new_kv if new_kv is not None else (q_SHD, q_SHD, num_keys_S)
+    if new_kv is not None:
+        assert new_k.stride(2) == 1 and new_v.stride(2) == 1, "pass k/v with contiguous head channels"
     _paged_decode_kernel[(S, Hkv, num_splits)](
         q_SHD, k_cache, v_cache, block_tables_SB, num_keys_S, out, part_acc, part_ml, scale,
         q_SHD.stride(0), q_SHD.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), block_tables_SB.stride(0), out.stride(0), out.stride(1), start_S, prefix_acc,
-        prefix_ml,
+        prefix_ml, new_k, new_v, new_slots, new_k.stride(0), new_k.stride(1), new_v.stride(0),
+        new_v.stride(1), new_slots.stride(0),
         G=G, G_PAD=g_pad, D=D, D_PAD=d_pad, DV=Dv, DV_PAD=dv_pad, BLOCK_SIZE=block_size, TILE=tile,
         CHUNK=chunk, NUM_SPLITS=num_splits, DOT_PRECISION=precision, HAS_PREFIX=shared_prefix is not None,
-        num_warps=num_warps, **extra,
+        WRITE_NEW=new_kv is not None, num_warps=num_warps, **extra,
     )  # fmt: skip
     if num_splits > 1:
         _combine_splits_kernel[(S, Hq)](
@@ -416,15 +435,31 @@ def decode_kernel_works(device: torch.device, dtype: torch.dtype, hq: int, hkv: 
         tables[3:, 1] = tables[1, 1]
         groups = shared_prefix_groups(tables.cpu().numpy(), num_keys.cpu().numpy() - 1, block, 2)
         prefix = SharedPrefix(*(torch.from_numpy(a).to(device) for a in groups))
+        # With new_kv the kernel writes each sequence's last key itself: start from a cache without them.
+        last = (
+            tables[torch.arange(S, device=device), (num_keys - 1) // block] * block + (num_keys - 1) % block
+        )
+        new_kv = (k[last], v[last], last)
         try:
             want = reference_decode(q.float(), k.float(), v.float(), tables, num_keys, d**-0.5, block)
-            error = max(  # the default configuration, a split one (flash-decoding), shared prefixes
-                (paged_decode(q, k, v, tables, num_keys, d**-0.5, block, **kw).float() - want)
-                .abs()
-                .max()
-                .item()
-                for kw in ({}, {"tile": 16, "num_splits": 3}, {"shared_prefix": prefix})
-            )
+            errors = []
+            # the default configuration, a split one (flash-decoding), shared prefixes, cache writes
+            for kw in (
+                {},
+                {"tile": 16, "num_splits": 3},
+                {"shared_prefix": prefix},
+                {"shared_prefix": prefix, "new_kv": new_kv},
+                {"tile": 16, "num_splits": 3, "new_kv": new_kv},
+            ):
+                k_in, v_in = k, v
+                if "new_kv" in kw:
+                    k_in, v_in = k.clone(), v.clone()
+                    k_in[last], v_in[last] = 0, 0
+                out = paged_decode(q, k_in, v_in, tables, num_keys, d**-0.5, block, **kw).float()
+                errors.append((out - want).abs().max().item())
+                if not (torch.equal(k_in, k) and torch.equal(v_in, v)):
+                    errors.append(float("inf"))  # a missing or misplaced cache write
+            error = max(errors)
             _checked[key] = error < (1e-4 if dtype == torch.float32 else 3e-2)
             if not _checked[key]:
                 logger.warning(

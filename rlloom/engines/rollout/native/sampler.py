@@ -106,7 +106,10 @@ if triton is not None:
             offs = start + _tile_offsets(BLOCK // 4)
             valid = offs < V
             x = tl.load(row_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32)
-            z = tl.math.div_rn(x, temperature)  # IEEE division, as torch's logits / T
+            if temperature == 1.0:  # x / 1 is x: skip the division (the RL case)
+                z = x
+            else:
+                z = tl.math.div_rn(x, temperature)  # IEEE division, as torch's logits / T
             m_new = tl.maximum(m, tl.max(tl.max(z, axis=1), axis=0))
             total = total * tl.exp(m - m_new) + tl.sum(tl.sum(tl.exp(z - m_new), axis=1), axis=0)
             m = m_new
