@@ -61,7 +61,7 @@ def chunk_logit_grad(
     if grad_entropy_C is not None:
         assert entropy_C is not None
         grad_CV = grad_CV - grad_entropy_C.unsqueeze(-1) * p_CV * (z_CV - (lse_C - entropy_C).unsqueeze(-1))
-    grad_CV.scatter_add_(-1, targets_C.unsqueeze(-1), grad_logp_C.unsqueeze(-1))
+    grad_CV = grad_CV.scatter_add(-1, targets_C.unsqueeze(-1), grad_logp_C.unsqueeze(-1))
     if inv_temp != 1.0:
         grad_CV = grad_CV * inv_temp
     return grad_CV.to(logits_CV.dtype)
