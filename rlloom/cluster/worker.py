@@ -106,4 +106,8 @@ class RLWorker:
         self.train.save(path)
 
     def load(self, path: str) -> None:
+        """Restore the training engine, then make the rollout replica current through the same weight
+        sync as after a step (with the restored version). The reference model is not touched: it
+        stays the initial policy, as in the uninterrupted run."""
         self.train.load(path)
+        self.sync_weights()
