@@ -60,10 +60,14 @@ def main(argv: list[str] | None = None) -> int:
             print(plot_run(args.run_dir))
             return 0
         from rlloom.config.loading import load_config
-        from rlloom.trainer.run import run
+        from rlloom.trainer.run import TrainingStalled, run
 
         cfg = load_config(args.config, args.overrides)
-        run(cfg)
+        try:
+            run(cfg)
+        except TrainingStalled as e:
+            print(f"rlloom: error: {e}", file=sys.stderr)
+            return 1
         return 0
     except (ConfigError, FileNotFoundError) as e:
         print(f"rlloom: error: {e}", file=sys.stderr)

@@ -16,6 +16,7 @@ from typing import Any
 
 from rlloom.config.components import ConfigError, RunConfig
 from rlloom.config.loading import to_yaml
+from rlloom.trainer.faults import maybe_fail
 
 MARKER = "COMPLETE"
 
@@ -43,6 +44,7 @@ def save_checkpoint(group: Any, cfg: RunConfig, state: TrainerState) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     group.save(str(tmp / "engine"))
+    maybe_fail("save_engine", state.step)
     (tmp / "trainer_state.json").write_text(
         json.dumps(
             {"step": state.step, "data_state": state.data_state, "accuracy_before": state.accuracy_before}

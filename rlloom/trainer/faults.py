@@ -1,23 +1,66 @@
-"""Fault injection for tests of crash recovery: `RLLOOM_FAULT=stage:step[:rank]` makes the process
-that reaches `stage` at `step` (on `rank`, when given) exit at once with status 17, as a crash would.
+"""Fault injection for tests of crash recovery: `RLLOOM_FAULT=STAGE:STEP[:RANK]` kills the process
+that reaches `STAGE` at `STEP` (on `RANK`, when given) with SIGKILL, as an out-of-memory kill or a
+lost node would: no exception, no `finally`, no flushed buffers.
 
-Stages: `after_checkpoint` (driver, after the step's checkpoint is written) and `update_policy`
-(a worker, before its optimizer step). Unset in normal runs; reading one variable costs nothing.
+`STEP` is the number of RL steps completed when the stage is reached: `generate:2` dies in the third
+step, `after_checkpoint:2` right after step 2's checkpoint. Each in-step stage fires once its work is
+done (its results exist only in memory); a stage that a setting turns off (ref_logprobs without a KL
+term) still fires at its place in the step.
+
+Driver stages, in step order: generate, rewards, old_logprobs, ref_logprobs, advantages, train (all
+policy updates done, weights not yet synced), sync; then save_engine (the engine state of the step's
+checkpoint is written, its COMPLETE marker is not) and after_checkpoint. Worker stage: update_policy
+(before an optimizer step; there STEP counts optimizer steps, the policy version, and RANK picks the
+worker). Unset in normal runs; reading one variable costs nothing.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+from dataclasses import dataclass
+from functools import lru_cache
 
-EXIT_CODE = 17
+from rlloom.config.components import ConfigError
+
+STEP_STAGES = ("generate", "rewards", "old_logprobs", "ref_logprobs", "advantages", "train", "sync")
+SAVE_STAGES = ("save_engine", "after_checkpoint")
+WORKER_STAGES = ("update_policy",)
+STAGES = STEP_STAGES + SAVE_STAGES + WORKER_STAGES
+ENV = "RLLOOM_FAULT"
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    stage: str
+    step: int
+    rank: int | None = None
+
+
+@lru_cache(maxsize=8)
+def parse_fault(spec: str) -> Fault | None:
+    """The fault `spec` (a `RLLOOM_FAULT` value) asks for; None for an empty spec."""
+    if not spec:
+        return None
+    parts = spec.split(":")
+    numbers = parts[1:]
+    if not 2 <= len(parts) <= 3 or parts[0] not in STAGES or not all(p.isdigit() for p in numbers):
+        raise ConfigError(
+            f"{ENV}={spec!r} is not STAGE:STEP[:RANK] with STEP and RANK integers >= 0 and STAGE one of "
+            f"{', '.join(STAGES)}. Fix: e.g. {ENV}=generate:2, or unset {ENV}."
+        )
+    return Fault(parts[0], int(parts[1]), int(parts[2]) if len(parts) == 3 else None)
+
+
+def check_fault_env() -> None:
+    """Fail at start-up, with a clear message, on a `RLLOOM_FAULT` value that does not parse."""
+    parse_fault(os.environ.get(ENV, ""))
 
 
 def maybe_fail(stage: str, step: int, rank: int = 0) -> None:
-    spec = os.environ.get("RLLOOM_FAULT", "")
-    if not spec:
+    """Kill this process if `RLLOOM_FAULT` names this stage, step (and rank)."""
+    fault = parse_fault(os.environ.get(ENV, ""))
+    if fault is None:
         return
-    parts = spec.split(":")
-    want_stage, want_step = parts[0], int(parts[1])
-    want_rank = int(parts[2]) if len(parts) > 2 else None
-    if stage == want_stage and step == want_step and (want_rank is None or want_rank == rank):
-        os._exit(EXIT_CODE)
+    if fault.stage == stage and fault.step == step and fault.rank in (None, rank):
+        os.kill(os.getpid(), signal.SIGKILL)

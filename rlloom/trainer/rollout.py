@@ -19,6 +19,7 @@ from rlloom.data.source import PromptSource
 from rlloom.data.types import Sample
 from rlloom.engines.rollout.native import SamplingParams
 from rlloom.rewards.runner import RewardRunner
+from rlloom.trainer.faults import maybe_fail
 
 
 def request_seed(run_seed: int, step: int, round_idx: int, position: int) -> int:
@@ -117,8 +118,10 @@ def collect_rollouts(
         samples = generate_samples(
             group, items, sampling, first_group_id=step * 1_000_000 + round_idx * 10_000
         )
+        maybe_fail("generate", step)
         for k, v in score_samples(samples, runner, decode, cfg).items():
             metrics[k] = metrics.get(k, 0.0) + v
+        maybe_fail("rewards", step)
         if round_idx == 0:
             metrics.update(_reward_metrics(samples))
         if algo.dynamic_sampling:

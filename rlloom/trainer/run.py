@@ -26,8 +26,12 @@ from rlloom.rewards.build import build_reward_runner
 from rlloom.tasks.build import build_task_source
 from rlloom.trainer.checkpoint import TrainerState, load_checkpoint, resolve_resume, save_checkpoint
 from rlloom.trainer.evaluate import evaluate
-from rlloom.trainer.faults import maybe_fail
-from rlloom.trainer.step import StepContext, rl_step
+from rlloom.trainer.faults import check_fault_env, maybe_fail
+from rlloom.trainer.step import StepContext, rl_step, update_was_skipped
+
+
+class TrainingStalled(RuntimeError):
+    """Every policy update of the run was skipped (non-finite loss, gradient or new parameters)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -47,6 +51,7 @@ def seed_everything(seed: int) -> None:
 
 def run(cfg: RunConfig) -> RunResult:
     log = init_logger()
+    check_fault_env()
     start = time.perf_counter()
     seed_everything(cfg.trainer.seed)
     run_dir = Path(cfg.trainer.run_dir)
@@ -83,9 +88,11 @@ def run(cfg: RunConfig) -> RunResult:
             state.accuracy_before = before["eval/accuracy"]
             loggers.log(0, before)
         after: dict[str, float] = {}
+        first_step, num_skipped = state.step + 1, 0
         while state.step < cfg.trainer.total_steps:
             metrics = rl_step(ctx, state.step)
             state.step += 1
+            num_skipped += update_was_skipped(metrics)
             metrics["memory/peak_gib"] = peak_memory_gib(resolve_device(cfg).type)
             is_last = state.step == cfg.trainer.total_steps
             if eval_items and (
@@ -94,6 +101,13 @@ def run(cfg: RunConfig) -> RunResult:
                 after = run_eval()
                 metrics.update(after)
             loggers.log(state.step, metrics)
+            if is_last and num_skipped == state.step - first_step + 1:
+                raise TrainingStalled(
+                    f"every policy update of steps {first_step}-{state.step} was skipped because the loss, the "
+                    f"gradient norm or the new parameters were not finite (train.lr={cfg.train.lr:g}); the "
+                    "weights never changed and no final checkpoint was written. Fix: lower train.lr, or look "
+                    "for inf/NaN in the rewards and advantages (metrics.jsonl)."
+                )
             if is_last or (cfg.trainer.save_every and state.step % cfg.trainer.save_every == 0):
                 state.data_state = source.state_dict()
                 save_checkpoint(group, cfg, state)

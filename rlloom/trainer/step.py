@@ -3,6 +3,7 @@ policy update -> weight sync. Every stage is timed."""
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,8 +16,11 @@ from rlloom.data.source import PromptSource
 from rlloom.data.types import RolloutBatch
 from rlloom.observability.timers import StageTimer
 from rlloom.rewards.runner import RewardRunner
+from rlloom.trainer.faults import maybe_fail
 from rlloom.trainer.policy import PolicyUpdate, build_update
 from rlloom.trainer.rollout import collect_rollouts
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -68,8 +72,10 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
                 group.old_logprobs(batch.select(rows)) for rows in mini_batch_rows(cfg, len(batch), epoch=0)
             ]
             old_logp_BT = torch.cat(parts)
+    maybe_fail("old_logprobs", step)
     with timer("ref_logprobs"):
         ref_logp_BT = group.ref_logprobs(batch) if cfg.algorithm.kl_coef > 0 else None
+    maybe_fail("ref_logprobs", step)
     with timer("advantages"):
         norm_constant = cfg.algorithm.norm_constant or cfg.rollout.max_new_tokens
         update, adv_metrics = build_update(
@@ -80,15 +86,25 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
             ref_logp_BT=ref_logp_BT,
         )
     metrics.update(adv_metrics)
+    maybe_fail("advantages", step)
     if old_logp_BT is not None:
         metrics.update(logprob_gap(old_logp_BT, batch))
 
     with timer("train"):
         metrics.update(update_policy(cfg, group, update, norm_constant, seed=step))
+    if metrics.get("train/skipped_step", 0.0) > 0:
+        log.warning(
+            "step %d: %.0f%% of its optimizer steps were skipped because the loss, the gradient norm or the "
+            "new parameters were not finite; parameters and optimizer state are as before them",
+            step + 1,
+            100 * metrics["train/skipped_step"],
+        )
+    maybe_fail("train", step)
     with timer("sync"):
         if cfg.rollout.sleep_during_train:
             group.wake_rollout()
         metrics.update(group.sync_weights())
+    maybe_fail("sync", step)
 
     seconds = timer.seconds()
     metrics.update(seconds)
@@ -97,6 +113,12 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     metrics["perf/step_tok_per_s"] = batch.num_tokens / max(metrics["time/step_s"], 1e-9)
     metrics["policy/version"] = float(group.version)
     return metrics
+
+
+def update_was_skipped(metrics: dict[str, float]) -> bool:
+    """The step ran a policy update and none of its optimizer steps was applied (a step that dynamic
+    sampling left without samples ran none and is not counted)."""
+    return "train/grad_norm" in metrics and metrics.get("train/skipped_step", 0.0) == 1.0
 
 
 def update_policy(

@@ -7,7 +7,8 @@ One call of `train_step` is one optimizer step over a global batch:
              with share_prompts the packing units are groups (one prompt copy + its responses)
     run      per micro-batch: packed forward, logprobs at response positions, the caller's loss_fn,
              backward of loss_sum / loss_normalizer (gradients accumulate; FSDP sums them over ranks)
-    step     global grad norm, clip, AdamW (skipped when the loss or the norm is not finite)
+    step     global grad norm, clip, AdamW (skipped when the loss or the norm is not finite, and rolled
+             back, parameters and optimizer state, when the new parameters are not finite)
 
 Every rank receives the same global batch and computes the same plan from it, so no plan is sent.
 Ranks with fewer micro-batches run zero-weight copies of their smallest sample, so every rank issues
@@ -42,6 +43,12 @@ from rlloom.engines.train.native.lr_schedule import lr_at
 from rlloom.engines.train.native.microbatch import plan_rank, shared_prompt_units
 from rlloom.engines.train.native.optimizer import EngineOptimizer
 from rlloom.engines.train.native.policy import PolicyHead, run_micro_batch
+from rlloom.engines.train.native.rollback import (
+    all_finite,
+    optimizer_state_tensors,
+    restore_snapshot,
+    take_snapshot,
+)
 from rlloom.engines.train.native.weights import named_weight_buckets
 from rlloom.models import from_pretrained
 from rlloom.observability.memory import memory_metrics, reset_peak_memory
@@ -324,11 +331,11 @@ class NativeTrainEngine:
         lr = lr_at(self.version, self.cfg, self.total_steps)
         grad_norm = float(clip_grad_norm_(self.optimizer.params, self.cfg.grad_clip))
         skip = not (math.isfinite(grad_norm) and math.isfinite(metrics.get("train/loss", 0.0)))
+        if not skip:
+            skip = not self._step_or_roll_back(lr)
         if skip:  # never applied: no update, no version bump, and so never saved
             self.num_skipped_steps += 1
         else:
-            self.optimizer.set_lr(lr)
-            self.optimizer.step()
             self.version += 1
         self.optimizer.zero_grad()
         if self.device.type == "cuda":
@@ -337,6 +344,17 @@ class NativeTrainEngine:
         metrics |= {"train/grad_norm": grad_norm, "train/lr": lr, "train/skipped_step": float(skip)}
         metrics |= self._perf_metrics(batch, metrics["train/response_tokens"], seconds)
         return metrics
+
+    def _step_or_roll_back(self, lr: float) -> bool:
+        """Apply the optimizer step; if any new parameter is not finite, restore the parameters and the
+        optimizer state to before it (rollback.py) and return False."""
+        snapshot = take_snapshot(self.optimizer)
+        self.optimizer.set_lr(lr)
+        self.optimizer.step()
+        if all_finite(self.optimizer.params, self.dp_group, self.device):
+            return True
+        restore_snapshot(self.optimizer, snapshot)
+        return False
 
     def _perf_metrics(self, batch: RolloutBatch, num_response: float, seconds: float) -> dict[str, float]:
         seq_lens = [s.num_tokens for s in batch.samples]
@@ -365,9 +383,22 @@ class NativeTrainEngine:
 
     def save(self, path: str) -> None:
         """Save model, optimizer, schedule position and RNG states to the folder `path` (all ranks)."""
+        self._check_finite_for_save(path)
         state = {"version": self.version, "num_skipped_steps": self.num_skipped_steps}
         save_checkpoint(
             path, self.module, self._dcp_optimizers(), self.optimizer.offloaded_state_dict(), state
+        )
+
+    def _check_finite_for_save(self, path: str) -> None:
+        """Refuse (on every rank alike) to write parameters or optimizer state holding inf or NaN."""
+        named = list(self.module.named_parameters()) + list(optimizer_state_tensors(self.optimizer))
+        if all_finite([t for _, t in named], self.dp_group, self.device):
+            return
+        local = [name for name, t in named if not all_finite([t], None, self.device)]
+        raise ValueError(
+            f"refusing to save a checkpoint to {path!r}: tensors are not finite (on rank {self.dp_rank}: "
+            f"{', '.join(local[:3]) or 'none; another rank'}{' ...' if len(local) > 3 else ''}), so it would "
+            "not be resumable. Fix: resume from an earlier checkpoint and lower train.lr."
         )
 
     def load(self, path: str) -> None:
