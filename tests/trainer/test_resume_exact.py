@@ -1,28 +1,37 @@
-"""Exact resume: a run continued from a checkpoint equals the uninterrupted run, bit for bit on CPU.
+"""Exact resume: a run continued from a checkpoint equals the uninterrupted run, bit for bit on CPU,
+after training longer and after a kill -9 at every stage of a step and during a save.
 
-The settings make a wrong resume visible: lr 3e-2 changes the sampled completions after one step
-(with a dense reward, `digit_share`; a rollout engine left on the initial weights samples other tokens), a KL term (so a reference
-model loaded from the checkpoint instead of the initial policy changes the loss), two mini-batches
-(old logprobs and two optimizer steps per RL step) and 3 training prompts with 2 per step (the
-prompt source wraps an epoch between checkpoints).
+The settings make a wrong resume visible: lr 3e-2 with a dense reward (`digit_share`) changes the
+sampled completions after one step, so a rollout engine left on the initial weights samples other
+tokens; a KL term, so a reference model taken from the checkpoint instead of the initial policy
+changes the loss; two mini-batches, so old logprobs are computed and a crash can fall between two
+optimizer steps of one RL step; 3 training prompts with 2 per step, so the prompt source wraps an
+epoch inside step 2 and step 3's checkpoint sits exactly at an epoch end.
+
+The crashing runs are forked from a forkserver that has imported rlloom once, so each costs only its
+steps; `RLLOOM_FAULT` kills them with SIGKILL (rlloom/trainer/faults.py).
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
+from pathlib import Path
+
+import pytest
 import torch
 from test_trainer_loop import final_weights, read_metrics, tiny_cfg
 
+from rlloom.cli import main
 from rlloom.cluster.inline import InlineGroup
+from rlloom.config import ConfigError
 from rlloom.models.adapter import hf_named_tensors
 from rlloom.trainer.checkpoint import checkpoint_dir
+from rlloom.trainer.faults import parse_fault
 from rlloom.trainer.run import run
 
-
-def digit_share(response_text: str, ground_truth: str) -> float:
-    """A dense test reward (the tiny random model never answers right): the share of digits."""
-    return sum(c.isdigit() for c in response_text) / max(len(response_text), 1)
-
-
+TOTAL = 4
 EXACT = [
     "reward.name=test_resume_exact:digit_share",
     "train.lr=3e-2",
@@ -35,24 +44,42 @@ EXACT = [
 ]
 
 
+def digit_share(response_text: str, ground_truth: str) -> float:
+    """A dense test reward (the tiny random model never answers right): the share of digits."""
+    return sum(c.isdigit() for c in response_text) / max(len(response_text), 1)
+
+
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys() and len(a) > 0
     for k in a:
         assert torch.equal(a[k], b[k]), k
 
 
-def test_train_longer_after_resume_equals_straight_run(tiny_checkpoint, tmp_path):
-    straight, longer = tmp_path / "straight", tmp_path / "longer"
-    run(tiny_cfg(tiny_checkpoint, straight, *EXACT, "trainer.total_steps=4"))
-    run(tiny_cfg(tiny_checkpoint, longer, *EXACT, "trainer.total_steps=2"))
-    run(tiny_cfg(tiny_checkpoint, longer, *EXACT, "trainer.total_steps=4", "trainer.resume=auto"))
+@pytest.fixture(scope="module")
+def straight(tiny_checkpoint, tmp_path_factory) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """Metrics and final weights of the uninterrupted run."""
+    tmp = tmp_path_factory.mktemp("straight")
+    run(tiny_cfg(tiny_checkpoint, tmp / "run", *EXACT, f"trainer.total_steps={TOTAL}"))
+    metrics = read_metrics(tmp / "run")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert [m["policy/version"] for m in metrics] == [2.0, 4.0, 6.0, 8.0]  # two optimizer steps per RL step
+    assert all(m["rollout/logp_gap_abs"] < 1e-4 for m in metrics)
+    return metrics, final_weights(tmp / "run", TOTAL, tmp)
 
-    want, got = read_metrics(straight), read_metrics(longer)
-    assert [m["step"] for m in got] == [1, 2, 3, 4]
-    assert [m["policy/version"] for m in got] == [2.0, 4.0, 6.0, 8.0]  # two optimizer steps per RL step
-    assert all(m["rollout/logp_gap_abs"] < 1e-4 for m in got)  # the rollout samples from the trained policy
-    assert got == want
-    assert_same_weights(final_weights(straight, 4, tmp_path), final_weights(longer, 4, tmp_path))
+
+def assert_matches(straight, run_dir: Path, tmp_path: Path) -> None:
+    metrics = read_metrics(run_dir)
+    # The rollout samples from the trained policy on the first resumed step too.
+    assert all(m["rollout/logp_gap_abs"] < 1e-4 for m in metrics)
+    assert metrics == straight[0]
+    assert_same_weights(final_weights(run_dir, TOTAL, tmp_path), straight[1])
+
+
+def test_train_longer_after_resume_equals_straight_run(straight, tiny_checkpoint, tmp_path):
+    longer = tmp_path / "longer"
+    run(tiny_cfg(tiny_checkpoint, longer, *EXACT, "trainer.total_steps=2"))
+    run(tiny_cfg(tiny_checkpoint, longer, *EXACT, f"trainer.total_steps={TOTAL}", "trainer.resume=auto"))
+    assert_matches(straight, longer, tmp_path)
 
 
 def test_load_refreshes_rollout_and_keeps_reference_initial(tiny_checkpoint, tmp_path):
@@ -70,3 +97,70 @@ def test_load_refreshes_rollout_and_keeps_reference_initial(tiny_checkpoint, tmp
         assert torch.equal(p, initial[n]), n
     sent = dict(pair for bucket in worker.train.named_weights() for pair in bucket)
     assert_same_weights(sent, dict(hf_named_tensors(worker.rollout.model)))
+
+
+# ---- kill -9 at every stage, then trainer.resume=auto -------------------------------------------
+
+
+def _crashing_run(checkpoint: str, run_dir: str, fault: str) -> None:
+    os.environ["RLLOOM_FAULT"] = fault
+    run(tiny_cfg(Path(checkpoint), Path(run_dir), *EXACT, f"trainer.total_steps={TOTAL}"))
+
+
+@pytest.fixture(scope="module")
+def forkserver():
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["test_resume_exact"])
+    return ctx
+
+
+# STAGE:STEP with STEP = steps completed. update_policy counts optimizer steps (two per RL step):
+# 5 dies between the two mini-batch updates of step 3. save_engine:2 dies with step 2's engine state
+# written but no COMPLETE marker (resume from step 1); after_checkpoint:3 sits at an epoch end.
+FAST = ["update_policy:5", "save_engine:2", "after_checkpoint:3"]
+FULL = ["generate:1", "rewards:2", "old_logprobs:2", "ref_logprobs:2", "advantages:1", "train:2", "sync:1"]
+
+
+def crash_then_resume(forkserver, straight, tiny_checkpoint, tmp_path: Path, fault: str) -> None:
+    run_dir = tmp_path / fault.replace(":", "_")
+    proc = forkserver.Process(target=_crashing_run, args=(str(tiny_checkpoint), str(run_dir), fault))
+    proc.start()
+    proc.join(timeout=300)
+    assert proc.exitcode == -signal.SIGKILL, f"{fault}: exit code {proc.exitcode}"
+    stage, step = fault.split(":")
+    done = int(step) // 2 if stage == "update_policy" else int(step)
+    assert not checkpoint_dir(run_dir, done + 1).exists(), fault  # died before the next checkpoint
+
+    result = run(
+        tiny_cfg(tiny_checkpoint, run_dir, *EXACT, f"trainer.total_steps={TOTAL}", "trainer.resume=auto")
+    )
+    assert result.steps == TOTAL
+    assert_matches(straight, run_dir, tmp_path)
+
+
+@pytest.mark.parametrize("fault", FAST)
+def test_kill_at_stage_then_resume_equals_straight_run(
+    forkserver, straight, tiny_checkpoint, tmp_path, fault
+):
+    crash_then_resume(forkserver, straight, tiny_checkpoint, tmp_path, fault)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", FULL)
+def test_kill_at_every_step_stage_then_resume_equals_straight_run(
+    forkserver, straight, tiny_checkpoint, tmp_path, fault
+):
+    crash_then_resume(forkserver, straight, tiny_checkpoint, tmp_path, fault)
+
+
+@pytest.mark.parametrize("spec", ["generate", "generate:x", "nope:1", "sync:1:2:3", "sync:-1"])
+def test_bad_fault_spec_is_a_one_line_error(spec):
+    with pytest.raises(ConfigError, match=r"RLLOOM_FAULT=.* is not STAGE:STEP\[:RANK\].* generate, rewards"):
+        parse_fault(spec)
+
+
+def test_bad_fault_env_stops_the_cli_with_exit_2(monkeypatch, capsys):
+    monkeypatch.setenv("RLLOOM_FAULT", "after_checkpoint")
+    assert main(["train", "arithmetic_smoke", "trainer.total_steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlloom: error: RLLOOM_FAULT='after_checkpoint' is not") and "Traceback" not in err
