@@ -55,8 +55,17 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: one intra-op thread costs a third of the CPU time of two on a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
-def straight(tiny_checkpoint, tmp_path_factory) -> tuple[list[dict], dict[str, torch.Tensor]]:
+def straight(one_thread, tiny_checkpoint, tmp_path_factory) -> tuple[list[dict], dict[str, torch.Tensor]]:
     """Metrics and final weights of the uninterrupted run."""
     tmp = tmp_path_factory.mktemp("straight")
     run(tiny_cfg(tiny_checkpoint, tmp / "run", *EXACT, f"trainer.total_steps={TOTAL}"))
@@ -104,13 +113,15 @@ def test_load_refreshes_rollout_and_keeps_reference_initial(tiny_checkpoint, tmp
 
 def _crashing_run(checkpoint: str, run_dir: str, fault: str) -> None:
     os.environ["RLLOOM_FAULT"] = fault
+    torch.set_num_threads(1)  # as in the test process (see `one_thread`)
     run(tiny_cfg(Path(checkpoint), Path(run_dir), *EXACT, f"trainer.total_steps={TOTAL}"))
 
 
 @pytest.fixture(scope="module")
 def forkserver():
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["test_resume_exact"])
+    # The modules a run imports lazily too (the tokenizer's), so no child pays for them.
+    ctx.set_forkserver_preload(["test_resume_exact", "transformers.models.auto.tokenization_auto"])
     return ctx
 
 

@@ -1,14 +1,18 @@
-"""A step whose new parameters are not finite is rolled back, parameters and optimizer state; a
-non-finite engine refuses to save."""
+"""A step whose new parameters are not finite is rolled back, parameters and optimizer state (one
+process, and two FSDP ranks on gloo); a non-finite engine refuses to save."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from test_train_fsdp_gloo import free_port, full_weights
 from train_engine_helpers import PolicyLoss, load_tiny, make_batch, make_tiny_checkpoint
 
 from rlloom.algorithms.losses import loss_normalizer
@@ -29,12 +33,14 @@ def step(engine, batch):
 
 
 def snapshot(engine) -> dict[str, torch.Tensor]:
-    out = {f"param.{n}": p.detach().clone() for n, p in engine.module.named_parameters()}
+    """This rank's parameters (shards), CPU master copies and optimizer state."""
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    out = {f"param.{n}": local(p.detach()).clone() for n, p in engine.module.named_parameters()}
     for _, _, master in engine.optimizer.offloaded:
         out[f"master.{len(out)}"] = master.detach().clone()
     for i, optim in enumerate(engine.optimizer.optimizers):
         for j, state in enumerate(optim.state.values()):
-            out |= {f"optim{i}.{j}.{k}": v.clone() for k, v in state.items()}
+            out |= {f"optim{i}.{j}.{k}": local(v).clone() for k, v in state.items()}
     return out
 
 
@@ -80,3 +86,25 @@ def test_non_finite_engine_refuses_to_save(ckpt, tmp_path: Path):
     with pytest.raises(ValueError, match="refusing to save a checkpoint .* not finite"):
         engine.save(str(tmp_path / "engine"))
     assert not (tmp_path / "engine").exists()
+
+
+def sharded_rollback_worker(rank: int, port: int, ckpt: str) -> None:
+    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": "2"}
+    try:
+        cfg = TrainEngineConfig(lr=1e-3, optimizer_offload=True, optimizer_offload_fraction=0.5)
+        engine = NativeTrainEngine(cfg, load_tiny(ckpt))
+        assert engine.sharded and engine.dp_size == 2
+        batch = make_batch(6, seed=4)
+        step(engine, batch)
+        good = snapshot(engine) | full_weights(engine)
+        engine.cfg = dataclasses.replace(cfg, lr=1e39)
+        assert step(engine, batch)["train/skipped_step"] == 1.0 and engine.version == 1
+        assert_equal(snapshot(engine) | full_weights(engine), good)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_non_finite_update_is_rolled_back_on_every_fsdp_rank(ckpt):
+    mp.spawn(sharded_rollback_worker, args=(free_port(), ckpt), nprocs=2, join=True)
