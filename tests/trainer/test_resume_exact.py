@@ -1,12 +1,13 @@
 """Exact resume: a run continued from a checkpoint equals the uninterrupted run, bit for bit on CPU,
 after training longer and after a kill -9 at every stage of a step and during a save.
 
-The settings make a wrong resume visible: lr 3e-2 with a dense reward (`digit_share`) changes the
-sampled completions after one step, so a rollout engine left on the initial weights samples other
-tokens; a KL term, so a reference model taken from the checkpoint instead of the initial policy
-changes the loss; two mini-batches, so old logprobs are computed and a crash can fall between two
-optimizer steps of one RL step; 3 training prompts with 2 per step, so the prompt source wraps an
-epoch inside step 2 and step 3's checkpoint sits exactly at an epoch end.
+The settings make a wrong resume visible: lr 3e-2 (after a 6-step warmup, so the schedule position
+matters) with a dense reward (`digit_share`) changes the sampled completions after one step, so a
+rollout engine left on the initial weights samples other tokens; a KL term, so a reference model
+taken from the checkpoint instead of the initial policy changes the loss; two mini-batches, so old
+logprobs are computed and a crash can fall between two optimizer steps of one RL step; 3 training
+prompts with 2 per step, so the prompt source wraps an epoch inside step 2 and step 3's checkpoint
+sits exactly at an epoch end.
 
 The crashing runs are forked from a forkserver that has imported rlloom once, so each costs only its
 steps; `RLLOOM_FAULT` kills them with SIGKILL (rlloom/trainer/faults.py).
@@ -35,6 +36,7 @@ TOTAL = 4
 EXACT = [
     "reward.name=test_resume_exact:digit_share",
     "train.lr=3e-2",
+    "train.warmup_steps=6",
     "algorithm.kl_coef=0.1",
     "trainer.num_mini_batches=2",
     "data.num_train=3",
