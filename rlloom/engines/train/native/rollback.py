@@ -79,9 +79,10 @@ def optimizer_state_tensors(optimizer: EngineOptimizer) -> list[tuple[str, torch
 
 
 @torch.no_grad()
-def all_finite(params: list[torch.Tensor], group: dist.ProcessGroup | None, device: torch.device) -> bool:
-    """True when every value of every parameter is finite on every rank of `group` (one host read)."""
-    local = [_local(p.detach()) for p in params]
+def all_finite(tensors: list[torch.Tensor], group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """True when every value of every tensor (this rank's shard of a DTensor) is finite on every rank
+    of `group` (one host read)."""
+    local = [_local(t.detach()) for t in tensors]
     flags = [torch.isfinite(t).all() for t in local if t.numel()]
     ok = torch.stack(flags).all() if flags else torch.tensor(True, device=device)
     if group is not None and dist.get_world_size(group) > 1:
