@@ -9,8 +9,8 @@ logprobs are computed and a crash can fall between two optimizer steps of one RL
 prompts with 2 per step, so the prompt source wraps an epoch inside step 2 and step 3's checkpoint
 sits exactly at an epoch end.
 
-The crashing runs are forked from a forkserver that has imported rlloom once, so each costs only its
-steps; `RLLOOM_FAULT` kills them with SIGKILL (rlloom/trainer/faults.py).
+The crashing runs are forked from a launcher process that has imported rlloom once, so each costs
+only its steps; `RLLOOM_FAULT` kills them with SIGKILL (rlloom/trainer/faults.py).
 """
 
 from __future__ import annotations
@@ -113,18 +113,36 @@ def test_load_refreshes_rollout_and_keeps_reference_initial(tiny_checkpoint, tmp
 # ---- kill -9 at every stage, then trainer.resume=auto -------------------------------------------
 
 
-def _crashing_run(checkpoint: str, run_dir: str, fault: str) -> None:
-    os.environ["RLLOOM_FAULT"] = fault
-    torch.set_num_threads(1)  # as in the test process (see `one_thread`)
-    run(tiny_cfg(Path(checkpoint), Path(run_dir), *EXACT, f"trainer.total_steps={TOTAL}"))
+def _launcher(conn) -> None:
+    """A process that has imported rlloom (and run no torch op): forks one crashing run per request
+    and answers with its wait status. Like a forkserver, but private to this module (the global one
+    belongs to the reward runner, which wants it free of torch)."""
+    import transformers.models.auto.tokenization_auto  # noqa: F401  (imported lazily by a run)
+
+    while (request := conn.recv()) is not None:
+        checkpoint, run_dir, fault = request
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.environ["RLLOOM_FAULT"] = fault
+                torch.set_num_threads(1)  # as in the test process (see `one_thread`)
+                run(tiny_cfg(Path(checkpoint), Path(run_dir), *EXACT, f"trainer.total_steps={TOTAL}"))
+                code = 0
+            finally:
+                os._exit(code)
+        conn.send(os.waitpid(pid, 0)[1])
 
 
 @pytest.fixture(scope="module")
-def forkserver():
-    ctx = multiprocessing.get_context("forkserver")
-    # The modules a run imports lazily too (the tokenizer's), so no child pays for them.
-    ctx.set_forkserver_preload(["test_resume_exact", "transformers.models.auto.tokenization_auto"])
-    return ctx
+def launcher():
+    ctx = multiprocessing.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_launcher, args=(there,), daemon=True)
+    proc.start()
+    yield here
+    here.send(None)
+    proc.join(timeout=30)
 
 
 # STAGE:STEP with STEP = steps completed. update_policy counts optimizer steps (two per RL step):
@@ -134,12 +152,12 @@ FAST = ["update_policy:5", "save_engine:2", "after_checkpoint:3"]
 FULL = ["generate:1", "rewards:2", "old_logprobs:2", "ref_logprobs:2", "advantages:1", "train:2", "sync:1"]
 
 
-def crash_then_resume(forkserver, straight, tiny_checkpoint, tmp_path: Path, fault: str) -> None:
+def crash_then_resume(launcher, straight, tiny_checkpoint, tmp_path: Path, fault: str) -> None:
     run_dir = tmp_path / fault.replace(":", "_")
-    proc = forkserver.Process(target=_crashing_run, args=(str(tiny_checkpoint), str(run_dir), fault))
-    proc.start()
-    proc.join(timeout=300)
-    assert proc.exitcode == -signal.SIGKILL, f"{fault}: exit code {proc.exitcode}"
+    launcher.send((str(tiny_checkpoint), str(run_dir), fault))
+    assert launcher.poll(300), f"{fault}: the run neither crashed nor finished within 300 s"
+    status = launcher.recv()
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"{fault}: wait status {status}"
     stage, step = fault.split(":")
     done = int(step) // 2 if stage == "update_policy" else int(step)
     assert not checkpoint_dir(run_dir, done + 1).exists(), fault  # died before the next checkpoint
@@ -152,18 +170,16 @@ def crash_then_resume(forkserver, straight, tiny_checkpoint, tmp_path: Path, fau
 
 
 @pytest.mark.parametrize("fault", FAST)
-def test_kill_at_stage_then_resume_equals_straight_run(
-    forkserver, straight, tiny_checkpoint, tmp_path, fault
-):
-    crash_then_resume(forkserver, straight, tiny_checkpoint, tmp_path, fault)
+def test_kill_at_stage_then_resume_equals_straight_run(launcher, straight, tiny_checkpoint, tmp_path, fault):
+    crash_then_resume(launcher, straight, tiny_checkpoint, tmp_path, fault)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", FULL)
 def test_kill_at_every_step_stage_then_resume_equals_straight_run(
-    forkserver, straight, tiny_checkpoint, tmp_path, fault
+    launcher, straight, tiny_checkpoint, tmp_path, fault
 ):
-    crash_then_resume(forkserver, straight, tiny_checkpoint, tmp_path, fault)
+    crash_then_resume(launcher, straight, tiny_checkpoint, tmp_path, fault)
 
 
 @pytest.mark.parametrize("spec", ["generate", "generate:x", "nope:1", "sync:1:2:3", "sync:-1"])
