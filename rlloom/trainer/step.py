@@ -95,7 +95,7 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     if metrics.get("train/skipped_step", 0.0) > 0:
         log.warning(
             "step %d: %.0f%% of its optimizer steps were skipped because the loss, the gradient norm or the "
-            "new parameters were not finite; parameters and optimizer state are as before them",
+            "new parameters were not finite; the skipped ones changed neither the parameters nor the optimizer state",
             step + 1,
             100 * metrics["train/skipped_step"],
         )
