@@ -11,6 +11,9 @@ Routing (always in fp32):
 Experts are stored stacked, w1 (gate) [E, I, D], w2 (down) [E, D, I], w3 (up) [E, I, D]. The
 token-expert pairs are sorted by expert so each expert reads one contiguous slice: on CUDA with
 bf16 one `torch._grouped_mm` per projection, elsewhere a loop over experts (never over tokens).
+The CUDA path never reads a device value on the host (counts by scatter-add, offsets by cumsum on
+the device), so the rollout engine captures MoE decode steps in CUDA graphs with the compiled
+forward; `bincount` would sync (its output size depends on the data) and break both.
 
 Shape legend: T tokens, D hidden, E experts, K experts per token, I expert hidden width.
 """
@@ -87,7 +90,8 @@ class GroupedExperts(nn.Module):
         flat_experts = experts_TK.flatten()
         order = torch.argsort(flat_experts, stable=True)
         token_of = order // K
-        counts_E = torch.bincount(flat_experts, minlength=self.w1.shape[0])
+        counts_E = torch.zeros(self.w1.shape[0], dtype=torch.int64, device=flat_experts.device)
+        counts_E.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
         xs = x_TD[token_of]
         if xs.is_cuda and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
             ys = self._grouped_mm(xs, counts_E)
