@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_rollout import copy_bandwidth, decode_bound_s, hf_generate, print_table, row, run_engine  # noqa: E402
-from bench_train import make_batch  # noqa: E402
+from bench_train import make_batch, print_profile  # noqa: E402
 
 from rlloom.algorithms.losses import aggregate_loss_sum, loss_normalizer
 from rlloom.config.components import TrainEngineConfig
@@ -158,12 +158,26 @@ def bench_rollout(
     row(table, name, "transformers generate", hf_generate(hf, prompts, new, pad_id=0))
 
 
-def bench_train(config: dict, hf: torch.nn.Module, table: list, *, budget: int, micro_batches: int):
+def bench_train(
+    config: dict,
+    hf: torch.nn.Module,
+    table: list,
+    *,
+    budget: int,
+    micro_batches: int,
+    profile: bool = False,
+    gather_once: bool = False,
+):
     device = next(hf.parameters()).device
     batch = make_batch(budget // 16, budget, budget, micro_batches, config["vocab_size"], seed=0)
     model = native_from(hf, config, torch.float32)
     engine = NativeTrainEngine(
-        TrainEngineConfig(lr=1e-6, max_tokens_per_micro_batch=budget, compile=device.type == "cuda"),
+        TrainEngineConfig(
+            lr=1e-6,
+            max_tokens_per_micro_batch=budget,
+            compile=device.type == "cuda",
+            gather_once_per_step=gather_once,
+        ),
         model,
         device=device,
     )
@@ -181,9 +195,11 @@ def bench_train(config: dict, hf: torch.nn.Module, table: list, *, budget: int, 
     flops = step_flops(engine.model, seq_lens, int(mask.sum()), body_params=engine._body_params)
     peak = metrics[-1].get("memory/peak_allocated_gib", float("nan"))
     r = {"tokens": batch.num_tokens, "s": seconds}
-    name = f"train {micro_batches} x <= {budget} packed"
+    name = f"train {micro_batches} x <= {budget} packed{', gather once' if gather_once else ''}"
     row(table, name, "rlloom train_step", r,
         f"MFU(active) {flops / (seconds * H100_BF16_PEAK_FLOPS):.3f}, peak {peak:.1f} GiB (fp32 master + Adam)")  # fmt: skip
+    if profile:
+        print_profile(engine, batch, loss_fn, normalizer, device)
     del engine, model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -225,6 +241,10 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny MoE on CPU (checks the script runs)")
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--skip-rollout", action="store_true")
+    parser.add_argument("--gather-once", action="store_true", help="train.gather_once_per_step")
+    parser.add_argument(
+        "--profile", action="store_true", help="also print the top operators of one train step"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.smoke:
@@ -247,7 +267,7 @@ def main() -> None:
     if not args.skip_rollout:
         bench_rollout(config, hf, table, **shape)
     if not args.skip_train:
-        bench_train(config, hf, table, **train_shape)
+        bench_train(config, hf, table, **train_shape, profile=args.profile, gather_once=args.gather_once)
     title = torch.cuda.get_device_name() if device.type == "cuda" else "CPU smoke run"
     print_table(
         f"bench_moe ({title}, Qwen3-30B-A3B width, {config['num_hidden_layers']} layers, {dtype})", table
