@@ -7,6 +7,7 @@ handled once by `rlloom.config.loading` when a YAML file or overrides are applie
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -349,6 +350,13 @@ class TrainEngineConfig:
     """Tokens per chunk of the logprob head (bounds the logits memory: chunk x vocabulary)."""
     share_prompts: bool = True
     """Pack a group's responses behind one copy of their shared prompt; exact, fewer FLOPs."""
+    moe_aux_loss_coef: float = 0.0
+    """MoE load-balancing auxiliary loss coefficient (Qwen3-MoE/Mixtral's router_aux_loss_coef, e.g.
+    0.001 in pre-training). 0, as verl, slime and NeMo-RL run RL: the loss would pull the router away
+    from the rollout's routing. See rlloom/models/moe.py."""
+    moe_bias_update_rate: float = 0.0
+    """DeepSeek-V3 correction-bias update per step (its pre-training used 0.001): under-loaded experts'
+    bias rises by this much, over-loaded ones' falls. 0 keeps the checkpoint's bias, as RL runs do."""
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "train.lr", self.lr, "must be > 0", "e.g. 1e-5")
@@ -395,6 +403,15 @@ class TrainEngineConfig:
             "must be >= 1",
             "use 1024",
         )
+        for name in ("moe_aux_loss_coef", "moe_bias_update_rate"):
+            value = getattr(self, name)
+            _check(
+                math.isfinite(value) and value >= 0,
+                f"train.{name}",
+                value,
+                "must be a finite number >= 0",
+                "use 0 (off, as RL runs do) or e.g. 0.001",
+            )
 
 
 @dataclass(kw_only=True, slots=True)

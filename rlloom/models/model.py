@@ -86,6 +86,10 @@ class CausalLM(nn.Module):
             if layer.moe is not None and layer.moe.last_token_counts is not None
         }
 
+    def moe_layers(self) -> dict[int, MoE]:
+        """Layer index -> the layer's MoE module (empty for dense models)."""
+        return {i: layer.moe for i, layer in enumerate(self.layers) if layer.moe is not None}
+
     def hidden_states(
         self,
         input_ids: torch.Tensor,

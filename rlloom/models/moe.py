@@ -15,6 +15,16 @@ The CUDA path never reads a device value on the host (counts by scatter-add, off
 the device), so the rollout engine captures MoE decode steps in CUDA graphs with the compiled
 forward; `bincount` would sync (its output size depends on the data) and break both.
 
+Load balancing for RL (both off by default, as verl, slime and NeMo-RL run RL):
+- auxiliary loss (Switch Transformer, Fedus et al. 2021; Qwen3-MoE and Mixtral's
+  `router_aux_loss_coef`): with `collect_aux_loss` set, each MoE layer keeps
+  `last_aux_loss` = E * sum_e f_e * P_e of its last forward, f_e the fraction of the T*K token-expert
+  picks that went to expert e, P_e the mean routing probability of e (softmax; for sigmoid routing
+  the scores normalised per token). Per layer, where transformers pools the tokens of all layers
+  into one f and P; the training engine averages the layers and weights micro-batches by tokens.
+- correction-bias update (DeepSeek-V3's auxiliary-loss-free balancing): the engine moves
+  `expert_bias` by +rate for under-loaded and -rate for over-loaded experts after each step.
+
 Shape legend: T tokens, D hidden, E experts, K experts per token, I expert hidden width.
 """
 
@@ -41,15 +51,16 @@ class Router(nn.Module):
         else:
             self.expert_bias = None
 
-    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (weights_TK fp32, experts_TK int64)."""
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (weights_TK fp32, experts_TK int64, scores_TE fp32: softmax or sigmoid of the logits)."""
         logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
         a = self.args
         if a.score_func == "softmax":
-            weights_TK, experts_TK = torch.topk(logits_TE.softmax(dim=-1), a.top_k, dim=-1)
+            probs_TE = logits_TE.softmax(dim=-1)
+            weights_TK, experts_TK = torch.topk(probs_TE, a.top_k, dim=-1)
             if a.norm_topk_prob:
                 weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
-            return weights_TK, experts_TK
+            return weights_TK, experts_TK, probs_TE
         scores_TE = logits_TE.sigmoid()
         choice_TE = scores_TE if self.expert_bias is None else scores_TE + self.expert_bias.float()
         if a.num_groups > 1:
@@ -58,7 +69,19 @@ class Router(nn.Module):
         weights_TK = scores_TE.gather(1, experts_TK)
         if a.norm_topk_prob:
             weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights_TK * a.routed_scaling_factor, experts_TK
+        return weights_TK * a.routed_scaling_factor, experts_TK, scores_TE
+
+
+def load_balancing_loss(scores_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Switch-style auxiliary loss E * sum_e f_e * P_e (1.0 when perfectly balanced).
+
+    scores_TE: [T, E] routing probabilities (rows normalised here, so sigmoid scores work too);
+    counts_E: [E] token-expert picks per expert (sum T * K); gradients flow through the scores only.
+    """
+    T, E = scores_TE.shape
+    probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True).clamp(min=1e-20)
+    f_E = counts_E.float() / max(T * top_k, 1)
+    return E * (f_E * probs_TE.mean(dim=0)).sum()
 
 
 def _keep_top_groups(choice_TE: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
@@ -129,13 +152,18 @@ class MoE(nn.Module):
         shared = args.num_shared_experts * args.intermediate_size
         self.shared_experts = SwiGLU(dim, shared) if shared else None
         self.last_token_counts: torch.Tensor | None = None
+        self.collect_aux_loss = False
+        """Set by the training engine when train.moe_aux_loss_coef > 0."""
+        self.last_aux_loss: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [.., D] -> [.., D]."""
         x_TD = x.reshape(-1, x.shape[-1])
-        weights_TK, experts_TK = self.router(x_TD)
+        weights_TK, experts_TK, scores_TE = self.router(x_TD)
         out_TD, counts_E = self.experts(x_TD, weights_TK, experts_TK)
         self.last_token_counts = counts_E.detach()
+        if self.collect_aux_loss:
+            self.last_aux_loss = load_balancing_loss(scores_TE, counts_E, experts_TK.shape[1])
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)
         return out_TD.view_as(x)

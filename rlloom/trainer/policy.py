@@ -177,7 +177,7 @@ def make_loss_fn(algo: AlgorithmConfig, update: PolicyUpdate) -> LossFn:
             gap_bT = (logp_bT.detach() - rows(rollout_BT)).abs()
             count = mask_bT.sum().clamp(min=1)
             metrics["rollout/logp_gap_abs"] = (gap_bT * mask_bT).sum() / count
-            metrics["rollout/logp_gap_exp"] = (torch.exp(gap_bT) * mask_bT).sum() / count
+            metrics["rollout/token_mult_prob_error"] = (torch.exp(gap_bT) * mask_bT).sum() / count
         if entropy_bT is not None:
             metrics["actor/entropy"] = ((entropy_bT * mask_bT).sum() / mask_bT.sum().clamp(min=1)).detach()
         return aggregate_loss_sum(loss_bT, mask_bT, algo.agg_mode), metrics

@@ -40,6 +40,7 @@ from rlloom.engines.train.native.checkpoint import load_checkpoint, save_checkpo
 from rlloom.engines.train.native.flops import active_body_params, step_flops
 from rlloom.engines.train.native.lr_schedule import lr_at
 from rlloom.engines.train.native.microbatch import plan_rank, shared_prompt_units
+from rlloom.engines.train.native.moe_balance import MoEBalance
 from rlloom.engines.train.native.optimizer import EngineOptimizer
 from rlloom.engines.train.native.policy import PolicyHead, run_micro_batch
 from rlloom.engines.train.native.weights import named_weight_buckets
@@ -90,6 +91,9 @@ class NativeTrainEngine:
         self.sharded = world_size > 1 or self.compute_dtype != torch.float32 or parallel_dims is not None
 
         self.model = model.float()  # parameters are the fp32 master weights
+        self.moe_balance = MoEBalance.build(
+            self.model, aux_loss_coef=cfg.moe_aux_loss_coef, bias_update_rate=cfg.moe_bias_update_rate
+        )
         apply_ac(self.model, cfg.activation_checkpointing, cfg.ac_every_k)
         compiled = cfg.compile and self.device.type == "cuda"
         if compiled:  # after AC, before FSDP (rlloom/parallel/compile.py)
@@ -249,6 +253,8 @@ class NativeTrainEngine:
         # the host packs the next micro-batch while the GPU still runs this one.
         records: list[dict[str, Metric]] = []
         keep_gathered = self.sharded and self.cfg.gather_once_per_step
+        balance = self.moe_balance
+        total_tokens = self._computed_tokens(batch) if balance is not None else 1
         with deferred_finite_checks(), self._gathered_until_last(keep_gathered) as set_last:
             for i, mb in enumerate(micro_batches):
                 set_last(i == len(micro_batches) - 1)
@@ -266,7 +272,13 @@ class NativeTrainEngine:
                         f"{tuple(getattr(loss_sum, 'shape', ()))}; it must return a scalar tensor (the "
                         "micro-batch's loss sum). Fix: return aggregate_loss_sum(loss_bT, mask_bT, mode)."
                     )
-                (loss_sum.reshape(()) / loss_normalizer).backward()
+                loss = loss_sum.reshape(()) / loss_normalizer
+                if balance is not None:
+                    aux, aux_metrics = balance.aux_term(num_tokens / total_tokens)
+                    loss = loss if aux is None else loss + aux
+                    records.append(aux_metrics)
+                    balance.accumulate()
+                loss.backward()
                 records.append(_weighted(mb_metrics, num_response))
                 records.append(
                     {
@@ -280,6 +292,18 @@ class NativeTrainEngine:
         acc.add_all(records)
         acc.add({"train/num_micro_batches": Max(len(micro_batches))})
         return reduce_across_ranks(acc, self.dp_group)
+
+    def _computed_tokens(self, batch: RolloutBatch) -> int:
+        """Tokens the forward passes over the whole global batch (prompts once per group when shared)."""
+        if not self.cfg.share_prompts:
+            return batch.num_tokens
+        _, unit_tokens = shared_prompt_units(
+            batch.shared_prompt_groups(),
+            [len(s.prompt_ids) for s in batch.samples],
+            [len(s.response_ids) for s in batch.samples],
+            self.cfg.max_tokens_per_micro_batch,
+        )
+        return sum(unit_tokens)
 
     @contextlib.contextmanager
     def _gathered_until_last(self, enabled: bool) -> Iterator[Callable[[bool], None]]:
@@ -331,6 +355,12 @@ class NativeTrainEngine:
             self.optimizer.step()
             self.version += 1
         self.optimizer.zero_grad()
+        if self.moe_balance is not None:
+            metrics |= self.moe_balance.finish(
+                applied=not skip,
+                group=self.dp_group if self.dp_size > 1 else None,
+                comm_device=self._comm_device if self.dp_size > 1 else self.device,
+            )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
