@@ -177,3 +177,34 @@ def test_bias_stays_without_rate_and_on_skipped_steps():
 def test_bad_router_options_are_refused(field, value):
     with pytest.raises(ConfigError, match=f"train.{field}"):
         TrainEngineConfig(**{field: value})
+
+
+def _bias_worker(rank: int, port: int, expected: dict) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": "2"}
+    try:
+        engine = NativeTrainEngine(TrainEngineConfig(lr=1e-3, moe_bias_update_rate=0.01), deepseek())
+        assert engine.dp_size == 2
+        metrics = engine.train_step(batch(n=8), zero_policy_loss, loss_normalizer=1.0)
+        moe = next(iter(engine.model.moe_layers().values()))
+        # Each rank saw half the tokens; the all-reduced loads give the one-process update.
+        torch.testing.assert_close(moe.router.expert_bias.cpu(), expected["bias"], rtol=0, atol=0)
+        assert metrics["moe/load_max_over_mean"] == pytest.approx(expected["ratio"], rel=1e-9)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_two_ranks_update_the_bias_from_the_global_load():
+    import torch.multiprocessing as mp
+    from test_train_fsdp_gloo import free_port
+
+    single = NativeTrainEngine(TrainEngineConfig(lr=1e-3, moe_bias_update_rate=0.01), deepseek())
+    metrics = single.train_step(batch(n=8), zero_policy_loss, loss_normalizer=1.0)
+    bias = next(iter(single.model.moe_layers().values())).router.expert_bias.detach().clone()
+    assert bias.abs().sum() > 0
+    expected = {"bias": bias, "ratio": metrics["moe/load_max_over_mean"]}
+    mp.spawn(_bias_worker, args=(free_port(), expected), nprocs=2, join=True)
