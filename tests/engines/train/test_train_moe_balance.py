@@ -139,8 +139,8 @@ def test_correction_bias_moves_against_the_load():
     loads = []
     original = moe.forward
 
-    def spy(x):
-        out = original(x)
+    def spy(*args):
+        out = original(*args)
         loads.append(moe.last_token_counts.clone())
         return out
 

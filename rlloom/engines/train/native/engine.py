@@ -186,7 +186,12 @@ class NativeTrainEngine:
         return self.device if dist.get_backend(self.dp_group) == "nccl" else torch.device("cpu")
 
     def _run(
-        self, batch: RolloutBatch, indices: list[int], temperature: float, with_entropy: bool
+        self,
+        batch: RolloutBatch,
+        indices: list[int],
+        temperature: float,
+        with_entropy: bool,
+        routing_replay: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
         return run_micro_batch(
             self.module,
@@ -195,24 +200,33 @@ class NativeTrainEngine:
             temperature,
             with_entropy,
             share_prompts=self.cfg.share_prompts,
+            replay_routes=routing_replay,
         )
 
     # ---- the engine interface ---------------------------------------------------------------
 
     @torch.no_grad()
     def forward_logprobs(
-        self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False
+        self,
+        batch: RolloutBatch,
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        routing_replay: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs (and entropies) of the batch's response tokens: fp32 [B, T] on CPU, 0 where masked.
 
-        Every data-parallel rank passes the same global batch and gets the whole result.
+        Every data-parallel rank passes the same global batch and gets the whole result. With
+        `routing_replay` an MoE model routes each token to the experts the rollout recorded.
         """
         self.module.eval()
         micro_batches, filler = self._plan(batch)
         logp_BT = torch.zeros(len(batch), batch.T, dtype=torch.float32, device=self.device)
         entropy_BT = torch.zeros_like(logp_BT) if with_entropy else None
         for mb in micro_batches:
-            logp_bT, entropy_bT, _, _ = self._run(batch, mb or [filler], temperature, with_entropy)
+            logp_bT, entropy_bT, _, _ = self._run(
+                batch, mb or [filler], temperature, with_entropy, routing_replay
+            )
             if mb is None:
                 continue
             rows = to_device(torch.tensor(mb), self.device)
@@ -235,6 +249,7 @@ class NativeTrainEngine:
         loss_normalizer: float,
         temperature: float = 1.0,
         with_entropy: bool = False,
+        routing_replay: bool = False,
     ) -> dict[str, float]:
         """Replace the gradients with those of sum(loss_sum over micro-batches) / loss_normalizer.
 
@@ -259,7 +274,7 @@ class NativeTrainEngine:
             for i, mb in enumerate(micro_batches):
                 set_last(i == len(micro_batches) - 1)
                 logp_bT, entropy_bT, num_tokens, num_response = self._run(
-                    batch, mb or [filler], temperature, with_entropy
+                    batch, mb or [filler], temperature, with_entropy, routing_replay
                 )
                 if mb is None:
                     # Zero-weight filler: same collectives as a real micro-batch, no contribution.
@@ -280,6 +295,7 @@ class NativeTrainEngine:
                     balance.accumulate()
                 loss.backward()
                 records.append(_weighted(mb_metrics, num_response))
+                records.append(self._route_metrics(batch, mb))
                 records.append(
                     {
                         "train/loss": Sum(loss_sum.detach() / loss_normalizer),
@@ -292,6 +308,17 @@ class NativeTrainEngine:
         acc.add_all(records)
         acc.add({"train/num_micro_batches": Max(len(micro_batches))})
         return reduce_across_ranks(acc, self.dp_group)
+
+    def _route_metrics(self, batch: RolloutBatch, rows: list[int]) -> dict[str, Metric]:
+        """`moe/route_mismatch_frac`: the fraction of (token, MoE layer) pairs of this micro-batch whose
+        experts, as the training router chooses them, differ from the ones the rollout used."""
+        if batch.samples[rows[0]].routed_experts is None or not hasattr(self.model, "route_mismatch"):
+            return {}
+        counts = self.model.route_mismatch()
+        if counts is None:
+            return {}
+        compared = sum((len(batch.samples[i].routed_experts)) for i in rows) * len(self.model.moe_layers())
+        return {"moe/route_mismatch_frac": Mean(counts[0] / counts[1].clamp(min=1), weight=compared)}
 
     def _computed_tokens(self, batch: RolloutBatch) -> int:
         """Tokens the forward passes over the whole global batch (prompts once per group when shared)."""
@@ -334,6 +361,7 @@ class NativeTrainEngine:
         loss_normalizer: float,
         temperature: float = 1.0,
         with_entropy: bool = False,
+        routing_replay: bool = False,
     ) -> dict[str, float]:
         """One optimizer step on the global batch; returns the step's metrics (same on every rank)."""
         reset_peak_memory(self.device)
@@ -344,6 +372,7 @@ class NativeTrainEngine:
             loss_normalizer=loss_normalizer,
             temperature=temperature,
             with_entropy=with_entropy,
+            routing_replay=routing_replay,
         )
         lr = lr_at(self.version, self.cfg, self.total_steps)
         grad_norm = float(clip_grad_norm_(self.optimizer.params, self.cfg.grad_clip))
