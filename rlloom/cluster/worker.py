@@ -67,6 +67,10 @@ class RLWorker:
             )
 
     @property
+    def _replay(self) -> bool:
+        return self.cfg.algorithm.routing_replay == "rollout"
+
+    @property
     def version(self) -> int:
         return self.train.version
 
@@ -74,7 +78,9 @@ class RLWorker:
         return self.rollout.generate(prompts, sampling)
 
     def old_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        logp_BT, _ = self.train.forward_logprobs(batch, temperature=self.cfg.rollout.temperature)
+        logp_BT, _ = self.train.forward_logprobs(
+            batch, temperature=self.cfg.rollout.temperature, routing_replay=self._replay
+        )
         return logp_BT.cpu()
 
     def ref_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
@@ -91,6 +97,7 @@ class RLWorker:
             loss_normalizer=update.normalizer,
             temperature=self.cfg.rollout.temperature,
             with_entropy=True,
+            routing_replay=self._replay,
         )
 
     def sleep_rollout(self) -> None:

@@ -237,6 +237,11 @@ class AlgorithmConfig:
     """Discount for REINFORCE++ returns."""
     use_rollout_logprobs: bool = False
     """Use the rollout engine's logprobs as old logprobs instead of recomputing them."""
+    routing_replay: Literal["none", "rollout"] = "none"
+    """MoE models: `rollout` replays the experts the rollout engine chose for every token in the
+    training forwards (old logprobs and updates), so training and rollout use the same experts (R3;
+    the router weights still come from the current router). `none`: training routes by itself;
+    `moe/route_mismatch_frac` reports how often the two disagree."""
     is_correction: Literal["none", "tis", "mis"] = "none"
     """Train/inference mismatch correction: truncated (tis) or masked (mis) importance sampling."""
     is_level: Literal["token", "sequence"] = "token"

@@ -54,6 +54,7 @@ def generate_samples(
                 group_id=first_group_id + c.prompt_index,
                 finish_reason=c.finish_reason,
                 policy_version=c.policy_version,
+                routed_experts=c.routed_experts,
                 metadata={"ground_truth": item.ground_truth, "index": item.index},
             )
         )

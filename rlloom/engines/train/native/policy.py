@@ -110,7 +110,7 @@ def run_micro_batch(
         raise ValueError(
             "algorithm.routing_replay=rollout needs the experts the rollout chose, but a sample has no "
             "routed_experts (a dense model, or samples not made by the rollout engine). Fix: set "
-            "algorithm.routing_replay=off for this model."
+            "algorithm.routing_replay=none for this model."
         )
     tree = None
     if packed.prefix_lens_S is not None and packed.branch_lens_Z is not None:
