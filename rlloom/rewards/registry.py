@@ -48,6 +48,13 @@ def get_reward_fn(name: str) -> RewardFn:
     return WeightedReward(tuple(parsed))
 
 
+def is_builtin(fn: RewardFn) -> bool:
+    """True for a built-in reward function, or a weighted sum of built-ins only."""
+    if isinstance(fn, WeightedReward):
+        return all(is_builtin(term) for term, _ in fn.terms)
+    return any(fn is builtin for builtin in BUILTIN_REWARDS.values())
+
+
 def _resolve(name: str) -> RewardFn:
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]

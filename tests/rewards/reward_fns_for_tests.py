@@ -2,8 +2,10 @@
 import it (and nothing heavier) to unpickle them."""
 
 import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def echo_score(response_text, ground_truth):
@@ -12,17 +14,32 @@ def echo_score(response_text, ground_truth):
 
 
 def misbehave(response_text, ground_truth):
-    """Misbehaves according to the response text."""
+    """Misbehaves according to the response text; otherwise returns the ground truth as a float."""
     if response_text == "hang":
         time.sleep(3600)
     if response_text == "raise":
         raise RuntimeError("reward bug")
     if response_text == "crash":
         os._exit(3)
-    bad = {"none": None, "nan": float("nan"), "inf": float("inf"), "abc": "abc"}
+    if response_text == "exit":
+        sys.exit(0)
+    if response_text == "child":  # start a program that outlives the call, tell the test its pid, hang
+        child = subprocess.Popen(["sleep", "3600"])
+        Path(ground_truth).write_text(str(child.pid))
+        time.sleep(3600)
+    if response_text == "hog":  # touch 1 GiB, then score 1.0
+        return 1.0 if len(bytearray(2**30)) else 0.0
+    bad = {"none": None, "nan": float("nan"), "inf": float("inf"), "abc": "abc", "big": 1e39, "huge": 10**400}
     if response_text in bad:
         return bad[response_text]
     return float(ground_truth)
+
+
+def hang_on_even_answers(response_text, ground_truth):
+    """A plug-in for end-to-end runs: hangs when the ground truth is an even number, else 1.0."""
+    if int(ground_truth) % 2 == 0:
+        time.sleep(3600)
+    return 1.0
 
 
 def modules_loaded(response_text, ground_truth):
