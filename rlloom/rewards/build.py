@@ -4,8 +4,9 @@ Plug-in reward code always runs in worker processes (timeout, process-group kill
 built-ins (number, math, countdown, format_*) run inline unless `reward.builtins_in_workers` is set:
 they are this package's own code with bounded work per sample (countdown parses at most 200
 characters with `ast`, math_verify runs under its own timeouts), and inline they are about 10x
-cheaper: scoring 1000 arithmetic responses with `number` takes about 16 ms inline and 50 ms in 2
-workers on a 2-core CPU (docs/benchmarks.md, "Reward isolation"), plus worker start-up.
+cheaper: scoring 1000 arithmetic responses with `number` takes 14-25 ms inline and 150-175 ms in 2
+workers on a 2-core CPU, plus 0.4 s of worker start-up (docs/benchmarks.md, "Rewards: inline vs
+worker processes"; benchmarks/bench_rewards.py).
 
 Kept out of `rlloom.rewards.__init__` on purpose: reward worker processes import that package,
 and they need no config code.
