@@ -201,6 +201,10 @@ class RewardConfig:
     memory_limit_gb: float = 4.0
     """Address-space cap of each worker (RLIMIT_AS), in GiB; an allocation beyond it fails and the
     sample scores default_score. 0 means no cap (needed for a reward model on a GPU)."""
+    import_dir: str = ""
+    """Folder where plug-in reward modules are also looked for (appended to the import path, so
+    no PYTHONPATH is needed): a YAML config file sets it to its own folder; empty means the current
+    directory."""
     default_score: float = 0.0
     """Score of a sample whose reward function hung, raised, crashed or returned a non-number (or
     a number outside the float32 range)."""

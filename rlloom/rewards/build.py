@@ -14,6 +14,8 @@ and they need no config code.
 
 from __future__ import annotations
 
+import os
+
 from rlloom.config.components import RewardConfig
 from rlloom.rewards.registry import get_reward_fn, is_builtin
 from rlloom.rewards.runner import RewardRunner
@@ -22,7 +24,9 @@ from rlloom.tasks.build import default_reward_name
 
 def build_reward_runner(reward_cfg: RewardConfig, *, task: str) -> RewardRunner:
     """The runner for `reward.name`, or for the task's default reward when the name is empty."""
-    fn = get_reward_fn(reward_cfg.name or default_reward_name(task))
+    fn = get_reward_fn(
+        reward_cfg.name or default_reward_name(task), import_dir=reward_cfg.import_dir or os.getcwd()
+    )
     inline = is_builtin(fn) and not reward_cfg.builtins_in_workers
     return RewardRunner(
         fn,

@@ -20,6 +20,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import rlloom
+from rlloom.rewards.calling import RewardInput
 
 _RLLOOM_ROOT = str(Path(rlloom.__file__).resolve().parent.parent)
 _ENTRY = "from rlloom.rewards.worker import main; main()"
@@ -56,8 +57,8 @@ class WorkerProcess:
         parent_conn.send((list(sys.path), pickled_fn))
         return cls(popen=popen, conn=parent_conn, started_at=time.monotonic())
 
-    def send(self, chunk: list[tuple[int, str, str]], *, timeout_s: float) -> None:
-        """Send samples `(task_id, response_text, ground_truth)` to score; raises OSError if the worker is gone."""
+    def send(self, chunk: list[tuple[int, RewardInput]], *, timeout_s: float) -> None:
+        """Send samples `(task_id, RewardInput)` to score; raises OSError if the worker is gone."""
         self.conn.send(chunk)
         self.tasks.extend(task_id for task_id, *_ in chunk)
         self.deadline = time.monotonic() + timeout_s

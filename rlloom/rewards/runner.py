@@ -31,14 +31,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
+from rlloom.rewards.calling import RewardInput, is_batched, score_items
 from rlloom.rewards.process import WorkerProcess
-from rlloom.rewards.worker import run_one
 
 logger = logging.getLogger(__name__)
 
 _STARTUP_TIMEOUT_S = 120.0  # a worker not ready by then is broken (e.g. an import that hangs)
 _POLL_S = 0.5  # longest single wait, so startup problems are noticed while nothing is busy
 _MAX_CHUNK = 16  # samples sent to a worker at once: fewer round trips, still balanced
+_MAX_BATCH = 64  # samples per call of a batched function (reward models)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -67,7 +68,7 @@ class RewardRunner:
 
     def __init__(
         self,
-        fn: Callable[[str, str], object],
+        fn: Callable[..., object],
         *,
         num_workers: int = 0,
         timeout_s: float = 10.0,
@@ -86,6 +87,8 @@ class RewardRunner:
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self.default_score = float(default_score)
+        self.batched = is_batched(fn)
+        """True for a batched function (`rlloom.rewards.calling`): `timeout_s` then bounds each call."""
         self.totals = {"reward/timeouts": 0.0, "reward/errors": 0.0, "reward/invalid": 0.0}
         """Counts over all calls since the runner started."""
         self._pickled_fn = _pickle_fn(fn) if num_workers > 0 else b""
@@ -100,14 +103,16 @@ class RewardRunner:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def score(self, pairs: Sequence[tuple[str, str]]) -> RewardScores:
-        """Score (response_text, ground_truth) pairs; never raises for a bad reward function."""
-        result = RewardScores(scores=[self.default_score] * len(pairs))
+    def score(self, samples: Sequence[RewardInput | tuple[str, str]]) -> RewardScores:
+        """Score samples (a `(response_text, ground_truth)` pair is a sample without prompt or
+        columns); never raises for a bad reward function."""
+        items = [s if isinstance(s, RewardInput) else RewardInput(*s) for s in samples]
+        result = RewardScores(scores=[self.default_score] * len(items))
         if self.num_workers == 0:
-            for i, (response_text, ground_truth) in enumerate(pairs):
-                self._record(result, i, *run_one(self.fn, response_text, ground_truth))
+            for i, (kind, payload) in enumerate(score_items(self.fn, items)):
+                self._record(result, i, kind, payload)
         else:
-            self._score_in_workers(pairs, result)
+            self._score_in_workers(items, result)
         for key, value in result.metrics().items():
             self.totals[key] += value
         return result
@@ -121,27 +126,27 @@ class RewardRunner:
 
     # -- worker mode ---------------------------------------------------------------------------
 
-    def _score_in_workers(self, pairs: Sequence[tuple[str, str]], result: RewardScores) -> None:
+    def _score_in_workers(self, items: list[RewardInput], result: RewardScores) -> None:
         if self._closed:
             raise RuntimeError("RewardRunner.score called after close(); fix: build a new RewardRunner")
         for k, worker in enumerate(self._workers):
             if worker.tasks:  # left busy by an interrupted call: its results must not leak in here
                 self._replace(k, reason="was busy from an interrupted call")
-        pending = deque(range(len(pairs)))
+        pending = deque(range(len(items)))
         while pending or any(w.tasks for w in self._workers):
-            self._dispatch(pending, pairs)
+            self._dispatch(pending, items)
             self._receive(result, pending)
             self._expire(result, pending)
 
-    def _dispatch(self, pending: deque[int], pairs: Sequence[tuple[str, str]]) -> None:
+    def _dispatch(self, pending: deque[int], items: list[RewardInput]) -> None:
         for k, worker in enumerate(self._workers):
             if not pending:
                 return
             if worker.ready and not worker.tasks:
-                size = min(_MAX_CHUNK, -(-len(pending) // self.num_workers))
+                size = min(_MAX_BATCH if self.batched else _MAX_CHUNK, -(-len(pending) // self.num_workers))
                 chunk = [pending.popleft() for _ in range(size)]
                 try:
-                    worker.send([(i, *pairs[i]) for i in chunk], timeout_s=self.timeout_s)
+                    worker.send([(i, items[i]) for i in chunk], timeout_s=self.timeout_s)
                 except (OSError, ValueError):  # died while idle: its samples go to a new worker
                     pending.extendleft(reversed(chunk))
                     worker.tasks.clear()
@@ -156,33 +161,27 @@ class RewardRunner:
             worker = self._workers[k]
             try:
                 while conn.poll():
-                    task_id, kind, payload = conn.recv()
-                    self._on_message(worker, result, task_id, kind, payload)
+                    self._on_message(worker, result, conn.recv())
             except (EOFError, OSError):  # the process died (os._exit, a crash in native code, killed)
                 self._fail_first(worker, result, pending, "error", "the reward worker process died")
                 self._replace(k, reason="died")
 
-    def _on_message(
-        self,
-        worker: WorkerProcess,
-        result: RewardScores,
-        task_id: int | str,
-        kind: str | None,
-        payload: object,
-    ) -> None:
-        if task_id == "ready":
+    def _on_message(self, worker: WorkerProcess, result: RewardScores, message: object) -> None:
+        if isinstance(message, tuple) and message[0] == "ready":
             worker.ready = True
-        elif task_id == "load_error":
+        elif isinstance(message, tuple) and message[0] == "load_error":
             self.close()
             raise RuntimeError(
-                f"the reward function {self.fn!r} cannot be loaded in a worker process ({kind}); fix: define it "
-                "in a module importable from the trainer (not in __main__ or a notebook), or raise "
+                f"the reward function {self.fn!r} cannot be loaded in a worker process ({message[1]}); fix: "
+                "define it in a module importable from the trainer (not in __main__ or a notebook), or raise "
                 "reward.memory_limit_gb if it ran out of memory while loading"
             )
-        elif worker.tasks and task_id == worker.tasks[0]:
-            worker.tasks.popleft()
-            worker.deadline = time.monotonic() + self.timeout_s
-            self._record(result, task_id, kind, payload)
+        else:
+            for task_id, kind, payload in message:  # type: ignore[attr-defined]
+                if worker.tasks and task_id == worker.tasks[0]:
+                    worker.tasks.popleft()
+                    worker.deadline = time.monotonic() + self.timeout_s
+                    self._record(result, task_id, kind, payload)
 
     def _expire(self, result: RewardScores, pending: deque[int]) -> None:
         now = time.monotonic()
@@ -200,11 +199,13 @@ class RewardRunner:
     def _fail_first(
         self, worker: WorkerProcess, result: RewardScores, pending: deque[int], kind: str, why: str
     ) -> None:
-        """The sample being scored fails with `kind`; the rest of the chunk is scored again elsewhere."""
-        if worker.tasks:
-            self._record(result, worker.tasks.popleft(), kind, why)
-            pending.extendleft(reversed(worker.tasks))
-            worker.tasks.clear()
+        """The sample being scored fails with `kind` (for a batched function: the whole call's samples);
+        the rest of the chunk is scored again elsewhere."""
+        failed = list(worker.tasks) if self.batched else [worker.tasks[0]] if worker.tasks else []
+        for task_id in failed:
+            self._record(result, task_id, kind, why)
+        pending.extendleft(reversed([t for t in worker.tasks if t not in failed]))
+        worker.tasks.clear()
 
     def _start_worker(self) -> WorkerProcess:
         return WorkerProcess.start(self._pickled_fn, memory_limit_bytes=self._memory_limit_bytes)
@@ -244,7 +245,7 @@ class RewardRunner:
             )
 
 
-def _pickle_fn(fn: Callable[[str, str], object]) -> bytes:
+def _pickle_fn(fn: Callable[..., object]) -> bytes:
     try:
         return pickle.dumps(fn)
     except Exception as e:

@@ -1,4 +1,4 @@
-"""What runs inside a reward worker process, and the scoring of one sample shared with inline mode.
+"""What runs inside a reward worker process.
 
 This module imports only the standard library (and torch must never be added here): every worker
 process imports it, and a worker that imported torch would take seconds to start.
@@ -8,16 +8,15 @@ A worker is started by `rlloom.rewards.process.WorkerProcess` as
 session (process group) of its own, and talks over the socket FD:
 1. it caps its address space at MEMORY_LIMIT_BYTES (0: no cap), receives `(sys_path, pickled_fn)`,
    and answers `("ready", None, None)`, or `("load_error", text, None)` and exits;
-2. for each chunk `[(task_id, response_text, ground_truth), ...]` it receives, it sends one
-   `(task_id, kind, payload)` per sample, in order, as soon as that sample is scored: kind `ok`
+2. for each chunk `[(task_id, RewardInput), ...]` it receives, it sends lists of results
+   `(task_id, kind, payload)` in order: one list per sample as soon as that sample is scored, or,
+   for a batched function (`rlloom.rewards.calling`), one list for the whole chunk. Kind `ok`
    (payload: the float score), `error` (the exception as text) or `invalid` (the repr of the bad
    return value). `None` asks it to exit.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
 import os
 import pickle
 import resource
@@ -25,35 +24,8 @@ import signal
 import sys
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Literal
 
-Outcome = Literal["ok", "error", "invalid"]
-
-FLOAT32_MAX = 3.4028234663852886e38
-"""Largest finite float32: a score beyond it would turn into inf in the trainer's float32 tensors."""
-
-
-def as_score(value: object) -> float | None:
-    """A float within the float32 range from a real number (bool, int, float, numpy scalar), else None."""
-    if not isinstance(value, numbers.Real):
-        return None
-    try:
-        score = float(value)
-    except (OverflowError, ValueError):  # an int too large for a float
-        return None
-    return score if math.isfinite(score) and abs(score) <= FLOAT32_MAX else None
-
-
-def run_one(
-    fn: Callable[[str, str], object], response_text: str, ground_truth: str
-) -> tuple[Outcome, float | str]:
-    """Call the reward function once; never raises (a `sys.exit` inside it is an error too)."""
-    try:
-        value = fn(response_text, ground_truth)
-    except (Exception, SystemExit) as e:  # a reward function's bug must not stop the run; it is counted
-        return "error", f"{type(e).__name__}: {e}"[:500]
-    score = as_score(value)
-    return ("ok", score) if score is not None else ("invalid", repr(value)[:200])
+from rlloom.rewards.calling import is_batched, score_items
 
 
 def main() -> None:
@@ -76,8 +48,9 @@ def main() -> None:
     serve(conn, fn)
 
 
-def serve(conn: Connection, fn: Callable[[str, str], object]) -> None:
+def serve(conn: Connection, fn: Callable[..., object]) -> None:
     """Score chunks of samples until the parent sends None or goes away."""
+    batched = is_batched(fn)
     while True:
         try:
             chunk = conn.recv()
@@ -85,8 +58,12 @@ def serve(conn: Connection, fn: Callable[[str, str], object]) -> None:
             return
         if chunk is None:
             return
-        for task_id, response_text, ground_truth in chunk:
-            conn.send((task_id, *run_one(fn, response_text, ground_truth)))
+        if batched:  # one call for the chunk, one message with every result
+            results = score_items(fn, [item for _, item in chunk])
+            conn.send([(task_id, *result) for (task_id, _), result in zip(chunk, results)])
+            continue
+        for task_id, item in chunk:  # one message per sample, so that a hang is pinned on its sample
+            conn.send([(task_id, *score_items(fn, [item])[0])])
 
 
 def _die_with_parent(parent_pid: int) -> None:

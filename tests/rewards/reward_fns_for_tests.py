@@ -50,3 +50,25 @@ def modules_loaded(response_text, ground_truth):
 def length_bonus(response_text, ground_truth):
     """A plug-in: 1.0 per character up to 3, as an int (ints are valid scores)."""
     return min(len(response_text), 3)
+
+
+def uses_columns(response_text, ground_truth, prompt, level):
+    """Per-sample form with named keywords: the row's `level` column, checked against the prompt."""
+    return float(level) if prompt == f"level {level}" else -1.0
+
+
+def uses_all_columns(response, truth, **columns):
+    """Per-sample form with **kwargs: how many keyword arguments arrived (prompt + columns)."""
+    return float(len(columns))
+
+
+def batched_lengths(completions, prompts, ground_truths, level):
+    """Batched form: one call per chunk; len(completion) + level, or a hang when asked to."""
+    if "hang" in completions:
+        time.sleep(3600)
+    return [len(c) + lv for c, lv in zip(completions, level)]
+
+
+def batched_wrong_length(completions, **columns):
+    """Batched form that returns one score too few."""
+    return [1.0] * (len(completions) - 1)
