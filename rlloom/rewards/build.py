@@ -16,17 +16,23 @@ from __future__ import annotations
 
 import os
 
-from rlloom.config.components import RewardConfig
+from rlloom.config.components import ConfigError, RewardConfig
 from rlloom.rewards.registry import get_reward_fn, is_builtin
 from rlloom.rewards.runner import RewardRunner
 from rlloom.tasks.build import default_reward_name
 
 
 def build_reward_runner(reward_cfg: RewardConfig, *, task: str) -> RewardRunner:
-    """The runner for `reward.name`, or for the task's default reward when the name is empty."""
-    fn = get_reward_fn(
-        reward_cfg.name or default_reward_name(task), import_dir=reward_cfg.import_dir or os.getcwd()
-    )
+    """The runner for `reward.name`, or for the task's default reward when the name is empty.
+
+    Raises ConfigError when the name does not resolve (an unknown built-in, a module that cannot be
+    imported, a missing function).
+    """
+    name = reward_cfg.name or default_reward_name(task)
+    try:
+        fn = get_reward_fn(name, import_dir=reward_cfg.import_dir or os.getcwd())
+    except ValueError as e:
+        raise ConfigError(f"reward.name={name!r} is invalid: {e}") from e
     inline = is_builtin(fn) and not reward_cfg.builtins_in_workers
     return RewardRunner(
         fn,

@@ -89,3 +89,12 @@ def test_yaml_reward_module_and_dataset_columns_end_to_end(tiny_checkpoint, tmp_
     step = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][1]
     assert step["reward/errors"] == 0 and step["reward/invalid"] == 0
     assert step["reward/mean"] == pytest.approx(1.25) and step["train/accuracy"] == 1.0
+
+
+def test_unknown_reward_module_is_a_one_line_cli_error(tiny_checkpoint, tmp_path, capsys):
+    argv = ["train", "arithmetic_smoke", f"model.path={tiny_checkpoint}", f"trainer.run_dir={tmp_path}"]
+    argv += ["data.num_train=16", "data.num_eval=2"]
+    assert cli_main([*argv, "reward.name=no_such_reward_module:score"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlloom: error: reward.name='no_such_reward_module:score' is invalid")
+    assert "next to the YAML config" in err and err.count("\n") == 1

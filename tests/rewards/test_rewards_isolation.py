@@ -119,6 +119,7 @@ def test_run_completes_when_a_plugin_reward_hangs_on_some_samples(tiny_checkpoin
             f"trainer.run_dir={tmp_path}",
             "trainer.total_steps=1",
             "data.num_eval=2",
+            "data.num_train=16",
             "rollout.max_new_tokens=3",
             "logging.console=false",
             "reward.name=reward_fns_for_tests:hang_on_even_answers",
