@@ -196,8 +196,8 @@ class RewardConfig:
     """Also run the built-in rewards in the workers; off by default because they are trusted and
     about 10x cheaper inline (plug-ins, and sums holding one, always run in workers)."""
     timeout_s: float = 10.0
-    """Per-sample timeout: a sample not scored in time scores default_score, and its worker is
-    killed (with every process it started) and replaced."""
+    """Per-sample timeout (per call for a batched reward function): a sample not scored in time
+    scores default_score, and its worker is killed (with every process it started) and replaced."""
     memory_limit_gb: float = 4.0
     """Address-space cap of each worker (RLIMIT_AS), in GiB; an allocation beyond it fails and the
     sample scores default_score. 0 means no cap (needed for a reward model on a GPU)."""

@@ -9,7 +9,9 @@ of worker processes (`rlloom.rewards.process`) that live across calls until `clo
 - a worker whose process dies (`os._exit`, a segfault, the memory cap) is replaced the same way;
 - `memory_limit_gb` caps each worker's address space (an allocation beyond it fails in the worker).
 Samples go to the workers in chunks of up to `_MAX_CHUNK` and come back one by one, so a worker is
-never idle waiting for its next sample; a chunk's samples after a hung one are sent again.
+never idle waiting for its next sample; a chunk's samples after a hung one are sent again. A
+batched function (`rlloom.rewards.calling`) gets chunks of up to `_MAX_BATCH` samples in one call;
+`timeout_s` then bounds the call, and a call that misses it fails all of its samples.
 
 With `num_workers=0` the function runs inline in this process: only for the trusted built-ins,
 which are much cheaper inline (see `build_reward_runner`); there is no timeout then.
@@ -201,7 +203,7 @@ class RewardRunner:
     ) -> None:
         """The sample being scored fails with `kind` (for a batched function: the whole call's samples);
         the rest of the chunk is scored again elsewhere."""
-        failed = list(worker.tasks) if self.batched else [worker.tasks[0]] if worker.tasks else []
+        failed = list(worker.tasks) if self.batched else list(worker.tasks)[:1]
         for task_id in failed:
             self._record(result, task_id, kind, why)
         pending.extendleft(reversed([t for t in worker.tasks if t not in failed]))
