@@ -3,7 +3,9 @@
 A worker is a fresh Python interpreter (`subprocess`, not a fork of the trainer, which holds threads
 and torch state) started in a new session, so it leads a process group of its own: `kill()` sends
 SIGKILL to the whole group, which also ends any program the reward function started. The group is
-killed before the worker is reaped, so its id cannot have been reused by then.
+killed before the worker is reaped, so its id cannot have been reused by then. A worker also
+watches its parent: when the trainer dies without closing the pool (kill -9), the worker kills
+its own group within about half a second.
 """
 
 from __future__ import annotations

@@ -22,10 +22,14 @@ import pickle
 import resource
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from rlloom.rewards.calling import is_batched, score_items
+
+_PARENT_POLL_S = 0.5
 
 
 def main() -> None:
@@ -67,13 +71,12 @@ def serve(conn: Connection, fn: Callable[..., object]) -> None:
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this process when the trainer dies (no orphaned workers after a kill -9)."""
-    try:
-        import ctypes
+    """End this worker's process group when the trainer dies (even by SIGKILL), so that no hung
+    worker outlives it: a daemon thread notices that the parent process changed."""
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the worker still exits when its socket closes
-        pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(0)
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(_PARENT_POLL_S)
+        os.killpg(0, signal.SIGKILL)  # group 0: this worker and every process it started
+
+    threading.Thread(target=watch, name="watch-trainer", daemon=True).start()

@@ -4,6 +4,8 @@ an exit, a crash, a child process, a memory hog or an out-of-range score costs o
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -69,6 +71,29 @@ def test_timeout_kills_the_processes_a_reward_started(tmp_path):
         finally:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_workers_die_with_a_killed_trainer():
+    script = (
+        "from reward_fns_for_tests import misbehave; from rlloom.rewards import RewardRunner;"
+        "runner = RewardRunner(misbehave, num_workers=1, timeout_s=3600);"
+        "print(runner._workers[0].popen.pid, flush=True); runner.score([('hang', '0')])"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env)
+    pid = int(trainer.stdout.readline())
+    try:
+        time.sleep(0.5)  # the worker is scoring its hanging sample
+        trainer.kill()  # SIGKILL: the trainer runs no cleanup
+        trainer.wait()
+        deadline = time.monotonic() + 3.0
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid), "a reward worker outlived its killed trainer"
+    finally:
+        trainer.stdout.close()
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_memory_limit_caps_a_worker():
