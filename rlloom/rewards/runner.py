@@ -176,7 +176,7 @@ class RewardRunner:
             raise RuntimeError(
                 f"the reward function {self.fn!r} cannot be loaded in a worker process ({message[1]}); fix: "
                 "define it in a module importable from the trainer (not in __main__ or a notebook), or raise "
-                "reward.memory_limit_gb if it ran out of memory while loading"
+                "reward.memory_limit_gb (0: no cap) if the cap got in the way"
             )
         else:
             for task_id, kind, payload in message:  # type: ignore[attr-defined]

@@ -39,9 +39,9 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when a worker stops
     os.set_inheritable(fd, False)  # programs a reward function runs must not hold the parent's socket
     conn = Connection(fd)
-    if memory_limit_bytes > 0:
-        resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
     try:
+        if memory_limit_bytes > 0:
+            resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
         sys_path, pickled_fn = conn.recv()
         sys.path[:] = sys_path  # plug-in modules import exactly as they do in the trainer
         fn = pickle.loads(pickled_fn)
