@@ -57,7 +57,7 @@ def test_batched_function_in_workers_with_a_hung_call():
         batch = items(*range(8))
         batch[1] = RewardInput("hang", "1", columns={"level": 0})  # hangs its whole call (samples 0-3)
         result = runner.score(batch)
-        assert time.monotonic() - start < 4.0
+        assert time.monotonic() - start < 6.0
         assert result.scores == [0.0] * 4 + [1.0 + i for i in range(4, 8)] and result.num_timeouts == 4
         assert runner.score(items(*range(100))).scores == [1.0 + i for i in range(100)]
 

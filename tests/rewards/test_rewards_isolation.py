@@ -44,7 +44,7 @@ def test_plugin_reward_is_isolated_by_default_and_every_failure_is_counted():
         elapsed = time.monotonic() - start
         assert result.scores == [-1.0, 2.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -3.0e38]
         assert result.metrics() == {"reward/timeouts": 1.0, "reward/errors": 3.0, "reward/invalid": 4.0}
-        assert elapsed < 4.0, f"score() took {elapsed:.2f}s with a 1s timeout"
+        assert elapsed < 6.0, f"score() took {elapsed:.2f}s with a 1s timeout"
         again = runner.score([("good", str(i)) for i in range(40)])  # the pool recovered
         assert again.scores == [float(i) for i in range(40)] and again.metrics()["reward/errors"] == 0
 
