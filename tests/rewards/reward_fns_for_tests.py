@@ -27,8 +27,8 @@ def misbehave(response_text, ground_truth):
         child = subprocess.Popen(["sleep", "3600"])
         Path(ground_truth).write_text(str(child.pid))
         time.sleep(3600)
-    if response_text == "hog":  # touch 1 GiB, then score 1.0
-        return 1.0 if len(bytearray(2**30)) else 0.0
+    if response_text == "hog":  # touch 0.5 GiB, then score 1.0
+        return 1.0 if len(bytearray(2**29)) else 0.0
     bad = {"none": None, "nan": float("nan"), "inf": float("inf"), "abc": "abc", "big": 1e39, "huge": 10**400}
     if response_text in bad:
         return bad[response_text]

@@ -97,11 +97,13 @@ def test_workers_die_with_a_killed_trainer():
 
 
 def test_memory_limit_caps_a_worker():
-    capped = RewardConfig(name=PLUGIN, memory_limit_gb=0.5)
+    capped = RewardConfig(name=PLUGIN, memory_limit_gb=0.25, num_workers=1)
     with build_reward_runner(capped, task="arithmetic") as runner:
         result = runner.score([("hog", "0"), ("good", "2")])
     assert result.scores == [0.0, 2.0] and result.num_errors == 1  # MemoryError in the worker
-    with build_reward_runner(RewardConfig(name=PLUGIN, memory_limit_gb=0), task="arithmetic") as runner:
+    with build_reward_runner(
+        RewardConfig(name=PLUGIN, memory_limit_gb=0, num_workers=1), task="arithmetic"
+    ) as runner:
         assert runner.score([("hog", "0")]).scores == [1.0]  # the same function, uncapped
 
 
