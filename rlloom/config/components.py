@@ -16,6 +16,9 @@ class ConfigError(ValueError):
     """A user error in the run configuration (unknown key, wrong type, impossible value)."""
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _check(ok: bool, key: str, value: object, rule: str, fix: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r} is invalid: {rule}. Fix: {fix}.")
@@ -186,22 +189,55 @@ class RewardConfig:
     """Reward function: a built-in name (number, math, countdown, format_number, ...), a plug-in
     `package.module:function`, or a weighted sum such as `number + 0.1*format_number`; empty picks
     the task's default."""
-    num_workers: int = 0
-    """Worker processes that run reward functions (0 = inline, for cheap built-ins)."""
+    num_workers: int = 2
+    """Worker processes that run plug-in reward functions, isolated from the trainer: each sample
+    under `timeout_s`, each worker in its own process group under `memory_limit_gb`."""
+    builtins_in_workers: bool = False
+    """Also run the built-in rewards in the workers; off by default because they are trusted and
+    about 10x cheaper inline (plug-ins, and sums holding one, always run in workers)."""
     timeout_s: float = 10.0
-    """Per-sample timeout in worker processes; a hung sample scores default_score."""
+    """Per-sample timeout (per call for a batched reward function): a sample not scored in time
+    scores default_score, and its worker is killed (with every process it started) and replaced."""
+    memory_limit_gb: float = 4.0
+    """Address-space cap of each worker (RLIMIT_AS), in GiB; an allocation beyond it fails and the
+    sample scores default_score. 0 means no cap (needed for a reward model on a GPU)."""
+    import_dir: str = ""
+    """Folder where plug-in reward modules are also looked for (appended to the import path, so
+    no PYTHONPATH is needed): a YAML config file sets it to its own folder; empty means the current
+    directory."""
     default_score: float = 0.0
-    """Score of a sample whose reward function hung, raised or returned a non-number."""
+    """Score of a sample whose reward function hung, raised, crashed or returned a non-number (or
+    a number outside the float32 range)."""
 
     def __post_init__(self) -> None:
         _check(
-            self.num_workers >= 0,
+            self.num_workers >= 1,
             "reward.num_workers",
             self.num_workers,
-            "must be >= 0",
-            "use 0 for inline scoring",
+            "must be >= 1 (plug-in rewards always run in worker processes)",
+            "use e.g. 2; built-in rewards run inline unless reward.builtins_in_workers=true",
         )
-        _check(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "must be > 0", "e.g. 10")
+        _check(
+            math.isfinite(self.timeout_s) and self.timeout_s > 0,
+            "reward.timeout_s",
+            self.timeout_s,
+            "must be a finite number of seconds > 0 (a hung reward must not stall the run)",
+            "e.g. 10",
+        )
+        _check(
+            math.isfinite(self.memory_limit_gb) and self.memory_limit_gb >= 0,
+            "reward.memory_limit_gb",
+            self.memory_limit_gb,
+            "must be a finite number >= 0",
+            "e.g. 4, or 0 for no cap",
+        )
+        _check(
+            math.isfinite(self.default_score) and abs(self.default_score) <= _FLOAT32_MAX,
+            "reward.default_score",
+            self.default_score,
+            "must be a finite number within the float32 range",
+            "e.g. 0",
+        )
 
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from rlloom.config.components import RunConfig
 from rlloom.data.dataset import PromptItem
 from rlloom.engines.rollout.native import SamplingParams
+from rlloom.rewards.calling import RewardInput
 from rlloom.rewards.runner import RewardRunner
 
 
@@ -30,8 +31,9 @@ def evaluate(
     ]
     completions = group.generate([it.prompt_ids for it in items], sampling)  # type: ignore[attr-defined]
     texts = [decode(c.token_ids) for c in completions]
+    scored = [(t, items[c.prompt_index]) for t, c in zip(texts, completions)]
     scores = runner.score(
-        [(t, items[c.prompt_index].ground_truth) for t, c in zip(texts, completions)]
+        [RewardInput(t, it.ground_truth, prompt=it.prompt, columns=it.metadata) for t, it in scored]
     ).scores
     correct = sum(s >= 1.0 for s in scores)
     return {
