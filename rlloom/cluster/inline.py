@@ -11,9 +11,8 @@ from typing import Protocol
 import torch
 
 from rlloom.config.components import RunConfig
-from rlloom.data.types import RolloutBatch
+from rlloom.data.types import PolicyUpdate, RolloutBatch
 from rlloom.engines.rollout.native import Completion, SamplingParams
-from rlloom.trainer.policy import PolicyUpdate
 
 
 class WorkerGroup(Protocol):

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
+from rlloom.algorithms.objective import make_loss_fn
 from rlloom.config.components import RunConfig
-from rlloom.data.types import RolloutBatch
+from rlloom.data.types import PolicyUpdate, RolloutBatch
 from rlloom.engines.rollout.native import Completion, NativeEngine, SamplingParams
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.models import from_pretrained, load_decoder
 from rlloom.trainer.faults import maybe_fail
-from rlloom.trainer.policy import PolicyUpdate, make_loss_fn
 from rlloom.weight_sync.colocated import sync_colocated
 
 

@@ -300,6 +300,38 @@ class RolloutBatch:
         )
 
 
+@dataclass(kw_only=True, slots=True)
+class PolicyUpdate:
+    """Per-token tensors of one mini-batch, in the order of its samples."""
+
+    batch: RolloutBatch
+    """The mini-batch the engine trains on."""
+    advantages_BT: torch.Tensor
+    """[B, T] advantages (0 at masked)."""
+    old_logp_BT: torch.Tensor | None
+    """[B, T] behaviour-policy logprobs; None = on-policy single pass: the detached current logprobs."""
+    ref_logp_BT: torch.Tensor | None
+    """[B, T] reference-policy logprobs when a KL loss is on."""
+    is_weights_BT: torch.Tensor | None
+    """[B, T] detached train/inference mismatch weights when IS correction is on."""
+    normalizer: float
+    """Global loss normaliser of this mini-batch for the aggregation mode."""
+
+    def select(self, rows: Sequence[int], normalizer: float) -> PolicyUpdate:
+        """The update of a subset of rows as its own mini-batch, with that mini-batch's normaliser."""
+        idx = torch.as_tensor(list(rows), dtype=torch.int64)
+        sub = self.batch.select(list(rows))
+        pick = lambda x: None if x is None else x[idx]
+        return PolicyUpdate(
+            batch=sub,
+            advantages_BT=self.advantages_BT[idx],
+            old_logp_BT=pick(self.old_logp_BT),
+            ref_logp_BT=pick(self.ref_logp_BT),
+            is_weights_BT=pick(self.is_weights_BT),
+            normalizer=normalizer,
+        )
+
+
 def _positions(sample: Sample, start: int, end: int) -> torch.Tensor:
     """[end - start, L, K] int64 routes of the sample's positions start..end-1; -1 past the last
     position the rollout fed to the model."""
