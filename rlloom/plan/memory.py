@@ -91,6 +91,9 @@ class Workload:
     rollout_weights_on_gpu: bool = False
     """The rollout keeps a full bf16 weight copy on each GPU while training (rlloom today); False:
     its weights are offloaded to the host during training (verl, slime)."""
+    rollout_model_parallel: int = 0
+    """GPUs a rollout replica is sharded over; 0 picks the fewest that keep its weights under
+    ROLLOUT_WEIGHTS_FRACTION of a GPU."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +155,8 @@ def stage_ranges(num_layers: int, layout: Layout) -> list[range]:
         )
     bounds = [0, first]
     for i in range(pp - 2):
-        bounds.append(bounds[-1] + rest // (pp - 2) + (1 if i < rest % (pp - 2) else 0))
+        # extra layers go to the later middle stages, which hold fewer micro-batches in flight
+        bounds.append(bounds[-1] + rest // (pp - 2) + (1 if i >= (pp - 2) - rest % (pp - 2) else 0))
     bounds.append(num_layers)
     return [range(bounds[i], bounds[i + 1]) for i in range(pp)]
 
@@ -220,8 +224,12 @@ def rollout_memory(costs: ModelCosts, hw: Hardware, work: Workload) -> RolloutMe
     if not work.colocated_rollout:
         return None
     weights = 2 * costs.total_params
-    group = 1
-    while weights / group > ROLLOUT_WEIGHTS_FRACTION * hw.gpu_memory_gb * GB and group < hw.gpus:
+    group = work.rollout_model_parallel or 1
+    while (
+        not work.rollout_model_parallel and weights / group > ROLLOUT_WEIGHTS_FRACTION * hw.gpu_memory_gb * GB
+    ):
+        if group >= hw.gpus:
+            break
         group *= 2
     group = min(group, hw.gpus)
     kv_per_token = sum(c.kv_bytes_per_token for c in costs.layers)

@@ -93,21 +93,22 @@ def _active_params(costs: ModelCosts, layers: range, is_last: bool) -> float:
     return body + (costs.vocab_size * costs.hidden_size if is_last else 0)
 
 
-def slowest_stage_params(costs: ModelCosts, layout: Layout) -> float:
-    """Active parameters of the stage with the most compute (it paces the pipeline)."""
+def stage_compute(costs: ModelCosts, layout: Layout) -> list[float]:
+    """Active parameters of each pipeline stage (the slowest one paces the pipeline)."""
     stages = stage_ranges(len(costs.layers), layout)
-    return max(_active_params(costs, r, s == len(stages) - 1) for s, r in enumerate(stages))
+    return [_active_params(costs, r, s == len(stages) - 1) for s, r in enumerate(stages)]
 
 
 def best_split(costs: ModelCosts, layout: Layout, hw: Hardware, work: Workload) -> Estimate:
     """`layout` with the pipeline split (first and last stage sizes) that fits with the most even
-    compute; when no split fits, the one with the lowest peak."""
+    compute (the last stage also runs the head); when no split fits, the one with the lowest peak."""
     best, best_key = None, None
     for first, last in _splits(len(costs.layers), layout.pp):
         est = estimate(
             costs, replace(layout, pp_first_stage_layers=first, pp_last_stage_layers=last), hw, work
         )
-        key = (not est.fits, slowest_stage_params(costs, est.layout) if est.fits else est.gpu_memory_gb)
+        compute = stage_compute(costs, est.layout)
+        key = (not est.fits, max(compute) - min(compute) if est.fits else est.gpu_memory_gb)
         if best_key is None or key < best_key:
             best, best_key = est, key
     assert best is not None
@@ -143,7 +144,7 @@ def step_cost(costs: ModelCosts, est: Estimate, hw: Hardware, work: Workload) ->
     t = tokens / (lay.tp * lay.cp)
     comm_passes = 3 if work.recompute == "full" else 2  # forward (+ recomputed forward) + backward
 
-    flops = 6 * slowest_stage_params(costs, lay) * tokens * passes / (lay.tp * lay.cp)
+    flops = 6 * max(stage_compute(costs, lay)) * tokens * passes / (lay.tp * lay.cp)
     mb = {"compute": flops / PEAK_FLOPS}
     mb["tp"] = layers_per_stage * 4 * comm_passes * (lay.tp - 1) * t * hidden_bytes / _bandwidth(lay.tp, hw)
     kv_bytes = sum(c.kv_bytes_per_token for c in costs.layers) / len(costs.layers)
@@ -201,7 +202,9 @@ def gpus_needed(costs: ModelCosts, hw: Hardware, work: Workload, *, limit: int =
     gpus = max(hw.gpus * 2, hw.gpus_per_node)
     while gpus <= limit:
         bigger = replace(hw, gpus=gpus)
-        if any(fit_layout(costs, lay, bigger, work).fits for lay in _widest_layouts(costs, bigger, work)):
+        # offload 1.0 needs the least GPU memory: if no layout fits with it, none fits at all
+        widest = _widest_layouts(costs, bigger, work)
+        if any(best_split(costs, replace(lay, offload_fraction=1.0), bigger, work).fits for lay in widest):
             return gpus
         gpus *= 2
     return None
