@@ -99,3 +99,24 @@ def test_rollout_weights_and_kv_cache():
     small = estimate(costs_of("qwen3-0.6b"), Layout(), Hardware(gpus=1, gpu_memory_gb=80), colocated)
     alone = estimate(costs_of("qwen3-0.6b"), Layout(), Hardware(gpus=1, gpu_memory_gb=80), Workload())
     assert small.gpu_memory_gb - alone.gpu_memory_gb == pytest.approx(2 * 596_049_920 / 2**30)
+
+
+@pytest.mark.parametrize(
+    ("name", "gpus", "degrees", "published", "least"),
+    [
+        ("deepseek-v3", 96, {"tp": 8, "pp": 12, "ep": 8}, 1.0, (0.75, 1.0)),
+        ("deepseek-v3", 128, {"tp": 8, "pp": 16, "ep": 8}, 0.5, (0.5, 0.5)),
+        ("deepseek-v3", 256, {"tp": 8, "pp": 16, "ep": 8}, 0.0, (0.0, 0.0)),
+        ("qwen3-235b-a22b", 32, {"tp": 4, "pp": 8, "ep": 4}, 1.0, (0.75, 1.0)),
+    ],
+)
+def test_least_offload_that_fits_agrees_with_verls_choice(name, gpus, degrees, published, least):
+    """verl chose offload 1.0 / 0.5 / 0 for DeepSeek-V3 on 96 / 128 / 256 GPUs of 96 GB: the model
+    finds offload needed (or not) at the same GPU counts."""
+    from rlloom.plan.search import fit_layout
+
+    dp = gpus // (degrees["tp"] * degrees["pp"])
+    hw, work = Hardware(gpus=gpus, gpu_memory_gb=96), Workload(max_tokens_per_gpu=11680)
+    est = fit_layout(costs_of(name), Layout(dp=dp, **degrees), hw, work)
+    assert est.fits and least[0] <= est.layout.offload_fraction <= least[1]
+    assert est.layout.offload_fraction <= published  # never more than the anchor needed
