@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 from rlloom.cluster import WorkerFailure
 from rlloom.config.components import ConfigError
@@ -74,6 +75,13 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--recompute", choices=("full", "selective", "none"), default="full")
     plan.add_argument("--check", help="evaluate one layout, e.g. tp=8,pp=12,cp=1,ep=8,offload=1.0")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.error = _plan_usage_error  # type: ignore[method-assign]
+
+
+def _plan_usage_error(message: str) -> NoReturn:
+    # One line and exit code 2 for a bad `rlloom plan` command line, like every other user error.
+    print(f"rlloom: error: plan: {message}. Fix: see `rlloom plan --help`.", file=sys.stderr)
+    sys.exit(2)
 
 
 def main(argv: list[str] | None = None) -> int:

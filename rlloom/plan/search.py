@@ -27,6 +27,8 @@ NETWORK_BYTES_PER_S = 25e9
 PCIE_BYTES_PER_S = 20e9
 CPU_ADAM_PARAMS_PER_S = 1e9
 """AdamW updates per second of the CPU cores serving one GPU."""
+MAX_CP = 16
+"""Largest context-parallel degree searched (ring attention beyond it is all communication)."""
 MICRO_BATCHES_PER_GPU = 16
 """The step's global batch is this many token budgets per GPU (fixes the batch across layouts)."""
 
@@ -58,7 +60,7 @@ def legal_layouts(costs: ModelCosts, hw: Hardware, work: Workload) -> Iterator[L
     for tp in _powers_of_two(min(hw.gpus_per_node, hw.gpus)):
         if costs.num_heads % tp or costs.num_kv_heads % tp:
             continue
-        for cp in _powers_of_two(hw.gpus // tp):
+        for cp in _powers_of_two(min(MAX_CP, hw.gpus // tp)):
             if work.max_tokens_per_gpu % (2 * cp) and cp > 1:
                 continue
             for pp in range(1, min(num_layers, hw.gpus // (tp * cp)) + 1):

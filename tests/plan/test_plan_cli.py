@@ -121,6 +121,21 @@ def test_bad_input_is_one_error_line_and_exit_2(capsys, args, message):
     assert err.startswith("rlloom: error: ") and err.count("\n") == 1 and message in err
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--gpus", "eight", "--gpu-memory-gb", "80"],
+        ["--gpu-memory-gb", "80"],
+        ["--gpus", "8", "--gpu-memory-gb", "80", "--recompute", "some"],
+    ],
+)
+def test_bad_command_line_is_one_error_line_and_exit_2(capsys, args):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", str(CONFIGS / "qwen3-8b"), *args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("rlloom: error: plan: ") and err.count("\n") == 1
+
+
 def test_missing_or_unsupported_model_is_exit_2(capsys, tmp_path):
     assert main(["plan", str(tmp_path / "nope"), "--gpus", "8", "--gpu-memory-gb", "80"]) == 2
     assert "not a folder with config.json" in capsys.readouterr().err
