@@ -3,7 +3,7 @@
 For each case: random weights of a dense Qwen3 shape, rlloom's training engine on one GPU (FSDP2,
 fp32 master weights, bf16 compute, the default torch.compile of the decoder layers), a batch of
 1024-token sequences (a quarter prompt) that fills exactly one micro-batch of TOKENS tokens, and
-two optimizer steps; the measured peak is torch.cuda.max_memory_allocated of the second step
+two optimizer steps, each case in a fresh process; the measured peak is torch.cuda.max_memory_allocated of the second step
 (AdamW moments exist by then). The prediction is `rlloom.plan.memory.estimate` for the same
 single-GPU layout (tp=pp=cp=ep=1, dp=1) without a rollout engine; error = predicted / measured - 1.
 
@@ -16,9 +16,10 @@ single-GPU layout (tp=pp=cp=ep=1, dp=1) without a rollout engine; error = predic
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -101,10 +102,6 @@ def measure(shape: dict, tokens: int, ac: str, offload: float, device: torch.dev
     for _ in range(2):
         metrics = engine.train_step(batch, loss_fn, loss_normalizer=loss_normalizer(mask, "token-mean"))
         peak = metrics.get("memory/peak_allocated_gib", float("nan"))
-    del engine, model
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return peak
 
 
@@ -129,7 +126,17 @@ def main() -> None:
     parser.add_argument("--case", action="append", help="model:tokens:ac:offload (repeatable)")
     parser.add_argument("--eager", action="store_true", help="no torch.compile of the decoder layers")
     parser.add_argument("--tiny", action="store_true", help="tiny shape on CPU (checks the script runs)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # measure one case in this process
     args = parser.parse_args()
+    if args.one:
+        model, tokens, ac, offload = args.one.split(":")
+        device = torch.device("cpu" if model == "tiny" else "cuda")
+        print(
+            json.dumps(
+                {"peak": measure(SHAPES[model], int(tokens), ac, float(offload), device, not args.eager)}
+            )
+        )
+        return
     device = torch.device("cpu" if args.tiny else "cuda")
     cases = ["tiny:512:off:0", "tiny:512:full:1.0"] if args.tiny else (args.case or list(DEFAULT_CASES))
     gpu_gb = torch.cuda.get_device_properties(0).total_memory / GB if device.type == "cuda" else 80.0
@@ -140,9 +147,17 @@ def main() -> None:
         model, tokens, ac, offload = case.split(":")
         shape, n, f = SHAPES[model], int(tokens), float(offload)
         predicted, parts = predict(shape, n, ac, f, gpu_gb)
-        measured = measure(shape, n, ac, f, device, compile_=not args.eager)
+        measured = _measure_in_child(case, args.eager)
         error = f"{predicted / measured - 1:+.1%}" if measured == measured else "-"
         print(f"{case:<28}{predicted:>10.2f}{measured:>10.2f}{error:>8}  {parts}", flush=True)
+
+
+def _measure_in_child(case: str, eager: bool) -> float:
+    # A fresh process per case: clean allocator statistics, and torch.compile caches of one model
+    # never push another model's layers past dynamo's recompile limit (into eager mode).
+    cmd = [sys.executable, __file__, "--one", case] + (["--eager"] if eager else [])
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return float(json.loads(out.strip().splitlines()[-1])["peak"])
 
 
 if __name__ == "__main__":
