@@ -7,7 +7,7 @@ two optimizer steps, each case in a fresh process; the measured peak is torch.cu
 (AdamW moments exist by then). The prediction is `rlloom.plan.memory.estimate` for the same
 single-GPU layout (tp=pp=cp=ep=1, dp=1) without a rollout engine; error = predicted / measured - 1.
 
-    python benchmarks/bench_plan_memory.py            # the default cases (about 40 GB of GPU memory)
+    python benchmarks/bench_plan_memory.py            # the default cases (each under 65 GB predicted)
     python benchmarks/bench_plan_memory.py --eager    # without torch.compile
     python benchmarks/bench_plan_memory.py --case qwen3-4b:8192:full:1.0   # model:tokens:ac:offload
     python benchmarks/bench_plan_memory.py --tiny     # a tiny shape on CPU: checks the script runs
@@ -54,7 +54,7 @@ DEFAULT_CASES = (
     "qwen3-1.7b:16384:full:0",
     "qwen3-1.7b:16384:full:1.0",
     "qwen3-1.7b:8192:off:0.5",
-    "qwen3-4b:8192:full:0",
+    "qwen3-4b:8192:full:0.5",
     "qwen3-4b:8192:full:1.0",
 )
 SEQ_LEN = 1024

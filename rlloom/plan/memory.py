@@ -177,6 +177,8 @@ def _stage_memory(
     shard = layout.tp * layout.cp * layout.dp  # FSDP x TP (dense) = EP x expert FSDP (experts)
     own = [costs.layers[i] for i in layers]
     root = (costs.embed_params if is_first else 0) + (costs.head_params if is_last else 0)
+    if costs.tied and is_first and is_last:  # one tensor is both the embedding and the head
+        root -= costs.embed_params
     stage_params = sum(c.dense_params + c.expert_params for c in own) + root
     per_gpu = stage_params / shard
     gathered_layer = max(c.dense_params / layout.tp + c.expert_params / layout.ep for c in own)

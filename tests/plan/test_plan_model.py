@@ -49,6 +49,11 @@ def test_deepseek_v3_counts_mla_moe_shared_and_dense_layers_without_mtp():
 def test_untied_head_is_a_second_vocab_matrix():
     tied, untied = costs_of("qwen3-0.6b"), costs_of("qwen3-0.6b", tie_word_embeddings=False)
     assert untied.total_params - tied.total_params == 151936 * 1024
+    # on one stage a tied head is the embedding itself: its fp32 shard and bf16 root copy once
+    one = Hardware(gpus=1, gpu_memory_gb=80)
+    work = Workload(colocated_rollout=False)
+    params = [estimate(c, Layout(), one, work).breakdown.params for c in (tied, untied)]
+    assert params[1] - params[0] == pytest.approx((4 + 2) * 151936 * 1024 / 2**30)
 
 
 def _peak(name, layout, **work):
