@@ -35,7 +35,12 @@ def load_costs(model: str) -> tuple[ModelCosts, dict[str, Any]]:
     try:
         raw = json.loads(file.read_text())
         return model_costs(ModelArgs.from_hf_config(raw)), raw
-    except (ValueError, KeyError) as e:
+    except KeyError as e:
+        raise ConfigError(
+            f"MODEL={model!r} is invalid: its config.json has no {e.args[0]!r} field. "
+            "Fix: pass the model's complete Hugging Face config.json."
+        ) from None
+    except ValueError as e:  # unsupported architecture, or not JSON
         raise ConfigError(f"MODEL={model!r}: {e}") from None
 
 

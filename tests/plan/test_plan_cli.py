@@ -142,3 +142,6 @@ def test_missing_or_unsupported_model_is_exit_2(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     assert main(["plan", str(tmp_path), "--gpus", "8", "--gpu-memory-gb", "80"]) == 2
     assert "model_type='gpt2'" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    assert main(["plan", str(tmp_path), "--gpus", "8", "--gpu-memory-gb", "80"]) == 2
+    assert "has no 'num_attention_heads' field" in capsys.readouterr().err
