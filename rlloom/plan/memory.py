@@ -94,6 +94,10 @@ class Workload:
     rollout_model_parallel: int = 0
     """GPUs a rollout replica is sharded over; 0 picks the fewest that keep its weights under
     ROLLOUT_WEIGHTS_FRACTION of a GPU."""
+    rollout_kv_cache_gb: float = 0.0
+    """The rollout's KV-cache memory per GPU; 0 takes what ROLLOUT_MEMORY_UTILIZATION leaves."""
+    rollout_kv_on_gpu: bool = False
+    """The KV cache stays allocated while training (rlloom's rollout.sleep_during_train=false)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +242,8 @@ def rollout_memory(costs: ModelCosts, hw: Hardware, work: Workload) -> RolloutMe
     if not costs.mla:  # GQA heads are split over tensor parallelism
         kv_per_token /= min(group, costs.num_kv_heads)
     kv = max(0.0, ROLLOUT_MEMORY_UTILIZATION * (hw.gpu_memory_gb - RESERVED_GB) * GB - weights / group)
+    if work.rollout_kv_cache_gb:
+        kv = work.rollout_kv_cache_gb * GB
     return RolloutMemory(group, weights / group / GB, kv / GB, int(kv / kv_per_token))
 
 
@@ -248,14 +254,15 @@ def estimate(costs: ModelCosts, layout: Layout, hw: Hardware, work: Workload) ->
         layout = replace(layout, pp_first_stage_layers=len(stages[0]), pp_last_stage_layers=len(stages[-1]))
     results = [_stage_memory(costs, r, s, layout, work) for s, r in enumerate(stages)]
     rollout = rollout_memory(costs, hw, work)
-    peaks = [
-        bd.total + (rollout.weights_gb if rollout and work.rollout_weights_on_gpu else 0.0)
-        for bd, _ in results
-    ]
+    # what the rollout keeps on the GPU while training: its weights (params), its KV cache (buffers)
+    weights_kept = rollout.weights_gb if rollout and work.rollout_weights_on_gpu else 0.0
+    kv_kept = rollout.kv_cache_gb if rollout and work.rollout_kv_on_gpu else 0.0
+    peaks = [bd.total + weights_kept + kv_kept for bd, _ in results]
     worst = max(range(len(peaks)), key=peaks.__getitem__)
     breakdown = results[worst][0]
-    if rollout and work.rollout_weights_on_gpu:
-        breakdown = replace(breakdown, params=breakdown.params + rollout.weights_gb)
+    breakdown = replace(
+        breakdown, params=breakdown.params + weights_kept, buffers=breakdown.buffers + kv_kept
+    )
     # Host per GPU: offloaded fp32 master + moments + pinned fp32 gradient staging; while the
     # rollout runs, the training engine's GPU state (fp32 shards and moments) waits on the host;
     # while training runs, the rollout's weights do (unless they stay on the GPU).
@@ -285,7 +292,9 @@ def _problems(
         )
     if hw.cpu_memory_gb_per_node and host > hw.cpu_memory_gb_per_node:
         out.append(f"host memory {host:.0f} GB per node exceeds {hw.cpu_memory_gb_per_node:g} GB")
-    if rollout is not None and rollout.kv_cache_tokens < work.max_tokens_per_gpu:
+    # A KV cache the planner sizes must hold one micro-batch; one the user sized is their choice.
+    planned_kv = rollout is not None and not work.rollout_kv_cache_gb
+    if planned_kv and rollout.kv_cache_tokens < work.max_tokens_per_gpu:
         out.append(
             f"rollout weights take {rollout.weights_gb:.1f} GB per GPU over {rollout.model_parallel} GPUs, "
             f"leaving KV cache for {rollout.kv_cache_tokens} tokens < {work.max_tokens_per_gpu}"

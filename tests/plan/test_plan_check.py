@@ -31,6 +31,12 @@ def test_qwen3_8b_fits_an_h200_only_with_optimizer_offload(tmp_path):
     # no activation checkpointing at 64k tokens a micro-batch: the activations alone break it
     long = cfg_for(model, "train.optimizer_offload=true", "train.max_tokens_per_micro_batch=65536")
     assert check.fit_warning(long, gpu_memory_gb=141) is not None
+    # a KV cache that stays allocated during training counts against the training peak
+    kv = ["train.optimizer_offload=true", "rollout.kv_cache_memory_gb=60"]
+    tight = cfg_for(model, *tokens, *kv, "rollout.sleep_during_train=true")
+    assert check.fit_warning(tight, gpu_memory_gb=141) is None
+    awake = cfg_for(model, *tokens, *kv, "rollout.sleep_during_train=false")
+    assert check.fit_warning(awake, gpu_memory_gb=141) is not None
 
 
 def test_train_warns_before_launching_a_run_that_will_not_fit(tiny_checkpoint, tmp_path, monkeypatch):
