@@ -145,3 +145,12 @@ def test_missing_or_unsupported_model_is_exit_2(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     assert main(["plan", str(tmp_path), "--gpus", "8", "--gpu-memory-gb", "80"]) == 2
     assert "has no 'num_attention_heads' field" in capsys.readouterr().err
+
+
+def test_host_memory_per_node_is_checked(capsys):
+    args = ["--gpus", "96", "--gpu-memory-gb", "96", "--max-tokens-per-gpu", VERL_TOKENS]
+    check = ["--check", "tp=8,pp=12,ep=8,offload=1.0"]
+    code, out = plan(capsys, "deepseek-v3", *args, *check, "--cpu-memory-gb-per-node", "1024")
+    assert code == 1 and any("host memory" in p for p in out["problems"])
+    code, out = plan(capsys, "deepseek-v3", *args, *check, "--cpu-memory-gb-per-node", "2048")
+    assert code == 0 and out["fits"]
