@@ -105,12 +105,15 @@ def measure(shape: dict, tokens: int, ac: str, offload: float, device: torch.dev
     return peak
 
 
-def predict(shape: dict, tokens: int, ac: str, offload: float, gpu_gb: float) -> tuple[float, str]:
+def predict(
+    shape: dict, tokens: int, ac: str, offload: float, gpu_gb: float, compiled: bool
+) -> tuple[float, str]:
     costs = model_costs(ModelArgs.from_hf_config(shape))
     work = Workload(
         max_tokens_per_gpu=tokens,
         recompute="none" if ac == "off" else "full",
         logprob_chunk_tokens=TrainEngineConfig().logprob_chunk_tokens,
+        compiled=compiled,
         colocated_rollout=False,
     )
     est = estimate(costs, Layout(offload_fraction=offload), Hardware(gpus=1, gpu_memory_gb=gpu_gb), work)
@@ -146,7 +149,7 @@ def main() -> None:
     for case in cases:
         model, tokens, ac, offload = case.split(":")
         shape, n, f = SHAPES[model], int(tokens), float(offload)
-        predicted, parts = predict(shape, n, ac, f, gpu_gb)
+        predicted, parts = predict(shape, n, ac, f, gpu_gb, compiled=not args.eager)
         measured = _measure_in_child(case, args.eager)
         error = f"{predicted / measured - 1:+.1%}" if measured == measured else "-"
         print(f"{case:<28}{predicted:>10.2f}{measured:>10.2f}{error:>8}  {parts}", flush=True)

@@ -32,6 +32,7 @@ def run_layout(cfg: RunConfig) -> tuple[Layout, Workload]:
         recompute=_RECOMPUTE[cfg.train.activation_checkpointing],
         recompute_every_k=every_k,
         logprob_chunk_tokens=cfg.train.logprob_chunk_tokens,
+        compiled=cfg.train.compile,
         colocated_rollout=True,
         rollout_weights_on_gpu=True,
         rollout_model_parallel=1,

@@ -30,6 +30,10 @@ rollout engine, data)."""
 ROLLOUT_WEIGHTS_FRACTION = 0.5
 """The rollout shards its weights over the fewest GPUs (a power of two) that keep them under this
 fraction of a GPU, as verl does (tensor parallel 32 for DeepSeek-V3 on 96 GB)."""
+EAGER_ACTIVATION_FACTOR = 1.45
+"""Saved activations of an eager (not compiled) decoder layer over the counted ones: eager keeps the
+norms' fp32 intermediates, the SiLU output, RoPE tables and attention layout copies (measured with
+saved-tensor hooks, tests/plan/test_plan_activations.py: 1.24-1.49)."""
 ROLLOUT_MEMORY_UTILIZATION = 0.85
 """Fraction of a GPU the rollout engine takes for weights plus KV cache."""
 
@@ -86,6 +90,8 @@ class Workload:
     recompute_every_k: int = 1
     """With full recompute: checkpoint every k-th layer (rlloom's activation_checkpointing=every_k)."""
     logprob_chunk_tokens: int = 4096
+    compiled: bool = True
+    """Decoder layers run torch.compile'd (rlloom's default on CUDA); eager ones save more."""
     colocated_rollout: bool = True
     """A rollout engine shares the GPUs; it needs its weights and a KV cache between training steps."""
     rollout_weights_on_gpu: bool = False
@@ -205,7 +211,7 @@ def _stage_memory(
     )
     largest = max(c.act_none for c in own)
     working = largest * (1.5 if work.recompute == "full" else 0.5)  # recomputed layer + its grads
-    activations = 2 * t * (saved * in_flight + working)
+    activations = 2 * t * (saved * in_flight + working) * (1.0 if work.compiled else EAGER_ACTIVATION_FACTOR)
     if is_first:
         activations += 2 * t * costs.hidden_size * in_flight  # embedding output
 
