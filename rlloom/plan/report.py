@@ -18,7 +18,7 @@ from rlloom.config.components import ConfigError
 from rlloom.models.args import ModelArgs
 from rlloom.plan.counts import ModelCosts, model_costs
 from rlloom.plan.memory import Estimate, Hardware, Layout, Workload
-from rlloom.plan.search import Candidate, best_split, gpus_needed, search, step_cost
+from rlloom.plan.search import Candidate, best_split, fit_layout, gpus_needed, search, step_cost
 
 CHECK_KEYS = ("tp", "pp", "cp", "ep", "offload")
 
@@ -112,9 +112,11 @@ def plan(costs: ModelCosts, hw: Hardware, work: Workload, check: Layout | None) 
     if check is not None:
         est = best_split(costs, check, hw, work)  # the user fixed degrees and offload
         cand = Candidate(est, step_cost(costs, est, hw, work))
-        reason = "the layout given with --check" + (
-            "" if est.fits else "; it does not fit: " + "; ".join(est.problems)
-        )
+        reason = f"the layout given with --check; estimated step {cand.cost.seconds:.2f} s"
+        if not est.fits:
+            reason += "; it does not fit: " + "; ".join(est.problems)
+        elif (least := fit_layout(costs, check, hw, work).layout.offload_fraction) < check.offload_fraction:
+            reason += f"; offload {least:g} would also fit"
         return PlanAnswer(cand, est.fits, reason, [], "" if est.fits else _suggest(costs, est, hw, work))
     result = search(costs, hw, work)
     if result.best is None:
