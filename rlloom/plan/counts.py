@@ -54,16 +54,10 @@ class ModelCosts:
     mla: bool
     """Multi-head latent attention: the KV cache holds one latent per token, not split over TP."""
 
-    @property
-    def total_params(self) -> int:
-        """Parameters of the checkpoint's trained part (a tied head counted once)."""
-        body = sum(layer.dense_params + layer.expert_params for layer in self.layers)
-        head = self.head_params - (self.vocab_size * self.hidden_size if self.tied else 0)
-        return body + self.embed_params + head
-
-    @property
-    def expert_params(self) -> int:
-        return sum(layer.expert_params for layer in self.layers)
+    total_params: int
+    """Parameters of the checkpoint's trained part (a tied head counted once)."""
+    expert_params: int
+    """Routed-expert parameters of all layers."""
 
 
 def _attention(args: ModelArgs) -> tuple[int, int, int]:
@@ -146,6 +140,8 @@ def model_costs(args: ModelArgs) -> ModelCosts:
             )
         )
     vocab_hidden = args.vocab_size * args.hidden_size
+    body = sum(layer.dense_params + layer.expert_params for layer in layers)
+    head = vocab_hidden + args.hidden_size - (vocab_hidden if args.tie_word_embeddings else 0)
     return ModelCosts(
         layers=tuple(layers),
         embed_params=vocab_hidden,
@@ -158,4 +154,6 @@ def model_costs(args: ModelArgs) -> ModelCosts:
         top_k=args.moe.top_k if args.moe is not None else 0,
         tied=args.tie_word_embeddings,
         mla=args.mla is not None,
+        total_params=body + vocab_hidden + head,
+        expert_params=sum(layer.expert_params for layer in layers),
     )

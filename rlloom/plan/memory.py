@@ -179,19 +179,42 @@ def _saved_per_token(layer: LayerCost, hidden: int, work: Workload, checkpointed
     return hidden  # full recompute keeps only the layer's input
 
 
+_KINDS: dict[int, tuple[ModelCosts, list[int], LayerCost | None, LayerCost | None]] = {}
+
+
+def layer_kinds(costs: ModelCosts, layers: range) -> list[tuple[LayerCost, int]]:
+    """The kinds of layer in `layers` (dense, MoE) with their counts: layers of one kind cost the
+    same, so a stage costs O(1) to evaluate (the search evaluates tens of thousands)."""
+    hit = _KINDS.get(id(costs))
+    if hit is None or hit[0] is not costs:  # the cached object pins its id
+        prefix = [0]
+        for c in costs.layers:
+            prefix.append(prefix[-1] + c.is_moe)
+        dense = next((c for c in costs.layers if not c.is_moe), None)
+        moe = next((c for c in costs.layers if c.is_moe), None)
+        assert all(c == (moe if c.is_moe else dense) for c in costs.layers)
+        if len(_KINDS) > 16:
+            _KINDS.clear()
+        hit = _KINDS[id(costs)] = (costs, prefix, dense, moe)
+    _, prefix, dense, moe = hit
+    num_moe = prefix[layers.stop] - prefix[layers.start]
+    kinds = [(dense, len(layers) - num_moe), (moe, num_moe)]
+    return [(c, n) for c, n in kinds if n and c is not None]
+
+
 def _stage_memory(
     costs: ModelCosts, layers: range, stage: int, layout: Layout, work: Workload
 ) -> tuple[Breakdown, float]:
     """(peak breakdown, parameters per GPU) of one stage."""
     is_first, is_last = stage == 0, stage == layout.pp - 1
     shard = layout.tp * layout.cp * layout.dp  # FSDP x TP (dense) = EP x expert FSDP (experts)
-    own = [costs.layers[i] for i in layers]
+    present = layer_kinds(costs, layers)
     root = (costs.embed_params if is_first else 0) + (costs.head_params if is_last else 0)
     if costs.tied and is_first and is_last:  # one tensor is both the embedding and the head
         root -= costs.embed_params
-    stage_params = sum(c.dense_params + c.expert_params for c in own) + root
+    stage_params = sum(n * (c.dense_params + c.expert_params) for c, n in present) + root
     per_gpu = stage_params / shard
-    gathered_layer = max(c.dense_params / layout.tp + c.expert_params / layout.ep for c in own)
+    gathered_layer = max(c.dense_params / layout.tp + c.expert_params / layout.ep for c, _ in present)
     gathered_root = root / layout.tp
     head_per_gpu = costs.vocab_size * costs.hidden_size / layout.tp if is_last else 0.0
 
@@ -205,11 +228,16 @@ def _stage_memory(
 
     t = work.max_tokens_per_gpu / (layout.tp * layout.cp)  # tokens per GPU (sequence parallel)
     in_flight = layout.pp - stage  # 1F1B: the first stage holds pp micro-batches
-    saved = sum(
-        _saved_per_token(c, costs.hidden_size, work, (i - layers.start) % work.recompute_every_k == 0)
-        for i, c in zip(layers, own, strict=True)
-    )
-    largest = max(c.act_none for c in own)
+    if work.recompute_every_k == 1:
+        saved = sum(n * _saved_per_token(c, costs.hidden_size, work, True) for c, n in present)
+    else:  # every k-th layer of the stage is checkpointed
+        saved = sum(
+            _saved_per_token(
+                costs.layers[i], costs.hidden_size, work, (i - layers.start) % work.recompute_every_k == 0
+            )
+            for i in layers
+        )
+    largest = max(c.act_none for c, _ in present)
     working = largest * (1.5 if work.recompute == "full" else 0.5)  # recomputed layer + its grads
     activations = 2 * t * (saved * in_flight + working) * (1.0 if work.compiled else EAGER_ACTIVATION_FACTOR)
     if is_first:
@@ -222,7 +250,7 @@ def _stage_memory(
         buffers += chunk * costs.vocab_size / layout.tp * (2 + 2) + 2 * 2 * seq * costs.hidden_size
     if layout.tp > 1:  # sequence-parallel all-gather of a layer input
         buffers += 2 * 2 * seq * costs.hidden_size
-    if layout.ep > 1 and any(c.is_moe for c in own):  # all-to-all send and receive
+    if layout.ep > 1 and any(c.is_moe for c, _ in present):  # all-to-all send and receive
         buffers += 2 * 2 * t * costs.top_k * costs.hidden_size
     if layout.pp > 1:  # p2p activation and gradient buffers
         buffers += 2 * 2 * t * costs.hidden_size

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from rlloom.plan.counts import ModelCosts
-from rlloom.plan.memory import Estimate, Hardware, Layout, Workload, estimate, stage_ranges
+from rlloom.plan.memory import Estimate, Hardware, Layout, Workload, estimate, layer_kinds, stage_ranges
 
 OFFLOAD_STEPS = (0.0, 0.25, 0.5, 0.75, 1.0)
 PEAK_FLOPS = 400e12
@@ -91,7 +91,7 @@ def _splits(num_layers: int, pp: int) -> Iterator[tuple[int, int]]:
 def _active_params(costs: ModelCosts, layers: range, is_last: bool) -> float:
     """Parameters a token multiplies with in these layers (top_k of the routed experts), + the head."""
     share = costs.top_k / costs.num_experts if costs.num_experts else 0.0
-    body = sum(costs.layers[i].dense_params + costs.layers[i].expert_params * share for i in layers)
+    body = sum(n * (c.dense_params + c.expert_params * share) for c, n in layer_kinds(costs, layers))
     return body + (costs.vocab_size * costs.hidden_size if is_last else 0)
 
 
