@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from rlloom.plan.counts import LayerCost, ModelCosts
+from rlloom.plan.stages import layer_kinds, stage_ranges
 
 GB = float(1 << 30)
 Recompute = Literal["full", "selective", "none"]
@@ -151,55 +152,12 @@ class Estimate:
         return not self.problems
 
 
-def stage_ranges(num_layers: int, layout: Layout) -> list[range]:
-    """Decoder layers of each pipeline stage: first and last as given, the middle ones even."""
-    pp = layout.pp
-    if pp == 1:
-        return [range(num_layers)]
-    first = layout.pp_first_stage_layers or num_layers // pp
-    last = layout.pp_last_stage_layers or num_layers // pp
-    rest = num_layers - first - last
-    if first < 1 or last < 1 or rest < (pp - 2) or (pp == 2 and rest != 0):
-        raise ValueError(
-            f"pipeline split first={first} last={last} is impossible for {num_layers} layers, pp={pp}"
-        )
-    bounds = [0, first]
-    for i in range(pp - 2):
-        # extra layers go to the later middle stages, which hold fewer micro-batches in flight
-        bounds.append(bounds[-1] + rest // (pp - 2) + (1 if i >= (pp - 2) - rest % (pp - 2) else 0))
-    bounds.append(num_layers)
-    return [range(bounds[i], bounds[i + 1]) for i in range(pp)]
-
-
 def _saved_per_token(layer: LayerCost, hidden: int, work: Workload, checkpointed: bool) -> int:
     if work.recompute == "none" or (work.recompute == "full" and not checkpointed):
         return layer.act_none
     if work.recompute == "selective":
         return layer.act_selective
     return hidden  # full recompute keeps only the layer's input
-
-
-_KINDS: dict[int, tuple[ModelCosts, list[int], LayerCost | None, LayerCost | None]] = {}
-
-
-def layer_kinds(costs: ModelCosts, layers: range) -> list[tuple[LayerCost, int]]:
-    """The kinds of layer in `layers` (dense, MoE) with their counts: layers of one kind cost the
-    same, so a stage costs O(1) to evaluate (the search evaluates tens of thousands)."""
-    hit = _KINDS.get(id(costs))
-    if hit is None or hit[0] is not costs:  # the cached object pins its id
-        prefix = [0]
-        for c in costs.layers:
-            prefix.append(prefix[-1] + c.is_moe)
-        dense = next((c for c in costs.layers if not c.is_moe), None)
-        moe = next((c for c in costs.layers if c.is_moe), None)
-        assert all(c == (moe if c.is_moe else dense) for c in costs.layers)
-        if len(_KINDS) > 16:
-            _KINDS.clear()
-        hit = _KINDS[id(costs)] = (costs, prefix, dense, moe)
-    _, prefix, dense, moe = hit
-    num_moe = prefix[layers.stop] - prefix[layers.start]
-    kinds = [(dense, len(layers) - num_moe), (moe, num_moe)]
-    return [(c, n) for c, n in kinds if n and c is not None]
 
 
 def _stage_memory(
@@ -283,7 +241,9 @@ def rollout_memory(costs: ModelCosts, hw: Hardware, work: Workload) -> RolloutMe
 
 def estimate(costs: ModelCosts, layout: Layout, hw: Hardware, work: Workload) -> Estimate:
     """Predicted memory of `layout`; `problems` says what does not fit."""
-    stages = stage_ranges(len(costs.layers), layout)
+    stages = stage_ranges(
+        len(costs.layers), layout.pp, layout.pp_first_stage_layers, layout.pp_last_stage_layers
+    )
     if layout.pp > 1:
         layout = replace(layout, pp_first_stage_layers=len(stages[0]), pp_last_stage_layers=len(stages[-1]))
     results = [_stage_memory(costs, r, s, layout, work) for s, r in enumerate(stages)]

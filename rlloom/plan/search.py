@@ -15,7 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from rlloom.plan.counts import ModelCosts
-from rlloom.plan.memory import Estimate, Hardware, Layout, Workload, estimate, layer_kinds, stage_ranges
+from rlloom.plan.memory import Estimate, Hardware, Layout, Workload, estimate
+from rlloom.plan.stages import layer_kinds, stage_ranges
 
 OFFLOAD_STEPS = (0.0, 0.25, 0.5, 0.75, 1.0)
 PEAK_FLOPS = 400e12
@@ -97,7 +98,9 @@ def _active_params(costs: ModelCosts, layers: range, is_last: bool) -> float:
 
 def stage_compute(costs: ModelCosts, layout: Layout) -> list[float]:
     """Active parameters of each pipeline stage (the slowest one paces the pipeline)."""
-    stages = stage_ranges(len(costs.layers), layout)
+    stages = stage_ranges(
+        len(costs.layers), layout.pp, layout.pp_first_stage_layers, layout.pp_last_stage_layers
+    )
     return [_active_params(costs, r, s == len(stages) - 1) for s, r in enumerate(stages)]
 
 
