@@ -22,6 +22,7 @@ from rlloom.models import load_tokenizer
 from rlloom.observability.log import init_logger
 from rlloom.observability.loggers import build_loggers
 from rlloom.observability.memory import peak_memory_gib
+from rlloom.plan.check import check_fits
 from rlloom.rewards.build import build_reward_runner
 from rlloom.tasks.build import build_task_source
 from rlloom.trainer.checkpoint import TrainerState, load_checkpoint, resolve_resume, save_checkpoint
@@ -59,6 +60,8 @@ def run(cfg: RunConfig) -> RunResult:
     runner = build_reward_runner(cfg.reward, task=cfg.data.task)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
     stop_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if warning := check_fits(cfg):  # before any GPU memory is taken (rlloom plan, docs/plan.md)
+        log.warning(warning)
     group = build_worker_group(cfg)
     ctx = StepContext(
         cfg=cfg, group=group, source=source, runner=runner, decode=decode, stop_token_ids=stop_token_ids
