@@ -1,9 +1,12 @@
 """Checkpoints: a run resumed from step 2 is bit-identical to an uninterrupted one (with and
-without CPU optimizer offload), and incomplete or damaged folders are refused by name."""
+without CPU optimizer offload); nothing is unpickled; incomplete, damaged or tampered folders are
+refused by name; a full disk during a save leaves the previous checkpoint as it was."""
 
 from __future__ import annotations
 
+import errno
 import os
+import pickle
 import random
 
 import pytest
@@ -13,6 +16,8 @@ from train_engine_helpers import PolicyLoss, load_tiny, make_batch, make_tiny_ch
 from rlloom.algorithms.losses import loss_normalizer
 from rlloom.config.components import TrainEngineConfig
 from rlloom.engines.train.native import NativeTrainEngine
+from rlloom.engines.train.native import checkpoint as native_checkpoint
+from rlloom.engines.train.sealed import CheckpointError
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +67,87 @@ def test_resume_is_bit_identical(ckpt, tmp_path, offload):
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
-def test_incomplete_checkpoint_is_refused(ckpt, tmp_path):
-    engine = NativeTrainEngine(TrainEngineConfig(), load_tiny(ckpt))
+def params(engine):
+    return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+class Payload:
+    """Unpickling this object creates the file `marker` (what a crafted checkpoint file would do)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_damaged_or_tampered_checkpoints_are_refused_by_name(ckpt, tmp_path, monkeypatch):
+    engine = NativeTrainEngine(TrainEngineConfig(lr=3e-2), load_tiny(ckpt))
     step(engine, 0)
     path = tmp_path / "ckpt"
     engine.save(str(path))
+    saved = params(engine)
+    step(engine, 1)  # the weights move away from the checkpoint's
+
+    # A crafted pickle planted in the folder, and one put in place of a listed file: refused, never run.
+    marker = tmp_path / "pwned"
+    (path / "rng_rank0.pt").write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(CheckpointError, match="file 'rng_rank0.pt' is not in manifest.json"):
+        engine.load(str(path))
     (path / "rng_rank0.pt").unlink()
-    with pytest.raises(ValueError, match="'rng_rank0.pt'.*missing"):
+    state_json = (path / "state.json").read_bytes()
+    (path / "state.json").write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(CheckpointError, match="'state.json' has .* bytes"):
+        engine.load(str(path))
+    (path / "state.json").write_bytes(state_json)
+
+    # Flipped bytes inside the weights (same size): refused by the sha256, naming the file.
+    weights = path / "tensors_rank0.safetensors"
+    good = weights.read_bytes()
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0xFF
+    weights.write_bytes(bytes(bad))
+    with pytest.raises(CheckpointError, match="'tensors_rank0.safetensors' does not match its sha256"):
+        engine.load(str(path))
+    weights.write_bytes(good)
+
+    # The intact folder loads without any unpickling at all.
+    def no_pickle(*args, **kwargs):
+        raise AssertionError("a checkpoint load unpickled something")
+
+    for module, name in ((pickle, "load"), (pickle, "loads"), (pickle, "Unpickler"), (torch, "load")):
+        monkeypatch.setattr(module, name, no_pickle)
+    engine.load(str(path))
+    monkeypatch.undo()
+    assert not marker.exists()
+    for name, t in params(engine).items():
+        assert torch.equal(t, saved[name]), name
+
+    (path / "chunks_rank0.json").unlink()
+    with pytest.raises(CheckpointError, match="'chunks_rank0.json' listed in manifest.json is missing"):
         engine.load(str(path))
     (path / "manifest.json").unlink()
-    with pytest.raises(ValueError, match="manifest.json is missing"):
+    with pytest.raises(CheckpointError, match="manifest.json is missing"):
         engine.load(str(path))
+
+
+def test_full_disk_during_a_save_keeps_the_previous_checkpoint(ckpt, tmp_path, monkeypatch):
+    engine = NativeTrainEngine(TrainEngineConfig(lr=3e-2), load_tiny(ckpt))
+    step(engine, 0)
+    path = tmp_path / "ckpt"
+    engine.save(str(path))
+    saved = params(engine)
+    step(engine, 1)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(native_checkpoint, "save_file", full_disk)
+    with pytest.raises(CheckpointError, match="No space left on device.*previous checkpoint is unchanged"):
+        engine.save(str(path))
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no temporary folder left
+    engine.load(str(path))
+    assert engine.version == 1
+    for name, t in params(engine).items():
+        assert torch.equal(t, saved[name]), name
