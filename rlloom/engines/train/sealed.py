@@ -113,6 +113,8 @@ def verify_folder(root: str | os.PathLike, *, share: tuple[int, int] = (0, 1)) -
     if extra:
         raise CheckpointError(f"{damaged}: file {extra[0]!r} is not in {MANIFEST}; it is not read. {fix}")
     for i, (rel, entry) in enumerate(sorted(listed.items())):
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            raise CheckpointError(f"{damaged}: {MANIFEST} names {rel!r}, outside the folder. {fix}")
         file = root / rel
         if not file.is_file():
             raise CheckpointError(f"{damaged}: file {rel!r} listed in {MANIFEST} is missing. {fix}")

@@ -5,10 +5,12 @@ refused by name; a full disk during a save leaves the previous checkpoint as it 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import pickle
 import random
 
+import numpy as np
 import pytest
 import torch
 from train_engine_helpers import PolicyLoss, load_tiny, make_batch, make_tiny_checkpoint
@@ -17,6 +19,7 @@ from rlloom.algorithms.losses import loss_normalizer
 from rlloom.config.components import TrainEngineConfig
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.engines.train.native import checkpoint as native_checkpoint
+from rlloom.engines.train.native.rng_state import rng_state, set_rng_state
 from rlloom.engines.train.sealed import CheckpointError
 
 
@@ -151,3 +154,18 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint(ckpt, tmp_path, m
     assert engine.version == 1
     for name, t in params(engine).items():
         assert torch.equal(t, saved[name]), name
+
+
+def test_rng_states_round_trip_through_json():
+    random.gauss(0.0, 1.0)  # leaves a cached Gaussian in Python's and NumPy's generators
+    np.random.standard_normal()
+    state = json.loads(json.dumps(rng_state()))
+
+    def draws():
+        return torch.rand(3), random.random(), random.gauss(0.0, 1.0), np.random.standard_normal(3).tolist()
+
+    expected = draws()
+    torch.manual_seed(9), random.seed(9), np.random.seed(9)
+    set_rng_state(state)
+    got = draws()
+    assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]

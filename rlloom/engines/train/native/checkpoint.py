@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 from contextlib import ExitStack
 from pathlib import Path
@@ -42,12 +41,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from rlloom.engines.train.native.rng_state import rng_state, set_rng_state
 from rlloom.engines.train.sealed import CheckpointError, swap_in, verify_folder, write_manifest
-
-try:
-    import numpy as np
-except ImportError:  # NumPy is a dependency of rlloom, but the engine does not need it
-    np = None
 
 STATE = "state.json"
 
@@ -129,35 +124,6 @@ def _local_chunk(t: torch.Tensor) -> tuple[torch.Tensor, list[int], bool]:
     # Of the ranks holding the same chunk (replicated mesh dimensions) only the first writes it.
     primary = all(c == 0 for c, p in zip(coord, t.placements) if not isinstance(p, Shard))
     return t.to_local(), list(offset), primary
-
-
-# ---- random states as JSON --------------------------------------------------------------------
-
-
-def rng_state() -> dict[str, Any]:
-    """Every random generator this process uses, as JSON-able values."""
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state().tolist(),
-        "python": {"version": version, "internal": list(internal), "gauss_next": gauss},
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
-    if np is not None:
-        name, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
-    if "numpy" in state and np is not None:
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
 # ---- save ---------------------------------------------------------------------------------------
