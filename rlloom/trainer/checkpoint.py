@@ -183,6 +183,6 @@ def load_checkpoint(group: Any, path: Path) -> TrainerState:
 
 def checkpoint_model_tensors(path: str | Path) -> dict[str, Any]:
     """The full model weights of a run checkpoint `RUN_DIR/checkpoints/step_N` (verified), on CPU,
-    under the native model's names (see `read_model_tensors`)."""
+    under the native CausalLM's `state_dict` names (see `read_model_tensors`), e.g. for export."""
     verify_folder(path)
     return read_model_tensors(Path(path) / ENGINE_DIR)

@@ -154,6 +154,11 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint(ckpt, tmp_path, m
     assert engine.version == 1
     for name, t in params(engine).items():
         assert torch.equal(t, saved[name]), name
+    # The public reader gives the CausalLM's own state dict.
+    model = load_tiny(ckpt)
+    model.load_state_dict(native_checkpoint.read_model_tensors(path))
+    for name, t in model.named_parameters():
+        assert torch.equal(t, saved[f"model.{name}"]), name
 
 
 def test_rng_states_round_trip_through_json():

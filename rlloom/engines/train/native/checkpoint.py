@@ -295,18 +295,22 @@ def load_checkpoint(
 
 
 def read_model_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The full model tensors of an engine checkpoint folder (after verifying it), on CPU.
+    """The full model tensors of an engine checkpoint folder (after verifying it), fp32 on CPU.
 
-    Names are the native model's FQNs (`torch.distributed.checkpoint.state_dict` names such as
-    `layers.0.attention.wq.weight`), not Hugging Face names; `rlloom.models.adapter` maps them.
+    Names are the native CausalLM's `state_dict` names (e.g. `layers.0.attention.wq.weight`), so
+    `CausalLM.load_state_dict` takes the result; they are not Hugging Face names
+    (`rlloom.models.adapter` maps them, `rlloom.models.save_pretrained` writes an HF folder).
     """
     root = Path(path)
     verify_folder(root)
     state = json.loads((root / STATE).read_text())
+    prefix = (
+        "model/model."  # the engine's tensors are those of PolicyHead, which holds the CausalLM as `model`
+    )
     out = {
-        name.removeprefix("model/"): torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]))
+        name.removeprefix(prefix): torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]))
         for name, meta in state["tensors"].items()
-        if name.startswith("model/")
+        if name.startswith(prefix)
     }
     with ExitStack() as stack, torch.no_grad():
         for r in range(state["world_size"]):
@@ -314,9 +318,8 @@ def read_model_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
                 safe_open(str(root / f"tensors_rank{r}.safetensors"), framework="pt")
             )
             for name, offset in json.loads((root / f"chunks_rank{r}.json").read_text()).items():
-                if name.startswith("model/"):
+                if name.startswith(prefix):
                     piece = handle.get_tensor(name)
-                    out[name.removeprefix("model/")][
-                        tuple(slice(o, o + n) for o, n in zip(offset, piece.shape))
-                    ] = piece
+                    region = tuple(slice(o, o + n) for o, n in zip(offset, piece.shape))
+                    out[name.removeprefix(prefix)][region] = piece
     return out
