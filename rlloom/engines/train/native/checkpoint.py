@@ -135,11 +135,17 @@ def _write_rank_files(tmp: Path, tree: dict[str, Any], engine_state: dict[str, A
     rank = _rank()
     local: dict[str, torch.Tensor] = {}
     offsets: dict[str, list[int]] = {}
+    storages: set[int] = set()
     for name, t in tensors.items():
         part, offset, writes = _local_chunk(t.detach())
         if writes and part.numel() > 0:
-            # A private contiguous CPU copy: safetensors refuses tensors that share storage (tied weights).
-            local[name] = part.to("cpu", copy=True).contiguous()
+            part = part.to("cpu").contiguous()
+            if (
+                part.untyped_storage().data_ptr() in storages
+            ):  # safetensors refuses shared storage (tied weights)
+                part = part.clone()
+            storages.add(part.untyped_storage().data_ptr())
+            local[name] = part
             offsets[name] = offset
     save_file(local, str(tmp / f"tensors_rank{rank}.safetensors"))
     (tmp / f"chunks_rank{rank}.json").write_text(json.dumps(offsets))
