@@ -174,3 +174,30 @@ def test_rng_states_round_trip_through_json():
     set_rng_state(state)
     got = draws()
     assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("offload", [False, True])
+def test_resume_is_bit_identical_on_cuda_bf16(ckpt, tmp_path, offload):
+    # The CUDA path: bf16 compute with a one-rank FSDP mesh, fused AdamW state on the GPU, CUDA RNG.
+    cfg = TrainEngineConfig(
+        lr=1e-3, weight_decay=0.1, optimizer_offload=offload, optimizer_offload_fraction=0.5
+    )
+
+    def build():
+        return NativeTrainEngine(cfg, load_tiny(ckpt), device="cuda", dtype=torch.bfloat16)
+
+    torch.manual_seed(0)
+    straight = build()
+    for s in range(2):
+        step(straight, s)
+    straight.save(str(tmp_path / "ckpt"))
+    noise_after_save = torch.randn(4, device="cuda")
+    step(straight, 2)
+    torch.manual_seed(123)
+    resumed = build()
+    resumed.load(str(tmp_path / "ckpt"))
+    assert torch.equal(torch.randn(4, device="cuda"), noise_after_save)  # the CUDA generator was restored
+    step(resumed, 2)
+    for (name, a), (_, b) in zip(straight.module.named_parameters(), resumed.module.named_parameters()):
+        assert torch.equal(a.full_tensor(), b.full_tensor()), name
