@@ -83,6 +83,9 @@ def save_checkpoint(group: Any, cfg: RunConfig, state: TrainerState) -> Path:
         swap_in(tmp, final)
     except (OSError, CheckpointError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        reason = (
+            e.__cause__ if isinstance(e, CheckpointError) and e.__cause__ else e
+        )  # the engine's bare cause
         previous = [p.name for p in complete_checkpoints(cfg.trainer.run_dir)]
         kept = (
             f"the newest earlier checkpoint, {previous[-1]}, is intact"
@@ -90,7 +93,7 @@ def save_checkpoint(group: Any, cfg: RunConfig, state: TrainerState) -> Path:
             else "no earlier checkpoint exists"
         )
         raise CheckpointError(
-            f"the checkpoint of step {state.step} was not saved ({e}); its temporary folder was removed and "
+            f"the checkpoint of step {state.step} was not saved ({reason}); its temporary folder was removed and "
             f"{kept}. Fix: free disk space or set trainer.keep_last_checkpoints lower, then rerun with "
             "trainer.resume=auto."
         ) from e

@@ -65,8 +65,9 @@ def test_full_disk_then_damaged_checkpoint_then_resume(tiny_checkpoint, tmp_path
     monkeypatch.setattr(native_checkpoint, "save_file", disk_full_at_third_save)
     with pytest.raises(
         CheckpointError, match=r"step 3 was not saved .*No space left.*step_000002, is intact"
-    ):
+    ) as err:
         run(tiny_cfg(tiny_checkpoint, run_dir, *common))
+    assert "\n" not in str(err.value) and str(err.value).count("Fix:") == 1
     monkeypatch.undo()
     assert steps(run_dir) == ["step_000001", "step_000002"]  # no temporary folder left behind
 
