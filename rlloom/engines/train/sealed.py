@@ -125,6 +125,8 @@ def verify_folder(root: str | os.PathLike, *, share: tuple[int, int] = (0, 1)) -
         if i % share[1] == share[0] and sha256_file(file) != entry["sha256"]:
             raise CheckpointError(f"{damaged}: file {rel!r} does not match its sha256 in {MANIFEST}. {fix}")
     for sub in sealed:
+        if sub in ("", ".", "..") or "/" in sub or f"{sub}/{MANIFEST}" not in listed:
+            raise CheckpointError(f"{damaged}: {MANIFEST} names {sub!r} as a sealed sub-folder. {fix}")
         verify_folder(root / sub, share=share)
     return manifest
 
