@@ -14,6 +14,7 @@ from typing import NoReturn
 
 from rlloom.cluster import WorkerFailure
 from rlloom.config.components import ConfigError
+from rlloom.engines.train.sealed import CheckpointError
 
 _OVERRIDES_HELP = "dotted overrides such as algorithm.eps_high=0.28 trainer.total_steps=50"
 
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         run(cfg)
         return 0
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, CheckpointError, FileNotFoundError) as e:
         print(f"rlloom: error: {e}", file=sys.stderr)
         return 2
     except WorkerFailure as e:

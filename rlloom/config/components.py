@@ -472,7 +472,10 @@ class TrainerConfig:
     run_dir: str = "runs/latest"
     """Folder for logs, checkpoints and plots."""
     resume: str = "never"
-    """`never`, `auto` (newest complete checkpoint in run_dir) or a checkpoint path."""
+    """`never` (refused when run_dir already holds a run), `auto` (newest intact checkpoint in run_dir,
+    damaged ones skipped with a warning; no checkpoint at all starts fresh) or a checkpoint path."""
+    keep_last_checkpoints: int = 0
+    """Keep only the newest k complete checkpoints in run_dir/checkpoints (0 = keep every one)."""
     seed: int = 0
     """Global seed (sampling, shuffling, initialisation)."""
 
@@ -501,6 +504,13 @@ class TrainerConfig:
         )
         _check(self.eval_every >= 0, "trainer.eval_every", self.eval_every, "must be >= 0", "use 0")
         _check(self.save_every >= 0, "trainer.save_every", self.save_every, "must be >= 0", "use 0")
+        _check(
+            self.keep_last_checkpoints >= 0,
+            "trainer.keep_last_checkpoints",
+            self.keep_last_checkpoints,
+            "must be >= 0 (0 keeps every checkpoint)",
+            "use 2 to keep the newest two",
+        )
 
 
 @dataclass(kw_only=True, slots=True)

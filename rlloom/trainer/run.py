@@ -25,9 +25,16 @@ from rlloom.observability.memory import peak_memory_gib
 from rlloom.plan.check import check_fits
 from rlloom.rewards.build import build_reward_runner
 from rlloom.tasks.build import build_task_source
-from rlloom.trainer.checkpoint import TrainerState, load_checkpoint, resolve_resume, save_checkpoint
+from rlloom.trainer.checkpoint import (
+    TrainerState,
+    load_checkpoint,
+    prepare_run_dir,
+    resolve_resume,
+    save_checkpoint,
+)
 from rlloom.trainer.evaluate import evaluate
 from rlloom.trainer.faults import maybe_fail
+from rlloom.trainer.run_lock import RunDirLock
 from rlloom.trainer.step import StepContext, rl_step
 
 
@@ -47,6 +54,14 @@ def seed_everything(seed: int) -> None:
 
 
 def run(cfg: RunConfig) -> RunResult:
+    """Train under an exclusive lock on `trainer.run_dir` (a second run there is refused)."""
+    init_logger()
+    with RunDirLock(cfg.trainer.run_dir):
+        prepare_run_dir(cfg.trainer.run_dir)
+        return _run(cfg, resolve_resume(cfg))
+
+
+def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
     log = init_logger()
     start = time.perf_counter()
     seed_everything(cfg.trainer.seed)
@@ -68,7 +83,6 @@ def run(cfg: RunConfig) -> RunResult:
     )
 
     state = TrainerState(step=0, data_state=source.state_dict())
-    resume_from = resolve_resume(cfg)
     if resume_from is not None:
         state = load_checkpoint(group, resume_from)
         source.load_state_dict(state.data_state)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from rlloom.config import load_config
+from rlloom.trainer.checkpoint import checkpoint_dir, checkpoint_model_tensors
 from rlloom.trainer.run import run
 
 NON_DETERMINISTIC = ("time/", "perf/", "sync/ms", "memory/")
@@ -39,10 +39,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def final_weights(run_dir: Path, step: int, tmp: Path) -> dict[str, torch.Tensor]:
-    out = tmp / f"weights_{run_dir.name}.pt"
-    dcp_to_torch_save(run_dir / "checkpoints" / f"step_{step:06d}" / "engine" / "dcp", out)
-    state = torch.load(out, weights_only=False)
-    return {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+    """The model tensors of checkpoint step_N of a run (native names); `tmp` is unused."""
+    return checkpoint_model_tensors(checkpoint_dir(run_dir, step))
 
 
 def test_two_steps_log_every_metric_and_checkpoint(tiny_checkpoint, tmp_path, capsys):
@@ -63,7 +61,7 @@ def test_two_steps_log_every_metric_and_checkpoint(tiny_checkpoint, tmp_path, ca
     assert step["policy/version"] == 1 and records[2]["policy/version"] == 2
     assert 0 <= step["rollout/logp_gap_abs"] < 1e-4 and 1 <= step["rollout/token_mult_prob_error"] < 1 + 1e-4
     assert "eval/accuracy" in records[0] and "eval/accuracy" in records[2]
-    assert (tmp_path / "run" / "checkpoints" / "step_000002" / "COMPLETE").is_file()
+    assert (tmp_path / "run" / "checkpoints" / "step_000002" / "manifest.json").is_file()
 
 
 def test_resume_after_crash_matches_uninterrupted_run(tiny_checkpoint, tmp_path):
