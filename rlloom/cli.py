@@ -1,7 +1,10 @@
-"""The `rlloom` command: `train`, `config show` and `plot`.
+"""The `rlloom` command: `train`, `eval`, `export`, `config show`, `config doc` and `plot`.
 
 rlloom train RECIPE_OR_YAML [section.key=value ...]
+rlloom eval MODEL_OR_RUN DATA [section.key=value ...] [--samples N] [--temperature T]
+rlloom export RUN_DIR_OR_CHECKPOINT OUT [--dtype auto|float32|bfloat16|float16]
 rlloom config show RECIPE_OR_YAML [section.key=value ...]
+rlloom config doc
 rlloom plot RUN_DIR
 """
 
@@ -39,6 +42,22 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("config", help="recipe name or YAML file")
     show.add_argument("overrides", nargs="*", help=_OVERRIDES_HELP)
 
+    export = sub.add_parser(
+        "export",
+        help="write a run's trained model as a Hugging Face folder",
+        description="Write the policy of a checkpoint (or of a run folder's newest complete checkpoint) as a "
+        "Hugging Face folder: config.json, tokenizer files and safetensors, loadable by transformers' "
+        "AutoModelForCausalLM and servable by vLLM/SGLang.",
+    )
+    export.add_argument("source", help="run folder (RUN_DIR) or checkpoint (RUN_DIR/checkpoints/step_N)")
+    export.add_argument("out", help="new or empty output folder")
+    export.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="safetensors dtype; auto keeps the starting model's own dtype (its config.json)",
+    )
+
     plot = sub.add_parser(
         "plot", help="plot a run's curves", description="Write RUN_DIR/curves.png from metrics.jsonl."
     )
@@ -58,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
             from rlloom.observability.plot import plot_run
 
             print(plot_run(args.run_dir))
+            return 0
+        if args.command == "export":
+            from rlloom.trainer.export import export_checkpoint
+
+            print(export_checkpoint(args.source, args.out, dtype=args.dtype))
             return 0
         from rlloom.config.loading import load_config
         from rlloom.trainer.run import run

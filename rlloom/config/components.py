@@ -411,6 +411,10 @@ class TrainerConfig:
     """Evaluate every k steps (0 = only before and after training)."""
     save_every: int = 0
     """Checkpoint every k steps (0 = only at the end)."""
+    save_hf_every: int = 0
+    """Write a Hugging Face folder of the policy (RUN_DIR/hf/step_N: config, tokenizer, safetensors
+    in the model's own dtype; loads with transformers' AutoModelForCausalLM) every k steps; 0 = only
+    at the end of the run, -1 = never."""
     run_dir: str = "runs/latest"
     """Folder for logs, checkpoints and plots."""
     resume: str = "never"
@@ -443,6 +447,13 @@ class TrainerConfig:
         )
         _check(self.eval_every >= 0, "trainer.eval_every", self.eval_every, "must be >= 0", "use 0")
         _check(self.save_every >= 0, "trainer.save_every", self.save_every, "must be >= 0", "use 0")
+        _check(
+            self.save_hf_every >= -1,
+            "trainer.save_hf_every",
+            self.save_hf_every,
+            "must be >= -1",
+            "use 0 (only at the end) or -1 (never)",
+        )
 
 
 @dataclass(kw_only=True, slots=True)
