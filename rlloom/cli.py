@@ -42,6 +42,21 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("config", help="recipe name or YAML file")
     show.add_argument("overrides", nargs="*", help=_OVERRIDES_HELP)
 
+    evaluate = sub.add_parser(
+        "eval",
+        help="score a model or run on a dataset",
+        description="Accuracy of a model (Hugging Face folder, run folder or checkpoint) on a dataset "
+        "(.jsonl/.parquet file, or arithmetic/countdown) with the task's reward: a table and a JSON line. "
+        "A run's own settings (template, system prompt, reward) are used; overrides apply last.",
+    )
+    evaluate.add_argument("model", help="Hugging Face folder, run folder or checkpoint")
+    evaluate.add_argument("data", help=".jsonl or .parquet file (every row), or arithmetic/countdown")
+    evaluate.add_argument("overrides", nargs="*", help="dotted overrides such as data.system_prompt='...'")
+    evaluate.add_argument("--samples", type=int, default=1, help="answers per prompt (pass@k for k > 1)")
+    evaluate.add_argument(
+        "--temperature", type=float, default=None, help="sampling temperature (default: 0, greedy)"
+    )
+
     export = sub.add_parser(
         "export",
         help="write a run's trained model as a Hugging Face folder",
@@ -77,6 +92,15 @@ def main(argv: list[str] | None = None) -> int:
             from rlloom.observability.plot import plot_run
 
             print(plot_run(args.run_dir))
+            return 0
+        if args.command == "eval":
+            from rlloom.trainer.eval_model import eval_model
+
+            report = eval_model(
+                args.model, args.data, args.overrides, samples=args.samples, temperature=args.temperature
+            )
+            print(report.table())
+            print(report.json_line())
             return 0
         if args.command == "export":
             from rlloom.trainer.export import export_checkpoint

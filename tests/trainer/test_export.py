@@ -9,7 +9,9 @@ tensors as the export from the checkpoint.
 
 from __future__ import annotations
 
+import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -129,7 +131,7 @@ def test_export_round_trip_matches_trained_engine(kind, tiny_checkpoint, tmp_pat
     assert all(torch.equal(at_end[k], exported[k]) for k in exported)
 
 
-def test_save_hf_every_and_dtype(tiny_checkpoint, tmp_path, monkeypatch):
+def test_save_hf_every_export_bf16_and_eval_the_run(tiny_checkpoint, tmp_path, monkeypatch, capsys):
     run_dir = tmp_path / "run"
     train_two_steps(tiny_checkpoint, run_dir, monkeypatch, "trainer.save_hf_every=1")
     assert sorted(p.name for p in (run_dir / "hf").iterdir()) == ["step_000001", "step_000002"]
@@ -143,13 +145,25 @@ def test_save_hf_every_and_dtype(tiny_checkpoint, tmp_path, monkeypatch):
     assert {t.dtype for t in tensors(out).values()} == {torch.bfloat16}
     assert AutoModelForCausalLM.from_pretrained(out).dtype == torch.bfloat16
 
+    # `rlloom eval RUN_DIR`: the run's settings (max_new_tokens=4) and its newest weights, read from
+    # RUN_DIR/hf/step_2 or, once that is gone, from an export of the checkpoint: the same report.
+    capsys.readouterr()
+    reports = []
+    for _ in range(2):
+        assert main(["eval", str(run_dir), "arithmetic", "data.num_eval=6", "rollout.num_blocks=16"]) == 0
+        reports.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+        shutil.rmtree(run_dir / "hf", ignore_errors=True)
+    assert reports[0] == reports[1] and reports[0]["prompts"] == 6 and reports[0]["length_mean"] <= 4
 
-def test_save_hf_never(tiny_checkpoint, tmp_path, monkeypatch):
-    run_dir = tmp_path / "run"
-    train_two_steps(
-        tiny_checkpoint, run_dir, monkeypatch, "trainer.total_steps=1", "trainer.save_hf_every=-1"
-    )
-    assert not (run_dir / "hf").exists() and (run_dir / "checkpoints" / "step_000001").is_dir()
+
+def test_save_hf_every_schedule():
+    cfg = load_config("arithmetic_smoke", ["trainer.total_steps=4"])
+    due = lambda every: [
+        s
+        for s in range(1, 5)
+        if run_module._hf_due(replace(cfg, trainer=replace(cfg.trainer, save_hf_every=every)), s, s == 4)
+    ]
+    assert due(0) == [4] and due(-1) == [] and due(2) == [2, 4] and due(3) == [3, 4]
 
 
 def _error(capsys, *argv: str) -> str:
