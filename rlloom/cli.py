@@ -41,6 +41,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     show.add_argument("config", help="recipe name or YAML file")
     show.add_argument("overrides", nargs="*", help=_OVERRIDES_HELP)
+    config_sub.add_parser(
+        "doc",
+        help="print the configuration reference (Markdown)",
+        description="Print every config key with its type, default and description, as Markdown "
+        "(docs/config.md is this output).",
+    )
 
     evaluate = sub.add_parser(
         "eval",
@@ -83,6 +89,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.command == "config" and args.config_command == "doc":
+            from rlloom.config.doc import config_reference
+
+            print(config_reference(), end="")
+            return 0
         if args.command == "config":
             from rlloom.config.loading import load_config, to_yaml
 
