@@ -84,7 +84,7 @@ def eval_data_overrides(data: str) -> list[str]:
         )
     task = "parquet" if path.suffix == ".parquet" else "jsonl"
     # Every row is evaluated: no rows are held out of a training split here.
-    return [f"data.task={task}", f"data.path={path.resolve()}", "data.num_eval=0"]
+    return [f"data.task={task}", f"data.path={json.dumps(str(path.resolve()))}", "data.num_eval=0"]
 
 
 def resolve_model(model_or_run: str, workdir: Path) -> tuple[Path | None, str]:
@@ -169,7 +169,9 @@ def eval_model(
             base = workdir / "defaults.yaml"
             base.write_text("{}\n")
         extra = [] if temperature is None else [f"rollout.eval_temperature={temperature}"]
-        cfg = load_config(base, [f"model.path={model}", *data_overrides, *(overrides or []), *extra])
+        cfg = load_config(
+            base, [f"model.path={json.dumps(model)}", *data_overrides, *(overrides or []), *extra]
+        )
         temp = cfg.rollout.eval_temperature
         if samples > 1 and temp == 0:
             raise ConfigError(

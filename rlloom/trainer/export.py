@@ -21,7 +21,7 @@ from rlloom.config.components import ConfigError, RunConfig
 from rlloom.config.loading import load_config
 from rlloom.engines.train.hf_folder import ExportDType, save_hf_folder
 from rlloom.engines.train.native import NativeTrainEngine
-from rlloom.trainer.checkpoint import MARKER, latest_checkpoint
+from rlloom.trainer.checkpoint import latest_checkpoint
 
 _WHERE = "a run folder (RUN_DIR) or one of its checkpoints (RUN_DIR/checkpoints/step_N)"
 
@@ -40,21 +40,25 @@ def save_run_hf(group: Any, cfg: RunConfig, step: int) -> Path:
 
 
 def resolve_checkpoint(source: str | os.PathLike) -> Path:
-    """The complete checkpoint `source` names: itself, or the newest one of a run folder."""
+    """The checkpoint `source` names: itself, or the newest complete one of a run folder.
+
+    A checkpoint is written in a `step_N.tmp-PID` sibling and renamed to `step_N` only when
+    complete, so a `step_N` folder is whole; the engine's `load` checks its contents.
+    """
     path = Path(source)
     if not path.is_dir():
         raise ConfigError(f"export source {str(source)!r} does not exist. Fix: pass {_WHERE}.")
-    if (path / MARKER).is_file():
+    if (path / "config.yaml").is_file() and (path / "engine").is_dir():
+        if ".tmp-" in path.name:
+            raise ConfigError(
+                f"export source {str(source)!r} is an interrupted checkpoint save (a .tmp- folder). "
+                "Fix: pass the run folder to take its newest complete checkpoint."
+            )
         return path
-    if (path / "trainer_state.json").exists() or path.parent.name == "checkpoints":
-        raise ConfigError(
-            f"export source {str(source)!r} is an incomplete checkpoint (no {MARKER} marker: the run stopped "
-            f"while writing it). Fix: pass the run folder to take its newest complete checkpoint."
-        )
     latest = latest_checkpoint(path)
     if latest is None:
         raise ConfigError(
-            f"export source {str(source)!r} has no complete checkpoint (no checkpoints/step_N/{MARKER}). "
+            f"export source {str(source)!r} has no complete checkpoint (RUN_DIR/checkpoints/step_N). "
             f"Fix: pass {_WHERE}; a run writes one at its end and every trainer.save_every steps."
         )
     return latest
@@ -90,7 +94,7 @@ def export_checkpoint(
     source: str | os.PathLike, out: str | os.PathLike, *, dtype: ExportDType = "auto"
 ) -> Path:
     """`rlloom export`: write the policy of a checkpoint (or a run's newest) as a Hugging Face folder."""
-    ckpt = resolve_checkpoint(source)
     out_path = check_output(out)
+    ckpt = resolve_checkpoint(source)
     cfg, engine = build_engine_from_checkpoint(ckpt)
     return save_hf_folder(engine, cfg.model.path, out_path, dtype=dtype)

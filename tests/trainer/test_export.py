@@ -174,19 +174,19 @@ def _error(capsys, *argv: str) -> str:
 
 
 def test_export_errors_are_one_line(tmp_path, capsys):
-    assert "does not exist" in _error(capsys, str(tmp_path / "missing"), str(tmp_path / "out"))
-
-    run_dir = tmp_path / "run"
-    (run_dir / "checkpoints" / "step_000002").mkdir(parents=True)  # a checkpoint cut off mid-write
-    assert "has no complete checkpoint" in _error(capsys, str(run_dir), str(tmp_path / "out"))
-    assert "incomplete checkpoint" in _error(
-        capsys, str(run_dir / "checkpoints" / "step_000002"), str(tmp_path / "out")
-    )
-
-    (run_dir / "checkpoints" / "step_000002" / "COMPLETE").write_text("ok\n")
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "notes.txt").write_text("keep me")
-    assert "not an empty folder" in _error(capsys, str(run_dir), str(busy))
+    assert "not an empty folder" in _error(capsys, str(tmp_path), str(busy))
     assert (busy / "notes.txt").read_text() == "keep me"
-    shutil.rmtree(run_dir)
+
+    out = str(tmp_path / "out")
+    assert "does not exist" in _error(capsys, str(tmp_path / "missing"), out)
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step_000002").mkdir(parents=True)  # no checkpoint files in it
+    assert "has no complete checkpoint" in _error(capsys, str(run_dir), out)
+    interrupted = run_dir / "checkpoints" / "step_000004.tmp-123"
+    (interrupted / "engine").mkdir(parents=True)
+    (interrupted / "config.yaml").write_text("{}\n")
+    assert "interrupted checkpoint save" in _error(capsys, str(interrupted), out)
+    assert not Path(out).exists()
