@@ -99,6 +99,12 @@ def resolve_model(model_or_run: str, workdir: Path) -> tuple[Path | None, str]:
             f"model {model_or_run!r} does not exist. Fix: pass a Hugging Face folder (config.json and "
             f"safetensors; download Hub models first), {EMBEDDED_NAME!r}, a run folder or a checkpoint."
         )
+    if not (path / "checkpoints").is_dir() and not (path / "config.yaml").is_file():
+        raise ConfigError(
+            f"model {model_or_run!r} is neither a Hugging Face folder (no config.json) nor a run folder or "
+            "checkpoint. Fix: pass a folder with config.json and safetensors, a run folder (RUN_DIR) or "
+            "RUN_DIR/checkpoints/step_N."
+        )
     ckpt = resolve_checkpoint(path)
     step = int(ckpt.name.split("_")[1])
     saved = hf_dir(ckpt.parent.parent, step)

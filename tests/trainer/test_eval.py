@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -61,7 +62,8 @@ def dataset(lively_model, tmp_path, monkeypatch):
     (tmp_path / "exact_reward.py").write_text(
         "def exact(response_text, ground_truth):\n    return float(response_text == ground_truth)\n"
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(tmp_path))  # for inline scoring, and for worker processes:
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     greedy = hf_greedy(lively_model, PROMPTS, max_new_tokens=6)
     assert len(set(greedy)) > 1, greedy  # a model with one answer for everything proves little
     half = len(PROMPTS) // 2
@@ -95,13 +97,14 @@ def test_sampling_reports_pass_at_k(lively_model, dataset, capsys):
     "argv, message",
     [
         (["missing_model", "arithmetic"], "does not exist"),
+        (["{tmp}", "arithmetic"], "neither a Hugging Face folder"),
         (["{model}", "missing.jsonl"], "neither a file nor a task"),
         (["{model}", "arithmetic", "--samples", "3"], "identical answers"),
         (["{model}", "arithmetic", "--samples", "0"], "must be >= 1"),
     ],
 )
-def test_errors_are_one_line(argv, message, tiny_checkpoint, capsys):
-    argv = [a.format(model=tiny_checkpoint) for a in argv]
+def test_errors_are_one_line(argv, message, tiny_checkpoint, tmp_path, capsys):
+    argv = [a.format(model=tiny_checkpoint, tmp=tmp_path) for a in argv]
     assert main(["eval", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("rlloom: error: ") and err.count("\n") == 1 and message in err, err
