@@ -60,7 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("overrides", nargs="*", help="dotted overrides such as data.system_prompt='...'")
     evaluate.add_argument("--samples", type=int, default=1, help="answers per prompt (pass@k for k > 1)")
     evaluate.add_argument(
-        "--temperature", type=float, default=None, help="sampling temperature (default: 0, greedy)"
+        "--temperature",
+        type=float,
+        default=None,
+        help="sampling temperature (default: rollout.eval_temperature, 0 = greedy)",
     )
 
     export = sub.add_parser(
