@@ -17,11 +17,20 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, DeepseekV3Config, Qwen3Config, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    LlamaConfig,
+    MixtralConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 import rlloom.trainer.run as run_module
 from rlloom.cli import main
-from rlloom.config import load_config
+from rlloom.config import TrainEngineConfig, load_config
+from rlloom.engines.train.hf_folder import save_hf_folder
+from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.trainer.export import hf_dir
 
 _SIZES = dict(hidden_size=32, num_attention_heads=4, max_position_embeddings=512, tie_word_embeddings=False)
@@ -61,12 +70,24 @@ CONFIGS = {
 }
 
 
+# Architectures whose export is also checked without training (the engine's weights at the start).
+MORE_CONFIGS = {
+    "llama": lambda: LlamaConfig(**_SIZES, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2),
+    "mixtral": lambda: MixtralConfig(
+        **_SIZES, intermediate_size=24, num_hidden_layers=2, num_key_value_heads=2, num_local_experts=4
+    ),
+    "deepseek_v3_no_q_lora": lambda: DeepseekV3Config(
+        **{**CONFIGS["deepseek_v3_q_lora"]().to_dict(), "q_lora_rank": None}
+    ),
+}
+
+
 def build_model_dir(kind: str, tokenizer_dir: Path, out: Path) -> Path:
     """A tiny random HF model of `kind` with the character tokenizer of `tokenizer_dir`."""
     from transformers import AutoConfig, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    cfg = CONFIGS[kind]()
+    cfg = (CONFIGS | MORE_CONFIGS)[kind]()
     cfg.vocab_size, cfg.eos_token_id, cfg.pad_token_id = len(tok), tok.eos_token_id, tok.pad_token_id
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg.to_dict()), dtype=torch.float32)
@@ -129,6 +150,20 @@ def test_export_round_trip_matches_trained_engine(kind, tiny_checkpoint, tmp_pat
     # The run's own folder (written at its end from the live engine) holds the same tensors.
     at_end = tensors(hf_dir(run_dir, 2))
     assert all(torch.equal(at_end[k], exported[k]) for k in exported)
+
+
+@pytest.mark.parametrize("kind", list(MORE_CONFIGS))
+def test_engine_weights_round_trip_for_every_architecture(kind, tiny_checkpoint, tmp_path):
+    model_dir = build_model_dir(kind, tiny_checkpoint, tmp_path / "start")
+    engine = NativeTrainEngine.build(TrainEngineConfig(), str(model_dir))
+    out = save_hf_folder(engine, str(model_dir), tmp_path / "out")
+    exported, start = tensors(out), tensors(model_dir)
+    assert exported.keys() == start.keys()
+    assert all(torch.equal(exported[k], start[k]) for k in start)
+    assert (
+        type(AutoModelForCausalLM.from_pretrained(out)).__name__
+        == type(AutoModelForCausalLM.from_pretrained(model_dir)).__name__
+    )
 
 
 def test_save_hf_every_export_bf16_and_eval_the_run(tiny_checkpoint, tmp_path, monkeypatch, capsys):
