@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from rlloom.engines.train.hf_folder import ExportDType, save_hf_folder
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.trainer.checkpoint import latest_checkpoint
 
+logger = logging.getLogger(__name__)
 _WHERE = "a run folder (RUN_DIR) or one of its checkpoints (RUN_DIR/checkpoints/step_N)"
 
 
@@ -35,7 +38,9 @@ def save_run_hf(group: Any, cfg: RunConfig, step: int) -> Path:
     """Write the live policy of a run as RUN_DIR/hf/step_N (every rank takes part)."""
     path = hf_dir(cfg.trainer.run_dir, step)
     path.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
     group.save_hf(str(path))
+    logger.info("wrote the Hugging Face folder %s (%.1f s)", path, time.perf_counter() - start)
     return path
 
 
