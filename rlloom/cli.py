@@ -1,7 +1,7 @@
 """The `rlloom` command: `train`, `eval`, `export`, `config show`, `config doc` and `plot`.
 
 rlloom train RECIPE_OR_YAML [section.key=value ...]
-rlloom eval MODEL_OR_RUN DATA [section.key=value ...] [--samples N] [--temperature T]
+rlloom eval MODEL_OR_RUN DATA [section.key=value ...] [--samples N] [--temperature T] [--responses FILE]
 rlloom export RUN_DIR_OR_CHECKPOINT OUT [--dtype auto|float32|bfloat16|float16]
 rlloom config show RECIPE_OR_YAML [section.key=value ...]
 rlloom config doc
@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="sampling temperature (default: rollout.eval_temperature, 0 = greedy)",
     )
+    evaluate.add_argument(
+        "--responses", metavar="FILE", help="also write every answer and its score to this jsonl file"
+    )
 
     export = sub.add_parser(
         "export",
@@ -111,7 +114,12 @@ def main(argv: list[str] | None = None) -> int:
             from rlloom.trainer.eval_model import eval_model
 
             report = eval_model(
-                args.model, args.data, args.overrides, samples=args.samples, temperature=args.temperature
+                args.model,
+                args.data,
+                args.overrides,
+                samples=args.samples,
+                temperature=args.temperature,
+                responses=args.responses,
             )
             print(report.table())
             print(report.json_line())

@@ -6,7 +6,8 @@ checkpoint's config.yaml and its weights from RUN_DIR/hf/step_N, or from an expo
 when that folder is absent; a model folder starts from the default settings. DATA is a .jsonl or
 .parquet file (every row is evaluated) or a procedural task name (its held-out split). Dotted
 overrides apply last. Greedy by default; `samples` > 1 at a temperature > 0 also reports pass@k.
-The report is a table and one JSON line (the last line, for scripts).
+The report is a table and one JSON line (the last line, for scripts); `responses` also writes every
+answer with its score to a jsonl file.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from rlloom.cluster.worker import resolve_device, resolve_dtype
 from rlloom.config.components import ConfigError, RunConfig
 from rlloom.config.loading import load_config
 from rlloom.data.chat import tokenize_prompts
-from rlloom.data.dataset import load_prompt_file
+from rlloom.data.dataset import PromptItem, load_prompt_file
 from rlloom.engines.rollout.native import NativeEngine
 from rlloom.engines.train.hf_folder import save_hf_folder
 from rlloom.models import from_pretrained, load_decoder, load_tokenizer
@@ -114,7 +115,7 @@ def resolve_model(model_or_run: str, workdir: Path) -> tuple[Path | None, str]:
     return ckpt / "config.yaml", str(save_hf_folder(engine, cfg.model.path, workdir / "model"))
 
 
-def eval_items(cfg: RunConfig, tokenizer: object) -> tuple[list, int]:
+def eval_items(cfg: RunConfig, tokenizer: object) -> tuple[list[PromptItem], int]:
     """(tokenized prompts, prompts skipped as too long): every row of a file, or a task's eval split."""
     d = cfg.data
     if d.task in PROCEDURAL_TASKS:
@@ -131,8 +132,9 @@ def eval_items(cfg: RunConfig, tokenizer: object) -> tuple[list, int]:
     return tokenized.items, tokenized.num_too_long
 
 
-def generate_and_score(cfg: RunConfig, samples: int) -> tuple[EvalScores, int]:
-    """Load the model of `cfg.model.path` into a rollout engine and score the eval prompts."""
+def generate_and_score(cfg: RunConfig, samples: int) -> tuple[list[PromptItem], EvalScores, int]:
+    """Load the model of `cfg.model.path` into a rollout engine and score the eval prompts:
+    (the prompts, their scores, prompts skipped as too long)."""
     tokenizer = load_tokenizer(cfg.model.path)
     items, too_long = eval_items(cfg, tokenizer)
     device = resolve_device(cfg)
@@ -149,11 +151,19 @@ def generate_and_score(cfg: RunConfig, samples: int) -> tuple[EvalScores, int]:
     stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
     try:
-        return score_prompts(
-            engine, items, runner, decode, cfg, stop_token_ids=stop, samples=samples
-        ), too_long
+        scores = score_prompts(engine, items, runner, decode, cfg, stop_token_ids=stop, samples=samples)
+        return items, scores, too_long
     finally:
         runner.close()
+
+
+def write_responses(path: Path, items: list[PromptItem], scores: EvalScores) -> None:
+    """One JSON line per prompt: its row index, the templated prompt, the ground truth, and every
+    response with its score."""
+    with path.open("w", encoding="utf-8") as f:
+        for item, texts, row in zip(items, scores.texts, scores.scores):
+            record = {"index": item.index, "prompt": item.prompt_text, "ground_truth": item.ground_truth}
+            f.write(json.dumps(record | {"responses": texts, "scores": row}) + "\n")
 
 
 def eval_model(
@@ -163,8 +173,9 @@ def eval_model(
     *,
     samples: int = 1,
     temperature: float | None = None,
+    responses: str | None = None,
 ) -> EvalReport:
-    """`rlloom eval`: see the module docstring."""
+    """`rlloom eval`: see the module docstring. `responses`: a jsonl file to write every answer to."""
     if samples < 1:
         raise ConfigError(f"--samples={samples} is invalid: must be >= 1. Fix: use 1 (greedy) or e.g. 8.")
     data_overrides = eval_data_overrides(data)
@@ -184,7 +195,9 @@ def eval_model(
                 f"--samples={samples} at temperature 0 (greedy) gives {samples} identical answers per prompt. "
                 "Fix: add --temperature 0.7 (or rollout.eval_temperature=0.7), or use --samples 1."
             )
-        scores, too_long = generate_and_score(cfg, samples)
+        items, scores, too_long = generate_and_score(cfg, samples)
+    if responses:
+        write_responses(Path(responses), items, scores)
     metrics = {k.removeprefix("eval/"): v for k, v in scores.metrics().items()}
     return EvalReport(
         model=model_or_run,

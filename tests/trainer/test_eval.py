@@ -79,11 +79,17 @@ def run_eval(capsys, *argv: str) -> tuple[str, dict]:
     return "\n".join(out[:-1]), json.loads(out[-1])
 
 
-def test_greedy_accuracy_matches_transformers(lively_model, dataset, capsys):
-    table, report = run_eval(capsys, str(lively_model), str(dataset), *FAST)
+def test_greedy_accuracy_matches_transformers(lively_model, dataset, tmp_path, capsys):
+    out = tmp_path / "responses.jsonl"
+    table, report = run_eval(capsys, str(lively_model), str(dataset), *FAST, "--responses", str(out))
     assert report["accuracy"] == 0.5 and report["prompts"] == len(PROMPTS) and report["samples"] == 1
     assert "pass@1" not in report and report["temperature"] == 0.0
     assert "accuracy" in table and "0.5000" in table
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    answers = [json.loads(line)["answer"] for line in dataset.read_text().splitlines()]
+    assert [r["ground_truth"] for r in rows] == answers and [r["index"] for r in rows] == list(range(6))
+    assert [r["responses"][0] == r["ground_truth"] for r in rows] == [True] * 3 + [False] * 3
+    assert [r["scores"] for r in rows] == [[1.0]] * 3 + [[0.0]] * 3
 
 
 def test_sampling_reports_pass_at_k(lively_model, dataset, capsys):
