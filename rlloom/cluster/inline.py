@@ -39,6 +39,8 @@ class WorkerGroup(Protocol):
 
     def load(self, path: str) -> None: ...
 
+    def save_hf(self, path: str) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -80,6 +82,9 @@ class InlineGroup:
 
     def load(self, path: str) -> None:
         self.worker.load(path)
+
+    def save_hf(self, path: str) -> None:
+        self.worker.save_hf(path)
 
     def close(self) -> None:
         pass

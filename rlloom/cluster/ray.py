@@ -185,6 +185,9 @@ class RayGroup:
     def load(self, path: str) -> None:
         self._all("load", path)
 
+    def save_hf(self, path: str) -> None:
+        self._all("save_hf", path)
+
     def close(self) -> None:
         for actor in getattr(self, "actors", []):
             ray.kill(actor, no_restart=True)

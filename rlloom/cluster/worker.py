@@ -12,6 +12,7 @@ from rlloom.algorithms.objective import make_loss_fn
 from rlloom.config.components import RunConfig
 from rlloom.data.types import PolicyUpdate, RolloutBatch
 from rlloom.engines.rollout.native import Completion, NativeEngine, SamplingParams
+from rlloom.engines.train.hf_folder import save_hf_folder
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.models import from_pretrained, load_decoder
 from rlloom.trainer.faults import maybe_fail
@@ -114,3 +115,7 @@ class RLWorker:
 
     def load(self, path: str) -> None:
         self.train.load(path)
+
+    def save_hf(self, path: str) -> None:
+        """Write the policy as a Hugging Face folder (every rank gathers, rank 0 writes)."""
+        save_hf_folder(self.train, self.cfg.model.path, path, write=self.rank == 0)

@@ -469,6 +469,10 @@ class TrainerConfig:
     """Evaluate every k steps (0 = only before and after training)."""
     save_every: int = 0
     """Checkpoint every k steps (0 = only at the end)."""
+    save_hf_every: int = 0
+    """Write a Hugging Face folder of the policy (RUN_DIR/hf/step_N: config, tokenizer, safetensors
+    in the model's own dtype; loads with transformers' AutoModelForCausalLM) every k steps; 0 = only
+    at the end of the run, -1 = never."""
     run_dir: str = "runs/latest"
     """Folder for logs, checkpoints and plots."""
     resume: str = "never"
@@ -510,6 +514,13 @@ class TrainerConfig:
             self.keep_last_checkpoints,
             "must be >= 0 (0 keeps every checkpoint)",
             "use 2 to keep the newest two",
+        )
+        _check(
+            self.save_hf_every >= -1,
+            "trainer.save_hf_every",
+            self.save_hf_every,
+            "must be >= -1",
+            "use 0 (only at the end) or -1 (never)",
         )
 
 

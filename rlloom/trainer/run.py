@@ -1,7 +1,7 @@
 """`run(cfg)`: the whole training job, reading like the algorithm (STYLE.md §3).
 
-build -> (resume) -> evaluate -> [rl_step -> log -> evaluate every k -> checkpoint every k] -> final
-evaluation and checkpoint -> one summary line.
+build -> (resume) -> evaluate -> [rl_step -> log -> evaluate every k -> checkpoint every k -> Hugging
+Face folder every k] -> final evaluation, checkpoint and Hugging Face folder -> one summary line.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from rlloom.trainer.checkpoint import (
     save_checkpoint,
 )
 from rlloom.trainer.evaluate import evaluate
+from rlloom.trainer.export import save_run_hf
 from rlloom.trainer.faults import maybe_fail
 from rlloom.trainer.run_lock import RunDirLock
 from rlloom.trainer.step import StepContext, rl_step
@@ -115,6 +116,8 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
                 state.data_state = source.state_dict()
                 save_checkpoint(group, cfg, state)
                 maybe_fail("after_checkpoint", state.step)
+            if _hf_due(cfg, state.step, is_last):
+                save_run_hf(group, cfg, state.step)
     finally:
         loggers.close()
         runner.close()
@@ -133,6 +136,11 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
         flush=True,
     )
     return result
+
+
+def _hf_due(cfg: RunConfig, step: int, is_last: bool) -> bool:
+    every = cfg.trainer.save_hf_every
+    return every >= 0 and (is_last or (every > 0 and step % every == 0))
 
 
 def _fmt(x: float | None) -> str:
