@@ -1,17 +1,23 @@
-"""The `rlloom` command: `train`, `config show` and `plot`.
+"""The `rlloom` command: `train`, `eval`, `export`, `plan`, `config show`, `config doc` and `plot`.
 
 rlloom train RECIPE_OR_YAML [section.key=value ...]
+rlloom eval MODEL_OR_RUN DATA [section.key=value ...] [--samples N] [--temperature T] [--responses FILE]
+rlloom export RUN_DIR_OR_CHECKPOINT OUT [--dtype auto|float32|bfloat16|float16]
 rlloom config show RECIPE_OR_YAML [section.key=value ...]
+rlloom config doc
 rlloom plot RUN_DIR
+rlloom plan MODEL --gpus N --gpu-memory-gb G [--check tp=..,pp=..,cp=..,ep=..,offload=F] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 from rlloom.cluster import WorkerFailure
 from rlloom.config.components import ConfigError
+from rlloom.engines.train.sealed import CheckpointError
 
 _OVERRIDES_HELP = "dotted overrides such as algorithm.eps_high=0.28 trainer.total_steps=50"
 
@@ -38,26 +44,133 @@ def _parser() -> argparse.ArgumentParser:
     )
     show.add_argument("config", help="recipe name or YAML file")
     show.add_argument("overrides", nargs="*", help=_OVERRIDES_HELP)
+    config_sub.add_parser(
+        "doc",
+        help="print the configuration reference (Markdown)",
+        description="Print every config key with its type, default and description, as Markdown "
+        "(docs/config.md is this output).",
+    )
+
+    evaluate = sub.add_parser(
+        "eval",
+        help="score a model or run on a dataset",
+        description="Accuracy of a model (Hugging Face folder, run folder or checkpoint) on a dataset "
+        "(.jsonl/.parquet file, or arithmetic/countdown) with the task's reward: a table and a JSON line. "
+        "A run's own settings (template, system prompt, reward) are used; overrides apply last.",
+    )
+    evaluate.add_argument("model", help="Hugging Face folder, run folder or checkpoint")
+    evaluate.add_argument("data", help=".jsonl or .parquet file (every row), or arithmetic/countdown")
+    evaluate.add_argument("overrides", nargs="*", help="dotted overrides such as data.system_prompt='...'")
+    evaluate.add_argument("--samples", type=int, default=1, help="answers per prompt (pass@k for k > 1)")
+    evaluate.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sampling temperature (default: rollout.eval_temperature, 0 = greedy)",
+    )
+    evaluate.add_argument(
+        "--responses", metavar="FILE", help="also write every answer and its score to this jsonl file"
+    )
+
+    export = sub.add_parser(
+        "export",
+        help="write a run's trained model as a Hugging Face folder",
+        description="Write the policy of a checkpoint (or of a run folder's newest complete checkpoint) as a "
+        "Hugging Face folder: config.json, tokenizer files and safetensors, loadable by transformers' "
+        "AutoModelForCausalLM and servable by vLLM/SGLang.",
+    )
+    export.add_argument("source", help="run folder (RUN_DIR) or checkpoint (RUN_DIR/checkpoints/step_N)")
+    export.add_argument("out", help="new or empty output folder")
+    export.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="safetensors dtype; auto keeps the starting model's own dtype (its config.json)",
+    )
 
     plot = sub.add_parser(
         "plot", help="plot a run's curves", description="Write RUN_DIR/curves.png from metrics.jsonl."
     )
     plot.add_argument("run_dir", help="run folder holding metrics.jsonl")
+    _add_plan_parser(sub)
     return parser
+
+
+def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="predict memory and recommend a parallel layout",
+        description="Predict per-GPU and per-node memory of RL training and recommend TP/PP/CP/EP and "
+        "optimizer offload for a model and a GPU count (docs/plan.md). Exit 0: a layout fits; 1: none fits.",
+    )
+    plan.add_argument("model", help="Hugging Face model folder or its config.json (no weights needed)")
+    plan.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    plan.add_argument("--gpu-memory-gb", type=float, required=True, help="memory of one GPU in GB")
+    plan.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    plan.add_argument(
+        "--cpu-memory-gb-per-node",
+        type=float,
+        default=0.0,
+        help="host memory per node in GB (0: not checked)",
+    )
+    plan.add_argument(
+        "--max-tokens-per-gpu",
+        type=int,
+        default=8192,
+        help="tokens of one micro-batch per GPU (default 8192)",
+    )
+    plan.add_argument("--recompute", choices=("full", "selective", "none"), default="full")
+    plan.add_argument("--check", help="evaluate one layout, e.g. tp=8,pp=12,cp=1,ep=8,offload=1.0")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.error = _plan_usage_error  # type: ignore[method-assign]
+
+
+def _plan_usage_error(message: str) -> NoReturn:
+    # One line and exit code 2 for a bad `rlloom plan` command line, like every other user error.
+    print(f"rlloom: error: plan: {message}. Fix: see `rlloom plan --help`.", file=sys.stderr)
+    sys.exit(2)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.command == "config" and args.config_command == "doc":
+            from rlloom.config.doc import config_reference
+
+            print(config_reference(), end="")
+            return 0
         if args.command == "config":
             from rlloom.config.loading import load_config, to_yaml
 
             print(to_yaml(load_config(args.config, args.overrides)), end="")
             return 0
+        if args.command == "plan":
+            from rlloom.plan.report import run_plan
+
+            return run_plan(args)
         if args.command == "plot":
             from rlloom.observability.plot import plot_run
 
             print(plot_run(args.run_dir))
+            return 0
+        if args.command == "eval":
+            from rlloom.trainer.eval_model import eval_model
+
+            report = eval_model(
+                args.model,
+                args.data,
+                args.overrides,
+                samples=args.samples,
+                temperature=args.temperature,
+                responses=args.responses,
+            )
+            print(report.table())
+            print(report.json_line())
+            return 0
+        if args.command == "export":
+            from rlloom.trainer.export import export_checkpoint
+
+            print(export_checkpoint(args.source, args.out, dtype=args.dtype))
             return 0
         from rlloom.config.loading import load_config
         from rlloom.trainer.run import TrainingStalled, run
@@ -69,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rlloom: error: {e}", file=sys.stderr)
             return 1
         return 0
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, CheckpointError, FileNotFoundError) as e:
         print(f"rlloom: error: {e}", file=sys.stderr)
         return 2
     except WorkerFailure as e:

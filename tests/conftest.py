@@ -19,10 +19,19 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_checkpoint(path: Path, *, seed: int = 0, hidden: int = 32, layers: int = 2) -> Path:
-    """Write a tiny Qwen3 checkpoint with a character tokenizer into `path` and return it."""
+def build_tiny_checkpoint(
+    path: Path, *, seed: int = 0, hidden: int = 32, layers: int = 2, moe: bool = False
+) -> Path:
+    """Write a tiny Qwen3 (or, with `moe`, Qwen3-MoE: 8 experts, 2 per token) checkpoint with a
+    character tokenizer into `path` and return it."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        PreTrainedTokenizerFast,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
     vocab = {tok: i for i, tok in enumerate(SPECIAL + chars)}
@@ -34,7 +43,9 @@ def build_tiny_checkpoint(path: Path, *, seed: int = 0, hidden: int = 32, layers
     )
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
     tokenizer.chat_template = CHAT_TEMPLATE
-    config = Qwen3Config(
+    moe_fields = dict(moe_intermediate_size=hidden, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+    config = (Qwen3MoeConfig if moe else Qwen3Config)(
+        **(moe_fields if moe else {}),
         vocab_size=len(vocab),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -49,7 +60,7 @@ def build_tiny_checkpoint(path: Path, *, seed: int = 0, hidden: int = 32, layers
         bos_token_id=None,
     )
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    model = (Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM)(config)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -59,3 +70,8 @@ def build_tiny_checkpoint(path: Path, *, seed: int = 0, hidden: int = 32, layers
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_moe") / "ckpt", moe=True)

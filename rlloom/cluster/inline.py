@@ -11,9 +11,8 @@ from typing import Protocol
 import torch
 
 from rlloom.config.components import RunConfig
-from rlloom.data.types import RolloutBatch
+from rlloom.data.types import PolicyUpdate, RolloutBatch
 from rlloom.engines.rollout.native import Completion, SamplingParams
-from rlloom.trainer.policy import PolicyUpdate
 
 
 class WorkerGroup(Protocol):
@@ -39,6 +38,8 @@ class WorkerGroup(Protocol):
     def save(self, path: str) -> None: ...
 
     def load(self, path: str) -> None: ...
+
+    def save_hf(self, path: str) -> None: ...
 
     def close(self) -> None: ...
 
@@ -81,6 +82,9 @@ class InlineGroup:
 
     def load(self, path: str) -> None:
         self.worker.load(path)
+
+    def save_hf(self, path: str) -> None:
+        self.worker.save_hf(path)
 
     def close(self) -> None:
         pass

@@ -19,9 +19,8 @@ import torch
 
 from rlloom.cluster import WorkerFailure
 from rlloom.config.components import RunConfig
-from rlloom.data.types import RolloutBatch
+from rlloom.data.types import PolicyUpdate, RolloutBatch
 from rlloom.engines.rollout.native import Completion, SamplingParams
-from rlloom.trainer.policy import PolicyUpdate
 
 try:
     import ray
@@ -185,6 +184,9 @@ class RayGroup:
 
     def load(self, path: str) -> None:
         self._all("load", path)
+
+    def save_hf(self, path: str) -> None:
+        self._all("save_hf", path)
 
     def close(self) -> None:
         for actor in getattr(self, "actors", []):

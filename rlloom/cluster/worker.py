@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import torch
 
+from rlloom.algorithms.objective import make_loss_fn
 from rlloom.config.components import RunConfig
-from rlloom.data.types import RolloutBatch
+from rlloom.data.types import PolicyUpdate, RolloutBatch
 from rlloom.engines.rollout.native import Completion, NativeEngine, SamplingParams
+from rlloom.engines.train.hf_folder import save_hf_folder
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.models import from_pretrained, load_decoder
 from rlloom.trainer.faults import maybe_fail
-from rlloom.trainer.policy import PolicyUpdate, make_loss_fn
 from rlloom.weight_sync.colocated import sync_colocated
 
 
@@ -67,6 +68,10 @@ class RLWorker:
             )
 
     @property
+    def _replay(self) -> bool:
+        return self.cfg.algorithm.routing_replay == "rollout"
+
+    @property
     def version(self) -> int:
         return self.train.version
 
@@ -74,7 +79,9 @@ class RLWorker:
         return self.rollout.generate(prompts, sampling)
 
     def old_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        logp_BT, _ = self.train.forward_logprobs(batch, temperature=self.cfg.rollout.temperature)
+        logp_BT, _ = self.train.forward_logprobs(
+            batch, temperature=self.cfg.rollout.temperature, routing_replay=self._replay
+        )
         return logp_BT.cpu()
 
     def ref_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
@@ -91,6 +98,7 @@ class RLWorker:
             loss_normalizer=update.normalizer,
             temperature=self.cfg.rollout.temperature,
             with_entropy=True,
+            routing_replay=self._replay,
         )
 
     def sleep_rollout(self) -> None:
@@ -111,3 +119,7 @@ class RLWorker:
         stays the initial policy, as in the uninterrupted run."""
         self.train.load(path)
         self.sync_weights()
+
+    def save_hf(self, path: str) -> None:
+        """Write the policy as a Hugging Face folder (every rank gathers, rank 0 writes)."""
+        save_hf_folder(self.train, self.cfg.model.path, path, write=self.rank == 0)

@@ -7,12 +7,16 @@ handled once by `rlloom.config.loading` when a YAML file or overrides are applie
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 
 class ConfigError(ValueError):
     """A user error in the run configuration (unknown key, wrong type, impossible value)."""
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _check(ok: bool, key: str, value: object, rule: str, fix: str) -> None:
@@ -185,22 +189,55 @@ class RewardConfig:
     """Reward function: a built-in name (number, math, countdown, format_number, ...), a plug-in
     `package.module:function`, or a weighted sum such as `number + 0.1*format_number`; empty picks
     the task's default."""
-    num_workers: int = 0
-    """Worker processes that run reward functions (0 = inline, for cheap built-ins)."""
+    num_workers: int = 2
+    """Worker processes that run plug-in reward functions, isolated from the trainer: each sample
+    under `timeout_s`, each worker in its own process group under `memory_limit_gb`."""
+    builtins_in_workers: bool = False
+    """Also run the built-in rewards in the workers; off by default because they are trusted and
+    about 10x cheaper inline (plug-ins, and sums holding one, always run in workers)."""
     timeout_s: float = 10.0
-    """Per-sample timeout in worker processes; a hung sample scores default_score."""
+    """Per-sample timeout (per call for a batched reward function): a sample not scored in time
+    scores default_score, and its worker is killed (with every process it started) and replaced."""
+    memory_limit_gb: float = 4.0
+    """Address-space cap of each worker (RLIMIT_AS), in GiB; an allocation beyond it fails and the
+    sample scores default_score. 0 means no cap (needed for a reward model on a GPU)."""
+    import_dir: str = ""
+    """Folder where plug-in reward modules are also looked for (appended to the import path, so
+    no PYTHONPATH is needed): a YAML config file sets it to its own folder; empty means the current
+    directory."""
     default_score: float = 0.0
-    """Score of a sample whose reward function hung, raised or returned a non-number."""
+    """Score of a sample whose reward function hung, raised, crashed or returned a non-number (or
+    a number outside the float32 range)."""
 
     def __post_init__(self) -> None:
         _check(
-            self.num_workers >= 0,
+            self.num_workers >= 1,
             "reward.num_workers",
             self.num_workers,
-            "must be >= 0",
-            "use 0 for inline scoring",
+            "must be >= 1 (plug-in rewards always run in worker processes)",
+            "use e.g. 2; built-in rewards run inline unless reward.builtins_in_workers=true",
         )
-        _check(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "must be > 0", "e.g. 10")
+        _check(
+            math.isfinite(self.timeout_s) and self.timeout_s > 0,
+            "reward.timeout_s",
+            self.timeout_s,
+            "must be a finite number of seconds > 0 (a hung reward must not stall the run)",
+            "e.g. 10",
+        )
+        _check(
+            math.isfinite(self.memory_limit_gb) and self.memory_limit_gb >= 0,
+            "reward.memory_limit_gb",
+            self.memory_limit_gb,
+            "must be a finite number >= 0",
+            "e.g. 4, or 0 for no cap",
+        )
+        _check(
+            math.isfinite(self.default_score) and abs(self.default_score) <= _FLOAT32_MAX,
+            "reward.default_score",
+            self.default_score,
+            "must be a finite number within the float32 range",
+            "e.g. 0",
+        )
 
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
@@ -236,6 +273,11 @@ class AlgorithmConfig:
     """Discount for REINFORCE++ returns."""
     use_rollout_logprobs: bool = False
     """Use the rollout engine's logprobs as old logprobs instead of recomputing them."""
+    routing_replay: Literal["none", "rollout"] = "none"
+    """MoE models: `rollout` replays the experts the rollout engine chose for every token in the
+    training forwards (old logprobs and updates), so training and rollout use the same experts (R3;
+    the router weights still come from the current router). `none`: training routes by itself;
+    `moe/route_mismatch_frac` reports how often the two disagree."""
     is_correction: Literal["none", "tis", "mis"] = "none"
     """Train/inference mismatch correction: truncated (tis) or masked (mis) importance sampling."""
     is_level: Literal["token", "sequence"] = "token"
@@ -349,6 +391,13 @@ class TrainEngineConfig:
     """Tokens per chunk of the logprob head (bounds the logits memory: chunk x vocabulary)."""
     share_prompts: bool = True
     """Pack a group's responses behind one copy of their shared prompt; exact, fewer FLOPs."""
+    moe_aux_loss_coef: float = 0.0
+    """MoE load-balancing auxiliary loss coefficient (Qwen3-MoE/Mixtral's router_aux_loss_coef, e.g.
+    0.001 in pre-training). 0, as verl, slime and NeMo-RL run RL: the loss would pull the router away
+    from the rollout's routing. See rlloom/models/moe.py."""
+    moe_bias_update_rate: float = 0.0
+    """DeepSeek-V3 correction-bias update per step (its pre-training used 0.001): under-loaded experts'
+    bias rises by this much, over-loaded ones' falls. 0 keeps the checkpoint's bias, as RL runs do."""
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "train.lr", self.lr, "must be > 0", "e.g. 1e-5")
@@ -395,6 +444,15 @@ class TrainEngineConfig:
             "must be >= 1",
             "use 1024",
         )
+        for name in ("moe_aux_loss_coef", "moe_bias_update_rate"):
+            value = getattr(self, name)
+            _check(
+                math.isfinite(value) and value >= 0,
+                f"train.{name}",
+                value,
+                "must be a finite number >= 0",
+                "use 0 (off, as RL runs do) or e.g. 0.001",
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -411,10 +469,17 @@ class TrainerConfig:
     """Evaluate every k steps (0 = only before and after training)."""
     save_every: int = 0
     """Checkpoint every k steps (0 = only at the end)."""
+    save_hf_every: int = 0
+    """Write a Hugging Face folder of the policy (RUN_DIR/hf/step_N: config, tokenizer, safetensors
+    in the model's own dtype; loads with transformers' AutoModelForCausalLM) every k steps; 0 = only
+    at the end of the run, -1 = never."""
     run_dir: str = "runs/latest"
     """Folder for logs, checkpoints and plots."""
     resume: str = "never"
-    """`never`, `auto` (newest complete checkpoint in run_dir) or a checkpoint path."""
+    """`never` (refused when run_dir already holds a run), `auto` (newest intact checkpoint in run_dir,
+    damaged ones skipped with a warning; no checkpoint at all starts fresh) or a checkpoint path."""
+    keep_last_checkpoints: int = 0
+    """Keep only the newest k complete checkpoints in run_dir/checkpoints (0 = keep every one)."""
     seed: int = 0
     """Global seed (sampling, shuffling, initialisation)."""
 
@@ -443,6 +508,20 @@ class TrainerConfig:
         )
         _check(self.eval_every >= 0, "trainer.eval_every", self.eval_every, "must be >= 0", "use 0")
         _check(self.save_every >= 0, "trainer.save_every", self.save_every, "must be >= 0", "use 0")
+        _check(
+            self.keep_last_checkpoints >= 0,
+            "trainer.keep_last_checkpoints",
+            self.keep_last_checkpoints,
+            "must be >= 0 (0 keeps every checkpoint)",
+            "use 2 to keep the newest two",
+        )
+        _check(
+            self.save_hf_every >= -1,
+            "trainer.save_hf_every",
+            self.save_hf_every,
+            "must be >= -1",
+            "use 0 (only at the end) or -1 (never)",
+        )
 
 
 @dataclass(kw_only=True, slots=True)

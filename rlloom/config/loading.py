@@ -70,6 +70,8 @@ def load_config(source: str | Path, overrides: list[str] | None = None) -> RunCo
                 f"recipe={base!r} in {source} is unknown{_suggest(base, recipe_names())}. Known recipes: {', '.join(recipe_names())}."
             )
         _merge(data, loaded, RunConfig, prefix="")
+        if "import_dir" not in (loaded.get("reward") or {}):  # reward modules next to the file import
+            data["reward"]["import_dir"] = str(path.resolve().parent)
     else:
         raise ConfigError(
             f"{source!r} is neither a recipe nor a YAML file{_suggest(source, recipe_names())}. Known recipes: {', '.join(recipe_names())}."

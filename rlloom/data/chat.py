@@ -100,6 +100,7 @@ def tokenize_prompts(
                 ground_truth=raw.ground_truth,
                 index=raw.index,
                 metadata=dict(raw.metadata),
+                prompt=raw.prompt,
             )
         )
     if too_long and not items:

@@ -64,7 +64,9 @@ class PromptItem:
     index: int
     """Position in the source (see `RawPrompt.index`)."""
     metadata: dict[str, Any] = field(default_factory=dict)
-    """Other fields of the row, or task details."""
+    """Other fields of the row, or task details; plug-in reward functions get each by name."""
+    prompt: str | list[Message] = ""
+    """The prompt as the row holds it (text or chat messages); reward functions get it as `prompt`."""
 
 
 @dataclass(frozen=True, slots=True)

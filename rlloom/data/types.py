@@ -58,6 +58,10 @@ class Sample:
     """Weight version of the policy that generated the response."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Task data: ground truth, prompt text, response text, per-reward parts."""
+    routed_experts: torch.Tensor | None = None
+    """MoE models: [P + R - 1, MoE layers, K] experts the rollout used for every token it fed to the
+    model (the prompt and every response token but the last), uint8 (<= 256 experts) or int16; None
+    for dense models. Training replays them with `algorithm.routing_replay=rollout`."""
 
     def __post_init__(self) -> None:
         if self.rollout_logprobs is not None and len(self.rollout_logprobs) != len(self.response_ids):
@@ -70,6 +74,11 @@ class Sample:
             )
         if not self.prompt_ids:
             raise ValueError("Sample: prompt_ids is empty; every sample needs at least one prompt token")
+        if self.routed_experts is not None and len(self.routed_experts) != self.num_tokens - 1:
+            raise ValueError(
+                f"Sample: routed_experts covers {len(self.routed_experts)} positions, the sample feeds "
+                f"{self.num_tokens - 1} tokens to the model (prompt + response - 1)"
+            )
 
     @property
     def num_tokens(self) -> int:
@@ -121,6 +130,9 @@ class PackedTensors:
     branch_lens_Z: torch.Tensor | None = None
     """Shared-prompt layout: [Z] int32 lengths of the non-empty branches in stream order; segment s
     owns the next entries, which sum to its length minus `prefix_lens_S[s]`. None otherwise."""
+    routes_NLK: torch.Tensor | None = None
+    """[N, MoE layers, K] int64 experts the rollout used at each stream position (-1 where it fed no
+    token: a sample's last response token); None unless every sample has `routed_experts`."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -221,6 +233,8 @@ class RolloutBatch:
         """
         segments = self.shared_prompt_groups() if share_prompts else [[b] for b in range(len(self.samples))]
         ids, pos, tgt, seg_lens, prefix_lens, branch_lens = [], [], [], [], [], []
+        with_routes = all(s.routed_experts is not None for s in self.samples)
+        routes: list[torch.Tensor] = []
         gather = torch.zeros(len(self.samples), self.T, dtype=torch.int64)
         for members in segments:
             prompt = self.samples[members[0]].prompt_ids
@@ -230,7 +244,11 @@ class RolloutBatch:
             ids.extend(prompt)
             pos.extend(range(p))
             tgt.extend(prompt[1:] + [nonempty[0][0] if len(nonempty) == 1 else 0])
+            if with_routes:
+                routes.append(_positions(self.samples[members[0]], 0, p))
             for b, response in zip(members, responses):
+                if with_routes:
+                    routes.append(_positions(self.samples[b], p, p + len(response)))
                 r, start = len(response), len(ids)
                 if r:
                     # token 0 is predicted at the prompt's last position, token t at branch token t - 1
@@ -255,6 +273,7 @@ class RolloutBatch:
             max_seqlen=max(seg_lens),
             prefix_lens_S=torch.tensor(prefix_lens, dtype=torch.int32) if share_prompts else None,
             branch_lens_Z=torch.tensor(branch_lens, dtype=torch.int32) if share_prompts else None,
+            routes_NLK=torch.cat(routes) if with_routes else None,
         )
 
     def padded(self, pad_id: int = 0) -> PaddedTensors:
@@ -279,3 +298,46 @@ class RolloutBatch:
             gather_index_BT=gather,
             response_mask_BT=self.response_mask(),
         )
+
+
+@dataclass(kw_only=True, slots=True)
+class PolicyUpdate:
+    """Per-token tensors of one mini-batch, in the order of its samples."""
+
+    batch: RolloutBatch
+    """The mini-batch the engine trains on."""
+    advantages_BT: torch.Tensor
+    """[B, T] advantages (0 at masked)."""
+    old_logp_BT: torch.Tensor | None
+    """[B, T] behaviour-policy logprobs; None = on-policy single pass: the detached current logprobs."""
+    ref_logp_BT: torch.Tensor | None
+    """[B, T] reference-policy logprobs when a KL loss is on."""
+    is_weights_BT: torch.Tensor | None
+    """[B, T] detached train/inference mismatch weights when IS correction is on."""
+    normalizer: float
+    """Global loss normaliser of this mini-batch for the aggregation mode."""
+
+    def select(self, rows: Sequence[int], normalizer: float) -> PolicyUpdate:
+        """The update of a subset of rows as its own mini-batch, with that mini-batch's normaliser."""
+        idx = torch.as_tensor(list(rows), dtype=torch.int64)
+        sub = self.batch.select(list(rows))
+        pick = lambda x: None if x is None else x[idx]
+        return PolicyUpdate(
+            batch=sub,
+            advantages_BT=self.advantages_BT[idx],
+            old_logp_BT=pick(self.old_logp_BT),
+            ref_logp_BT=pick(self.ref_logp_BT),
+            is_weights_BT=pick(self.is_weights_BT),
+            normalizer=normalizer,
+        )
+
+
+def _positions(sample: Sample, start: int, end: int) -> torch.Tensor:
+    """[end - start, L, K] int64 routes of the sample's positions start..end-1; -1 past the last
+    position the rollout fed to the model."""
+    assert sample.routed_experts is not None
+    known = sample.routed_experts[start:end].to(torch.int64)
+    missing = (end - start) - len(known)
+    if missing <= 0:
+        return known
+    return torch.cat([known, known.new_full((missing, *sample.routed_experts.shape[1:]), -1)])

@@ -45,11 +45,18 @@ class TransformerBlock(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: AttnLayout
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layout: AttnLayout,
+        routes_TK: torch.Tensor | None = None,
+        replay: bool = False,
     ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, layout)
-        ffn = self.moe if self.moe is not None else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
+        if self.moe is not None:
+            return h + self.moe(self.ffn_norm(h), routes_TK, replay)
+        return h + self.feed_forward(self.ffn_norm(h))
 
 
 class CausalLM(nn.Module):
@@ -86,6 +93,25 @@ class CausalLM(nn.Module):
             if layer.moe is not None and layer.moe.last_token_counts is not None
         }
 
+    def moe_layers(self) -> dict[int, MoE]:
+        """Layer index -> the layer's MoE module (empty for dense models)."""
+        return {i: layer.moe for i, layer in enumerate(self.layers) if layer.moe is not None}
+
+    def last_routes(self) -> torch.Tensor | None:
+        """[T, MoE layers, K] experts used per token in the last forward; None for dense models."""
+        moes = list(self.moe_layers().values())
+        if not moes or any(m.last_experts_TK is None for m in moes):
+            return None
+        return torch.stack([m.last_experts_TK for m in moes], dim=1)
+
+    def route_mismatch(self) -> torch.Tensor | None:
+        """[2] (tokens x layers whose experts differ from the given routes, tokens x layers compared)
+        summed over the MoE layers of the last forward that was given routes."""
+        found = [
+            m.last_route_mismatch for m in self.moe_layers().values() if m.last_route_mismatch is not None
+        ]
+        return torch.stack(found).sum(dim=0) if found else None
+
     def hidden_states(
         self,
         input_ids: torch.Tensor,
@@ -98,18 +124,26 @@ class CausalLM(nn.Module):
         prefix_lens: torch.Tensor | None = None,
         branch_lens: torch.Tensor | None = None,
         tree: TreePlan | None = None,
+        routes_NLK: torch.Tensor | None = None,
+        replay_routes: bool = False,
     ) -> torch.Tensor:
         """Final-normed hidden states [.., D] (no lm head); arguments as in `forward`, plus `tree`:
         the shared-prompt structure as a `TreePlan` the caller built on the host, instead of
         prefix_lens/branch_lens (a wrapper such as FSDP would copy those tensors to the GPU, and
-        reading them back there costs a host sync)."""
+        reading them back there costs a host sync); and `routes_NLK` [N, MoE layers, K], the experts
+        the rollout chose per token (-1 = none), replayed with `replay_routes` (see moe.py)."""
         layout, position_ids = _layout(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask, attn)
         if tree is not None or prefix_lens is not None or branch_lens is not None:
             layout = _tree_layout(layout, prefix_lens, branch_lens, input_ids.device, tree)
         h = self.tok_embeddings(input_ids)
         cos, sin = self.rope(position_ids, h.dtype)
+        moe_index = 0
         for layer in self.layers:
-            h = layer(h, cos, sin, layout)
+            if layer.moe is not None and routes_NLK is not None:
+                h = layer(h, cos, sin, layout, routes_NLK[:, moe_index], replay_routes)
+                moe_index += 1
+            else:
+                h = layer(h, cos, sin, layout)
         return self.norm(h)
 
     def forward(
@@ -123,6 +157,8 @@ class CausalLM(nn.Module):
         attn: Any = None,
         prefix_lens: torch.Tensor | None = None,
         branch_lens: torch.Tensor | None = None,
+        routes_NLK: torch.Tensor | None = None,
+        replay_routes: bool = False,
     ) -> torch.Tensor:
         """Logits [B, T, V] (padded input) or [N, V] (packed or backend input).
 
@@ -140,6 +176,8 @@ class CausalLM(nn.Module):
             attn=attn,
             prefix_lens=prefix_lens,
             branch_lens=branch_lens,
+            routes_NLK=routes_NLK,
+            replay_routes=replay_routes,
         )
         return h @ self.lm_head_weight.T
 

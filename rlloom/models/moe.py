@@ -11,6 +11,24 @@ Routing (always in fp32):
 Experts are stored stacked, w1 (gate) [E, I, D], w2 (down) [E, D, I], w3 (up) [E, I, D]. The
 token-expert pairs are sorted by expert so each expert reads one contiguous slice: on CUDA with
 bf16 one `torch._grouped_mm` per projection, elsewhere a loop over experts (never over tokens).
+The CUDA path never reads a device value on the host (counts by scatter-add, offsets by cumsum on
+the device), so the rollout engine captures MoE decode steps in CUDA graphs with the compiled
+forward; `bincount` would sync (its output size depends on the data) and break both.
+
+Load balancing for RL (both off by default, as verl, slime and NeMo-RL run RL):
+- auxiliary loss (Switch Transformer, Fedus et al. 2021; Qwen3-MoE and Mixtral's
+  `router_aux_loss_coef`): with `collect_aux_loss` set, each MoE layer keeps
+  `last_aux_loss` = E * sum_e f_e * P_e of its last forward, f_e the fraction of the T*K token-expert
+  picks that went to expert e, P_e the mean routing probability of e (softmax; for sigmoid routing
+  the scores normalised per token). Per layer, where transformers pools the tokens of all layers
+  into one f and P; the training engine averages the layers and weights micro-batches by tokens.
+- correction-bias update (DeepSeek-V3's auxiliary-loss-free balancing): the engine moves
+  `expert_bias` by +rate for under-loaded and -rate for over-loaded experts after each step.
+
+Routing replay (R3, "rollout routing replay"; verl, slime and NeMo-RL ship it): the rollout engine
+records the experts each token used (`last_experts_TK`); training can pass them back as `routes_TK`
+with `replay`, so each token goes through the experts that generated it while the weights still
+come from the current router. Without replay the routes are only compared (`last_route_mismatch`).
 
 Shape legend: T tokens, D hidden, E experts, K experts per token, I expert hidden width.
 """
@@ -38,24 +56,36 @@ class Router(nn.Module):
         else:
             self.expert_bias = None
 
-    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (weights_TK fp32, experts_TK int64)."""
+    def forward(
+        self, x_TD: torch.Tensor, replay_TK: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (weights_TK fp32, experts_TK int64, own_TK, scores_TE fp32).
+
+        own_TK are the experts this router chooses; experts_TK are the ones used: `replay_TK`'s where
+        it holds a route (>= 0, routing replay), own_TK elsewhere. The weights are always the current
+        scores of the experts used, so the router still learns under replay.
+        scores_TE: softmax or sigmoid of the logits (for the auxiliary loss).
+        """
         logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
         a = self.args
         if a.score_func == "softmax":
-            weights_TK, experts_TK = torch.topk(logits_TE.softmax(dim=-1), a.top_k, dim=-1)
+            scores_TE = logits_TE.softmax(dim=-1)
+            own_TK = torch.topk(scores_TE, a.top_k, dim=-1)[1]
+        else:
+            scores_TE = logits_TE.sigmoid()
+            choice_TE = scores_TE if self.expert_bias is None else scores_TE + self.expert_bias.float()
+            if a.num_groups > 1:
+                choice_TE = _keep_top_groups(choice_TE, a.num_groups, a.topk_groups)
+            own_TK = torch.topk(choice_TE, a.top_k, dim=-1, sorted=False)[1]
+        experts_TK = own_TK if replay_TK is None else torch.where(replay_TK >= 0, replay_TK, own_TK)
+        weights_TK = scores_TE.gather(1, experts_TK)
+        if a.score_func == "softmax":
             if a.norm_topk_prob:
                 weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
-            return weights_TK, experts_TK
-        scores_TE = logits_TE.sigmoid()
-        choice_TE = scores_TE if self.expert_bias is None else scores_TE + self.expert_bias.float()
-        if a.num_groups > 1:
-            choice_TE = _keep_top_groups(choice_TE, a.num_groups, a.topk_groups)
-        experts_TK = torch.topk(choice_TE, a.top_k, dim=-1, sorted=False)[1]
-        weights_TK = scores_TE.gather(1, experts_TK)
+            return weights_TK, experts_TK, own_TK, scores_TE
         if a.norm_topk_prob:
             weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights_TK * a.routed_scaling_factor, experts_TK
+        return weights_TK * a.routed_scaling_factor, experts_TK, own_TK, scores_TE
 
 
 def _keep_top_groups(choice_TE: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
@@ -66,6 +96,18 @@ def _keep_top_groups(choice_TE: torch.Tensor, num_groups: int, topk_groups: int)
     top_groups = torch.topk(group_scores, topk_groups, dim=-1, sorted=False)[1]
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
     return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, E)
+
+
+def load_balancing_loss(scores_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Switch-style auxiliary loss E * sum_e f_e * P_e (1.0 when perfectly balanced).
+
+    scores_TE: [T, E] routing probabilities (rows normalised here, so sigmoid scores work too);
+    counts_E: [E] token-expert picks per expert (sum T * K); gradients flow through the scores only.
+    """
+    T, E = scores_TE.shape
+    probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True).clamp(min=1e-20)
+    f_E = counts_E.float() / max(T * top_k, 1)
+    return E * (f_E * probs_TE.mean(dim=0)).sum()
 
 
 class GroupedExperts(nn.Module):
@@ -87,7 +129,8 @@ class GroupedExperts(nn.Module):
         flat_experts = experts_TK.flatten()
         order = torch.argsort(flat_experts, stable=True)
         token_of = order // K
-        counts_E = torch.bincount(flat_experts, minlength=self.w1.shape[0])
+        counts_E = torch.zeros(self.w1.shape[0], dtype=torch.int64, device=flat_experts.device)
+        counts_E.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
         xs = x_TD[token_of]
         if xs.is_cuda and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
             ys = self._grouped_mm(xs, counts_E)
@@ -125,13 +168,36 @@ class MoE(nn.Module):
         shared = args.num_shared_experts * args.intermediate_size
         self.shared_experts = SwiGLU(dim, shared) if shared else None
         self.last_token_counts: torch.Tensor | None = None
+        self.collect_aux_loss = False
+        """Set by the training engine when train.moe_aux_loss_coef > 0."""
+        self.last_aux_loss: torch.Tensor | None = None
+        self.last_experts_TK: torch.Tensor | None = None
+        """Experts used per token in the last forward (the rollout engine records them)."""
+        self.last_route_mismatch: torch.Tensor | None = None
+        """[2] (differing, compared) tokens of the last forward that was given rollout routes."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [.., D] -> [.., D]."""
+    def forward(
+        self, x: torch.Tensor, routes_TK: torch.Tensor | None = None, replay: bool = False
+    ) -> torch.Tensor:
+        """x [.., D] -> [.., D]. `routes_TK` [T, K]: the experts the rollout chose per token (-1 =
+        none recorded); with `replay` they are used (routing replay), otherwise only compared."""
         x_TD = x.reshape(-1, x.shape[-1])
-        weights_TK, experts_TK = self.router(x_TD)
+        weights_TK, experts_TK, own_TK, scores_TE = self.router(x_TD, routes_TK if replay else None)
         out_TD, counts_E = self.experts(x_TD, weights_TK, experts_TK)
         self.last_token_counts = counts_E.detach()
+        self.last_experts_TK = experts_TK.detach()
+        if routes_TK is not None:
+            self.last_route_mismatch = route_mismatch(own_TK, routes_TK)
+        if self.collect_aux_loss:
+            self.last_aux_loss = load_balancing_loss(scores_TE, counts_E, experts_TK.shape[1])
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)
         return out_TD.view_as(x)
+
+
+def route_mismatch(own_TK: torch.Tensor, routes_TK: torch.Tensor) -> torch.Tensor:
+    """[2] float: tokens whose chosen expert set differs from the recorded one, and tokens with a
+    recorded route (rows of -1 are not counted)."""
+    valid_T = (routes_TK >= 0).all(dim=-1)
+    differ_T = (own_TK.sort(dim=-1).values != routes_TK.sort(dim=-1).values).any(dim=-1) & valid_T
+    return torch.stack([differ_T.sum(), valid_T.sum()]).float()

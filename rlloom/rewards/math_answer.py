@@ -4,26 +4,51 @@ Comparison, in order:
 1. normalized forms equal: spaces, `$`, `\left`/`\right`, `\!`/`\,`, `\text{..}` wrappers, a trailing
    period, `^\circ` and percent signs removed, `\dfrac`/`\tfrac` read as `\frac`; numbers (commas
    allowed), simple fractions `a/b` and `\frac{a}{b}` compared by value;
-2. otherwise, when `math_verify` is installed (`pip install rlloom[math]`), its symbolic check
-   (`verify(parse(gold), parse(answer))`), which also knows that `\frac{1}{2}` equals `0.5`, that
-   sets and intervals match in any order, and so on.
-Without `math_verify` only step 1 runs: it accepts no answer that is wrong, but misses some right
-answers written in a different form.
+2. otherwise math_verify's symbolic check (`verify(parse(gold), parse(answer))`; a core dependency
+   of rlloom), which also knows that `\sqrt{4}` equals `2`, `\frac12` equals `0.5`, that sets and
+   intervals match in any order, that `2x+1` equals `1+2x`, and so on.
+Where `math_verify` cannot be imported (an install without it) only step 1 runs: it accepts no answer
+that is wrong, but misses some right answers written in a different form.
 
 The ground truth may be a bare answer or a full solution ending in `\boxed{..}` or "#### n".
 """
 
 from __future__ import annotations
 
-import importlib.util
 import re
+import threading
 from fractions import Fraction
+from types import ModuleType
 
 from rlloom.rewards.numbers import numbers_equal, parse_number
 
-# Optional (rlloom[math]). Imported on first use: it pulls in sympy, which would slow down the
-# start of every reward worker process.
-HAVE_MATH_VERIFY = importlib.util.find_spec("math_verify") is not None
+
+def math_verify_module() -> ModuleType | None:
+    """The `math_verify` module, or None where it cannot be imported (the fallback then runs alone).
+
+    Imported on first use, not at import time: it pulls in sympy, which would slow down the start
+    of every reward worker process.
+    """
+    try:
+        import math_verify
+    except ImportError:
+        return None
+    return math_verify
+
+
+def _symbolic_match(answer: str, gold: str) -> bool | None:
+    """math_verify's verdict, or None without math_verify."""
+    mv = math_verify_module()
+    if mv is None:
+        return None
+    # Its timeouts use signal.alarm, which works only in the main thread; elsewhere run without them.
+    main = threading.current_thread() is threading.main_thread()
+    parse_kw, verify_kw = ({}, {}) if main else ({"parsing_timeout": None}, {"timeout_seconds": None})
+    try:
+        gold_parsed = mv.parse(f"${gold}$", **parse_kw)
+        return bool(mv.verify(gold_parsed, mv.parse(f"${answer}$", **parse_kw), **verify_kw))
+    except Exception:  # math_verify raises on LaTeX it cannot read; that is not a match
+        return False
 
 
 def extract_boxed(text: str) -> str | None:
@@ -92,14 +117,7 @@ def answers_match(answer: str, gold: str) -> bool:
             if isinstance(va, float) or isinstance(vg, float)
             else va == vg
         )
-    if HAVE_MATH_VERIFY:
-        from math_verify import parse, verify
-
-        try:
-            return bool(verify(parse(f"${gold}$"), parse(f"${answer}$")))
-        except Exception:  # math_verify raises on LaTeX it cannot read; that is not a match
-            return False
-    return False
+    return bool(_symbolic_match(answer, gold))
 
 
 def math_answer(response_text: str, ground_truth: str) -> float:

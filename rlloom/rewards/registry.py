@@ -2,9 +2,11 @@
 
 `get_reward_fn(name)` accepts
 - a built-in name: `number`, `math`, `countdown`, `format_number`, `format_boxed`, `format_answer`;
-- a plug-in, "package.module:function", any importable function `(response_text, ground_truth)
-  -> float` (it may also return a bool or an int; the runner turns anything that is not a finite
-  number into the default score and counts it);
+- a plug-in, "package.module:function": any importable function `(response_text, ground_truth,
+  **columns) -> float`, or a batched one `(completions, **columns) -> list[float]` (the calling
+  contract is in `rlloom.rewards.calling`). It may also return a bool or an int; the runner turns
+  anything that is not a number within the float32 range into the default score and counts it.
+  A module next to the YAML config file (`reward.import_dir`) imports without PYTHONPATH;
 - a weighted sum of those, e.g. "number + 0.1*format_number" or "my.mod:fn + 0.5*format_answer".
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import sys
 
 from rlloom.rewards.countdown import countdown_reward
 from rlloom.rewards.format import format_answer, format_boxed, format_number
@@ -31,11 +34,15 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 _TERM = re.compile(r"^\s*(?:(?P<weight>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*\*\s*)?(?P<name>[\w.:]+)\s*$")
 
 
-def get_reward_fn(name: str) -> RewardFn:
-    """The reward function for a built-in name, a "package.module:function" path, or a weighted sum."""
+def get_reward_fn(name: str, *, import_dir: str = "") -> RewardFn:
+    """The reward function for a built-in name, a "package.module:function" path, or a weighted sum.
+
+    `import_dir`, when given, is appended to the import path before a plug-in module is imported
+    (worker processes get the same path).
+    """
     terms = name.split("+")
     if len(terms) == 1 and "*" not in name:
-        return _resolve(name.strip())
+        return _resolve(name.strip(), import_dir)
     parsed = []
     for term in terms:
         match = _TERM.match(term)
@@ -44,11 +51,18 @@ def get_reward_fn(name: str) -> RewardFn:
                 f"reward {name!r}: the term {term.strip()!r} is not `name` or `weight*name`; "
                 "fix: write e.g. 'number + 0.1*format_number'"
             )
-        parsed.append((_resolve(match["name"]), float(match["weight"] or 1.0)))
+        parsed.append((_resolve(match["name"], import_dir), float(match["weight"] or 1.0)))
     return WeightedReward(tuple(parsed))
 
 
-def _resolve(name: str) -> RewardFn:
+def is_builtin(fn: RewardFn) -> bool:
+    """True for a built-in reward function, or a weighted sum of built-ins only."""
+    if isinstance(fn, WeightedReward):
+        return all(is_builtin(term) for term, _ in fn.terms)
+    return any(fn is builtin for builtin in BUILTIN_REWARDS.values())
+
+
+def _resolve(name: str, import_dir: str) -> RewardFn:
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
     if ":" not in name:
@@ -57,11 +71,14 @@ def _resolve(name: str) -> RewardFn:
             "or a plug-in path 'package.module:function'"
         )
     module_name, _, attr = name.partition(":")
+    if import_dir and import_dir not in sys.path:
+        sys.path.append(import_dir)  # appended: a file next to the config never shadows an installed module
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ValueError(
-            f"reward {name!r}: cannot import module {module_name!r} ({e}); fix: install it or put it on PYTHONPATH"
+            f"reward {name!r}: cannot import module {module_name!r} ({e}); fix: put {module_name}.py next to the "
+            "YAML config (or in reward.import_dir), install it, or add its folder to PYTHONPATH"
         ) from e
     fn = getattr(module, attr, None)
     if not callable(fn):

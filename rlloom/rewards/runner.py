@@ -1,36 +1,47 @@
 """`RewardRunner`: scores (response, ground truth) pairs so that no reward function can stall or kill
 the training loop.
 
-With `num_workers=0` the function runs inline in this process: the right choice for the cheap,
-trusted built-ins; there is no timeout then. With `num_workers >= 1` each sample runs in a
-worker process with a per-sample deadline of `timeout_s`: a worker that misses it is killed and
-replaced, so a call returns at most about `timeout_s` after its last sample started. Workers
-start with "forkserver" (fresh processes forked from a small server that never imported torch;
-"spawn" where forkserver does not exist) and live across calls until `close()`.
+With `num_workers >= 1` (what `build_reward_runner` gives every plug-in) samples are scored in a pool
+of worker processes (`rlloom.rewards.process`) that live across calls until `close()`:
+- each sample has a deadline of `timeout_s`; a worker that misses it is killed with its whole
+  process group (any program the reward started dies too) and replaced, so a call returns at most
+  about `timeout_s` after its last sample started;
+- a worker whose process dies (`os._exit`, a segfault, the memory cap) is replaced the same way;
+- `memory_limit_gb` caps each worker's address space (an allocation beyond it fails in the worker).
+Samples go to the workers in chunks of up to `_MAX_CHUNK` and come back one by one, so a worker is
+never idle waiting for its next sample; a chunk's samples after a hung one are sent again. A
+batched function (`rlloom.rewards.calling`) gets chunks of up to `_MAX_BATCH` samples in one call;
+`timeout_s` then bounds the call, and a call that misses it fails all of its samples.
 
-A sample whose function hangs, raises, crashes its process, or returns None / NaN / inf /
-something that is not a number gets `default_score`, and is counted in the metrics
-`reward/timeouts`, `reward/errors` and `reward/invalid`. Scores come back in input order.
+With `num_workers=0` the function runs inline in this process: only for the trusted built-ins,
+which are much cheaper inline (see `build_reward_runner`); there is no timeout then.
+
+A sample whose function hangs, raises (or calls `sys.exit`), crashes its process, or returns None /
+NaN / inf / a number outside the float32 range / something that is not a number gets
+`default_score`, and is counted in the metrics `reward/timeouts`, `reward/errors` and
+`reward/invalid`. Scores come back in input order.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
+import math
 import pickle
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
-from multiprocessing.process import BaseProcess
+from multiprocessing.connection import wait
 
-from rlloom.rewards.worker import run_one, worker_main
+from rlloom.rewards.calling import RewardInput, is_batched, score_items
+from rlloom.rewards.process import WorkerProcess
 
 logger = logging.getLogger(__name__)
 
-_STARTUP_TIMEOUT_S = 60.0  # a worker not ready by then is broken (e.g. an import that hangs)
+_STARTUP_TIMEOUT_S = 120.0  # a worker not ready by then is broken (e.g. an import that hangs)
 _POLL_S = 0.5  # longest single wait, so startup problems are noticed while nothing is busy
+_MAX_CHUNK = 16  # samples sent to a worker at once: fewer round trips, still balanced
+_MAX_BATCH = 64  # samples per call of a batched function (reward models)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -50,54 +61,40 @@ class RewardScores:
         }
 
 
-@dataclass(slots=True)
-class _Worker:
-    """One worker process, its pipe, and the sample it is busy with."""
-
-    process: BaseProcess
-    conn: Connection
-    started_at: float
-    ready: bool = False
-    task: int | None = None
-    deadline: float = 0.0
-
-    def kill(self) -> None:
-        self.conn.close()
-        if self.process.is_alive():
-            self.process.kill()  # SIGKILL: a hung function may ignore SIGTERM
-        self.process.join(timeout=2.0)
-
-
 class RewardRunner:
     """Scores responses with a reward function, inline or in worker processes with timeouts.
 
-    Example: `with RewardRunner(get_reward_fn("number"), num_workers=2, timeout_s=5.0) as runner:
-    result = runner.score([("12 + 35 = 47", "47")])` -> `result.scores == [1.0]`.
+    Example: `with RewardRunner(get_reward_fn("my_rewards:judge"), num_workers=2, timeout_s=5.0) as
+    runner: result = runner.score([("12 + 35 = 47", "47")])` -> `result.scores == [1.0]`.
     """
 
     def __init__(
         self,
-        fn: Callable[[str, str], object],
+        fn: Callable[..., object],
         *,
         num_workers: int = 0,
         timeout_s: float = 10.0,
         default_score: float = 0.0,
-        start_method: str | None = None,
+        memory_limit_gb: float = 0.0,
     ) -> None:
         if num_workers < 0:
             raise ValueError(f"reward num_workers={num_workers} must be >= 0; fix: use 0 to score inline")
-        if timeout_s <= 0:
-            raise ValueError(f"reward timeout_s={timeout_s} must be > 0; fix: e.g. 10.0 seconds")
-        if num_workers > 0:
-            _check_picklable(fn)
+        if not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(f"reward timeout_s={timeout_s} must be finite and > 0; fix: e.g. 10.0 seconds")
+        if not (math.isfinite(memory_limit_gb) and memory_limit_gb >= 0):
+            raise ValueError(
+                f"reward memory_limit_gb={memory_limit_gb} must be >= 0; fix: e.g. 4 (0: no cap)"
+            )
         self.fn = fn
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self.default_score = float(default_score)
+        self.batched = is_batched(fn)
+        """True for a batched function (`rlloom.rewards.calling`): `timeout_s` then bounds each call."""
         self.totals = {"reward/timeouts": 0.0, "reward/errors": 0.0, "reward/invalid": 0.0}
         """Counts over all calls since the runner started."""
-        methods = mp.get_all_start_methods()
-        self._ctx = mp.get_context(start_method or ("forkserver" if "forkserver" in methods else "spawn"))
+        self._pickled_fn = _pickle_fn(fn) if num_workers > 0 else b""
+        self._memory_limit_bytes = int(memory_limit_gb * 2**30)
         self._warned: set[str] = set()
         self._closed = False
         self._workers = [self._start_worker() for _ in range(num_workers)]
@@ -108,96 +105,112 @@ class RewardRunner:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def score(self, pairs: Sequence[tuple[str, str]]) -> RewardScores:
-        """Score (response_text, ground_truth) pairs; never raises for a bad reward function."""
-        result = RewardScores(scores=[self.default_score] * len(pairs))
+    def score(self, samples: Sequence[RewardInput | tuple[str, str]]) -> RewardScores:
+        """Score samples (a `(response_text, ground_truth)` pair is a sample without prompt or
+        columns); never raises for a bad reward function."""
+        items = [s if isinstance(s, RewardInput) else RewardInput(*s) for s in samples]
+        result = RewardScores(scores=[self.default_score] * len(items))
         if self.num_workers == 0:
-            for i, (response_text, ground_truth) in enumerate(pairs):
-                self._record(result, i, *run_one(self.fn, response_text, ground_truth))
+            for i, (kind, payload) in enumerate(score_items(self.fn, items)):
+                self._record(result, i, kind, payload)
         else:
-            self._score_in_workers(pairs, result)
+            self._score_in_workers(items, result)
         for key, value in result.metrics().items():
             self.totals[key] += value
         return result
 
     def close(self) -> None:
-        """Stop the worker processes (idempotent)."""
+        """Stop the worker processes and everything they started (idempotent)."""
         for worker in self._workers:
-            try:
-                worker.conn.send(None)
-            except (OSError, ValueError):
-                pass
-        for worker in self._workers:
-            worker.process.join(timeout=1.0)
-            worker.kill()
+            worker.stop()
         self._workers = []
         self._closed = True
 
     # -- worker mode ---------------------------------------------------------------------------
 
-    def _score_in_workers(self, pairs: Sequence[tuple[str, str]], result: RewardScores) -> None:
+    def _score_in_workers(self, items: list[RewardInput], result: RewardScores) -> None:
         if self._closed:
             raise RuntimeError("RewardRunner.score called after close(); fix: build a new RewardRunner")
         for k, worker in enumerate(self._workers):
-            if worker.task is not None:  # left busy by an interrupted call: its result must not leak in here
+            if worker.tasks:  # left busy by an interrupted call: its results must not leak in here
                 self._replace(k, reason="was busy from an interrupted call")
-        pending = deque(range(len(pairs)))
-        while pending or any(w.task is not None for w in self._workers):
-            self._dispatch(pending, pairs)
-            self._receive(result)
-            self._expire(result)
+        pending = deque(range(len(items)))
+        while pending or any(w.tasks for w in self._workers):
+            self._dispatch(pending, items)
+            self._receive(result, pending)
+            self._expire(result, pending)
 
-    def _dispatch(self, pending: deque[int], pairs: Sequence[tuple[str, str]]) -> None:
+    def _dispatch(self, pending: deque[int], items: list[RewardInput]) -> None:
         for k, worker in enumerate(self._workers):
             if not pending:
                 return
-            if worker.ready and worker.task is None:
-                i = pending.popleft()
+            if worker.ready and not worker.tasks:
+                size = min(_MAX_BATCH if self.batched else _MAX_CHUNK, -(-len(pending) // self.num_workers))
+                chunk = [pending.popleft() for _ in range(size)]
                 try:
-                    worker.conn.send((i, *pairs[i]))
-                except (OSError, ValueError):  # died while idle: retry the sample on a new worker
-                    pending.appendleft(i)
+                    worker.send([(i, items[i]) for i in chunk], timeout_s=self.timeout_s)
+                except (OSError, ValueError):  # died while idle: its samples go to a new worker
+                    pending.extendleft(reversed(chunk))
+                    worker.tasks.clear()
                     self._replace(k, reason="exited while idle")
-                    continue
-                worker.task, worker.deadline = i, time.monotonic() + self.timeout_s
 
-    def _receive(self, result: RewardScores) -> None:
+    def _receive(self, result: RewardScores, pending: deque[int]) -> None:
         now = time.monotonic()
-        busy = [w.deadline - now for w in self._workers if w.task is not None]
-        timeout = max(0.0, min([*busy, _POLL_S]))
+        busy = [w.deadline - now for w in self._workers if w.tasks]
         by_conn = {w.conn: k for k, w in enumerate(self._workers)}
-        for conn in wait(list(by_conn), timeout=timeout):
+        for conn in wait(list(by_conn), timeout=max(0.0, min([*busy, _POLL_S]))):
             k = by_conn[conn]
             worker = self._workers[k]
             try:
-                task_id, kind, payload = conn.recv()
-            except (EOFError, OSError):  # the process died (e.g. a crash in native code)
-                if worker.task is not None:
-                    self._record(result, worker.task, "error", "reward worker process died")
+                while conn.poll():
+                    self._on_message(worker, result, conn.recv())
+            except (EOFError, OSError):  # the process died (os._exit, a crash in native code, killed)
+                self._fail_first(worker, result, pending, "error", "the reward worker process died")
                 self._replace(k, reason="died")
-                continue
-            if task_id == "ready":
-                worker.ready = True
-            elif task_id == worker.task:
-                self._record(result, task_id, kind, payload)
-                worker.task = None
 
-    def _expire(self, result: RewardScores) -> None:
+    def _on_message(self, worker: WorkerProcess, result: RewardScores, message: object) -> None:
+        if isinstance(message, tuple) and message[0] == "ready":
+            worker.ready = True
+        elif isinstance(message, tuple) and message[0] == "load_error":
+            self.close()
+            raise RuntimeError(
+                f"the reward function {self.fn!r} cannot be loaded in a worker process ({message[1]}); fix: "
+                "define it in a module importable from the trainer (not in __main__ or a notebook), or raise "
+                "reward.memory_limit_gb (0: no cap) if the cap got in the way"
+            )
+        else:
+            for task_id, kind, payload in message:  # type: ignore[attr-defined]
+                if worker.tasks and task_id == worker.tasks[0]:
+                    worker.tasks.popleft()
+                    worker.deadline = time.monotonic() + self.timeout_s
+                    self._record(result, task_id, kind, payload)
+
+    def _expire(self, result: RewardScores, pending: deque[int]) -> None:
         now = time.monotonic()
         for k, worker in enumerate(self._workers):
-            if worker.task is not None and now >= worker.deadline:
-                self._record(result, worker.task, "timeout", f"no result after {self.timeout_s}s")
+            if worker.tasks and now >= worker.deadline:
+                self._fail_first(worker, result, pending, "timeout", f"no result after {self.timeout_s}s")
                 self._replace(k, reason="timed out")
             elif not worker.ready and now - worker.started_at > _STARTUP_TIMEOUT_S:
                 self.close()
-                raise RuntimeError(f"a reward worker did not start within {_STARTUP_TIMEOUT_S:.0f}s")
+                raise RuntimeError(
+                    f"a reward worker did not start within {_STARTUP_TIMEOUT_S:.0f}s; fix: make the module of "
+                    f"{self.fn!r} import faster (load models lazily, on the first call)"
+                )
 
-    def _start_worker(self) -> _Worker:
-        parent_conn, child_conn = self._ctx.Pipe()
-        process = self._ctx.Process(target=worker_main, args=(child_conn, self.fn), daemon=True)
-        process.start()
-        child_conn.close()  # the child holds its own end; closing ours makes its death an EOF here
-        return _Worker(process=process, conn=parent_conn, started_at=time.monotonic())
+    def _fail_first(
+        self, worker: WorkerProcess, result: RewardScores, pending: deque[int], kind: str, why: str
+    ) -> None:
+        """The sample being scored fails with `kind` (for a batched function: the whole call's samples);
+        the rest of the chunk is scored again elsewhere."""
+        failed = list(worker.tasks) if self.batched else list(worker.tasks)[:1]
+        for task_id in failed:
+            self._record(result, task_id, kind, why)
+        pending.extendleft(reversed([t for t in worker.tasks if t not in failed]))
+        worker.tasks.clear()
+
+    def _start_worker(self) -> WorkerProcess:
+        return WorkerProcess.start(self._pickled_fn, memory_limit_bytes=self._memory_limit_bytes)
 
     def _replace(self, k: int, *, reason: str) -> None:
         old = self._workers[k]
@@ -205,9 +218,9 @@ class RewardRunner:
         if not old.ready:
             self.close()
             raise RuntimeError(
-                f"a reward worker exited before it was ready (exit code {old.process.exitcode}): the reward "
+                f"a reward worker exited before it was ready (exit code {old.popen.returncode}): the reward "
                 f"function {self.fn!r} could not be loaded in a fresh process; fix: define it in an importable "
-                "module (not in __main__ or a notebook), or use num_workers=0"
+                "module (not in __main__ or a notebook), or raise reward.memory_limit_gb"
             )
         logger.debug("reward worker %s: replacing it", reason)
         self._workers[k] = self._start_worker()
@@ -234,11 +247,11 @@ class RewardRunner:
             )
 
 
-def _check_picklable(fn: Callable[[str, str], object]) -> None:
+def _pickle_fn(fn: Callable[..., object]) -> bytes:
     try:
-        pickle.dumps(fn)
+        return pickle.dumps(fn)
     except Exception as e:
         raise ValueError(
             f"reward function {fn!r} cannot be sent to worker processes ({e}); fix: define it at module level "
-            "(a lambda or a nested function cannot be pickled), or use num_workers=0"
+            "(a lambda or a nested function cannot be pickled)"
         ) from e

@@ -1,13 +1,18 @@
-"""Run checkpoints: engine state + trainer state (step, data position) + config, written atomically.
+"""Run checkpoints: engine state + trainer state (step, data position) + config, sealed and swapped in whole.
 
-Layout: RUN_DIR/checkpoints/step_000004/{engine/, trainer_state.json, config.yaml, COMPLETE}.
-A checkpoint is built in a temporary sibling folder and renamed into place only when every file is
-written, the `COMPLETE` marker last; `resume=auto` takes the newest folder that has the marker.
+Layout: RUN_DIR/checkpoints/step_000004/{engine/, trainer_state.json, config.yaml, manifest.json}.
+`engine/` is the engine's own sealed folder; the run's manifest (written last) hashes the other
+files and `engine/manifest.json` (see `rlloom.engines.train.sealed`). A checkpoint is built in
+`step_N.tmp-PID` and swapped in only when complete, so a kill or a full disk at any moment leaves
+every earlier checkpoint intact. At start-up (under the run lock) `prepare_run_dir` deletes
+interrupted saves, and `resolve_resume` refuses to overwrite a run with `resume=never` and, with
+`resume=auto`, takes the newest checkpoint that verifies, saying which damaged ones it skipped.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -16,9 +21,19 @@ from typing import Any
 
 from rlloom.config.components import ConfigError, RunConfig
 from rlloom.config.loading import to_yaml
+from rlloom.engines.train.native.checkpoint import read_model_tensors
+from rlloom.engines.train.sealed import (
+    MANIFEST,
+    CheckpointError,
+    recover_parent,
+    swap_in,
+    verify_folder,
+    write_manifest,
+)
 from rlloom.trainer.faults import maybe_fail
 
-MARKER = "COMPLETE"
+log = logging.getLogger(__name__)
+ENGINE_DIR = "engine"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -37,56 +52,142 @@ def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
 
 
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Checkpoint folders of a run that have a manifest (not yet hash-checked), oldest step first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    done = [
+        p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit() and (p / MANIFEST).is_file()
+    ]
+    return sorted(done, key=lambda p: int(p.name[5:]))
+
+
 def save_checkpoint(group: Any, cfg: RunConfig, state: TrainerState) -> Path:
-    """Write a complete checkpoint for `state.step` and return its folder."""
+    """Write a complete checkpoint for `state.step`, drop the ones beyond `keep_last_checkpoints`,
+    and return its folder. On failure (e.g. a full disk) nothing of it remains and CheckpointError
+    names the checkpoint to resume from."""
     final = checkpoint_dir(cfg.trainer.run_dir, state.step)
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    group.save(str(tmp / "engine"))
-    maybe_fail("save_engine", state.step)
-    (tmp / "trainer_state.json").write_text(
-        json.dumps(
-            {"step": state.step, "data_state": state.data_state, "accuracy_before": state.accuracy_before}
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        group.save(str(tmp / ENGINE_DIR))
+        maybe_fail("save_engine", state.step)
+        trainer_state = {
+            "step": state.step,
+            "data_state": state.data_state,
+            "accuracy_before": state.accuracy_before,
+        }
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state))
+        (tmp / "config.yaml").write_text(to_yaml(cfg))
+        write_manifest(tmp, sealed=[ENGINE_DIR])
+        swap_in(tmp, final)
+    except (OSError, CheckpointError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = (
+            e.__cause__ if isinstance(e, CheckpointError) and e.__cause__ else e
+        )  # the engine's bare cause
+        previous = [p.name for p in complete_checkpoints(cfg.trainer.run_dir)]
+        kept = (
+            f"the newest earlier checkpoint, {previous[-1]}, is intact"
+            if previous
+            else "no earlier checkpoint exists"
         )
-    )
-    (tmp / "config.yaml").write_text(to_yaml(cfg))
-    (tmp / MARKER).write_text("ok\n")
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+        raise CheckpointError(
+            f"the checkpoint of step {state.step} was not saved ({reason}); its temporary folder was removed and "
+            f"{kept}. Fix: free disk space or set trainer.keep_last_checkpoints lower, then rerun with "
+            "trainer.resume=auto."
+        ) from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    prune_checkpoints(cfg.trainer.run_dir, cfg.trainer.keep_last_checkpoints, keep=final)
     return final
 
 
+def prune_checkpoints(run_dir: str | Path, keep_last: int, *, keep: Path) -> None:
+    """Delete complete checkpoints but `keep` and the newest `keep_last - 1` others (0 keeps all)."""
+    if keep_last <= 0:
+        return
+    others = [p for p in complete_checkpoints(run_dir) if p != keep]
+    for old in others[: max(len(others) - (keep_last - 1), 0)]:
+        shutil.rmtree(old)
+        log.info("deleted checkpoint %s (trainer.keep_last_checkpoints=%d)", old, keep_last)
+
+
+def prepare_run_dir(run_dir: str | Path) -> None:
+    """Delete interrupted saves and finish interrupted swaps (call under the run lock)."""
+    for action in recover_parent(Path(run_dir) / "checkpoints"):
+        log.info("checkpoints: %s", action)
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint of a run folder, or None."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return None
-    done = [p for p in root.glob("step_*") if p.is_dir() and ".tmp-" not in p.name and (p / MARKER).is_file()]
-    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
+    """The newest checkpoint of a run folder whose files all match their manifest, or None.
+
+    Damaged or tampered checkpoints are skipped with a warning naming the file."""
+    for path in reversed(complete_checkpoints(run_dir)):
+        try:
+            verify_folder(path)
+        except CheckpointError as e:
+            log.warning("skipping checkpoint %s and falling back to an earlier one: %s", path.name, e)
+            continue
+        return path
+    return None
+
+
+def _holds_run(run_dir: Path) -> str | None:
+    if (run_dir / "metrics.jsonl").is_file():
+        return "metrics.jsonl"
+    ckpts = run_dir / "checkpoints"
+    if ckpts.is_dir() and any(ckpts.iterdir()):
+        return "checkpoints/"
+    return None
 
 
 def resolve_resume(cfg: RunConfig) -> Path | None:
-    """The checkpoint `trainer.resume` asks for (None = start fresh)."""
-    resume = cfg.trainer.resume
+    """The checkpoint `trainer.resume` asks for (None = start fresh); refuses to overwrite a run."""
+    resume, run_dir = cfg.trainer.resume, Path(cfg.trainer.run_dir)
     if resume == "never":
+        found = _holds_run(run_dir)
+        if found:
+            raise ConfigError(
+                f"trainer.resume=never but trainer.run_dir={str(run_dir)!r} already holds a run ({found}); "
+                "starting over would overwrite it. Fix: continue it with trainer.resume=auto, choose another "
+                "trainer.run_dir, or delete the folder to start over."
+            )
         return None
     if resume == "auto":
-        return latest_checkpoint(cfg.trainer.run_dir)
+        latest = latest_checkpoint(run_dir)
+        if latest is None and complete_checkpoints(run_dir):
+            raise ConfigError(
+                f"trainer.resume=auto found no intact checkpoint in {str(run_dir / 'checkpoints')!r} (every one "
+                "is damaged; see the warnings above). Fix: restore a checkpoint, or start over in another "
+                "trainer.run_dir."
+            )
+        return latest
     path = Path(resume)
-    if not (path / MARKER).is_file():
+    try:
+        verify_folder(path)
+    except CheckpointError as e:
         raise ConfigError(
-            f"trainer.resume={resume!r} is not a complete checkpoint (no {MARKER} marker). "
-            f"Fix: point it at RUN_DIR/checkpoints/step_N, or use trainer.resume=auto."
-        )
+            f"trainer.resume={resume!r} is not a complete checkpoint (it must be an intact "
+            f"RUN_DIR/checkpoints/step_N, or use trainer.resume=auto): {e}"
+        ) from e
     return path
 
 
 def load_checkpoint(group: Any, path: Path) -> TrainerState:
     """Restore the engines from `path` and return the trainer state saved with them."""
     raw = json.loads((path / "trainer_state.json").read_text())
-    group.load(str(path / "engine"))
+    group.load(str(path / ENGINE_DIR))
     return TrainerState(
         step=raw["step"], data_state=raw["data_state"], accuracy_before=raw.get("accuracy_before")
     )
+
+
+def checkpoint_model_tensors(path: str | Path) -> dict[str, Any]:
+    """The full model weights of a run checkpoint `RUN_DIR/checkpoints/step_N` (verified), on CPU,
+    under the native CausalLM's `state_dict` names (see `read_model_tensors`), e.g. for export."""
+    verify_folder(path)
+    return read_model_tensors(Path(path) / ENGINE_DIR)

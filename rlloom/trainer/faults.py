@@ -9,7 +9,7 @@ term) still fires at its place in the step.
 
 Driver stages, in step order: generate, rewards, old_logprobs, ref_logprobs, advantages, train (all
 policy updates done, weights not yet synced), sync; then save_engine (the engine state of the step's
-checkpoint is written, its COMPLETE marker is not) and after_checkpoint. Worker stage: update_policy
+checkpoint is written, the checkpoint's manifest is not) and after_checkpoint. Worker stage: update_policy
 (before an optimizer step; there STEP counts optimizer steps, the policy version, and RANK picks the
 worker). Unset in normal runs; reading one variable costs nothing.
 """

@@ -1,35 +1,25 @@
-"""From scored samples to the policy loss: advantages, the per-update tensors, and the loss function.
+"""From scored samples to the policy update: advantages, IS weights and the loss normaliser.
 
-The controller computes everything that needs the whole batch (advantages, the loss normaliser,
-IS weights) once, into a `PolicyUpdate`; the training engine then calls the loss function per
-micro-batch with the rows it holds. Shape legend: B samples, T response tokens.
+The controller computes everything that needs the whole batch once, into a `PolicyUpdate`
+(rlloom/data/types.py); the training engine then calls `rlloom.algorithms.objective.make_loss_fn`'s
+loss per micro-batch with the rows it holds. Shape legend: B samples, T response tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 import torch
 
 from rlloom.algorithms import (
-    aggregate_loss_sum,
-    cispo_loss,
     grpo_advantages,
-    gspo_loss,
     is_weights,
-    kl_estimate,
     loss_normalizer,
     masked_whiten,
-    ppo_clip_loss,
     reinforce_pp_baseline_advantages,
     reinforce_pp_returns,
     rloo_advantages,
 )
 from rlloom.config.components import AlgorithmConfig
-from rlloom.data.types import RolloutBatch
-from rlloom.devices import to_device
-from rlloom.engines.train.base import LossFn
+from rlloom.data.types import PolicyUpdate, RolloutBatch
 
 
 def compute_advantages(algo: AlgorithmConfig, batch: RolloutBatch) -> torch.Tensor:
@@ -48,38 +38,6 @@ def compute_advantages(algo: AlgorithmConfig, batch: RolloutBatch) -> torch.Tens
         returns_BT = reinforce_pp_returns(token_rewards_BT, mask_BT, gamma=algo.gamma)
         return masked_whiten(returns_BT, mask_BT) * mask_BT
     return adv_B[:, None] * mask_BT
-
-
-@dataclass(kw_only=True, slots=True)
-class PolicyUpdate:
-    """Per-token tensors of one mini-batch, in the order of its samples."""
-
-    batch: RolloutBatch
-    """The mini-batch the engine trains on."""
-    advantages_BT: torch.Tensor
-    """[B, T] advantages (0 at masked)."""
-    old_logp_BT: torch.Tensor | None
-    """[B, T] behaviour-policy logprobs; None = on-policy single pass: the detached current logprobs."""
-    ref_logp_BT: torch.Tensor | None
-    """[B, T] reference-policy logprobs when a KL loss is on."""
-    is_weights_BT: torch.Tensor | None
-    """[B, T] detached train/inference mismatch weights when IS correction is on."""
-    normalizer: float
-    """Global loss normaliser of this mini-batch for the aggregation mode."""
-
-    def select(self, rows: Sequence[int], algo: AlgorithmConfig, norm_constant: int) -> PolicyUpdate:
-        """The update of a subset of rows as its own mini-batch (normaliser recomputed)."""
-        idx = torch.as_tensor(list(rows), dtype=torch.int64)
-        sub = self.batch.select(list(rows))
-        pick = lambda x: None if x is None else x[idx]
-        return PolicyUpdate(
-            batch=sub,
-            advantages_BT=self.advantages_BT[idx],
-            old_logp_BT=pick(self.old_logp_BT),
-            ref_logp_BT=pick(self.ref_logp_BT),
-            is_weights_BT=pick(self.is_weights_BT),
-            normalizer=loss_normalizer(sub.response_mask(), algo.agg_mode, norm_constant=norm_constant),
-        )
 
 
 def build_update(
@@ -125,61 +83,3 @@ def build_update(
     metrics["advantage/mean"] = float(adv_valid.mean()) if adv_valid.numel() else 0.0
     metrics["advantage/abs_mean"] = float(adv_valid.abs().mean()) if adv_valid.numel() else 0.0
     return update, metrics
-
-
-def make_loss_fn(algo: AlgorithmConfig, update: PolicyUpdate) -> LossFn:
-    """The per-micro-batch loss of the configured policy loss, KL and entropy terms."""
-    mask_all_BT = update.batch.response_mask()
-    # In a single pass the current logprobs are the trainer's view of the rollout policy: the
-    # train-vs-rollout gap is measured here, at no extra forward.
-    rollout_BT = update.batch.rollout_logprobs() if update.old_logp_BT is None else None
-
-    def loss_fn(
-        logp_bT: torch.Tensor, entropy_bT: torch.Tensor | None, rows_b: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        rows_b = rows_b.to("cpu")
-        dev = logp_bT.device
-
-        def rows(t_BT: torch.Tensor) -> torch.Tensor:  # this micro-batch's rows, copied without a sync
-            return to_device(t_BT[rows_b], dev)
-
-        mask_bT = rows(mask_all_BT)
-        adv_bT = rows(update.advantages_BT)
-        old_bT = logp_bT.detach() if update.old_logp_BT is None else rows(update.old_logp_BT)
-        if algo.loss == "ppo_clip":
-            dual = algo.dual_clip_c if algo.dual_clip_c > 0 else None
-            loss_bT, metrics = ppo_clip_loss(
-                logp_bT,
-                old_bT,
-                adv_bT,
-                mask_bT,
-                eps_low=algo.eps_low,
-                eps_high=algo.eps_high,
-                dual_clip_c=dual,
-            )
-        elif algo.loss == "gspo":
-            loss_bT, metrics = gspo_loss(
-                logp_bT, old_bT, adv_bT, mask_bT, eps_low=algo.eps_low, eps_high=algo.eps_high
-            )
-        else:
-            loss_bT, metrics = cispo_loss(logp_bT, old_bT, adv_bT, mask_bT, eps_high=algo.eps_high)
-        if update.is_weights_BT is not None:
-            loss_bT = loss_bT * rows(update.is_weights_BT)
-        if algo.kl_coef > 0:
-            assert update.ref_logp_BT is not None, "KL loss on but no reference logprobs"
-            kl_bT = kl_estimate(logp_bT, rows(update.ref_logp_BT), algo.kl_kind) * mask_bT
-            loss_bT = loss_bT + algo.kl_coef * kl_bT
-            metrics["loss/kl"] = (kl_bT.sum() / mask_bT.sum().clamp(min=1)).detach()
-        if algo.entropy_coef > 0:
-            assert entropy_bT is not None, "entropy bonus on but the engine returned no entropy"
-            loss_bT = loss_bT - algo.entropy_coef * entropy_bT * mask_bT
-        if rollout_BT is not None:
-            gap_bT = (logp_bT.detach() - rows(rollout_BT)).abs()
-            count = mask_bT.sum().clamp(min=1)
-            metrics["rollout/logp_gap_abs"] = (gap_bT * mask_bT).sum() / count
-            metrics["rollout/logp_gap_exp"] = (torch.exp(gap_bT) * mask_bT).sum() / count
-        if entropy_bT is not None:
-            metrics["actor/entropy"] = ((entropy_bT * mask_bT).sum() / mask_bT.sum().clamp(min=1)).detach()
-        return aggregate_loss_sum(loss_bT, mask_bT, algo.agg_mode), metrics
-
-    return loss_fn

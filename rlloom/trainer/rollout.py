@@ -18,6 +18,7 @@ from rlloom.data.dataset import PromptItem
 from rlloom.data.source import PromptSource
 from rlloom.data.types import Sample
 from rlloom.engines.rollout.native import SamplingParams
+from rlloom.rewards.calling import RewardInput
 from rlloom.rewards.runner import RewardRunner
 from rlloom.trainer.faults import maybe_fail
 
@@ -55,7 +56,13 @@ def generate_samples(
                 group_id=first_group_id + c.prompt_index,
                 finish_reason=c.finish_reason,
                 policy_version=c.policy_version,
-                metadata={"ground_truth": item.ground_truth, "index": item.index},
+                routed_experts=c.routed_experts,
+                metadata={
+                    "ground_truth": item.ground_truth,
+                    "index": item.index,
+                    "prompt": item.prompt,
+                    "columns": item.metadata,
+                },
             )
         )
     return samples
@@ -66,7 +73,14 @@ def score_samples(
 ) -> dict[str, float]:
     """Decode responses, run the reward function, add overlong shaping; fills `Sample.reward`."""
     texts = [decode(s.response_ids) for s in samples]
-    result = runner.score([(t, s.metadata["ground_truth"]) for t, s in zip(texts, samples)])
+    result = runner.score(
+        [
+            RewardInput(
+                t, s.metadata["ground_truth"], prompt=s.metadata["prompt"], columns=s.metadata["columns"]
+            )
+            for t, s in zip(texts, samples)
+        ]
+    )
     scores, metrics = result.scores, result.metrics()
     penalty_B = torch.zeros(len(samples))
     algo = cfg.algorithm

@@ -1,7 +1,7 @@
 """`run(cfg)`: the whole training job, reading like the algorithm (STYLE.md §3).
 
-build -> (resume) -> evaluate -> [rl_step -> log -> evaluate every k -> checkpoint every k] -> final
-evaluation and checkpoint -> one summary line.
+build -> (resume) -> evaluate -> [rl_step -> log -> evaluate every k -> checkpoint every k -> Hugging
+Face folder every k] -> final evaluation, checkpoint and Hugging Face folder -> one summary line.
 """
 
 from __future__ import annotations
@@ -22,11 +22,20 @@ from rlloom.models import load_tokenizer
 from rlloom.observability.log import init_logger
 from rlloom.observability.loggers import build_loggers
 from rlloom.observability.memory import peak_memory_gib
+from rlloom.plan.check import check_fits
 from rlloom.rewards.build import build_reward_runner
 from rlloom.tasks.build import build_task_source
-from rlloom.trainer.checkpoint import TrainerState, load_checkpoint, resolve_resume, save_checkpoint
+from rlloom.trainer.checkpoint import (
+    TrainerState,
+    load_checkpoint,
+    prepare_run_dir,
+    resolve_resume,
+    save_checkpoint,
+)
 from rlloom.trainer.evaluate import evaluate
+from rlloom.trainer.export import save_run_hf
 from rlloom.trainer.faults import check_fault_env, maybe_fail
+from rlloom.trainer.run_lock import RunDirLock
 from rlloom.trainer.step import StepContext, rl_step, update_was_skipped
 
 
@@ -50,8 +59,16 @@ def seed_everything(seed: int) -> None:
 
 
 def run(cfg: RunConfig) -> RunResult:
-    log = init_logger()
+    """Train under an exclusive lock on `trainer.run_dir` (a second run there is refused)."""
+    init_logger()
     check_fault_env()
+    with RunDirLock(cfg.trainer.run_dir):
+        prepare_run_dir(cfg.trainer.run_dir)
+        return _run(cfg, resolve_resume(cfg))
+
+
+def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
+    log = init_logger()
     start = time.perf_counter()
     seed_everything(cfg.trainer.seed)
     run_dir = Path(cfg.trainer.run_dir)
@@ -64,13 +81,14 @@ def run(cfg: RunConfig) -> RunResult:
     runner = build_reward_runner(cfg.reward, task=cfg.data.task)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
     stop_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if warning := check_fits(cfg):  # before any GPU memory is taken (rlloom plan, docs/plan.md)
+        log.warning(warning)
     group = build_worker_group(cfg)
     ctx = StepContext(
         cfg=cfg, group=group, source=source, runner=runner, decode=decode, stop_token_ids=stop_token_ids
     )
 
     state = TrainerState(step=0, data_state=source.state_dict())
-    resume_from = resolve_resume(cfg)
     if resume_from is not None:
         state = load_checkpoint(group, resume_from)
         source.load_state_dict(state.data_state)
@@ -112,6 +130,8 @@ def run(cfg: RunConfig) -> RunResult:
                 state.data_state = source.state_dict()
                 save_checkpoint(group, cfg, state)
                 maybe_fail("after_checkpoint", state.step)
+            if _hf_due(cfg, state.step, is_last):
+                save_run_hf(group, cfg, state.step)
     finally:
         loggers.close()
         runner.close()
@@ -130,6 +150,11 @@ def run(cfg: RunConfig) -> RunResult:
         flush=True,
     )
     return result
+
+
+def _hf_due(cfg: RunConfig, step: int, is_last: bool) -> bool:
+    every = cfg.trainer.save_hf_every
+    return every >= 0 and (is_last or (every > 0 and step % every == 0))
 
 
 def _fmt(x: float | None) -> str:

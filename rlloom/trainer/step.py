@@ -10,14 +10,15 @@ from dataclasses import dataclass
 
 import torch
 
+from rlloom.algorithms import loss_normalizer
 from rlloom.cluster.inline import WorkerGroup
 from rlloom.config.components import RunConfig
 from rlloom.data.source import PromptSource
-from rlloom.data.types import RolloutBatch
+from rlloom.data.types import PolicyUpdate, RolloutBatch
 from rlloom.observability.timers import StageTimer
 from rlloom.rewards.runner import RewardRunner
 from rlloom.trainer.faults import maybe_fail
-from rlloom.trainer.policy import PolicyUpdate, build_update
+from rlloom.trainer.policy import build_update
 from rlloom.trainer.rollout import collect_rollouts
 
 log = logging.getLogger(__name__)
@@ -132,12 +133,18 @@ def update_policy(
             mini = (
                 update
                 if cfg.trainer.num_mini_batches == 1
-                else update.select(rows, cfg.algorithm, norm_constant)
+                else update.select(rows, mini_batch_normalizer(update.batch, rows, cfg, norm_constant))
             )
             for k, v in group.update_policy(mini).items():
                 totals[k] = totals.get(k, 0.0) + v
             count += 1
     return {k: v / count for k, v in totals.items()}
+
+
+def mini_batch_normalizer(batch: RolloutBatch, rows: list[int], cfg: RunConfig, norm_constant: int) -> float:
+    """The loss normaliser of the mini-batch made of `rows` (its own tokens or sequences)."""
+    mask_BT = batch.select(rows).response_mask()
+    return loss_normalizer(mask_BT, cfg.algorithm.agg_mode, norm_constant=norm_constant)
 
 
 def mini_batch_rows(cfg: RunConfig, num_samples: int, *, epoch: int, seed: int = 0) -> list[list[int]]:
@@ -154,9 +161,13 @@ def mini_batch_rows(cfg: RunConfig, num_samples: int, *, epoch: int, seed: int =
 
 
 def logprob_gap(old_logp_BT: torch.Tensor, batch: RolloutBatch) -> dict[str, float]:
-    """Train-vs-rollout logprob gap over valid tokens: mean |dlogp| and mean exp|dlogp|."""
+    """Train-vs-rollout logprob gap over valid tokens: mean |dlogp| and mean exp|dlogp| (NeMo-RL's
+    token_mult_prob_error; 1.0 when the two agree)."""
     mask = batch.response_mask()
     diff = (old_logp_BT - batch.rollout_logprobs())[mask].abs().double()
     if diff.numel() == 0:
-        return {"rollout/logp_gap_abs": 0.0, "rollout/logp_gap_exp": 1.0}
-    return {"rollout/logp_gap_abs": float(diff.mean()), "rollout/logp_gap_exp": float(diff.exp().mean())}
+        return {"rollout/logp_gap_abs": 0.0, "rollout/token_mult_prob_error": 1.0}
+    return {
+        "rollout/logp_gap_abs": float(diff.mean()),
+        "rollout/token_mult_prob_error": float(diff.exp().mean()),
+    }

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 pytest.importorskip("ray", reason="needs the ray extra: pip install 'rlloom[ray]'")
 
 from rlloom.cluster import WorkerFailure  # noqa: E402
 from rlloom.config import load_config  # noqa: E402
+from rlloom.trainer.checkpoint import checkpoint_dir, checkpoint_model_tensors  # noqa: E402
 from rlloom.trainer.run import run  # noqa: E402
 
 SKIP = ("time/", "perf/", "sync/ms", "memory/")
@@ -42,9 +42,7 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def weights(run_dir: Path, step: int, tmp: Path) -> dict[str, torch.Tensor]:
-    out = tmp / f"{run_dir.name}.pt"
-    dcp_to_torch_save(run_dir / "checkpoints" / f"step_{step:06d}" / "engine" / "dcp", out)
-    return torch.load(out, weights_only=False)["model"]
+    return checkpoint_model_tensors(checkpoint_dir(run_dir, step))
 
 
 def test_two_ray_workers_match_inline(tiny_checkpoint, tmp_path):

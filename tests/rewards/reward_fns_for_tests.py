@@ -2,8 +2,10 @@
 import it (and nothing heavier) to unpickle them."""
 
 import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def echo_score(response_text, ground_truth):
@@ -12,17 +14,32 @@ def echo_score(response_text, ground_truth):
 
 
 def misbehave(response_text, ground_truth):
-    """Misbehaves according to the response text."""
+    """Misbehaves according to the response text; otherwise returns the ground truth as a float."""
     if response_text == "hang":
         time.sleep(3600)
     if response_text == "raise":
         raise RuntimeError("reward bug")
     if response_text == "crash":
         os._exit(3)
-    bad = {"none": None, "nan": float("nan"), "inf": float("inf"), "abc": "abc"}
+    if response_text == "exit":
+        sys.exit(0)
+    if response_text == "child":  # start a program that outlives the call, tell the test its pid, hang
+        child = subprocess.Popen(["sleep", "3600"])
+        Path(ground_truth).write_text(str(child.pid))
+        time.sleep(3600)
+    if response_text == "hog":  # touch 0.5 GiB, then score 1.0
+        return 1.0 if len(bytearray(2**29)) else 0.0
+    bad = {"none": None, "nan": float("nan"), "inf": float("inf"), "abc": "abc", "big": 1e39, "huge": 10**400}
     if response_text in bad:
         return bad[response_text]
     return float(ground_truth)
+
+
+def hang_on_even_answers(response_text, ground_truth):
+    """A plug-in for end-to-end runs: hangs when the ground truth is an even number, else 1.0."""
+    if int(ground_truth) % 2 == 0:
+        time.sleep(3600)
+    return 1.0
 
 
 def modules_loaded(response_text, ground_truth):
@@ -33,3 +50,25 @@ def modules_loaded(response_text, ground_truth):
 def length_bonus(response_text, ground_truth):
     """A plug-in: 1.0 per character up to 3, as an int (ints are valid scores)."""
     return min(len(response_text), 3)
+
+
+def uses_columns(response_text, ground_truth, prompt, level):
+    """Per-sample form with named keywords: the row's `level` column, checked against the prompt."""
+    return float(level) if prompt == f"level {level}" else -1.0
+
+
+def uses_all_columns(response, truth, **columns):
+    """Per-sample form with **kwargs: how many keyword arguments arrived (prompt + columns)."""
+    return float(len(columns))
+
+
+def batched_lengths(completions, prompts, ground_truths, level):
+    """Batched form: one call per chunk; len(completion) + level, or a hang when asked to."""
+    if "hang" in completions:
+        time.sleep(3600)
+    return [len(c) + lv for c, lv in zip(completions, level)]
+
+
+def batched_wrong_length(completions, **columns):
+    """Batched form that returns one score too few."""
+    return [1.0] * (len(completions) - 1)

@@ -1,4 +1,7 @@
-"""Math answers: boxed and GSM8K extraction, the fallback comparison, and math_verify when present."""
+"""Math answers: boxed and GSM8K extraction, the fallback comparison, and math_verify (a core dependency)."""
+
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -53,13 +56,44 @@ def test_rejects_wrong_or_unmarked_answers(response, truth):
     assert ma.math_answer(response, truth) == 0.0
 
 
-def test_fallback_is_used_without_math_verify(monkeypatch):
-    monkeypatch.setattr(ma, "HAVE_MATH_VERIFY", False)
+def test_math_verify_is_installed():
+    # A core dependency: the default install must score symbolic answers with it.
+    assert ma.math_verify_module() is not None, "math-verify missing: pip install math-verify"
+
+
+@pytest.mark.parametrize(
+    "response, truth",
+    [
+        (r"\boxed{\frac12}", "0.5"),
+        (r"\boxed{\{3, 1, 2\}}", r"\{1,2,3\}"),
+        (r"\boxed{\sqrt{4}}", "2"),
+        (r"\boxed{\pi/2}", r"\frac{\pi}{2}"),
+        (r"\boxed{1+2x}", "2x+1"),
+        (r"The answer is \boxed{\frac{\sqrt{8}}{2}}", r"\sqrt{2}"),
+    ],
+)
+def test_math_verify_accepts_equivalent_forms(response, truth):
+    assert ma.math_answer(response, truth) == 1.0
+
+
+@pytest.mark.parametrize(
+    "response, truth",
+    [(r"\boxed{\sqrt{5}}", "2"), (r"\boxed{\pi/3}", r"\frac{\pi}{2}"), (r"\boxed{\{1, 2\}}", r"\{1,2,3\}")],
+)
+def test_math_verify_rejects_different_values(response, truth):
+    assert ma.math_answer(response, truth) == 0.0
+
+
+def test_math_verify_works_off_the_main_thread():
+    # Its signal-based timeouts fail in threads; the reward must still see the match there.
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(ma.math_answer, r"\boxed{\sqrt{4}}", "2").result() == 1.0
+
+
+def test_fallback_without_math_verify(monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # `import math_verify` now raises ImportError
+    assert ma.math_verify_module() is None
     assert ma.math_answer(r"\boxed{\frac12}", "0.5") == 0.0  # needs a symbolic reader
-    assert ma.math_answer(r"\boxed{\frac{1}{2}}", "0.5") == 1.0
-
-
-@pytest.mark.skipif(not ma.HAVE_MATH_VERIFY, reason="math_verify not installed (pip install rlloom[math])")
-def test_math_verify_reads_equivalent_forms():
-    assert ma.math_answer(r"\boxed{\frac12}", "0.5") == 1.0
-    assert ma.math_answer(r"\boxed{\{3, 1, 2\}}", r"\{1,2,3\}") == 1.0
+    assert ma.math_answer(r"\boxed{\sqrt{4}}", "2") == 0.0
+    assert ma.math_answer(r"\boxed{\frac{1}{2}}", "0.5") == 1.0  # the fallback reads simple fractions
+    assert ma.math_answer(r"\boxed{1,000}", "1000") == 1.0

@@ -1,7 +1,5 @@
 """RewardRunner: inline and worker modes, timeouts, errors, invalid scores, order, metrics."""
 
-import time
-
 import pytest
 from reward_fns_for_tests import echo_score, misbehave, modules_loaded
 
@@ -11,38 +9,19 @@ from rlloom.rewards import RewardRunner, get_reward_fn
 def test_inline_scores_and_counts_bad_outputs():
     runner = RewardRunner(misbehave, num_workers=0, default_score=-1.0)
     result = runner.score(
-        [("good", "2"), ("raise", "0"), ("none", "0"), ("nan", "0"), ("abc", "0"), ("x", "0.5")]
+        [
+            ("good", "2"),
+            ("raise", "0"),
+            ("exit", "0"),
+            ("none", "0"),
+            ("nan", "0"),
+            ("big", "0"),
+            ("x", "0.5"),
+        ]
     )
-    assert result.scores == [2.0, -1.0, -1.0, -1.0, -1.0, 0.5]
-    assert result.metrics() == {"reward/timeouts": 0.0, "reward/errors": 1.0, "reward/invalid": 3.0}
+    assert result.scores == [2.0, -1.0, -1.0, -1.0, -1.0, -1.0, 0.5]
+    assert result.metrics() == {"reward/timeouts": 0.0, "reward/errors": 2.0, "reward/invalid": 3.0}
     assert runner.totals["reward/invalid"] == 3.0
-
-
-def test_workers_survive_hang_raise_crash_and_bad_values_in_one_call():
-    pairs = [
-        ("good", "1"),
-        ("hang", "0"),
-        ("raise", "0"),
-        ("good", "2"),
-        ("none", "0"),
-        ("nan", "0"),
-        ("inf", "0"),
-        ("abc", "0"),
-        ("crash", "0"),
-        ("good", "3"),
-    ]
-    with RewardRunner(misbehave, num_workers=2, timeout_s=0.5, default_score=0.0) as runner:
-        start = time.monotonic()
-        result = runner.score(pairs)
-        elapsed = time.monotonic() - start
-        assert result.scores == [1.0, 0, 0, 2.0, 0, 0, 0, 0, 0, 3.0]
-        assert (result.num_timeouts, result.num_errors, result.num_invalid) == (1, 2, 4)
-        assert elapsed < 2.5, f"score() took {elapsed:.2f}s with a 0.5s timeout"
-        # The hung and crashed workers were replaced: the pool keeps working, in order.
-        again = runner.score([("good", str(i)) for i in range(8)])
-        assert again.scores == [float(i) for i in range(8)]
-        assert again.metrics()["reward/timeouts"] == 0.0
-        assert runner.totals["reward/timeouts"] == 1.0
 
 
 def test_worker_matches_inline_on_builtin_reward():
@@ -65,10 +44,22 @@ def test_unpicklable_function_is_refused_with_a_fix():
         RewardRunner(lambda r, g: 1.0, num_workers=1)
 
 
+def test_function_that_cannot_load_in_a_worker_is_reported_with_a_fix(monkeypatch, tmp_path):
+    module = tmp_path / "vanishing_reward.py"
+    module.write_text("def score(response_text, ground_truth):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from vanishing_reward import score
+
+    module.unlink()  # the worker cannot import it any more
+    with pytest.raises(RuntimeError, match="cannot be loaded in a worker process .*ModuleNotFoundError"):
+        RewardRunner(score, num_workers=1).score([("a", "b")])
+
+
 def test_empty_batch_and_bad_settings():
     assert RewardRunner(echo_score).score([]).scores == []
-    with pytest.raises(ValueError, match="timeout_s"):
-        RewardRunner(echo_score, timeout_s=0)
+    for timeout in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="timeout_s"):
+            RewardRunner(echo_score, timeout_s=timeout)
     runner = RewardRunner(echo_score, num_workers=1)
     runner.close()
     with pytest.raises(RuntimeError, match="close"):
@@ -78,8 +69,8 @@ def test_empty_batch_and_bad_settings():
 def test_worker_that_died_between_calls_is_replaced():
     with RewardRunner(echo_score, num_workers=1, timeout_s=5.0) as runner:
         assert runner.score([("ok", "1")]).scores == [1.0]
-        dead = runner._workers[0].process
+        dead = runner._workers[0].popen
         dead.kill()
-        dead.join()
+        dead.wait()
         assert runner.score([("ok", "2"), ("ok", "3")]).scores == [2.0, 3.0]
-        assert runner._workers[0].process is not dead
+        assert runner._workers[0].popen is not dead

@@ -8,7 +8,7 @@ import torch
 from test_trainer_loop import final_weights
 
 from rlloom.cli import main
-from rlloom.trainer.checkpoint import checkpoint_dir
+from rlloom.trainer.checkpoint import checkpoint_dir, complete_checkpoints
 
 
 def test_every_step_non_finite_stops_with_error_and_saves_only_finite_weights(
@@ -39,7 +39,7 @@ def test_every_step_non_finite_stops_with_error_and_saves_only_finite_weights(
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["train/skipped_step"] == 1.0 and r["policy/version"] == 0.0 for r in records)
-    assert (checkpoint_dir(run_dir, 1) / "COMPLETE").is_file()
-    assert not checkpoint_dir(run_dir, 2).exists()  # the stalled run writes no final checkpoint
+    # Only step 1's (finite) checkpoint: the stalled run writes no final one.
+    assert complete_checkpoints(run_dir) == [checkpoint_dir(run_dir, 1)]
     weights = final_weights(run_dir, 1, tmp_path)
     assert weights and all(torch.isfinite(w).all() for w in weights.values())

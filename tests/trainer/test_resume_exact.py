@@ -147,7 +147,7 @@ def launcher():
 
 # STAGE:STEP with STEP = steps completed. update_policy counts optimizer steps (two per RL step):
 # 5 dies between the two mini-batch updates of step 3. save_engine:2 dies with step 2's engine state
-# written but no COMPLETE marker (resume from step 1); after_checkpoint:3 sits at an epoch end.
+# written but no manifest (resume from step 1); after_checkpoint:3 sits at an epoch end.
 FAST = ["update_policy:5", "save_engine:2", "after_checkpoint:3"]
 FULL = ["generate:1", "rewards:2", "old_logprobs:2", "ref_logprobs:2", "advantages:1", "train:2", "sync:1"]
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from rlloom.config import load_config
+from rlloom.trainer.checkpoint import checkpoint_dir, checkpoint_model_tensors
 from rlloom.trainer.run import run
 
 NON_DETERMINISTIC = ("time/", "perf/", "sync/ms", "memory/")
@@ -36,10 +36,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def final_weights(run_dir: Path, step: int, tmp: Path) -> dict[str, torch.Tensor]:
-    out = tmp / f"weights_{run_dir.name}.pt"
-    dcp_to_torch_save(run_dir / "checkpoints" / f"step_{step:06d}" / "engine" / "dcp", out)
-    state = torch.load(out, weights_only=False)
-    return {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+    """The model tensors of checkpoint step_N of a run (native names); `tmp` is unused."""
+    return checkpoint_model_tensors(checkpoint_dir(run_dir, step))
 
 
 def test_two_steps_log_every_metric_and_checkpoint(tiny_checkpoint, tmp_path, capsys):
@@ -54,13 +52,13 @@ def test_two_steps_log_every_metric_and_checkpoint(tiny_checkpoint, tmp_path, ca
         "loss/clipfrac_low", "loss/clipfrac_high", "loss/approx_kl", "actor/entropy", "train/grad_norm",
         "train/lr", "time/generate_s", "time/train_s", "time/sync_s", "time/step_s", "sync/ms",
         "sync/ms_per_gb", "perf/step_tok_per_s", "memory/peak_gib", "policy/version",
-        "rollout/logp_gap_abs", "rollout/logp_gap_exp",
+        "rollout/logp_gap_abs", "rollout/token_mult_prob_error",
     ]:  # fmt: skip
         assert key in step, key
     assert step["policy/version"] == 1 and records[2]["policy/version"] == 2
-    assert 0 <= step["rollout/logp_gap_abs"] < 1e-4 and 1 <= step["rollout/logp_gap_exp"] < 1 + 1e-4
+    assert 0 <= step["rollout/logp_gap_abs"] < 1e-4 and 1 <= step["rollout/token_mult_prob_error"] < 1 + 1e-4
     assert "eval/accuracy" in records[0] and "eval/accuracy" in records[2]
-    assert (tmp_path / "run" / "checkpoints" / "step_000002" / "COMPLETE").is_file()
+    assert (tmp_path / "run" / "checkpoints" / "step_000002" / "manifest.json").is_file()
 
 
 def test_resume_auto_without_checkpoint_starts_fresh(tiny_checkpoint, tmp_path):

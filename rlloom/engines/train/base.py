@@ -1,4 +1,5 @@
-"""The interface every training engine implements, and the loss callback it takes.
+"""The interface every training engine implements (the loss callback it takes is
+`rlloom.algorithms.objective.LossFn`).
 
 The controller talks to a training engine only through these methods; engines are chosen with a
 plain `if` at build time. Shape legend: B samples of the global batch, b of one micro-batch, T
@@ -7,24 +8,13 @@ response tokens (the batch's `T`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol
+from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 
+from rlloom.algorithms.objective import LossFn
 from rlloom.data.types import RolloutBatch
-
-LossFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], tuple[torch.Tensor, Mapping[str, Any]]]
-"""loss_fn(logp_bT, entropy_bT | None, mb_indices_b) -> (loss_sum, metrics), called per micro-batch.
-
-logp_bT / entropy_bT: [b, T] fp32 on the engine's device, 0 where the response mask is false.
-mb_indices_b: [b] int64 (CPU), the rows of the global batch in this micro-batch, in order; the
-caller indexes its own per-sample tensors (advantages, old logprobs, mask) with it.
-loss_sum: scalar, the micro-batch's numerator, e.g. `aggregate_loss_sum(loss_bT, mask_bT, mode)`;
-the engine divides it by the global `loss_normalizer`.
-metrics: scalars (averaged over micro-batches weighted by response tokens) or
-`rlloom.observability.metrics` Mean/Sum/Max/Min values.
-"""
 
 
 class TrainEngine(Protocol):

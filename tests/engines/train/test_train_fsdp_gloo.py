@@ -1,6 +1,7 @@
 """Two processes with FSDP2 on gloo give the same results as one process on the same global batch:
 logprobs, parameters after three steps (shared-prompt groups, uneven micro-batch counts, a rank with
-no sample, CPU optimizer offload of sharded parameters), weight export, and a sharded checkpoint round trip."""
+no sample, CPU optimizer offload of sharded parameters), weight export, and a sharded checkpoint round
+trip (also loaded into one unsharded process)."""
 
 from __future__ import annotations
 
@@ -102,6 +103,17 @@ def test_two_process_fsdp_equals_one_process(tmp_path):
     losses = [train(single, b)["train/loss"] for b in batches()]
     expected = {"logp": logp, "losses": losses, "weights": full_weights(single)}
     mp.spawn(worker, args=(free_port(), ckpt, str(tmp_path), expected), nprocs=2, join=True)
+
+    # The two ranks' checkpoint (after step 2) loads into one unsharded process; redoing step 3 there
+    # gives the weights of the uninterrupted run.
+    resharded = NativeTrainEngine(
+        cfg(optimizer_offload=True, optimizer_offload_fraction=0.5), load_tiny(ckpt)
+    )
+    resharded.load(str(tmp_path / "ckpt"))
+    assert resharded.version == 2
+    train(resharded, batches()[2])
+    for name, t in full_weights(resharded).items():
+        torch.testing.assert_close(t, expected["weights"][name], atol=1e-6, rtol=0, msg=name)
 
 
 def gather_once_worker(rank: int, ckpt: str, expected: dict) -> None:

@@ -71,8 +71,11 @@ class DecodeGraphs:
         scratch_block: int,
         bucket_tokens: int = 128,
         forward: Callable[..., torch.Tensor] | None = None,
+        route_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
+        self.route_dtype = route_dtype
+        """MoE models: the experts each row used are captured too, as a second output in this dtype."""
         self.backend = backend
         self.forward = model.hidden_states if forward is None else forward
         self.batch_sizes = _batch_sizes(max_num_seqs, smallest=1 if forward is None else 2)
@@ -94,10 +97,10 @@ class DecodeGraphs:
         self.prefix_start = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.rows = torch.arange(max_bs, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.pool = None
 
-    def _forward(self, bs: int, num_blocks: int) -> torch.Tensor:
+    def _forward(self, bs: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.backend.prepare(
             AttnContext(
                 slot_mapping_N=self.slot_mapping[:bs],
@@ -110,7 +113,11 @@ class DecodeGraphs:
                 else None,
             )
         )
-        return self.forward(self.input_ids[:bs], position_ids=self.positions[:bs], attn=self.backend)
+        hidden = self.forward(self.input_ids[:bs], position_ids=self.positions[:bs], attn=self.backend)
+        # The MoE layers keep their last experts as attributes: stacking them here makes the copy a
+        # kernel of the graph, so every replay refreshes this output.
+        routes = None if self.route_dtype is None else self.model.last_routes().to(self.route_dtype)
+        return hidden, routes
 
     def _capture(self, bs: int, num_blocks: int) -> None:
         try:  # warm-up outside the graph: compilation, lazy kernel and cuBLAS set-up
@@ -135,8 +142,11 @@ class DecodeGraphs:
         return batch_size <= self.batch_sizes[-1] and width <= self.block_buckets[-1]
 
     @torch.no_grad()
-    def run(self, rows: np.ndarray, pending_R: torch.Tensor | None = None) -> torch.Tensor:
-        """Final hidden states [B, D] of one decode step; rows [B, table_column(M) + width] int64
+    def run(
+        self, rows: np.ndarray, pending_R: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Final hidden states [B, D] of one decode step and, for MoE, the experts each row used
+        [B, MoE layers, K] (else None); rows [B, table_column(M) + width] int64
         in the column layout above (tables padded with the scratch block). With `pending_R`, token
         -1 - r stands for `pending_R[r]` (the step in flight's sampled tokens)."""
         first_table = table_column(self.max_members)
@@ -160,4 +170,5 @@ class DecodeGraphs:
         if (bs, num_blocks) not in self.graphs:
             self._capture(bs, num_blocks)
         self.graphs[(bs, num_blocks)].replay()
-        return self.outputs[(bs, num_blocks)][:B]
+        hidden, routes = self.outputs[(bs, num_blocks)]
+        return hidden[:B], None if routes is None else routes[:B]

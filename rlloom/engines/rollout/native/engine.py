@@ -77,6 +77,12 @@ class _InFlight:
     host_logprobs_R: torch.Tensor
     copied: torch.cuda.Event | None
     """Recorded after the device-to-host copies (None on CPU, where they are done already)."""
+    row_source: list[int]
+    """Each row's sequence in the forward (`Batch.row_source`)."""
+    route_spans: list[tuple[int, int, int]]
+    """MoE: per sequence of the forward, (first position, positions, first row of `routes`)."""
+    routes: torch.Tensor | None
+    """MoE: [rows of the forward, MoE layers, K] experts used, on the host once `copied`."""
 
 
 class NativeEngine:
@@ -265,15 +271,27 @@ class NativeEngine:
         """Queue `batch`'s forward and sampling on the device and record it as launched."""
         rows = self._sampling_rows(batch)  # host work and copies queued before the forward
         self.runner.copy_blocks(self.block_manager.take_pending_copies())
+        spans = _route_spans(batch)
         logits_SV = self.runner.run(
             batch.seqs, batch.is_prefill, None if previous is None else previous.token_ids_R
         )
+        routes = self.runner.last_routes
         if batch.row_source != list(range(len(batch.seqs))):
             logits_SV = logits_SV[to_device(torch.tensor(batch.row_source), logits_SV.device)]
         token_ids_R, logprobs_R = self.sampler(logits_SV, rows)
         offsets = self.scheduler.launched(batch)
         if token_ids_R.device.type != "cuda":
-            return _InFlight(batch.rows, offsets, token_ids_R, token_ids_R, logprobs_R, None)
+            return _InFlight(
+                batch.rows,
+                offsets,
+                token_ids_R,
+                token_ids_R,
+                logprobs_R,
+                None,
+                batch.row_source,
+                spans,
+                routes,
+            )
         if not self._host_buffers:
             self._host_buffers = [
                 (
@@ -287,14 +305,33 @@ class NativeEngine:
         host_tokens, host_logprobs = (buf[:R] for buf in self._host_buffers[0])
         host_tokens.copy_(token_ids_R, non_blocking=True)
         host_logprobs.copy_(logprobs_R, non_blocking=True)
+        if routes is not None:  # pinned memory comes from torch's caching host allocator
+            routes = torch.empty(routes.shape, dtype=routes.dtype, pin_memory=True).copy_(
+                routes, non_blocking=True
+            )
         copied = torch.cuda.Event()
         copied.record()
-        return _InFlight(batch.rows, offsets, token_ids_R, host_tokens, host_logprobs, copied)
+        return _InFlight(
+            batch.rows,
+            offsets,
+            token_ids_R,
+            host_tokens,
+            host_logprobs,
+            copied,
+            batch.row_source,
+            spans,
+            routes,
+        )
 
     def _resolve(self, step: _InFlight) -> None:
         """Wait for a launched step's tokens and record them (finished sequences go to `_ready`)."""
         if step.copied is not None:
             step.copied.synchronize()
+        if step.routes is not None:  # before the tokens: a sequence that finishes now takes them along
+            for seq, source in zip(step.rows, step.row_source):
+                if seq.status is not Status.FINISHED:
+                    start, n, offset = step.route_spans[source]
+                    seq.record_routes(start, step.routes[offset : offset + n])
         token_ids, logprobs = step.host_token_ids_R.tolist(), step.host_logprobs_R.tolist()
         for seq in self.scheduler.resolve(step.rows, step.offsets, token_ids, logprobs):
             self._ready.append(seq.completion())
@@ -383,3 +420,15 @@ class NativeEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+
+def _route_spans(batch: Batch) -> list[tuple[int, int, int]]:
+    """Per sequence of the forward: (first position, positions, first row) of its tokens in the
+    forward's input: a prefill feeds every uncached token, a decode the last one."""
+    spans, offset = [], 0
+    for seq in batch.seqs:
+        start = seq.num_cached_tokens if batch.is_prefill else seq.num_tokens - 1
+        n = seq.num_tokens - start
+        spans.append((start, n, offset))
+        offset += n
+    return spans

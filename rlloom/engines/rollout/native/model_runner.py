@@ -86,6 +86,12 @@ class ModelRunner:
         """The decode forward the graphs capture when compiled (one compilation per runner: the
         backend handle stays the same across sleep/wake, so guards keep matching)."""
         self._handle = new_handle()
+        moe = model.args.moe
+        self.route_dtype = None if moe is None else (torch.uint8 if moe.num_experts <= 256 else torch.int16)
+        """MoE models: the dtype the experts chosen per token are recorded in (None: dense model)."""
+        self.last_routes: torch.Tensor | None = None
+        """[rows of the last forward, MoE layers, K] experts per token of the last `run` (MoE only):
+        every new token of a prefill in input order, one row per sequence of a decode."""
         self.backend: PagedAttention | None = None
         self.graphs: DecodeGraphs | None = None
         self.allocate()
@@ -118,6 +124,7 @@ class ModelRunner:
             max_blocks_per_seq=self.max_blocks_per_seq,
             scratch_block=self.num_blocks,
             forward=self.compiled_forward,
+            route_dtype=self.route_dtype,
         )
 
     def free(self) -> None:
@@ -150,8 +157,13 @@ class ModelRunner:
         whose last token is pending (`sequence.pending(r)`) reads it from `pending_R[r]`, the
         sampled tokens of the step in flight."""
         assert self.backend is not None, "the KV cache is freed (engine asleep)"
+        self.last_routes = None
         hidden_SD = self._prefill(seqs) if is_prefill else self._decode(seqs, pending_R)
         return hidden_SD @ self.model.lm_head_weight.T
+
+    def _record_routes(self) -> None:
+        if self.route_dtype is not None:
+            self.last_routes = self.model.last_routes().to(self.route_dtype)
 
     def _slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -188,6 +200,7 @@ class ModelRunner:
         hidden_ND = self.model.hidden_states(
             self._tensor(ids), position_ids=self._tensor(positions), attn=self.backend
         )
+        self._record_routes()
         return hidden_ND[self._tensor(last)]
 
     def _decode_rows(self, seqs: list[Sequence]) -> np.ndarray:
@@ -233,7 +246,10 @@ class ModelRunner:
             assert pending_R is not None, "a decode input is pending but no step is in flight"
         if self.graphs is not None and self.graphs.fits(len(seqs), rows.shape[1] - first_table):
             try:
-                return self.graphs.run(rows, pending_R)
+                hidden_SD, routes = self.graphs.run(rows, pending_R)
+                if self.route_dtype is not None:
+                    self.last_routes = routes
+                return hidden_SD
             except GraphCaptureError as err:
                 if self.compiled_forward is not None:  # capture the plain forward instead
                     logger.warning("%s; capturing the uncompiled decode forward from now on", err)
@@ -265,4 +281,6 @@ class ModelRunner:
         )
         tokens_S = staged[:, TOKEN]
         ids_S = tokens_S if pending_R is None else take_pending(tokens_S, pending_R)
-        return self.model.hidden_states(ids_S, position_ids=positions_S, attn=self.backend)
+        hidden_SD = self.model.hidden_states(ids_S, position_ids=positions_S, attn=self.backend)
+        self._record_routes()
+        return hidden_SD

@@ -61,6 +61,9 @@ class Completion:
     """Weight version (`update_weights`) in force when the request was added."""
     error: str | None = None
     """Why the request was rejected or aborted; None for normal completions."""
+    routed_experts: torch.Tensor | None = None
+    """MoE models: [len(prompt) + len(token_ids) - 1, MoE layers, K] the experts each token fed to
+    the model used (uint8, or int16 beyond 256 experts); None for dense models and aborted requests."""
 
 
 @dataclass(eq=False, slots=True)
@@ -84,6 +87,17 @@ class Sequence:
     """Waiting siblings that join when this (leader) sequence is prefilled; empty otherwise."""
     finish_reason: FinishReason | None = None
     error: str | None = None
+    route_chunks: list[torch.Tensor] = field(default_factory=list)
+    """MoE: the experts used at positions 0, 1, ... in order, as [n, MoE layers, K] chunks on CPU."""
+    num_routed: int = 0
+    """Positions covered by `route_chunks` (a recomputed prefill after preemption keeps the originals)."""
+
+    def record_routes(self, start: int, routes: torch.Tensor) -> None:
+        """Keep the routes of positions start.. that are not recorded yet."""
+        skip = self.num_routed - start
+        if skip < len(routes):
+            self.route_chunks.append(routes[max(skip, 0) :])
+            self.num_routed += len(routes) - max(skip, 0)
 
     @property
     def num_tokens(self) -> int:
@@ -109,4 +123,14 @@ class Sequence:
             finish_reason=self.finish_reason,
             policy_version=self.policy_version,
             error=self.error,
+            routed_experts=self._routes(),
         )
+
+    def _routes(self) -> torch.Tensor | None:
+        fed = self.num_tokens - 1  # every token but the last went through the model
+        if not self.route_chunks or self.num_routed < fed:
+            assert not self.route_chunks or self.finish_reason == "abort", (
+                f"sequence {self.seq_id}: routes for {self.num_routed} of {fed} positions"
+            )
+            return None
+        return torch.cat(self.route_chunks)[:fed]

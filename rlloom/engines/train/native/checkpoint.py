@@ -1,30 +1,36 @@
-"""Save and load the full training state with torch.distributed.checkpoint (DCP), crash-safely.
+"""Save and load the full training state as safetensors shards + JSON: nothing is ever unpickled.
 
-Layout of a checkpoint folder:
+Layout of an engine checkpoint folder (a sealed folder, see `rlloom.engines.train.sealed`):
 
-    dcp/               model and optimizer state, sharded by DCP (any rank count can read it back)
-    rng_rank<r>.pt     torch, CUDA, Python and NumPy random states of rank r
-    engine_state.json  step counters and settings
-    manifest.json      every other file with its size, written last
+    tensors_rank<r>.safetensors  rank r's local shards of every tensor (model, optimizer, offloaded
+                                 optimizer state); a tensor held whole (or replicated) by rank 0 only
+    chunks_rank<r>.json          for each tensor of that file, its offset in the global tensor
+    state.json                   the state's tree: non-tensor values (optimizer param_groups) inline,
+                                 tensors by name with global shape and dtype; engine counters
+    rng_rank<r>.json             torch, CUDA, Python and NumPy random states of rank r
+    manifest.json                size and sha256 of every other file, written last
 
-Everything is written into `<dir>.tmp` and renamed to `<dir>` only after the manifest is on disk,
-so a crash mid-save leaves the previous checkpoint untouched. Loading checks the manifest first
-and refuses a folder with a missing or truncated file, naming it.
+Tensor names are `model/<fqn>`, `optim/state/<fqn>/<key>` and `extra/<name>`, with the FQNs of
+`torch.distributed.checkpoint.state_dict` (the native model's names, not Hugging Face's).
+Any rank count loads any other's checkpoint: each rank reads, for every tensor, the overlap of its
+own shard with the saved chunks. Every hash is checked (ranks split the work) before any tensor is
+read. The folder is written to `<dir>.tmp` and swapped in whole, so a crash or a full disk
+mid-save leaves the previous checkpoint untouched.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
-import warnings
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -32,14 +38,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-try:
-    import numpy as np
-except ImportError:  # NumPy is a dependency of rlloom, but the engine does not need it
-    np = None
+from rlloom.engines.train.native.rng_state import rng_state, set_rng_state
+from rlloom.engines.train.sealed import CheckpointError, swap_in, verify_folder, write_manifest
 
-MANIFEST = "manifest.json"
-ENGINE_STATE = "engine_state.json"
+STATE = "state.json"
 
 
 def _distributed() -> bool:
@@ -50,9 +55,19 @@ def _rank() -> int:
     return dist.get_rank() if _distributed() else 0
 
 
-def _barrier() -> None:
+def _world() -> int:
+    return dist.get_world_size() if _distributed() else 1
+
+
+def _agree(error: str | None) -> None:
+    """Raise the first rank's error on every rank (so no rank waits at a barrier for a failed one)."""
+    errors = [error]
     if _distributed():
-        dist.barrier()
+        errors = [None] * _world()
+        dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise CheckpointError(first)
 
 
 def _state_dicts(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
@@ -62,23 +77,92 @@ def _state_dicts(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> d
     return {"model": get_model_state_dict(model)}
 
 
-def rng_state() -> dict[str, Any]:
-    """Every random generator this process uses."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    if np is not None:
-        state["numpy"] = np.random.get_state()
-    return state
+# ---- the state tree: tensors out by name, everything else as JSON ------------------------------
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state and np is not None:
-        np.random.set_state(state["numpy"])
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}/{key}" if prefix else key
+
+
+def _flatten(tree: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """JSON-able copy of `tree` with each tensor replaced by {"__tensor__": name} (collected in `tensors`)."""
+    if isinstance(tree, torch.Tensor):
+        tensors[prefix] = tree
+        return {"__tensor__": prefix}
+    if isinstance(tree, dict):
+        if not all(isinstance(k, str) for k in tree):
+            raise TypeError(
+                f"state {prefix!r} has non-string keys; checkpoints store string-keyed dicts only"
+            )
+        return {k: _flatten(v, _join(prefix, k), tensors) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        items = [_flatten(v, _join(prefix, str(i)), tensors) for i, v in enumerate(tree)]
+        return {"__tuple__": items} if isinstance(tree, tuple) else items
+    if tree is None or isinstance(tree, bool | int | float | str):
+        return tree
+    raise TypeError(f"state {prefix!r} holds a {type(tree).__name__}, which checkpoints cannot store as JSON")
+
+
+def _unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(tree, dict):
+        if "__tensor__" in tree:
+            return tensors[tree["__tensor__"]]
+        if "__tuple__" in tree:
+            return tuple(_unflatten(v, tensors) for v in tree["__tuple__"])
+        return {k: _unflatten(v, tensors) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_unflatten(v, tensors) for v in tree]
+    return tree
+
+
+def _local_chunk(t: torch.Tensor) -> tuple[torch.Tensor, list[int], bool]:
+    """(this rank's part, its offset in the global tensor, whether this rank writes it)."""
+    if not isinstance(t, DTensor):
+        return t, [0] * t.dim(), _rank() == 0
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    coord = t.device_mesh.get_coordinate() or []
+    # Of the ranks holding the same chunk (replicated mesh dimensions) only the first writes it.
+    primary = all(c == 0 for c, p in zip(coord, t.placements) if not isinstance(p, Shard))
+    return t.to_local(), list(offset), primary
+
+
+# ---- save ---------------------------------------------------------------------------------------
+
+
+def _write_rank_files(tmp: Path, tree: dict[str, Any], engine_state: dict[str, Any]) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _flatten(tree, "", tensors)
+    rank = _rank()
+    local: dict[str, torch.Tensor] = {}
+    offsets: dict[str, list[int]] = {}
+    storages: set[int] = set()
+    for name, t in tensors.items():
+        part, offset, writes = _local_chunk(t.detach())
+        if writes and part.numel() > 0:
+            part = part.to("cpu").contiguous()
+            if (
+                part.untyped_storage().data_ptr() in storages
+            ):  # safetensors refuses shared storage (tied weights)
+                part = part.clone()
+            storages.add(part.untyped_storage().data_ptr())
+            local[name] = part
+            offsets[name] = offset
+    save_file(local, str(tmp / f"tensors_rank{rank}.safetensors"))
+    (tmp / f"chunks_rank{rank}.json").write_text(json.dumps(offsets))
+    (tmp / f"rng_rank{rank}.json").write_text(json.dumps(rng_state()))
+    if rank == 0:
+        shapes = {
+            n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+            for n, t in tensors.items()
+        }
+        state = {
+            "format": 1,
+            "world_size": _world(),
+            "engine": engine_state,
+            "tree": skeleton,
+            "tensors": shapes,
+        }
+        (tmp / STATE).write_text(json.dumps(state, indent=1))
 
 
 def save_checkpoint(
@@ -88,61 +172,86 @@ def save_checkpoint(
     extra_tensors: dict[str, torch.Tensor],
     engine_state: dict[str, Any],
 ) -> None:
-    """Write a checkpoint to `path` (every rank calls this; `path` is on a shared filesystem)."""
+    """Write a checkpoint to `path` (every rank calls this; `path` is on a shared filesystem).
+
+    On any error (e.g. a full disk) every rank raises CheckpointError, the temporary folder is
+    removed and an existing checkpoint at `path` is left as it was.
+    """
     final = Path(path)
     tmp = final.with_name(final.name + ".tmp")
-    if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
-    state = _state_dicts(model, optimizers)
+    error = None
+    try:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+    except OSError as e:
+        error = f"saving checkpoint {str(final)!r} failed: {e}"
+    _agree(error)
+    tree = _state_dicts(model, optimizers)
     if extra_tensors:
-        state["extra"] = extra_tensors
-    with warnings.catch_warnings():  # DCP warns that it runs without a process group; we know
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, checkpoint_id=str(tmp / "dcp"), no_dist=not _distributed())
-    world_size = dist.get_world_size() if _distributed() else 1
-    torch.save(rng_state(), tmp / f"rng_rank{_rank()}.pt")
-    if _rank() == 0:
-        (tmp / ENGINE_STATE).write_text(json.dumps({**engine_state, "world_size": world_size}, indent=1))
-    _barrier()
-    if _rank() == 0:
-        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-        with open(tmp / MANIFEST, "w") as f:
-            json.dump({"files": files}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        old = final.with_name(final.name + ".old")
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+        tree["extra"] = extra_tensors
+    try:
+        _write_rank_files(tmp, tree, engine_state)
+    except Exception as e:  # safetensors reports I/O errors (a full disk) as its own type
+        error = f"saving checkpoint {str(final)!r} failed on rank {_rank()}: {e}"
+    try:
+        _agree(error)
+        if _rank() == 0:
+            try:
+                write_manifest(tmp)
+                swap_in(tmp, final)
+            except OSError as e:
+                error = f"saving checkpoint {str(final)!r} failed: {e}"
+        _agree(error)
+    except CheckpointError as e:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"{e}. The temporary folder was removed and the previous checkpoint is unchanged. "
+            "Fix: free disk space (or lower trainer.keep_last_checkpoints) and check the folder is writable."
+        ) from e
+
+
+# ---- load ---------------------------------------------------------------------------------------
 
 
 def check_complete(path: str | os.PathLike) -> dict[str, Any]:
-    """Raise ValueError unless `path` is a complete checkpoint; returns its engine state."""
-    root = Path(path)
-    manifest = root / MANIFEST
-    if not manifest.is_file():
-        raise ValueError(
-            f"checkpoint {str(root)!r} is incomplete: {MANIFEST} is missing (it is written last, so the save "
-            "was interrupted or this is not an rlloom checkpoint). Fix: load an earlier complete checkpoint."
+    """Raise CheckpointError (naming the file) unless `path` is intact; every rank hashes its share."""
+    error = None
+    try:
+        verify_folder(path, share=(_rank(), _world()))
+    except CheckpointError as e:
+        error = str(e)
+    _agree(error)
+    return json.loads((Path(path) / STATE).read_text())
+
+
+def _fill(target: torch.Tensor, name: str, meta: dict[str, Any], chunks: list[tuple[Any, list[int]]]) -> None:
+    """Copy into `target` (this rank's part of tensor `name`) its overlap with every saved chunk."""
+    part, offset, _ = _local_chunk(target)
+    if list(target.shape) != meta["shape"] or str(target.dtype).removeprefix("torch.") != meta["dtype"]:
+        raise CheckpointError(
+            f"checkpoint tensor {name!r} is {meta['dtype']} {meta['shape']}, the engine's is "
+            f"{target.dtype} {list(target.shape)}. Fix: load it into an engine built with the same model."
         )
-    for name, size in json.loads(manifest.read_text())["files"].items():
-        file = root / name
-        if not file.is_file():
-            raise ValueError(
-                f"checkpoint {str(root)!r} is damaged: file {name!r} listed in {MANIFEST} is missing. "
-                "Fix: restore the file or load an earlier complete checkpoint."
-            )
-        if file.stat().st_size != size:
-            raise ValueError(
-                f"checkpoint {str(root)!r} is damaged: file {name!r} has {file.stat().st_size} bytes, "
-                f"{MANIFEST} says {size}. Fix: restore the file or load an earlier complete checkpoint."
-            )
-    return json.loads((root / ENGINE_STATE).read_text())
+    if part.dim() == 0 and chunks:
+        part.copy_(chunks[0][0].get_tensor(name))
+        return
+    covered = 0
+    for handle, saved_offset in chunks:
+        piece = handle.get_slice(name)
+        saved_shape = piece.get_shape()
+        lo = [max(a, b) for a, b in zip(offset, saved_offset)]
+        hi = [min(a + n, b + m) for a, n, b, m in zip(offset, part.shape, saved_offset, saved_shape)]
+        if any(h <= low for low, h in zip(lo, hi)):
+            continue
+        src = piece[tuple(slice(a - b, c - b) for a, b, c in zip(lo, saved_offset, hi))]
+        part[tuple(slice(a - b, c - b) for a, b, c in zip(lo, offset, hi))].copy_(src)
+        covered += int(torch.Size([c - a for a, c in zip(lo, hi)]).numel())
+    if covered != part.numel():
+        raise CheckpointError(
+            f"checkpoint tensor {name!r} is incomplete: its saved chunks cover {covered} of {part.numel()} elements"
+        )
 
 
 def load_checkpoint(
@@ -156,19 +265,67 @@ def load_checkpoint(
     `extra_tensors` are templates (right shapes and layouts) for the extra state saved alongside;
     returns (engine state, loaded extra tensors).
     """
-    engine_state = check_complete(path)
     root = Path(path)
-    state = _state_dicts(model, optimizers)
+    state = check_complete(root)
+    tree = _state_dicts(model, optimizers)
     if extra_tensors:
-        state["extra"] = extra_tensors
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(root / "dcp"), no_dist=not _distributed())
+        tree["extra"] = extra_tensors
+    targets: dict[str, torch.Tensor] = {}
+    _flatten(tree, "", targets)
+    saved = state["tensors"]
+    if targets.keys() != saved.keys():
+        missing, unexpected = sorted(targets.keys() - saved.keys()), sorted(saved.keys() - targets.keys())
+        raise CheckpointError(
+            f"checkpoint {str(root)!r} does not fit this engine: tensors missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]}. Fix: load it with the model and train settings (optimizer_offload) it was saved with."
+        )
+    with ExitStack() as stack, torch.no_grad():
+        per_name: dict[str, list[tuple[Any, list[int]]]] = {n: [] for n in saved}
+        for r in range(state["world_size"]):
+            handle = stack.enter_context(
+                safe_open(str(root / f"tensors_rank{r}.safetensors"), framework="pt")
+            )
+            for name, offset in json.loads((root / f"chunks_rank{r}.json").read_text()).items():
+                per_name[name].append((handle, offset))
+        for name, target in targets.items():
+            _fill(target, name, saved[name], per_name[name])
+    loaded = _unflatten(state["tree"], targets)
     if optimizers:
-        set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizers, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
     else:
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, loaded["model"])
     # With another rank count than at save time, ranks reuse the saved ranks' streams cyclically.
-    saved_rank = _rank() % engine_state["world_size"]
-    set_rng_state(torch.load(root / f"rng_rank{saved_rank}.pt", weights_only=False))
-    return engine_state, state.get("extra", {})
+    saved_rank = _rank() % state["world_size"]
+    set_rng_state(json.loads((root / f"rng_rank{saved_rank}.json").read_text()))
+    return state["engine"], loaded.get("extra", {})
+
+
+def read_model_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The full model tensors of an engine checkpoint folder (after verifying it), fp32 on CPU.
+
+    Names are the native CausalLM's `state_dict` names (e.g. `layers.0.attention.wq.weight`), so
+    `CausalLM.load_state_dict` takes the result; they are not Hugging Face names
+    (`rlloom.models.adapter` maps them, `rlloom.models.save_pretrained` writes an HF folder).
+    """
+    root = Path(path)
+    verify_folder(root)
+    state = json.loads((root / STATE).read_text())
+    prefix = (
+        "model/model."  # the engine's tensors are those of PolicyHead, which holds the CausalLM as `model`
+    )
+    out = {
+        name.removeprefix(prefix): torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]))
+        for name, meta in state["tensors"].items()
+        if name.startswith(prefix)
+    }
+    with ExitStack() as stack, torch.no_grad():
+        for r in range(state["world_size"]):
+            handle = stack.enter_context(
+                safe_open(str(root / f"tensors_rank{r}.safetensors"), framework="pt")
+            )
+            for name, offset in json.loads((root / f"chunks_rank{r}.json").read_text()).items():
+                if name.startswith(prefix):
+                    piece = handle.get_tensor(name)
+                    region = tuple(slice(o, o + n) for o, n in zip(offset, piece.shape))
+                    out[name.removeprefix(prefix)][region] = piece
+    return out

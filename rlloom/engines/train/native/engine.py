@@ -41,6 +41,7 @@ from rlloom.engines.train.native.checkpoint import load_checkpoint, save_checkpo
 from rlloom.engines.train.native.flops import active_body_params, step_flops
 from rlloom.engines.train.native.lr_schedule import lr_at
 from rlloom.engines.train.native.microbatch import plan_rank, shared_prompt_units
+from rlloom.engines.train.native.moe_balance import MoEBalance
 from rlloom.engines.train.native.optimizer import EngineOptimizer
 from rlloom.engines.train.native.policy import PolicyHead, run_micro_batch
 from rlloom.engines.train.native.rollback import (
@@ -97,6 +98,9 @@ class NativeTrainEngine:
         self.sharded = world_size > 1 or self.compute_dtype != torch.float32 or parallel_dims is not None
 
         self.model = model.float()  # parameters are the fp32 master weights
+        self.moe_balance = MoEBalance.build(
+            self.model, aux_loss_coef=cfg.moe_aux_loss_coef, bias_update_rate=cfg.moe_bias_update_rate
+        )
         apply_ac(self.model, cfg.activation_checkpointing, cfg.ac_every_k)
         compiled = cfg.compile and self.device.type == "cuda"
         if compiled:  # after AC, before FSDP (rlloom/parallel/compile.py)
@@ -189,7 +193,12 @@ class NativeTrainEngine:
         return self.device if dist.get_backend(self.dp_group) == "nccl" else torch.device("cpu")
 
     def _run(
-        self, batch: RolloutBatch, indices: list[int], temperature: float, with_entropy: bool
+        self,
+        batch: RolloutBatch,
+        indices: list[int],
+        temperature: float,
+        with_entropy: bool,
+        routing_replay: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
         return run_micro_batch(
             self.module,
@@ -198,24 +207,33 @@ class NativeTrainEngine:
             temperature,
             with_entropy,
             share_prompts=self.cfg.share_prompts,
+            replay_routes=routing_replay,
         )
 
     # ---- the engine interface ---------------------------------------------------------------
 
     @torch.no_grad()
     def forward_logprobs(
-        self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False
+        self,
+        batch: RolloutBatch,
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        routing_replay: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs (and entropies) of the batch's response tokens: fp32 [B, T] on CPU, 0 where masked.
 
-        Every data-parallel rank passes the same global batch and gets the whole result.
+        Every data-parallel rank passes the same global batch and gets the whole result. With
+        `routing_replay` an MoE model routes each token to the experts the rollout recorded.
         """
         self.module.eval()
         micro_batches, filler = self._plan(batch)
         logp_BT = torch.zeros(len(batch), batch.T, dtype=torch.float32, device=self.device)
         entropy_BT = torch.zeros_like(logp_BT) if with_entropy else None
         for mb in micro_batches:
-            logp_bT, entropy_bT, _, _ = self._run(batch, mb or [filler], temperature, with_entropy)
+            logp_bT, entropy_bT, _, _ = self._run(
+                batch, mb or [filler], temperature, with_entropy, routing_replay
+            )
             if mb is None:
                 continue
             rows = to_device(torch.tensor(mb), self.device)
@@ -238,6 +256,7 @@ class NativeTrainEngine:
         loss_normalizer: float,
         temperature: float = 1.0,
         with_entropy: bool = False,
+        routing_replay: bool = False,
     ) -> dict[str, float]:
         """Replace the gradients with those of sum(loss_sum over micro-batches) / loss_normalizer.
 
@@ -256,11 +275,13 @@ class NativeTrainEngine:
         # the host packs the next micro-batch while the GPU still runs this one.
         records: list[dict[str, Metric]] = []
         keep_gathered = self.sharded and self.cfg.gather_once_per_step
+        balance = self.moe_balance
+        total_tokens = self._computed_tokens(batch) if balance is not None else 1
         with deferred_finite_checks(), self._gathered_until_last(keep_gathered) as set_last:
             for i, mb in enumerate(micro_batches):
                 set_last(i == len(micro_batches) - 1)
                 logp_bT, entropy_bT, num_tokens, num_response = self._run(
-                    batch, mb or [filler], temperature, with_entropy
+                    batch, mb or [filler], temperature, with_entropy, routing_replay
                 )
                 if mb is None:
                     # Zero-weight filler: same collectives as a real micro-batch, no contribution.
@@ -273,8 +294,15 @@ class NativeTrainEngine:
                         f"{tuple(getattr(loss_sum, 'shape', ()))}; it must return a scalar tensor (the "
                         "micro-batch's loss sum). Fix: return aggregate_loss_sum(loss_bT, mask_bT, mode)."
                     )
-                (loss_sum.reshape(()) / loss_normalizer).backward()
+                loss = loss_sum.reshape(()) / loss_normalizer
+                if balance is not None:
+                    aux, aux_metrics = balance.aux_term(num_tokens / total_tokens)
+                    loss = loss if aux is None else loss + aux
+                    records.append(aux_metrics)
+                    balance.accumulate()
+                loss.backward()
                 records.append(_weighted(mb_metrics, num_response))
+                records.append(self._route_metrics(batch, mb))
                 records.append(
                     {
                         "train/loss": Sum(loss_sum.detach() / loss_normalizer),
@@ -287,6 +315,29 @@ class NativeTrainEngine:
         acc.add_all(records)
         acc.add({"train/num_micro_batches": Max(len(micro_batches))})
         return reduce_across_ranks(acc, self.dp_group)
+
+    def _route_metrics(self, batch: RolloutBatch, rows: list[int]) -> dict[str, Metric]:
+        """`moe/route_mismatch_frac`: the fraction of (token, MoE layer) pairs of this micro-batch whose
+        experts, as the training router chooses them, differ from the ones the rollout used."""
+        if batch.samples[rows[0]].routed_experts is None or not hasattr(self.model, "route_mismatch"):
+            return {}
+        counts = self.model.route_mismatch()
+        if counts is None:
+            return {}
+        compared = sum((len(batch.samples[i].routed_experts)) for i in rows) * len(self.model.moe_layers())
+        return {"moe/route_mismatch_frac": Mean(counts[0] / counts[1].clamp(min=1), weight=compared)}
+
+    def _computed_tokens(self, batch: RolloutBatch) -> int:
+        """Tokens the forward passes over the whole global batch (prompts once per group when shared)."""
+        if not self.cfg.share_prompts:
+            return batch.num_tokens
+        _, unit_tokens = shared_prompt_units(
+            batch.shared_prompt_groups(),
+            [len(s.prompt_ids) for s in batch.samples],
+            [len(s.response_ids) for s in batch.samples],
+            self.cfg.max_tokens_per_micro_batch,
+        )
+        return sum(unit_tokens)
 
     @contextlib.contextmanager
     def _gathered_until_last(self, enabled: bool) -> Iterator[Callable[[bool], None]]:
@@ -317,6 +368,7 @@ class NativeTrainEngine:
         loss_normalizer: float,
         temperature: float = 1.0,
         with_entropy: bool = False,
+        routing_replay: bool = False,
     ) -> dict[str, float]:
         """One optimizer step on the global batch; returns the step's metrics (same on every rank)."""
         reset_peak_memory(self.device)
@@ -327,6 +379,7 @@ class NativeTrainEngine:
             loss_normalizer=loss_normalizer,
             temperature=temperature,
             with_entropy=with_entropy,
+            routing_replay=routing_replay,
         )
         lr = lr_at(self.version, self.cfg, self.total_steps)
         grad_norm = float(clip_grad_norm_(self.optimizer.params, self.cfg.grad_clip))
@@ -338,6 +391,12 @@ class NativeTrainEngine:
         else:
             self.version += 1
         self.optimizer.zero_grad()
+        if self.moe_balance is not None:
+            metrics |= self.moe_balance.finish(
+                applied=not skip,
+                group=self.dp_group if self.dp_size > 1 else None,
+                comm_device=self._comm_device if self.dp_size > 1 else self.device,
+            )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start

@@ -41,13 +41,17 @@ class PolicyHead(nn.Module):
         temperature: float,
         with_entropy: bool,
         tree: TreePlan | None = None,
+        routes_NLK: torch.Tensor | None = None,
+        replay_routes: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """fp32 log p(targets_K[k] | what position positions_K[k] attends to) [K], and entropy [K] or None.
 
         input_ids_N, position_ids_N: [N]; cu_seqlens: [S + 1] int32; positions_K, targets_K: [K] int64
         (positions may repeat: a shared prompt's last position predicts the first token of each
         branch); tree: the shared-prompt layout built on the host (a `TreePlan`: FSDP leaves it
-        alone, where it would copy tensors to the GPU), or None for plain packed sequences.
+        alone, where it would copy tensors to the GPU), or None for plain packed sequences;
+        routes_NLK: the rollout's experts per position for MoE models (compared, or with
+        replay_routes replayed: see rlloom/models/moe.py).
         """
         hidden_ND = self.model.hidden_states(
             input_ids_N,
@@ -55,6 +59,8 @@ class PolicyHead(nn.Module):
             cu_seqlens=cu_seqlens,
             max_seqlen=max_seqlen,
             tree=tree,
+            routes_NLK=routes_NLK,
+            replay_routes=replay_routes,
         )
         num_selected = positions_K.shape[0]
         if num_selected == 0:
@@ -85,9 +91,11 @@ def run_micro_batch(
     with_entropy: bool,
     *,
     share_prompts: bool = False,
+    replay_routes: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
     """Pack `batch` (one micro-batch; shared-prompt layout with `share_prompts`), run `module` (a
-    PolicyHead, maybe FSDP-wrapped) on it.
+    PolicyHead, maybe FSDP-wrapped) on it; with `replay_routes` an MoE model uses the experts the
+    rollout recorded in the samples (routing replay).
 
     Returns logp_bT and entropy_bT (or None) on `device`, fp32 [b, T] and 0 where the response mask
     is false, then the number of tokens in the packed stream and the number of response tokens.
@@ -98,6 +106,12 @@ def run_micro_batch(
     packed = batch.packed(share_prompts=share_prompts)
     mask_bT = packed.response_mask_BT
     flat_K = mask_bT.flatten().nonzero().squeeze(1)
+    if replay_routes and packed.routes_NLK is None:
+        raise ValueError(
+            "algorithm.routing_replay=rollout needs the experts the rollout chose, but a sample has no "
+            "routed_experts (a dense model, or samples not made by the rollout engine). Fix: set "
+            "algorithm.routing_replay=none for this model."
+        )
     tree = None
     if packed.prefix_lens_S is not None and packed.branch_lens_Z is not None:
         tree = TreePlan(packed.cu_seqlens, packed.prefix_lens_S, packed.branch_lens_Z, device)
@@ -111,6 +125,8 @@ def run_micro_batch(
         temperature,
         with_entropy,
         tree,
+        None if packed.routes_NLK is None else to_device(packed.routes_NLK, device),
+        replay_routes,
     )
     flat_K_device = to_device(flat_K, device)
 

@@ -1,0 +1,278 @@
+"""MoE rollout and training against transformers, in one run (one table).
+
+GPU (default): random bf16 weights of Qwen3-30B-A3B's width with 8 of its 48 layers (hidden 2048,
+128 experts of width 768, 8 per token, 32 query / 4 KV heads of 128, vocab 151936, untied head):
+  - rollout: 128 prompts x 128 tokens -> 256 new tokens, ignore_eos, sampling at T = 1: output
+    tokens/s, the memory-bandwidth bound of the decode steps (every step reads all weights, since a
+    batch of 128 x 8 routed tokens reaches every expert, and every cached key/value), and whether the
+    decode ran as compiled CUDA graphs; transformers' `generate` on the same prompts;
+  - train: one optimizer step over 4 micro-batches of <= 4096 packed tokens (fp32 master weights,
+    bf16 compute, activation checkpointing off): tokens/s, MFU on active parameters, peak memory;
+    transformers' forward + backward over the same number of tokens as 4 x 4096 sequences.
+  - start: seconds from engine construction to the first generated token (compilation included).
+
+    python benchmarks/bench_moe.py                  # needs a CUDA device
+    python benchmarks/bench_moe.py --skip-train     # rollout rows only
+    python benchmarks/bench_moe.py --smoke          # the code path with a tiny MoE on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_rollout import copy_bandwidth, decode_bound_s, hf_generate, print_table, row, run_engine  # noqa: E402
+from bench_train import make_batch, print_profile  # noqa: E402
+
+from rlloom.algorithms.losses import aggregate_loss_sum, loss_normalizer
+from rlloom.config.components import TrainEngineConfig
+from rlloom.engines.rollout.native import NativeEngine, SamplingParams
+from rlloom.engines.train.native import NativeTrainEngine
+from rlloom.engines.train.native.flops import step_flops
+from rlloom.models import load_hf_tensors
+from rlloom.models.checkpoint import build_model
+from rlloom.observability.mfu import H100_BF16_PEAK_FLOPS
+
+QWEN3_30B_A3B_8L = {
+    "model_type": "qwen3_moe",
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+}
+TINY = QWEN3_30B_A3B_8L | {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+}
+
+
+def hf_model(config: dict, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_cfg = AutoConfig.for_model(**config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_cfg).eval()
+    torch.set_default_dtype(previous)
+    return model
+
+
+def checkpoint_tensors(hf: torch.nn.Module):
+    """HF's in-memory weights under checkpoint names: transformers 5 keeps a layer's experts fused
+    (gate_up_proj [E, 2I, D] = [gate; up], down_proj [E, D, I]) and splits them only when saving."""
+    for name, t in hf.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix, inter = name[: -len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                yield f"{prefix}{e}.gate_proj.weight", t[e, :inter]
+                yield f"{prefix}{e}.up_proj.weight", t[e, inter:]
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                yield f"{prefix}{e}.down_proj.weight", t[e]
+        else:
+            yield name, t
+
+
+def native_from(hf: torch.nn.Module, config: dict, dtype: torch.dtype, **kw: object) -> torch.nn.Module:
+    device = next(hf.parameters()).device
+    native = build_model(config, dtype=dtype, device=device, **kw)
+    load_hf_tensors(native, checkpoint_tensors(hf))
+    return native.eval()
+
+
+def check_logits(hf: torch.nn.Module, config: dict) -> float:
+    """Relative error of the native forward against transformers' on one random sequence (same weights)."""
+    device, dtype = next(hf.parameters()).device, next(hf.parameters()).dtype
+    native = native_from(hf, config, dtype)
+    ids = torch.randint(0, config["vocab_size"], (1, 64), device=device)
+    with torch.no_grad():
+        want, got = hf(input_ids=ids).logits.float(), native(ids).float()
+    del native
+    return float((got - want).norm() / want.norm())
+
+
+def bench_rollout(
+    config: dict, hf: torch.nn.Module, table: list, *, prompts_n: int, prompt_len: int, new: int
+):
+    device = next(hf.parameters()).device
+    dtype = next(hf.parameters()).dtype
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, config["vocab_size"], (prompts_n, prompt_len), generator=gen).tolist()
+    max_len = prompt_len + new
+    start = time.perf_counter()
+    native = native_from(hf, config, dtype, fused_projections=True)
+    engine = NativeEngine(
+        native, max_model_len=max_len, num_blocks=prompts_n * -(-max_len // 16) + 64,
+        max_num_seqs=prompts_n, eos_token_ids=[],
+    )  # fmt: skip
+    engine.generate(prompts[:2], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    first_token_s = time.perf_counter() - start
+    engine.generate(
+        prompts[:8], SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True)
+    )  # warm-up
+    bandwidth = copy_bandwidth(device)
+    r = run_engine(engine, prompts, SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True))
+    bound = decode_bound_s(engine, prompts_n, prompt_len, new, bandwidth)
+    mode = (
+        "compiled CUDA graphs"
+        if engine.runner.graphs is not None and engine.runner.compiled_forward is not None
+        else ("CUDA graphs" if engine.runner.graphs is not None else "eager")
+    )
+    name = f"rollout {prompts_n}x{prompt_len} -> {new}"
+    row(table, name, "rlloom", r,
+        f"decode {r['decode_s']:.2f}s ({mode}), bound {bound:.2f}s at {bandwidth / 1e12:.2f} TB/s, ratio "
+        f"{bound / max(r['decode_s'], 1e-9):.2f}; first token {first_token_s:.1f}s after build")  # fmt: skip
+    engine.sleep()
+    del engine, native
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    row(table, name, "transformers generate", hf_generate(hf, prompts, new, pad_id=0))
+
+
+def bench_train(
+    config: dict,
+    hf: torch.nn.Module,
+    table: list,
+    *,
+    budget: int,
+    micro_batches: int,
+    profile: bool = False,
+    gather_once: bool = False,
+):
+    device = next(hf.parameters()).device
+    batch = make_batch(budget // 16, budget, budget, micro_batches, config["vocab_size"], seed=0)
+    model = native_from(hf, config, torch.float32)
+    engine = NativeTrainEngine(
+        TrainEngineConfig(
+            lr=1e-6,
+            max_tokens_per_micro_batch=budget,
+            compile=device.type == "cuda",
+            gather_once_per_step=gather_once,
+        ),
+        model,
+        device=device,
+    )
+    mask = batch.response_mask()
+    adv_B = torch.randn(len(batch))
+
+    def loss_fn(logp_bT, entropy_bT, rows):
+        adv = adv_B[rows].to(logp_bT.device)[:, None]
+        return aggregate_loss_sum(-adv * logp_bT, mask[rows].to(logp_bT.device), "token-mean"), {}
+
+    normalizer = loss_normalizer(mask, "token-mean")
+    metrics = [engine.train_step(batch, loss_fn, loss_normalizer=normalizer) for _ in range(3)][1:]
+    seconds = sum(m["time/train_step_s"] for m in metrics) / len(metrics)
+    seq_lens = [s.num_tokens for s in batch.samples]
+    flops = step_flops(engine.model, seq_lens, int(mask.sum()), body_params=engine._body_params)
+    peak = metrics[-1].get("memory/peak_allocated_gib", float("nan"))
+    r = {"tokens": batch.num_tokens, "s": seconds}
+    name = f"train {micro_batches} x <= {budget} packed{', gather once' if gather_once else ''}"
+    row(table, name, "rlloom train_step", r,
+        f"MFU(active) {flops / (seconds * H100_BF16_PEAK_FLOPS):.3f}, peak {peak:.1f} GiB (fp32 master + Adam)")  # fmt: skip
+    if profile:
+        print_profile(engine, batch, loss_fn, normalizer, device)
+    del engine, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+    # transformers: forward + backward of the bf16 model over micro_batches x budget tokens
+    hf.train()
+    ids = torch.randint(0, config["vocab_size"], (micro_batches, budget), device=device)
+    times = []
+    for i in range(3):
+        torch.cuda.synchronize() if device.type == "cuda" else None
+        start = time.perf_counter()
+        for mb in range(micro_batches):
+            hf(input_ids=ids[mb : mb + 1], labels=ids[mb : mb + 1]).loss.backward()
+        torch.cuda.synchronize() if device.type == "cuda" else None
+        if i:
+            times.append(time.perf_counter() - start)
+    hf.zero_grad(set_to_none=True)
+    hf.eval()
+    secs = sum(times) / len(times)
+    hf_flops = step_flops(build_model(config, dtype=torch.float32, device="meta"), [budget] * micro_batches,
+                          micro_batches * budget, body_params=engine_body_params(config))  # fmt: skip
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    row(table, f"fwd+bwd {micro_batches} x {budget}", "transformers (bf16, no optimizer)",
+        {"tokens": micro_batches * budget, "s": secs},
+        f"MFU(active) {hf_flops / (secs * H100_BF16_PEAK_FLOPS):.3f}, peak {peak:.1f} GiB")  # fmt: skip
+
+
+def engine_body_params(config: dict) -> float:
+    from rlloom.engines.train.native.flops import active_body_params
+
+    return active_body_params(build_model(config, dtype=torch.float32, device="meta"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--smoke", action="store_true", help="a tiny MoE on CPU (checks the script runs)")
+    parser.add_argument("--skip-train", action="store_true")
+    parser.add_argument("--skip-rollout", action="store_true")
+    parser.add_argument("--gather-once", action="store_true", help="train.gather_once_per_step")
+    parser.add_argument(
+        "--profile", action="store_true", help="also print the top operators of one train step"
+    )
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    if args.smoke:
+        config, device, dtype = TINY, torch.device("cpu"), torch.float32
+        shape = {"prompts_n": 8, "prompt_len": 8, "new": 8}
+        train_shape = {"budget": 128, "micro_batches": 2}
+    elif torch.cuda.is_available():
+        config, device, dtype = QWEN3_30B_A3B_8L, torch.device("cuda"), torch.bfloat16
+        shape = {"prompts_n": 128, "prompt_len": 128, "new": 256}
+        train_shape = {"budget": 4096, "micro_batches": 4}
+    else:
+        raise SystemExit("bench_moe: no CUDA device; run with --smoke for the CPU check")
+    hf = hf_model(config, device, dtype)
+    err = check_logits(hf, config)
+    print(
+        f"native vs transformers logits: relative error {err:.1e}, transformers experts "
+        f"implementation {getattr(hf.config, '_experts_implementation', 'n/a')}"
+    )
+    table: list[tuple[str, ...]] = []
+    if not args.skip_rollout:
+        bench_rollout(config, hf, table, **shape)
+    if not args.skip_train:
+        bench_train(config, hf, table, **train_shape, profile=args.profile, gather_once=args.gather_once)
+    title = torch.cuda.get_device_name() if device.type == "cuda" else "CPU smoke run"
+    print_table(
+        f"bench_moe ({title}, Qwen3-30B-A3B width, {config['num_hidden_layers']} layers, {dtype})", table
+    )
+
+
+if __name__ == "__main__":
+    main()

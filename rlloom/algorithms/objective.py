@@ -1,0 +1,92 @@
+"""The policy objective as the training engine calls it: one loss function per update.
+
+`make_loss_fn(algo, update)` closes over a `PolicyUpdate` (advantages, old/reference logprobs, IS
+weights of the global batch, computed once by the controller) and returns the `LossFn` the engine
+calls per micro-batch with the rows it holds: the configured policy loss (PPO clip, GSPO or CISPO),
+optional IS correction, KL and entropy terms, summed for `aggregate_loss_sum`'s normaliser.
+Shape legend: B samples of the global batch, b of a micro-batch, T response tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from rlloom.algorithms.aggregation import aggregate_loss_sum
+from rlloom.algorithms.kl import kl_estimate
+from rlloom.algorithms.losses import cispo_loss, gspo_loss, ppo_clip_loss
+from rlloom.config.components import AlgorithmConfig
+from rlloom.data.types import PolicyUpdate
+from rlloom.devices import to_device
+
+LossFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], tuple[torch.Tensor, Mapping[str, Any]]]
+"""loss_fn(logp_bT, entropy_bT | None, mb_indices_b) -> (loss_sum, metrics), called per micro-batch.
+
+logp_bT / entropy_bT: [b, T] fp32 on the engine's device, 0 where the response mask is false.
+mb_indices_b: [b] int64 (CPU), the rows of the global batch in this micro-batch, in order; the
+caller indexes its own per-sample tensors (advantages, old logprobs, mask) with it.
+loss_sum: scalar, the micro-batch's numerator, e.g. `aggregate_loss_sum(loss_bT, mask_bT, mode)`;
+the engine divides it by the global `loss_normalizer`.
+metrics: scalars (averaged over micro-batches weighted by response tokens) or
+`rlloom.observability.metrics` Mean/Sum/Max/Min values.
+"""
+
+
+def make_loss_fn(algo: AlgorithmConfig, update: PolicyUpdate) -> LossFn:
+    """The per-micro-batch loss of the configured policy loss, KL and entropy terms."""
+    mask_all_BT = update.batch.response_mask()
+    # In a single pass the current logprobs are the trainer's view of the rollout policy: the
+    # train-vs-rollout gap is measured here, at no extra forward.
+    rollout_BT = update.batch.rollout_logprobs() if update.old_logp_BT is None else None
+
+    def loss_fn(
+        logp_bT: torch.Tensor, entropy_bT: torch.Tensor | None, rows_b: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        rows_b = rows_b.to("cpu")
+        dev = logp_bT.device
+
+        def rows(t_BT: torch.Tensor) -> torch.Tensor:  # this micro-batch's rows, copied without a sync
+            return to_device(t_BT[rows_b], dev)
+
+        mask_bT = rows(mask_all_BT)
+        adv_bT = rows(update.advantages_BT)
+        old_bT = logp_bT.detach() if update.old_logp_BT is None else rows(update.old_logp_BT)
+        if algo.loss == "ppo_clip":
+            dual = algo.dual_clip_c if algo.dual_clip_c > 0 else None
+            loss_bT, metrics = ppo_clip_loss(
+                logp_bT,
+                old_bT,
+                adv_bT,
+                mask_bT,
+                eps_low=algo.eps_low,
+                eps_high=algo.eps_high,
+                dual_clip_c=dual,
+            )
+        elif algo.loss == "gspo":
+            loss_bT, metrics = gspo_loss(
+                logp_bT, old_bT, adv_bT, mask_bT, eps_low=algo.eps_low, eps_high=algo.eps_high
+            )
+        else:
+            loss_bT, metrics = cispo_loss(logp_bT, old_bT, adv_bT, mask_bT, eps_high=algo.eps_high)
+        if update.is_weights_BT is not None:
+            loss_bT = loss_bT * rows(update.is_weights_BT)
+        if algo.kl_coef > 0:
+            assert update.ref_logp_BT is not None, "KL loss on but no reference logprobs"
+            kl_bT = kl_estimate(logp_bT, rows(update.ref_logp_BT), algo.kl_kind) * mask_bT
+            loss_bT = loss_bT + algo.kl_coef * kl_bT
+            metrics["loss/kl"] = (kl_bT.sum() / mask_bT.sum().clamp(min=1)).detach()
+        if algo.entropy_coef > 0:
+            assert entropy_bT is not None, "entropy bonus on but the engine returned no entropy"
+            loss_bT = loss_bT - algo.entropy_coef * entropy_bT * mask_bT
+        if rollout_BT is not None:
+            gap_bT = (logp_bT.detach() - rows(rollout_BT)).abs()
+            count = mask_bT.sum().clamp(min=1)
+            metrics["rollout/logp_gap_abs"] = (gap_bT * mask_bT).sum() / count
+            metrics["rollout/token_mult_prob_error"] = (torch.exp(gap_bT) * mask_bT).sum() / count
+        if entropy_bT is not None:
+            metrics["actor/entropy"] = ((entropy_bT * mask_bT).sum() / mask_bT.sum().clamp(min=1)).detach()
+        return aggregate_loss_sum(loss_bT, mask_bT, algo.agg_mode), metrics
+
+    return loss_fn

@@ -1,0 +1,82 @@
+"""MoE router balancing during training: the auxiliary loss, the correction-bias update, load metrics.
+
+One `MoEBalance` per engine (None for dense models). Per micro-batch the engine adds `aux_term` to
+the loss and calls `accumulate`; after the optimizer step, `finish` reduces the step's expert loads
+over the data-parallel ranks, moves DeepSeek-V3's correction bias when asked to, and returns metrics:
+
+    moe/aux_loss                       token-weighted mean of the layers' balancing loss (1.0 = even)
+    moe/load_max_over_mean             the worst layer's busiest expert over the mean load
+    moe/layer<i>_load_max_over_mean    the same per MoE layer
+    moe/bias_abs_mean                  mean |correction bias| (with a bias update)
+
+The bias update follows DeepSeek-V3 (arXiv:2412.19437, section 2.1.2): b_e += rate * sign(mean load
+- load_e), from the step's token counts, identically on every rank (the counts are all-reduced), so
+the replicated bias buffers stay equal. It runs only for applied steps, like the optimizer's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlloom.observability.metrics import Metric, Sum
+
+
+class MoEBalance:
+    def __init__(self, model: nn.Module, *, aux_loss_coef: float, bias_update_rate: float) -> None:
+        self.layers = model.moe_layers()
+        self.aux_loss_coef = aux_loss_coef
+        self.bias_update_rate = bias_update_rate
+        for moe in self.layers.values():
+            moe.collect_aux_loss = aux_loss_coef > 0
+        self._loads_LE: torch.Tensor | None = None
+
+    @classmethod
+    def build(cls, model: nn.Module, *, aux_loss_coef: float, bias_update_rate: float) -> MoEBalance | None:
+        has_moe = hasattr(model, "moe_layers") and bool(model.moe_layers())
+        return cls(model, aux_loss_coef=aux_loss_coef, bias_update_rate=bias_update_rate) if has_moe else None
+
+    def aux_term(self, token_share: float) -> tuple[torch.Tensor | None, dict[str, Metric]]:
+        """coef x the mean over layers of the last forward's aux loss, weighted by this micro-batch's
+        share of the global batch's tokens (None when the coefficient is 0)."""
+        if self.aux_loss_coef <= 0:
+            return None, {}
+        losses = [moe.last_aux_loss for moe in self.layers.values()]
+        assert all(x is not None for x in losses), "collect_aux_loss is on but a layer kept no aux loss"
+        aux = torch.stack(losses).mean()
+        return self.aux_loss_coef * token_share * aux, {"moe/aux_loss": Sum(aux.detach() * token_share)}
+
+    def accumulate(self) -> None:
+        """Add the last forward's per-layer token counts to the step's loads (no host sync)."""
+        counts_LE = torch.stack([moe.last_token_counts for moe in self.layers.values()])
+        self._loads_LE = counts_LE if self._loads_LE is None else self._loads_LE + counts_LE
+
+    @torch.no_grad()
+    def finish(self, *, applied: bool, group: dist.ProcessGroup | None, comm_device: torch.device) -> dict:
+        """Reduce the loads over ranks, update the correction biases (applied steps only), and
+        return the step's load metrics; resets for the next step."""
+        loads_LE, self._loads_LE = self._loads_LE, None
+        if loads_LE is None:
+            return {}
+        if group is not None and dist.get_world_size(group) > 1:
+            reduced = loads_LE.to(comm_device, torch.float64)
+            dist.all_reduce(reduced, group=group)
+            loads_LE = reduced.to(loads_LE.device)
+        loads_LE = loads_LE.double()
+        ratio_L = loads_LE.max(dim=1).values / loads_LE.mean(dim=1).clamp(min=1e-12)
+        metrics = {
+            f"moe/layer{i}_load_max_over_mean": float(r) for i, r in zip(self.layers, ratio_L.tolist())
+        }
+        metrics["moe/load_max_over_mean"] = float(ratio_L.max())
+        biases = [
+            moe.router.expert_bias for moe in self.layers.values() if moe.router.expert_bias is not None
+        ]
+        if self.bias_update_rate > 0 and biases:
+            for moe, load_E in zip(self.layers.values(), loads_LE):
+                bias = moe.router.expert_bias
+                if bias is not None and applied:
+                    step_E = torch.sign(load_E.mean() - load_E).to(bias.device, bias.dtype)
+                    bias.add_(self.bias_update_rate * step_E)
+            metrics["moe/bias_abs_mean"] = float(torch.cat([b.abs().flatten() for b in biases]).mean())
+        return metrics

@@ -1,0 +1,159 @@
+"""What a model costs per layer: parameter counts, activation elements per token, KV-cache bytes.
+
+`model_costs(args)` reads a `ModelArgs` (built from config.json, no weights) and returns one
+`LayerCost` per decoder layer plus the embedding and head. MLA (DeepSeek-V3), MoE with routed and
+shared experts and leading dense layers, GQA with QK-norm and biases, and tied or untied heads are
+covered. Multi-token-prediction (MTP) layers are not counted: `num_hidden_layers` excludes them and
+RL training does not train them (verl and slime disable MTP), so they are neither trained nor served.
+
+Activation counts are bf16 elements saved for backward per token of one layer, before any division
+by tensor or context parallelism; docs/plan.md derives each term.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlloom.models.args import ModelArgs
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCost:
+    """One decoder layer."""
+
+    dense_params: int
+    """Attention, norms, router, shared experts or the dense MLP: sharded over TP and FSDP."""
+    expert_params: int
+    """Routed experts: sharded over EP and the expert FSDP axis."""
+    act_none: int
+    """bf16 elements saved per token with no recompute (routed copies counted top_k times)."""
+    act_selective: int
+    """bf16 elements saved per token when norms, RoPE and the SwiGLU product are recomputed."""
+    kv_bytes_per_token: int
+    """Rollout KV-cache bytes per token (bf16; MLA caches the compressed latent)."""
+    is_moe: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCosts:
+    """The whole model as the planner sees it."""
+
+    layers: tuple[LayerCost, ...]
+    embed_params: int
+    """Token embedding (on the first pipeline stage)."""
+    head_params: int
+    """Untied lm head plus the final norm (on the last stage); a tied head is a second copy there."""
+    hidden_size: int
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    num_experts: int
+    """Routed experts per MoE layer (0 for dense models)."""
+    top_k: int
+    tied: bool
+    mla: bool
+    """Multi-head latent attention: the KV cache holds one latent per token, not split over TP."""
+
+    total_params: int
+    """Parameters of the checkpoint's trained part (a tied head counted once)."""
+    expert_params: int
+    """Routed-expert parameters of all layers."""
+
+
+def _attention(args: ModelArgs) -> tuple[int, int, int]:
+    """(params, activation elements per token: none, selective) of the attention block with its norm."""
+    h, a = args.hidden_size, args.num_heads
+    if args.mla is not None:
+        m = args.mla
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank:
+            q = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * a * qk
+            q_acts = 2 * m.q_lora_rank + a * qk  # q_a output, its norm, q_b output
+        else:
+            q, q_acts = h * a * qk, a * qk
+        kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+        kv += m.kv_lora_rank * a * (m.qk_nope_head_dim + m.v_head_dim)
+        o = a * m.v_head_dim * h
+        bias = (m.q_lora_rank or a * qk) + m.kv_lora_rank + m.qk_rope_head_dim + h
+        params = q + kv + o + (bias if args.attention_bias else 0) + h  # + input norm
+        # kv_a output + its norm, kv_b output; per-head q/k after RoPE, v, attention output
+        kv_acts = 2 * m.kv_lora_rank + m.qk_rope_head_dim + a * (m.qk_nope_head_dim + m.v_head_dim)
+        core = 2 * a * qk + a * m.v_head_dim + a * m.v_head_dim
+        none = 2 * h + q_acts + kv_acts + core
+        selective = h + (a * qk) + a * (m.qk_nope_head_dim + m.v_head_dim) + core
+        return params, none, selective
+    d, k = args.head_dim, args.num_kv_heads
+    params = 2 * h * a * d + 2 * h * k * d + h  # q, o, k, v, input norm
+    if args.attention_bias:
+        params += a * d + 2 * k * d
+    if args.attention_out_bias:
+        params += h
+    if args.qk_norm:
+        params += 2 * d
+    qkv = a * d + 2 * k * d
+    none = 2 * h + qkv + (a * d + k * d) + a * d  # norm in/out, q/k/v, q/k after norm+RoPE, output
+    selective = h + qkv + a * d
+    return params, none, selective
+
+
+def _kv_bytes_per_token(args: ModelArgs) -> int:
+    if args.mla is not None:
+        return 2 * (args.mla.kv_lora_rank + args.mla.qk_rope_head_dim)
+    return 2 * 2 * args.num_kv_heads * args.head_dim
+
+
+def _feed_forward(args: ModelArgs, is_moe: bool) -> tuple[int, int, int, int]:
+    """(dense params, expert params, activations none, selective) of the MLP block with its norm."""
+    h = args.hidden_size
+    if not is_moe:
+        ffn = args.intermediate_size
+        return 3 * h * ffn + h, 0, 2 * h + 3 * ffn, h + 2 * ffn
+    moe = args.moe
+    assert moe is not None
+    f, shared = moe.intermediate_size, moe.num_shared_experts * moe.intermediate_size
+    dense = moe.num_experts * h + 3 * h * shared + h + (moe.num_experts if moe.score_bias else 0)
+    experts = moe.num_experts * 3 * h * f
+    # router logits (fp32 = 2 bf16 elements each), per routed copy: permuted input, gate, up,
+    # product, expert output (balanced routing: top_k copies per token); the shared expert.
+    routed_none = moe.top_k * (2 * h + 3 * f)
+    routed_sel = moe.top_k * (h + 2 * f)
+    none = 2 * h + 2 * moe.num_experts + routed_none + 3 * shared
+    selective = h + routed_sel + 2 * shared
+    return dense, experts, none, selective
+
+
+def model_costs(args: ModelArgs) -> ModelCosts:
+    """Per-layer costs of `args` (MTP layers excluded; see the module docstring)."""
+    attn_params, attn_none, attn_sel = _attention(args)
+    sparse = set(args.moe.sparse_layers) if args.moe is not None else set()
+    layers = []
+    for i in range(args.num_layers):
+        dense, experts, ff_none, ff_sel = _feed_forward(args, i in sparse)
+        layers.append(
+            LayerCost(
+                dense_params=attn_params + dense,
+                expert_params=experts,
+                act_none=attn_none + ff_none,
+                act_selective=attn_sel + ff_sel,
+                kv_bytes_per_token=_kv_bytes_per_token(args),
+                is_moe=i in sparse,
+            )
+        )
+    vocab_hidden = args.vocab_size * args.hidden_size
+    body = sum(layer.dense_params + layer.expert_params for layer in layers)
+    head = vocab_hidden + args.hidden_size - (vocab_hidden if args.tie_word_embeddings else 0)
+    return ModelCosts(
+        layers=tuple(layers),
+        embed_params=vocab_hidden,
+        head_params=vocab_hidden + args.hidden_size,
+        hidden_size=args.hidden_size,
+        vocab_size=args.vocab_size,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        num_experts=args.moe.num_experts if args.moe is not None else 0,
+        top_k=args.moe.top_k if args.moe is not None else 0,
+        tied=args.tie_word_embeddings,
+        mla=args.mla is not None,
+        total_params=body + vocab_hidden + head,
+        expert_params=sum(layer.expert_params for layer in layers),
+    )

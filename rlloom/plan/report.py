@@ -1,0 +1,265 @@
+"""`rlloom plan`: read a model's config.json, evaluate (`--check`) or search layouts, print a table
+or one JSON object. Exit codes: 0 a layout fits (or was found), 1 nothing fits, 2 bad input.
+
+JSON fields (a contract, issue 18): fits, gpu_memory_gb, cpu_memory_gb_per_node, layout {tp, pp, cp,
+ep, dp, offload_fraction, pp_first_stage_layers, pp_last_stage_layers}, breakdown {params, grads,
+optimizer, activations, buffers}, rollout {model_parallel, weights_gb, kv_cache_gb,
+kv_cache_tokens}; also reason, step_seconds, stage_peaks_gb, problems, suggestion, alternatives.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rlloom.config.components import ConfigError
+from rlloom.models.args import ModelArgs
+from rlloom.plan.counts import ModelCosts, model_costs
+from rlloom.plan.memory import Estimate, Hardware, Layout, Workload
+from rlloom.plan.search import Candidate, best_split, fit_layout, gpus_needed, search, step_cost
+
+CHECK_KEYS = ("tp", "pp", "cp", "ep", "offload")
+
+
+def load_costs(model: str) -> tuple[ModelCosts, dict[str, Any]]:
+    """Costs and the raw config of a Hugging Face folder or a config.json file (no weights read)."""
+    path = Path(model)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ConfigError(
+            f"MODEL={model!r} is invalid: not a folder with config.json nor a config.json file. "
+            "Fix: pass a Hugging Face model folder or its config.json."
+        )
+    try:
+        raw = json.loads(file.read_text())
+        return model_costs(ModelArgs.from_hf_config(raw)), raw
+    except KeyError as e:
+        raise ConfigError(
+            f"MODEL={model!r} is invalid: its config.json has no {e.args[0]!r} field. "
+            "Fix: pass the model's complete Hugging Face config.json."
+        ) from None
+    except ValueError as e:  # unsupported architecture, or not JSON
+        raise ConfigError(f"MODEL={model!r}: {e}") from None
+
+
+def parse_check(text: str, gpus: int, costs: ModelCosts) -> Layout:
+    """`tp=8,pp=12,cp=1,ep=8,offload=1.0` -> Layout (dp = gpus / (tp * pp * cp)); ConfigError if illegal."""
+    values: dict[str, float] = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "offload": 0.0}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key not in CHECK_KEYS:
+            raise ConfigError(
+                f"--check {item!r} is invalid: unknown key {key!r}. Fix: use keys {', '.join(CHECK_KEYS)}, "
+                "e.g. --check tp=8,pp=12,cp=1,ep=8,offload=1.0."
+            )
+        try:
+            values[key] = float(value) if key == "offload" else int(value)
+        except ValueError:
+            raise ConfigError(
+                f"--check {item!r} is invalid: {key} must be a number. Fix: e.g. {key}=8."
+            ) from None
+    tp, pp, cp, ep = (int(values[k]) for k in ("tp", "pp", "cp", "ep"))
+    offload = values["offload"]
+    _require(min(tp, pp, cp, ep) >= 1, text, "tp, pp, cp and ep must be >= 1", "use 1 to disable one")
+    _require(0 <= offload <= 1, text, f"offload={offload:g} must be in [0, 1]", "use a fraction such as 0.5")
+    _require(
+        gpus % (tp * pp * cp) == 0,
+        text,
+        f"tp*pp*cp={tp * pp * cp} must divide --gpus {gpus} (dp is the quotient)",
+        "pick degrees whose product divides the GPU count",
+    )
+    dp = gpus // (tp * pp * cp)
+    _require(
+        costs.num_heads % tp == 0 and costs.num_kv_heads % tp == 0,
+        text,
+        f"tp={tp} must divide the {costs.num_heads} attention heads and {costs.num_kv_heads} KV heads",
+        "pick a smaller tp",
+    )
+    _require(
+        pp <= len(costs.layers), text, f"pp={pp} exceeds the {len(costs.layers)} layers", "pick a smaller pp"
+    )
+    if costs.num_experts:
+        _require(
+            costs.num_experts % ep == 0 and (tp * cp * dp) % ep == 0,
+            text,
+            f"ep={ep} must divide the {costs.num_experts} experts and tp*cp*dp={tp * cp * dp}",
+            "pick an ep that divides both",
+        )
+    else:
+        _require(ep == 1, text, "ep must be 1 for a dense model", "drop ep")
+    return Layout(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, offload_fraction=offload)
+
+
+def _require(ok: bool, text: str, rule: str, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"--check {text!r} is invalid: {rule}. Fix: {fix}.")
+
+
+@dataclass(frozen=True, slots=True)
+class PlanAnswer:
+    chosen: Candidate
+    fits: bool
+    reason: str
+    alternatives: list[Candidate]
+    suggestion: str = ""
+
+
+def plan(costs: ModelCosts, hw: Hardware, work: Workload, check: Layout | None) -> PlanAnswer:
+    """Evaluate `check`, or search; the answer says why and, when nothing fits, what would."""
+    if check is not None:
+        est = best_split(costs, check, hw, work)  # the user fixed degrees and offload
+        cand = Candidate(est, step_cost(costs, est, hw, work))
+        reason = f"the layout given with --check; estimated step {cand.cost.seconds:.2f} s"
+        if not est.fits:
+            reason += "; it does not fit: " + "; ".join(est.problems)
+        elif (least := fit_layout(costs, check, hw, work).layout.offload_fraction) < check.offload_fraction:
+            reason += f"; offload {least:g} would also fit"
+        return PlanAnswer(cand, est.fits, reason, [], "" if est.fits else _suggest(costs, est, hw, work))
+    result = search(costs, hw, work)
+    if result.best is None:
+        closest = result.closest
+        reason = "no legal layout fits; closest: " + "; ".join(closest.estimate.problems)
+        return PlanAnswer(closest, False, reason, [], _suggest(costs, closest.estimate, hw, work))
+    return PlanAnswer(result.best, True, _why(result.ranked), result.ranked[1:6])
+
+
+def _why(ranked: list[Candidate]) -> str:
+    best = ranked[0]
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in best.cost.parts.items() if v >= 0.005)
+    text = f"lowest estimated step time of the {len(ranked)} fitting layouts: {best.cost.seconds:.2f} s ({parts})"
+    if len(ranked) > 1:
+        nxt = ranked[1]
+        slower = nxt.cost.seconds / best.cost.seconds - 1
+        text += f"; next best {nxt.estimate.layout.short()} is {100 * slower:.0f}% slower"
+    if best.estimate.layout.offload_fraction:
+        text += f"; offload {best.estimate.layout.offload_fraction:g} is the least that fits"
+    return text
+
+
+def _suggest(costs: ModelCosts, est: Estimate, hw: Hardware, work: Workload) -> str:
+    tips = []
+    if est.layout.offload_fraction < 1:
+        tips.append("a larger offload fraction")
+    need = gpus_needed(costs, hw, work)
+    if need is not None:
+        tips.append(f"--gpus {need} (the fewest, doubling, on which a layout fits)")
+    tips.append(f"GPUs with at least {est.gpu_memory_gb / 0.95 + 2:.0f} GB for this layout")
+    if work.recompute != "full":
+        tips.append("--recompute full")
+    return "would fit with " + ", or ".join(tips)
+
+
+def to_json(answer: PlanAnswer, costs: ModelCosts) -> dict[str, Any]:
+    est = answer.chosen.estimate
+    lay = est.layout
+    return {
+        "fits": answer.fits,
+        "gpu_memory_gb": round(est.gpu_memory_gb, 2),
+        "cpu_memory_gb_per_node": round(est.cpu_memory_gb_per_node, 1),
+        "layout": {
+            "tp": lay.tp,
+            "pp": lay.pp,
+            "cp": lay.cp,
+            "ep": lay.ep,
+            "dp": lay.dp,
+            "offload_fraction": lay.offload_fraction,
+            "pp_first_stage_layers": lay.pp_first_stage_layers or len(costs.layers),
+            "pp_last_stage_layers": lay.pp_last_stage_layers or len(costs.layers),
+        },
+        "breakdown": {k: round(v, 2) for k, v in asdict(est.breakdown).items()},
+        "rollout": None if est.rollout is None else {k: _round(v) for k, v in asdict(est.rollout).items()},
+        "stage_peaks_gb": [round(x, 2) for x in est.stage_peaks_gb],
+        "step_seconds": round(answer.chosen.cost.seconds, 3),
+        "reason": answer.reason,
+        "problems": list(est.problems),
+        "suggestion": answer.suggestion,
+        "alternatives": [
+            {
+                "layout": c.estimate.layout.short(),
+                "gpu_memory_gb": round(c.estimate.gpu_memory_gb, 2),
+                "step_seconds": round(c.cost.seconds, 3),
+            }
+            for c in answer.alternatives
+        ],
+        "model": {
+            "params": costs.total_params,
+            "expert_params": costs.expert_params,
+            "layers": len(costs.layers),
+        },
+    }
+
+
+def _round(v: float | int) -> float | int:
+    return round(v, 2) if isinstance(v, float) else v
+
+
+def format_table(
+    answer: PlanAnswer, costs: ModelCosts, raw: dict[str, Any], hw: Hardware, work: Workload
+) -> str:
+    est = answer.chosen.estimate
+    bd = est.breakdown
+    mtp = raw.get("num_nextn_predict_layers") or 0
+    lines = [
+        f"model     {raw.get('model_type')}: {costs.total_params / 1e9:.1f}B parameters "
+        f"({costs.expert_params / 1e9:.1f}B in routed experts), {len(costs.layers)} layers"
+        + (f"; {mtp} MTP layer(s) not trained" if mtp else ""),
+        f"cluster   {hw.gpus} x {hw.gpu_memory_gb:g} GB GPUs, {hw.gpus_per_node} per node; "
+        f"{work.max_tokens_per_gpu} tokens per GPU, recompute {work.recompute}",
+        f"layout    {est.layout.short()}",
+        f"fits      {'yes' if answer.fits else 'NO'}",
+        f"GPU peak  {est.gpu_memory_gb:.1f} GB of {hw.usable_gpu_gb:.1f} GB usable "
+        f"(stages: {' '.join(f'{x:.0f}' for x in est.stage_peaks_gb)})",
+        f"  params {bd.params:.1f}  grads {bd.grads:.1f}  optimizer {bd.optimizer:.1f}  "
+        f"activations {bd.activations:.1f}  buffers {bd.buffers:.1f}",
+        f"host      {est.cpu_memory_gb_per_node:.0f} GB per node",
+    ]
+    if est.rollout is not None:
+        r = est.rollout
+        lines.append(
+            f"rollout   weights {r.weights_gb:.1f} GB per GPU over {r.model_parallel} GPUs, "
+            f"KV cache {r.kv_cache_gb:.1f} GB ({r.kv_cache_tokens} tokens)"
+        )
+    lines.append(f"why       {answer.reason}")
+    if answer.suggestion:
+        lines.append(f"to fit    {answer.suggestion}")
+    for c in answer.alternatives:
+        lines.append(
+            f"  also    {c.estimate.layout.short()}: {c.estimate.gpu_memory_gb:.1f} GB, {c.cost.seconds:.2f} s"
+        )
+    return "\n".join(lines)
+
+
+def run_plan(args: Any) -> int:
+    """The `rlloom plan` command on parsed arguments; prints the answer, returns the exit code."""
+    for flag, value in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node)):
+        if value < 1:
+            raise ConfigError(f"{flag}={value} is invalid: must be >= 1. Fix: pass a positive GPU count.")
+    if args.gpu_memory_gb <= 0:
+        raise ConfigError(f"--gpu-memory-gb={args.gpu_memory_gb:g} is invalid: must be > 0. Fix: e.g. 80.")
+    if args.cpu_memory_gb_per_node < 0:
+        raise ConfigError(
+            f"--cpu-memory-gb-per-node={args.cpu_memory_gb_per_node:g} is invalid: must be >= 0. "
+            "Fix: e.g. 2048, or 0 to skip the host check."
+        )
+    if args.max_tokens_per_gpu < 1:
+        raise ConfigError(
+            f"--max-tokens-per-gpu={args.max_tokens_per_gpu} is invalid: must be >= 1. Fix: e.g. 8192."
+        )
+    costs, raw = load_costs(args.model)
+    hw = Hardware(
+        gpus=args.gpus,
+        gpu_memory_gb=args.gpu_memory_gb,
+        gpus_per_node=args.gpus_per_node,
+        cpu_memory_gb_per_node=args.cpu_memory_gb_per_node,
+    )
+    work = Workload(max_tokens_per_gpu=args.max_tokens_per_gpu, recompute=args.recompute)
+    check = parse_check(args.check, args.gpus, costs) if args.check is not None else None
+    answer = plan(costs, hw, work, check)
+    if args.json:
+        print(json.dumps(to_json(answer, costs), indent=2))
+    else:
+        print(format_table(answer, costs, raw, hw, work))
+    return 0 if answer.fits else 1

@@ -1,0 +1,175 @@
+"""How a reward function is called: its form, read from its signature, and the checks on what it returns.
+
+Standard library only: reward worker processes import this module.
+
+Two forms, told apart by the parameter names (`inspect.signature`):
+- per sample (the default): `fn(response_text, ground_truth, **keywords) -> float`. The first two
+  parameters get the response and the ground truth (text) by position, whatever they are named, so
+  every `(response_text, ground_truth)` function works unchanged. Keyword arguments: `prompt` (the
+  prompt as the dataset row holds it: a string or a list of chat messages) and every other column
+  of the row under its own name (for procedural tasks, the task's details such as `a`, `op`, `b`).
+  A function receives those it names as parameters, or all of them if it has `**kwargs`;
+- batched (for reward models): a function with a parameter named `completions`, called once per
+  chunk of samples with keyword arguments only, each a list with one entry per sample, as TRL
+  passes dataset columns: `completions` (response texts), `prompts`, `ground_truths`, and every
+  other column (None where a row lacks it). It returns one score per completion.
+Columns named like the arguments above do not reach the function under that name.
+
+A score is valid when it is a real number (bool, int, float, numpy scalar) within the float32
+range; anything else, or an exception (`sys.exit` included), makes the sample invalid or an error.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from rlloom.rewards.weighted import WeightedReward
+
+Outcome = Literal["ok", "error", "invalid"]
+Result = tuple[Outcome, float | str]
+"""(outcome, payload): the score for `ok`, the exception as text for `error`, the bad value's repr
+for `invalid`."""
+
+FLOAT32_MAX = 3.4028234663852886e38
+"""Largest finite float32: a score beyond it would turn into inf in the trainer's float32 tensors."""
+
+
+@dataclass(frozen=True, slots=True)
+class RewardInput:
+    """Everything a reward function may be given about one sample.
+
+    Example: `RewardInput("12 + 35 = 47", "47", prompt="What is 12 + 35?", columns={"level": 1})`.
+    """
+
+    response_text: str
+    ground_truth: str
+    prompt: str | list[dict[str, str]] = ""
+    """The prompt as the dataset row holds it (text or chat messages); "" when unknown."""
+    columns: dict[str, Any] = field(default_factory=dict)
+    """The row's other columns (not the prompt and answer columns), by name."""
+
+
+@dataclass(frozen=True, slots=True)
+class CallForm:
+    """How to call one reward function (see the module docstring)."""
+
+    batched: bool
+    keywords: frozenset[str] | None
+    """Keyword arguments it accepts beyond the fixed ones; None when it takes `**kwargs` (all)."""
+
+
+def call_form(fn: Callable[..., object]) -> CallForm:
+    """The form of `fn`, from its signature; a callable without one is a plain per-sample function."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return CallForm(batched=False, keywords=frozenset())
+    batched = any(p.name == "completions" for p in params)
+    named = params if batched else params[2:]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return CallForm(batched=batched, keywords=None)
+    return CallForm(
+        batched=batched, keywords=frozenset(p.name for p in named if p.kind is not p.VAR_POSITIONAL)
+    )
+
+
+def is_batched(fn: Callable[..., object]) -> bool:
+    """True when `fn` (or a term of a weighted sum) is batched: it is then scored a chunk at a time."""
+    if isinstance(fn, WeightedReward):
+        return any(is_batched(term) for term, _ in fn.terms)
+    return call_form(fn).batched
+
+
+def as_score(value: object) -> float | None:
+    """A float within the float32 range from a real number (bool, int, float, numpy scalar), else None."""
+    if not isinstance(value, numbers.Real):
+        return None
+    try:
+        score = float(value)
+    except (OverflowError, ValueError):  # an int too large for a float
+        return None
+    return score if math.isfinite(score) and abs(score) <= FLOAT32_MAX else None
+
+
+def score_items(fn: Callable[..., object], items: Sequence[RewardInput]) -> list[Result]:
+    """One result per item, in order; never raises. A weighted sum scores term by term: an item
+    fails when any of its terms fails (the first failure is reported)."""
+    if isinstance(fn, WeightedReward):
+        return _weighted(fn, items)
+    form = call_form(fn)
+    if form.batched:
+        return _call_batched(fn, form, items)
+    reserved = _positional(fn)
+    return [_call_one(fn, form, reserved, item) for item in items]
+
+
+def _call_one(
+    fn: Callable[..., object], form: CallForm, reserved: frozenset[str], item: RewardInput
+) -> Result:
+    keywords = (
+        _select(form.keywords, {**item.columns, "prompt": item.prompt}, reserved=reserved)
+        if form.keywords is None or form.keywords
+        else {}
+    )
+    try:
+        value = fn(item.response_text, item.ground_truth, **keywords)
+    except (Exception, SystemExit) as e:  # a reward function's bug must not stop the run; it is counted
+        return "error", f"{type(e).__name__}: {e}"[:500]
+    score = as_score(value)
+    return ("ok", score) if score is not None else ("invalid", repr(value)[:200])
+
+
+def _call_batched(fn: Callable[..., object], form: CallForm, items: Sequence[RewardInput]) -> list[Result]:
+    names = {name for item in items for name in item.columns}
+    lists = {name: [item.columns.get(name) for item in items] for name in sorted(names)}
+    fixed = {
+        "completions": [item.response_text for item in items],
+        "prompts": [item.prompt for item in items],
+        "ground_truths": [item.ground_truth for item in items],
+    }
+    keywords = _select(form.keywords, {**lists, **fixed}, reserved=frozenset())
+    try:
+        values = fn(**keywords)
+    except (Exception, SystemExit) as e:
+        return [("error", f"{type(e).__name__}: {e}"[:500])] * len(items)
+    try:
+        values = list(values)  # type: ignore[call-overload]
+    except TypeError:
+        values = []
+    if len(values) != len(items):
+        return [
+            ("invalid", f"a batched reward returned {str(values)[:100]} for {len(items)} completions")
+        ] * len(items)
+    scores = [as_score(v) for v in values]
+    return [("ok", s) if s is not None else ("invalid", repr(v)[:200]) for s, v in zip(scores, values)]
+
+
+def _weighted(fn: WeightedReward, items: Sequence[RewardInput]) -> list[Result]:
+    totals: list[Result] = [("ok", 0.0)] * len(items)
+    for term, weight in fn.terms:
+        for i, (kind, payload) in enumerate(score_items(term, items)):
+            if totals[i][0] != "ok":
+                continue
+            totals[i] = (kind, payload) if kind != "ok" else ("ok", totals[i][1] + weight * payload)
+    return [
+        (kind, p) if kind != "ok" or as_score(p) is not None else ("invalid", repr(p)) for kind, p in totals
+    ]
+
+
+def _select(
+    accepted: frozenset[str] | None, available: dict[str, Any], *, reserved: frozenset[str]
+) -> dict[str, Any]:
+    return {k: v for k, v in available.items() if k not in reserved and (accepted is None or k in accepted)}
+
+
+def _positional(fn: Callable[..., object]) -> frozenset[str]:
+    """Names of the first two parameters (they get the response and ground truth by position)."""
+    try:
+        return frozenset(list(inspect.signature(fn).parameters)[:2])
+    except (TypeError, ValueError):
+        return frozenset()

@@ -1,0 +1,210 @@
+"""`rlloom eval MODEL_OR_RUN DATA [overrides]`: accuracy of a model on a dataset, scored by the task's reward.
+
+MODEL_OR_RUN is a Hugging Face folder (or the embedded model name), a run folder or a checkpoint.
+A run's settings (chat template, system prompt, reward, max_new_tokens, ...) come from its
+checkpoint's config.yaml and its weights from RUN_DIR/hf/step_N, or from an export of the checkpoint
+when that folder is absent; a model folder starts from the default settings. DATA is a .jsonl or
+.parquet file (every row is evaluated) or a procedural task name (its held-out split). Dotted
+overrides apply last. Greedy by default; `samples` > 1 at a temperature > 0 also reports pass@k.
+The report is a table and one JSON line (the last line, for scripts); `responses` also writes every
+answer with its score to a jsonl file.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlloom.cluster.worker import resolve_device, resolve_dtype
+from rlloom.config.components import ConfigError, RunConfig
+from rlloom.config.loading import load_config
+from rlloom.data.chat import tokenize_prompts
+from rlloom.data.dataset import PromptItem, load_prompt_file
+from rlloom.engines.rollout.native import NativeEngine
+from rlloom.engines.train.hf_folder import save_hf_folder
+from rlloom.models import from_pretrained, load_decoder, load_tokenizer
+from rlloom.models.embedded import EMBEDDED_NAME
+from rlloom.rewards.build import build_reward_runner
+from rlloom.tasks.build import task_prompts
+from rlloom.trainer.evaluate import EvalScores, score_prompts
+from rlloom.trainer.export import build_engine_from_checkpoint, hf_dir, resolve_checkpoint
+
+PROCEDURAL_TASKS = ("arithmetic", "countdown")
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalReport:
+    """What `rlloom eval` prints. Example: `EvalReport(model="runs/x", data="test.jsonl", prompts=8,
+    samples=1, temperature=0.0, skipped_too_long=0, metrics={"accuracy": 0.5, "length_mean": 6.0})`."""
+
+    model: str
+    data: str
+    prompts: int
+    """Prompts evaluated."""
+    samples: int
+    """Samples per prompt."""
+    temperature: float
+    skipped_too_long: int
+    """Prompts over data.max_prompt_length tokens, not evaluated."""
+    metrics: dict[str, float]
+    """`accuracy`, `length_mean`, and `pass@k` for k > 1 samples."""
+
+    def table(self) -> str:
+        width = max(len(k) for k in self.metrics)
+        rows = [f"{k:<{width}}  {v:.4f}" for k, v in self.metrics.items()]
+        head = (
+            f"rlloom eval: {self.model} on {self.data}: {self.prompts} prompts x {self.samples} "
+            f"sample(s), temperature {self.temperature:g}"
+            + (f", {self.skipped_too_long} prompt(s) skipped as too long" if self.skipped_too_long else "")
+        )
+        return "\n".join([head, f"{'metric':<{width}}  value", *rows])
+
+    def json_line(self) -> str:
+        fields = {
+            "model": self.model,
+            "data": self.data,
+            "prompts": self.prompts,
+            "samples": self.samples,
+            "temperature": self.temperature,
+            "skipped_too_long": self.skipped_too_long,
+        }
+        return json.dumps(fields | self.metrics)
+
+
+def eval_data_overrides(data: str) -> list[str]:
+    """data.task / data.path for a dataset file or a procedural task name."""
+    if data in PROCEDURAL_TASKS:
+        return [f"data.task={data}"]
+    path = Path(data)
+    if not path.is_file():
+        raise ConfigError(
+            f"eval data {data!r} is neither a file nor a task. Fix: pass a .jsonl or .parquet file of "
+            f"prompts and answers, or one of {', '.join(PROCEDURAL_TASKS)}."
+        )
+    task = "parquet" if path.suffix == ".parquet" else "jsonl"
+    # Every row is evaluated: no rows are held out of a training split here.
+    return [f"data.task={task}", f"data.path={json.dumps(str(path.resolve()))}", "data.num_eval=0"]
+
+
+def resolve_model(model_or_run: str, workdir: Path) -> tuple[Path | None, str]:
+    """(the checkpoint's config.yaml or None, the Hugging Face folder to evaluate)."""
+    path = Path(model_or_run)
+    if model_or_run == EMBEDDED_NAME:
+        return None, EMBEDDED_NAME
+    if (path / "config.json").is_file():
+        return None, str(path.resolve())
+    if not path.is_dir():
+        raise ConfigError(
+            f"model {model_or_run!r} does not exist. Fix: pass a Hugging Face folder (config.json and "
+            f"safetensors; download Hub models first), {EMBEDDED_NAME!r}, a run folder or a checkpoint."
+        )
+    if not (path / "checkpoints").is_dir() and not (path / "config.yaml").is_file():
+        raise ConfigError(
+            f"model {model_or_run!r} is neither a Hugging Face folder (no config.json) nor a run folder or "
+            "checkpoint. Fix: pass a folder with config.json and safetensors, a run folder (RUN_DIR) or "
+            "RUN_DIR/checkpoints/step_N."
+        )
+    ckpt = resolve_checkpoint(path)
+    step = int(ckpt.name.split("_")[1])
+    saved = hf_dir(ckpt.parent.parent, step)
+    if (saved / "config.json").is_file():
+        return ckpt / "config.yaml", str(saved.resolve())
+    cfg, engine = build_engine_from_checkpoint(ckpt)
+    return ckpt / "config.yaml", str(save_hf_folder(engine, cfg.model.path, workdir / "model"))
+
+
+def eval_items(cfg: RunConfig, tokenizer: object) -> tuple[list[PromptItem], int]:
+    """(tokenized prompts, prompts skipped as too long): every row of a file, or a task's eval split."""
+    d = cfg.data
+    if d.task in PROCEDURAL_TASKS:
+        raws = task_prompts(d, "eval")
+    else:
+        raws = load_prompt_file(d.path, prompt_key=d.prompt_key, answer_key=d.answer_key, file_format=d.task)
+    tokenized = tokenize_prompts(
+        raws,
+        tokenizer,  # type: ignore[arg-type]
+        chat_template=d.chat_template,
+        system_prompt=d.system_prompt,
+        max_prompt_length=d.max_prompt_length,
+    )
+    return tokenized.items, tokenized.num_too_long
+
+
+def generate_and_score(cfg: RunConfig, samples: int) -> tuple[list[PromptItem], EvalScores, int]:
+    """Load the model of `cfg.model.path` into a rollout engine and score the eval prompts:
+    (the prompts, their scores, prompts skipped as too long)."""
+    tokenizer = load_tokenizer(cfg.model.path)
+    items, too_long = eval_items(cfg, tokenizer)
+    device = resolve_device(cfg)
+    engine = NativeEngine.from_config(
+        from_pretrained(
+            cfg.model.path, dtype=resolve_dtype(cfg, device), device=device, fused_projections=True
+        ),
+        cfg.rollout,
+        max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
+        decode=load_decoder(cfg.model.path),
+        seed=cfg.trainer.seed,
+    )
+    runner = build_reward_runner(cfg.reward, task=cfg.data.task)
+    stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    try:
+        scores = score_prompts(engine, items, runner, decode, cfg, stop_token_ids=stop, samples=samples)
+        return items, scores, too_long
+    finally:
+        runner.close()
+
+
+def write_responses(path: Path, items: list[PromptItem], scores: EvalScores) -> None:
+    """One JSON line per prompt: its row index, the templated prompt, the ground truth, and every
+    response with its score."""
+    with path.open("w", encoding="utf-8") as f:
+        for item, texts, row in zip(items, scores.texts, scores.scores):
+            record = {"index": item.index, "prompt": item.prompt_text, "ground_truth": item.ground_truth}
+            f.write(json.dumps(record | {"responses": texts, "scores": row}) + "\n")
+
+
+def eval_model(
+    model_or_run: str,
+    data: str,
+    overrides: list[str] | None = None,
+    *,
+    samples: int = 1,
+    temperature: float | None = None,
+    responses: str | None = None,
+) -> EvalReport:
+    """`rlloom eval`: see the module docstring. `responses`: a jsonl file to write every answer to."""
+    if samples < 1:
+        raise ConfigError(f"--samples={samples} is invalid: must be >= 1. Fix: use 1 (greedy) or e.g. 8.")
+    data_overrides = eval_data_overrides(data)
+    with tempfile.TemporaryDirectory(prefix="rlloom-eval-") as tmp:
+        workdir = Path(tmp)
+        base, model = resolve_model(model_or_run, workdir)
+        if base is None:
+            base = workdir / "defaults.yaml"
+            base.write_text("{}\n")
+        extra = [] if temperature is None else [f"rollout.eval_temperature={temperature}"]
+        cfg = load_config(
+            base, [f"model.path={json.dumps(model)}", *data_overrides, *(overrides or []), *extra]
+        )
+        temp = cfg.rollout.eval_temperature
+        if samples > 1 and temp == 0:
+            raise ConfigError(
+                f"--samples={samples} at temperature 0 (greedy) gives {samples} identical answers per prompt. "
+                "Fix: add --temperature 0.7 (or rollout.eval_temperature=0.7), or use --samples 1."
+            )
+        items, scores, too_long = generate_and_score(cfg, samples)
+    if responses:
+        write_responses(Path(responses), items, scores)
+    metrics = {k.removeprefix("eval/"): v for k, v in scores.metrics().items()}
+    return EvalReport(
+        model=model_or_run,
+        data=data,
+        prompts=len(scores.scores),
+        samples=samples,
+        temperature=temp,
+        skipped_too_long=too_long,
+        metrics=metrics,
+    )

@@ -1,0 +1,105 @@
+"""Get the trained model out: Hugging Face folders from a run, during it or afterwards.
+
+- During a run (`trainer.save_hf_every`, and always at the end): the live training engine writes
+  RUN_DIR/hf/step_000004/ (config.json, tokenizer files, model.safetensors in the starting model's
+  own dtype), next to RUN_DIR/checkpoints/step_000004/.
+- Afterwards, `rlloom export RUN_DIR_OR_CHECKPOINT OUT` (`export_checkpoint`): the training engine
+  is built on CPU from the checkpoint's own config.yaml, restored with its public `load` (so this
+  code never reads checkpoint files itself and any checkpoint format or training layout works),
+  and written by `rlloom.engines.train.hf_folder.save_hf_folder`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlloom.config.components import ConfigError, RunConfig
+from rlloom.config.loading import load_config
+from rlloom.engines.train.hf_folder import ExportDType, save_hf_folder
+from rlloom.engines.train.native import NativeTrainEngine
+from rlloom.trainer.checkpoint import latest_checkpoint
+
+logger = logging.getLogger(__name__)
+_WHERE = "a run folder (RUN_DIR) or one of its checkpoints (RUN_DIR/checkpoints/step_N)"
+
+
+def hf_dir(run_dir: str | os.PathLike, step: int) -> Path:
+    """Where a run writes its Hugging Face folder for `step`."""
+    return Path(run_dir) / "hf" / f"step_{step:06d}"
+
+
+def save_run_hf(group: Any, cfg: RunConfig, step: int) -> Path:
+    """Write the live policy of a run as RUN_DIR/hf/step_N (every rank takes part)."""
+    path = hf_dir(cfg.trainer.run_dir, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    group.save_hf(str(path))
+    logger.info("wrote the Hugging Face folder %s (%.1f s)", path, time.perf_counter() - start)
+    return path
+
+
+def resolve_checkpoint(source: str | os.PathLike) -> Path:
+    """The checkpoint `source` names: itself, or the newest complete one of a run folder.
+
+    A checkpoint is written in a `step_N.tmp-PID` sibling and renamed to `step_N` only when
+    complete, so a `step_N` folder is whole; the engine's `load` checks its contents.
+    """
+    path = Path(source)
+    if not path.is_dir():
+        raise ConfigError(f"export source {str(source)!r} does not exist. Fix: pass {_WHERE}.")
+    if (path / "config.yaml").is_file() and (path / "engine").is_dir():
+        if ".tmp-" in path.name:
+            raise ConfigError(
+                f"export source {str(source)!r} is an interrupted checkpoint save (a .tmp- folder). "
+                "Fix: pass the run folder to take its newest complete checkpoint."
+            )
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise ConfigError(
+            f"export source {str(source)!r} has no complete checkpoint (RUN_DIR/checkpoints/step_N). "
+            f"Fix: pass {_WHERE}; a run writes one at its end and every trainer.save_every steps."
+        )
+    return latest
+
+
+def check_output(out: str | os.PathLike) -> Path:
+    """`out` must be a new or empty folder (an export never mixes with other files)."""
+    path = Path(out)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise ConfigError(
+            f"export output {str(out)!r} already exists and is not an empty folder. "
+            "Fix: pass a new folder, or remove it first."
+        )
+    return path
+
+
+def build_engine_from_checkpoint(ckpt: Path) -> tuple[RunConfig, NativeTrainEngine]:
+    """The training engine of a checkpoint, on CPU in fp32, restored with its public `load`."""
+    cfg = load_config(ckpt / "config.yaml")
+    t = cfg.trainer
+    engine = NativeTrainEngine.build(
+        cfg.train,
+        cfg.model.path,
+        device="cpu",
+        dtype=torch.float32,
+        total_steps=t.total_steps * t.ppo_epochs * t.num_mini_batches,
+    )
+    engine.load(str(ckpt / "engine"))
+    return cfg, engine
+
+
+def export_checkpoint(
+    source: str | os.PathLike, out: str | os.PathLike, *, dtype: ExportDType = "auto"
+) -> Path:
+    """`rlloom export`: write the policy of a checkpoint (or a run's newest) as a Hugging Face folder."""
+    out_path = check_output(out)
+    ckpt = resolve_checkpoint(source)
+    cfg, engine = build_engine_from_checkpoint(ckpt)
+    return save_hf_folder(engine, cfg.model.path, out_path, dtype=dtype)

@@ -1,0 +1,60 @@
+"""The trainer's start-up warning: `check_fits(cfg)` with today's single-GPU layout."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from rlloom.config import load_config
+from rlloom.plan import check
+from rlloom.trainer.run import run
+
+CONFIGS = Path(__file__).parent / "configs"
+
+
+def cfg_for(model: Path, *overrides: str):
+    return load_config("arithmetic_smoke", [f"model.path={model}", *overrides])
+
+
+def test_qwen3_8b_fits_an_h200_only_with_optimizer_offload(tmp_path):
+    model = tmp_path / "qwen3-8b"
+    shutil.copytree(CONFIGS / "qwen3-8b", model)  # config.json only: no weights are read
+    tokens = ["train.max_tokens_per_micro_batch=8192", "train.activation_checkpointing=full"]
+    warning = check.fit_warning(cfg_for(model, *tokens), gpu_memory_gb=141)
+    # 8.2B x 16 bytes of fp32 weights, grads and moments plus the rollout's bf16 copy
+    assert warning is not None and "will not fit" in warning and "tp=1 pp=1" in warning
+    assert "\n" not in warning and "train.optimizer_offload=true" in warning
+    offloaded = cfg_for(model, *tokens, "train.optimizer_offload=true")
+    assert check.fit_warning(offloaded, gpu_memory_gb=141) is None
+    assert check.fit_warning(offloaded, gpu_memory_gb=80) is not None
+    # no activation checkpointing at 64k tokens a micro-batch: the activations alone break it
+    long = cfg_for(model, "train.optimizer_offload=true", "train.max_tokens_per_micro_batch=65536")
+    assert check.fit_warning(long, gpu_memory_gb=141) is not None
+    # a KV cache that stays allocated during training counts against the training peak
+    kv = ["train.optimizer_offload=true", "rollout.kv_cache_memory_gb=60"]
+    tight = cfg_for(model, *tokens, *kv, "rollout.sleep_during_train=true")
+    assert check.fit_warning(tight, gpu_memory_gb=141) is None
+    awake = cfg_for(model, *tokens, *kv, "rollout.sleep_during_train=false")
+    assert check.fit_warning(awake, gpu_memory_gb=141) is not None
+
+
+def test_train_warns_before_launching_a_run_that_will_not_fit(tiny_checkpoint, tmp_path, monkeypatch):
+    cfg = load_config(
+        "arithmetic_smoke",
+        [f"model.path={tiny_checkpoint}", f"trainer.run_dir={tmp_path}", "trainer.total_steps=0",
+         "data.num_eval=0", "data.num_train=8", "logging.console=false"],
+    )  # fmt: skip
+    # A GPU with 1 MB left after the CUDA context; the tiny model fits 80 GB (the test above:
+    # fit_warning returns None for runs that fit).
+    monkeypatch.setattr(check, "device_memory_gb", lambda cfg: (2.001, 0.0))
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logging.getLogger("rlloom").addHandler(handler)
+    try:
+        run(cfg)
+    finally:
+        logging.getLogger("rlloom").removeHandler(handler)
+    assert any("the memory model predicts this run will not fit" in r.getMessage() for r in records)
+    assert check.fit_warning(cfg, gpu_memory_gb=80) is None

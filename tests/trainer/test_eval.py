@@ -1,0 +1,116 @@
+"""`rlloom eval` through the CLI on a tiny model and a tiny jsonl, against transformers' greedy answers.
+
+The dataset's answers are transformers' own greedy continuations of its prompts for half of the
+rows and wrong for the other half; with an exact-match plug-in reward the greedy accuracy must be
+exactly 0.5, whatever the model says. Sampling reports pass@k. (Evaluating a run folder is tested in
+test_export.py, which has a trained run at hand.)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlloom.cli import main
+from rlloom.data.chat import tokenize_prompts
+from rlloom.data.dataset import RawPrompt
+
+PROMPTS = ["What is 2 + 3?", "Name a color.", "Say hi.", "Count to three.", "12 * 4 =", "Spell cat."]
+FAST = ["rollout.max_new_tokens=6", "rollout.num_blocks=16", "reward.name=exact_reward:exact"]
+
+
+@pytest.fixture(scope="module")
+def lively_model(tiny_checkpoint, tmp_path_factory):
+    """The tiny checkpoint with O(1) logits, so greedy choices are far from ties."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.1 * noise if "norm" in name else noise / math.sqrt(p.shape[-1]))
+    out = tmp_path_factory.mktemp("lively") / "model"
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_checkpoint).save_pretrained(out)
+    return out
+
+
+def hf_greedy(model_dir: Path, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """transformers' greedy answers to the prompts, templated as rlloom's data builder does."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    raws = [RawPrompt(prompt=p, ground_truth="", index=i) for i, p in enumerate(prompts)]
+    items = tokenize_prompts(raws, tok, chat_template=True, max_prompt_length=256).items
+    answers = []
+    for it in items:
+        ids = torch.tensor([it.prompt_ids])
+        out = hf.generate(
+            ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=0
+        )
+        answers.append(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    return answers
+
+
+@pytest.fixture
+def dataset(lively_model, tmp_path, monkeypatch):
+    """A jsonl whose first half of answers is right, and an exact-match reward module on sys.path."""
+    (tmp_path / "exact_reward.py").write_text(
+        "def exact(response_text, ground_truth):\n    return float(response_text == ground_truth)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))  # for inline scoring, and for worker processes:
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    greedy = hf_greedy(lively_model, PROMPTS, max_new_tokens=6)
+    assert len(set(greedy)) > 1, greedy  # a model with one answer for everything proves little
+    half = len(PROMPTS) // 2
+    answers = greedy[:half] + [g + "#" for g in greedy[half:]]
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in zip(PROMPTS, answers)))
+    return path
+
+
+def run_eval(capsys, *argv: str) -> tuple[str, dict]:
+    assert main(["eval", *argv]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    return "\n".join(out[:-1]), json.loads(out[-1])
+
+
+def test_greedy_accuracy_matches_transformers(lively_model, dataset, tmp_path, capsys):
+    out = tmp_path / "responses.jsonl"
+    table, report = run_eval(capsys, str(lively_model), str(dataset), *FAST, "--responses", str(out))
+    assert report["accuracy"] == 0.5 and report["prompts"] == len(PROMPTS) and report["samples"] == 1
+    assert "pass@1" not in report and report["temperature"] == 0.0
+    assert "accuracy" in table and "0.5000" in table
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    answers = [json.loads(line)["answer"] for line in dataset.read_text().splitlines()]
+    assert [r["ground_truth"] for r in rows] == answers and [r["index"] for r in rows] == list(range(6))
+    assert [r["responses"][0] == r["ground_truth"] for r in rows] == [True] * 3 + [False] * 3
+    assert [r["scores"] for r in rows] == [[1.0]] * 3 + [[0.0]] * 3
+
+
+def test_sampling_reports_pass_at_k(lively_model, dataset, capsys):
+    _, report = run_eval(
+        capsys, str(lively_model), str(dataset), *FAST, "--samples", "4", "--temperature", "1.0"
+    )
+    assert report["samples"] == 4 and 0 <= report["accuracy"] <= report["pass@4"] <= 1
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["missing_model", "arithmetic"], "does not exist"),
+        (["{tmp}", "arithmetic"], "neither a Hugging Face folder"),
+        (["{model}", "missing.jsonl"], "neither a file nor a task"),
+        (["{model}", "arithmetic", "--samples", "3"], "identical answers"),
+        (["{model}", "arithmetic", "--samples", "0"], "must be >= 1"),
+    ],
+)
+def test_errors_are_one_line(argv, message, tiny_checkpoint, tmp_path, capsys):
+    argv = [a.format(model=tiny_checkpoint, tmp=tmp_path) for a in argv]
+    assert main(["eval", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlloom: error: ") and err.count("\n") == 1 and message in err, err
