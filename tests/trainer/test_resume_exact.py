@@ -2,7 +2,7 @@
 after training longer and after a kill -9 at every stage of a step and during a save.
 
 The settings make a wrong resume visible: lr 3e-2 (after a 6-step warmup, so the schedule position
-matters) with a dense reward (`digit_share`) changes the sampled completions after one step, so a
+matters) with a dense reward (resume_reward.py) changes the sampled completions after one step, so a
 rollout engine left on the initial weights samples other tokens; a KL term, so a reference model
 taken from the checkpoint instead of the initial policy changes the loss; two mini-batches, so old
 logprobs are computed and a crash can fall between two optimizer steps of one RL step; 3 training
@@ -34,7 +34,9 @@ from rlloom.trainer.run import run
 
 TOTAL = 4
 EXACT = [
-    "reward.name=test_resume_exact:digit_share",
+    "reward.name=resume_reward:digit_share",
+    f"reward.import_dir={Path(__file__).parent}",
+    "reward.num_workers=1",
     "train.lr=3e-2",
     "train.warmup_steps=6",
     "algorithm.kl_coef=0.1",
@@ -44,11 +46,6 @@ EXACT = [
     "rollout.num_blocks=64",
     "trainer.save_every=1",
 ]
-
-
-def digit_share(response_text: str, ground_truth: str) -> float:
-    """A dense test reward (the tiny random model never answers right): the share of digits."""
-    return sum(c.isdigit() for c in response_text) / max(len(response_text), 1)
 
 
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -117,7 +114,10 @@ def _launcher(conn) -> None:
     """A process that has imported rlloom (and run no torch op): forks one crashing run per request
     and answers with its wait status. Like a forkserver, but private to this module (the global one
     belongs to the reward runner, which wants it free of torch)."""
-    import transformers.models.auto.tokenization_auto  # noqa: F401  (imported lazily by a run)
+    # What a run imports lazily, so that no child pays for it (a first run in a process costs 20x more).
+    import torch._dynamo  # noqa: F401
+    import torch.onnx  # noqa: F401
+    import transformers.models.auto.tokenization_auto  # noqa: F401
 
     while (request := conn.recv()) is not None:
         checkpoint, run_dir, fault = request
