@@ -7,17 +7,54 @@ handled once by `rlloom.config.loading` when a YAML file or overrides are applie
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import os
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
+MAX_SEED = 2**32 - 1
+"""Largest seed: `numpy.random.seed` accepts 0..2**32-1, the narrowest range of the RNGs a run seeds
+(`random.seed` takes any int, `torch.manual_seed` -2**63..2**64-1)."""
 
-class ConfigError(ValueError):
+
+class UserError(ValueError):
+    """A mistake in what the user gave (config, data file, model path): the CLI prints its one-line
+    message as `rlloom: error: ...` and exits 2, without a traceback. Internal bugs raise other types."""
+
+
+class ConfigError(UserError):
     """A user error in the run configuration (unknown key, wrong type, impossible value)."""
 
 
 def _check(ok: bool, key: str, value: object, rule: str, fix: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r} is invalid: {rule}. Fix: {fix}.")
+
+
+def _check_finite(section: object, prefix: str) -> None:
+    """Every float of a section (and of its tuples) must be finite: no field here accepts NaN or
+    infinity, so `.inf` / `.nan` in YAML are refused before any range check can be fooled by them."""
+    for f in fields(section):  # type: ignore[arg-type]
+        value = getattr(section, f.name)
+        for item in value if isinstance(value, tuple) else (value,):
+            if isinstance(item, float) and not math.isfinite(item):
+                _check(
+                    False,
+                    f"{prefix}.{f.name}",
+                    value,
+                    "must be a finite number (NaN and infinity are refused)",
+                    f"give a finite number, e.g. the default {prefix}.{f.name}={f.default!r}",
+                )
+
+
+def _check_seed(key: str, seed: int) -> None:
+    _check(
+        0 <= seed <= MAX_SEED,
+        key,
+        seed,
+        "must be in [0, 2**32-1] (numpy.random.seed's range, the narrowest of the seeded RNGs)",
+        "use a seed such as 0 or 1234",
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -82,6 +119,7 @@ class DataConfig:
             self.num_eval >= 0, "data.num_eval", self.num_eval, "must be >= 0", "use 0 to disable evaluation"
         )
         _check(self.num_train >= 1, "data.num_train", self.num_train, "must be >= 1", "use a positive count")
+        _check_seed("data.seed", self.seed)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -119,6 +157,7 @@ class RolloutConfig:
     """Free the KV cache between generation and weight sync, so training can use that memory."""
 
     def __post_init__(self) -> None:
+        _check_finite(self, "rollout")
         _check(
             self.n_samples >= 1,
             "rollout.n_samples",
@@ -193,6 +232,7 @@ class RewardConfig:
     """Score of a sample whose reward function hung, raised or returned a non-number."""
 
     def __post_init__(self) -> None:
+        _check_finite(self, "reward")
         _check(
             self.num_workers >= 0,
             "reward.num_workers",
@@ -254,6 +294,7 @@ class AlgorithmConfig:
     """Penalty at max length for overlong shaping."""
 
     def __post_init__(self) -> None:
+        _check_finite(self, "algorithm")
         _check(0 <= self.eps_low < 1, "algorithm.eps_low", self.eps_low, "must be in [0, 1)", "use 0.2")
         _check(
             self.eps_high >= 0,
@@ -351,6 +392,7 @@ class TrainEngineConfig:
     """Pack a group's responses behind one copy of their shared prompt; exact, fewer FLOPs."""
 
     def __post_init__(self) -> None:
+        _check_finite(self, "train")
         _check(self.lr > 0, "train.lr", self.lr, "must be > 0", "e.g. 1e-5")
         _check(
             self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "must be >= 0", "use 0.0 or 0.01"
@@ -412,11 +454,14 @@ class TrainerConfig:
     save_every: int = 0
     """Checkpoint every k steps (0 = only at the end)."""
     run_dir: str = "runs/latest"
-    """Folder for logs, checkpoints and plots."""
+    """Folder for logs, checkpoints and plots (non-empty; a leading `~` is expanded)."""
     resume: str = "never"
     """`never`, `auto` (newest complete checkpoint in run_dir) or a checkpoint path."""
     seed: int = 0
-    """Global seed (sampling, shuffling, initialisation)."""
+    """Global seed (sampling, shuffling, initialisation); 0 <= seed <= 2**32-1."""
+    resume_allow_changes: bool = False
+    """Resume even when the config differs from the checkpoint's in a setting that changes the run
+    (see `rlloom.config.resume.FREE_TO_CHANGE` for the settings that may always change)."""
 
     def __post_init__(self) -> None:
         _check(
@@ -443,6 +488,17 @@ class TrainerConfig:
         )
         _check(self.eval_every >= 0, "trainer.eval_every", self.eval_every, "must be >= 0", "use 0")
         _check(self.save_every >= 0, "trainer.save_every", self.save_every, "must be >= 0", "use 0")
+        _check_seed("trainer.seed", self.seed)
+        _check(
+            bool(self.run_dir.strip()),
+            "trainer.run_dir",
+            self.run_dir,
+            "must name a folder",
+            "e.g. trainer.run_dir=runs/my_run",
+        )
+        self.run_dir = os.path.expanduser(self.run_dir)
+        if self.resume not in ("never", "auto"):
+            self.resume = os.path.expanduser(self.resume)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -459,6 +515,7 @@ class ClusterConfig:
     """Longest wait for any worker call before the run is stopped as hung."""
 
     def __post_init__(self) -> None:
+        _check_finite(self, "cluster")
         _check(self.num_workers >= 1, "cluster.num_workers", self.num_workers, "must be >= 1", "use 1")
         _check(self.timeout_s > 0, "cluster.timeout_s", self.timeout_s, "must be > 0", "e.g. 600")
         _check(
