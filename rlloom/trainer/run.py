@@ -27,6 +27,7 @@ from rlloom.tasks.build import build_task_source
 from rlloom.trainer.checkpoint import TrainerState, load_checkpoint, resolve_resume, save_checkpoint
 from rlloom.trainer.evaluate import evaluate
 from rlloom.trainer.faults import maybe_fail
+from rlloom.trainer.preflight import check_before_loading
 from rlloom.trainer.step import StepContext, rl_step
 
 
@@ -46,6 +47,7 @@ def seed_everything(seed: int) -> None:
 
 
 def run(cfg: RunConfig) -> RunResult:
+    check_before_loading(cfg)
     log = init_logger()
     start = time.perf_counter()
     seed_everything(cfg.trainer.seed)
@@ -60,8 +62,9 @@ def run(cfg: RunConfig) -> RunResult:
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
     stop_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     group = build_worker_group(cfg)
+    train_stop = [] if cfg.rollout.ignore_eos else stop_token_ids  # evaluation still stops at EOS
     ctx = StepContext(
-        cfg=cfg, group=group, source=source, runner=runner, decode=decode, stop_token_ids=stop_token_ids
+        cfg=cfg, group=group, source=source, runner=runner, decode=decode, stop_token_ids=train_stop
     )
 
     state = TrainerState(step=0, data_state=source.state_dict())

@@ -1,0 +1,74 @@
+"""Start-up checks that need more than the config itself, run before any model or data is loaded.
+
+- The model folder exists, and its `max_position_embeddings` holds the longest sequence the run asks
+  for: data.max_prompt_length + rollout.max_new_tokens (a longer one would run silently past the
+  positions the model was trained on).
+- A resume continues the same run: the checkpoint's `config.yaml` differs from this config only in
+  the settings of `rlloom.config.resume.FREE_TO_CHANGE`, unless trainer.resume_allow_changes=true.
+
+Each failure is one `ConfigError` line naming the setting, the value, the rule and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rlloom.config.components import ConfigError, RunConfig
+from rlloom.config.loading import load_config
+from rlloom.config.resume import run_changing_differences
+from rlloom.models.checkpoint import resolve_path
+from rlloom.trainer.checkpoint import resolve_resume
+
+
+def check_before_loading(cfg: RunConfig) -> None:
+    """Raise ConfigError for anything wrong that is known before the model is loaded."""
+    check_sequence_length(cfg, model_max_positions(cfg.model.path))
+    resume_from = resolve_resume(cfg)
+    if resume_from is not None and not cfg.trainer.resume_allow_changes:
+        check_resume_config(resume_from, cfg)
+
+
+def model_max_positions(path: str) -> int | None:
+    """`max_position_embeddings` of the checkpoint's config.json (None when it does not say)."""
+    try:
+        folder = resolve_path(path)
+        hf_config = json.loads((folder / "config.json").read_text())
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"model.path={path!r} is invalid: {' '.join(str(e).split())}") from None
+    value = hf_config.get("max_position_embeddings")
+    return value if isinstance(value, int) else None
+
+
+def check_sequence_length(cfg: RunConfig, max_positions: int | None) -> None:
+    """The longest sequence, prompt plus response, must fit the model's positions."""
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    if max_positions is None or longest <= max_positions:
+        return
+    raise ConfigError(
+        f"data.max_prompt_length={cfg.data.max_prompt_length} + rollout.max_new_tokens="
+        f"{cfg.rollout.max_new_tokens} = {longest} is invalid: a sequence must fit the model's "
+        f"max_position_embeddings={max_positions} ({cfg.model.path}). Fix: lower data.max_prompt_length "
+        f"or rollout.max_new_tokens so that their sum is at most {max_positions}."
+    )
+
+
+def check_resume_config(checkpoint: Path, cfg: RunConfig) -> None:
+    """Refuse a resume whose config changes the run (see `run_changing_differences`)."""
+    saved_file = checkpoint / "config.yaml"
+    if not saved_file.is_file():
+        return
+    allow = "set trainer.resume_allow_changes=true to resume anyway"
+    try:
+        saved = load_config(saved_file)
+    except ConfigError as e:
+        raise ConfigError(
+            f"trainer.resume: the checkpoint's {saved_file} does not load ({e}). Fix: {allow}."
+        ) from None
+    differences = run_changing_differences(saved, cfg)
+    if differences:
+        raise ConfigError(
+            f"trainer.resume={cfg.trainer.resume!r}: this config differs from the checkpoint's "
+            f"({saved_file}) in settings that change the run: {'; '.join(differences)}. Fix: use the "
+            f"checkpoint's values, or {allow} (total_steps, saving and logging settings may always change)."
+        )
