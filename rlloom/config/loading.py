@@ -84,7 +84,7 @@ def load_config(source: str | Path, overrides: list[str] | None = None) -> RunCo
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(
-                f"override {item!r} must look like section.key=value, e.g. algorithm.eps_high=0.28."
+                f"override {item!r} is invalid: must look like section.key=value. Fix: e.g. algorithm.eps_high=0.28."
             )
         nested: dict[str, Any] = {}
         node = nested
@@ -199,7 +199,7 @@ def _merge(dst: dict[str, Any], src: dict[str, Any], cls: type, prefix: str) -> 
         if dataclasses.is_dataclass(ftype):
             if not isinstance(value, dict):
                 raise ConfigError(
-                    f"{dotted} is a section; set its keys, e.g. {dotted}.{next(iter(f.name for f in dataclasses.fields(ftype)))}=..., found {value!r}."
+                    f"{dotted}={value!r} is invalid: {dotted} is a section, not a value. Fix: set its keys, e.g. {dotted}.{next(iter(f.name for f in dataclasses.fields(ftype)))}=...."
                 )
             _merge(dst.setdefault(key, {}), value, ftype, prefix=f"{dotted}.")
         else:
@@ -250,7 +250,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}={value!r} is invalid: must be a list. Fix: e.g. {key}=[...].")
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(value) != len(args):
-                raise ConfigError(f"{key}={value!r} is invalid: must have {len(args)} entries.")
+                raise ConfigError(
+                    f"{key}={value!r} is invalid: must have {len(args)} entries. Fix: give {len(args)}, e.g. {key}=[...]."
+                )
             return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
         inner = args[0] if args else Any
         items = [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
