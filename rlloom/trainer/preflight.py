@@ -3,6 +3,7 @@
 - The model folder exists, and its `max_position_embeddings` holds the longest sequence the run asks
   for: data.max_prompt_length + rollout.max_new_tokens (a longer one would run silently past the
   positions the model was trained on).
+- The reward function resolves (a built-in name, an importable plug-in, or a weighted sum of them).
 - A resume continues the same run: the checkpoint's `config.yaml` differs from this config only in
   the settings of `rlloom.config.resume.FREE_TO_CHANGE`, unless trainer.resume_allow_changes=true.
 
@@ -18,12 +19,15 @@ from rlloom.config.components import ConfigError, RunConfig
 from rlloom.config.loading import load_config
 from rlloom.config.resume import run_changing_differences
 from rlloom.models.checkpoint import resolve_path
+from rlloom.rewards.registry import get_reward_fn
+from rlloom.tasks.build import default_reward_name
 from rlloom.trainer.checkpoint import resolve_resume
 
 
 def check_before_loading(cfg: RunConfig) -> None:
     """Raise ConfigError for anything wrong that is known before the model is loaded."""
     check_sequence_length(cfg, model_max_positions(cfg.model.path))
+    check_reward(cfg)
     resume_from = resolve_resume(cfg)
     if resume_from is not None and not cfg.trainer.resume_allow_changes:
         check_resume_config(resume_from, cfg)
@@ -51,6 +55,15 @@ def check_sequence_length(cfg: RunConfig, max_positions: int | None) -> None:
         f"max_position_embeddings={max_positions} ({cfg.model.path}). Fix: lower data.max_prompt_length "
         f"or rollout.max_new_tokens so that their sum is at most {max_positions}."
     )
+
+
+def check_reward(cfg: RunConfig) -> None:
+    """`reward.name` (or the task's default) must name a reward function that can be loaded."""
+    name = cfg.reward.name or default_reward_name(cfg.data.task)
+    try:
+        get_reward_fn(name)
+    except ValueError as e:
+        raise ConfigError(f"reward.name={name!r} is invalid: {' '.join(str(e).split())}") from None
 
 
 def check_resume_config(checkpoint: Path, cfg: RunConfig) -> None:

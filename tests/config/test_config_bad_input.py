@@ -155,6 +155,8 @@ TRAIN_CASES = [
         ["parquet"],
     ),
     ("data_missing_file", lambda t, c: ["data.task=jsonl", f"data.path={t}/none.jsonl"], ["not a file"]),
+    ("reward_unknown", lambda t, c: ["reward.name=nosuch"], ["reward.name='nosuch'", "unknown"]),
+    ("reward_plugin_missing", lambda t, c: ["reward.name=nosuch_pkg.mod:fn"], ["cannot import module"]),
     ("resume_not_a_checkpoint", lambda t, c: [f"trainer.resume={t}"], ["not a complete checkpoint"]),
     (
         "resume_changes_lr",
