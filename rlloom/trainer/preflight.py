@@ -1,8 +1,9 @@
 """Start-up checks that need more than the config itself, run before any model or data is loaded.
 
-- The model folder exists, and its `max_position_embeddings` holds the longest sequence the run asks
+- The model folder exists and can run on the device, and its `max_position_embeddings` holds the longest sequence the run asks
   for: data.max_prompt_length + rollout.max_new_tokens (a longer one would run silently past the
   positions the model was trained on).
+- The KV cache asked for fits in the device's free memory (inline mode; see `kv_cache_problem`).
 - The reward function resolves (a built-in name, an importable plug-in, or a weighted sum of them).
 - A resume continues the same run: the checkpoint's `config.yaml` differs from this config only in
   the settings of `rlloom.config.resume.FREE_TO_CHANGE`, unless trainer.resume_allow_changes=true.
@@ -14,10 +15,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+from rlloom.cluster.worker import resolve_device, resolve_dtype
 from rlloom.config.components import ConfigError, RunConfig
 from rlloom.config.loading import load_config
 from rlloom.config.resume import run_changing_differences
+from rlloom.engines.rollout.native.model_runner import kv_bytes_per_block
+from rlloom.engines.rollout.native.validation import available_memory_bytes, kv_cache_problem
+from rlloom.models.args import ModelArgs
 from rlloom.models.checkpoint import resolve_path
 from rlloom.rewards.registry import get_reward_fn
 from rlloom.tasks.build import default_reward_name
@@ -26,22 +32,24 @@ from rlloom.trainer.checkpoint import resolve_resume
 
 def check_before_loading(cfg: RunConfig) -> None:
     """Raise ConfigError for anything wrong that is known before the model is loaded."""
-    check_sequence_length(cfg, model_max_positions(cfg.model.path))
+    hf_config = model_hf_config(cfg.model.path)
+    max_positions = hf_config.get("max_position_embeddings")
+    check_sequence_length(cfg, max_positions if isinstance(max_positions, int) else None)
+    if cfg.cluster.mode == "inline":  # ray workers check their own devices when they build engines
+        check_kv_cache(cfg, hf_config)
     check_reward(cfg)
     resume_from = resolve_resume(cfg)
     if resume_from is not None and not cfg.trainer.resume_allow_changes:
         check_resume_config(resume_from, cfg)
 
 
-def model_max_positions(path: str) -> int | None:
-    """`max_position_embeddings` of the checkpoint's config.json (None when it does not say)."""
+def model_hf_config(path: str) -> dict[str, Any]:
+    """The checkpoint's config.json as a dict."""
     try:
         folder = resolve_path(path)
-        hf_config = json.loads((folder / "config.json").read_text())
+        return json.loads((folder / "config.json").read_text())
     except (ValueError, OSError) as e:
         raise ConfigError(f"model.path={path!r} is invalid: {' '.join(str(e).split())}") from None
-    value = hf_config.get("max_position_embeddings")
-    return value if isinstance(value, int) else None
 
 
 def check_sequence_length(cfg: RunConfig, max_positions: int | None) -> None:
@@ -55,6 +63,36 @@ def check_sequence_length(cfg: RunConfig, max_positions: int | None) -> None:
         f"max_position_embeddings={max_positions} ({cfg.model.path}). Fix: lower data.max_prompt_length "
         f"or rollout.max_new_tokens so that their sum is at most {max_positions}."
     )
+
+
+def check_kv_cache(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
+    """The KV cache that rollout.num_blocks (or kv_cache_memory_gb) asks for must fit in the memory
+    the device has free now; the engine checks again, exactly, right before it allocates."""
+    try:
+        device = resolve_device(cfg)
+        args = ModelArgs.from_hf_config(hf_config)
+    except ValueError as e:
+        raise ConfigError(
+            f"model.path={cfg.model.path!r} cannot run here: {' '.join(str(e).split())}"
+        ) from None
+    ro = cfg.rollout
+    per_block = kv_bytes_per_block(args, ro.block_size, resolve_dtype(cfg, device))
+    setting, value = (
+        ("rollout.num_blocks", ro.num_blocks)
+        if ro.num_blocks
+        else ("rollout.kv_cache_memory_gb", ro.kv_cache_memory_gb)
+    )
+    problem = kv_cache_problem(
+        setting,
+        value,
+        num_blocks=ro.num_blocks or int(ro.kv_cache_memory_gb * 1024**3) // per_block,
+        extra_blocks=1,
+        bytes_per_block=per_block,
+        available_bytes=available_memory_bytes(device),
+        device=str(device),
+    )
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def check_reward(cfg: RunConfig) -> None:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from rlloom.cli import main
 from rlloom.config import load_config, to_yaml
@@ -179,3 +180,9 @@ def test_bad_train_input_is_one_line_error(tiny_checkpoint, tmp_path, capsys, ex
     rc = main(train_args(tiny_checkpoint, tmp_path / "run", *extra(tmp_path, tiny_checkpoint)))
     assert_one_line_error(rc, capsys.readouterr().err, needles)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_asked_without_cuda_is_one_line_error(tiny_checkpoint, tmp_path, capsys):
+    rc = main(train_args(tiny_checkpoint, tmp_path / "run", "cluster.device=cuda"))
+    assert_one_line_error(rc, capsys.readouterr().err, ["cluster.device='cuda'", "no CUDA device"])

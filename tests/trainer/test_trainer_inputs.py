@@ -1,9 +1,13 @@
-"""Run settings the trainer must honour: rollout.ignore_eos generates to max_new_tokens in training."""
+"""Run settings the trainer must honour: rollout.ignore_eos generates to max_new_tokens in training;
+a KV cache larger than free memory is refused before it is allocated."""
 
 from __future__ import annotations
 
+import pytest
+
 from rlloom.cluster.worker import RLWorker
-from rlloom.config import load_config
+from rlloom.config import ConfigError, load_config
+from rlloom.engines.rollout.native import NativeEngine
 from rlloom.trainer.run import run
 
 
@@ -38,3 +42,9 @@ def test_ignore_eos_generates_every_training_sample_to_max_new_tokens(tiny_check
     for sampling, completions in train:
         assert all(sp.ignore_eos and not sp.stop_token_ids for sp in sampling)
         assert [len(c.token_ids) for c in completions] == [max_new] * len(completions)
+
+
+def test_engine_refuses_a_kv_cache_larger_than_free_memory(tiny_checkpoint):
+    # The start-up check catches this before loading; the engine checks again right before allocating.
+    with pytest.raises(ConfigError, match=r"rollout.num_blocks=1000000000 is invalid: .* GiB free"):
+        NativeEngine.from_pretrained(tiny_checkpoint, num_blocks=10**9, max_model_len=64)
