@@ -325,6 +325,20 @@ class AlgorithmConfig:
             "use 0 to disable the KL loss",
         )
         _check(0 < self.gamma <= 1, "algorithm.gamma", self.gamma, "must be in (0, 1]", "use 1.0")
+        _check(
+            self.entropy_coef >= 0,
+            "algorithm.entropy_coef",
+            self.entropy_coef,
+            "must be >= 0 (a negative bonus would reward collapsing the policy)",
+            "use 0 to disable the entropy bonus",
+        )
+        _check(
+            self.overlong_factor >= 0,
+            "algorithm.overlong_factor",
+            self.overlong_factor,
+            "must be >= 0 (it is a penalty)",
+            "use 1.0",
+        )
         _check(self.is_high > 0, "algorithm.is_high", self.is_high, "must be > 0", "use 2.0")
         _check(
             0 <= self.is_low < self.is_high,
@@ -404,6 +418,7 @@ class TrainEngineConfig:
             "each must be in [0, 1)",
             "use [0.9, 0.999]",
         )
+        _check(self.adam_eps > 0, "train.adam_eps", self.adam_eps, "must be > 0", "use 1e-8")
         _check(self.warmup_steps >= 0, "train.warmup_steps", self.warmup_steps, "must be >= 0", "use 0")
         _check(
             0 <= self.min_lr_ratio <= 1,

@@ -49,6 +49,8 @@ CONFIG_CASES = [
     ("cluster_timeout_inf", None, ["cluster.timeout_s=.inf"], ["cluster.timeout_s=inf"]),
     ("betas_nan", None, ["train.betas=[0.9, .nan]"], ["train.betas", "finite"]),
     ("temperature_inf", None, ["rollout.temperature=.inf"], ["rollout.temperature=inf"]),
+    ("adam_eps_zero", None, ["train.adam_eps=0"], ["train.adam_eps=0.0", "> 0"]),
+    ("entropy_coef_negative", None, ["algorithm.entropy_coef=-0.1"], ["algorithm.entropy_coef=-0.1"]),
     ("run_dir_empty", None, ["trainer.run_dir="], ["trainer.run_dir=''", "must name a folder"]),
     ("run_dir_blank", None, ["trainer.run_dir=' '"], ["trainer.run_dir=' '"]),
     ("override_hash_comment", None, ["reward.name=number #x"], ["YAML comment", "reward.name='number #x'"]),
