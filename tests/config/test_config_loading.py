@@ -16,8 +16,8 @@ from rlloom.config import (
     to_dict,
     to_yaml,
 )
-from rlloom.config.loading import parse_override_value
 from rlloom.config.recipes import RECIPES
+from rlloom.config.yaml_text import parse_override_value
 from rlloom.trainer.run import seed_everything
 
 
@@ -83,6 +83,13 @@ def test_bad_input_names_key_value_and_fix(override, needles):
 def test_unknown_source_lists_recipes():
     with pytest.raises(ConfigError, match="arithmetic_demo"):
         load_config("arithmetic_dem")
+
+
+@pytest.mark.parametrize("content", ["", "# only a comment\n", "recipe: arithmetic_demo\n"])
+def test_empty_yaml_file_is_the_defaults_or_its_recipe(tmp_path, content):
+    path = tmp_path / "empty.yaml"
+    path.write_text(content)
+    assert load_config(path) == (load_config("arithmetic_demo") if "recipe" in content else RunConfig())
 
 
 def test_yaml_unknown_key_rejected(tmp_path):
