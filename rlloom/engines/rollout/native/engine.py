@@ -119,15 +119,14 @@ class NativeEngine:
         self.model = model.eval()
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
+        per_block = kv_bytes_per_block(model.args, block_size, dtype)
         setting, value = (
             ("rollout.num_blocks", num_blocks)
             if num_blocks
             else ("rollout.kv_cache_memory_gb", kv_cache_memory_gb)
         )
         if num_blocks == 0:
-            num_blocks = int(kv_cache_memory_gb * 1024**3) // kv_bytes_per_block(
-                model.args, block_size, dtype
-            )
+            num_blocks = int(kv_cache_memory_gb * 1024**3) // per_block
             _check(
                 num_blocks >= 1,
                 "kv_cache_memory_gb",
@@ -140,7 +139,7 @@ class NativeEngine:
             value,
             num_blocks=num_blocks,
             extra_blocks=1,  # the model runner's scratch block
-            bytes_per_block=kv_bytes_per_block(model.args, block_size, dtype),
+            bytes_per_block=per_block,
             available_bytes=available_memory_bytes(self.device),
             device=str(self.device),
         )
