@@ -3,10 +3,10 @@ a mesh (`apply_fsdp`, `apply_ac`, `apply_compile`); `clip_grad_norm_` works on s
 
 from rlloom.parallel.ac import apply_ac
 from rlloom.parallel.compile import apply_compile
+from rlloom.parallel.dims import ParallelDims
 from rlloom.parallel.distributed import init_distributed
 from rlloom.parallel.fsdp import apply_fsdp
 from rlloom.parallel.grad_norm import clip_grad_norm_, grad_norm
-from rlloom.parallel.parallel_dims import ParallelDims
 
 __all__ = [
     "ParallelDims",
