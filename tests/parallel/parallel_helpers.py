@@ -79,6 +79,7 @@ def tiny_model(family: str, seed: int = 0) -> CausalLM:
     torch.manual_seed(seed)
     model = CausalLM(tiny_args(family))
     with torch.no_grad():
+        model.tok_embeddings.weight.normal_(std=0.3)  # logits of a few units, as in a trained model
         for module in model.modules():
             if isinstance(module, RMSNorm):
                 module.weight.uniform_(0.5, 1.5)
