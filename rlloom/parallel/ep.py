@@ -117,15 +117,16 @@ class _ExpertParallel:
         # in `combine`, on the sender.
         return x_R, torch.ones(x_R.shape[0], 1, dtype=torch.float32, device=x_R.device), local_R.unsqueeze(-1)
 
-    def output_fn(self, _module: nn.Module, _inputs: tuple, outputs: tuple) -> tuple:
+    def output_fn(self, module: nn.Module, _inputs: tuple, outputs: tuple) -> tuple:
         y_RD, _local_counts = outputs
         record, x_R, self.record, self.x_R = self.record, self.x_R, None, None
         assert record is not None
-        if x_R.requires_grad and not y_RD.requires_grad:
+        if x_R.shape[0] == 0 and torch.is_grad_enabled():
             # No token reached this rank's experts, so nothing connects the output to the received
-            # tokens; connect it (adding zero) so that this rank still takes part in the backward
-            # all-to-alls the other ranks wait for.
-            y_RD = y_RD + 0 * x_R.sum()
+            # tokens or the local experts. Connect them (adding zero): this rank still takes part in
+            # the backward all-to-alls the other ranks wait for, and its experts get zero gradients
+            # (as unused experts do on one process) instead of none, which an optimizer would skip.
+            y_RD = y_RD + 0 * sum((t.sum() for t in (x_R, *module.parameters())), x_R.new_zeros(()))
         return combine(y_RD, record, self.group), record.counts_E
 
 

@@ -13,7 +13,9 @@ Families:
 - dense GQA (Llama, Qwen2 with q/k/v biases, Qwen3 with QK-norm): the QK-norms run on the local
   heads with a replicated weight whose gradient is summed over the TP ranks.
 - Qwen3-MoE / Mixtral: the same attention; the MoE layer runs on all tokens of the TP group with
-  replicated weights (experts are split by expert parallelism, `ep.py`, never within an expert).
+  replicated weights, or, when expert parallelism (`ep.py`) borrows the TP ranks, each rank routes
+  its own token shard to the experts (never split within an expert) and the router's and shared
+  experts' gradients are summed over TP.
 - DeepSeek-V3 MLA: the low-rank q_a/kv_a projections and their norms are replicated, q_b/kv_b
   column-wise. The rope key k_pe comes out of kv_a and is shared by every head, so its gradient is
   a partial sum over the TP ranks' heads: the kv_a output all-reduces that slice of its gradient.
@@ -147,9 +149,23 @@ def _mla_attention_plan(args: ModelArgs) -> dict[str, ParallelStyle]:
     return plan
 
 
-def _moe_plan() -> dict[str, ParallelStyle]:
-    # All tokens of the TP group through the whole MoE layer on every TP rank, then each rank keeps
-    # its token shard: the weights see the same tokens and gradients everywhere.
+def _moe_plan(experts_parallel: bool) -> dict[str, ParallelStyle]:
+    if experts_parallel:
+        # Expert parallelism borrows the TP ranks (dims.py): each rank routes its own token shard,
+        # the experts' all-to-all brings every expert its tokens from all of them. The router and
+        # shared experts then see only this rank's tokens: `apply_tp` sums their gradients over TP.
+        return {
+            "moe": PrepareModuleInputOutput(
+                input_layouts=(TOKENS,),
+                desired_input_layouts=(TOKENS,),
+                use_local_input=True,
+                output_layouts=(TOKENS,),
+                desired_output_layouts=(TOKENS,),
+                use_local_output=True,
+            )
+        }
+    # Without EP, all tokens of the TP group go through the whole MoE layer on every TP rank, then
+    # each rank keeps its token shard: the weights see the same tokens and gradients everywhere.
     return {
         "moe": PrepareModuleInputOutput(
             input_layouts=(TOKENS,),
@@ -162,15 +178,16 @@ def _moe_plan() -> dict[str, ParallelStyle]:
     }
 
 
-def layer_plan(args: ModelArgs, layer_idx: int) -> dict[str, ParallelStyle]:
-    """The plan of decoder layer `layer_idx` (keys relative to the layer)."""
+def layer_plan(args: ModelArgs, layer_idx: int, experts_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The plan of decoder layer `layer_idx` (keys relative to the layer); `experts_parallel` when
+    `ep.apply_ep` splits the experts over ranks that include the TP ranks."""
     plan: dict[str, ParallelStyle] = {
         "attention_norm": SequenceParallel(sequence_dim=0),
         "ffn_norm": SequenceParallel(sequence_dim=0),
     }
     plan.update(_mla_attention_plan(args) if args.mla is not None else _gqa_attention_plan(args))
     is_moe = args.moe is not None and layer_idx in args.moe.sparse_layers
-    plan.update(_moe_plan() if is_moe else _mlp_plan("feed_forward"))
+    plan.update(_moe_plan(experts_parallel) if is_moe else _mlp_plan("feed_forward"))
     return plan
 
 
@@ -186,13 +203,14 @@ def root_plan(args: ModelArgs) -> dict[str, ParallelStyle]:
     return plan
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, experts_parallel: bool = False) -> nn.Module:
     """Tensor-parallelise a native `CausalLM` over the 1-D `tp_mesh` in place; returns it.
 
     The parameters become DTensors (sharded or replicated over `tp_mesh`); the MoE layers keep
     plain replicated parameters. `model.hidden_states` then returns token shards (a DTensor
-    Shard(0) of the packed stream), which `vocab_parallel.parallel_token_logprobs` turns into
-    logprobs without gathering full logits.
+    Shard(0) of the packed stream), which `vocab_parallel.vocab_parallel_token_logprobs` turns into
+    logprobs without gathering full logits. With `experts_parallel` (apply `ep.apply_ep` next, on
+    an EP mesh that holds the TP ranks) each TP rank routes only its own token shard.
     """
     args: ModelArgs = model.args
     if args.fused_projections:
@@ -208,7 +226,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
             )
     parallelize_module(model, tp_mesh, root_plan(args))
     for i, layer in enumerate(model.layers):
-        parallelize_module(layer, tp_mesh, layer_plan(args, i))
+        parallelize_module(layer, tp_mesh, layer_plan(args, i, experts_parallel))
+        if experts_parallel and layer.moe is not None:
+            _sum_grads_over(layer.moe, tp_mesh.get_group(), skip=layer.moe.experts)
         attention = layer.attention
         attention.num_heads //= tp  # the model reshapes its projections into local heads
         if hasattr(attention, "num_kv_heads"):
@@ -217,6 +237,21 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
         if isinstance(param, DTensor):
             param.register_post_accumulate_grad_hook(_grad_like_param)
     return model
+
+
+def _sum_grads_over(module: nn.Module, group: dist.ProcessGroup, skip: nn.Module) -> None:
+    """Sum each incoming gradient of `module`'s parameters (except `skip`'s) over `group`, before it
+    is accumulated (so micro-batch accumulation stays exact)."""
+    skipped = {id(p) for p in skip.parameters()}
+    for param in module.parameters():
+        if id(param) not in skipped:
+            param.register_hook(lambda grad: _all_reduced(grad, group))
+
+
+def _all_reduced(grad: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    grad = grad.clone()
+    dist.all_reduce(grad, group=group)
+    return grad
 
 
 def _grad_like_param(param: DTensor) -> None:

@@ -1,6 +1,8 @@
 """Expert parallelism on 2 gloo processes equals the one-process MoE layer over both ranks' tokens:
 outputs, token counts, and gradients of the local experts, the router, shared experts and inputs;
-with skewed routing (uneven all-to-all splits, an expert no token chooses) and uneven token counts."""
+with skewed routing (uneven all-to-all splits, an expert no token chooses) and uneven token counts.
+Then EP borrowing the TP ranks (tp=2, ep=2 on the same two ranks) on whole Qwen3-MoE and
+DeepSeek-V3 models equals the one-process model: logits and every gradient."""
 
 from __future__ import annotations
 
@@ -8,12 +10,13 @@ import copy
 
 import torch
 import torch.distributed as dist
-from parallel_helpers import run_gloo
+from parallel_helpers import packed_inputs, run_gloo, tiny_model
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from rlloom.models.args import MoEArgs
 from rlloom.models.moe import MoE
-from rlloom.parallel.ep import apply_ep
+from rlloom.parallel import ParallelDims, apply_ep, apply_tp
 
 TOKENS = (7, 4)  # tokens on rank 0 and rank 1
 SOFTMAX = MoEArgs(num_experts=6, top_k=2, intermediate_size=8, norm_topk_prob=True)
@@ -70,7 +73,8 @@ def check_layer(rank: int, mesh, args: MoEArgs) -> None:
     )
     ref_params = dict(ref.named_parameters())
     for name, param in model.named_parameters():
-        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        assert param.grad is not None, name  # zero, not None, for experts no token reached
+        grad = param.grad
         if name.startswith("experts."):  # local experts: complete already
             expected = ref_params[name].grad[start : start + per_rank]
         else:  # replicated weights: the data-parallel sum over the EP ranks
@@ -84,11 +88,37 @@ def ref_routes(moe: MoE, x: torch.Tensor) -> torch.Tensor:
         return moe.router(x)[1].flatten()
 
 
+def check_tp_ep_model(dims: ParallelDims, family: str) -> None:
+    """EP borrowing the TP ranks on a whole model: each TP rank routes its own token shard."""
+    inputs = packed_inputs([5, 9, 2], vocab=64)
+    ref = tiny_model(family)
+    model = apply_tp(copy.deepcopy(ref), dims.tp_mesh(), experts_parallel=True)
+    assert apply_ep(model, dims.ep_mesh()) == 1
+    expected = ref(**inputs)
+    weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(3))
+    (expected * weights).mean().backward()
+    logits = model(**inputs).full_tensor()
+    (logits * weights).mean().backward()
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5, msg=family)
+    ref_params = dict(ref.named_parameters())
+    for name, param in model.named_parameters():
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        expected_grad = ref_params[name].grad
+        if name.endswith(("experts.w1", "experts.w2", "experts.w3")):
+            start, end = dict(model.named_modules())[name.rsplit(".", 1)[0]].ep_range
+            expected_grad = expected_grad[start:end]
+        torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-5, msg=f"{family} {name}")
+
+
 def worker(rank: int) -> None:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
     for args in (SOFTMAX, SIGMOID, ALL_ON_RANK_0):
         check_layer(rank, mesh, args)
+    dims = ParallelDims(world_size=2, tp=2, ep=2)
+    dims.build_mesh("cpu")
+    for family in ("qwen3_moe", "deepseek_v3"):
+        check_tp_ep_model(dims, family)
 
 
-def test_ep_parity_with_skewed_routing():
+def test_ep_parity_with_skewed_routing_and_with_tp():
     run_gloo(worker, 2)
