@@ -27,6 +27,8 @@ projections, `fused_projections=False`).
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -236,7 +238,18 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, experts_parallel: bool = 
     for param in model.parameters():
         if isinstance(param, DTensor):
             param.register_post_accumulate_grad_hook(_grad_like_param)
+    model.register_forward_pre_hook(partial(_check_divisible, tp=tp), with_kwargs=True)
     return model
+
+
+def _check_divisible(_model: nn.Module, args: tuple, kwargs: dict, *, tp: int) -> None:
+    input_ids = args[0] if args else kwargs["input_ids"]
+    if input_ids.shape[0] % tp:
+        raise ValueError(
+            f"tensor parallelism splits the {input_ids.shape[0]} tokens of the packed stream (input_ids "
+            f"{tuple(input_ids.shape)}) into tp={tp} equal shards, and {input_ids.shape[0]} is not a multiple "
+            f"of {tp}. Fix: pad the stream to a multiple of {tp} tokens (e.g. a padding sequence at the end)."
+        )
 
 
 def _sum_grads_over(module: nn.Module, group: dist.ProcessGroup, skip: nn.Module) -> None:
