@@ -157,6 +157,9 @@ def vocab_parallel_token_logprobs(
             f"vocab_parallel_token_logprobs: {hidden_ND.shape[0]} hidden states but {targets_N.shape[0]} targets. "
             "Fix: pass one target per hidden state."
         )
+    if hidden_ND.shape[0] == 0:  # the same on every rank (targets are), so no rank waits
+        empty = hidden_ND.new_zeros(0, dtype=torch.float32)
+        return empty, (empty if with_entropy else None)
     weight_VlD = weight_VD.to_local()
     vocab_start = mesh.get_local_rank() * (vocab // tp)
     args = (hidden_ND, weight_VlD, targets_N, vocab_start, 1.0 / temperature, chunk_tokens, with_entropy)

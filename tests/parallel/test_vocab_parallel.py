@@ -46,6 +46,8 @@ def head_alone(mesh) -> None:
         assert w.grad.placements == (Shard(0),) and w.grad.to_local().shape == (12, 16)
         torch.testing.assert_close(h.grad, h_ref.grad, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(w.grad.full_tensor(), w_ref.grad, atol=1e-5, rtol=1e-5)
+    logp, entropy = vocab_parallel_token_logprobs(hidden[:0], w, targets[:0], with_entropy=True)
+    assert logp.shape == entropy.shape == (0,)
 
 
 def head_on_tp_model(mesh, family: str) -> None:
