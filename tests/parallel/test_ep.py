@@ -2,7 +2,9 @@
 outputs, token counts, and gradients of the local experts, the router, shared experts and inputs;
 with skewed routing (uneven all-to-all splits, an expert no token chooses) and uneven token counts.
 Then EP borrowing the TP ranks (tp=2, ep=2 on the same two ranks) on whole Qwen3-MoE and
-DeepSeek-V3 models equals the one-process model: logits and every gradient."""
+DeepSeek-V3 models equals the one-process model: logits and every gradient. Last, `parallelize`
+with ep=2 over data-parallel ranks (EP -> activation checkpointing -> FSDP) gives the gradients of
+one process over both ranks' batches."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from rlloom.models.args import MoEArgs
 from rlloom.models.moe import MoE
 from rlloom.parallel import ParallelDims, apply_ep, apply_tp
+from rlloom.parallel.parallelize import parallelize
 
 TOKENS = (7, 4)  # tokens on rank 0 and rank 1
 SOFTMAX = MoEArgs(num_experts=6, top_k=2, intermediate_size=8, norm_topk_prob=True)
@@ -110,6 +113,29 @@ def check_tp_ep_model(dims: ParallelDims, family: str) -> None:
         torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-5, msg=f"{family} {name}")
 
 
+def check_ep_fsdp(rank: int, family: str) -> None:
+    """`parallelize` with ep=2 over the two data-parallel ranks (+ FSDP, activation checkpointing):
+    each rank's own batch; the gradients are those of one process over both batches."""
+    dims = ParallelDims(world_size=2, ep=2)
+    dims.build_mesh("cpu")
+    batches = [packed_inputs([5, 9, 2], vocab=64, seed=1), packed_inputs([8, 8], vocab=64, seed=2)]
+    weights = [torch.randn(16, 64, generator=torch.Generator().manual_seed(3 + i)) for i in range(2)]
+    ref = tiny_model(family)
+    for inputs, w in zip(batches, weights):
+        (ref(**inputs) * w).mean().backward()
+    model = copy.deepcopy(ref)
+    parallelize(model, dims, param_dtype=torch.float32, ac_mode="full")
+    (model(**batches[rank]) * weights[rank]).mean().backward()
+    ref_params = dict(ref.named_parameters())
+    for name, param in model.named_parameters():
+        grad = param.grad.full_tensor()
+        name = name.replace("_checkpoint_wrapped_module.", "")
+        expected = ref_params[name].grad
+        if name.endswith(("experts.w1", "experts.w2", "experts.w3")):
+            expected = expected[rank * 2 : rank * 2 + 2]
+        torch.testing.assert_close(grad, expected, atol=1e-5, rtol=1e-5, msg=f"{family} {name}")
+
+
 def worker(rank: int) -> None:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
     for args in (SOFTMAX, SIGMOID, ALL_ON_RANK_0):
@@ -118,6 +144,7 @@ def worker(rank: int) -> None:
     dims.build_mesh("cpu")
     for family in ("qwen3_moe", "deepseek_v3"):
         check_tp_ep_model(dims, family)
+    check_ep_fsdp(rank, "qwen3_moe")
 
 
 def test_ep_parity_with_skewed_routing_and_with_tp():
