@@ -254,11 +254,21 @@ def _check_divisible(_model: nn.Module, args: tuple, kwargs: dict, *, tp: int) -
 
 def _sum_grads_over(module: nn.Module, group: dist.ProcessGroup, skip: nn.Module) -> None:
     """Sum each incoming gradient of `module`'s parameters (except `skip`'s) over `group`, before it
-    is accumulated (so micro-batch accumulation stays exact)."""
-    skipped = {id(p) for p in skip.parameters()}
-    for param in module.parameters():
-        if id(param) not in skipped:
-            param.register_hook(lambda grad: _all_reduced(grad, group))
+    is accumulated (so micro-batch accumulation stays exact).
+
+    The hooks go on the parameters the module holds when its forward starts: FSDP2 swaps in its
+    unsharded parameters there (one object per parameter, reused every step), and those are the
+    tensors autograd accumulates into; hooks on the original parameters would never fire."""
+    hooked: set[int] = set()
+
+    def hook_params(mod: nn.Module, _inputs: tuple) -> None:
+        skipped = {id(p) for p in skip.parameters()}
+        for param in mod.parameters():
+            if id(param) not in skipped and id(param) not in hooked and param.requires_grad:
+                hooked.add(id(param))
+                param.register_hook(lambda grad: _all_reduced(grad, group))
+
+    module.register_forward_pre_hook(hook_params)
 
 
 def _all_reduced(grad: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

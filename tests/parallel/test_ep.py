@@ -3,8 +3,8 @@ outputs, token counts, and gradients of the local experts, the router, shared ex
 with skewed routing (uneven all-to-all splits, an expert no token chooses) and uneven token counts.
 Then EP borrowing the TP ranks (tp=2, ep=2 on the same two ranks) on whole Qwen3-MoE and
 DeepSeek-V3 models equals the one-process model: logits and every gradient. Last, `parallelize`
-with ep=2 over data-parallel ranks (EP -> activation checkpointing -> FSDP) gives the gradients of
-one process over both ranks' batches."""
+(TP -> EP -> activation checkpointing -> FSDP) with ep=2 over the data-parallel ranks, and with
+tp=2 x ep=2, gives the gradients of one process over the data-parallel ranks' batches."""
 
 from __future__ import annotations
 
@@ -113,27 +113,33 @@ def check_tp_ep_model(dims: ParallelDims, family: str) -> None:
         torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-5, msg=f"{family} {name}")
 
 
-def check_ep_fsdp(rank: int, family: str) -> None:
-    """`parallelize` with ep=2 over the two data-parallel ranks (+ FSDP, activation checkpointing):
-    each rank's own batch; the gradients are those of one process over both batches."""
-    dims = ParallelDims(world_size=2, ep=2)
+def check_parallelize(dims: ParallelDims, family: str) -> None:
+    """`parallelize` (TP -> EP -> activation checkpointing -> FSDP) with each data-parallel rank on
+    its own batch gives the gradients of one process over all the batches."""
     dims.build_mesh("cpu")
     batches = [packed_inputs([5, 9, 2], vocab=64, seed=1), packed_inputs([8, 8], vocab=64, seed=2)]
     weights = [torch.randn(16, 64, generator=torch.Generator().manual_seed(3 + i)) for i in range(2)]
     ref = tiny_model(family)
-    for inputs, w in zip(batches, weights):
+    for inputs, w in list(zip(batches, weights))[: dims.dp_size]:
         (ref(**inputs) * w).mean().backward()
     model = copy.deepcopy(ref)
     parallelize(model, dims, param_dtype=torch.float32, ac_mode="full")
-    (model(**batches[rank]) * weights[rank]).mean().backward()
+    dp_rank = dims.dp_mesh().get_local_rank()
+    logits = model(**batches[dp_rank])
+    (_full(logits) * weights[dp_rank]).mean().backward()
     ref_params = dict(ref.named_parameters())
     for name, param in model.named_parameters():
-        grad = param.grad.full_tensor()
         name = name.replace("_checkpoint_wrapped_module.", "")
         expected = ref_params[name].grad
         if name.endswith(("experts.w1", "experts.w2", "experts.w3")):
-            expected = expected[rank * 2 : rank * 2 + 2]
-        torch.testing.assert_close(grad, expected, atol=1e-5, rtol=1e-5, msg=f"{family} {name}")
+            per_rank = expected.shape[0] // dims.ep
+            start = dims.ep_mesh().get_local_rank() * per_rank
+            expected = expected[start : start + per_rank]
+        torch.testing.assert_close(_full(param.grad), expected, atol=1e-5, rtol=1e-5, msg=f"{dims} {name}")
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def worker(rank: int) -> None:
@@ -144,7 +150,8 @@ def worker(rank: int) -> None:
     dims.build_mesh("cpu")
     for family in ("qwen3_moe", "deepseek_v3"):
         check_tp_ep_model(dims, family)
-    check_ep_fsdp(rank, "qwen3_moe")
+    check_parallelize(ParallelDims(world_size=2, ep=2), "qwen3_moe")  # EP over the 2 data-parallel ranks
+    check_parallelize(ParallelDims(world_size=2, tp=2, ep=2), "qwen3_moe")  # EP borrows the TP ranks
 
 
 def test_ep_parity_with_skewed_routing_and_with_tp():
