@@ -238,12 +238,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, experts_parallel: bool = 
     for param in model.parameters():
         if isinstance(param, DTensor):
             param.register_post_accumulate_grad_hook(_grad_like_param)
-    model.register_forward_pre_hook(partial(_check_divisible, tp=tp), with_kwargs=True)
+    # On the embedding: `forward` and `hidden_states` both start there.
+    model.tok_embeddings.register_forward_pre_hook(partial(_check_divisible, tp=tp))
     return model
 
 
-def _check_divisible(_model: nn.Module, args: tuple, kwargs: dict, *, tp: int) -> None:
-    input_ids = args[0] if args else kwargs["input_ids"]
+def _check_divisible(_embedding: nn.Module, args: tuple, *, tp: int) -> None:
+    input_ids = args[0]
     if input_ids.shape[0] % tp:
         raise ValueError(
             f"tensor parallelism splits the {input_ids.shape[0]} tokens of the packed stream (input_ids "
