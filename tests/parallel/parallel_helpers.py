@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from collections.abc import Callable
@@ -38,7 +39,7 @@ def run_gloo(fn: Callable, world: int, *args) -> None:
 
 def tiny_args(family: str) -> ModelArgs:
     """A two-layer model of `family`: qwen3 (tied, QK-norm), qwen2 (q/k/v biases), llama (biases),
-    qwen3_moe (layer 1 MoE), deepseek_v3 (MLA with q-LoRA, sigmoid routing, shared expert),
+    qwen3_moe (layer 1 MoE), mixtral (every layer MoE), deepseek_v3 (MLA with q-LoRA, sigmoid routing, shared expert),
     deepseek_v3_nolora (MLA without q-LoRA)."""
     base = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
     base |= dict(intermediate_size=48, rms_norm_eps=1e-6, rope=RopeArgs(dim=8, theta=10000.0))
@@ -51,6 +52,8 @@ def tiny_args(family: str) -> ModelArgs:
         return ModelArgs(model_type="llama", attention_bias=True, attention_out_bias=True, **base)
     if family == "qwen3_moe":
         return ModelArgs(model_type="qwen3_moe", qk_norm=True, moe=moe, **base)
+    if family == "mixtral":  # every layer MoE
+        return ModelArgs(model_type="mixtral", moe=dataclasses.replace(moe, sparse_layers=(0, 1)), **base)
     if family.startswith("deepseek_v3"):
         q_lora = None if family.endswith("nolora") else 16
         mla = MLAArgs(

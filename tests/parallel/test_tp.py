@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Shard
 from rlloom.parallel import grad_norm
 from rlloom.parallel.tp import apply_tp
 
-FAMILIES = ["qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3", "deepseek_v3_nolora"]
+FAMILIES = ["qwen3", "qwen2", "llama", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v3_nolora"]
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
