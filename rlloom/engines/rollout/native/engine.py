@@ -302,6 +302,8 @@ class NativeEngine:
         token_ids_R, logprobs_R = self.sampler(logits_SV, rows)
         offsets = self.scheduler.launched(batch)
         if token_ids_R.device.type != "cuda":
+            # A copy: graph outputs are static buffers that the next step's replay overwrites.
+            routes = None if routes is None else routes.clone()
             return _InFlight(
                 batch.rows,
                 offsets,
