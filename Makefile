@@ -26,7 +26,8 @@ test: lint
 	$(PY) -m pytest -q --durations=15
 
 demo: $(STAMP)
-	$(VENV)/bin/rlloom train arithmetic_demo
+	@# A fresh run folder each time: a run directory holds one run (see trainer.resume).
+	$(VENV)/bin/rlloom train arithmetic_demo trainer.run_dir=runs/arithmetic_demo-$$(date +%Y%m%d-%H%M%S)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

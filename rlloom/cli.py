@@ -7,6 +7,9 @@ rlloom config show RECIPE_OR_YAML [section.key=value ...]
 rlloom config doc
 rlloom plot RUN_DIR
 rlloom plan MODEL --gpus N --gpu-memory-gb G [--check tp=..,pp=..,cp=..,ep=..,offload=F] [--json]
+
+A user error (`UserError`: config, data file, model path, start-up checks) prints one line,
+`rlloom: error: ...`, and exits 2; internal bugs keep their traceback.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import sys
 from typing import NoReturn
 
 from rlloom.cluster import WorkerFailure
-from rlloom.config.components import ConfigError
+from rlloom.config.components import UserError
 from rlloom.engines.train.sealed import CheckpointError
 
 _OVERRIDES_HELP = "dotted overrides such as algorithm.eps_high=0.28 trainer.total_steps=50"
@@ -182,12 +185,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rlloom: error: {e}", file=sys.stderr)
             return 1
         return 0
-    except (ConfigError, CheckpointError, FileNotFoundError) as e:
-        print(f"rlloom: error: {e}", file=sys.stderr)
+    except (UserError, CheckpointError, FileNotFoundError) as e:
+        print(f"rlloom: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
     except WorkerFailure as e:
         print(f"rlloom: worker failure: {e}", file=sys.stderr)
         return 1
+
+
+def _one_line(message: str) -> str:
+    """A user error's message on one line (a multi-line message would read as a traceback)."""
+    return " ".join(message.split())
 
 
 if __name__ == "__main__":

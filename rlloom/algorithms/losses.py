@@ -32,6 +32,8 @@ __all__ = [
 # exp() of a log-ratio above ~88 overflows fp32 to inf, and inf * 0 is NaN. e^20 ~ 5e8 is far
 # outside any clip range, so clamping there changes only ratios that are broken anyway.
 MAX_LOG_RATIO = 20.0
+GSPO_MAX_LOG_RATIO = 10.0
+"""GSPO's default ceiling on the sequence log-ratio (verl's value); see `gspo_loss`."""
 
 
 def _policy_inputs(
@@ -128,6 +130,7 @@ def gspo_loss(
     *,
     eps_low: float = 3e-4,
     eps_high: float = 4e-4,
+    max_log_ratio: float = GSPO_MAX_LOG_RATIO,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO, Group Sequence Policy Optimization (Zheng et al. 2025, Qwen), in its GSPO-token form.
 
@@ -138,6 +141,11 @@ def gspo_loss(
     tiny (3e-4 / 4e-4) because s_i is a per-token geometric mean. GSPO is defined with the
     per-sequence token mean: reduce with mode "seq-mean-token-mean".
 
+    The log of s_it is clamped from above at `max_log_ratio` (10, as verl does), and the gradient
+    through the clamp is zero: a sequence whose policy drifted that far (s_i > e^10 ~ 2.2e4) is
+    stale, and without the clamp a negative advantage, which the clip does not cap from above,
+    would push a gradient of ~s_i per token (~7e3 at a sequence log-ratio of 12 with 23 tokens).
+
     logp_BT, old_logp_BT: [B, T]. adv_B: [B] (or [B, T] for GSPO-token's per-token advantages).
     mask_BT: [B, T]. Returns (loss_BT, 0 at masked; metrics): loss/clipfrac_low, loss/clipfrac_high
     (tokens whose sequence ratio is clipped, same sign rule as PPO), loss/approx_kl (token k3 of
@@ -145,10 +153,16 @@ def gspo_loss(
     """
     logp_BT, old_logp_BT, adv_BT, mask_BT = _policy_inputs(logp_BT, old_logp_BT, adv_B, "adv_B", mask_BT)
     _check_eps(eps_low, eps_high)
+    if not 0 < max_log_ratio <= MAX_LOG_RATIO:
+        raise ValueError(
+            f"max_log_ratio={max_log_ratio!r} must be in (0, {MAX_LOG_RATIO}] (exp of it must stay finite). "
+            f"Fix: use {GSPO_MAX_LOG_RATIO}."
+        )
     log_ratio_BT = _masked_zero(logp_BT - old_logp_BT, mask_BT)
     num_valid_B = mask_BT.sum(dim=1).clamp(min=1).to(logp_BT.dtype)
     seq_log_ratio_B = (log_ratio_BT.sum(dim=1) / num_valid_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    ratio_BT = torch.exp(seq_log_ratio_B.detach()[:, None] + logp_BT - logp_BT.detach())
+    token_seq_log_ratio_BT = seq_log_ratio_B.detach()[:, None] + logp_BT - logp_BT.detach()
+    ratio_BT = torch.exp(token_seq_log_ratio_BT.clamp(max=max_log_ratio))
     unclipped_BT = -adv_BT * ratio_BT
     clipped_BT = -adv_BT * ratio_BT.clamp(1 - eps_low, 1 + eps_high)
     loss_BT = torch.maximum(unclipped_BT, clipped_BT)

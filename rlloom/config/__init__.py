@@ -12,6 +12,7 @@ from rlloom.config.components import (
     RunConfig,
     TrainEngineConfig,
     TrainerConfig,
+    UserError,
 )
 from rlloom.config.loading import load_config, to_dict, to_yaml
 
@@ -27,6 +28,7 @@ __all__ = [
     "RunConfig",
     "TrainEngineConfig",
     "TrainerConfig",
+    "UserError",
     "load_config",
     "to_dict",
     "to_yaml",

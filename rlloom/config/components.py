@@ -8,11 +8,21 @@ handled once by `rlloom.config.loading` when a YAML file or overrides are applie
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
+MAX_SEED = 2**32 - 1
+"""Largest seed: `numpy.random.seed` accepts 0..2**32-1, the narrowest range of the RNGs a run seeds
+(`random.seed` takes any int, `torch.manual_seed` -2**63..2**64-1)."""
 
-class ConfigError(ValueError):
+
+class UserError(ValueError):
+    """A mistake in what the user gave (config, data file, model path): the CLI prints its one-line
+    message as `rlloom: error: ...` and exits 2, without a traceback. Internal bugs raise other types."""
+
+
+class ConfigError(UserError):
     """A user error in the run configuration (unknown key, wrong type, impossible value)."""
 
 
@@ -22,6 +32,32 @@ _FLOAT32_MAX = 3.4028234663852886e38
 def _check(ok: bool, key: str, value: object, rule: str, fix: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r} is invalid: {rule}. Fix: {fix}.")
+
+
+def _check_finite(section: object, prefix: str) -> None:
+    """Every float of a section (and of its tuples) must be finite: no field here accepts NaN or
+    infinity, so `.inf` / `.nan` in YAML are refused before any range check can be fooled by them."""
+    for f in fields(section):  # type: ignore[arg-type]
+        value = getattr(section, f.name)
+        for item in value if isinstance(value, tuple) else (value,):
+            if isinstance(item, float) and not math.isfinite(item):
+                _check(
+                    False,
+                    f"{prefix}.{f.name}",
+                    value,
+                    "must be a finite number (NaN and infinity are refused)",
+                    f"give a finite number, e.g. the default {prefix}.{f.name}={f.default!r}",
+                )
+
+
+def _check_seed(key: str, seed: int) -> None:
+    _check(
+        0 <= seed <= MAX_SEED,
+        key,
+        seed,
+        "must be in [0, 2**32-1] (numpy.random.seed's range, the narrowest of the seeded RNGs)",
+        "use a seed such as 0 or 1234",
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -86,6 +122,7 @@ class DataConfig:
             self.num_eval >= 0, "data.num_eval", self.num_eval, "must be >= 0", "use 0 to disable evaluation"
         )
         _check(self.num_train >= 1, "data.num_train", self.num_train, "must be >= 1", "use a positive count")
+        _check_seed("data.seed", self.seed)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -123,6 +160,7 @@ class RolloutConfig:
     """Free the KV cache between generation and weight sync, so training can use that memory."""
 
     def __post_init__(self) -> None:
+        _check_finite(self, "rollout")
         _check(
             self.n_samples >= 1,
             "rollout.n_samples",
@@ -210,6 +248,7 @@ class RewardConfig:
     a number outside the float32 range)."""
 
     def __post_init__(self) -> None:
+        _check_finite(self, "reward")
         _check(
             self.num_workers >= 1,
             "reward.num_workers",
@@ -296,6 +335,7 @@ class AlgorithmConfig:
     """Penalty at max length for overlong shaping."""
 
     def __post_init__(self) -> None:
+        _check_finite(self, "algorithm")
         _check(0 <= self.eps_low < 1, "algorithm.eps_low", self.eps_low, "must be in [0, 1)", "use 0.2")
         _check(
             self.eps_high >= 0,
@@ -326,6 +366,20 @@ class AlgorithmConfig:
             "use 0 to disable the KL loss",
         )
         _check(0 < self.gamma <= 1, "algorithm.gamma", self.gamma, "must be in (0, 1]", "use 1.0")
+        _check(
+            self.entropy_coef >= 0,
+            "algorithm.entropy_coef",
+            self.entropy_coef,
+            "must be >= 0 (a negative bonus would reward collapsing the policy)",
+            "use 0 to disable the entropy bonus",
+        )
+        _check(
+            self.overlong_factor >= 0,
+            "algorithm.overlong_factor",
+            self.overlong_factor,
+            "must be >= 0 (it is a penalty)",
+            "use 1.0",
+        )
         _check(self.is_high > 0, "algorithm.is_high", self.is_high, "must be > 0", "use 2.0")
         _check(
             0 <= self.is_low < self.is_high,
@@ -400,6 +454,7 @@ class TrainEngineConfig:
     bias rises by this much, over-loaded ones' falls. 0 keeps the checkpoint's bias, as RL runs do."""
 
     def __post_init__(self) -> None:
+        _check_finite(self, "train")
         _check(self.lr > 0, "train.lr", self.lr, "must be > 0", "e.g. 1e-5")
         _check(
             self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "must be >= 0", "use 0.0 or 0.01"
@@ -411,6 +466,7 @@ class TrainEngineConfig:
             "each must be in [0, 1)",
             "use [0.9, 0.999]",
         )
+        _check(self.adam_eps > 0, "train.adam_eps", self.adam_eps, "must be > 0", "use 1e-8")
         _check(self.warmup_steps >= 0, "train.warmup_steps", self.warmup_steps, "must be >= 0", "use 0")
         _check(
             0 <= self.min_lr_ratio <= 1,
@@ -474,14 +530,17 @@ class TrainerConfig:
     in the model's own dtype; loads with transformers' AutoModelForCausalLM) every k steps; 0 = only
     at the end of the run, -1 = never."""
     run_dir: str = "runs/latest"
-    """Folder for logs, checkpoints and plots."""
+    """Folder for logs, checkpoints and plots (non-empty; a leading `~` is expanded)."""
     resume: str = "never"
     """`never` (refused when run_dir already holds a run), `auto` (newest intact checkpoint in run_dir,
     damaged ones skipped with a warning; no checkpoint at all starts fresh) or a checkpoint path."""
     keep_last_checkpoints: int = 0
     """Keep only the newest k complete checkpoints in run_dir/checkpoints (0 = keep every one)."""
     seed: int = 0
-    """Global seed (sampling, shuffling, initialisation)."""
+    """Global seed (sampling, shuffling, initialisation); 0 <= seed <= 2**32-1."""
+    resume_allow_changes: bool = False
+    """Resume even when the config differs from the checkpoint's in a setting that changes the run
+    (see `rlloom.config.resume.FREE_TO_CHANGE` for the settings that may always change)."""
 
     def __post_init__(self) -> None:
         _check(
@@ -522,6 +581,17 @@ class TrainerConfig:
             "must be >= -1",
             "use 0 (only at the end) or -1 (never)",
         )
+        _check_seed("trainer.seed", self.seed)
+        _check(
+            bool(self.run_dir.strip()),
+            "trainer.run_dir",
+            self.run_dir,
+            "must name a folder",
+            "e.g. trainer.run_dir=runs/my_run",
+        )
+        self.run_dir = os.path.expanduser(self.run_dir)
+        if self.resume not in ("never", "auto"):
+            self.resume = os.path.expanduser(self.resume)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -538,6 +608,7 @@ class ClusterConfig:
     """Longest wait for any worker call before the run is stopped as hung."""
 
     def __post_init__(self) -> None:
+        _check_finite(self, "cluster")
         _check(self.num_workers >= 1, "cluster.num_workers", self.num_workers, "must be >= 1", "use 1")
         _check(self.timeout_s > 0, "cluster.timeout_s", self.timeout_s, "must be > 0", "e.g. 600")
         _check(

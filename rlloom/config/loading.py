@@ -19,6 +19,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from rlloom.config.components import ConfigError, RunConfig
+from rlloom.config.yaml_text import parse_override_value, read_yaml_file
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -58,12 +59,18 @@ def load_config(source: str | Path, overrides: list[str] | None = None) -> RunCo
             raise ConfigError(
                 f"config file {source!r} does not exist. Fix: pass an existing YAML file or a recipe ({', '.join(recipe_names())})."
             )
-        loaded = yaml.safe_load(path.read_text()) or {}
+        loaded = read_yaml_file(path) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(
-                f"config file {source!r} must hold a mapping of sections, found {type(loaded).__name__}."
+                f"config file {source!r} must hold a mapping of sections, found {type(loaded).__name__}. "
+                "Fix: write one section per line, e.g. 'trainer:' followed by indented keys."
             )
         base = loaded.pop("recipe", None)
+        if base is not None and not isinstance(base, str):
+            raise ConfigError(
+                f"recipe={base!r} in {source} is invalid: must be one recipe name. "
+                f"Fix: e.g. recipe: {recipe_names()[0]}."
+            )
         data = to_dict(recipes.RECIPES[base]()) if base in recipes.RECIPES else to_dict(RunConfig())
         if base is not None and base not in recipes.RECIPES:
             raise ConfigError(
@@ -80,14 +87,14 @@ def load_config(source: str | Path, overrides: list[str] | None = None) -> RunCo
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(
-                f"override {item!r} must look like section.key=value, e.g. algorithm.eps_high=0.28."
+                f"override {item!r} is invalid: must look like section.key=value. Fix: e.g. algorithm.eps_high=0.28."
             )
         nested: dict[str, Any] = {}
         node = nested
         parts = key.split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
-        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+        node[parts[-1]] = parse_override_value(key, raw)
         _merge(data, nested, RunConfig, prefix="")
     return build(RunConfig, data, prefix="")
 
@@ -111,7 +118,7 @@ def _merge(dst: dict[str, Any], src: dict[str, Any], cls: type, prefix: str) -> 
         if dataclasses.is_dataclass(ftype):
             if not isinstance(value, dict):
                 raise ConfigError(
-                    f"{dotted} is a section; set its keys, e.g. {dotted}.{next(iter(f.name for f in dataclasses.fields(ftype)))}=..., found {value!r}."
+                    f"{dotted}={value!r} is invalid: {dotted} is a section, not a value. Fix: set its keys, e.g. {dotted}.{next(iter(f.name for f in dataclasses.fields(ftype)))}=...."
                 )
             _merge(dst.setdefault(key, {}), value, ftype, prefix=f"{dotted}.")
         else:
@@ -162,7 +169,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}={value!r} is invalid: must be a list. Fix: e.g. {key}=[...].")
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(value) != len(args):
-                raise ConfigError(f"{key}={value!r} is invalid: must have {len(args)} entries.")
+                raise ConfigError(
+                    f"{key}={value!r} is invalid: must have {len(args)} entries. Fix: give {len(args)}, e.g. {key}=[...]."
+                )
             return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
         inner = args[0] if args else Any
         items = [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rlloom.data.dataset import Message, PromptItem, RawPrompt
+from rlloom.data.dataset import DataError, Message, PromptItem, RawPrompt
 
 logger = logging.getLogger(__name__)
 
@@ -57,14 +57,14 @@ def render_prompt(
     """The text the model sees for this prompt (the chat template's output, or the raw string)."""
     if chat_template:
         if getattr(tokenizer, "chat_template", "") is None:
-            raise ValueError(
+            raise DataError(
                 "data.chat_template=True but the tokenizer has no chat template; "
                 "fix: set data.chat_template=false to encode raw prompt text, or use an instruct tokenizer"
             )
         messages = prompt_messages(prompt, system_prompt)
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     if not isinstance(prompt, str):
-        raise ValueError(
+        raise DataError(
             "data.chat_template=False but a prompt is a list of chat messages, which has no raw-text form; "
             "fix: set data.chat_template=true or store prompts as strings"
         )
@@ -81,7 +81,7 @@ def tokenize_prompts(
 ) -> TokenizedPrompts:
     """Template and encode every prompt; those over `max_prompt_length` tokens are skipped and counted.
 
-    Raises ValueError when prompts were given and none fits.
+    Raises DataError when prompts were given and none fits.
     """
     if system_prompt and not chat_template:
         logger.warning("data.system_prompt is set but data.chat_template=False, so it is not used")
@@ -104,7 +104,7 @@ def tokenize_prompts(
             )
         )
     if too_long and not items:
-        raise ValueError(
+        raise DataError(
             f"data.max_prompt_length={max_prompt_length}: all {len(too_long)} prompts are longer "
             f"(shortest {min(too_long)} tokens); fix: raise data.max_prompt_length to at least {min(too_long)}"
         )

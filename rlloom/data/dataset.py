@@ -5,9 +5,11 @@ A dataset row holds a prompt under `prompt_key` (a string, or a list of chat mes
 records (text, not yet tokenized); `rlloom.data.chat.tokenize_prompts` turns them into the
 `PromptItem` records that rollout consumes.
 
-Bad rows (malformed JSON, a missing or wrongly typed field) never crash a run on their own: they
-are collected with their line numbers, skipped, and reported in one warning. Only a file where
-every row is bad raises, listing the first few with their line numbers.
+Bad rows (a line that is not UTF-8, malformed or too deeply nested JSON, a missing or wrongly
+typed field) never crash a run on their own: they are collected with their line numbers, skipped,
+and reported in one warning. Only a file with no usable row raises (`DataError`, listing the first
+few bad rows with their line numbers), as does a file that cannot be read at all (missing, or a
+damaged parquet file).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from rlloom.config.components import UserError
+
 logger = logging.getLogger(__name__)
 
 Message = dict[str, str]
@@ -26,6 +30,10 @@ Message = dict[str, str]
 FileFormat = Literal["jsonl", "parquet"]
 
 _NUM_LISTED = 5  # bad rows listed by line number in errors and warnings
+
+
+class DataError(UserError):
+    """A dataset file that cannot be used: missing, unreadable, or without a single usable row."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -87,11 +95,11 @@ def load_prompt_file(
     """Read a jsonl or parquet file of prompts; bad rows are skipped with one warning.
 
     `file_format` None picks by the file suffix (`.parquet` -> parquet, anything else -> jsonl).
-    Raises ValueError when the file is missing or holds no usable row.
+    Raises DataError when the file is missing, unreadable or holds no usable row.
     """
     path = Path(path)
     if not path.is_file():
-        raise ValueError(
+        raise DataError(
             f"data.path={str(path)!r} is not a file; fix: point data.path at a .jsonl or .parquet file"
         )
     fmt = file_format or ("parquet" if path.suffix == ".parquet" else "jsonl")
@@ -156,27 +164,43 @@ def _prompt_problem(prompt: object) -> str:
 def _jsonl_rows(path: Path) -> list[tuple[int, object]]:
     """(line number, decoded object or BadRow) for each non-blank line."""
     rows: list[tuple[int, object]] = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append((line_no, json.loads(line)))
-            except json.JSONDecodeError as e:
-                rows.append((line_no, BadRow(line_no, f"malformed JSON ({e.msg} at column {e.colno})")))
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            rows.extend([(line_no, _decode_line(raw, line_no))] if raw.strip() else [])
     return rows
+
+
+def _decode_line(raw: bytes, line_no: int) -> object:
+    """One jsonl line as a decoded object, or the BadRow saying why it is not one."""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return BadRow(line_no, f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1})")
+    except json.JSONDecodeError as e:
+        return BadRow(line_no, f"malformed JSON ({e.msg} at column {e.colno})")
+    except RecursionError:
+        return BadRow(line_no, "JSON nested too deeply to read")
 
 
 def _parquet_rows(path: Path) -> list[tuple[int, object]]:
     """(row number, row dict) for each row of a parquet file."""
     try:
+        import pyarrow
         import pyarrow.parquet as pq
-    except ImportError as e:
-        raise ImportError(
+    except ImportError:
+        raise DataError(
             f"data.path={str(path)!r} is a parquet file, which needs pyarrow; "
             "fix: `pip install rlloom[parquet]` (or convert the file to jsonl)"
-        ) from e
-    return list(enumerate(pq.read_table(path).to_pylist(), start=1))
+        ) from None
+    try:
+        table = pq.read_table(path)
+    except (pyarrow.ArrowException, OSError) as e:
+        reason = " ".join(str(e).split())[:200]
+        raise DataError(
+            f"data.path={str(path)!r} is not a readable parquet file ({type(e).__name__}: {reason}); "
+            "fix: rewrite the file (it may be truncated) or convert it to jsonl"
+        ) from None
+    return list(enumerate(table.to_pylist(), start=1))
 
 
 def _report_bad_rows(
@@ -185,11 +209,9 @@ def _report_bad_rows(
     """Raise when every row is bad; warn once with counts and line numbers when some are."""
     listed = "; ".join(f"{unit} {b.line}: {b.reason}" for b in bad[:_NUM_LISTED])
     if total == 0:
-        raise ValueError(
-            f"data.path={str(path)!r} holds no rows; fix: point data.path at a non-empty dataset"
-        )
+        raise DataError(f"data.path={str(path)!r} holds no rows; fix: point data.path at a non-empty dataset")
     if len(bad) == total:
-        raise ValueError(
+        raise DataError(
             f"data.path={str(path)!r}: all {total} rows are unusable (each needs a prompt under "
             f"data.prompt_key={prompt_key!r} and a ground truth under data.answer_key={answer_key!r}); "
             f"first: {listed}. Fix: correct the file or set data.prompt_key / data.answer_key"

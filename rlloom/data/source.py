@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from rlloom.data.dataset import PromptItem
+from rlloom.data.dataset import DataError, PromptItem
 
 
 def epoch_order(num_items: int, *, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
@@ -75,7 +75,7 @@ class PromptSource:
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from a saved position; the seed and the number of prompts must match."""
         if state["num_items"] != len(self.items) or state["seed"] != self.seed:
-            raise ValueError(
+            raise DataError(
                 f"prompt source state was saved for {state['num_items']} prompts with data.seed={state['seed']}, "
                 f"but this source has {len(self.items)} prompts with data.seed={self.seed}; the order would differ. "
                 "Fix: resume with the same data settings (path, task, num_train, max_prompt_length, seed)"

@@ -54,9 +54,11 @@ class TransformerBlock(nn.Module):
         replay: bool = False,
     ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, layout)
-        if self.moe is not None:
+        if self.moe is not None and routes_TK is not None:
             return h + self.moe(self.ffn_norm(h), routes_TK, replay)
-        return h + self.feed_forward(self.ffn_norm(h))
+        # Without routes the MoE layer takes one input, as tensor-parallel plans expect.
+        ffn = self.moe if self.moe is not None else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
 
 
 class CausalLM(nn.Module):

@@ -24,16 +24,29 @@ def apply_fsdp(
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
     layers_of: nn.Module | None = None,
+    expert_mesh: DeviceMesh | None = None,
 ) -> FSDPModule:
     """Shard `model` over `dp_mesh` (1-D: FSDP, 2-D (replicate, shard): HSDP) in place.
 
     `layers_of` is the module holding `.layers` when `model` wraps it (default: `model` itself).
     `reshard_after_forward=False` keeps the decoder layers gathered between forward and backward
-    (ZeRO-2 style: more memory, fewer all-gathers). Returns `model`, now an FSDPModule.
+    (ZeRO-2 style: more memory, fewer all-gathers). With expert parallelism (`ep.apply_ep`), each
+    layer's local experts are sharded over `expert_mesh` (the ranks holding the same experts,
+    `ParallelDims.efsdp_mesh()`) first, as a unit of their own. Returns `model`, now an FSDPModule.
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     layers = decoder_layers(layers_of if layers_of is not None else model)
     for _, layer in layer_items(layers):
+        moe = getattr(layer, "moe", None)
+        if expert_mesh is not None and moe is not None:
+            # Summed over expert_mesh like everything else: a local expert's gradient already holds
+            # every token its EP group routed to it, so the sum over the groups is the global one.
+            fully_shard(
+                moe.experts,
+                mesh=expert_mesh,
+                mp_policy=mp_policy,
+                reshard_after_forward=reshard_after_forward,
+            )
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     # The root's parameters (embedding, head) are needed again right at the start of backward, so
     # they stay gathered between forward and backward; call `model.reshard()` after a forward-only pass.

@@ -15,7 +15,7 @@ import random
 
 from rlloom.config.components import DataConfig
 from rlloom.data.chat import PromptTokenizer, tokenize_prompts
-from rlloom.data.dataset import RawPrompt, load_prompt_file
+from rlloom.data.dataset import DataError, RawPrompt, load_prompt_file
 from rlloom.data.source import PromptSource
 from rlloom.tasks.arithmetic import arithmetic_prompts
 from rlloom.tasks.countdown import countdown_prompts
@@ -52,7 +52,7 @@ def task_prompts(data_cfg: DataConfig, split: Split = "train") -> list[RawPrompt
 def split_file_rows(rows: list[RawPrompt], *, num_eval: int, seed: int, split: Split) -> list[RawPrompt]:
     """Hold out `num_eval` rows picked by `seed` for eval; train gets the rest. Both keep file order."""
     if num_eval >= len(rows):
-        raise ValueError(
+        raise DataError(
             f"data.num_eval={num_eval} leaves no training rows in a dataset of {len(rows)} usable rows; "
             f"fix: set data.num_eval below {len(rows)} (e.g. {len(rows) // 10})"
         )

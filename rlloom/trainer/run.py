@@ -35,6 +35,7 @@ from rlloom.trainer.checkpoint import (
 from rlloom.trainer.evaluate import evaluate
 from rlloom.trainer.export import save_run_hf
 from rlloom.trainer.faults import check_fault_env, maybe_fail
+from rlloom.trainer.preflight import check_before_loading, check_resume_config
 from rlloom.trainer.run_lock import RunDirLock
 from rlloom.trainer.step import StepContext, rl_step, update_was_skipped
 
@@ -59,12 +60,17 @@ def seed_everything(seed: int) -> None:
 
 
 def run(cfg: RunConfig) -> RunResult:
-    """Train under an exclusive lock on `trainer.run_dir` (a second run there is refused)."""
+    """Train under an exclusive lock on `trainer.run_dir` (a second run there is refused), after the
+    start-up checks; a resume must continue the same run (see `check_resume_config`)."""
     init_logger()
     check_fault_env()
+    check_before_loading(cfg)
     with RunDirLock(cfg.trainer.run_dir):
         prepare_run_dir(cfg.trainer.run_dir)
-        return _run(cfg, resolve_resume(cfg))
+        resume_from = resolve_resume(cfg)
+        if resume_from is not None:
+            check_resume_config(resume_from, cfg)
+        return _run(cfg, resume_from)
 
 
 def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
@@ -84,8 +90,9 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
     if warning := check_fits(cfg):  # before any GPU memory is taken (rlloom plan, docs/plan.md)
         log.warning(warning)
     group = build_worker_group(cfg)
+    train_stop = [] if cfg.rollout.ignore_eos else stop_token_ids  # evaluation still stops at EOS
     ctx = StepContext(
-        cfg=cfg, group=group, source=source, runner=runner, decode=decode, stop_token_ids=stop_token_ids
+        cfg=cfg, group=group, source=source, runner=runner, decode=decode, stop_token_ids=train_stop
     )
 
     state = TrainerState(step=0, data_state=source.state_dict())

@@ -137,6 +137,37 @@ def test_gspo_token_form_has_gspo_value_and_gradient(gen, shape, eps_low, eps_hi
     assert metrics["loss/clipfrac_high"].item() == pytest.approx(expected_high)
 
 
+@pytest.mark.parametrize("adv", [-1.0, 1.0])
+def test_gspo_clamps_the_sequence_log_ratio_with_zero_gradient(adv):
+    # A sequence log-ratio of 12 is above the ceiling of 10: the ratio is e^10 and no gradient flows
+    # (without the clamp a negative advantage gives ~e^12 / T ~ 7e3 per token).
+    T = 23
+    old_logp_BT = torch.full((1, T), -14.0, dtype=torch.float64)
+    logp_BT = torch.full((1, T), -2.0, dtype=torch.float64, requires_grad=True)
+    mask_BT = torch.ones(1, T, dtype=torch.bool)
+    adv_B = torch.tensor([adv], dtype=torch.float64)
+    loss_BT, metrics = gspo_loss(logp_BT, old_logp_BT, adv_B, mask_BT, eps_low=0.2, eps_high=0.2)
+    (grad,) = torch.autograd.grad(aggregate_loss_sum(loss_BT, mask_BT, "seq-mean-token-mean"), logp_BT)
+    assert grad.abs().max().item() == 0.0
+    assert metrics["loss/ratio_mean"].item() == pytest.approx(math.exp(10.0))
+    if adv < 0:
+        assert loss_BT[0, 0].item() == pytest.approx(math.exp(10.0))
+    # Below the ceiling the gradient is GSPO's: s_i * A-weighted, nonzero.
+    loss_BT, _ = gspo_loss(
+        logp_BT, old_logp_BT, adv_B, mask_BT, eps_low=0.2, eps_high=0.2, max_log_ratio=13.0
+    )
+    (grad,) = torch.autograd.grad(aggregate_loss_sum(loss_BT, mask_BT, "seq-mean-token-mean"), logp_BT)
+    expected = 0.0 if adv > 0 else math.exp(12.0) / T  # adv > 0: the upper clip zeroes it
+    assert grad.abs().max().item() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("max_log_ratio", [0.0, -1.0, 21.0, float("nan")])
+def test_gspo_rejects_a_bad_ceiling(max_log_ratio):
+    x = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="max_log_ratio"):
+        gspo_loss(x, x, torch.ones(1), torch.ones(1, 2, dtype=torch.bool), max_log_ratio=max_log_ratio)
+
+
 @pytest.mark.parametrize("shape", [(1, 1), (5, 11), (16, 30)])
 @pytest.mark.parametrize("eps_low,eps_high", [(None, 0.28), (0.2, 0.2), (None, 3.0)])
 def test_cispo_matches_naive(gen, shape, eps_low, eps_high):

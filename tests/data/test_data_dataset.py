@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from rlloom.data.dataset import load_prompt_file
+from rlloom.data.dataset import DataError, load_prompt_file
 
 
 def write_lines(path, lines):
@@ -83,9 +83,41 @@ def test_parquet(tmp_path):
         import pyarrow.parquet as pq
     except ImportError:
         path.write_bytes(b"PAR1")
-        with pytest.raises(ImportError, match=r"pip install rlloom\[parquet\]"):
+        with pytest.raises(DataError, match=r"pip install rlloom\[parquet\]"):
             load_prompt_file(path)
         return
     pq.write_table(pa.table({"prompt": ["a", None, "c"], "answer": ["1", "2", None]}), path)
     rows = load_prompt_file(path)
     assert [(r.prompt, r.ground_truth, r.index) for r in rows] == [("a", "1", 0)]
+
+
+def test_non_utf8_and_deeply_nested_lines_are_skipped_and_counted(tmp_path, caplog):
+    path = tmp_path / "d.jsonl"
+    good = json.dumps({"prompt": "ok", "answer": "1"}).encode()
+    path.write_bytes(
+        b"\n".join([good, b'{"prompt": "caf\xe9", "answer": "1"}', b"[" * 200_000, good]) + b"\n"
+    )
+    with caplog.at_level(logging.WARNING, logger="rlloom.data.dataset"):
+        rows = load_prompt_file(path)
+    assert [r.index for r in rows] == [0, 3]
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "skipped 2 of 4 rows" in warning
+    assert "line 2: not UTF-8 text (byte 0xe9" in warning and "line 3: JSON nested too deeply" in warning
+
+
+def test_file_without_usable_rows_is_one_data_error(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"\xff\xfe\n" + b"[" * 200_000 + b"\n")
+    with pytest.raises(DataError, match=r"all 2 rows are unusable.*line 1: not UTF-8.*line 2: JSON nested"):
+        load_prompt_file(path)
+
+
+def test_truncated_parquet_is_a_data_error(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"prompt": ["a"] * 100, "answer": ["1"] * 100}), path)
+    path.write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(DataError, match="not a readable parquet file"):
+        load_prompt_file(path)

@@ -61,11 +61,7 @@ def rollout(moe_path):
     return generate(moe_path)
 
 
-@pytest.mark.parametrize("num_blocks", [256, 20])  # 20 blocks of 4 tokens: preemptions
-def test_rollout_records_the_routes_a_full_forward_takes(rollout, moe_path, num_blocks):
-    engine, out, batch = rollout if num_blocks == 256 else generate(moe_path, num_blocks=num_blocks)
-    if num_blocks == 20:
-        assert engine.num_preemptions > 0
+def assert_routes_of_a_full_forward(engine: NativeEngine, out: list, batch: list[list[int]]) -> None:
     args = engine.model.args
     for c in out:
         ids = batch[c.prompt_index] + c.token_ids
@@ -74,6 +70,18 @@ def test_rollout_records_the_routes_a_full_forward_takes(rollout, moe_path, num_
         want = forward_routes(engine.model, ids[:-1])
         got = c.routed_experts.to(torch.int64)
         assert torch.equal(got.sort(-1).values, want.sort(-1).values), c.prompt_index
+
+
+def test_rollout_records_the_routes_a_full_forward_takes(rollout):
+    assert_routes_of_a_full_forward(*rollout)
+
+
+def test_routes_survive_preemption(tmp_path):
+    """20 blocks of 4 tokens: sequences are preempted and recomputed; the routes stay those of the
+    forward that produced each token (the recomputed prefill adds only the positions not recorded)."""
+    engine, out, batch = generate(save(tiny_moe(seed=2), tmp_path), num_blocks=20)
+    assert engine.num_preemptions > 0
+    assert_routes_of_a_full_forward(engine, out, batch)
 
 
 def test_dense_models_record_nothing(tmp_path):

@@ -158,7 +158,7 @@ def test_run_completes_when_a_plugin_reward_hangs_on_some_samples(tiny_checkpoin
     step = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()][1]
     hung = step["reward/timeouts"]
     assert hung in (4.0, 8.0) and step["reward/mean"] == pytest.approx((8 - hung) / 8)  # 2 prompts x 4
-    assert (tmp_path / "checkpoints" / "step_000001" / "COMPLETE").is_file()
+    assert (tmp_path / "checkpoints" / "step_000001" / "manifest.json").is_file()
 
 
 def test_plain_plugin_still_scores_in_order():

@@ -220,7 +220,12 @@ class EagerGraphs(DecodeGraphs):
 
     def _capture(self, bs, num_blocks):
         self.outputs[(bs, num_blocks)] = self._forward(bs, num_blocks)
-        replay = lambda: self.outputs[(bs, num_blocks)].copy_(self._forward(bs, num_blocks))
+
+        def replay():
+            for static, fresh in zip(self.outputs[(bs, num_blocks)], self._forward(bs, num_blocks)):
+                if static is not None:
+                    static.copy_(fresh)
+
         self.graphs[(bs, num_blocks)] = SimpleNamespace(replay=replay)
 
 
@@ -237,6 +242,26 @@ def test_decode_graph_buffers_padding_and_buckets(dense):
     _assert_same(engine.generate(batch, params), reference)
     used = sorted(runner.graphs.graphs)
     assert {bs for bs, _ in used} >= {2, 4, 8, 12} and len({nb for _, nb in used}) >= 2, used
+
+
+def test_decode_graphs_record_moe_routes_like_eager_decode(tmp_path):
+    """MoE: the experts each decode row used come out of the graphs' static outputs (padded rows
+    cut off) exactly as eager decoding records them."""
+    path = save(tiny_moe(seed=1), tmp_path)
+    batch = prompts(5, max_len=12, seed=12)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3)
+    reference = _engine(path).generate(batch, params)
+    engine = _engine(path, max_num_seqs=12)
+    runner = engine.runner
+    runner.graphs = EagerGraphs(
+        engine.model, runner.backend, max_num_seqs=12, max_blocks_per_seq=runner.max_blocks_per_seq,
+        scratch_block=runner.num_blocks, route_dtype=runner.route_dtype,
+    )  # fmt: skip
+    out = engine.generate(batch, params)
+    _assert_same(out, reference)
+    assert runner.graphs.graphs
+    for got, want in zip(out, reference):
+        assert got.routed_experts is not None and torch.equal(got.routed_experts, want.routed_experts)
 
 
 def test_compiled_decode_forward_is_one_graph_and_matches_eager(dense):

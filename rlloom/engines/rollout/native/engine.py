@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from rlloom.config.components import RolloutConfig
+from rlloom.config.components import ConfigError, RolloutConfig
 from rlloom.devices import to_device
 from rlloom.engines.rollout.native.block_manager import BlockManager
 from rlloom.engines.rollout.native.model_runner import ModelRunner, kv_bytes_per_block
@@ -43,7 +43,11 @@ from rlloom.engines.rollout.native.sampler import Sampler, SamplingRows, noise_k
 from rlloom.engines.rollout.native.sampling_params import SamplingParams
 from rlloom.engines.rollout.native.scheduler import Batch, Scheduler
 from rlloom.engines.rollout.native.sequence import Completion, Sequence, Status
-from rlloom.engines.rollout.native.validation import request_problem
+from rlloom.engines.rollout.native.validation import (
+    available_memory_bytes,
+    kv_cache_problem,
+    request_problem,
+)
 
 
 def _check(ok: bool, name: str, value: object, rule: str, fix: str) -> None:
@@ -121,8 +125,14 @@ class NativeEngine:
         self.model = model.eval()
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
+        per_block = kv_bytes_per_block(model.args, block_size, dtype)
+        setting, value = (
+            ("rollout.num_blocks", num_blocks)
+            if num_blocks
+            else ("rollout.kv_cache_memory_gb", kv_cache_memory_gb)
+        )
         if num_blocks == 0:
-            num_blocks = int(kv_cache_memory_gb * 1024**3) // kv_bytes_per_block(model, block_size, dtype)
+            num_blocks = int(kv_cache_memory_gb * 1024**3) // per_block
             _check(
                 num_blocks >= 1,
                 "kv_cache_memory_gb",
@@ -130,6 +140,17 @@ class NativeEngine:
                 "holds less than one KV block",
                 "raise it",
             )
+        problem = kv_cache_problem(
+            setting,
+            value,
+            num_blocks=num_blocks,
+            extra_blocks=1,  # the model runner's scratch block
+            bytes_per_block=per_block,
+            available_bytes=available_memory_bytes(self.device),
+            device=str(self.device),
+        )
+        if problem is not None:
+            raise ConfigError(problem)
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.enable_prefix_sharing = enable_prefix_sharing
@@ -281,6 +302,8 @@ class NativeEngine:
         token_ids_R, logprobs_R = self.sampler(logits_SV, rows)
         offsets = self.scheduler.launched(batch)
         if token_ids_R.device.type != "cuda":
+            # A copy: graph outputs are static buffers that the next step's replay overwrites.
+            routes = None if routes is None else routes.clone()
             return _InFlight(
                 batch.rows,
                 offsets,

@@ -45,13 +45,13 @@ from rlloom.engines.rollout.native.paged_decode import (
     shared_prefix_groups,
 )
 from rlloom.engines.rollout.native.sequence import Sequence, take_pending
+from rlloom.models.args import ModelArgs
 
 logger = logging.getLogger(__name__)
 
 
-def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of keys and values one block holds across all layers."""
-    a = model.args
+def kv_bytes_per_block(a: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one block holds across all layers of a model with args `a`."""
     return a.num_layers * block_size * a.num_kv_heads * (a.head_dim + a.v_head_dim) * dtype.itemsize
 
 

@@ -1,10 +1,16 @@
 """Which requests the engine rejects, and why: one message per request, naming the value, rule and fix.
 
 A rejected request comes back as completions with finish_reason "abort" and `error` set to the
-message, while the rest of the batch proceeds (see engine.py).
+message, while the rest of the batch proceeds (see engine.py). The KV cache the engine is asked for
+is checked once, before it is allocated, against the memory the device has free (`kv_cache_problem`):
+a cache larger than that would be killed by the OOM killer without a message.
 """
 
 from __future__ import annotations
+
+import os
+
+import torch
 
 from rlloom.engines.rollout.native.block_manager import BlockManager
 from rlloom.engines.rollout.native.sampling_params import SamplingParams
@@ -49,3 +55,44 @@ def request_problem(
             "kv_cache_memory_gb, or lower max_new_tokens."
         )
     return None
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Memory free for a new allocation: the GPU's free memory, or the host's MemAvailable (Linux;
+    the physical memory elsewhere)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def kv_cache_problem(
+    setting: str,
+    value: object,
+    *,
+    num_blocks: int,
+    extra_blocks: int,
+    bytes_per_block: int,
+    available_bytes: int,
+    device: str,
+) -> str | None:
+    """Why a cache of `num_blocks + extra_blocks` blocks cannot be allocated, or None when it fits in
+    `available_bytes`. `setting=value` is the config entry that asked for the cache
+    (rollout.num_blocks or rollout.kv_cache_memory_gb); `extra_blocks` are the engine's own."""
+    total = num_blocks + extra_blocks
+    needed = total * bytes_per_block
+    if needed <= available_bytes:
+        return None
+    fits = max(available_bytes // bytes_per_block - extra_blocks, 0)
+    return (
+        f"{setting}={value!r} is invalid: it asks for a KV cache of {total} blocks x {bytes_per_block} "
+        f"bytes = {needed / 2**30:.1f} GiB, but {device} has {available_bytes / 2**30:.1f} GiB free. "
+        f"Fix: set rollout.num_blocks to at most {fits}, or rollout.num_blocks=0 with a smaller "
+        "rollout.kv_cache_memory_gb."
+    )

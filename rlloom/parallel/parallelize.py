@@ -1,0 +1,68 @@
+"""`parallelize`: the one function that turns a native model into its training layout, applying
+every technique `ParallelDims` asks for, in a fixed order:
+
+1. TP/SP (`tp.py`) first: its plans address submodules by name and distribute the parameters into
+   DTensors, which every later step must see (FSDP shards a DTensor over dp on top of its TP shard).
+2. EP (`ep.py`): keeps the local experts and hooks the dispatch/combine around them; after TP,
+   because the TP plan decides whether the MoE layer sees token shards (it does when EP runs).
+   Context parallelism belongs after EP and pipeline stages before TP (not built yet).
+3. Activation checkpointing (`ac.py`) wraps whole decoder layers, hooks included, so a recompute
+   replays the TP collectives and the EP all-to-alls in the same order on every rank.
+4. torch.compile (`compile.py`) of each (checkpointed) layer, inside FSDP's hooks.
+5. FSDP2 (`fsdp.py`) last: it shards whatever parameters the steps above left, experts over the
+   ranks that hold the same experts, everything else over dp_shard x cp.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from rlloom.parallel.ac import ACMode, apply_ac
+from rlloom.parallel.compile import apply_compile
+from rlloom.parallel.dims import ParallelDims
+from rlloom.parallel.ep import apply_ep
+from rlloom.parallel.fsdp import apply_fsdp
+from rlloom.parallel.tp import apply_tp
+
+
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    *,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype = torch.float32,
+    ac_mode: ACMode = "off",
+    ac_every_k: int = 1,
+    compile_layers: bool = False,
+    reshard_after_forward: bool = True,
+    root: nn.Module | None = None,
+) -> FSDPModule:
+    """Parallelise the native `CausalLM` `model` in place over the meshes of `dims` (built).
+
+    `root` is the module FSDP makes its root when it wraps `model` (the training engine's policy
+    head); default `model`. Returns the FSDP root.
+    """
+    dims.check_model(model.args)
+    if dims.pp > 1 or dims.cp > 1:
+        raise ValueError(
+            f"parallelize: pipeline (pp={dims.pp}) and context parallelism (cp={dims.cp}) are not built yet. "
+            "Fix: set parallel.pp=1 and parallel.cp=1."
+        )
+    if dims.tp > 1:
+        apply_tp(model, dims.tp_mesh(), experts_parallel=dims.ep > 1)
+    if dims.ep > 1:
+        apply_ep(model, dims.ep_mesh())
+    apply_ac(model, ac_mode, ac_every_k)
+    if compile_layers:
+        apply_compile(model)
+    return apply_fsdp(
+        root if root is not None else model,
+        dims.dp_shard_mesh(),
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        reshard_after_forward=reshard_after_forward,
+        layers_of=model,
+        expert_mesh=dims.efsdp_mesh() if dims.ep > 1 else None,
+    )

@@ -1,0 +1,292 @@
+"""Tensor and sequence parallelism (Megatron-LM, Shoeybi et al. 2019; Korthikanti et al. 2022) as
+DTensor plans kept as data, one per model family.
+
+Layout of the residual stream (the packed [N, D] stream the training engine runs; N must be a
+multiple of tp): sharded over tokens (Shard(0), "sequence parallel") between blocks, where only
+per-token work happens (norms, residual adds). Before attention and the MLP the tokens are
+all-gathered; q/k/v and gate/up are column-wise (each rank holds whole heads / a slice of the MLP
+width), the output and down projections row-wise, and their partial sums are reduce-scattered back
+onto the token shards. The embedding and the lm head are sharded over the vocabulary (Shard(0) of
+the [V, D] weight); the head never gathers full logits (see `vocab_parallel.py`).
+
+Families:
+- dense GQA (Llama, Qwen2 with q/k/v biases, Qwen3 with QK-norm): the QK-norms run on the local
+  heads with a replicated weight whose gradient is summed over the TP ranks.
+- Qwen3-MoE / Mixtral: the same attention; the MoE layer runs on all tokens of the TP group with
+  replicated weights, or, when expert parallelism (`ep.py`) borrows the TP ranks, each rank routes
+  its own token shard to the experts (never split within an expert) and the router's and shared
+  experts' gradients are summed over TP.
+- DeepSeek-V3 MLA: the low-rank q_a/kv_a projections and their norms are replicated, q_b/kv_b
+  column-wise. The rope key k_pe comes out of kv_a and is shared by every head, so its gradient is
+  a partial sum over the TP ranks' heads: the kv_a output all-reduces that slice of its gradient.
+
+`apply_tp(model, tp_mesh)` distributes the parameters in place and sets each attention module's
+head counts to its local heads. Only the training form of the model is supported (separate
+projections, `fused_projections=False`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from rlloom.models.args import ModelArgs
+
+TOKENS = Shard(0)
+"""Sequence-parallel placement of the packed [N, D] stream."""
+
+
+class Replicated(ParallelStyle):
+    """Replicate a module's parameters over the TP mesh and run it on the replicated input (every
+    rank computes the same thing); its gradients are complete because whatever consumes the output
+    (a column-wise projection) all-reduces the gradient it sends back."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def to_dtensor(_module, inputs, mesh):  # noqa: ANN001, ANN202
+            return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+
+        def to_local(_module, output, _mesh):  # noqa: ANN001, ANN202
+            return output.to_local()
+
+        return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
+class _AllReduceGradTail(torch.autograd.Function):
+    """Identity forward; backward all-reduces columns [start:] of the gradient over `group`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, start: int, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: ANN001
+        ctx.start, ctx.group = start, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        grad = grad.clone()
+        tail = grad[..., ctx.start :].contiguous()
+        dist.all_reduce(tail, group=ctx.group)
+        grad[..., ctx.start :] = tail
+        return grad, None, None
+
+
+class ReplicatedSharedKey(Replicated):
+    """MLA's kv_a: replicated, and the trailing `width` output columns (the rope key shared by the
+    heads of every TP rank) get their gradient summed over the TP ranks. The leading columns (the
+    latent) need no sum: kv_b, column-wise, already all-reduces the gradient it returns."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width = width
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        start, group = module.out_features - self.width, device_mesh.get_group()
+        module.register_forward_hook(lambda _m, _inputs, out: _AllReduceGradTail.apply(out, start, group))
+        return module
+
+
+def _gather_tokens(num_args: int) -> PrepareModuleInput:
+    """All-gather the first input (the token shards) before a block part; pass the others as they are."""
+    rest = (None,) * (num_args - 1)
+    return PrepareModuleInput(
+        input_layouts=(TOKENS, *rest), desired_input_layouts=(Replicate(), *rest), use_local_output=True
+    )
+
+
+def _mlp_plan(prefix: str) -> dict[str, ParallelStyle]:
+    return {
+        prefix: _gather_tokens(1),
+        f"{prefix}.w1": ColwiseParallel(),
+        f"{prefix}.w3": ColwiseParallel(),
+        f"{prefix}.w2": RowwiseParallel(output_layouts=TOKENS),
+    }
+
+
+def _gqa_attention_plan(args: ModelArgs) -> dict[str, ParallelStyle]:
+    plan: dict[str, ParallelStyle] = {
+        "attention": _gather_tokens(4),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=TOKENS),
+    }
+    if args.qk_norm:  # q/k [N, local heads, head_dim]: a replicated weight over sharded heads
+        plan["attention.q_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+        plan["attention.k_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+    return plan
+
+
+def _mla_attention_plan(args: ModelArgs) -> dict[str, ParallelStyle]:
+    assert args.mla is not None
+    plan: dict[str, ParallelStyle] = {
+        "attention": _gather_tokens(4),
+        "attention.wkv_a": ReplicatedSharedKey(args.mla.qk_rope_head_dim),
+        "attention.kv_norm": Replicated(),
+        "attention.wkv_b": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=TOKENS),
+    }
+    if args.mla.q_lora_rank is None:
+        plan["attention.wq"] = ColwiseParallel()
+    else:
+        plan.update(
+            {
+                "attention.wq_a": Replicated(),
+                "attention.q_norm": Replicated(),
+                "attention.wq_b": ColwiseParallel(),
+            }
+        )
+    return plan
+
+
+def _moe_plan(experts_parallel: bool) -> dict[str, ParallelStyle]:
+    if experts_parallel:
+        # Expert parallelism borrows the TP ranks (dims.py): each rank routes its own token shard,
+        # the experts' all-to-all brings every expert its tokens from all of them. The router and
+        # shared experts then see only this rank's tokens: `apply_tp` sums their gradients over TP.
+        return {
+            "moe": PrepareModuleInputOutput(
+                input_layouts=(TOKENS,),
+                desired_input_layouts=(TOKENS,),
+                use_local_input=True,
+                output_layouts=(TOKENS,),
+                desired_output_layouts=(TOKENS,),
+                use_local_output=True,
+            )
+        }
+    # Without EP, all tokens of the TP group go through the whole MoE layer on every TP rank, then
+    # each rank keeps its token shard: the weights see the same tokens and gradients everywhere.
+    return {
+        "moe": PrepareModuleInputOutput(
+            input_layouts=(TOKENS,),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(TOKENS,),
+            use_local_output=True,
+        )
+    }
+
+
+def layer_plan(args: ModelArgs, layer_idx: int, experts_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The plan of decoder layer `layer_idx` (keys relative to the layer); `experts_parallel` when
+    `ep.apply_ep` splits the experts over ranks that include the TP ranks."""
+    plan: dict[str, ParallelStyle] = {
+        "attention_norm": SequenceParallel(sequence_dim=0),
+        "ffn_norm": SequenceParallel(sequence_dim=0),
+    }
+    plan.update(_mla_attention_plan(args) if args.mla is not None else _gqa_attention_plan(args))
+    is_moe = args.moe is not None and layer_idx in args.moe.sparse_layers
+    plan.update(_moe_plan(experts_parallel) if is_moe else _mlp_plan("feed_forward"))
+    return plan
+
+
+def root_plan(args: ModelArgs) -> dict[str, ParallelStyle]:
+    """Embedding (vocabulary-sharded, output on token shards), final norm and lm head weight."""
+    plan: dict[str, ParallelStyle] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=TOKENS),
+        "norm": SequenceParallel(sequence_dim=0),
+    }
+    if not args.tie_word_embeddings:
+        # Only the [V, D] weight's vocabulary sharding matters: the head reads the weight directly.
+        plan["output"] = ColwiseParallel()
+    return plan
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, experts_parallel: bool = False) -> nn.Module:
+    """Tensor-parallelise a native `CausalLM` over the 1-D `tp_mesh` in place; returns it.
+
+    The parameters become DTensors (sharded or replicated over `tp_mesh`); the MoE layers keep
+    plain replicated parameters. `model.hidden_states` then returns token shards (a DTensor
+    Shard(0) of the packed stream), which `vocab_parallel.vocab_parallel_token_logprobs` turns into
+    logprobs without gathering full logits. With `experts_parallel` (apply `ep.apply_ep` next, on
+    an EP mesh that holds the TP ranks) each TP rank routes only its own token shard.
+    """
+    args: ModelArgs = model.args
+    if args.fused_projections:
+        raise ValueError(
+            "apply_tp: the model has fused_projections=True (the rollout layout); tensor parallelism "
+            "shards the separate q/k/v and gate/up projections. Fix: load the training form of the model."
+        )
+    tp = tp_mesh.size()
+    for name, value in (("num_attention_heads", args.num_heads), ("num_key_value_heads", args.num_kv_heads)):
+        if value % tp:
+            raise ValueError(
+                f"apply_tp: tp={tp} does not divide {name}={value}. Fix: use a tp that divides it."
+            )
+    parallelize_module(model, tp_mesh, root_plan(args))
+    for i, layer in enumerate(model.layers):
+        parallelize_module(layer, tp_mesh, layer_plan(args, i, experts_parallel))
+        if experts_parallel and layer.moe is not None:
+            _sum_grads_over(layer.moe, tp_mesh.get_group(), skip=layer.moe.experts)
+        attention = layer.attention
+        attention.num_heads //= tp  # the model reshapes its projections into local heads
+        if hasattr(attention, "num_kv_heads"):
+            attention.num_kv_heads //= tp
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            param.register_post_accumulate_grad_hook(_grad_like_param)
+    # On the embedding: `forward` and `hidden_states` both start there.
+    model.tok_embeddings.register_forward_pre_hook(partial(_check_divisible, tp=tp))
+    return model
+
+
+def _check_divisible(_embedding: nn.Module, args: tuple, *, tp: int) -> None:
+    input_ids = args[0]
+    if input_ids.shape[0] % tp:
+        raise ValueError(
+            f"tensor parallelism splits the {input_ids.shape[0]} tokens of the packed stream (input_ids "
+            f"{tuple(input_ids.shape)}) into tp={tp} equal shards, and {input_ids.shape[0]} is not a multiple "
+            f"of {tp}. Fix: pad the stream to a multiple of {tp} tokens (e.g. a padding sequence at the end)."
+        )
+
+
+def _sum_grads_over(module: nn.Module, group: dist.ProcessGroup, skip: nn.Module) -> None:
+    """Sum each incoming gradient of `module`'s parameters (except `skip`'s) over `group`, before it
+    is accumulated (so micro-batch accumulation stays exact).
+
+    The hooks go on the parameters the module holds when its forward starts: FSDP2 swaps in its
+    unsharded parameters there (one object per parameter, reused every step), and those are the
+    tensors autograd accumulates into; hooks on the original parameters would never fire."""
+    hooked: set[int] = set()
+
+    def hook_params(mod: nn.Module, _inputs: tuple) -> None:
+        skipped = {id(p) for p in skip.parameters()}
+        for param in mod.parameters():
+            if id(param) not in skipped and id(param) not in hooked and param.requires_grad:
+                hooked.add(id(param))
+                param.register_hook(lambda grad: _all_reduced(grad, group))
+
+    module.register_forward_pre_hook(hook_params)
+
+
+def _all_reduced(grad: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    grad = grad.clone()
+    dist.all_reduce(grad, group=group)
+    return grad
+
+
+def _grad_like_param(param: DTensor) -> None:
+    """Give a gradient its parameter's placements once it is accumulated.
+
+    DTensor's backward leaves some gradients in another layout than their parameter: the weight of
+    a sequence-parallel norm gets a Partial (per-rank partial sums over its token shard), the
+    embedding a Replicate. Optimizers and `grad_norm` read the local gradient as if it had the
+    parameter's layout, so the partial sums are all-reduced (and a replicated gradient sliced) here.
+    FSDP2 does the same before its reduce-scatter for the parameters it owns.
+    """
+    grad = param.grad
+    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
+        param.grad = grad.redistribute(param.device_mesh, param.placements)

@@ -1,0 +1,124 @@
+"""Start-up checks that need more than the config itself, run before any model or data is loaded.
+
+- The model folder exists and can run on the device, and its `max_position_embeddings` holds the longest sequence the run asks
+  for: data.max_prompt_length + rollout.max_new_tokens (a longer one would run silently past the
+  positions the model was trained on).
+- The KV cache asked for fits in the device's free memory (inline mode; see `kv_cache_problem`).
+- The reward function resolves (a built-in name, an importable plug-in, or a weighted sum of them).
+- A resume continues the same run: the checkpoint's `config.yaml` differs from this config only in
+  the settings of `rlloom.config.resume.FREE_TO_CHANGE`, unless trainer.resume_allow_changes=true
+  (`check_resume_config`, called by `run` once it holds the run directory's lock and has resolved
+  the checkpoint).
+
+Each failure is one `ConfigError` line naming the setting, the value, the rule and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rlloom.cluster.worker import resolve_device, resolve_dtype
+from rlloom.config.components import ConfigError, RunConfig
+from rlloom.config.loading import load_config
+from rlloom.config.resume import run_changing_differences
+from rlloom.engines.rollout.native.model_runner import kv_bytes_per_block
+from rlloom.engines.rollout.native.validation import available_memory_bytes, kv_cache_problem
+from rlloom.models.args import ModelArgs
+from rlloom.models.checkpoint import resolve_path
+from rlloom.rewards.registry import get_reward_fn
+from rlloom.tasks.build import default_reward_name
+
+
+def check_before_loading(cfg: RunConfig) -> None:
+    """Raise ConfigError for anything wrong that is known before the model is loaded."""
+    hf_config = model_hf_config(cfg.model.path)
+    max_positions = hf_config.get("max_position_embeddings")
+    check_sequence_length(cfg, max_positions if isinstance(max_positions, int) else None)
+    if cfg.cluster.mode == "inline":  # ray workers check their own devices when they build engines
+        check_kv_cache(cfg, hf_config)
+    check_reward(cfg)
+
+
+def model_hf_config(path: str) -> dict[str, Any]:
+    """The checkpoint's config.json as a dict."""
+    try:
+        folder = resolve_path(path)
+        return json.loads((folder / "config.json").read_text())
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"model.path={path!r} is invalid: {' '.join(str(e).split())}") from None
+
+
+def check_sequence_length(cfg: RunConfig, max_positions: int | None) -> None:
+    """The longest sequence, prompt plus response, must fit the model's positions."""
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    if max_positions is None or longest <= max_positions:
+        return
+    raise ConfigError(
+        f"data.max_prompt_length={cfg.data.max_prompt_length} + rollout.max_new_tokens="
+        f"{cfg.rollout.max_new_tokens} = {longest} is invalid: a sequence must fit the model's "
+        f"max_position_embeddings={max_positions} ({cfg.model.path}). Fix: lower data.max_prompt_length "
+        f"or rollout.max_new_tokens so that their sum is at most {max_positions}."
+    )
+
+
+def check_kv_cache(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
+    """The KV cache that rollout.num_blocks (or kv_cache_memory_gb) asks for must fit in the memory
+    the device has free now; the engine checks again, exactly, right before it allocates."""
+    try:
+        device = resolve_device(cfg)
+        args = ModelArgs.from_hf_config(hf_config)
+    except ValueError as e:
+        raise ConfigError(
+            f"model.path={cfg.model.path!r} cannot run here: {' '.join(str(e).split())}"
+        ) from None
+    ro = cfg.rollout
+    per_block = kv_bytes_per_block(args, ro.block_size, resolve_dtype(cfg, device))
+    setting, value = (
+        ("rollout.num_blocks", ro.num_blocks)
+        if ro.num_blocks
+        else ("rollout.kv_cache_memory_gb", ro.kv_cache_memory_gb)
+    )
+    problem = kv_cache_problem(
+        setting,
+        value,
+        num_blocks=ro.num_blocks or int(ro.kv_cache_memory_gb * 1024**3) // per_block,
+        extra_blocks=1,
+        bytes_per_block=per_block,
+        available_bytes=available_memory_bytes(device),
+        device=str(device),
+    )
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def check_reward(cfg: RunConfig) -> None:
+    """`reward.name` (or the task's default) must name a reward function that can be loaded."""
+    name = cfg.reward.name or default_reward_name(cfg.data.task)
+    try:
+        get_reward_fn(name)
+    except ValueError as e:
+        raise ConfigError(f"reward.name={name!r} is invalid: {' '.join(str(e).split())}") from None
+
+
+def check_resume_config(checkpoint: Path, cfg: RunConfig) -> None:
+    """Refuse a resume whose config changes the run (see `run_changing_differences`), unless
+    trainer.resume_allow_changes=true."""
+    saved_file = checkpoint / "config.yaml"
+    if cfg.trainer.resume_allow_changes or not saved_file.is_file():
+        return
+    allow = "set trainer.resume_allow_changes=true to resume anyway"
+    try:
+        saved = load_config(saved_file)
+    except ConfigError as e:
+        raise ConfigError(
+            f"trainer.resume: the checkpoint's {saved_file} does not load ({e}). Fix: {allow}."
+        ) from None
+    differences = run_changing_differences(saved, cfg)
+    if differences:
+        raise ConfigError(
+            f"trainer.resume={cfg.trainer.resume!r}: this config differs from the checkpoint's "
+            f"({saved_file}) in settings that change the run: {'; '.join(differences)}. Fix: use the "
+            f"checkpoint's values, or {allow} (total_steps, saving and logging settings may always change)."
+        )

@@ -1,0 +1,190 @@
+"""Every bad input through the `rlloom` CLI: exit code 2, one line `rlloom: error: ...`, no traceback.
+
+Each case is a row of docs/reliability.md ("Bad input"). Config cases run `rlloom config show`;
+cases that need the model (its length, the KV cache, the data file, a resume) run `rlloom train`
+on the tiny checkpoint and must fail before any step. `main()` runs in-process (an uncaught
+exception fails the test, as a traceback would); one case also runs as `python -m rlloom.cli`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlloom.cli import main
+from rlloom.config import load_config, to_yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def yaml_file(tmp_path: Path, content: str | bytes) -> str:
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(content.encode() if isinstance(content, str) else content)
+    return str(path)
+
+
+# (case id, text of the YAML file or None for the recipe, overrides, words the message must hold)
+CONFIG_CASES = [
+    ("yaml_syntax", "trainer:\n  seed: [1\n", [], ["not valid YAML", "line 3"]),
+    ("yaml_tab_indent", "trainer:\n\tseed: 1\n", [], ["not valid YAML", "line 2"]),
+    ("yaml_not_utf8", b"trainer:\n  run_dir: caf\xe9\n", [], ["not UTF-8", "0xe9", "line 2"]),
+    ("yaml_nested_too_deeply", "trainer: " + "[" * 100_000 + "\n", [], ["nested too deeply"]),
+    ("yaml_recipe_list", "recipe: [1, 2]\n", [], ["recipe=[1, 2]", "one recipe name"]),
+    ("yaml_duplicate_key", "trainer:\n  seed: 1\n  seed: 2\n", [], ["duplicate key 'seed'", "line 2"]),
+    ("yaml_top_level_list", "- 1\n- 2\n", [], ["mapping of sections"]),
+    ("yaml_unknown_key", "trainer:\n  sed: 1\n", [], ["trainer.sed", "did you mean 'trainer.seed'"]),
+    ("seed_negative", None, ["trainer.seed=-1"], ["trainer.seed=-1", "2**32-1"]),
+    ("seed_1e23", None, ["trainer.seed=1e23"], ["trainer.seed='1e23'", "integer"]),
+    ("seed_too_large", None, ["trainer.seed=4294967296"], ["trainer.seed=4294967296", "2**32-1"]),
+    ("data_seed_negative", None, ["data.seed=-3"], ["data.seed=-3"]),
+    ("lr_inf", None, ["train.lr=.inf"], ["train.lr=inf", "finite"]),
+    ("lr_nan_text", None, ["train.lr=nan"], ["train.lr=nan", "finite"]),
+    ("default_score_nan", None, ["reward.default_score=.nan"], ["reward.default_score=nan", "finite"]),
+    ("reward_timeout_inf", None, ["reward.timeout_s=.inf"], ["reward.timeout_s=inf", "finite"]),
+    ("cluster_timeout_inf", None, ["cluster.timeout_s=.inf"], ["cluster.timeout_s=inf"]),
+    ("betas_nan", None, ["train.betas=[0.9, .nan]"], ["train.betas", "finite"]),
+    ("temperature_inf", None, ["rollout.temperature=.inf"], ["rollout.temperature=inf"]),
+    ("adam_eps_zero", None, ["train.adam_eps=0"], ["train.adam_eps=0.0", "> 0"]),
+    ("entropy_coef_negative", None, ["algorithm.entropy_coef=-0.1"], ["algorithm.entropy_coef=-0.1"]),
+    ("run_dir_empty", None, ["trainer.run_dir="], ["trainer.run_dir=''", "must name a folder"]),
+    ("run_dir_blank", None, ["trainer.run_dir=' '"], ["trainer.run_dir=' '"]),
+    ("override_hash_comment", None, ["reward.name=number #x"], ["YAML comment", "reward.name='number #x'"]),
+    ("override_only_comment", None, ["reward.name=#x"], ["YAML comment"]),
+    ("override_unclosed", None, ["train.betas=[0.9,"], ["train.betas", "not a valid value"]),
+    ("override_no_equals", None, ["train.lr"], ["section.key=value"]),
+    ("override_section_value", None, ["trainer=3"], ["trainer is a section"]),
+    ("missing_file", "MISSING", [], ["does not exist"]),
+]
+
+
+def assert_one_line_error(rc: int, err: str, needles: list[str]) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2, err
+    assert "Traceback" not in err
+    assert len(lines) == 1 and lines[0].startswith("rlloom: error: "), err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "content, overrides, needles", [c[1:] for c in CONFIG_CASES], ids=[c[0] for c in CONFIG_CASES]
+)
+def test_bad_config_is_one_line_error(tmp_path, capsys, content, overrides, needles):
+    if content is None:
+        source = "arithmetic_smoke"
+    elif content == "MISSING":
+        source = str(tmp_path / "missing.yaml")
+    else:
+        source = yaml_file(tmp_path, content)
+    rc = main(["config", "show", source, *overrides])
+    line = assert_one_line_error(rc, capsys.readouterr().err, needles)
+    assert "Fix" in line or "fix" in line or "did you mean" in line
+
+
+def test_python_m_cli_prints_one_line_and_exits_2(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "rlloom.cli", "config", "show", "arithmetic_smoke", "train.lr=.inf"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert_one_line_error(proc.returncode, proc.stderr, ["train.lr=inf"])
+
+
+def train_args(ckpt: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        "train",
+        "arithmetic_smoke",
+        f"model.path={ckpt}",
+        f"trainer.run_dir={run_dir}",
+        "logging.console=false",
+        "data.num_eval=2",
+        "data.num_train=16",
+        *extra,
+    ]
+
+
+def bad_jsonl(tmp_path: Path) -> str:
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"prompt": "caf\xe9", "answer": "1"}\n' + b"[" * 200_000 + b"\n")
+    return str(path)
+
+
+def truncated_parquet(tmp_path: Path) -> str:
+    path = tmp_path / "bad.parquet"
+    path.write_bytes(b"PAR1\x15\x04\x15")  # cut off after the magic bytes
+    return str(path)
+
+
+def fake_checkpoint(tmp_path: Path, ckpt: Path, *changes: str) -> Path:
+    """A complete checkpoint folder whose saved config.yaml is the run's with `changes`."""
+    run_dir = tmp_path / "run"
+    folder = run_dir / "checkpoints" / "step_000001"
+    folder.mkdir(parents=True)
+    saved = load_config("arithmetic_smoke", train_args(ckpt, run_dir)[2:] + list(changes))
+    (folder / "config.yaml").write_text(to_yaml(saved))
+    (folder / "COMPLETE").write_text("ok\n")
+    return run_dir
+
+
+TRAIN_CASES = [
+    (
+        "model_path_missing",
+        lambda t, c: ["model.path=/nonexistent/model"],
+        ["model.path='/nonexistent/model'"],
+    ),
+    (
+        "longer_than_model",
+        lambda t, c: ["rollout.max_new_tokens=300"],
+        ["max_position_embeddings=512", "556"],
+    ),
+    (
+        "num_blocks_huge",
+        lambda t, c: ["rollout.num_blocks=1000000000"],
+        ["rollout.num_blocks=1000000000", "GiB"],
+    ),
+    ("kv_memory_huge", lambda t, c: ["rollout.kv_cache_memory_gb=1000000"], ["rollout.kv_cache_memory_gb"]),
+    (
+        "data_no_usable_row",
+        lambda t, c: ["data.task=jsonl", f"data.path={bad_jsonl(t)}"],
+        ["all 2 rows are unusable", "line 1: not UTF-8", "line 2: JSON nested too deeply"],
+    ),
+    (
+        "data_truncated_parquet",
+        lambda t, c: ["data.task=parquet", f"data.path={truncated_parquet(t)}"],
+        ["parquet"],
+    ),
+    ("data_missing_file", lambda t, c: ["data.task=jsonl", f"data.path={t}/none.jsonl"], ["not a file"]),
+    ("reward_unknown", lambda t, c: ["reward.name=nosuch"], ["reward.name='nosuch'", "unknown"]),
+    ("reward_plugin_missing", lambda t, c: ["reward.name=nosuch_pkg.mod:fn"], ["cannot import module"]),
+    ("resume_not_a_checkpoint", lambda t, c: [f"trainer.resume={t}"], ["not a complete checkpoint"]),
+    (
+        "resume_changes_lr",
+        lambda t, c: [f"trainer.run_dir={fake_checkpoint(t, c, 'train.lr=0.001')}", "trainer.resume=auto"],
+        ["train.lr: 0.001 -> 1e-05", "trainer.resume_allow_changes=true"],
+    ),
+    (
+        "resume_changes_estimator",
+        lambda t, c: [
+            f"trainer.run_dir={fake_checkpoint(t, c, 'algorithm.estimator=rloo')}",
+            "trainer.resume=auto",
+        ],
+        ["algorithm.estimator: 'rloo' -> 'grpo'"],
+    ),
+]
+
+
+@pytest.mark.parametrize("extra, needles", [c[1:] for c in TRAIN_CASES], ids=[c[0] for c in TRAIN_CASES])
+def test_bad_train_input_is_one_line_error(tiny_checkpoint, tmp_path, capsys, extra, needles):
+    rc = main(train_args(tiny_checkpoint, tmp_path / "run", *extra(tmp_path, tiny_checkpoint)))
+    assert_one_line_error(rc, capsys.readouterr().err, needles)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_asked_without_cuda_is_one_line_error(tiny_checkpoint, tmp_path, capsys):
+    rc = main(train_args(tiny_checkpoint, tmp_path / "run", "cluster.device=cuda"))
+    assert_one_line_error(rc, capsys.readouterr().err, ["cluster.device='cuda'", "no CUDA device"])
