@@ -14,8 +14,8 @@ from rlloom.data.types import PolicyUpdate, RolloutBatch
 from rlloom.engines.rollout.native import Completion, NativeEngine, SamplingParams
 from rlloom.engines.train.hf_folder import save_hf_folder
 from rlloom.engines.train.native import NativeTrainEngine
+from rlloom.faults import maybe_fail
 from rlloom.models import from_pretrained, load_decoder
-from rlloom.trainer.faults import maybe_fail
 from rlloom.weight_sync.colocated import sync_colocated
 
 

@@ -30,7 +30,7 @@ from rlloom.engines.train.sealed import (
     verify_folder,
     write_manifest,
 )
-from rlloom.trainer.faults import maybe_fail
+from rlloom.faults import maybe_fail
 
 log = logging.getLogger(__name__)
 ENGINE_DIR = "engine"

@@ -97,7 +97,7 @@ def check_reward(cfg: RunConfig) -> None:
     """`reward.name` (or the task's default) must name a reward function that can be loaded."""
     name = cfg.reward.name or default_reward_name(cfg.data.task)
     try:
-        get_reward_fn(name)
+        get_reward_fn(name, import_dir=cfg.reward.import_dir)
     except ValueError as e:
         raise ConfigError(f"reward.name={name!r} is invalid: {' '.join(str(e).split())}") from None
 

@@ -18,9 +18,9 @@ from rlloom.data.dataset import PromptItem
 from rlloom.data.source import PromptSource
 from rlloom.data.types import Sample
 from rlloom.engines.rollout.native import SamplingParams
+from rlloom.faults import maybe_fail
 from rlloom.rewards.calling import RewardInput
 from rlloom.rewards.runner import RewardRunner
-from rlloom.trainer.faults import maybe_fail
 
 
 def request_seed(run_seed: int, step: int, round_idx: int, position: int) -> int:

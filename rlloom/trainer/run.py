@@ -18,6 +18,7 @@ from rlloom.cluster.inline import build_worker_group
 from rlloom.cluster.worker import resolve_device
 from rlloom.config.components import RunConfig
 from rlloom.config.loading import to_yaml
+from rlloom.faults import check_fault_env, maybe_fail
 from rlloom.models import load_tokenizer
 from rlloom.observability.log import init_logger
 from rlloom.observability.loggers import build_loggers
@@ -34,7 +35,6 @@ from rlloom.trainer.checkpoint import (
 )
 from rlloom.trainer.evaluate import evaluate
 from rlloom.trainer.export import save_run_hf
-from rlloom.trainer.faults import check_fault_env, maybe_fail
 from rlloom.trainer.preflight import check_before_loading, check_resume_config
 from rlloom.trainer.run_lock import RunDirLock
 from rlloom.trainer.step import StepContext, rl_step, update_was_skipped
@@ -64,12 +64,12 @@ def run(cfg: RunConfig) -> RunResult:
     start-up checks; a resume must continue the same run (see `check_resume_config`)."""
     init_logger()
     check_fault_env()
-    check_before_loading(cfg)
     with RunDirLock(cfg.trainer.run_dir):
         prepare_run_dir(cfg.trainer.run_dir)
         resume_from = resolve_resume(cfg)
         if resume_from is not None:
             check_resume_config(resume_from, cfg)
+        check_before_loading(cfg)
         return _run(cfg, resume_from)
 
 

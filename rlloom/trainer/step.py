@@ -15,9 +15,9 @@ from rlloom.cluster.inline import WorkerGroup
 from rlloom.config.components import RunConfig
 from rlloom.data.source import PromptSource
 from rlloom.data.types import PolicyUpdate, RolloutBatch
+from rlloom.faults import maybe_fail
 from rlloom.observability.timers import StageTimer
 from rlloom.rewards.runner import RewardRunner
-from rlloom.trainer.faults import maybe_fail
 from rlloom.trainer.policy import build_update
 from rlloom.trainer.rollout import collect_rollouts
 

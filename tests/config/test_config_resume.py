@@ -8,7 +8,7 @@ import pytest
 
 from rlloom.config import ConfigError, load_config, to_yaml
 from rlloom.config.resume import FREE_TO_CHANGE, run_changing_differences
-from rlloom.trainer.preflight import check_before_loading
+from rlloom.trainer.preflight import check_resume_config
 
 
 def test_same_config_and_free_settings_give_no_difference():
@@ -55,13 +55,12 @@ def test_every_free_setting_names_a_real_field():
 def test_resume_check_reads_the_checkpoint_config_and_allow_flag_skips_it(tiny_checkpoint, tmp_path):
     model = f"model.path={tiny_checkpoint}"
     (tmp_path / "config.yaml").write_text(to_yaml(load_config("arithmetic_smoke", [model, "train.lr=1e-3"])))
-    (tmp_path / "COMPLETE").write_text("ok\n")
     resume = f"trainer.resume={tmp_path}"
     with pytest.raises(ConfigError, match=r"train.lr: 0.001 -> 1e-05.*resume_allow_changes=true"):
-        check_before_loading(load_config("arithmetic_smoke", [model, resume]))
-    check_before_loading(
-        load_config("arithmetic_smoke", [model, resume, "trainer.resume_allow_changes=true"])
+        check_resume_config(tmp_path, load_config("arithmetic_smoke", [model, resume]))
+    check_resume_config(
+        tmp_path, load_config("arithmetic_smoke", [model, resume, "trainer.resume_allow_changes=true"])
     )
-    check_before_loading(
-        load_config("arithmetic_smoke", [model, resume, "train.lr=1e-3", "trainer.total_steps=99"])
+    check_resume_config(
+        tmp_path, load_config("arithmetic_smoke", [model, resume, "train.lr=1e-3", "trainer.total_steps=99"])
     )

@@ -238,6 +238,7 @@ def test_rl_run_on_a_tiny_moe_with_and_without_replay(tiny_moe_checkpoint, tmp_p
             f"model.path={tiny_moe_checkpoint}", f"trainer.run_dir={tmp_path / 'run'}", "data.num_eval=0",
             "data.num_train=32", "rollout.max_new_tokens=6", "logging.console=false", "train.lr=3e-2",
             "trainer.total_steps=2", f"algorithm.routing_replay={replay}", "trainer.num_mini_batches=2",
+            "cluster.device=cpu",
         ],
     )  # fmt: skip
     run(cfg)

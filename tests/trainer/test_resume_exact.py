@@ -10,7 +10,7 @@ prompts with 2 per step, so the prompt source wraps an epoch inside step 2 and s
 sits exactly at an epoch end.
 
 The crashing runs are forked from a launcher process that has imported rlloom once, so each costs
-only its steps; `RLLOOM_FAULT` kills them with SIGKILL (rlloom/trainer/faults.py).
+only its steps; `RLLOOM_FAULT` kills them with SIGKILL (rlloom/faults.py).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from test_trainer_loop import final_weights, read_metrics, tiny_cfg
 from rlloom.cli import main
 from rlloom.cluster.inline import InlineGroup
 from rlloom.config import ConfigError
+from rlloom.faults import parse_fault
 from rlloom.models.adapter import hf_named_tensors
 from rlloom.trainer.checkpoint import checkpoint_dir
-from rlloom.trainer.faults import parse_fault
 from rlloom.trainer.run import run
 
 TOTAL = 4
