@@ -19,6 +19,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from rlloom.cluster.worker import resolve_device, resolve_dtype
 from rlloom.config.components import ConfigError, RunConfig
 from rlloom.config.loading import load_config
@@ -39,6 +41,30 @@ def check_before_loading(cfg: RunConfig) -> None:
     if cfg.cluster.mode == "inline":  # ray workers check their own devices when they build engines
         check_kv_cache(cfg, hf_config)
     check_reward(cfg)
+    check_step_size(cfg)
+
+
+HOST_BYTES_PER_TOKEN = 128
+"""Host memory a step holds per token of its samples, rounded up: the ids and rollout logprobs as
+Python lists (~36 and ~32 bytes an entry), and the batch's [B, T] tensors (mask, advantages, old,
+reference and rollout logprobs, gather indices, targets: ~50 bytes)."""
+
+
+def check_step_size(cfg: RunConfig) -> None:
+    """A step's samples must fit in the host memory that is free (a billion-sample step would
+    otherwise run until the OOM killer ends it without a word)."""
+    seqs = cfg.trainer.prompts_per_step * cfg.rollout.n_samples
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    need = seqs * longest * HOST_BYTES_PER_TOKEN
+    free = available_memory_bytes(torch.device("cpu"))
+    if need <= free:
+        return
+    raise ConfigError(
+        f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} x rollout.n_samples={cfg.rollout.n_samples} "
+        f"= {seqs} sequences of up to {longest} tokens is invalid: a step's samples need about "
+        f"{need / 2**30:.1f} GiB of host memory (~{HOST_BYTES_PER_TOKEN} bytes a token) and "
+        f"{free / 2**30:.1f} GiB is free. Fix: lower trainer.prompts_per_step or rollout.n_samples."
+    )
 
 
 def model_hf_config(path: str) -> dict[str, Any]:

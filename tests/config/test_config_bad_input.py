@@ -155,6 +155,8 @@ TRAIN_CASES = [
     ("data_missing_file", lambda t, c: ["data.task=jsonl", f"data.path={t}/none.jsonl"], ["not a file"]),
     ("reward_unknown", lambda t, c: ["reward.name=nosuch"], ["reward.name='nosuch'", "unknown"]),
     ("reward_plugin_missing", lambda t, c: ["reward.name=nosuch_pkg.mod:fn"], ["cannot import module"]),
+    ("huge_step", lambda t, c: ["trainer.prompts_per_step=1000000000"], ["host memory", "prompts_per_step"]),
+    ("huge_n_samples", lambda t, c: ["rollout.n_samples=100000000"], ["host memory", "rollout.n_samples"]),
     ("resume_not_a_checkpoint", lambda t, c: [f"trainer.resume={t}"], ["not a complete checkpoint"]),
     (
         "resume_changes_lr",
