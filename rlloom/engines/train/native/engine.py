@@ -44,11 +44,11 @@ from rlloom.engines.train.native.microbatch import plan_rank, shared_prompt_unit
 from rlloom.engines.train.native.moe_balance import MoEBalance
 from rlloom.engines.train.native.optimizer import EngineOptimizer
 from rlloom.engines.train.native.policy import PolicyHead, run_micro_batch
-from rlloom.engines.train.native.rollback import (
+from rlloom.engines.train.native.step_guard import (
+    adamw_would_be_finite,
     all_finite,
+    all_true,
     optimizer_state_tensors,
-    restore_snapshot,
-    take_snapshot,
 )
 from rlloom.engines.train.native.weights import named_weight_buckets
 from rlloom.models import from_pretrained
@@ -405,15 +405,16 @@ class NativeTrainEngine:
         return metrics
 
     def _step_or_roll_back(self, lr: float) -> bool:
-        """Apply the optimizer step; if any new parameter is not finite, restore the parameters and the
-        optimizer state to before it (rollback.py) and return False."""
-        snapshot = take_snapshot(self.optimizer)
+        """Apply the optimizer step only if every new parameter would be finite on every rank
+        (step_guard.py: a trial of the same update, slice by slice); otherwise change nothing and
+        return False."""
         self.optimizer.set_lr(lr)
+        self.optimizer.stage_grads()
+        flags = [adamw_would_be_finite(optim) for optim in self.optimizer.optimizers]
+        if not all_true(flags, self.dp_group, self.device):
+            return False
         self.optimizer.step()
-        if all_finite(self.optimizer.params, self.dp_group, self.device):
-            return True
-        restore_snapshot(self.optimizer, snapshot)
-        return False
+        return True
 
     def _perf_metrics(self, batch: RolloutBatch, num_response: float, seconds: float) -> dict[str, float]:
         seq_lens = [s.num_tokens for s in batch.samples]
@@ -450,7 +451,9 @@ class NativeTrainEngine:
 
     def _check_finite_for_save(self, path: str) -> None:
         """Refuse (on every rank alike) to write parameters or optimizer state holding inf or NaN."""
-        named = list(self.module.named_parameters()) + list(optimizer_state_tensors(self.optimizer))
+        named = list(self.module.named_parameters()) + list(
+            optimizer_state_tensors(self.optimizer.optimizers)
+        )
         if all_finite([t for _, t in named], self.dp_group, self.device):
             return
         local = [name for name, t in named if not all_finite([t], None, self.device)]

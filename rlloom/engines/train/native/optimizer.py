@@ -56,6 +56,7 @@ class EngineOptimizer:
         self.params = [p for _, p in named_params]
         self.device_optim = _adamw(on_device, cfg)
         self.cpu_optim = _adamw([m for _, _, m in self.offloaded], cfg)
+        self._staged = False
 
     @staticmethod
     def _master_copy(p: nn.Parameter) -> nn.Parameter:
@@ -73,9 +74,10 @@ class EngineOptimizer:
             for group in optim.param_groups:
                 group["lr"] = lr
 
-    def step(self) -> None:
-        if self.device_optim is not None:
-            self.device_optim.step()
+    def stage_grads(self) -> None:
+        """Copy the offloaded parameters' gradients to their CPU master copies (before a step;
+        `step` does it when nobody did)."""
+        self._staged = True
         if self.cpu_optim is None:
             return
         for _, p, master in self.offloaded:
@@ -87,6 +89,16 @@ class EngineOptimizer:
             master.grad.copy_(_local(p.grad), non_blocking=True)
         if torch.cuda.is_available() and any(master.is_pinned() for _, _, master in self.offloaded):
             torch.cuda.current_stream().synchronize()  # gradients must have landed before the CPU step
+
+    def step(self) -> None:
+        """One AdamW step of both halves."""
+        if not self._staged:
+            self.stage_grads()
+        self._staged = False
+        if self.device_optim is not None:
+            self.device_optim.step()
+        if self.cpu_optim is None:
+            return
         self.cpu_optim.step()
         for _, p, master in self.offloaded:
             # From pinned memory this copy is asynchronous and stream-ordered before the next forward.
