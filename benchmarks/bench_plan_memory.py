@@ -166,7 +166,7 @@ def main() -> None:
     gpu_gb = torch.cuda.get_device_properties(0).total_memory / GB if device.type == "cuda" else 80.0
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"device {name} ({gpu_gb:.1f} GB), compile={not args.eager and device.type == 'cuda'}")
-    print(f"{'case':<28}{'predicted':>10}{'measured':>10}{'error':>8}  predicted parts (GB)")
+    print(f"{'case':<30}{'predicted':>10}{'measured':>10}{'error':>8}  predicted parts (GB)")
     for case in cases:
         model, n, ac, f, micro_batches = parse_case(case)
         predicted, parts = predict(SHAPES[model], n, ac, f, micro_batches, gpu_gb, compiled=not args.eager)
