@@ -1,12 +1,12 @@
 """The phases of one pipeline stage's training step and the GPU memory of each (docs/plan.md, section 2).
 
-`stage_memory` returns the peak over three moments of a backward pass of rlloom's training engine,
+`stage_memory` returns the peak over four moments of a backward pass of rlloom's training engine,
 each of which can be the step's peak: "head" (the logprob head's backward runs first, while every
 activation is still saved), "layers" (a decoder layer's backward: gathered layers, recomputed
-activations, the layer's gradient reduce) and "reduce" (the end of backward, when every fp32
-gradient exists and the root unit's gradients are reduced). Between them memory moves linearly
-(a layer's gradients appear as its activations go), so the peak is at one of them. Measured on an
-H200 with the CUDA allocator's trace: docs/plan.md lists what was alive at each peak.
+activations), "layer reduce" (that layer's gradient reduce) and "reduce" (the end of backward, when
+every fp32 gradient exists and the root unit's gradients are reduced). Between them memory moves
+linearly (a layer's gradients appear as its activations go), so the peak is at one of them. Checked
+against an H200's allocator trace: docs/plan.md lists what was alive at each measured peak.
 """
 
 from __future__ import annotations
