@@ -143,6 +143,19 @@ def stage_memory(
             NCCL_BUFFERS_GB * GB if layout.world > 1 else 0.0,
         ),
     }
+    if work.step_snapshot:
+        # the optimizer step: the engine copied the parameter shards and the on-GPU optimizer state
+        # before it (to roll back non-finite weights) and checks each new parameter with isfinite,
+        # whose abs (fp32) and three bool temporaries of the largest tensor coexist
+        fsdp_vh = costs.vocab_size * costs.hidden_size / shard if root else 0.0
+        largest = max(fsdp_vh, layer / 3 / fsdp)  # a layer's largest matrix: about a third of it
+        phases["step"] = Breakdown(
+            2 * shards,
+            4 * per_gpu,
+            2 * optimizer,
+            0.0,
+            (4 + 3) * largest + (NCCL_BUFFERS_GB * GB if layout.world > 1 else 0.0),
+        )
     if is_last:
         # the logprob head's backward, before any layer's: every saved activation, the final norm's
         # fp32 input and bf16 output, the fp32 weight-gradient accumulator, and as buffers the
