@@ -4,7 +4,8 @@
 each of which can be the step's peak: "head" (the logprob head's backward runs first, while every
 activation is still saved), "layers" (a decoder layer's backward: gathered layers, recomputed
 activations), "layer reduce" (that layer's gradient reduce) and "reduce" (the end of backward, when
-every fp32 gradient exists and the root unit's gradients are reduced). Between them memory moves
+every fp32 gradient exists and the root unit's gradients are reduced), and with `step_snapshot`
+"step" (the optimizer step beside its rollback copy). Between them memory moves
 linearly (a layer's gradients appear as its activations go), so the peak is at one of them. Checked
 against an H200's allocator trace: docs/plan.md lists what was alive at each measured peak.
 """
