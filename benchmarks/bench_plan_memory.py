@@ -2,14 +2,17 @@
 
 For each case: random weights of a dense Qwen3 shape, rlloom's training engine on one GPU (FSDP2,
 fp32 master weights, bf16 compute, the default torch.compile of the decoder layers), a batch of
-1024-token sequences (a quarter prompt) that fills exactly one micro-batch of TOKENS tokens, and
-two optimizer steps, each case in a fresh process; the measured peak is torch.cuda.max_memory_allocated of the second step
-(AdamW moments exist by then). The prediction is `rlloom.plan.memory.estimate` for the same
-single-GPU layout (tp=pp=cp=ep=1, dp=1) without a rollout engine; error = predicted / measured - 1.
+1024-token sequences (a quarter prompt) that fills exactly MICRO_BATCHES micro-batches of TOKENS
+tokens (default 1; from 2 on, backward runs beside the accumulated gradients), and two optimizer
+steps, each case in a fresh process; the measured peak is torch.cuda.max_memory_allocated of the
+second step (AdamW moments exist by then). The prediction is `rlloom.plan.memory.estimate` for the
+same single-GPU layout (tp=pp=cp=ep=1, dp=1) without a rollout engine, with the head computing
+logprobs of 3/4 of the tokens; error = predicted / measured - 1.
 
     python benchmarks/bench_plan_memory.py            # the default cases (each under 65 GB predicted)
     python benchmarks/bench_plan_memory.py --eager    # without torch.compile
     python benchmarks/bench_plan_memory.py --case qwen3-4b:8192:full:1.0   # model:tokens:ac:offload
+    python benchmarks/bench_plan_memory.py --case qwen3-1.7b:8192:off:0.5:2  # ...:micro_batches
     python benchmarks/bench_plan_memory.py --tiny     # a tiny shape on CPU: checks the script runs
 """
 
@@ -56,13 +59,18 @@ DEFAULT_CASES = (
     "qwen3-1.7b:8192:off:0.5",
     "qwen3-4b:8192:full:0.5",
     "qwen3-4b:8192:full:1.0",
+    "qwen3-1.7b:16384:full:1.0:2",
+    "qwen3-1.7b:8192:off:0.5:2",
 )
 SEQ_LEN = 1024
+RESPONSE_FRACTION = 0.75
+"""Of each sequence, the response (whose logprobs the head computes); the rest is the prompt."""
 
 
-def make_batch(tokens: int, vocab: int, seed: int = 0) -> RolloutBatch:
+def make_batch(tokens: int, vocab: int, micro_batches: int = 1, seed: int = 0) -> RolloutBatch:
     rng = random.Random(seed)
     lengths = [SEQ_LEN] * (tokens // SEQ_LEN) + ([tokens % SEQ_LEN] if tokens % SEQ_LEN else [])
+    lengths *= micro_batches
     return RolloutBatch(
         [
             Sample(
@@ -74,7 +82,15 @@ def make_batch(tokens: int, vocab: int, seed: int = 0) -> RolloutBatch:
     )
 
 
-def measure(shape: dict, tokens: int, ac: str, offload: float, device: torch.device, compile_: bool) -> float:
+def measure(
+    shape: dict,
+    tokens: int,
+    ac: str,
+    offload: float,
+    micro_batches: int,
+    device: torch.device,
+    compile_: bool,
+) -> float:
     """Peak allocated GB of the second train step (nan off CUDA)."""
     cfg = TrainEngineConfig(
         lr=1e-6,
@@ -92,7 +108,7 @@ def measure(shape: dict, tokens: int, ac: str, offload: float, device: torch.dev
             p.normal_(0, 0.02) if p.ndim >= 2 else p.fill_(1.0)
     model.init_buffers()
     engine = NativeTrainEngine(cfg, model, device=device)
-    batch = make_batch(tokens, shape["vocab_size"])
+    batch = make_batch(tokens, shape["vocab_size"], micro_batches)
     mask = batch.response_mask()
 
     def loss_fn(logp_bT, entropy_bT, rows):
@@ -106,19 +122,30 @@ def measure(shape: dict, tokens: int, ac: str, offload: float, device: torch.dev
 
 
 def predict(
-    shape: dict, tokens: int, ac: str, offload: float, gpu_gb: float, compiled: bool
+    shape: dict,
+    tokens: int,
+    ac: str,
+    offload: float,
+    micro_batches: int,
+    gpu_gb: float,
+    compiled: bool,
+    step_snapshot: bool = True,
 ) -> tuple[float, str]:
     costs = model_costs(ModelArgs.from_hf_config(shape))
     work = Workload(
         max_tokens_per_gpu=tokens,
         recompute="none" if ac == "off" else "full",
         logprob_chunk_tokens=TrainEngineConfig().logprob_chunk_tokens,
+        response_fraction=RESPONSE_FRACTION,
+        micro_batches=micro_batches,
+        step_snapshot=step_snapshot,
         compiled=compiled,
         colocated_rollout=False,
     )
     est = estimate(costs, Layout(offload_fraction=offload), Hardware(gpus=1, gpu_memory_gb=gpu_gb), work)
     bd = est.breakdown
     parts = f"p{bd.params:.1f} g{bd.grads:.1f} o{bd.optimizer:.1f} a{bd.activations:.1f} b{bd.buffers:.1f}"
+    parts += f" at {est.peak_phase}"
     return est.gpu_memory_gb, parts
 
 
@@ -126,33 +153,40 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--case", action="append", help="model:tokens:ac:offload (repeatable)")
+    parser.add_argument(
+        "--case", action="append", help="model:tokens:ac:offload[:micro_batches] (repeatable)"
+    )
     parser.add_argument("--eager", action="store_true", help="no torch.compile of the decoder layers")
     parser.add_argument("--tiny", action="store_true", help="tiny shape on CPU (checks the script runs)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # measure one case in this process
     args = parser.parse_args()
     if args.one:
-        model, tokens, ac, offload = args.one.split(":")
+        model, tokens, ac, offload, micro_batches = parse_case(args.one)
         device = torch.device("cpu" if model == "tiny" else "cuda")
         print(
             json.dumps(
-                {"peak": measure(SHAPES[model], int(tokens), ac, float(offload), device, not args.eager)}
+                {"peak": measure(SHAPES[model], tokens, ac, offload, micro_batches, device, not args.eager)}
             )
         )
         return
     device = torch.device("cpu" if args.tiny else "cuda")
-    cases = ["tiny:512:off:0", "tiny:512:full:1.0"] if args.tiny else (args.case or list(DEFAULT_CASES))
+    cases = ["tiny:512:off:0", "tiny:512:full:1.0:2"] if args.tiny else (args.case or list(DEFAULT_CASES))
     gpu_gb = torch.cuda.get_device_properties(0).total_memory / GB if device.type == "cuda" else 80.0
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"device {name} ({gpu_gb:.1f} GB), compile={not args.eager and device.type == 'cuda'}")
-    print(f"{'case':<28}{'predicted':>10}{'measured':>10}{'error':>8}  predicted parts (GB)")
+    print(f"{'case':<30}{'predicted':>10}{'measured':>10}{'error':>8}  predicted parts (GB)")
     for case in cases:
-        model, tokens, ac, offload = case.split(":")
-        shape, n, f = SHAPES[model], int(tokens), float(offload)
-        predicted, parts = predict(shape, n, ac, f, gpu_gb, compiled=not args.eager)
+        model, n, ac, f, micro_batches = parse_case(case)
+        predicted, parts = predict(SHAPES[model], n, ac, f, micro_batches, gpu_gb, compiled=not args.eager)
         measured = _measure_in_child(case, args.eager)
         error = f"{predicted / measured - 1:+.1%}" if measured == measured else "-"
-        print(f"{case:<28}{predicted:>10.2f}{measured:>10.2f}{error:>8}  {parts}", flush=True)
+        print(f"{case:<30}{predicted:>10.2f}{measured:>10.2f}{error:>8}  {parts}", flush=True)
+
+
+def parse_case(case: str) -> tuple[str, int, str, float, int]:
+    """model:tokens:ac:offload[:micro_batches] -> (model, tokens, ac, offload, micro_batches)."""
+    model, tokens, ac, offload, *rest = case.split(":")
+    return model, int(tokens), ac, float(offload), int(rest[0]) if rest else 1
 
 
 def _measure_in_child(case: str, eager: bool) -> float:

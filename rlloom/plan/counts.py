@@ -91,7 +91,9 @@ def _attention(args: ModelArgs) -> tuple[int, int, int]:
     if args.qk_norm:
         params += 2 * d
     qkv = a * d + 2 * k * d
-    none = 2 * h + qkv + (a * d + k * d) + a * d  # norm in/out, q/k/v, q/k after norm+RoPE, output
+    # norm in/out, q/k/v, q/k after norm+RoPE, the attention output and its copy in the output
+    # projection's layout (measured on an H200 with torch.compile: docs/plan.md, section 2)
+    none = 2 * h + qkv + (a * d + k * d) + 2 * a * d
     selective = h + qkv + a * d
     return params, none, selective
 

@@ -14,27 +14,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from rlloom.plan.counts import LayerCost, ModelCosts
-from rlloom.plan.stages import layer_kinds, stage_ranges
+from rlloom.plan.counts import ModelCosts
+from rlloom.plan.phases import GB, Breakdown, stage_memory
+from rlloom.plan.stages import stage_ranges
 
-GB = float(1 << 30)
 Recompute = Literal["full", "selective", "none"]
 RESERVED_GB = 2.0
 """Per-GPU memory that is not the allocator's: CUDA context, NCCL, cuBLAS workspaces."""
 FRAGMENTATION = 0.05
 """Fraction of the rest lost to allocator fragmentation."""
-NCCL_BUFFERS_GB = 0.5
-"""Communication buffers of NCCL when more than one GPU takes part."""
 HOST_OVERHEAD_GB_PER_GPU = 24.0
 """Host memory of one GPU's worker process besides model state (Python, torch, CUDA host side,
 rollout engine, data)."""
 ROLLOUT_WEIGHTS_FRACTION = 0.5
 """The rollout shards its weights over the fewest GPUs (a power of two) that keep them under this
 fraction of a GPU, as verl does (tensor parallel 32 for DeepSeek-V3 on 96 GB)."""
-EAGER_ACTIVATION_FACTOR = 1.45
-"""Saved activations of an eager (not compiled) decoder layer over the counted ones: eager keeps the
-norms' fp32 intermediates, the SiLU output, RoPE tables and attention layout copies (measured with
-saved-tensor hooks, tests/plan/test_plan_activations.py: 1.24-1.49)."""
 ROLLOUT_MEMORY_UTILIZATION = 0.85
 """Fraction of a GPU the rollout engine takes for weights plus KV cache."""
 
@@ -91,6 +85,17 @@ class Workload:
     recompute_every_k: int = 1
     """With full recompute: checkpoint every k-th layer (rlloom's activation_checkpointing=every_k)."""
     logprob_chunk_tokens: int = 4096
+    response_fraction: float = 1.0
+    """Fraction of a micro-batch's tokens whose logprob the head computes (the response tokens);
+    1.0 bounds it."""
+    step_snapshot: bool = False
+    """Before each optimizer step the engine copies its parameter shards and optimizer state, in the
+    memory they live in, to roll back a step that writes non-finite weights (rlloom's
+    engines/train/native/rollback.py: the trainer's check sets it). Off for the layouts `rlloom plan`
+    searches, which assume a step without that GPU copy (docs/plan.md, section 2)."""
+    micro_batches: int = 2
+    """Micro-batches per optimizer step on a GPU. From the second one on, each backward runs beside
+    the fp32 gradients the earlier ones accumulated (so 2 and more peak alike); 1 is a step of one."""
     compiled: bool = True
     """Decoder layers run torch.compile'd (rlloom's default on CUDA); eager ones save more."""
     colocated_rollout: bool = True
@@ -105,21 +110,6 @@ class Workload:
     """The rollout's KV-cache memory per GPU; 0 takes what ROLLOUT_MEMORY_UTILIZATION leaves."""
     rollout_kv_on_gpu: bool = False
     """The KV cache stays allocated while training (rlloom's rollout.sleep_during_train=false)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Breakdown:
-    """GB of one GPU at the training peak."""
-
-    params: float
-    grads: float
-    optimizer: float
-    activations: float
-    buffers: float
-
-    @property
-    def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +132,10 @@ class Estimate:
     rollout: RolloutMemory | None
     problems: tuple[str, ...] = field(default=())
     """Why it does not fit; empty when it fits."""
+    peak_phase: str = "head"
+    """When the peak stage peaks: "head" (the logprob head's backward, every activation still
+    saved), "layers" (a decoder layer's backward) or "reduce" (the root unit's gradient reduce at
+    the end of backward, every gradient present)."""
 
     @property
     def gpu_memory_gb(self) -> float:
@@ -150,71 +144,6 @@ class Estimate:
     @property
     def fits(self) -> bool:
         return not self.problems
-
-
-def _saved_per_token(layer: LayerCost, hidden: int, work: Workload, checkpointed: bool) -> int:
-    if work.recompute == "none" or (work.recompute == "full" and not checkpointed):
-        return layer.act_none
-    if work.recompute == "selective":
-        return layer.act_selective
-    return hidden  # full recompute keeps only the layer's input
-
-
-def _stage_memory(
-    costs: ModelCosts, layers: range, stage: int, layout: Layout, work: Workload
-) -> tuple[Breakdown, float]:
-    """(peak breakdown, parameters per GPU) of one stage."""
-    is_first, is_last = stage == 0, stage == layout.pp - 1
-    shard = layout.tp * layout.cp * layout.dp  # FSDP x TP (dense) = EP x expert FSDP (experts)
-    present = layer_kinds(costs, layers)
-    root = (costs.embed_params if is_first else 0) + (costs.head_params if is_last else 0)
-    if costs.tied and is_first and is_last:  # one tensor is both the embedding and the head
-        root -= costs.embed_params
-    stage_params = sum(n * (c.dense_params + c.expert_params) for c, n in present) + root
-    per_gpu = stage_params / shard
-    gathered_layer = max(c.dense_params / layout.tp + c.expert_params / layout.ep for c, _ in present)
-    gathered_root = root / layout.tp
-    head_per_gpu = costs.vocab_size * costs.hidden_size / layout.tp if is_last else 0.0
-
-    f = layout.offload_fraction
-    # fp32 shard + bf16 root kept gathered for the step + two gathered layers (current, prefetch)
-    params = 4 * per_gpu + 2 * gathered_root + 2 * 2 * gathered_layer
-    # fp32 shard + one layer's unsharded bf16 grads and fp32 reduce-scatter input + the head's fp32
-    # weight-gradient accumulator (logprob head) and the root's bf16/fp32 copies at its backward
-    grads = 4 * per_gpu + 6 * gathered_layer + (4 + 6) * head_per_gpu
-    optimizer = 8 * (1 - f) * per_gpu
-
-    t = work.max_tokens_per_gpu / (layout.tp * layout.cp)  # tokens per GPU (sequence parallel)
-    in_flight = layout.pp - stage  # 1F1B: the first stage holds pp micro-batches
-    if work.recompute_every_k == 1:
-        saved = sum(n * _saved_per_token(c, costs.hidden_size, work, True) for c, n in present)
-    else:  # every k-th layer of the stage is checkpointed
-        saved = sum(
-            _saved_per_token(
-                costs.layers[i], costs.hidden_size, work, (i - layers.start) % work.recompute_every_k == 0
-            )
-            for i in layers
-        )
-    largest = max(c.act_none for c, _ in present)
-    working = largest * (1.5 if work.recompute == "full" else 0.5)  # recomputed layer + its grads
-    activations = 2 * t * (saved * in_flight + working) * (1.0 if work.compiled else EAGER_ACTIVATION_FACTOR)
-    if is_first:
-        activations += 2 * t * costs.hidden_size * in_flight  # embedding output
-
-    buffers = 0.0
-    seq = work.max_tokens_per_gpu / layout.cp
-    if is_last:  # logprob head: bf16 logits + bf16 logit grads of a chunk, final hidden and its grad
-        chunk = min(work.logprob_chunk_tokens, seq)
-        buffers += chunk * costs.vocab_size / layout.tp * (2 + 2) + 2 * 2 * seq * costs.hidden_size
-    if layout.tp > 1:  # sequence-parallel all-gather of a layer input
-        buffers += 2 * 2 * seq * costs.hidden_size
-    if layout.ep > 1 and any(c.is_moe for c, _ in present):  # all-to-all send and receive
-        buffers += 2 * 2 * t * costs.top_k * costs.hidden_size
-    if layout.pp > 1:  # p2p activation and gradient buffers
-        buffers += 2 * 2 * t * costs.hidden_size
-    buffers += NCCL_BUFFERS_GB * GB if layout.world > 1 else 0.0
-    bd = Breakdown(params / GB, grads / GB, optimizer / GB, activations / GB, buffers / GB)
-    return bd, per_gpu
 
 
 def rollout_memory(costs: ModelCosts, hw: Hardware, work: Workload) -> RolloutMemory | None:
@@ -246,22 +175,23 @@ def estimate(costs: ModelCosts, layout: Layout, hw: Hardware, work: Workload) ->
     )
     if layout.pp > 1:
         layout = replace(layout, pp_first_stage_layers=len(stages[0]), pp_last_stage_layers=len(stages[-1]))
-    results = [_stage_memory(costs, r, s, layout, work) for s, r in enumerate(stages)]
+    results = [stage_memory(costs, r, s, layout, work) for s, r in enumerate(stages)]
     rollout = rollout_memory(costs, hw, work)
     # what the rollout keeps on the GPU while training: its weights (params), its KV cache (buffers)
     weights_kept = rollout.weights_gb if rollout and work.rollout_weights_on_gpu else 0.0
     kv_kept = rollout.kv_cache_gb if rollout and work.rollout_kv_on_gpu else 0.0
-    peaks = [bd.total + weights_kept + kv_kept for bd, _ in results]
+    peaks = [bd.total + weights_kept + kv_kept for bd, _, _ in results]
     worst = max(range(len(peaks)), key=peaks.__getitem__)
-    breakdown = results[worst][0]
+    breakdown, phase, _ = results[worst]
     breakdown = replace(
         breakdown, params=breakdown.params + weights_kept, buffers=breakdown.buffers + kv_kept
     )
-    # Host per GPU: offloaded fp32 master + moments + pinned fp32 gradient staging; while the
+    # Host per GPU: offloaded fp32 master + moments + pinned fp32 gradient staging (and the step
+    # snapshot's copy of the master and moments); while the
     # rollout runs, the training engine's GPU state (fp32 shards and moments) waits on the host;
     # while training runs, the rollout's weights do (unless they stay on the GPU).
-    per_gpu = max(p for _, p in results)
-    offloaded = 16 * layout.offload_fraction * per_gpu
+    per_gpu = max(p for _, _, p in results)
+    offloaded = (16 + (12 if work.step_snapshot else 0)) * layout.offload_fraction * per_gpu
     during_rollout = (4 + 8 * (1 - layout.offload_fraction)) * per_gpu if rollout else 0.0
     during_train = rollout.weights_gb * GB if rollout and not work.rollout_weights_on_gpu else 0.0
     host_per_gpu = offloaded + max(during_rollout, during_train) + HOST_OVERHEAD_GB_PER_GPU * GB
@@ -273,6 +203,7 @@ def estimate(costs: ModelCosts, layout: Layout, hw: Hardware, work: Workload) ->
         cpu_memory_gb_per_node=host,
         rollout=rollout,
         problems=tuple(_problems(max(peaks), host, rollout, hw, work)),
+        peak_phase=phase,
     )
 
 

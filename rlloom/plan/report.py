@@ -4,7 +4,8 @@ or one JSON object. Exit codes: 0 a layout fits (or was found), 1 nothing fits, 
 JSON fields (a contract, issue 18): fits, gpu_memory_gb, cpu_memory_gb_per_node, layout {tp, pp, cp,
 ep, dp, offload_fraction, pp_first_stage_layers, pp_last_stage_layers}, breakdown {params, grads,
 optimizer, activations, buffers}, rollout {model_parallel, weights_gb, kv_cache_gb,
-kv_cache_tokens}; also reason, step_seconds, stage_peaks_gb, problems, suggestion, alternatives.
+kv_cache_tokens}; also peak_phase, reason, step_seconds, stage_peaks_gb, problems, suggestion,
+alternatives.
 """
 
 from __future__ import annotations
@@ -170,6 +171,7 @@ def to_json(answer: PlanAnswer, costs: ModelCosts) -> dict[str, Any]:
             "pp_last_stage_layers": lay.pp_last_stage_layers or len(costs.layers),
         },
         "breakdown": {k: round(v, 2) for k, v in asdict(est.breakdown).items()},
+        "peak_phase": est.peak_phase,
         "rollout": None if est.rollout is None else {k: _round(v) for k, v in asdict(est.rollout).items()},
         "stage_peaks_gb": [round(x, 2) for x in est.stage_peaks_gb],
         "step_seconds": round(answer.chosen.cost.seconds, 3),
@@ -211,7 +213,7 @@ def format_table(
         f"layout    {est.layout.short()}",
         f"fits      {'yes' if answer.fits else 'NO'}",
         f"GPU peak  {est.gpu_memory_gb:.1f} GB of {hw.usable_gpu_gb:.1f} GB usable "
-        f"(stages: {' '.join(f'{x:.0f}' for x in est.stage_peaks_gb)})",
+        f"(stages: {' '.join(f'{x:.0f}' for x in est.stage_peaks_gb)}; at the {est.peak_phase} phase)",
         f"  params {bd.params:.1f}  grads {bd.grads:.1f}  optimizer {bd.optimizer:.1f}  "
         f"activations {bd.activations:.1f}  buffers {bd.buffers:.1f}",
         f"host      {est.cpu_memory_gb_per_node:.0f} GB per node",

@@ -18,7 +18,7 @@ import torch
 from rlloom.models.args import ModelArgs
 from rlloom.models.checkpoint import build_model
 from rlloom.plan.counts import model_costs
-from rlloom.plan.memory import EAGER_ACTIVATION_FACTOR
+from rlloom.plan.phases import EAGER_ACTIVATION_FACTOR
 
 CONFIGS = Path(__file__).parent / "configs"
 SMALL = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 4}

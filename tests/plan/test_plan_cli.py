@@ -43,6 +43,7 @@ def test_verl_recommended_layouts_fit_on_96gb(capsys, model, gpus, check):
     assert code == 0 and out["fits"], out["problems"]
     assert out["layout"]["dp"] * out["layout"]["tp"] * out["layout"]["pp"] * out["layout"]["cp"] == gpus
     assert set(out["breakdown"]) == {"params", "grads", "optimizer", "activations", "buffers"}
+    assert out["peak_phase"] in ("head", "layers", "layer reduce", "reduce")
     assert out["rollout"]["weights_gb"] > 0 and out["rollout"]["kv_cache_tokens"] >= int(VERL_TOKENS)
     if out["layout"]["pp"] > 1:  # the head makes the last stage the heaviest per layer: fewer layers
         assert out["layout"]["pp_last_stage_layers"] < out["layout"]["pp_first_stage_layers"]

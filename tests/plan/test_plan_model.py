@@ -90,9 +90,17 @@ def test_activations_follow_recompute_tp_cp_and_pipeline_in_flight():
 
 
 def test_logprob_head_buffers_scale_with_the_chunk_and_vocab_over_tp():
-    small = _peak("qwen3-8b", Layout(), logprob_chunk_tokens=1024).breakdown.buffers
-    large = _peak("qwen3-8b", Layout(), logprob_chunk_tokens=4096).breakdown.buffers
-    assert large - small == pytest.approx(3072 * 151936 * 4 / 2**30)
+    # without recompute the head's backward (every activation still saved) is the peak; from the
+    # second chunk on, a chunk's bf16 logits and logit gradient and the previous chunk's gradient
+    small, large = (
+        _peak("qwen3-8b", Layout(dp=8), recompute="none", logprob_chunk_tokens=c) for c in (2048, 4096)
+    )
+    assert small.peak_phase == large.peak_phase == "head"
+    assert large.breakdown.buffers - small.breakdown.buffers == pytest.approx(3 * 2048 * 151936 * 2 / 2**30)
+    tp2 = _peak("qwen3-8b", Layout(tp=2, dp=4), recompute="none", logprob_chunk_tokens=4096)
+    assert tp2.peak_phase == "head"
+    chunks, hidden = 3 * 4096 * 151936 * 2 / 2**30, 2 * 2 * 8192 * 4096 / 2**30  # hidden: selected + grad
+    assert tp2.breakdown.buffers - 0.5 - 2 * 2 * 8192 * 4096 / 2**30 == pytest.approx(chunks / 2 + hidden)
 
 
 def test_rollout_weights_and_kv_cache():

@@ -1,0 +1,175 @@
+"""The phases of one pipeline stage's training step and the GPU memory of each (docs/plan.md, section 2).
+
+`stage_memory` returns the peak over four moments of a backward pass of rlloom's training engine,
+each of which can be the step's peak: "head" (the logprob head's backward runs first, while every
+activation is still saved), "layers" (a decoder layer's backward: gathered layers, recomputed
+activations), "layer reduce" (that layer's gradient reduce) and "reduce" (the end of backward, when
+every fp32 gradient exists and the root unit's gradients are reduced), and with `step_snapshot`
+"step" (the optimizer step beside its rollback copy). Between them memory moves
+linearly (a layer's gradients appear as its activations go), so the peak is at one of them. Checked
+against an H200's allocator trace: docs/plan.md lists what was alive at each measured peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass
+from typing import TYPE_CHECKING
+
+from rlloom.plan.counts import LayerCost, ModelCosts
+from rlloom.plan.stages import layer_kinds
+
+if TYPE_CHECKING:
+    from rlloom.plan.memory import Layout, Workload
+
+GB = float(1 << 30)
+NCCL_BUFFERS_GB = 0.5
+"""Communication buffers of NCCL when more than one GPU takes part."""
+EAGER_ACTIVATION_FACTOR = 1.4
+"""Saved activations of an eager (not compiled) decoder layer over the counted ones: eager keeps the
+norms' fp32 intermediates, the SiLU output, RoPE tables and attention layout copies (measured with
+saved-tensor hooks, tests/plan/test_plan_activations.py: 1.24-1.40 for MLA, dense, MoE)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Breakdown:
+    """GB of one GPU at the training peak."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+
+def _saved_per_token(layer: LayerCost, hidden: int, work: Workload, checkpointed: bool) -> int:
+    if work.recompute == "none" or (work.recompute == "full" and not checkpointed):
+        return layer.act_none
+    if work.recompute == "selective":
+        return layer.act_selective
+    return hidden  # full recompute keeps only the layer's input
+
+
+def _head_chunk_tokens(selected: float, chunk: int) -> float:
+    """Tokens' worth of [chunk, V] bf16 tensors alive at once in the logprob head's backward: a
+    chunk's logits and logit gradient, and from the second chunk on the previous chunk's gradient too
+    (rebound only once the new one exists)."""
+    first = min(chunk, selected)
+    second = min(chunk, max(0.0, selected - chunk))
+    return max(2 * first, first + 2 * second) if second else 2 * first
+
+
+def stage_memory(
+    costs: ModelCosts, layers: range, stage: int, layout: Layout, work: Workload
+) -> tuple[Breakdown, str, float]:
+    """(breakdown at the peak, the phase it is in, parameters per GPU) of one stage."""
+    is_first, is_last = stage == 0, stage == layout.pp - 1
+    shard = layout.tp * layout.cp * layout.dp  # FSDP x TP (dense) = EP x expert FSDP (experts)
+    present = layer_kinds(costs, layers)
+    root = (costs.embed_params if is_first else 0) + (costs.head_params if is_last else 0)
+    if costs.tied and is_first and is_last:  # one tensor is both the embedding and the head
+        root -= costs.embed_params
+    stage_params = sum(n * (c.dense_params + c.expert_params) for c, n in present) + root
+    per_gpu = stage_params / shard
+    layer = max(c.dense_params / layout.tp + c.expert_params / layout.ep for c, _ in present)
+    root_gpu = root / layout.tp  # the root unit (embedding, final norm, head) as one GPU gathers it
+    head_gpu = costs.vocab_size * costs.hidden_size / layout.tp if is_last else 0.0
+    earlier = 4 * per_gpu if work.micro_batches > 1 else 0.0  # gradients of the earlier micro-batches
+
+    shards = 4 * per_gpu  # fp32 parameter shards: the master weights FSDP2 gathers from
+    optimizer = 8 * (1 - layout.offload_fraction) * per_gpu
+    gathered_root = 2 * root_gpu  # bf16, gathered for the whole forward and backward
+
+    t = work.max_tokens_per_gpu / (layout.tp * layout.cp)  # tokens per GPU (sequence parallel)
+    seq = work.max_tokens_per_gpu / layout.cp
+    in_flight = layout.pp - stage  # 1F1B: the first stage holds pp micro-batches
+    if work.recompute_every_k == 1:
+        saved = sum(n * _saved_per_token(c, costs.hidden_size, work, True) for c, n in present)
+    else:  # every k-th layer of the stage is checkpointed
+        saved = sum(
+            _saved_per_token(
+                costs.layers[i], costs.hidden_size, work, (i - layers.start) % work.recompute_every_k == 0
+            )
+            for i in layers
+        )
+    eager = 1.0 if work.compiled else EAGER_ACTIVATION_FACTOR
+    activations = 2 * t * saved * in_flight * eager
+    largest = max(c.act_none for c, _ in present)
+    working = 2 * t * largest * (1.5 if work.recompute == "full" else 0.5) * eager  # recomputed + grads
+
+    comm = NCCL_BUFFERS_GB * GB if layout.world > 1 else 0.0
+    if layout.tp > 1:  # sequence-parallel all-gather of a layer input
+        comm += 2 * 2 * seq * costs.hidden_size
+    if layout.ep > 1 and any(c.is_moe for c, _ in present):  # all-to-all send and receive
+        comm += 2 * 2 * t * costs.top_k * costs.hidden_size
+    if layout.pp > 1:  # p2p activation and gradient buffers
+        comm += 2 * 2 * t * costs.hidden_size
+
+    fsdp = layout.cp * layout.dp
+
+    def reduce_extra(unit: float) -> float:
+        """Bytes of one unit's gradient reduce beyond the fp32 gradients (`unit`: its parameters as
+        one GPU gathers them): the fp32 reduce input; on a single FSDP rank torch also materialises
+        `input / divide_factor`; from the second micro-batch on the output exists before it is added."""
+        return 4 * unit * (2 if fsdp == 1 else 1) + (4 * unit / fsdp if work.micro_batches > 1 else 0.0)
+
+    phases = {
+        # a decoder layer's backward: it and the prefetched next layer gathered in bf16, its bf16
+        # gradients, the previous layer's reduce input (kept until this layer reduces), the head's
+        # bf16 weight gradient (reduced with the root at the end), recomputed activations and grads
+        "layers": Breakdown(
+            shards + gathered_root + 2 * 2 * layer,
+            earlier + 2 * head_gpu + (2 + 4) * layer,
+            optimizer,
+            activations + working,
+            comm,
+        ),
+        # that layer's gradient reduce, once it is resharded: the prefetched layer and the reduce
+        "layer reduce": Breakdown(
+            shards + gathered_root + 2 * layer,
+            earlier + 2 * head_gpu + reduce_extra(layer),
+            optimizer,
+            activations,
+            comm,
+        ),
+        # end of backward, the root unit's reduce (after its reshard): every fp32 gradient
+        "reduce": Breakdown(
+            shards,
+            4 * per_gpu + reduce_extra(root_gpu),
+            optimizer,
+            0.0,
+            NCCL_BUFFERS_GB * GB if layout.world > 1 else 0.0,
+        ),
+    }
+    if work.step_snapshot:
+        # the optimizer step: the engine copied the parameter shards and the on-GPU optimizer state
+        # before it (to roll back non-finite weights) and checks each new parameter with isfinite,
+        # whose abs (fp32) and three bool temporaries of the largest tensor coexist
+        fsdp_vh = costs.vocab_size * costs.hidden_size / shard if root else 0.0
+        largest = max(fsdp_vh, layer / 3 / fsdp)  # a layer's largest matrix: about a third of it
+        phases["step"] = Breakdown(
+            2 * shards,
+            4 * per_gpu,
+            2 * optimizer,
+            0.0,
+            (4 + 3) * largest + (NCCL_BUFFERS_GB * GB if layout.world > 1 else 0.0),
+        )
+    if is_last:
+        # the logprob head's backward, before any layer's: every saved activation, the final norm's
+        # fp32 input and bf16 output, the fp32 weight-gradient accumulator, and as buffers the
+        # selected hidden states and their gradient and the [chunk, V] bf16 logits and gradients
+        selected = work.response_fraction * seq
+        chunks = _head_chunk_tokens(selected, work.logprob_chunk_tokens)
+        phases["head"] = Breakdown(
+            shards + gathered_root,
+            earlier + 4 * head_gpu,
+            optimizer,
+            activations + (4 + 2) * t * costs.hidden_size,
+            comm + 2 * 2 * selected * costs.hidden_size + 2 * chunks * costs.vocab_size / layout.tp,
+        )
+    phase = max(phases, key=lambda name: phases[name].total)
+    bd = phases[phase]
+    return Breakdown(*(x / GB for x in astuple(bd))), phase, per_gpu

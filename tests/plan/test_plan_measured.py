@@ -1,0 +1,41 @@
+"""The memory model against training peaks measured on an H200 (benchmarks/bench_plan_memory.py).
+
+Each case is a dense Qwen3 shape trained by rlloom's engine on one GPU (torch 2.11, CUDA 13,
+torch.compile on): `python benchmarks/bench_plan_memory.py --case MODEL:TOKENS:AC:OFFLOAD[:MICRO_BATCHES]`
+prints the measured `torch.cuda.max_memory_allocated` of the second step (GB = 2**30 bytes). The
+phase is where the CUDA allocator's trace put the peak (docs/plan.md, section 6). The issue asks for
+10%; the model is held to 2%, so a regression in any term shows.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+from bench_plan_memory import SHAPES, parse_case, predict  # noqa: E402
+
+# case: (GB measured on one H200, peak phase seen in the allocator trace, engine with the step
+# snapshot of rlloom/engines/train/native/rollback.py); the first seven ran before that was merged
+MEASURED = {
+    "qwen3-0.6b:8192:off:0": (20.53, "head", False),
+    "qwen3-1.7b:16384:full:0": (28.03, "reduce", False),
+    "qwen3-1.7b:16384:full:1.0": (15.20, "reduce", False),
+    "qwen3-4b:8192:full:0.5": (48.10, "reduce", False),
+    "qwen3-1.7b:8192:off:0.5": (33.28, "head", False),
+    "qwen3-1.7b:16384:full:1.0:2": (20.14, "head", False),
+    "qwen3-1.7b:8192:off:0.5:2": (39.69, "head", False),
+    "qwen3-0.6b:8192:full:0": (16.62, "step", True),
+    "qwen3-4b:8192:full:1.0": (47.76, "step", True),
+}
+
+
+@pytest.mark.parametrize("case", list(MEASURED))
+def test_predicted_peak_is_within_2_percent_of_the_measured_one(case):
+    model, tokens, ac, offload, micro_batches = parse_case(case)
+    measured, phase, snapshot = MEASURED[case]
+    predicted, parts = predict(SHAPES[model], tokens, ac, offload, micro_batches, 139.8, True, snapshot)
+    assert predicted == pytest.approx(measured, rel=0.02), parts
+    assert parts.endswith(f"at {phase}")
