@@ -129,7 +129,6 @@ def predict(
     micro_batches: int,
     gpu_gb: float,
     compiled: bool,
-    step_snapshot: bool = True,
 ) -> tuple[float, str]:
     costs = model_costs(ModelArgs.from_hf_config(shape))
     work = Workload(
@@ -138,7 +137,6 @@ def predict(
         logprob_chunk_tokens=TrainEngineConfig().logprob_chunk_tokens,
         response_fraction=RESPONSE_FRACTION,
         micro_batches=micro_batches,
-        step_snapshot=step_snapshot,
         compiled=compiled,
         colocated_rollout=False,
     )

@@ -33,7 +33,6 @@ def run_layout(cfg: RunConfig) -> tuple[Layout, Workload]:
         recompute_every_k=every_k,
         logprob_chunk_tokens=cfg.train.logprob_chunk_tokens,
         compiled=cfg.train.compile,
-        step_snapshot=True,
         colocated_rollout=True,
         rollout_weights_on_gpu=True,
         rollout_model_parallel=1,

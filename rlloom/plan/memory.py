@@ -88,11 +88,6 @@ class Workload:
     response_fraction: float = 1.0
     """Fraction of a micro-batch's tokens whose logprob the head computes (the response tokens);
     1.0 bounds it."""
-    step_snapshot: bool = False
-    """Before each optimizer step the engine copies its parameter shards and optimizer state, in the
-    memory they live in, to roll back a step that writes non-finite weights (rlloom's
-    engines/train/native/rollback.py: the trainer's check sets it). Off for the layouts `rlloom plan`
-    searches, which assume a step without that GPU copy (docs/plan.md, section 2)."""
     micro_batches: int = 2
     """Micro-batches per optimizer step on a GPU. From the second one on, each backward runs beside
     the fp32 gradients the earlier ones accumulated (so 2 and more peak alike); 1 is a step of one."""
@@ -186,12 +181,11 @@ def estimate(costs: ModelCosts, layout: Layout, hw: Hardware, work: Workload) ->
     breakdown = replace(
         breakdown, params=breakdown.params + weights_kept, buffers=breakdown.buffers + kv_kept
     )
-    # Host per GPU: offloaded fp32 master + moments + pinned fp32 gradient staging (and the step
-    # snapshot's copy of the master and moments); while the
+    # Host per GPU: offloaded fp32 master + moments + pinned fp32 gradient staging; while the
     # rollout runs, the training engine's GPU state (fp32 shards and moments) waits on the host;
     # while training runs, the rollout's weights do (unless they stay on the GPU).
     per_gpu = max(p for _, _, p in results)
-    offloaded = (16 + (12 if work.step_snapshot else 0)) * layout.offload_fraction * per_gpu
+    offloaded = 16 * layout.offload_fraction * per_gpu
     during_rollout = (4 + 8 * (1 - layout.offload_fraction)) * per_gpu if rollout else 0.0
     during_train = rollout.weights_gb * GB if rollout and not work.rollout_weights_on_gpu else 0.0
     host_per_gpu = offloaded + max(during_rollout, during_train) + HOST_OVERHEAD_GB_PER_GPU * GB

@@ -4,8 +4,8 @@
 each of which can be the step's peak: "head" (the logprob head's backward runs first, while every
 activation is still saved), "layers" (a decoder layer's backward: gathered layers, recomputed
 activations), "layer reduce" (that layer's gradient reduce) and "reduce" (the end of backward, when
-every fp32 gradient exists and the root unit's gradients are reduced), and with `step_snapshot`
-"step" (the optimizer step beside its rollback copy). Between them memory moves
+every fp32 gradient exists and the root unit's gradients are reduced), and "step" (the optimizer
+step with the engine's trial of the update on one slice). Between them memory moves
 linearly (a layer's gradients appear as its activations go), so the peak is at one of them. Checked
 against an H200's allocator trace: docs/plan.md lists what was alive at each measured peak.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import astuple, dataclass
 from typing import TYPE_CHECKING
 
+from rlloom.engines.train.native.step_guard import TRIAL_CHUNK
 from rlloom.plan.counts import LayerCost, ModelCosts
 from rlloom.plan.stages import layer_kinds
 
@@ -144,19 +145,18 @@ def stage_memory(
             NCCL_BUFFERS_GB * GB if layout.world > 1 else 0.0,
         ),
     }
-    if work.step_snapshot:
-        # the optimizer step: the engine copied the parameter shards and the on-GPU optimizer state
-        # before it (to roll back non-finite weights) and checks each new parameter with isfinite,
-        # whose abs (fp32) and three bool temporaries of the largest tensor coexist
-        fsdp_vh = costs.vocab_size * costs.hidden_size / shard if root else 0.0
-        largest = max(fsdp_vh, layer / 3 / fsdp)  # a layer's largest matrix: about a third of it
-        phases["step"] = Breakdown(
-            2 * shards,
-            4 * per_gpu,
-            2 * optimizer,
-            0.0,
-            (4 + 3) * largest + (NCCL_BUFFERS_GB * GB if layout.world > 1 else 0.0),
-        )
+    # the optimizer step: every fp32 gradient, and the engine's trial of the update on one slice of
+    # at most TRIAL_CHUNK elements (parameter, two moments, the isfinite flags: 13 bytes an element;
+    # engines/train/native/step_guard.py) before it applies the step
+    fsdp_vh = costs.vocab_size * costs.hidden_size / shard if root else 0.0
+    largest = max(fsdp_vh, layer / 3 / fsdp)  # a layer's largest matrix: about a third of it
+    phases["step"] = Breakdown(
+        shards,
+        4 * per_gpu,
+        optimizer,
+        0.0,
+        13 * min(TRIAL_CHUNK, largest) + (NCCL_BUFFERS_GB * GB if layout.world > 1 else 0.0),
+    )
     if is_last:
         # the logprob head's backward, before any layer's: every saved activation, the final norm's
         # fp32 input and bf16 output, the fp32 weight-gradient accumulator, and as buffers the
