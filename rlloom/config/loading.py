@@ -46,6 +46,25 @@ def recipe_names() -> list[str]:
     return sorted(recipes.RECIPES)
 
 
+def _file_defaults(data: dict[str, Any], loaded: dict[str, Any], path: Path) -> None:
+    """What a YAML file means beyond its keys: paths it names are relative to its own folder
+    (`data.path`, and `model.path` when that folder holds it), its plug-in reward modules import
+    from there, and its run goes to `runs/<file name>` unless it names `trainer.run_dir` (not the
+    recipe's folder, which another run of the recipe uses)."""
+    folder = path.resolve().parent
+    named = {section: (loaded.get(section) or {}) for section in ("data", "model", "reward", "trainer")}
+    data_path = named["data"].get("path")
+    if isinstance(data_path, str) and data_path and not Path(data_path).expanduser().is_absolute():
+        data["data"]["path"] = str(folder / data_path)
+    model_path = named["model"].get("path")
+    if isinstance(model_path, str) and model_path and (folder / model_path).exists():
+        data["model"]["path"] = str(folder / model_path)
+    if "import_dir" not in named["reward"]:
+        data["reward"]["import_dir"] = str(folder)
+    if "run_dir" not in named["trainer"]:
+        data["trainer"]["run_dir"] = f"runs/{path.stem}"
+
+
 def load_config(source: str | Path, overrides: list[str] | None = None) -> RunConfig:
     """Resolve `source` (recipe name or YAML path) and apply `key.sub=value` overrides."""
     from rlloom.config import recipes
@@ -77,8 +96,7 @@ def load_config(source: str | Path, overrides: list[str] | None = None) -> RunCo
                 f"recipe={base!r} in {source} is unknown{_suggest(base, recipe_names())}. Known recipes: {', '.join(recipe_names())}."
             )
         _merge(data, loaded, RunConfig, prefix="")
-        if "import_dir" not in (loaded.get("reward") or {}):  # reward modules next to the file import
-            data["reward"]["import_dir"] = str(path.resolve().parent)
+        _file_defaults(data, loaded, path)
     else:
         raise ConfigError(
             f"{source!r} is neither a recipe nor a YAML file{_suggest(source, recipe_names())}. Known recipes: {', '.join(recipe_names())}."

@@ -55,7 +55,8 @@ def test_yaml_file_with_recipe_base(tmp_path):
     path.write_text("recipe: arithmetic_demo\nrollout:\n  n_samples: 16\n")
     cfg = load_config(path, ["rollout.max_new_tokens=12"])
     assert cfg.rollout.n_samples == 16 and cfg.rollout.max_new_tokens == 12
-    assert cfg.trainer == load_config("arithmetic_demo").trainer
+    recipe = load_config("arithmetic_demo").trainer
+    assert cfg.trainer == dataclasses.replace(recipe, run_dir="runs/run")  # the file's own run folder
 
 
 @pytest.mark.parametrize(
@@ -90,9 +91,32 @@ def test_empty_yaml_file_is_the_defaults_or_its_recipe(tmp_path, content):
     path = tmp_path / "empty.yaml"
     path.write_text(content)
     want = load_config("arithmetic_demo") if "recipe" in content else RunConfig()
-    # A YAML file's plug-in rewards are imported from its own folder.
-    want = dataclasses.replace(want, reward=dataclasses.replace(want.reward, import_dir=str(tmp_path)))
+    # A YAML file's plug-in rewards are imported from its own folder, and its run has its own folder.
+    want = dataclasses.replace(
+        want,
+        reward=dataclasses.replace(want.reward, import_dir=str(tmp_path)),
+        trainer=dataclasses.replace(want.trainer, run_dir="runs/empty"),
+    )
     assert load_config(path) == want
+
+
+def test_yaml_paths_are_relative_to_the_file_and_its_run_has_its_own_folder(tmp_path, monkeypatch):
+    folder = tmp_path / "experiments"
+    folder.mkdir()
+    (folder / "model").mkdir()
+    (folder / "exp1.yaml").write_text(
+        "recipe: arithmetic_demo\ndata: {task: jsonl, path: data/train.jsonl}\nmodel: {path: model}\n"
+    )
+    monkeypatch.chdir(tmp_path)  # not the file's folder
+    cfg = load_config(folder / "exp1.yaml")
+    assert cfg.data.path == str(folder / "data" / "train.jsonl")
+    assert cfg.model.path == str(folder / "model")
+    assert cfg.trainer.run_dir == "runs/exp1"  # not the recipe's runs/arithmetic_demo
+    # a name that is not a folder next to the file stays a name; overrides stay as given
+    (folder / "exp2.yaml").write_text("model: {path: smollm2-135m-instruct}\ntrainer: {run_dir: out/x}\n")
+    cfg = load_config(folder / "exp2.yaml", ["data.path=rel.jsonl"])
+    assert cfg.model.path == "smollm2-135m-instruct" and cfg.trainer.run_dir == "out/x"
+    assert cfg.data.path == "rel.jsonl"
 
 
 def test_yaml_unknown_key_rejected(tmp_path):
