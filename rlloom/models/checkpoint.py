@@ -44,6 +44,13 @@ def resolve_path(path_or_name: str | os.PathLike) -> Path:
     if str(path_or_name) == EMBEDDED_NAME:
         return ensure_embedded_model()
     path = Path(path_or_name)
+    name = str(path_or_name)
+    if not path.exists() and name.count("/") == 1 and not name.startswith((".", "/", "~")):
+        raise ValueError(
+            f"model path {name!r} is not a folder; it looks like a Hugging Face Hub id, and rlloom does "
+            f"not download models. Fix: download it first (e.g. `huggingface-cli download {name} "
+            f"--local-dir models/{name.split('/')[1]}`) and pass that folder."
+        )
     if not (path / "config.json").is_file():
         raise ValueError(
             f"model path {str(path_or_name)!r} is not a Hugging Face checkpoint folder (no config.json). "

@@ -132,6 +132,11 @@ TRAIN_CASES = [
         ["model.path='/nonexistent/model'"],
     ),
     (
+        "hub_id_not_downloaded",
+        lambda t, c: ["model.path=Qwen/Qwen3-0.6B"],
+        ["Hugging Face Hub id", "huggingface-cli download Qwen/Qwen3-0.6B"],
+    ),
+    (
         "longer_than_model",
         lambda t, c: ["rollout.max_new_tokens=300"],
         ["max_position_embeddings=512", "556"],

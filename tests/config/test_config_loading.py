@@ -179,3 +179,10 @@ def test_cli_config_show_round_trips(tmp_path):
 def test_cli_help(argv):
     proc = subprocess.run([sys.executable, "-m", "rlloom.cli", *argv], capture_output=True, text=True)
     assert proc.returncode == 0 and "usage: rlloom" in proc.stdout
+
+
+def test_a_run_folder_loads_the_config_its_run_wrote(tmp_path):
+    cfg = load_config("arithmetic_smoke", [f"trainer.run_dir={tmp_path}", "train.lr=3e-4"])
+    (tmp_path / "config.yaml").write_text(to_yaml(cfg))
+    assert load_config(tmp_path) == cfg
+    assert load_config(str(tmp_path), ["trainer.total_steps=7"]).trainer.total_steps == 7
