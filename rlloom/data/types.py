@@ -23,7 +23,7 @@ Logprobs are the same as in the sequence layout; the prompt is computed once ins
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -317,8 +317,9 @@ class PolicyUpdate:
     normalizer: float
     """Global loss normaliser of this mini-batch for the aggregation mode."""
 
-    def select(self, rows: Sequence[int], normalizer: float) -> PolicyUpdate:
-        """The update of a subset of rows as its own mini-batch, with that mini-batch's normaliser."""
+    def select(self, rows: Sequence[int], normalizer_of: Callable[[torch.Tensor], float]) -> PolicyUpdate:
+        """The update of a subset of rows as its own mini-batch; `normalizer_of(mask_BT)` gives the
+        mini-batch's loss normaliser from its response mask."""
         idx = torch.as_tensor(list(rows), dtype=torch.int64)
         sub = self.batch.select(list(rows))
         pick = lambda x: None if x is None else x[idx]
@@ -328,7 +329,7 @@ class PolicyUpdate:
             old_logp_BT=pick(self.old_logp_BT),
             ref_logp_BT=pick(self.ref_logp_BT),
             is_weights_BT=pick(self.is_weights_BT),
-            normalizer=normalizer,
+            normalizer=normalizer_of(sub.response_mask()),
         )
 
 

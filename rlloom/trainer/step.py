@@ -133,18 +133,17 @@ def update_policy(
             mini = (
                 update
                 if cfg.trainer.num_mini_batches == 1
-                else update.select(rows, mini_batch_normalizer(update.batch, rows, cfg, norm_constant))
+                else update.select(
+                    rows,
+                    lambda mask_BT: loss_normalizer(
+                        mask_BT, cfg.algorithm.agg_mode, norm_constant=norm_constant
+                    ),
+                )
             )
             for k, v in group.update_policy(mini).items():
                 totals[k] = totals.get(k, 0.0) + v
             count += 1
     return {k: v / count for k, v in totals.items()}
-
-
-def mini_batch_normalizer(batch: RolloutBatch, rows: list[int], cfg: RunConfig, norm_constant: int) -> float:
-    """The loss normaliser of the mini-batch made of `rows` (its own tokens or sequences)."""
-    mask_BT = batch.select(rows).response_mask()
-    return loss_normalizer(mask_BT, cfg.algorithm.agg_mode, norm_constant=norm_constant)
 
 
 def mini_batch_rows(cfg: RunConfig, num_samples: int, *, epoch: int, seed: int = 0) -> list[list[int]]:

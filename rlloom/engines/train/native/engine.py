@@ -7,8 +7,8 @@ One call of `train_step` is one optimizer step over a global batch:
              with share_prompts the packing units are groups (one prompt copy + its responses)
     run      per micro-batch: packed forward, logprobs at response positions, the caller's loss_fn,
              backward of loss_sum / loss_normalizer (gradients accumulate; FSDP sums them over ranks)
-    step     global grad norm, clip, AdamW (skipped when the loss or the norm is not finite, and rolled
-             back, parameters and optimizer state, when the new parameters are not finite)
+    step     global grad norm, clip, AdamW (skipped when the loss or the norm is not finite, or when a
+             trial of the update finds that a new parameter would not be finite: step_guard.py)
 
 Every rank receives the same global batch and computes the same plan from it, so no plan is sent.
 Ranks with fewer micro-batches run zero-weight copies of their smallest sample, so every rank issues
@@ -385,7 +385,7 @@ class NativeTrainEngine:
         grad_norm = float(clip_grad_norm_(self.optimizer.params, self.cfg.grad_clip))
         skip = not (math.isfinite(grad_norm) and math.isfinite(metrics.get("train/loss", 0.0)))
         if not skip:
-            skip = not self._step_or_roll_back(lr)
+            skip = not self._step_if_finite(lr)
         if skip:  # never applied: no update, no version bump, and so never saved
             self.num_skipped_steps += 1
         else:
@@ -404,7 +404,7 @@ class NativeTrainEngine:
         metrics |= self._perf_metrics(batch, metrics["train/response_tokens"], seconds)
         return metrics
 
-    def _step_or_roll_back(self, lr: float) -> bool:
+    def _step_if_finite(self, lr: float) -> bool:
         """Apply the optimizer step only if every new parameter would be finite on every rank
         (step_guard.py: a trial of the same update, slice by slice); otherwise change nothing and
         return False."""

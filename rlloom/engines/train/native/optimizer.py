@@ -56,7 +56,6 @@ class EngineOptimizer:
         self.params = [p for _, p in named_params]
         self.device_optim = _adamw(on_device, cfg)
         self.cpu_optim = _adamw([m for _, _, m in self.offloaded], cfg)
-        self._staged = False
 
     @staticmethod
     def _master_copy(p: nn.Parameter) -> nn.Parameter:
@@ -75,9 +74,7 @@ class EngineOptimizer:
                 group["lr"] = lr
 
     def stage_grads(self) -> None:
-        """Copy the offloaded parameters' gradients to their CPU master copies (before a step;
-        `step` does it when nobody did)."""
-        self._staged = True
+        """Copy the offloaded parameters' gradients to their CPU master copies (before `step`)."""
         if self.cpu_optim is None:
             return
         for _, p, master in self.offloaded:
@@ -91,10 +88,7 @@ class EngineOptimizer:
             torch.cuda.current_stream().synchronize()  # gradients must have landed before the CPU step
 
     def step(self) -> None:
-        """One AdamW step of both halves."""
-        if not self._staged:
-            self.stage_grads()
-        self._staged = False
+        """One AdamW step of both halves (after `stage_grads`)."""
         if self.device_optim is not None:
             self.device_optim.step()
         if self.cpu_optim is None:
