@@ -1,4 +1,4 @@
-"""Host-to-device copies that do not stall the GPU.
+"""Which device and compute dtype a run uses, and host-to-device copies that do not stall the GPU.
 
 A plain `cpu_tensor.to("cuda")` from pageable memory synchronises the stream: the host waits for
 every kernel already queued before it can go on, so a loop that copies its next inputs drains the
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from rlloom.config.components import RunConfig
+
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """`t` on `device`; CPU -> CUDA goes through pinned memory without a host sync."""
@@ -19,3 +21,21 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type == "cuda" and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def resolve_device(cfg: RunConfig, local_rank: int = 0) -> torch.device:
+    """The device engines run on: cuda:local_rank when available (or asked for), else cpu."""
+    want = cfg.cluster.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "cluster.device='cuda' but no CUDA device is visible. Fix: set cluster.device=auto or cpu."
+        )
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def resolve_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
+    if cfg.model.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]

@@ -1,5 +1,6 @@
-"""Worker groups: `inline` (in the driver process) and `ray` (one actor per GPU or CPU slot)."""
+"""Worker groups and their placement: base.py (the interface), local (one process) and ray
+(actors), placement (colocated or separate GPU pools)."""
 
+from rlloom.cluster.base import WorkerFailure
 
-class WorkerFailure(RuntimeError):
-    """A worker died, raised or hung; the message names its rank, host and stage."""
+__all__ = ["WorkerFailure"]

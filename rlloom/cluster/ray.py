@@ -46,7 +46,8 @@ class _RankActor:
         return ray.util.get_node_ip_address(), port, os.getpid()
 
     def setup(self, cfg: RunConfig, master_addr: str, master_port: int) -> None:
-        from rlloom.cluster.worker import RLWorker, resolve_device
+        from rlloom.cluster.worker import RLWorker
+        from rlloom.devices import resolve_device
         from rlloom.parallel import init_distributed
 
         os.environ.update(

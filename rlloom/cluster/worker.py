@@ -11,30 +11,13 @@ import torch
 from rlloom.algorithms.objective import make_loss_fn
 from rlloom.config.components import RunConfig
 from rlloom.data.types import PolicyUpdate, RolloutBatch
-from rlloom.engines.rollout.native import Completion, NativeEngine, SamplingParams
+from rlloom.devices import resolve_device, resolve_dtype
+from rlloom.engines.rollout import Completion, SamplingParams
+from rlloom.engines.rollout.build import build_rollout_engine
+from rlloom.engines.train.build import build_reference, build_train_engine
 from rlloom.engines.train.hf_folder import save_hf_folder
-from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.faults import maybe_fail
-from rlloom.models import from_pretrained, load_decoder
 from rlloom.weight_sync.colocated import sync_colocated
-
-
-def resolve_device(cfg: RunConfig, local_rank: int = 0) -> torch.device:
-    """The device engines run on: cuda:local_rank when available (or asked for), else cpu."""
-    want = cfg.cluster.device
-    if want == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            "cluster.device='cuda' but no CUDA device is visible. Fix: set cluster.device=auto or cpu."
-        )
-    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
-def resolve_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
-    if cfg.model.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
 
 
 class RLWorker:
@@ -45,27 +28,15 @@ class RLWorker:
         self.rank, self.world_size = rank, world_size
         self.device = resolve_device(cfg, local_rank)
         self.dtype = dtype = resolve_dtype(cfg, self.device)
-        t = cfg.trainer
-        total_steps = t.total_steps * t.ppo_epochs * t.num_mini_batches
-        self.train = NativeTrainEngine.build(
-            cfg.train, cfg.model.path, device=self.device, dtype=dtype, total_steps=total_steps
-        )
+        self.train = build_train_engine(cfg, device=self.device, dtype=dtype)
         # The rollout replica has its own copy of the weights (in the rollout dtype), kept current by
         # the in-place weight sync after every optimizer step.
-        self.rollout = NativeEngine.from_config(
-            from_pretrained(cfg.model.path, dtype=dtype, device=self.device, fused_projections=True),
-            cfg.rollout,
-            max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
-            decode=load_decoder(cfg.model.path),
-            seed=cfg.trainer.seed,
-        )
+        self.rollout = build_rollout_engine(cfg, device=self.device, dtype=dtype)
         self.ref = None
         if cfg.algorithm.kl_coef > 0:
             # The reference is the initial policy: a frozen copy of the starting weights.
             # It never steps, so its optimizer allocates no state.
-            self.ref = NativeTrainEngine.build(
-                cfg.train, cfg.model.path, device=self.device, dtype=dtype, total_steps=total_steps
-            )
+            self.ref = build_reference(cfg, device=self.device, dtype=dtype)
 
     @property
     def _replay(self) -> bool:

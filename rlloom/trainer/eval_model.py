@@ -17,11 +17,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlloom.cluster.worker import resolve_device, resolve_dtype
 from rlloom.config.components import ConfigError, RunConfig
 from rlloom.config.loading import load_config
 from rlloom.data.chat import tokenize_prompts
 from rlloom.data.dataset import PromptItem, load_prompt_file
+from rlloom.devices import resolve_device, resolve_dtype
 from rlloom.engines.rollout.native import NativeEngine
 from rlloom.engines.train.hf_folder import save_hf_folder
 from rlloom.models import from_pretrained, load_decoder, load_tokenizer

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from rlloom.cluster.worker import resolve_device, resolve_dtype
 from rlloom.config.components import ConfigError, RunConfig
 from rlloom.config.loading import load_config
 from rlloom.config.resume import run_changing_differences
+from rlloom.devices import resolve_device, resolve_dtype
 from rlloom.engines.rollout.native.model_runner import kv_bytes_per_block
 from rlloom.engines.rollout.native.validation import available_memory_bytes, kv_cache_problem
 from rlloom.models.args import ModelArgs

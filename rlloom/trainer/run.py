@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 from rlloom.cluster.inline import build_worker_group
-from rlloom.cluster.worker import resolve_device
 from rlloom.config.components import RunConfig
 from rlloom.config.loading import to_yaml
+from rlloom.devices import resolve_device
 from rlloom.faults import check_fault_env, maybe_fail
 from rlloom.models import load_tokenizer
 from rlloom.observability.log import init_logger

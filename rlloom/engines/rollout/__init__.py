@@ -1,9 +1,10 @@
 """Rollout engines: generate completions with per-token logprobs, update weights in place, sleep/wake.
 
-`native` runs rlloom's own model code; adapters for vLLM and SGLang come later behind the same
-methods (`generate`, `update_weights`, `sleep`, `wake`, `abort`).
+base.py is the interface (`RolloutEngine`) and its records (`SamplingParams`, `Completion`);
+build.py picks the backend; `native/` runs rlloom's own model code. Adapters for vLLM or SGLang
+would implement `RolloutEngine` beside it.
 """
 
-from rlloom.engines.rollout.native import Completion, NativeEngine, SamplingParams
+from rlloom.engines.rollout.base import Completion, RolloutEngine, SamplingParams
 
-__all__ = ["Completion", "NativeEngine", "SamplingParams"]
+__all__ = ["Completion", "RolloutEngine", "SamplingParams"]

@@ -24,7 +24,12 @@ class TrainEngine(Protocol):
     """Optimizer steps applied: the policy version of the current weights."""
 
     def forward_logprobs(
-        self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False
+        self,
+        batch: RolloutBatch,
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        routing_replay: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """fp32 [B, T] logprobs (and entropies) of the response tokens, 0 where masked."""
         ...
@@ -37,6 +42,7 @@ class TrainEngine(Protocol):
         loss_normalizer: float,
         temperature: float = 1.0,
         with_entropy: bool = False,
+        routing_replay: bool = False,
     ) -> dict[str, float]:
         """One optimizer step on the global batch; loss = sum of loss_fn sums / loss_normalizer."""
         ...

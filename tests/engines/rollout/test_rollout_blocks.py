@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rlloom.engines.rollout.base import SamplingParams
 from rlloom.engines.rollout.native.block_manager import BlockManager
 from rlloom.engines.rollout.native.paged_decode import shared_prefix_groups
 from rlloom.engines.rollout.native.sampler import Sampler, SamplingRows, noise_key
-from rlloom.engines.rollout.native.sampling_params import SamplingParams
 from rlloom.engines.rollout.native.scheduler import Scheduler
 from rlloom.engines.rollout.native.sequence import Sequence, pending
 

@@ -37,12 +37,12 @@ import torch
 
 from rlloom.config.components import ConfigError, RolloutConfig
 from rlloom.devices import to_device
+from rlloom.engines.rollout.base import Completion, SamplingParams
 from rlloom.engines.rollout.native.block_manager import BlockManager
 from rlloom.engines.rollout.native.model_runner import ModelRunner, kv_bytes_per_block
 from rlloom.engines.rollout.native.sampler import Sampler, SamplingRows, noise_key
-from rlloom.engines.rollout.native.sampling_params import SamplingParams
 from rlloom.engines.rollout.native.scheduler import Batch, Scheduler
-from rlloom.engines.rollout.native.sequence import Completion, Sequence, Status
+from rlloom.engines.rollout.native.sequence import Sequence, Status
 from rlloom.engines.rollout.native.validation import (
     available_memory_bytes,
     kv_cache_problem,

@@ -1,4 +1,4 @@
-"""Sequence: the engine's record of one completion in flight, and Completion, what it returns.
+"""Sequence: the engine's record of one completion in flight (it returns a `Completion`, see ../base.py).
 
 A request with `n` samples becomes `n` sequences. With prefix sharing the first one (the leader)
 carries the other n - 1 in `forks` while it waits; its prefill computes the prompt's KV cache once
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlloom.data.types import FinishReason
-from rlloom.engines.rollout.native.sampling_params import SamplingParams
+from rlloom.engines.rollout.base import Completion, SamplingParams
 
 
 def pending(row: int) -> int:
@@ -38,32 +38,6 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass(kw_only=True, slots=True)
-class Completion:
-    """One sample of one prompt. Example: `Completion(request_id="r0", prompt_index=0, sample_index=1,
-    token_ids=[5, 9, 2], logprobs=[-0.3, -1.2, -0.1], finish_reason="stop", policy_version=4)`."""
-
-    request_id: str
-    """Id given to (or made by) `add_request`; `generate` uses the prompt's index as a string."""
-    prompt_index: int
-    """Position of the prompt in `generate`'s list (arrival order for `add_request`)."""
-    sample_index: int
-    """Which of the prompt's `n` samples this is (0..n-1)."""
-    token_ids: list[int]
-    """Generated tokens (the stop token included when one ended the completion)."""
-    logprobs: list[float]
-    """Per generated token: log_softmax(logits / T) in fp32 before top-k/top-p (T = 1 when greedy)."""
-    finish_reason: FinishReason
-    """"stop" (EOS, stop token or stop string), "length" (max_new_tokens or max_model_len) or "abort"."""
-    policy_version: int
-    """Weight version (`update_weights`) in force when the request was added."""
-    error: str | None = None
-    """Why the request was rejected or aborted; None for normal completions."""
-    routed_experts: torch.Tensor | None = None
-    """MoE models: [len(prompt) + len(token_ids) - 1, MoE layers, K] the experts each token fed to
-    the model used (uint8, or int16 beyond 256 experts); None for dense models and aborted requests."""
 
 
 @dataclass(eq=False, slots=True)

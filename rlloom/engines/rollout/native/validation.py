@@ -12,8 +12,8 @@ import os
 
 import torch
 
+from rlloom.engines.rollout.base import SamplingParams
 from rlloom.engines.rollout.native.block_manager import BlockManager
-from rlloom.engines.rollout.native.sampling_params import SamplingParams
 
 
 def request_problem(

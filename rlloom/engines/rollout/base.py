@@ -1,22 +1,29 @@
-"""SamplingParams: how the completions of one prompt are drawn.
+"""The rollout-engine interface every backend implements (native today; vLLM or SGLang adapters
+plug in behind it without touching workers), and the records that cross it: `SamplingParams` (how
+the completions of one prompt are drawn) and `Completion` (one sample, with per-token logprobs,
+the policy version and, for MoE models, the experts chosen).
 
-Invalid values are not raised at construction: the engine rejects the request that carries them
-(finish_reason "abort", `error` set to the message of `problem()`) and the rest of the batch
-proceeds, so one bad prompt never costs a whole rollout.
-
-Semantics (the trainer relies on these):
+SamplingParams semantics (the trainer relies on these):
 - `temperature > 0` samples from softmax(logits / temperature), restricted by top-k then top-p.
   The logprob returned for each token is log_softmax(logits / temperature) in fp32, taken BEFORE
   the top-k/top-p truncation (the same quantity `rlloom.models.logprobs.token_logprobs` computes).
 - `temperature == 0` is greedy (argmax); its logprob is that of the raw distribution,
   log_softmax(logits), i.e. temperature 1.
+Invalid values are not raised at construction: the engine rejects the request that carries them
+(finish_reason "abort", `error` set to the message of `problem()`) and the rest of the batch
+proceeds, so one bad prompt never costs a whole rollout.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
 
 from rlloom.config.components import RolloutConfig
+from rlloom.data.types import FinishReason
 
 
 @dataclass(kw_only=True, slots=True)
@@ -83,3 +90,50 @@ class SamplingParams:
         if any(not s for s in self.stop_strings):
             return "SamplingParams.stop_strings contains an empty string, which would stop at once. Fix: remove it."
         return None
+
+
+@dataclass(kw_only=True, slots=True)
+class Completion:
+    """One sample of one prompt. Example: `Completion(request_id="r0", prompt_index=0, sample_index=1,
+    token_ids=[5, 9, 2], logprobs=[-0.3, -1.2, -0.1], finish_reason="stop", policy_version=4)`."""
+
+    request_id: str
+    """Id given to (or made by) `add_request`; `generate` uses the prompt's index as a string."""
+    prompt_index: int
+    """Position of the prompt in `generate`'s list (arrival order for `add_request`)."""
+    sample_index: int
+    """Which of the prompt's `n` samples this is (0..n-1)."""
+    token_ids: list[int]
+    """Generated tokens (the stop token included when one ended the completion)."""
+    logprobs: list[float]
+    """Per generated token: log_softmax(logits / T) in fp32 before top-k/top-p (T = 1 when greedy)."""
+    finish_reason: FinishReason
+    """"stop" (EOS, stop token or stop string), "length" (max_new_tokens or max_model_len) or "abort"."""
+    policy_version: int
+    """Weight version (`update_weights`) in force when the request was added."""
+    error: str | None = None
+    """Why the request was rejected or aborted; None for normal completions."""
+    routed_experts: torch.Tensor | None = None
+    """MoE models: [len(prompt) + len(token_ids) - 1, MoE layers, K] the experts each token fed to
+    the model used (uint8, or int16 beyond 256 experts); None for dense models and aborted requests."""
+
+
+class RolloutEngine(Protocol):
+    """What a rollout worker may call on its engine (every rank of a tensor-parallel replica calls
+    each method with the same arguments)."""
+
+    def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> list[Completion]:
+        """Completions of every prompt (n each), in prompt order; rejected requests come back with
+        finish_reason "abort" and `error` set."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy (Hugging Face name, tensor) pairs into the engine's weights in place; later requests
+        carry `version`."""
+        ...
+
+    def sleep(self, offload_weights: bool = False) -> None:
+        """Free the KV cache (and optionally move the weights to CPU) until `wake`."""
+        ...
+
+    def wake(self) -> None: ...

@@ -1,0 +1,103 @@
+"""The group interface the controller talks to: a `TrainGroup` (the training ranks) and a
+`RolloutGroup` (the rollout replicas), each implemented by `local.py` (one process) and `ray.py`
+(actors), placed by `placement.py`.
+
+Every call fans out to the group's workers and returns a `Pending` result at once, so the
+controller decides when to wait (`.result()`): a synchronous step waits on each call in turn; the
+asynchronous loop keeps a generation in flight while the training group works. `result()` waits at
+most `cluster.timeout_s` and raises `WorkerFailure` naming the rank, host and stage of a worker
+that died, raised or hung.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, TypeVar
+
+import torch
+
+from rlloom.data.types import PolicyUpdate, RolloutBatch
+from rlloom.engines.rollout import Completion, SamplingParams
+
+T_co = TypeVar("T_co", covariant=True)
+
+
+class WorkerFailure(RuntimeError):
+    """A worker died, raised or hung; the message names its rank, host and stage."""
+
+
+class Pending(Protocol[T_co]):
+    """A result on its way (a Ray object ref, or a value already computed in this process)."""
+
+    def result(self) -> T_co:
+        """Block until the result is there (at most `cluster.timeout_s`); raise `WorkerFailure` if a
+        worker failed."""
+        ...
+
+    def done(self) -> bool:
+        """Whether `result()` would return without waiting."""
+        ...
+
+
+class TrainGroup(Protocol):
+    """The training ranks (one mesh: pp x dp x cp x tp). Every call goes to every rank with the same
+    arguments; results that differ by rank are merged with their declared reduction."""
+
+    @property
+    def version(self) -> int:
+        """Optimizer steps applied: the policy version of the training weights."""
+        ...
+
+    def old_logprobs(self, batch: RolloutBatch) -> Pending[torch.Tensor]: ...
+
+    def ref_logprobs(self, batch: RolloutBatch) -> Pending[torch.Tensor]: ...
+
+    def update_policy(self, update: PolicyUpdate) -> Pending[dict[str, float]]: ...
+
+    def offload(self) -> Pending[None]:
+        """Move what the training engines hold on the GPU to the host (colocated placement, before
+        the rollout wakes)."""
+        ...
+
+    def onload(self) -> Pending[None]: ...
+
+    def save(self, path: str) -> Pending[None]: ...
+
+    def load(self, path: str) -> Pending[None]: ...
+
+    def save_hf(self, path: str) -> Pending[None]: ...
+
+    def close(self) -> None: ...
+
+
+class RolloutGroup(Protocol):
+    """The rollout replicas (each spanning `rollout.tp` ranks)."""
+
+    @property
+    def version(self) -> int:
+        """The policy version the replicas hold (the last sync's)."""
+        ...
+
+    def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> Pending[list[Completion]]:
+        """Completions of every prompt, in prompt order (`Completion.prompt_index` is the position in
+        `prompts`); requests are spread over the replicas by load."""
+        ...
+
+    def sleep(self) -> Pending[None]:
+        """Free the KV cache (and with colocated placement the weights' GPU memory) until `wake`."""
+        ...
+
+    def wake(self) -> Pending[None]: ...
+
+    def close(self) -> None: ...
+
+
+class WeightSync(Protocol):
+    """Moves the training group's current weights into the rollout group (the transport is chosen by
+    the placement: in place, CUDA IPC or broadcast). Afterwards every rollout parameter holds the
+    training weights under the training version, or, when the sync fails, the rollout keeps its
+    previous version and the failure says so."""
+
+    def sync(self) -> dict[str, float]:
+        """Blocks until every replica holds the new version; returns the sync metrics (sync/ms,
+        sync/gb, sync/ms_per_gb, ...)."""
+        ...
