@@ -10,10 +10,15 @@ GPU (default): random bf16 weights of Qwen3-30B-A3B's width with 8 of its 48 lay
     bf16 compute, activation checkpointing off): tokens/s, MFU on active parameters, peak memory;
     transformers' forward + backward over the same number of tokens as 4 x 4096 sequences.
   - start: seconds from engine construction to the first generated token (compilation included).
+With `--model deepseek_v3`: DeepSeek-V3's width with 2 layers (1 dense + 1 MoE of 256 experts, MLA
+with the latent KV cache), rollout 64 x 128 -> 128 against transformers, and the KV-cache capacity
+(tokens per GiB per layer) beside what caching expanded keys and values would give; no train rows
+(fp32 master weights of one DeepSeek-V3 MoE layer do not fit one GPU).
 
     python benchmarks/bench_moe.py                  # needs a CUDA device
     python benchmarks/bench_moe.py --skip-train     # rollout rows only
     python benchmarks/bench_moe.py --smoke          # the code path with a tiny MoE on CPU
+    python benchmarks/bench_moe.py --model deepseek_v3 [--smoke]
 """
 
 from __future__ import annotations
@@ -59,6 +64,52 @@ QWEN3_30B_A3B_8L = {
     "rope_theta": 1000000.0,
     "tie_word_embeddings": False,
     "attention_bias": False,
+}
+DEEPSEEK_V3_2L = {
+    "model_type": "deepseek_v3",
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 1,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 256,
+    "num_experts_per_tok": 8,
+    "n_group": 8,
+    "topk_group": 4,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+}
+TINY_DEEPSEEK = DEEPSEEK_V3_2L | {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 16,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 8,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
 }
 TINY = QWEN3_30B_A3B_8L | {
     "vocab_size": 512,
@@ -150,12 +201,23 @@ def bench_rollout(
     name = f"rollout {prompts_n}x{prompt_len} -> {new}"
     row(table, name, "rlloom", r,
         f"decode {r['decode_s']:.2f}s ({mode}), bound {bound:.2f}s at {bandwidth / 1e12:.2f} TB/s, ratio "
-        f"{bound / max(r['decode_s'], 1e-9):.2f}; first token {first_token_s:.1f}s after build")  # fmt: skip
+        f"{bound / max(r['decode_s'], 1e-9):.2f}; first token {first_token_s:.1f}s after build; "
+        f"{kv_capacity(native.args, dtype)}")  # fmt: skip
     engine.sleep()
     del engine, native
     if device.type == "cuda":
         torch.cuda.empty_cache()
     row(table, name, "transformers generate", hf_generate(hf, prompts, new, pad_id=0))
+
+
+def kv_capacity(args, dtype: torch.dtype) -> str:
+    """KV-cache tokens per GiB and layer, and what caching expanded per-head keys/values would hold."""
+    cached = args.kv_cache.values_per_token * dtype.itemsize
+    text = f"KV cache {2**30 // cached / 1e3:.0f}k tokens/GiB/layer"
+    if args.mla is not None:
+        expanded = args.num_heads * (args.head_dim + args.v_head_dim) * dtype.itemsize
+        text += f" (expanded k/v: {2**30 // expanded / 1e3:.1f}k)"
+    return text
 
 
 def bench_train(
@@ -239,6 +301,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--smoke", action="store_true", help="a tiny MoE on CPU (checks the script runs)")
+    parser.add_argument("--model", choices=["qwen3_moe", "deepseek_v3"], default="qwen3_moe")
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--skip-rollout", action="store_true")
     parser.add_argument("--gather-once", action="store_true", help="train.gather_once_per_step")
@@ -247,16 +310,27 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.manual_seed(0)
+    deepseek = args.model == "deepseek_v3"
     if args.smoke:
-        config, device, dtype = TINY, torch.device("cpu"), torch.float32
+        config, device, dtype = (TINY_DEEPSEEK if deepseek else TINY), torch.device("cpu"), torch.float32
         shape = {"prompts_n": 8, "prompt_len": 8, "new": 8}
         train_shape = {"budget": 128, "micro_batches": 2}
     elif torch.cuda.is_available():
-        config, device, dtype = QWEN3_30B_A3B_8L, torch.device("cuda"), torch.bfloat16
-        shape = {"prompts_n": 128, "prompt_len": 128, "new": 256}
+        config, device, dtype = (
+            (DEEPSEEK_V3_2L if deepseek else QWEN3_30B_A3B_8L),
+            torch.device("cuda"),
+            torch.bfloat16,
+        )
+        shape = (
+            {"prompts_n": 64, "prompt_len": 128, "new": 128}
+            if deepseek
+            else {"prompts_n": 128, "prompt_len": 128, "new": 256}
+        )
         train_shape = {"budget": 4096, "micro_batches": 4}
     else:
         raise SystemExit("bench_moe: no CUDA device; run with --smoke for the CPU check")
+    if deepseek:
+        args.skip_train = True
     hf = hf_model(config, device, dtype)
     err = check_logits(hf, config)
     print(
@@ -269,9 +343,8 @@ def main() -> None:
     if not args.skip_train:
         bench_train(config, hf, table, **train_shape, profile=args.profile, gather_once=args.gather_once)
     title = torch.cuda.get_device_name() if device.type == "cuda" else "CPU smoke run"
-    print_table(
-        f"bench_moe ({title}, Qwen3-30B-A3B width, {config['num_hidden_layers']} layers, {dtype})", table
-    )
+    width = "DeepSeek-V3" if deepseek else "Qwen3-30B-A3B"
+    print_table(f"bench_moe ({title}, {width} width, {config['num_hidden_layers']} layers, {dtype})", table)
 
 
 if __name__ == "__main__":

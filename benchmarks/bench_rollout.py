@@ -117,9 +117,7 @@ def decode_bound_s(
     """Seconds the decode steps need at least: every step reads all weights and every cached key/value."""
     a = engine.model.args
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    kv_token_bytes = (
-        a.num_layers * a.num_kv_heads * (a.head_dim + a.v_head_dim) * engine.runner.dtype.itemsize
-    )
+    kv_token_bytes = a.num_layers * a.kv_cache.values_per_token * engine.runner.dtype.itemsize
     steps = range(1, new_tokens)  # the first token comes from the prefill
     total = sum(weight_bytes + batch * (prompt_len + s) * kv_token_bytes for s in steps)
     return total / bandwidth

@@ -96,6 +96,23 @@ class MLAArgs:
     """Per-head value channels."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KVCacheShape:
+    """Per token and layer: `num_heads` cached heads of `key_dim` key and `value_dim` value channels.
+    With `value_in_key` the values are the first `value_dim` key channels and take no memory of
+    their own (MLA's latent)."""
+
+    num_heads: int
+    key_dim: int
+    value_dim: int
+    value_in_key: bool = False
+
+    @property
+    def values_per_token(self) -> int:
+        """Cached numbers per token and layer."""
+        return self.num_heads * (self.key_dim + (0 if self.value_in_key else self.value_dim))
+
+
 @dataclass(kw_only=True, slots=True)
 class ModelArgs:
     """Hyper-parameters of a decoder-only causal LM."""
@@ -130,6 +147,21 @@ class ModelArgs:
     @property
     def v_head_dim(self) -> int:
         return self.mla.v_head_dim if self.mla is not None else self.head_dim
+
+    @property
+    def kv_cache(self) -> KVCacheShape:
+        """What the rollout engine caches per token and layer: MLA caches its compressed latent
+        (one shared "head" of kv_lora_rank + qk_rope_head_dim channels; the values are its first
+        kv_lora_rank channels), everything else keys and values per KV head."""
+        if self.mla is not None:
+            m = self.mla
+            return KVCacheShape(
+                num_heads=1,
+                key_dim=m.kv_lora_rank + m.qk_rope_head_dim,
+                value_dim=m.kv_lora_rank,
+                value_in_key=True,
+            )
+        return KVCacheShape(num_heads=self.num_kv_heads, key_dim=self.head_dim, value_dim=self.head_dim)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:

@@ -4,8 +4,15 @@ Queries: x -> wq (or the low-rank wq_a -> RMSNorm -> wq_b) -> per head [nope | r
 Keys/values: x -> wkv_a -> [latent c_kv (kv_lora_rank) | shared rope key k_pe (qk_rope_head_dim)];
 c_kv -> RMSNorm -> wkv_b -> per head [k_nope | v]. The rope key is shared by all heads.
 
-This is the training form: k/v are expanded per head before attention (no weight absorption), so
-the attention backend hook receives k [.., H, Dqk] and v [.., H, Dv] with Hkv = Hq. With YaRN the
+Two forms of the same function:
+- training (padded/packed/tree layouts): k/v are expanded per head before attention (no weight
+  absorption): k [.., H, Dqk], v [.., H, Dv].
+- rollout (the paged-attention backend): the key up-projection is absorbed into the query and the
+  value up-projection into the output, so attention runs against the compressed latent itself, as
+  multi-query attention with one cached "head" per token of R + Dr channels ([normed c_kv | roped
+  k_pe]) whose values are its first R channels. That is what the KV cache holds: 576 numbers per
+  token and layer for DeepSeek-V3 instead of 128 heads x (192 + 128) expanded. The scores are the
+  same sums, q_nope . (W_uk c) = (W_uk^T q_nope) . c, taken in another order. With YaRN the
 softmax scale is qk_head_dim^-0.5 * mscale(factor, mscale_all_dim)^2, as in the reference code.
 The two latent norms use eps 1e-6 regardless of rms_norm_eps, as the reference does.
 
@@ -60,6 +67,8 @@ class MLAttention(nn.Module):
         q = q.unflatten(-1, (self.num_heads, self.nope_dim + self.rope_dim))
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         c_kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        if layout.kind == "backend":
+            return self._latent_attention(q_nope, q_pe, c_kv, k_pe, cos, sin, layout)
         kv = self.wkv_b(self.kv_norm(c_kv)).unflatten(-1, (self.num_heads, self.nope_dim + self.v_dim))
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         q_pe = apply_rope(q_pe, cos, sin, interleaved=self.interleaved)
@@ -68,3 +77,27 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, k_pe.expand(*k_nope.shape[:-1], self.rope_dim)], dim=-1)
         out = attend(q, k, v.contiguous(), self.scale, layout, self.layer_idx)
         return self.wo(out.flatten(-2))
+
+    def _latent_attention(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layout: AttnLayout,
+    ) -> torch.Tensor:
+        """The absorbed form (module docstring): q [N, H, R + Dr] against the latent k [N, 1, R + Dr],
+        v [N, 1, R] (the backend caches k; v is its first R channels) -> [N, E]."""
+        latent = self.kv_norm(c_kv)
+        w_uk, w_uv = self.wkv_b.weight.unflatten(0, (self.num_heads, -1)).split(
+            [self.nope_dim, self.v_dim], 1
+        )
+        q_latent = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
+        q_pe = apply_rope(q_pe, cos, sin, interleaved=self.interleaved)
+        k_pe = apply_rope(k_pe.unsqueeze(-2), cos, sin, interleaved=self.interleaved)
+        q = torch.cat([q_latent, q_pe], dim=-1)
+        k = torch.cat([latent.unsqueeze(-2), k_pe], dim=-1)
+        out_latent = attend(q, k, latent.unsqueeze(-2), self.scale, layout, self.layer_idx)
+        return self.wo(torch.einsum("nhr,hvr->nhv", out_latent, w_uv).flatten(-2))

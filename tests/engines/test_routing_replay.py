@@ -11,26 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parent / "rollout"))
-from rollout_testutil import VOCAB, prompts, randomize_, save, tiny_moe  # noqa: E402
+from rollout_testutil import prompts, save, tiny_deepseek, tiny_moe  # noqa: E402
 
 from rlloom import models  # noqa: E402
 from rlloom.config.components import TrainEngineConfig  # noqa: E402
 from rlloom.data.types import RolloutBatch, Sample  # noqa: E402
 from rlloom.engines.rollout.native import NativeEngine, SamplingParams  # noqa: E402
 from rlloom.engines.train.native import NativeTrainEngine  # noqa: E402
-
-
-def tiny_deepseek(seed: int = 0) -> DeepseekV3ForCausalLM:
-    cfg = DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-        first_k_dense_replace=0, num_attention_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
-        qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
-        n_shared_experts=1, max_position_embeddings=512, eos_token_id=None, bos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
-    return randomize_(DeepseekV3ForCausalLM(cfg), seed).eval()
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])

@@ -6,7 +6,14 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "models"))
 # randomize_: weights with O(1) logits (greedy far from ties); run_in_triton_interpreter: re-exported.
@@ -31,6 +38,18 @@ def tiny_moe(seed: int = 0) -> Qwen3MoeForCausalLM:
         max_position_embeddings=512, norm_topk_prob=True, eos_token_id=None, bos_token_id=None, pad_token_id=None,
     )  # fmt: skip
     return randomize_(Qwen3MoeForCausalLM(cfg), seed).eval()
+
+
+def tiny_deepseek(seed: int = 0, *, q_lora_rank: int | None = 16) -> DeepseekV3ForCausalLM:
+    """DeepSeek-V3 shape in miniature: MLA (with or without query LoRA), sigmoid group-limited routing."""
+    cfg = DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        first_k_dense_replace=0, num_attention_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=2, topk_group=1, n_shared_experts=1, max_position_embeddings=512, eos_token_id=None,
+        bos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    return randomize_(DeepseekV3ForCausalLM(cfg), seed).eval()
 
 
 def save(hf_model: torch.nn.Module, folder: Path) -> str:

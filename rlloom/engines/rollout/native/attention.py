@@ -94,17 +94,24 @@ class PagedAttention:
         handle: int | None = None,
     ) -> None:
         """k_cache [L, slots, Hkv, D], v_cache [L, slots, Hkv, Dv]; slot = block * block_size + offset.
-        `handle` (from `new_handle()`) replaces an earlier backend of the same handle."""
+        `v_cache` may be a view of k_cache's first Dv channels (MLA's latent: the values are part of
+        the keys), then only the keys are written. `handle` (from `new_handle()`) replaces an earlier
+        backend of the same handle."""
         self.handle = new_handle() if handle is None else handle
         _backends[self.handle] = self
         self.k_cache = k_cache
         self.v_cache = v_cache
         self.block_size = block_size
         self.use_decode_kernel = use_decode_kernel
+        self.values_in_keys = v_cache.untyped_storage().data_ptr() == k_cache.untyped_storage().data_ptr()
         self.context: AttnContext | None = None
         self._num_keys_S: torch.Tensor | None = None
         self._kv_slots_SK: torch.Tensor | None = None
         self._mask_S1QK: torch.Tensor | None = None
+
+    def caches(self) -> list[torch.Tensor]:
+        """The tensors that hold the cache (the keys alone when the values are a view of them)."""
+        return [self.k_cache] if self.values_in_keys else [self.k_cache, self.v_cache]
 
     def prepare(self, context: AttnContext) -> None:
         """Set the context of the next forward and derive the per-batch gather index and mask."""
@@ -142,7 +149,8 @@ class PagedAttention:
                 self.block_size, shared_prefix=ctx.shared_prefix, new_kv=(k_NHD, v_NHD, ctx.slot_mapping_N),
             )  # fmt: skip
         k_cache.index_copy_(0, ctx.slot_mapping_N, k_NHD)
-        v_cache.index_copy_(0, ctx.slot_mapping_N, v_NHD)
+        if not self.values_in_keys:
+            v_cache.index_copy_(0, ctx.slot_mapping_N, v_NHD)
         assert self._kv_slots_SK is not None and self._mask_S1QK is not None
 
         S, Q = ctx.query_index_SQ.shape

@@ -91,7 +91,9 @@ class DecodeGraphs:
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_bs,), scratch_block * backend.block_size, device=device)
         self.block_tables = torch.full((max_bs, max_blocks_per_seq), scratch_block, device=device)
-        self.max_members = max_members = max_group_members(model.args.num_heads, model.args.num_kv_heads)
+        self.max_members = max_members = max_group_members(
+            model.args.num_heads, model.args.kv_cache.num_heads
+        )
         self.members = torch.full((max_bs, max_members), -1, device=device)
         self.prefix_keys = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.prefix_start = torch.zeros(max_bs, dtype=torch.int64, device=device)

@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 def kv_bytes_per_block(a: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of keys and values one block holds across all layers of a model with args `a`."""
-    return a.num_layers * block_size * a.num_kv_heads * (a.head_dim + a.v_head_dim) * dtype.itemsize
+    return a.num_layers * block_size * a.kv_cache.values_per_token * dtype.itemsize
 
 
 def compile_decode_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
@@ -80,7 +80,7 @@ class ModelRunner:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.max_members = max_group_members(model.args.num_heads, model.args.num_kv_heads)
+        self.max_members = max_group_members(model.args.num_heads, model.args.kv_cache.num_heads)
         self.use_graphs = self.device.type == "cuda" and not enforce_eager
         self.compiled_forward = compile_decode_forward(model) if self.use_graphs and compile else None
         """The decode forward the graphs capture when compiled (one compilation per runner: the
@@ -101,14 +101,18 @@ class ModelRunner:
         a = self.model.args
         self.device = next(self.model.parameters()).device
         slots = (self.num_blocks + 1) * self.block_size
+        kv = a.kv_cache
         k_cache = torch.zeros(
-            a.num_layers, slots, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device
+            a.num_layers, slots, kv.num_heads, kv.key_dim, dtype=self.dtype, device=self.device
         )
-        v_cache = torch.zeros(
-            a.num_layers, slots, a.num_kv_heads, a.v_head_dim, dtype=self.dtype, device=self.device
-        )
+        if kv.value_in_key:  # MLA: the values are the latent, the keys' first channels (no copy)
+            v_cache = k_cache[..., : kv.value_dim]
+        else:
+            v_cache = torch.zeros(
+                a.num_layers, slots, kv.num_heads, kv.value_dim, dtype=self.dtype, device=self.device
+            )
         use_kernel = self.device.type == "cuda" and decode_kernel_works(
-            self.device, self.dtype, a.num_heads, a.num_kv_heads, a.head_dim, a.v_head_dim
+            self.device, self.dtype, a.num_heads, kv.num_heads, kv.key_dim, kv.value_dim
         )
         self.backend = PagedAttention(
             k_cache, v_cache, self.block_size, use_decode_kernel=use_kernel, handle=self._handle
@@ -144,7 +148,7 @@ class ModelRunner:
             return
         assert self.backend is not None
         src, dst = self._tensor([s for s, _ in pairs]), self._tensor([d for _, d in pairs])
-        for cache in (self.backend.k_cache, self.backend.v_cache):
+        for cache in self.backend.caches():
             blocks = cache.view(cache.shape[0], -1, self.block_size, *cache.shape[2:])
             blocks[:, dst] = blocks[:, src]
 
