@@ -17,7 +17,7 @@ from rlloom.engines.rollout.build import build_rollout_engine
 from rlloom.engines.train.build import build_reference, build_train_engine
 from rlloom.engines.train.hf_folder import save_hf_folder
 from rlloom.faults import maybe_fail
-from rlloom.weight_sync.colocated import sync_colocated
+from rlloom.weight_sync.inplace import sync_inplace
 
 
 class RLWorker:
@@ -79,7 +79,7 @@ class RLWorker:
         self.rollout.wake()
 
     def sync_weights(self) -> dict[str, float]:
-        return sync_colocated(self.train, self.rollout, dtype=self.dtype).metrics()
+        return sync_inplace(self.train, self.rollout, dtype=self.dtype).metrics()
 
     def save(self, path: str) -> None:
         self.train.save(path)
