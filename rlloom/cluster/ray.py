@@ -206,8 +206,8 @@ class RayTrainGroup:
 class RayRolloutGroup:
     """The rollout replicas (`replicas[r]` = the slots of replica r's ranks, rank 0 first)."""
 
-    def __init__(self, actors: Actors, replicas: list[list[int]]) -> None:
-        self.actors, self.replicas = actors, replicas
+    def __init__(self, actors: Actors, replicas: list[list[int]], *, max_num_seqs: int) -> None:
+        self.actors, self.replicas, self.max_num_seqs = actors, replicas, max_num_seqs
         self.slots = [s for r in replicas for s in r]
         self._version = 0
 
@@ -216,7 +216,7 @@ class RayRolloutGroup:
         return self._version
 
     def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> QueuedGeneration:
-        return QueuedGeneration(self.actors, self.replicas, prompts, sampling)
+        return QueuedGeneration(self.actors, self.replicas, prompts, sampling, max_num_seqs=self.max_num_seqs)
 
     def sleep(self) -> Refs:
         return Refs(
@@ -276,7 +276,8 @@ def build_ray_groups(cfg: RunConfig, placement: Placement) -> tuple[RayTrainGrou
     if not placement.colocated:
         join_sync_group(cfg, actors, tslots[0], rslots)
     train = RayTrainGroup(actors, tslots)
-    rollout = RayRolloutGroup(actors, [[rslots[j] for j in r] for r in placement.replicas])
+    replicas = [[rslots[j] for j in r] for r in placement.replicas]
+    rollout = RayRolloutGroup(actors, replicas, max_num_seqs=cfg.rollout.max_num_seqs)
     sync = InPlaceSync(train, rollout) if placement.colocated else BroadcastSync(train, rollout)
     return train, rollout, sync
 
