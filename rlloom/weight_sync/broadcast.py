@@ -316,10 +316,10 @@ class _Outbox:
             if len(self.in_flight[r]) > _MAX_IN_FLIGHT:
                 _wait([self.in_flight[r].pop(0)], self.deadline, "a rollout rank to take a bucket")
 
-    def finish(self) -> None:
+    def finish(self, shapes: dict[str, tuple[int, ...]]) -> None:
         """Send what is left (buckets with tensors the engine never yielded go out as zeros, so the
         receivers' streams stay in step; the trailer says the sync failed)."""
-        missing = sorted(set(self.slots) - self.seen)
+        missing = sorted(set(shapes) - self.seen)
         if missing:
             self.problems.append(f"the training engine did not yield {len(missing)} tensors: {missing[:5]}")
         for key in self.remaining:
@@ -370,7 +370,7 @@ def send_weights(
                     outbox.put(name, tensor, rollout.shapes)
         except Exception as exc:  # the receivers must still hear that this sync failed
             outbox.problems.append(f"the training engine raised {type(exc).__name__}: {exc}")
-        outbox.finish()
+        outbox.finish(rollout.shapes)
         status = "; ".join(outbox.problems) or "ok"
         trailers = [json.dumps({"status": status, "checksums": c}).encode() for c in outbox.checksums]
         _exchange(links, trailers, root=0, what="rollout ranks to take the trailer", **io)

@@ -34,6 +34,8 @@ from tests.weight_sync.sync_helpers import (
     shard_dims,
 )
 
+pytestmark = pytest.mark.slow
+
 KINDS = ("dense", "moe", "mla")
 BUCKET = 8 << 10  # small buckets: several per sync, tensors split across them
 
