@@ -125,6 +125,14 @@ class SyncGroup:
         """The rollout tp rank of this receiver."""
         return (self.rank - self.spec.num_senders) % self.spec.rollout_tp
 
+    def barrier(self) -> None:
+        """Wait until every member got here (a one-byte broadcast on each of this rank's groups, in
+        the global order); benchmarks use it to start a timed sync together."""
+        deadline = time.monotonic() + self.spec.timeout_s
+        for key in sorted(self.links):
+            flag = torch.zeros(1, dtype=torch.uint8, device=self.device)
+            _wait([_broadcast(self.links[key], flag, root=0)], deadline, "the sync group's barrier")
+
     def close(self) -> None:
         """Leave the group (aborting what is still in flight when a sync broke it)."""
         for link in self.links.values():
