@@ -14,7 +14,6 @@ from rlloom.engines.rollout.native import NativeEngine
 from rlloom.engines.train.native.weights import named_weight_buckets
 from rlloom.models import hf_named_tensors
 from rlloom.models.checkpoint import build_model
-from rlloom.weight_sync.reshard import RolloutLayout
 
 VOCAB = 64
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, max_position_embeddings=128)
@@ -126,8 +125,7 @@ def shard_dims(names: list[str]) -> dict[str, int | None]:
 class ShardSink:
     """A rollout TP rank's stand-in: keeps what it is given, as a TP engine keeps its slices."""
 
-    def __init__(self, layout: RolloutLayout) -> None:
-        self.layout = layout
+    def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self.policy_version = 0
 

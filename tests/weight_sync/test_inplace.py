@@ -9,6 +9,7 @@ import torch
 
 from rlloom.config import ConfigError, load_config
 from rlloom.weight_sync.base import WeightSyncError, checksum_enabled
+from rlloom.weight_sync.checksum import rank_layout
 from rlloom.weight_sync.inplace import sync_inplace
 from tests.weight_sync.sync_helpers import TrainSide, rollout_engine, rollout_weights
 
@@ -96,3 +97,13 @@ def test_sync_config_and_checksum_modes():
     assert checksum_enabled("always", torch.device("cuda")) and not checksum_enabled(
         "never", torch.device("cpu")
     )
+
+
+def test_rank_layout_reads_the_engine_slices():
+    engine = rollout_engine("dense")
+    layout = rank_layout(engine)
+    assert set(layout.shapes) == set(rollout_weights(engine))
+    assert all(box == tuple((0, n) for n in layout.shapes[name]) for name, box in layout.boxes.items())
+    name = "model.layers.0.self_attn.o_proj.weight"
+    engine.weight_shard_slices = lambda: {name: (1, 16, 16)}  # as rank 1 of a tp=2 engine says
+    assert rank_layout(engine).boxes[name] == ((0, 32), (16, 32))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rlloom.weight_sync.reshard import (
+    RankLayout,
     RolloutLayout,
     TrainLayout,
     chunk_box,
@@ -35,10 +36,14 @@ def ep2_fsdp_layout(shapes: dict[str, tuple[int, ...]]) -> TrainLayout:
     return TrainLayout.sharded(shapes, placement)
 
 
-def tp2_rollout(shapes: dict[str, tuple[int, ...]], **extra) -> RolloutLayout:
+def tp2_dims(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """Column-parallel q and expert gate/up, row-parallel o and expert down, vocab-parallel embedding."""
     dims = {"embed": 0, "q_proj": 0, "o_proj": 1}
-    dims |= {n: 1 if n.endswith("down") else 0 for n in shapes if n.startswith("experts.")}
-    return RolloutLayout(tp=2, shapes=shapes, shard_dims=dims, **extra)
+    return dims | {n: 1 if n.endswith("down") else 0 for n in shapes if n.startswith("experts.")}
+
+
+def tp2_rollout(shapes: dict[str, tuple[int, ...]]) -> RolloutLayout:
+    return RolloutLayout.split(shapes, 2, tp2_dims(shapes))
 
 
 def coverage(plan, shapes, tp: int) -> dict[tuple[str, int], torch.Tensor]:
@@ -66,7 +71,7 @@ def test_ep2_fsdp_to_tp2_each_piece_once_to_exactly_its_holders():
                 assert bucket.sender in ((0, 1) if int(piece.name.split(".")[1]) < 2 else (2, 3))
     # sizes add up: split tensors once over the two tp ranks, the replicated norm and router twice
     total = sum(b.numel for b in plan.buckets)
-    copies = {n: 1 if rollout.shard_dims.get(n) is not None else 2 for n in shapes}
+    copies = {n: 1 if n in tp2_dims(shapes) else 2 for n in shapes}
     assert total == sum(torch.Size(s).numel() * copies[n] for n, s in shapes.items())
     assert total == sum(plan.sent_numel(s) for s in range(4))
 
@@ -86,7 +91,7 @@ def test_buckets_keep_to_their_size_and_the_training_order():
 def test_experts_reach_only_the_rollout_ranks_that_hold_them():
     shapes = moe_shapes()
     holders = {n: (int(n.split(".")[1]) % 2,) for n in shapes if n.startswith("experts.")}
-    rollout = RolloutLayout(tp=2, shapes=shapes, shard_dims={"embed": 0}, holders=holders)
+    rollout = RolloutLayout.split(shapes, 2, {"embed": 0}, holders)
     plan = plan_reshard(ep2_fsdp_layout(shapes), rollout, bucket_numel=1000)
     for bucket in plan.buckets:
         for piece in bucket.pieces:
@@ -99,9 +104,7 @@ def test_experts_reach_only_the_rollout_ranks_that_hold_them():
 
 def test_replicas_send_once_and_share_the_work():
     shapes = moe_shapes()
-    plan = plan_reshard(
-        TrainLayout.replicated(shapes, 2), RolloutLayout(tp=1, shapes=shapes), bucket_numel=64
-    )
+    plan = plan_reshard(TrainLayout.replicated(shapes, 2), RolloutLayout.split(shapes, 1), bucket_numel=64)
     for count in coverage(plan, shapes, 1).values():
         assert bool((count == 1).all())
     sent = [plan.sent_numel(s) for s in (0, 1)]
@@ -122,15 +125,32 @@ def test_layouts_that_disagree_are_refused():
     with pytest.raises(ValueError, match="'q_proj' has shape .* Fix:"):
         plan_reshard(
             TrainLayout.replicated(shapes, 1),
-            RolloutLayout(tp=1, shapes=shapes | {"q_proj": (1, 1)}),
+            RolloutLayout.split(shapes | {"q_proj": (1, 1)}, 1),
             bucket_numel=8,
         )
     with pytest.raises(ValueError, match="lacks \\['extra'\\]"):
         plan_reshard(
             TrainLayout.replicated(shapes, 1),
-            RolloutLayout(tp=1, shapes=shapes | {"extra": (2,)}),
+            RolloutLayout.split(shapes | {"extra": (2,)}, 1),
             bucket_numel=8,
         )
     gap = TrainLayout(shapes={"w": (4, 2)}, owners={"w": ((0, ((0, 2), (0, 2))),)})
     with pytest.raises(ValueError, match="do not tile"):
-        plan_reshard(gap, RolloutLayout(tp=1, shapes={"w": (4, 2)}), bucket_numel=8)
+        plan_reshard(gap, RolloutLayout.split({"w": (4, 2)}, 1), bucket_numel=8)
+
+
+def test_each_rank_states_its_own_boxes_replicated_kv_heads_and_padded_vocab():
+    """As a tensor-parallel engine reports them (`weight_shard_slices`): tp=4 over 2 KV heads (two
+    ranks share each head) and a vocabulary of 10 rows padded to 8 per rank (rank 1 holds 2)."""
+    shapes = {"k_proj": (4, D), "embed": (V, D)}
+    boxes = [{"k_proj": ((2 * (r // 2), 2 * (r // 2) + 2), (0, D))} for r in range(4)]
+    boxes[0]["embed"], boxes[1]["embed"] = ((0, 8), (0, D)), ((8, V), (0, D))
+    rollout = RolloutLayout(ranks=tuple(RankLayout(shapes=shapes, boxes=b) for b in boxes))
+    plan = plan_reshard(
+        TrainLayout.sharded(shapes, {"k_proj": (0, 1), "embed": (0, 1)}), rollout, bucket_numel=16
+    )
+    for (name, rank), count in coverage(plan, shapes, 4).items():
+        expected = torch.zeros_like(count)
+        if name in boxes[rank]:
+            expected[tuple(slice(a, b) for a, b in boxes[rank][name])] = 1
+        assert torch.equal(count, expected), (name, rank)
