@@ -20,8 +20,8 @@ How: `join_sync_group` builds one process group per (sender s, rollout tp rank r
 the rollout ranks of tp rank r of every replica, from its own TCPStore (rank 0 hosts it at
 host:port): `ProcessGroupNCCL` on GPU, `ProcessGroupGloo` on CPU, constructed directly, so neither
 world's default group is touched. Each sync, on each of those groups:
-1. the first receiver broadcasts the rollout layout (names, full shapes, split dims, dtype) and
-   every sender plans with `reshard.plan_reshard` (training layout: `layout`, default every sender
+1. the first receiver of each tp rank broadcasts what that rank holds (names, full shapes, its
+   slice of each, dtype: `checksum.rank_layout`) and every sender plans with `reshard.plan_reshard` (training layout: `layout`, default every sender
    holds every full tensor, as today's engines yield them) who sends which slice;
 2. the sender broadcasts a manifest: version, dtype, its buckets and their pieces (name, box);
 3. then each bucket as one flat buffer (at most `bucket_bytes`), filled as the training engine
@@ -52,12 +52,13 @@ from rlloom.weight_sync.checksum import (
     check_tiling,
     digest,
     piece_key,
-    rollout_layout,
+    rank_layout,
     weight_dtype,
 )
 from rlloom.weight_sync.reshard import (
     Box,
     Bucket,
+    RankLayout,
     RolloutLayout,
     TrainLayout,
     box_numel,
@@ -124,6 +125,14 @@ class SyncGroup:
     def tp_rank(self) -> int:
         """The rollout tp rank of this receiver."""
         return (self.rank - self.spec.num_senders) % self.spec.rollout_tp
+
+    def barrier(self) -> None:
+        """Wait until every member got here (a one-byte broadcast on each of this rank's groups, in
+        the global order); benchmarks use it to start a timed sync together."""
+        deadline = time.monotonic() + self.spec.timeout_s
+        for key in sorted(self.links):
+            flag = torch.zeros(1, dtype=torch.uint8, device=self.device)
+            _wait([_broadcast(self.links[key], flag, root=0)], deadline, "the sync group's barrier")
 
     def close(self) -> None:
         """Leave the group (aborting what is still in flight when a sync broke it)."""
@@ -215,24 +224,15 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _encode_layout(layout: RolloutLayout, dtype: torch.dtype) -> bytes:
-    fields = {
-        "tp": layout.tp,
-        "shapes": layout.shapes,
-        "shard_dims": layout.shard_dims,
-        "holders": layout.holders,
-    }
-    return json.dumps(fields | {"dtype": _dtype_name(dtype)}).encode()
+def _encode_layout(layout: RankLayout, dtype: torch.dtype) -> bytes:
+    boxes = {n: [list(r) for r in b] for n, b in layout.boxes.items()}
+    return json.dumps({"shapes": layout.shapes, "boxes": boxes, "dtype": _dtype_name(dtype)}).encode()
 
 
-def _decode_layout(data: bytes) -> tuple[RolloutLayout, torch.dtype]:
+def _decode_layout(data: bytes) -> tuple[RankLayout, torch.dtype]:
     raw = json.loads(data)
-    layout = RolloutLayout(
-        tp=raw["tp"],
-        shapes={n: tuple(s) for n, s in raw["shapes"].items()},
-        shard_dims=raw["shard_dims"],
-        holders={n: tuple(h) for n, h in raw["holders"].items()},
-    )
+    shapes = {n: tuple(s) for n, s in raw["shapes"].items()}
+    layout = RankLayout(shapes=shapes, boxes={n: _box_of(b) for n, b in raw["boxes"].items()})
     return layout, getattr(torch, raw["dtype"])
 
 
@@ -316,10 +316,10 @@ class _Outbox:
             if len(self.in_flight[r]) > _MAX_IN_FLIGHT:
                 _wait([self.in_flight[r].pop(0)], self.deadline, "a rollout rank to take a bucket")
 
-    def finish(self) -> None:
+    def finish(self, shapes: dict[str, tuple[int, ...]]) -> None:
         """Send what is left (buckets with tensors the engine never yielded go out as zeros, so the
         receivers' streams stay in step; the trailer says the sync failed)."""
-        missing = sorted(set(self.slots) - self.seen)
+        missing = sorted(set(shapes) - self.seen)
         if missing:
             self.problems.append(f"the training engine did not yield {len(missing)} tensors: {missing[:5]}")
         for key in self.remaining:
@@ -353,8 +353,11 @@ def send_weights(
     links = [group.links[(group.rank, r)] for r in range(group.spec.rollout_tp)]
     io = dict(device=group.device, deadline=deadline)
     try:
-        hello = _exchange(links, [None] * len(links), root=1, what="the rollout layout", **io)
-        rollout, rollout_dtype = _decode_layout(hello[0])
+        hello = [
+            _decode_layout(h)
+            for h in _exchange(links, [None] * len(links), root=1, what="the rollout layout", **io)
+        ]
+        rollout, rollout_dtype = RolloutLayout(ranks=tuple(rank for rank, _ in hello)), hello[0][1]
         dtype = dtype or rollout_dtype
         train = layout or TrainLayout.replicated(rollout.shapes, group.spec.num_senders)
         plan = plan_reshard(train, rollout, bucket_numel=max(1, bucket_bytes // dtype.itemsize))
@@ -370,7 +373,7 @@ def send_weights(
                     outbox.put(name, tensor, rollout.shapes)
         except Exception as exc:  # the receivers must still hear that this sync failed
             outbox.problems.append(f"the training engine raised {type(exc).__name__}: {exc}")
-        outbox.finish()
+        outbox.finish(rollout.shapes)
         status = "; ".join(outbox.problems) or "ok"
         trailers = [json.dumps({"status": status, "checksums": c}).encode() for c in outbox.checksums]
         _exchange(links, trailers, root=0, what="rollout ranks to take the trailer", **io)
@@ -409,15 +412,15 @@ def receive_weights(
     sink: WeightSink,
     *,
     checksum: bool = False,
-    layout: RolloutLayout | None = None,
+    layout: RankLayout | None = None,
     dtype: torch.dtype | None = None,
 ) -> SyncReport:
     """Receive this rollout rank's slices of the training weights and load them into `sink` under the
     senders' version, only once all arrived and passed the checks. `layout`/`dtype`: what the engine
-    holds (default: `checksum.rollout_layout(sink)`, `weight_dtype(sink)`). Raises WeightSyncError
+    holds (default: `checksum.rank_layout(sink)`, `weight_dtype(sink)`). Raises WeightSyncError
     on failure or timeout; the sink then keeps its previous weights and version."""
     start = time.perf_counter()
-    layout = layout or rollout_layout(sink)
+    layout = layout or rank_layout(sink)
     dtype = dtype or weight_dtype(sink)
     try:
         version, tensors, report = _receive(group, layout, dtype, checksum)
@@ -436,7 +439,7 @@ class _Rejected(RuntimeError):
     """Everything arrived but failed the checks: the group is still in step."""
 
 
-def _receive(group: SyncGroup, layout: RolloutLayout, dtype: torch.dtype, checksum: bool):
+def _receive(group: SyncGroup, layout: RankLayout, dtype: torch.dtype, checksum: bool):
     deadline = time.monotonic() + group.spec.timeout_s
     links = [group.links[(s, group.tp_rank)] for s in range(group.spec.num_senders)]
     io = dict(device=group.device, deadline=deadline)
@@ -468,7 +471,7 @@ def _receive(group: SyncGroup, layout: RolloutLayout, dtype: torch.dtype, checks
                 box = _box_of(raw)
                 pieces.append((name, box, buf.narrow(0, offset, box_numel(box)).view(box_shape(box))))
                 offset += box_numel(box)
-    targets = {n: b for n in layout.shapes if (b := layout.box(n, group.tp_rank)) is not None}
+    targets = layout.boxes
     problems = [t["status"] for t in trailers if t["status"] != "ok"]
     versions = {m["version"] for m in manifests}
     if len(versions) != 1:

@@ -2,9 +2,9 @@
 with the right shape and under one version; optionally the content checksum of every tensor (or
 slice) compared between what the sender sent and what the receiver got.
 
-The expected set comes from the rollout engine (`rollout_layout`): the Hugging Face names and full
-shapes of its model, the dim each is split on across `rollout.tp` ranks (`weight_shard_dims()`, when
-the engine has one) and its weight dtype. Every check returns the list of problems found (empty = the
+The expected set comes from the rollout engine (`rank_layout`): the Hugging Face names and full
+shapes of its model and, on a tensor-parallel engine, the slice of each this rank holds
+(`weight_shard_slices()`). Every check returns the list of problems found (empty = the
 sync is sound), so a transport can gather them and raise one `WeightSyncError` before any rollout
 weight changes.
 """
@@ -18,24 +18,28 @@ import torch
 
 from rlloom.engines.train.native.weights import tensor_checksum
 from rlloom.models import CausalLM, hf_named_tensors
-from rlloom.weight_sync.reshard import Box, RolloutLayout, box_numel, intersect
+from rlloom.weight_sync.reshard import Box, RankLayout, box_numel, full_box, intersect
 
 
-def rollout_layout(engine: object) -> RolloutLayout:
-    """The layout one rollout replica wants, from its engine: names and FULL shapes from the engine's
-    model config (a meta-device copy, no memory), split dims from `engine.weight_shard_dims()` and the
-    degree from `engine.tp` when the engine is tensor-parallel (tp=1, nothing split, otherwise)."""
+def rank_layout(engine: object) -> RankLayout:
+    """What this rollout rank holds, from its engine: names and FULL shapes from the engine's model
+    config (a meta-device copy, no memory) and, for a tensor-parallel engine, its slice of each
+    tensor from `engine.weight_shard_slices()` (name -> (dim, start, length), None = whole)."""
     model = engine.model  # type: ignore[attr-defined]
-    args = dataclasses.replace(model.args, fused_projections=False)
+    full_args = getattr(getattr(engine, "tp", None), "full_args", model.args)
     with torch.device("meta"):
-        meta = CausalLM(args, model.hf_config)
+        meta = CausalLM(dataclasses.replace(full_args, fused_projections=False), model.hf_config)
     shapes = {name: tuple(t.shape) for name, t in hf_named_tensors(meta)}
-    dims_of = getattr(engine, "weight_shard_dims", None)
-    return RolloutLayout(
-        tp=int(getattr(engine, "tp", 1)),
-        shapes=shapes,
-        shard_dims=dict(dims_of()) if dims_of is not None else {},
-    )
+    slices_of = getattr(engine, "weight_shard_slices", None)
+    slices = slices_of() if slices_of is not None else {}
+    boxes = {}
+    for name, shape in shapes.items():
+        box = list(full_box(shape))
+        if slices.get(name) is not None:
+            dim, start, length = slices[name]
+            box[dim] = (start, start + length)
+        boxes[name] = tuple(box)
+    return RankLayout(shapes=shapes, boxes=boxes)
 
 
 def weight_dtype(engine: object) -> torch.dtype:

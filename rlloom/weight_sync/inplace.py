@@ -22,7 +22,8 @@ import torch
 
 from rlloom.models import hf_named_tensors
 from rlloom.weight_sync.base import SyncReport, WeightSink, WeightSource, WeightSyncError
-from rlloom.weight_sync.checksum import check_checksums, check_names, digest, rollout_layout
+from rlloom.weight_sync.checksum import check_checksums, check_names, digest, rank_layout
+from rlloom.weight_sync.reshard import full_box
 
 
 def sync_inplace(
@@ -44,11 +45,13 @@ def sync_inplace(
             staged.extend(bucket)
     except Exception as exc:
         raise _failed(version, sink, f"the training engine raised {type(exc).__name__}: {exc}") from exc
-    expected = rollout_layout(sink).shapes
-    problems = check_names(expected, [(n, tuple(t.shape)) for n, t in staged])
+    layout = rank_layout(sink)
+    problems = check_names(layout.shapes, [(n, tuple(t.shape)) for n, t in staged])
     if problems:
         raise _failed(version, sink, "; ".join(problems))
-    sent = {name: digest(t) for name, t in staged} if checksum else {}
+    # a tensor-parallel engine keeps a slice of some tensors: those are not read back
+    whole = {n for n, box in layout.boxes.items() if box == full_box(layout.shapes[n])}
+    sent = {name: digest(t) for name, t in staged if name in whole} if checksum else {}
     sink.update_weights(staged, version)
     if checksum:
         got = {name: digest(t) for name, t in hf_named_tensors(sink.model) if name in sent}  # type: ignore[attr-defined]

@@ -8,11 +8,11 @@ Both layouts describe slices as boxes (a [start, stop) range per dim) of the FUL
   along the split dim, an expert's tensor is held whole by its EP rank (and FSDP-sharded over what EP
   leaves). Identical boxes on several ranks are replicas (data parallel, or a full tensor gathered
   on every rank): the plan picks one of them to send, balancing bytes.
-- `RolloutLayout`: one replica of `tp` ranks; per tensor the dim it is split on (None = replicated:
-  norms, MLA's q_a/kv_a) and, optionally, the ranks that hold it at all (an expert on the rollout
-  ranks that serve it). Rank r of a split tensor holds chunk r of `tensor.chunk(tp, dim)`.
-  Column-parallel projections (q/k/v, gate/up) split dim 0, row-parallel ones (o, down) dim 1,
-  the vocabulary-parallel embedding and head dim 0.
+- `RolloutLayout`: one replica of `tp` ranks, each stating its box of every tensor it holds (a
+  `RankLayout`; the engine's `weight_shard_slices()`): column-parallel projections (q/k/v,
+  gate/up) split dim 0, row-parallel ones (o, down) dim 1, the vocabulary-parallel embedding and
+  head dim 0, norms and MLA's q_a/kv_a whole on every rank; an expert only on the ranks that
+  serve it. `RolloutLayout.split` builds the even (torch.chunk) case.
 
 `plan_reshard` intersects them: every element of every rollout rank's box is sent exactly once, by
 a rank that holds it, and lands only on the rollout ranks that hold it (never every expert on
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 Box = tuple[tuple[int, int], ...]
 """A slice of a tensor: [start, stop) per dim, in the coordinates of the full tensor."""
@@ -95,30 +95,56 @@ class TrainLayout:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class RolloutLayout:
-    """Where one rollout replica wants the weights. Example (tp=2, a column-parallel q projection and
-    a replicated norm): `RolloutLayout(tp=2, shapes={"q": (8, 4), "norm": (4,)}, shard_dims={"q": 0})`."""
+class RankLayout:
+    """What one rollout rank holds. Example (rank 1 of tp=2, a column-parallel q and a norm):
+    `RankLayout(shapes={"q": (8, 4), "norm": (4,)}, boxes={"q": ((4, 8), (0, 4)), "norm": ((0, 4),)})`."""
 
-    tp: int
-    """Tensor-parallel ranks of one replica (`rollout.tp`)."""
     shapes: dict[str, tuple[int, ...]]
-    """Full shape of every tensor the replica loads."""
-    shard_dims: dict[str, int | None] = field(default_factory=dict)
-    """Dim each tensor is split on across the tp ranks; absent or None = every rank holds it whole."""
-    holders: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    """Tp ranks holding a tensor at all (experts placed on some ranks); absent = every rank."""
+    """Full shape of every tensor the rollout model loads."""
+    boxes: dict[str, Box]
+    """The part of each tensor this rank holds (absent: none of it, e.g. an expert placed elsewhere)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutLayout:
+    """Where one rollout replica wants the weights: one `RankLayout` per tensor-parallel rank. Ranks
+    may hold overlapping boxes (KV heads replicated when tp > KV heads) or padded slices: every rank
+    states its own boxes, as the engine's `weight_shard_slices()` gives them."""
+
+    ranks: tuple[RankLayout, ...]
+
+    @property
+    def tp(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return self.ranks[0].shapes
 
     def box(self, name: str, tp_rank: int) -> Box | None:
         """What `tp_rank` holds of `name` (None: nothing)."""
-        if tp_rank not in self.holders.get(name, range(self.tp)):
-            return None
-        shape, dim = self.shapes[name], self.shard_dims.get(name)
-        return full_box(shape) if dim is None else chunk_box(shape, dim, tp_rank, self.tp)
+        return self.ranks[tp_rank].boxes.get(name)
 
-    def local_shapes(self, tp_rank: int) -> dict[str, tuple[int, ...]]:
-        """Name -> shape of every tensor `tp_rank` holds (what its engine's update_weights receives)."""
-        boxes = {n: self.box(n, tp_rank) for n in self.shapes}
-        return {n: box_shape(b) for n, b in boxes.items() if b is not None}
+    @classmethod
+    def split(
+        cls,
+        shapes: dict[str, tuple[int, ...]],
+        tp: int,
+        shard_dims: dict[str, int | None] | None = None,
+        holders: dict[str, tuple[int, ...]] | None = None,
+    ) -> RolloutLayout:
+        """Tensors split evenly (torch.chunk) along `shard_dims[name]` over `tp` ranks (absent or None:
+        every rank holds it whole), held only by the ranks `holders[name]` lists when given."""
+        dims, holders = shard_dims or {}, holders or {}
+        ranks = []
+        for r in range(tp):
+            boxes = {}
+            for name, shape in shapes.items():
+                if r in holders.get(name, range(tp)):
+                    dim = dims.get(name)
+                    boxes[name] = full_box(shape) if dim is None else chunk_box(shape, dim, r, tp)
+            ranks.append(RankLayout(shapes=dict(shapes), boxes=boxes))
+        return cls(ranks=tuple(ranks))
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
-"""Tiny training and rollout sides for weight-sync tests: a native model that really steps (SGD on a
-forward pass at a large learning rate, so every sync carries new values) as the source, and a native
-rollout engine (fused projections, as in a run) or a tensor-parallel stand-in as the sink."""
+"""Tiny training and rollout sides for weight-sync tests: a native model whose optimizer steps at a
+large learning rate (so every sync carries new values) as the source, and a native rollout engine
+(fused projections, as in a run) or a tensor-parallel stand-in as the sink."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from rlloom.engines.rollout.native import NativeEngine
 from rlloom.engines.train.native.weights import named_weight_buckets
 from rlloom.models import hf_named_tensors
 from rlloom.models.checkpoint import build_model
-from rlloom.weight_sync.reshard import RolloutLayout
 
 VOCAB = 64
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, max_position_embeddings=128)
@@ -62,27 +61,25 @@ def hf_config(kind: str) -> dict:
 
 
 class TrainSide:
-    """The weight source: a native model in fp32 that steps with SGD; deterministic from `seed` (its
-    own generator), so another process can replay it to know the expected weights."""
+    """The weight source: a native model in fp32 with an optimizer that steps; deterministic from
+    `seed` (its own generator), so another process can replay it to know the expected weights."""
 
     def __init__(self, kind: str, *, seed: int = 0) -> None:
         self.rng = torch.Generator().manual_seed(seed)
         self.model = build_model(hf_config(kind), dtype=torch.float32, device="cpu")
         with torch.no_grad():
-            for p in self.model.parameters():
-                p.copy_(0.05 * torch.randn(p.shape, generator=self.rng))
+            for tensor in self.model.state_dict().values():  # parameters and persistent buffers
+                tensor.copy_(0.05 * torch.randn(tensor.shape, generator=self.rng))
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=3e-2)
         self.version = 0
         self.skip: set[str] = set()
         """Names left out of `named_weights` (to test a missing tensor)."""
 
     def step(self) -> None:
-        ids = torch.randint(0, VOCAB, (2, 8), generator=self.rng)
-        loss = self.model(ids).float().logsumexp(-1).mean()
-        loss.backward()
-        with torch.no_grad():
-            for p in self.model.parameters():  # a large step everywhere, also where no gradient flows
-                p.add_(0.01 * torch.randn(p.shape, generator=self.rng))
+        """One optimizer step (SGD, lr 3e-2) on a random gradient for every parameter: every tensor
+        changes by about 3e-2 per step, so a stale or skipped tensor cannot go unnoticed."""
+        for p in self.model.parameters():
+            p.grad = torch.randn(p.shape, generator=self.rng)
         self.optimizer.step()
         self.optimizer.zero_grad()
         self.version += 1
@@ -128,8 +125,7 @@ def shard_dims(names: list[str]) -> dict[str, int | None]:
 class ShardSink:
     """A rollout TP rank's stand-in: keeps what it is given, as a TP engine keeps its slices."""
 
-    def __init__(self, layout: RolloutLayout) -> None:
-        self.layout = layout
+    def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self.policy_version = 0
 

@@ -34,6 +34,8 @@ from tests.weight_sync.sync_helpers import (
     shard_dims,
 )
 
+pytestmark = pytest.mark.slow
+
 KINDS = ("dense", "moe", "mla")
 BUCKET = 8 << 10  # small buckets: several per sync, tensors split across them
 
@@ -133,18 +135,18 @@ def _tensor_parallel(spec: SyncGroupSpec, rank: int, out: dict) -> None:
     train = TrainSide("dense")
     train.step()
     full = train.weights()
-    layout = RolloutLayout(
-        tp=2, shapes={n: tuple(t.shape) for n, t in full.items()}, shard_dims=shard_dims(list(full))
-    )
+    dims = shard_dims(list(full))
+    layout = RolloutLayout.split({n: tuple(t.shape) for n, t in full.items()}, 2, dims)
     if group.is_sender:
         report = send_weights(group, train, bucket_bytes=BUCKET, checksum=True)
     else:
-        sink = ShardSink(layout)
-        report = receive_weights(group, sink, checksum=True, layout=layout, dtype=torch.float32)
+        sink = ShardSink()
+        mine = layout.ranks[group.tp_rank]
+        report = receive_weights(group, sink, checksum=True, layout=mine, dtype=torch.float32)
         r = group.tp_rank
         expected = {}
         for name, tensor in full.items():
-            dim = layout.shard_dims.get(name)
+            dim = dims.get(name)
             box = chunk_box(tuple(tensor.shape), dim, r, 2) if dim is not None else None
             expected[name] = tensor if box is None else tensor[tuple(slice(a, b) for a, b in box)]
         out["tp_equal"] = _equal(sink.tensors, expected)
