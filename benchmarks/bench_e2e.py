@@ -8,7 +8,8 @@ a cheap deterministic function of the last token, so rewards vary inside groups 
 trains. Steps after the first are steady state; the table reports their median.
 
     python benchmarks/bench_e2e.py                     # one GPU, inline
-    python benchmarks/bench_e2e.py --workers 2         # Ray, one actor per GPU
+    python benchmarks/bench_e2e.py --workers 2         # Ray, one actor per GPU (colocated)
+    python benchmarks/bench_e2e.py --rollout-workers 1 # Ray: 1 training GPU + 1 rollout GPU (separate)
     python benchmarks/bench_e2e.py --tiny --steps 2    # CPU smoke run of the script
     python benchmarks/bench_e2e.py --profile           # + top device kernels of the last step
     python benchmarks/bench_e2e.py --profile-train     # the same for its policy update, + host ops
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from rlloom.cluster.inline import build_worker_group
+from rlloom.cluster.placement import build_groups
 from rlloom.config import load_config
 from rlloom.data.dataset import PromptItem
 from rlloom.data.source import PromptSource
@@ -80,7 +81,13 @@ def profiled(fn, *, host_table: bool = False):  # noqa: ANN001, ANN201
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=1, help="training ranks (cluster.num_workers)")
+    parser.add_argument(
+        "--rollout-workers",
+        type=int,
+        default=0,
+        help="rollout GPUs of their own (cluster.placement=separate); 0 = colocated on the training GPUs",
+    )
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -124,8 +131,10 @@ def main() -> None:
         if args.eager:
             overrides += ["train.compile=false", "rollout.compile=false"]
         overrides += args.set
-        if args.workers > 1:
+        if args.workers > 1 or args.rollout_workers > 0:
             overrides += ["cluster.mode=ray", f"cluster.num_workers={args.workers}"]
+        if args.rollout_workers > 0:
+            overrides += ["cluster.placement=separate", f"cluster.rollout_workers={args.rollout_workers}"]
         cfg = load_config("arithmetic_demo", overrides)
         vocab = 512 if args.tiny else 151936
         rng = random.Random(0)
@@ -138,10 +147,12 @@ def main() -> None:
             )
             for i in range(args.prompts * (args.steps + 1))
         ]
-        group = build_worker_group(cfg)
+        groups = build_groups(cfg)
         ctx = StepContext(
             cfg=cfg,
-            group=group,
+            train_group=groups.train,
+            rollout_group=groups.rollout,
+            weight_sync=groups.sync,
             source=PromptSource(items, seed=0),
             runner=RewardRunner(last_token_parity),
             decode=lambda ids: str(ids[-1]),
@@ -150,8 +161,8 @@ def main() -> None:
         records = []
         for step in range(args.steps):
             if args.profile_train and step == args.steps - 1:
-                update = group.update_policy
-                group.update_policy = lambda u, f=update: profiled(lambda: f(u), host_table=True)
+                update = groups.train.update_policy
+                groups.train.update_policy = lambda u, f=update: profiled(lambda: f(u), host_table=True)
             if args.profile and step == args.steps - 1:
                 m = profiled(lambda s=step: rl_step(ctx, s))
             else:
@@ -163,11 +174,14 @@ def main() -> None:
                 f"mfu {m.get('perf/mfu', float('nan')):.3f}",
                 flush=True,
             )
-        group.close()
+        groups.close()
     steady = records[1:] or records
     keys = sorted(k for k in steady[0] if k.startswith("time/"))
     gen_tokens = args.prompts * args.samples * args.new_tokens
-    print(f"\n| stage | median s ({len(steady)} steady steps, workers={args.workers}) |")
+    print(
+        f"\n| stage | median s ({len(steady)} steady steps, workers={args.workers}, "
+        f"rollout_workers={args.rollout_workers}) |"
+    )
     print("|---|---|")
     for k in keys:
         print(f"| {k} | {statistics.median(r[k] for r in steady):.3f} |")

@@ -599,7 +599,15 @@ class ClusterConfig:
     mode: Literal["inline", "ray"] = "inline"
     """`inline`: everything in this process; `ray`: one actor per GPU (or CPU slot)."""
     num_workers: int = 1
-    """Workers (data-parallel ranks, each with a colocated rollout replica)."""
+    """Training ranks (data parallel). With placement=colocated each also hosts a rollout rank on
+    the same device."""
+    placement: Literal["colocated", "separate"] = "colocated"
+    """`colocated`: training and rollout share the same GPUs and hand memory over (offload/onload,
+    sleep/wake); `separate`: `rollout_workers` GPUs (or CPU slots) for rollout apart from the
+    `num_workers` training ones, with the weights broadcast after each step (needs cluster.mode=ray)."""
+    rollout_workers: int = 0
+    """GPUs (or CPU slots) of the rollout pool with placement=separate (a multiple of rollout.tp);
+    0 with colocated, where the rollout runs on the training GPUs."""
     address: str = ""
     """Ray address: empty starts a local Ray; `auto` or host:port joins a cluster."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -618,6 +626,48 @@ class ClusterConfig:
             "more than one worker needs cluster.mode=ray",
             "set cluster.mode=ray or cluster.num_workers=1",
         )
+        if self.placement == "separate":
+            _check(
+                self.rollout_workers >= 1,
+                "cluster.rollout_workers",
+                self.rollout_workers,
+                "cluster.placement=separate needs at least one rollout GPU (or CPU slot)",
+                "set cluster.rollout_workers=1 or more, or cluster.placement=colocated",
+            )
+            _check(
+                self.mode == "ray",
+                "cluster.mode",
+                self.mode,
+                "cluster.placement=separate runs the rollout in its own processes, which needs Ray",
+                "set cluster.mode=ray, or cluster.placement=colocated",
+            )
+        else:
+            _check(
+                self.rollout_workers == 0,
+                "cluster.rollout_workers",
+                self.rollout_workers,
+                "with cluster.placement=colocated the rollout runs on the training GPUs",
+                "set cluster.rollout_workers=0, or cluster.placement=separate for a rollout pool of its own",
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class SyncConfig:
+    bucket_mb: int = 256
+    """Weight-sync bucket size in MiB: tensors travel in flat buffers of at most this size (a larger
+    tensor travels alone). Bigger buckets mean fewer transfers and more memory held per transfer."""
+    checksum: Literal["auto", "always", "never"] = "auto"
+    """Compare a content checksum of every tensor sent and received on each sync: `auto` = on when
+    the weights are on CPU, off on GPU (it copies every tensor to the host); `always`; `never`. The
+    structural check (every rollout tensor received exactly once, right shape, right version) always runs."""
+    timeout_s: float = 300.0
+    """Longest wait for one weight sync between separate training and rollout workers; on timeout the
+    rollout keeps its previous weights and version and the sync raises."""
+
+    def __post_init__(self) -> None:
+        _check_finite(self, "sync")
+        _check(self.bucket_mb >= 1, "sync.bucket_mb", self.bucket_mb, "must be >= 1 (MiB)", "use e.g. 256")
+        _check(self.timeout_s > 0, "sync.timeout_s", self.timeout_s, "must be > 0 seconds", "use e.g. 300")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -643,6 +693,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
 
     def __post_init__(self) -> None:
         if self.data.task in ("jsonl", "parquet"):
@@ -661,6 +712,7 @@ class RunConfig:
                 f"estimator {self.algorithm.estimator} needs groups of 2 or more",
                 "set rollout.n_samples=4 or more",
             )
+        self._check_rollout_replicas()
         batch = self.trainer.prompts_per_step * self.rollout.n_samples
         _check(
             batch % self.trainer.num_mini_batches == 0,
@@ -668,4 +720,21 @@ class RunConfig:
             self.trainer.num_mini_batches,
             f"must divide the batch of {batch} completions",
             "pick a divisor of prompts_per_step x n_samples",
+        )
+
+    def _check_rollout_replicas(self) -> None:
+        """The rollout ranks split into whole replicas of rollout.tp ranks each."""
+        tp = getattr(self.rollout, "tp", 1)  # rollout.tp comes with the tensor-parallel rollout engine
+        c = self.cluster
+        ranks, key = (
+            (c.rollout_workers, "cluster.rollout_workers")
+            if c.placement == "separate"
+            else (c.num_workers, "cluster.num_workers")
+        )
+        _check(
+            ranks % tp == 0,
+            key,
+            ranks,
+            f"the rollout ranks form replicas of rollout.tp={tp} ranks each, so it must be a multiple of {tp}",
+            f"set {key} to a multiple of {tp}, or change rollout.tp",
         )

@@ -1,0 +1,142 @@
+"""The Ray actor body: one GPU (or CPU slot) hosting a `TrainWorker`, a `RolloutWorker`, or both
+(colocated placement). Imported only when cluster.mode=ray.
+
+The actor only hosts: it joins the process groups its placement asks for, builds its workers and
+calls their methods by name. What to call on which actor is decided by the groups in `ray.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import ray
+import torch
+import torch.distributed as dist
+
+from rlloom.cluster.local import sync_in_place
+from rlloom.config.components import RunConfig
+from rlloom.devices import resolve_device, resolve_dtype
+from rlloom.parallel import init_distributed
+from rlloom.weight_sync.base import checksum_enabled
+from rlloom.weight_sync.broadcast import (
+    SyncGroup,
+    SyncGroupSpec,
+    join_sync_group,
+    receive_weights,
+    send_weights,
+)
+from rlloom.workers.rollout import RolloutWorker
+from rlloom.workers.train import TrainWorker
+
+
+def join_world(rank: int, world_size: int, master: tuple[str, int], device_type: str) -> None:
+    """Join the default process group of `world_size` ranks whose rendezvous is `master`."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK="0",  # Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES
+        MASTER_ADDR=master[0],
+        MASTER_PORT=str(master[1]),
+    )
+    init_distributed(device_type)
+
+
+def tp_group_of(rank: int, replicas: list[list[int]]) -> dist.ProcessGroup | None:
+    """This rank's replica group, made with `dist.new_group` over the current default world (every
+    rank of that world must call this, with the same `replicas`); None for one-rank replicas."""
+    if all(len(r) == 1 for r in replicas):
+        return None
+    mine = None
+    for ranks in replicas:  # every rank creates every group, in the same order
+        group = dist.new_group(ranks)
+        mine = group if rank in ranks else mine
+    return mine
+
+
+class SlotActor:
+    """One slot's process: `train` and/or `rollout`, built by `start_train` / `start_rollout`."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.train: TrainWorker | None = None
+        self.rollout: RolloutWorker | None = None
+        self.sync_group: SyncGroup | None = None
+        """Separate placement: this rank's part of the broadcast sync group (None on training ranks
+        that do not send)."""
+
+    def address(self) -> tuple[str, int, int]:
+        """(host ip, a free port on it, pid) for rendezvous and error reports."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port, os.getpid()
+
+    def start_train(self, rank: int, world_size: int, master: tuple[str, int]) -> None:
+        """Join the training world as `rank` and build the training worker."""
+        torch.manual_seed(self.cfg.trainer.seed)
+        join_world(rank, world_size, master, resolve_device(self.cfg).type)
+        self.train = TrainWorker(self.cfg, rank=rank)
+
+    def start_rollout(
+        self,
+        rank: int,
+        replicas: list[list[int]],
+        world: tuple[int, tuple[str, int]] | None,
+    ) -> None:
+        """Build rollout rank `rank`. Colocated (`world` None) its replica groups come from the training
+        world this process already joined; separate, the rollout ranks join a world of their own
+        (`world` = (size, rendezvous)) when a replica spans more than one rank."""
+        torch.manual_seed(self.cfg.trainer.seed)
+        device = resolve_device(self.cfg)
+        if world is not None:
+            join_world(rank, world[0], world[1], device.type)
+        tp_group = tp_group_of(rank, replicas) if dist.is_initialized() else None
+        self.rollout = RolloutWorker(
+            self.cfg, device=device, dtype=resolve_dtype(self.cfg, device), rank=rank, tp_group=tp_group
+        )
+
+    def on_train(self, method: str, *args: Any) -> Any:
+        return getattr(self.train, method)(*args)
+
+    def on_rollout(self, method: str, *args: Any) -> Any:
+        return getattr(self.rollout, method)(*args)
+
+    def versions(self) -> tuple[int | None, int | None]:
+        """(training version, rollout version) of the workers this slot hosts."""
+        return (
+            self.train.version if self.train is not None else None,
+            self.rollout.version if self.rollout is not None else None,
+        )
+
+    def sync_inplace(self) -> dict[str, float]:
+        """Colocated: this process's training weights into its rollout rank, in place."""
+        assert self.train is not None and self.rollout is not None
+        return sync_in_place(self.cfg, self.train, self.rollout)
+
+    def join_sync(self, spec: SyncGroupSpec, rank: int) -> None:
+        """Separate placement: join the broadcast sync group as sync rank `rank` (collective over the
+        sending training ranks and every rollout rank)."""
+        device = self.train.device if self.train is not None else resolve_device(self.cfg)
+        self.sync_group = join_sync_group(spec, rank, device)
+
+    def send_weights(self) -> dict[str, float]:
+        """Separate placement, every training rank: gather the weights; a sending rank broadcasts them."""
+        assert self.train is not None
+        report = send_weights(
+            self.sync_group,
+            self.train,
+            bucket_bytes=self.cfg.sync.bucket_mb << 20,
+            checksum=checksum_enabled(self.cfg.sync.checksum, self.train.device),
+        )
+        return report.metrics()
+
+    def receive_weights(self) -> int:
+        """Separate placement, every rollout rank: take this rank's slices and load them; returns the
+        version now held (unchanged when the sync failed, which raises)."""
+        assert self.rollout is not None and self.sync_group is not None
+        checksum = checksum_enabled(self.cfg.sync.checksum, resolve_device(self.cfg))
+        report = receive_weights(self.sync_group, self.rollout.engine, checksum=checksum)
+        self.rollout.version = report.version
+        return report.version
