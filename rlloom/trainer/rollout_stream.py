@@ -1,0 +1,269 @@
+"""Generation kept in flight across training steps, on a rollout engine's step-level API
+(`add_request` / `step` / `abort` / `resume_request`), for the asynchronous modes (async_loop.py).
+
+Work comes in `Job`s: the prompts of one training batch, drawn from the prompt source with the seeds
+the synchronous step would use for that batch (`request_seed(seed, job index, round, position)`).
+Each prompt is one request of n samples; when all n are done they are scored into a group, and with
+dynamic sampling a group whose rewards are all equal is dropped and the job draws more prompts (up
+to `algorithm.max_sampling_rounds` rounds, as `collect_rollouts` does). Continuous batching runs
+every admitted request together, so while the oldest job finishes, younger ones are part-generated.
+
+New weights arrive between decode steps (`update_weights`), and `rollout.partial` decides what
+happens to the requests in flight:
+- finish: they run to the end under the old weights first, then the weights change;
+- abort_resume: they are aborted, the weights change, and each sample resumes from prompt + its
+  tokens so far (the KV cache rebuilt by a prefill under the new weights); every token keeps the
+  version and the logprob of the policy that produced it (`Sample.token_versions`);
+- drop: their tokens are discarded and the samples start again under the new weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlloom.algorithms import keep_informative_groups
+from rlloom.config.components import RunConfig
+from rlloom.data.dataset import PromptItem
+from rlloom.data.source import PromptSource
+from rlloom.data.types import Sample
+from rlloom.engines.rollout import Completion, SamplingParams
+from rlloom.rewards.runner import RewardRunner
+from rlloom.trainer.rollout import request_seed, score_samples
+
+
+@dataclass(kw_only=True, slots=True)
+class Job:
+    """The prompts of one training batch and the groups they produced so far."""
+
+    index: int
+    """Which batch of the run this is (the step whose seeds it uses)."""
+    data_state: dict[str, Any]
+    """The prompt source's position before this job drew its prompts (to regenerate it)."""
+    rounds: int = 0
+    """Generation rounds started (dynamic sampling adds rounds)."""
+    outstanding: int = 0
+    """Requests added and not yet complete."""
+    groups: list[tuple[int, list[Sample]]] = field(default_factory=list)
+    """Scored groups kept, each with its order key (round * 10_000 + prompt position)."""
+    num_groups_dropped: int = 0
+    """Groups dynamic sampling dropped (all rewards equal)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Reward runner metrics summed over the job's groups."""
+
+    def samples(self) -> list[Sample]:
+        """The kept samples in the synchronous step's order (round, prompt position, sample)."""
+        return [s for _, group in sorted(self.groups, key=lambda g: g[0]) for s in group]
+
+
+@dataclass(kw_only=True, slots=True)
+class _Request:
+    """One prompt of a job in flight: its samples as they complete, and the tokens of aborted ones."""
+
+    job: Job
+    item: PromptItem
+    sampling: SamplingParams
+    group_id: int
+    order: int
+    done: dict[int, Sample] = field(default_factory=dict)
+    partial: dict[int, tuple[list[int], list[float], list[int]]] = field(default_factory=dict)
+    """sample index -> (tokens, logprobs, token versions) kept from an abort."""
+
+
+class RolloutStream:
+    """The producer side of the asynchronous loop, on one in-process rollout engine."""
+
+    def __init__(
+        self,
+        engine: Any,
+        cfg: RunConfig,
+        *,
+        source: PromptSource,
+        runner: RewardRunner,
+        decode: Callable[[list[int]], str],
+        stop_token_ids: list[int],
+    ) -> None:
+        self.engine, self.cfg, self.source = engine, cfg, source
+        self.runner, self.decode, self.stop_token_ids = runner, decode, stop_token_ids
+        self.jobs: list[Job] = []
+        """Jobs admitted and not yet taken, oldest first."""
+        self.requests: dict[str, _Request] = {}
+        self.tokens_discarded = 0
+        """Tokens thrown away by `partial=drop` (and by `drop_all`)."""
+        self._aborting = False
+        """True while the completions of our own abort come out (not a rejected request)."""
+
+    # ---- admission -------------------------------------------------------------------------------
+
+    def submit(self, index: int) -> Job:
+        """Admit the job of batch `index`: draw its prompts and add their requests."""
+        job = Job(index=index, data_state=self.source.state_dict())
+        self.jobs.append(job)
+        self._add_round(job, self.cfg.trainer.prompts_per_step)
+        return job
+
+    def _add_round(self, job: Job, num_prompts: int) -> None:
+        items = self.source.next_batch(num_prompts)
+        base = SamplingParams.from_config(self.cfg.rollout)
+        for i, item in enumerate(items):
+            sampling = dataclasses.replace(
+                base,
+                stop_token_ids=self.stop_token_ids,
+                seed=request_seed(self.cfg.trainer.seed, job.index, job.rounds, i),
+            )
+            request_id = f"{job.index}:{job.rounds}:{i}"
+            self.requests[request_id] = _Request(
+                job=job,
+                item=item,
+                sampling=sampling,
+                group_id=job.index * 1_000_000 + job.rounds * 10_000 + i,
+                order=job.rounds * 10_000 + i,
+            )
+            self.engine.add_request(item.prompt_ids, sampling, request_id=request_id, prompt_index=i)
+        job.outstanding += len(items)
+        job.rounds += 1
+
+    # ---- generation ------------------------------------------------------------------------------
+
+    def is_complete(self, job: Job) -> bool:
+        """All its prompts are done and it needs (or may draw) no more rounds."""
+        return job.outstanding == 0 and not self._needs_round(job)
+
+    def _needs_round(self, job: Job) -> bool:
+        missing = self.cfg.trainer.prompts_per_step - len(job.groups)
+        return job.outstanding == 0 and missing > 0 and job.rounds < self._max_rounds()
+
+    def run_until(self, done: Callable[[], bool]) -> int:
+        """Run decode steps until `done()`, starting dynamic sampling's extra rounds as jobs need
+        them; return the steps run."""
+        steps = 0
+        while True:
+            for job in self.jobs:
+                if self._needs_round(job):
+                    self._add_round(job, self.cfg.trainer.prompts_per_step - len(job.groups))
+            if done():
+                return steps
+            if not self.engine.has_unfinished():
+                raise RuntimeError("rollout stream: nothing in flight but the awaited jobs are not complete")
+            self._record(self.engine.step())
+            steps += 1
+
+    def _record(self, completions: list[Completion]) -> None:
+        for c in completions:
+            request = self.requests[c.request_id]
+            if c.finish_reason == "abort" and not self._aborting:
+                raise ValueError(f"rollout rejected prompt {request.item.index}: {c.error}")
+            if c.finish_reason == "abort":  # aborted by update_weights: resumed or restarted there
+                request.partial[c.sample_index] = _merge(request, c)
+                continue
+            request.done[c.sample_index] = self._sample(request, c)
+            if len(request.done) == request.sampling.n:
+                self._finish_request(c.request_id, request)
+
+    def _sample(self, request: _Request, c: Completion) -> Sample:
+        tokens, logprobs, versions = _merge(request, c)
+        item = request.item
+        return Sample(
+            prompt_ids=list(item.prompt_ids),
+            response_ids=tokens,
+            rollout_logprobs=logprobs,
+            group_id=request.group_id,
+            finish_reason=c.finish_reason,
+            policy_version=versions[0] if versions else c.policy_version,
+            token_versions=versions,
+            routed_experts=c.routed_experts,
+            metadata={
+                "ground_truth": item.ground_truth,
+                "index": item.index,
+                "prompt": item.prompt,
+                "columns": item.metadata,
+            },
+        )
+
+    def _finish_request(self, request_id: str, request: _Request) -> None:
+        del self.requests[request_id]
+        job = request.job
+        group = [request.done[j] for j in range(request.sampling.n)]
+        for k, v in score_samples(group, self.runner, self.decode, self.cfg).items():
+            job.metrics[k] = job.metrics.get(k, 0.0) + v
+        informative = True
+        if self.cfg.algorithm.dynamic_sampling:
+            keep_B = keep_informative_groups(
+                torch.tensor([s.reward for s in group]), torch.tensor([s.group_id for s in group])
+            )
+            informative = bool(keep_B.all())
+        if informative:
+            job.groups.append((request.order, group))
+        else:
+            job.num_groups_dropped += 1
+        job.outstanding -= 1
+
+    def _max_rounds(self) -> int:
+        algo = self.cfg.algorithm
+        return algo.max_sampling_rounds if algo.dynamic_sampling else 1
+
+    # ---- weights ---------------------------------------------------------------------------------
+
+    def update_weights(self, sync: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """Apply `sync` (which moves the new weights into this engine) between decode steps, treating
+        the requests in flight as `rollout.partial` says; return the sync's metrics and the stream's."""
+        mode = self.cfg.rollout.partial
+        in_flight = list(self.requests)
+        aborted_tokens = 0
+        if mode == "finish":
+            self.run_until(lambda: not self.requests)
+        elif in_flight:
+            self._aborting = True
+            self.engine.abort(in_flight)
+            self._record(self.engine.step())  # nothing else is scheduled: only the aborted come out
+            self._aborting = False
+            aborted_tokens = sum(len(p[0]) for r in self.requests.values() for p in r.partial.values())
+        metrics = dict(sync())
+        if mode != "finish":
+            for request_id, request in self.requests.items():
+                for j, (tokens, logprobs, versions) in sorted(request.partial.items()):
+                    if mode == "drop":
+                        self.tokens_discarded += len(tokens)
+                        tokens, logprobs, versions = [], [], []
+                        request.partial[j] = (tokens, logprobs, versions)
+                    self.engine.resume_request(
+                        request.item.prompt_ids,
+                        request.sampling,
+                        output_ids=tokens,
+                        logprobs=logprobs,
+                        request_id=request_id,
+                        prompt_index=int(request_id.rsplit(":", 1)[1]),
+                        sample_index=j,
+                    )
+        metrics["async/tokens_interrupted"] = float(aborted_tokens)
+        return metrics
+
+    def take(self) -> Job:
+        """Remove and return the oldest job (complete)."""
+        job = self.jobs.pop(0)
+        assert self.is_complete(job), f"job {job.index} taken while {job.outstanding} prompts are in flight"
+        return job
+
+    def drop_all(self) -> dict[str, Any] | None:
+        """Abort every request and forget every job; return the prompt-source position of the oldest
+        dropped job (to draw its prompts again), or None when nothing was admitted."""
+        if self.requests:
+            self.engine.abort(list(self.requests))
+            for c in self.engine.step():
+                self.tokens_discarded += len(c.token_ids)
+        self.requests.clear()
+        oldest = self.jobs[0].data_state if self.jobs else None
+        self.jobs.clear()
+        return oldest
+
+
+def _merge(request: _Request, c: Completion) -> tuple[list[int], list[float], list[int]]:
+    """The sample's tokens, logprobs and per-token versions: the completion (which repeats the tokens
+    it resumed from) with the versions kept from before the abort for the resumed part."""
+    _, _, versions = request.partial.pop(c.sample_index, ([], [], []))
+    new = len(c.token_ids) - len(versions)
+    return list(c.token_ids), list(c.logprobs), versions + [c.policy_version] * new
