@@ -700,6 +700,22 @@ class RunConfig:
             "trainer.mode=async, and for now cluster.mode=inline (the rollout's step-level API in this process)",
             "set trainer.mode=async and cluster.mode=inline, or rollout.partial=finish",
         )
+        _check(
+            not self.algorithm.decoupled_ppo or self.trainer.mode != "sync",
+            "algorithm.decoupled_ppo",
+            self.algorithm.decoupled_ppo,
+            "needs trainer.mode=one_step_off or async (in sync mode the proximal and behaviour policies "
+            "are the same weights)",
+            "set trainer.mode=async, or algorithm.decoupled_ppo=false",
+        )
+        _check(
+            self.trainer.mode == "sync" or self.cluster.mode == "inline",
+            "trainer.mode",
+            self.trainer.mode,
+            "the asynchronous modes run with cluster.mode=inline for now (the rollout's step-level API "
+            "in this process)",
+            "set cluster.mode=inline, or trainer.mode=sync",
+        )
         batch = self.trainer.prompts_per_step * self.rollout.n_samples
         _check(
             batch % self.trainer.num_mini_batches == 0,

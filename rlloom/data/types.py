@@ -60,6 +60,8 @@ class Sample:
     token_versions: list[int] | None = None
     """Per response token, the weight version of the policy that produced it (a response resumed
     after an in-flight weight update spans several); None means every token has `policy_version`."""
+    loss_weight: float = 1.0
+    """Weight of its tokens in the policy loss (the asynchronous modes down-weight stale samples)."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Task data: ground truth, prompt text, response text, per-reward parts."""
     routed_experts: torch.Tensor | None = None
@@ -211,6 +213,10 @@ class RolloutBatch:
     def rewards(self) -> torch.Tensor:
         """[B] float32 rewards."""
         return torch.tensor([s.reward for s in self.samples], dtype=torch.float32)
+
+    def loss_weights(self) -> torch.Tensor:
+        """[B] float32 per-sample loss weights."""
+        return torch.tensor([s.loss_weight for s in self.samples], dtype=torch.float32)
 
     def group_ids(self) -> torch.Tensor:
         """[B] int64 group ids."""

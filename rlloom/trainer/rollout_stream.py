@@ -54,6 +54,8 @@ class Job:
     """Groups dynamic sampling dropped (all rewards equal)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Reward runner metrics summed over the job's groups."""
+    first_round: list[Sample] = field(default_factory=list)
+    """Every scored sample of round 0, kept or not (the reward metrics' population)."""
 
     def samples(self) -> list[Sample]:
         """The kept samples in the synchronous step's order (round, prompt position, sample)."""
@@ -190,6 +192,8 @@ class RolloutStream:
         group = [request.done[j] for j in range(request.sampling.n)]
         for k, v in score_samples(group, self.runner, self.decode, self.cfg).items():
             job.metrics[k] = job.metrics.get(k, 0.0) + v
+        if request.order < 10_000:
+            job.first_round.extend(group)
         informative = True
         if self.cfg.algorithm.dynamic_sampling:
             keep_B = keep_informative_groups(

@@ -1,0 +1,233 @@
+"""The asynchronous modes (`trainer.mode=one_step_off|async`): generation stays in flight while the
+policy trains, with a bounded queue and bounded staleness (issue 19).
+
+    admit jobs (one per batch) up to the queue's capacity -> run the rollout until the oldest job is
+    complete -> drop (or down-weight) samples older than max_staleness -> train on it (the
+    synchronous step's training half) -> new weights into the rollout between decode steps, the
+    requests in flight handled as rollout.partial says -> at a checkpoint, evaluation or the last
+    step: drop what is in flight and rewind the prompt source to it
+
+The queue: at most `capacity(cfg)` jobs are admitted (generating or done, not yet trained): K + 1
+for async (max_staleness = K), 2 for one_step_off. That bound is the back-pressure (generation
+never runs more than K versions ahead, memory is bounded) and, since a job admitted at version v is
+trained at step v + K at the latest, it keeps every sample within the staleness bound; the filter
+(`split_stale`) still drops or down-weights any sample beyond it and counts it.
+
+`one_step_off` waits, before training step k, until the job of step k + 1 is complete too (on
+separate GPUs it generates while step k trains; in one process it runs before): the job of step
+k + 1 is generated under version k, so step k trains on samples of version k - 1 (k >= 1). `async` trains as soon as the oldest
+job is complete; younger jobs are part-generated and meet the weight update in flight. With
+max_staleness=0 only the job being trained is admitted: exactly the synchronous run.
+
+One process (cluster.mode=inline): the rollout engine's continuous batching runs every admitted job
+together, interleaved with training (no background thread: runs are deterministic and tests exact).
+Real overlap needs the rollout on its own GPUs (cluster.placement=separate, cluster.mode=ray).
+
+Checkpoints: what is in flight at a checkpoint (or an evaluation, or the end) is dropped and the
+prompt source rewound to the oldest dropped job, so those prompts are generated again by the next
+step: a resumed run draws exactly the prompts, seeds and versions of the uninterrupted one, and no
+sample is trained twice. The first step after such a drain trains on-policy.
+
+Off-policy corrections are on: old logprobs are recomputed under the current weights (the proximal
+policy) and each token is weighted by proximal / behaviour, the behaviour being the rollout's logprob
+of the policy that produced it: truncated (`algorithm.is_correction=tis` unless set), or with
+`algorithm.decoupled_ppo` untruncated and masked above `is_high` (AReaL's decoupled PPO).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+from rlloom.config.components import RunConfig
+from rlloom.data.types import Sample
+from rlloom.faults import maybe_fail
+from rlloom.trainer.rollout import RolloutResult, reward_metrics
+from rlloom.trainer.rollout_stream import Job, RolloutStream
+from rlloom.trainer.step import StepContext, rl_step
+
+
+def capacity(cfg: RunConfig) -> int:
+    """Jobs admitted at once (generating or complete, not yet trained)."""
+    return 2 if cfg.trainer.mode == "one_step_off" else cfg.trainer.max_staleness + 1
+
+
+def max_staleness(cfg: RunConfig) -> int:
+    return 1 if cfg.trainer.mode == "one_step_off" else cfg.trainer.max_staleness
+
+
+def async_config(cfg: RunConfig) -> RunConfig:
+    """The config the training half of the step runs with in the asynchronous modes: off-policy
+    correction on, and the rollout never sleeps (its requests stay in flight through training)."""
+    algo = cfg.algorithm
+    if algo.decoupled_ppo:
+        algo = dataclasses.replace(algo, is_correction="mis", is_level="token", is_low=0.0)
+    elif algo.is_correction == "none":
+        algo = dataclasses.replace(algo, is_correction="tis")
+    rollout = dataclasses.replace(cfg.rollout, sleep_during_train=False)
+    return dataclasses.replace(cfg, algorithm=algo, rollout=rollout)
+
+
+def updates_per_step(cfg: RunConfig) -> int:
+    """Optimizer steps (policy versions) per RL step."""
+    return cfg.trainer.ppo_epochs * cfg.trainer.num_mini_batches
+
+
+def staleness(cfg: RunConfig, train_version: int, version: int) -> int:
+    """RL steps between a policy version and the training weights'."""
+    return math.ceil((train_version - version) / updates_per_step(cfg))
+
+
+def split_stale(
+    samples: list[Sample], cfg: RunConfig, train_version: int
+) -> tuple[list[Sample], dict[str, float]]:
+    """The samples to train at `train_version`: those within max_staleness, plus, with
+    stale_samples=downweight, the older ones with loss weight 0.5 ** (staleness - max_staleness);
+    and the staleness histogram (async/staleness_k: samples k steps old, by their oldest token)."""
+    bound = max_staleness(cfg)
+    kept: list[Sample] = []
+    metrics = {"async/samples_dropped": 0.0, "async/samples_downweighted": 0.0}
+    for s in samples:
+        age = staleness(cfg, train_version, s.oldest_version)
+        metrics[f"async/staleness_{age}"] = metrics.get(f"async/staleness_{age}", 0.0) + 1
+        if age <= bound:
+            kept.append(s)
+        elif cfg.trainer.stale_samples == "downweight":
+            kept.append(dataclasses.replace(s, loss_weight=s.loss_weight * 0.5 ** (age - bound)))
+            metrics["async/samples_downweighted"] += 1
+        else:
+            metrics["async/samples_dropped"] += 1
+    return kept, metrics
+
+
+def token_staleness(samples: list[Sample], cfg: RunConfig, train_version: int) -> dict[str, float]:
+    """async/tokens_staleness_k: response tokens generated k steps before the training weights."""
+    out: dict[str, float] = {}
+    for s in samples:
+        for v in s.response_versions():
+            key = f"async/tokens_staleness_{staleness(cfg, train_version, v)}"
+            out[key] = out.get(key, 0.0) + 1
+    return out
+
+
+def drains_after(cfg: RunConfig, steps_done: int) -> bool:
+    """run.py checkpoints or evaluates after this step, or it is the last: nothing may be in flight."""
+    t = cfg.trainer
+    return (
+        steps_done >= t.total_steps
+        or bool(t.save_every and steps_done % t.save_every == 0)
+        or bool(t.eval_every and steps_done % t.eval_every == 0)
+    )
+
+
+class _StreamSync:
+    """The weight sync the training half calls, applied between the stream's decode steps."""
+
+    def __init__(self, stream: RolloutStream, sync: Any) -> None:
+        self.stream, self.inner = stream, sync
+
+    def sync(self) -> dict[str, float]:
+        return self.stream.update_weights(self.inner)
+
+
+class AsyncLoop:
+    """`step(step)` has the synchronous `rl_step`'s contract: train the step, return its metrics."""
+
+    def __init__(self, ctx: StepContext) -> None:
+        self.cfg = ctx.cfg
+        self.source = ctx.source
+        self.stream = RolloutStream(
+            _rollout_engine(ctx),
+            ctx.cfg,
+            source=ctx.source,
+            runner=ctx.runner,
+            decode=ctx.decode,
+            stop_token_ids=ctx.stop_token_ids,
+        )
+        self.ctx = _with_sync(dataclasses.replace(ctx, cfg=async_config(ctx.cfg)), self.stream)
+        self.next_index: int | None = None
+        """Batch index of the next job to admit (None: the first step's)."""
+
+    def step(self, step: int) -> dict[str, float]:
+        cfg, stream = self.cfg, self.stream
+        start = time.perf_counter()
+        if self.next_index is None:
+            self.next_index = step
+        while len(stream.jobs) < capacity(cfg) and self.next_index < cfg.trainer.total_steps:
+            stream.submit(self.next_index)
+            self.next_index += 1
+        admitted = len(stream.jobs)
+        wait_for = list(stream.jobs) if cfg.trainer.mode == "one_step_off" else stream.jobs[:1]
+        decode_steps = stream.run_until(lambda: all(stream.is_complete(j) for j in wait_for))
+        job = stream.take()
+        generate_s = time.perf_counter() - start
+        maybe_fail("generate", step)
+        maybe_fail("rewards", step)
+
+        train_version = _train_version(self.ctx)
+        samples, metrics = split_stale(
+            job.samples()[: cfg.trainer.prompts_per_step * cfg.rollout.n_samples], cfg, train_version
+        )
+        metrics.update(token_staleness(samples, cfg, train_version))
+        metrics.update(_job_metrics(job, samples))
+        discarded_before = stream.tokens_discarded
+        metrics.update(rl_step(self.ctx, step, rollout=RolloutResult(samples=samples, metrics=dict(metrics))))
+        if drains_after(cfg, step + 1):
+            rewind = stream.drop_all()
+            if rewind is not None:
+                self.source.load_state_dict(rewind)
+                self.next_index = step + 1
+        total_s = time.perf_counter() - start
+        train_s = sum(
+            metrics.get(f"time/{k}_s", 0.0) for k in ("old_logprobs", "ref_logprobs", "advantages", "train")
+        )
+        metrics.update(
+            {
+                "time/generate_s": generate_s,
+                "time/step_s": total_s,
+                "perf/rollout_idle_frac": max(
+                    0.0, 1 - (generate_s + metrics.get("time/sync_s", 0.0)) / total_s
+                ),
+                "perf/train_idle_frac": max(0.0, 1 - train_s / total_s),
+                "async/jobs_admitted": float(admitted),
+                "async/decode_steps": float(decode_steps),
+                "async/tokens_discarded": float(stream.tokens_discarded - discarded_before),
+            }
+        )
+        return metrics
+
+
+def _job_metrics(job: Job, samples: list[Sample]) -> dict[str, float]:
+    """The synchronous step's rollout metrics for this job."""
+    out = dict(job.metrics)
+    out.update(reward_metrics(job.first_round))
+    out["rollout/groups_dropped"] = float(job.num_groups_dropped)
+    out["rollout/groups_kept"] = float(len(job.groups))
+    return out
+
+
+# ---- where the loop meets the groups -------------------------------------------------------------
+
+
+def _rollout_engine(ctx: StepContext) -> Any:
+    """The in-process rollout engine (cluster.mode=inline), driven by its step-level API."""
+    return ctx.group.worker.rollout  # type: ignore[attr-defined]
+
+
+def _train_version(ctx: StepContext) -> int:
+    return ctx.group.version
+
+
+def _with_sync(ctx: StepContext, stream: RolloutStream) -> StepContext:
+    group = ctx.group
+
+    class _Group:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(group, name)
+
+        def sync_weights(self) -> dict[str, float]:
+            return stream.update_weights(group.sync_weights)
+
+    return dataclasses.replace(ctx, group=_Group())
