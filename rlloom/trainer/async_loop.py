@@ -88,7 +88,13 @@ def split_stale(
     and the staleness histogram (async/staleness_k: samples k steps old, by their oldest token)."""
     bound = max_staleness(cfg)
     kept: list[Sample] = []
-    metrics = {"async/samples_dropped": 0.0, "async/samples_downweighted": 0.0}
+    versions = [v for s in samples for v in s.response_versions()] or [train_version]
+    metrics = {
+        "async/samples_dropped": 0.0,
+        "async/samples_downweighted": 0.0,
+        "async/version_min": float(min(versions)),
+        "async/version_max": float(max(versions)),
+    }
     for s in samples:
         age = staleness(cfg, train_version, s.oldest_version)
         metrics[f"async/staleness_{age}"] = metrics.get(f"async/staleness_{age}", 0.0) + 1
