@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from rlloom.cluster.inline import build_worker_group
+from rlloom.cluster.placement import build_groups
 from rlloom.config import load_config
 from rlloom.data.dataset import PromptItem
 from rlloom.data.source import PromptSource
@@ -138,10 +138,12 @@ def main() -> None:
             )
             for i in range(args.prompts * (args.steps + 1))
         ]
-        group = build_worker_group(cfg)
+        groups = build_groups(cfg)
         ctx = StepContext(
             cfg=cfg,
-            group=group,
+            train_group=groups.train,
+            rollout_group=groups.rollout,
+            weight_sync=groups.sync,
             source=PromptSource(items, seed=0),
             runner=RewardRunner(last_token_parity),
             decode=lambda ids: str(ids[-1]),
@@ -150,8 +152,8 @@ def main() -> None:
         records = []
         for step in range(args.steps):
             if args.profile_train and step == args.steps - 1:
-                update = group.update_policy
-                group.update_policy = lambda u, f=update: profiled(lambda: f(u), host_table=True)
+                update = groups.train.update_policy
+                groups.train.update_policy = lambda u, f=update: profiled(lambda: f(u), host_table=True)
             if args.profile and step == args.steps - 1:
                 m = profiled(lambda s=step: rl_step(ctx, s))
             else:
@@ -163,7 +165,7 @@ def main() -> None:
                 f"mfu {m.get('perf/mfu', float('nan')):.3f}",
                 flush=True,
             )
-        group.close()
+        groups.close()
     steady = records[1:] or records
     keys = sorted(k for k in steady[0] if k.startswith("time/"))
     gen_tokens = args.prompts * args.samples * args.new_tokens

@@ -9,9 +9,10 @@ term) still fires at its place in the step.
 
 Driver stages, in step order: generate, rewards, old_logprobs, ref_logprobs, advantages, train (all
 policy updates done, weights not yet synced), sync; then save_engine (the engine state of the step's
-checkpoint is written, the checkpoint's manifest is not) and after_checkpoint. Worker stage: update_policy
+checkpoint is written, the checkpoint's manifest is not) and after_checkpoint. Worker stages: update_policy
 (before an optimizer step; there STEP counts optimizer steps, the policy version, and RANK picks the
-worker). Unset in normal runs; reading one variable costs nothing.
+training rank) and rollout (a rollout worker's generate call has started; STEP is the policy version
+its weights hold, RANK the rollout rank). Unset in normal runs; reading one variable costs nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from rlloom.config.components import ConfigError
 
 STEP_STAGES = ("generate", "rewards", "old_logprobs", "ref_logprobs", "advantages", "train", "sync")
 SAVE_STAGES = ("save_engine", "after_checkpoint")
-WORKER_STAGES = ("update_policy",)
+WORKER_STAGES = ("update_policy", "rollout")
 STAGES = STEP_STAGES + SAVE_STAGES + WORKER_STAGES
 ENV = "RLLOOM_FAULT"
 

@@ -11,14 +11,17 @@ that died, raised or hung.
 
 from __future__ import annotations
 
-from typing import Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
 from rlloom.data.types import PolicyUpdate, RolloutBatch
 from rlloom.engines.rollout import Completion, SamplingParams
+from rlloom.observability.metrics import Metric
 
 T_co = TypeVar("T_co", covariant=True)
+T = TypeVar("T")
 
 
 class WorkerFailure(RuntimeError):
@@ -38,6 +41,19 @@ class Pending(Protocol[T_co]):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class Done(Generic[T]):
+    """A `Pending` whose value was computed in this process before it was returned."""
+
+    value: T
+
+    def result(self) -> T:
+        return self.value
+
+    def done(self) -> bool:
+        return True
+
+
 class TrainGroup(Protocol):
     """The training ranks (one mesh: pp x dp x cp x tp). Every call goes to every rank with the same
     arguments; results that differ by rank are merged with their declared reduction."""
@@ -51,7 +67,10 @@ class TrainGroup(Protocol):
 
     def ref_logprobs(self, batch: RolloutBatch) -> Pending[torch.Tensor]: ...
 
-    def update_policy(self, update: PolicyUpdate) -> Pending[dict[str, float]]: ...
+    def update_policy(self, update: PolicyUpdate) -> Pending[dict[str, Metric]]:
+        """One optimizer step; its metrics carry their reductions, so the controller can combine the
+        steps of several mini-batches (a sum stays a sum, a max a max)."""
+        ...
 
     def offload(self) -> Pending[None]:
         """Move what the training engines hold on the GPU to the host (colocated placement, before

@@ -1,26 +1,29 @@
-"""Ray worker group: one actor per GPU (or per CPU slot), each a colocated training rank and rollout
-replica, placed with a placement group. Imported only when cluster.mode=ray.
+"""Ray groups: one actor per GPU (or CPU slot) in one placement group, as `placement.py` lays them
+out. Imported only when cluster.mode=ray.
 
-Calls fan out explicitly (every method sends to all actors and waits with the group's timeout);
-the controller never blocks longer than `cluster.timeout_s` on any stage. An actor that dies or
-hangs raises `WorkerFailure` naming its rank, host and stage; the group then kills the others so
-the run stops cleanly and `trainer.resume=auto` can pick up from the last checkpoint.
+`RayTrainGroup` fans each call out to every training rank and returns a `Pending` at once;
+`RayRolloutGroup` streams chunks of prompts to its replicas by load; the weight sync is in place
+inside each colocated actor, or through the object store into a separate rollout pool. Arguments
+go to the object store once (`ray.put`) and every actor reads the same copy. A worker that dies,
+raises or hangs beyond `cluster.timeout_s` stops the run with `WorkerFailure` naming its rank,
+host and stage; all actors are then killed so that `trainer.resume=auto` can continue cleanly.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from rlloom.cluster import WorkerFailure
+from rlloom.cluster.base import WorkerFailure
+from rlloom.cluster.placement import Placement
+from rlloom.cluster.ray_generate import QueuedGeneration
 from rlloom.config.components import RunConfig
 from rlloom.data.types import PolicyUpdate, RolloutBatch
-from rlloom.engines.rollout.native import Completion, SamplingParams
+from rlloom.engines.rollout import SamplingParams
 
 try:
     import ray
@@ -30,81 +33,54 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("cluster.mode=ray needs Ray: pip install 'rlloom[ray]'") from e
 
+from rlloom.cluster.ray_actor import SlotActor  # noqa: E402  (needs ray)
 
-class _RankActor:
-    """Ray actor body: joins the process group, then holds one `RLWorker`."""
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        self.rank, self.world_size = rank, world_size
-        self.worker: Any = None
-
-    def address(self) -> tuple[str, int, int]:
-        """(host ip, a free port on it, pid) for the rendezvous and for error reports."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port, os.getpid()
-
-    def setup(self, cfg: RunConfig, master_addr: str, master_port: int) -> None:
-        from rlloom.cluster.worker import RLWorker
-        from rlloom.devices import resolve_device
-        from rlloom.parallel import init_distributed
-
-        os.environ.update(
-            RANK=str(self.rank),
-            WORLD_SIZE=str(self.world_size),
-            LOCAL_RANK="0",  # Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES
-            MASTER_ADDR=master_addr,
-            MASTER_PORT=str(master_port),
-        )
-        torch.manual_seed(cfg.trainer.seed)
-        init_distributed(resolve_device(cfg).type)
-        self.worker = RLWorker(cfg, rank=self.rank, world_size=self.world_size)
-
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.worker, method)(*args, **kwargs)
-
-    def version(self) -> int:
-        return self.worker.version
+ACTOR_ERRORS = (RayActorError, RayTaskError, GetTimeoutError)
 
 
-class RayGroup:
-    """`cluster.num_workers` actors; the trainer sees the same methods as `InlineGroup`."""
+class Actors:
+    """The run's actors, one per slot, and the waiting that turns their failures into `WorkerFailure`."""
 
-    def __init__(self, cfg: RunConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: RunConfig, placement: Placement) -> None:
         self.timeout_s = cfg.cluster.timeout_s
-        n = cfg.cluster.num_workers
+        use_gpu = cfg.cluster.device == "cuda" or (cfg.cluster.device == "auto" and torch.cuda.is_available())
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
-            env = {k: v for k, v in os.environ.items() if k.startswith(("RLLOOM_", "NCCL_", "TORCH_"))}
+            # A local CPU cluster gets a slot per actor even on a machine with fewer cores.
+            cpus = None if use_gpu or cfg.cluster.address else max(os.cpu_count() or 1, placement.num_slots)
             ray.init(
                 address=cfg.cluster.address or None,
-                runtime_env={"env_vars": env},
+                num_cpus=cpus,
                 include_dashboard=False,
                 log_to_driver=True,
             )
-        use_gpu = cfg.cluster.device == "cuda" or (cfg.cluster.device == "auto" and torch.cuda.is_available())
+        self.labels = [_label(placement, s) for s in range(placement.num_slots)]
         bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
-        self.pg = placement_group([bundle] * n, strategy="PACK")
-        self._wait([self.pg.ready()], "placement group", ranks=[-1])
-        actor_cls = ray.remote(num_cpus=1, num_gpus=1 if use_gpu else 0)(_RankActor)
-        self.actors = [
+        self.pg = placement_group([bundle] * placement.num_slots, strategy="PACK")
+        self.hosts: list[str] = []
+        self.wait([self.pg.ready()], "placement group", [-1])
+        # The actors see the driver's RLLOOM_/NCCL_/TORCH_ settings, also in a cluster joined by address.
+        env = {k: v for k, v in os.environ.items() if k.startswith(("RLLOOM_", "NCCL_", "TORCH_"))}
+        actor_cls = ray.remote(num_cpus=1, num_gpus=1 if use_gpu else 0, runtime_env={"env_vars": env})(
+            SlotActor
+        )
+        self.slots = [
             actor_cls.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)
-            ).remote(i, n)
-            for i in range(n)
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=s)
+            ).remote()
+            for s in range(placement.num_slots)
         ]
-        addresses = self._wait([a.address.remote() for a in self.actors], "start")
+        addresses = self.wait([a.address.remote() for a in self.slots], "start", list(range(len(self.slots))))
         self.hosts = [f"{ip} (pid {pid})" for ip, _, pid in addresses]
-        master_addr, master_port, _ = addresses[0]
-        self._wait([a.setup.remote(cfg, master_addr, master_port) for a in self.actors], "setup")
+        self.addresses = [(ip, port) for ip, port, _ in addresses]
 
-    # ---- fan-out with timeouts -------------------------------------------------------------------
+    def call(self, slots: list[int], method: str, *args: Any) -> list[Any]:
+        """Refs of `method(*args)` on each slot's actor (no waiting)."""
+        return [getattr(self.slots[s], method).remote(*args) for s in slots]
 
-    def _wait(self, refs: list[Any], stage: str, ranks: list[int] | None = None) -> list[Any]:
-        """Results of `refs` in order; the first failure or the deadline raises `WorkerFailure`."""
-        ranks = ranks if ranks is not None else list(range(len(refs)))
+    def wait(self, refs: list[Any], stage: str, slots: list[int]) -> list[Any]:
+        """Results of `refs` (ref i from `slots[i]`) in order; the first failure or a wait of more than
+        `cluster.timeout_s` raises `WorkerFailure`."""
         index = {ref: i for i, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
         pending = list(refs)
@@ -112,90 +88,201 @@ class RayGroup:
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
             if not ready:
-                late = [ranks[index[r]] for r in pending]
-                self._fail(
-                    f"rank(s) {late} on {self._where(late)} did not finish stage {stage!r} within "
-                    f"cluster.timeout_s={self.timeout_s:g} s"
-                )
+                self.fail_late([slots[index[r]] for r in pending], stage)
             i = index[ready[0]]
-            try:
-                results[i] = ray.get(ready[0])
-            except (RayActorError, RayTaskError, GetTimeoutError) as e:
-                self._fail(
-                    f"rank {ranks[i]} on {self._where([ranks[i]])} failed in stage {stage!r}: "
-                    f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                )
+            results[i] = self.get(ready[0], stage, slots[i])
         return results
 
-    def _where(self, ranks: list[int]) -> str:
-        hosts = getattr(self, "hosts", None)
-        if not hosts or any(r < 0 for r in ranks):
-            return "the cluster"
-        return ", ".join(hosts[r] for r in ranks)
+    def get(self, ref: Any, stage: str, slot: int) -> Any:
+        """The value of a ready `ref` from `slot`, or `WorkerFailure` if its worker failed."""
+        try:
+            return ray.get(ref)
+        except ACTOR_ERRORS as e:
+            first = str(e).splitlines()[0] if str(e) else ""
+            self.fail(f"{self._where([slot])} failed in stage {stage!r}: {type(e).__name__}: {first}")
 
-    def _fail(self, message: str) -> None:
-        self.close()
-        raise WorkerFailure(
-            message + ". The run stopped; restart with trainer.resume=auto to continue "
-            "from the last checkpoint."
+    def fail_late(self, slots: list[int], stage: str) -> None:
+        self.fail(
+            f"{self._where(slots)} did not finish stage {stage!r} within cluster.timeout_s={self.timeout_s:g} s"
         )
 
-    def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return self._wait([a.call.remote(method, *args, **kwargs) for a in self.actors], method)
+    def _where(self, slots: list[int]) -> str:
+        if not self.hosts or any(s < 0 for s in slots):
+            return "the cluster"
+        return ", ".join(f"{self.labels[s]} on {self.hosts[s]}" for s in slots)
 
-    # ---- the WorkerGroup interface -----------------------------------------------------------
-
-    @property
-    def version(self) -> int:
-        return self._wait([self.actors[0].version.remote()], "version", ranks=[0])[0]
-
-    def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> list[Completion]:
-        """Contiguous shares of the prompts to each replica; prompt indices mapped back to global."""
-        n = len(self.actors)
-        bounds = [len(prompts) * r // n for r in range(n + 1)]
-        refs, offsets = [], []
-        for actor, lo, hi in zip(self.actors, bounds, bounds[1:]):
-            refs.append(actor.call.remote("generate", prompts[lo:hi], sampling[lo:hi]))
-            offsets.append(lo)
-        out: list[Completion] = []
-        for offset, completions in zip(offsets, self._wait(refs, "generate")):
-            out += [dataclasses.replace(c, prompt_index=c.prompt_index + offset) for c in completions]
-        return out
-
-    def old_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        return self._all("old_logprobs", batch)[0]
-
-    def ref_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        return self._all("ref_logprobs", batch)[0]
-
-    def update_policy(self, update: PolicyUpdate) -> dict[str, float]:
-        return self._all("update_policy", update)[0]
-
-    def sync_weights(self) -> dict[str, float]:
-        return self._all("sync_weights")[0]
-
-    def sleep_rollout(self) -> None:
-        self._all("sleep_rollout")
-
-    def wake_rollout(self) -> None:
-        self._all("wake_rollout")
-
-    def save(self, path: str) -> None:
-        self._all("save", path)
-
-    def load(self, path: str) -> None:
-        self._all("load", path)
-
-    def save_hf(self, path: str) -> None:
-        self._all("save_hf", path)
+    def fail(self, message: str) -> None:
+        self.close()
+        raise WorkerFailure(
+            message
+            + ". The run stopped; restart with trainer.resume=auto to continue from the last checkpoint."
+        )
 
     def close(self) -> None:
-        for actor in getattr(self, "actors", []):
+        for actor in getattr(self, "slots", []):
             ray.kill(actor, no_restart=True)
-        self.actors = []
+        self.slots = []
         if getattr(self, "pg", None) is not None:
             remove_placement_group(self.pg)
             self.pg = None
         if getattr(self, "_owns_ray", False):
-            ray.shutdown()  # a later group in this process starts afresh (e.g. a resumed run)
+            ray.shutdown()  # a later run in this process starts afresh (e.g. a resumed run)
             self._owns_ray = False
+
+
+def _label(placement: Placement, slot: int) -> str:
+    if placement.colocated:
+        return f"rank {slot}"
+    if slot in placement.train_slots:
+        return f"training rank {placement.train_slots.index(slot)}"
+    return f"rollout rank {placement.rollout_slots.index(slot)}"
+
+
+class Refs:
+    """A `Pending` over refs from several slots, merged by `combine` once all are in."""
+
+    def __init__(
+        self, actors: Actors, refs: list[Any], stage: str, slots: list[int], combine: Callable
+    ) -> None:
+        self.actors, self.refs, self.stage, self.slots, self.combine = actors, refs, stage, slots, combine
+
+    def result(self) -> Any:
+        return self.combine(self.actors.wait(self.refs, self.stage, self.slots))
+
+    def done(self) -> bool:
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
+
+def _first(results: list[Any]) -> Any:
+    return results[0]
+
+
+class RayTrainGroup:
+    """The training ranks: every call goes to all of them with the same (object-store) arguments;
+    their results agree, so rank 0's is the group's."""
+
+    def __init__(self, actors: Actors, slots: list[int]) -> None:
+        self.actors, self.slots = actors, slots
+
+    def _all(self, method: str, *args: Any) -> Refs:
+        args = tuple(ray.put(a) if isinstance(a, RolloutBatch | PolicyUpdate) else a for a in args)
+        refs = self.actors.call(self.slots, "on_train", method, *args)
+        return Refs(self.actors, refs, method, self.slots, _first)
+
+    @property
+    def version(self) -> int:
+        return self.actors.wait(self.actors.call(self.slots[:1], "versions"), "version", self.slots[:1])[0][0]
+
+    def old_logprobs(self, batch: RolloutBatch) -> Refs:
+        return self._all("old_logprobs", batch)
+
+    def ref_logprobs(self, batch: RolloutBatch) -> Refs:
+        return self._all("ref_logprobs", batch)
+
+    def update_policy(self, update: PolicyUpdate) -> Refs:
+        return self._all("update_policy", update)
+
+    def offload(self) -> Refs:
+        return self._all("offload")
+
+    def onload(self) -> Refs:
+        return self._all("onload")
+
+    def save(self, path: str) -> Refs:
+        return self._all("save", path)
+
+    def load(self, path: str) -> Refs:
+        return self._all("load", path)
+
+    def save_hf(self, path: str) -> Refs:
+        return self._all("save_hf", path)
+
+    def close(self) -> None:
+        self.actors.close()
+
+
+class RayRolloutGroup:
+    """The rollout replicas (`replicas[r]` = the slots of replica r's ranks, rank 0 first)."""
+
+    def __init__(self, actors: Actors, replicas: list[list[int]]) -> None:
+        self.actors, self.replicas = actors, replicas
+        self.slots = [s for r in replicas for s in r]
+        self._version = 0
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> QueuedGeneration:
+        return QueuedGeneration(self.actors, self.replicas, prompts, sampling)
+
+    def sleep(self) -> Refs:
+        return Refs(
+            self.actors, self.actors.call(self.slots, "on_rollout", "sleep"), "sleep", self.slots, _first
+        )
+
+    def wake(self) -> Refs:
+        return Refs(
+            self.actors, self.actors.call(self.slots, "on_rollout", "wake"), "wake", self.slots, _first
+        )
+
+    def close(self) -> None:
+        self.actors.close()
+
+
+class InPlaceSync:
+    """Colocated: every actor copies its training weights into its own rollout rank."""
+
+    def __init__(self, train: RayTrainGroup, rollout: RayRolloutGroup) -> None:
+        self.train, self.rollout = train, rollout
+
+    def sync(self) -> dict[str, float]:
+        actors, slots = self.train.actors, self.train.slots
+        metrics = actors.wait(actors.call(slots, "sync_inplace"), "sync", slots)[0]
+        self.rollout._version = self.train.version
+        return metrics
+
+
+class ObjectStoreSync:
+    """Separate pools: training rank 0 puts the gathered weights in the object store once; every
+    rollout rank fetches them and copies them in place."""
+
+    def __init__(self, train: RayTrainGroup, rollout: RayRolloutGroup) -> None:
+        self.train, self.rollout = train, rollout
+
+    def sync(self) -> dict[str, float]:
+        actors, tslots, rslots = self.train.actors, self.train.slots, self.rollout.slots
+        start = time.perf_counter()
+        refs = [actors.slots[s].export_weights.remote(i == 0) for i, s in enumerate(tslots)]
+        payload, num_bytes, num_tensors = actors.wait(refs, "sync (send)", tslots)[0]
+        actors.wait(actors.call(rslots, "import_weights", payload), "sync (receive)", rslots)
+        seconds = time.perf_counter() - start
+        self.rollout._version = self.train.version
+        gb = num_bytes / 1e9
+        return {
+            "sync/ms": seconds * 1e3,
+            "sync/gb": gb,
+            "sync/ms_per_gb": seconds * 1e3 / gb if gb > 0 else 0.0,
+            "sync/num_tensors": float(num_tensors),
+        }
+
+
+def build_ray_groups(cfg: RunConfig, placement: Placement) -> tuple[RayTrainGroup, RayRolloutGroup, Any]:
+    """Start one actor per slot, join the training world (and with separate placement the rollout
+    world, when replicas span several ranks), then build the workers."""
+    actors = Actors(cfg, placement)
+    tslots, rslots = placement.train_slots, placement.rollout_slots
+    master = actors.addresses[tslots[0]]
+    refs = [actors.slots[s].start_train.remote(cfg, i, len(tslots), master) for i, s in enumerate(tslots)]
+    actors.wait(refs, "setup (training)", tslots)
+    multi_rank = any(len(r) > 1 for r in placement.replicas)
+    world = (len(rslots), actors.addresses[rslots[0]]) if not placement.colocated and multi_rank else None
+    refs = [
+        actors.slots[s].start_rollout.remote(cfg, j, placement.replicas, world) for j, s in enumerate(rslots)
+    ]
+    actors.wait(refs, "setup (rollout)", rslots)
+    train = RayTrainGroup(actors, tslots)
+    rollout = RayRolloutGroup(actors, [[rslots[j] for j in r] for r in placement.replicas])
+    sync = InPlaceSync(train, rollout) if placement.colocated else ObjectStoreSync(train, rollout)
+    return train, rollout, sync

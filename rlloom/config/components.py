@@ -629,7 +629,15 @@ class ClusterConfig:
     mode: Literal["inline", "ray"] = "inline"
     """`inline`: everything in this process; `ray`: one actor per GPU (or CPU slot)."""
     num_workers: int = 1
-    """Workers (data-parallel ranks, each with a colocated rollout replica)."""
+    """Training ranks (data parallel). With placement=colocated each also hosts a rollout rank on
+    the same device."""
+    placement: Literal["colocated", "separate"] = "colocated"
+    """`colocated`: training and rollout share the same GPUs and hand memory over (offload/onload,
+    sleep/wake); `separate`: `rollout_workers` GPUs (or CPU slots) for rollout apart from the
+    `num_workers` training ones, with the weights broadcast after each step (needs cluster.mode=ray)."""
+    rollout_workers: int = 0
+    """GPUs (or CPU slots) of the rollout pool with placement=separate (a multiple of rollout.tp);
+    0 with colocated, where the rollout runs on the training GPUs."""
     address: str = ""
     """Ray address: empty starts a local Ray; `auto` or host:port joins a cluster."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -648,6 +656,29 @@ class ClusterConfig:
             "more than one worker needs cluster.mode=ray",
             "set cluster.mode=ray or cluster.num_workers=1",
         )
+        if self.placement == "separate":
+            _check(
+                self.rollout_workers >= 1,
+                "cluster.rollout_workers",
+                self.rollout_workers,
+                "cluster.placement=separate needs at least one rollout GPU (or CPU slot)",
+                "set cluster.rollout_workers=1 or more, or cluster.placement=colocated",
+            )
+            _check(
+                self.mode == "ray",
+                "cluster.mode",
+                self.mode,
+                "cluster.placement=separate runs the rollout in its own processes, which needs Ray",
+                "set cluster.mode=ray, or cluster.placement=colocated",
+            )
+        else:
+            _check(
+                self.rollout_workers == 0,
+                "cluster.rollout_workers",
+                self.rollout_workers,
+                "with cluster.placement=colocated the rollout runs on the training GPUs",
+                "set cluster.rollout_workers=0, or cluster.placement=separate for a rollout pool of its own",
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -716,6 +747,7 @@ class RunConfig:
             "in this process)",
             "set cluster.mode=inline, or trainer.mode=sync",
         )
+        self._check_rollout_replicas()
         batch = self.trainer.prompts_per_step * self.rollout.n_samples
         _check(
             batch % self.trainer.num_mini_batches == 0,
@@ -723,4 +755,21 @@ class RunConfig:
             self.trainer.num_mini_batches,
             f"must divide the batch of {batch} completions",
             "pick a divisor of prompts_per_step x n_samples",
+        )
+
+    def _check_rollout_replicas(self) -> None:
+        """The rollout ranks split into whole replicas of rollout.tp ranks each."""
+        tp = getattr(self.rollout, "tp", 1)  # rollout.tp comes with the tensor-parallel rollout engine
+        c = self.cluster
+        ranks, key = (
+            (c.rollout_workers, "cluster.rollout_workers")
+            if c.placement == "separate"
+            else (c.num_workers, "cluster.num_workers")
+        )
+        _check(
+            ranks % tp == 0,
+            key,
+            ranks,
+            f"the rollout ranks form replicas of rollout.tp={tp} ranks each, so it must be a multiple of {tp}",
+            f"set {key} to a multiple of {tp}, or change rollout.tp",
         )

@@ -218,22 +218,15 @@ def _job_metrics(job: Job, samples: list[Sample]) -> dict[str, float]:
 
 
 def _rollout_engine(ctx: StepContext) -> Any:
-    """The in-process rollout engine (cluster.mode=inline), driven by its step-level API."""
-    return ctx.group.worker.rollout  # type: ignore[attr-defined]
+    """The in-process rollout engine (cluster.mode=inline: the local group's one replica), driven by
+    its step-level API."""
+    return ctx.rollout_group.worker.engine  # type: ignore[attr-defined]
 
 
 def _train_version(ctx: StepContext) -> int:
-    return ctx.group.version
+    return ctx.train_group.version
 
 
 def _with_sync(ctx: StepContext, stream: RolloutStream) -> StepContext:
-    group = ctx.group
-
-    class _Group:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(group, name)
-
-        def sync_weights(self) -> dict[str, float]:
-            return stream.update_weights(group.sync_weights)
-
-    return dataclasses.replace(ctx, group=_Group())
+    """`ctx` whose weight sync runs between the stream's decode steps (`RolloutStream.update_weights`)."""
+    return dataclasses.replace(ctx, weight_sync=_StreamSync(stream, ctx.weight_sync.sync))

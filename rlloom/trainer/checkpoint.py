@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlloom.cluster.base import TrainGroup, WeightSync
 from rlloom.config.components import ConfigError, RunConfig
 from rlloom.config.loading import to_yaml
 from rlloom.engines.train.native.checkpoint import read_model_tensors
@@ -63,7 +64,7 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(done, key=lambda p: int(p.name[5:]))
 
 
-def save_checkpoint(group: Any, cfg: RunConfig, state: TrainerState) -> Path:
+def save_checkpoint(train_group: TrainGroup, cfg: RunConfig, state: TrainerState) -> Path:
     """Write a complete checkpoint for `state.step`, drop the ones beyond `keep_last_checkpoints`,
     and return its folder. On failure (e.g. a full disk) nothing of it remains and CheckpointError
     names the checkpoint to resume from."""
@@ -72,7 +73,7 @@ def save_checkpoint(group: Any, cfg: RunConfig, state: TrainerState) -> Path:
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        group.save(str(tmp / ENGINE_DIR))
+        train_group.save(str(tmp / ENGINE_DIR)).result()
         maybe_fail("save_engine", state.step)
         trainer_state = {
             "step": state.step,
@@ -177,10 +178,13 @@ def resolve_resume(cfg: RunConfig) -> Path | None:
     return path
 
 
-def load_checkpoint(group: Any, path: Path) -> TrainerState:
-    """Restore the engines from `path` and return the trainer state saved with them."""
+def load_checkpoint(train_group: TrainGroup, weight_sync: WeightSync, path: Path) -> TrainerState:
+    """Restore the training engines from `path`, sync the restored weights and version into the
+    rollout group (the same sync as after a step), and return the trainer state saved with them.
+    The reference model is not touched: it stays the initial policy, as in the uninterrupted run."""
     raw = json.loads((path / "trainer_state.json").read_text())
-    group.load(str(path / ENGINE_DIR))
+    train_group.load(str(path / ENGINE_DIR)).result()
+    weight_sync.sync()
     return TrainerState(
         step=raw["step"], data_state=raw["data_state"], accuracy_before=raw.get("accuracy_before")
     )

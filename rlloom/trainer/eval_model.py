@@ -151,7 +151,9 @@ def generate_and_score(cfg: RunConfig, samples: int) -> tuple[list[PromptItem], 
     stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
     try:
-        scores = score_prompts(engine, items, runner, decode, cfg, stop_token_ids=stop, samples=samples)
+        scores = score_prompts(
+            engine.generate, items, runner, decode, cfg, stop_token_ids=stop, samples=samples
+        )
         return items, scores, too_long
     finally:
         runner.close()

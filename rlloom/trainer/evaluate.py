@@ -13,9 +13,10 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rlloom.cluster.base import RolloutGroup
 from rlloom.config.components import RunConfig
 from rlloom.data.dataset import PromptItem
-from rlloom.engines.rollout.native import SamplingParams
+from rlloom.engines.rollout import Completion, SamplingParams
 from rlloom.rewards.calling import RewardInput
 from rlloom.rewards.runner import RewardRunner
 
@@ -47,8 +48,11 @@ class EvalScores:
         return out
 
 
+Generate = Callable[[list[list[int]], list[SamplingParams]], list[Completion]]
+
+
 def score_prompts(
-    group: object,
+    generate: Generate,
     items: list[PromptItem],
     runner: RewardRunner,
     decode: Callable[[list[int]], str],
@@ -59,7 +63,8 @@ def score_prompts(
 ) -> EvalScores:
     """Generate `samples` answers per prompt at `rollout.eval_temperature` and score them.
 
-    `group`: anything with the rollout engine's `generate(prompts, sampling)`. Sample j of prompt i
+    `generate`: a rollout engine's `generate(prompts, sampling)`, or a rollout group's, waited on.
+    Sample j of prompt i
     draws its noise from seed `trainer.seed + i` (so results do not depend on the batch).
     """
     base = dataclasses.replace(SamplingParams.from_config(cfg.rollout, evaluation=True), n=samples)
@@ -67,7 +72,7 @@ def score_prompts(
         dataclasses.replace(base, stop_token_ids=stop_token_ids, seed=cfg.trainer.seed + i)
         for i in range(len(items))
     ]
-    completions = group.generate([it.prompt_ids for it in items], sampling)  # type: ignore[attr-defined]
+    completions = generate([it.prompt_ids for it in items], sampling)
     completions = sorted(completions, key=lambda c: (c.prompt_index, c.sample_index))
     texts = [decode(c.token_ids) for c in completions]
     scored = [(t, items[c.prompt_index]) for t, c in zip(texts, completions)]
@@ -83,7 +88,7 @@ def score_prompts(
 
 
 def evaluate(
-    group: object,
+    rollout_group: RolloutGroup,
     items: list[PromptItem],
     runner: RewardRunner,
     decode: Callable[[list[int]], str],
@@ -94,4 +99,5 @@ def evaluate(
     """A run's evaluation: `eval/accuracy` (fraction scoring >= 1) and `eval/length_mean`."""
     if not items:
         return {}
-    return score_prompts(group, items, runner, decode, cfg, stop_token_ids=stop_token_ids).metrics()
+    generate = lambda prompts, sampling: rollout_group.generate(prompts, sampling).result()
+    return score_prompts(generate, items, runner, decode, cfg, stop_token_ids=stop_token_ids).metrics()

@@ -15,10 +15,10 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from rlloom.cluster.base import TrainGroup
 from rlloom.config.components import ConfigError, RunConfig
 from rlloom.config.loading import load_config
 from rlloom.engines.train.hf_folder import ExportDType, save_hf_folder
@@ -34,12 +34,12 @@ def hf_dir(run_dir: str | os.PathLike, step: int) -> Path:
     return Path(run_dir) / "hf" / f"step_{step:06d}"
 
 
-def save_run_hf(group: Any, cfg: RunConfig, step: int) -> Path:
+def save_run_hf(train_group: TrainGroup, cfg: RunConfig, step: int) -> Path:
     """Write the live policy of a run as RUN_DIR/hf/step_N (every rank takes part)."""
     path = hf_dir(cfg.trainer.run_dir, step)
     path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    group.save_hf(str(path))
+    train_group.save_hf(str(path)).result()
     logger.info("wrote the Hugging Face folder %s (%.1f s)", path, time.perf_counter() - start)
     return path
 

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from rlloom.algorithms import keep_informative_groups, overlong_penalty
+from rlloom.cluster.base import RolloutGroup
 from rlloom.config.components import RunConfig
 from rlloom.data.dataset import PromptItem
 from rlloom.data.source import PromptSource
 from rlloom.data.types import Sample
-from rlloom.engines.rollout.native import SamplingParams
+from rlloom.engines.rollout import SamplingParams
 from rlloom.faults import maybe_fail
 from rlloom.rewards.calling import RewardInput
 from rlloom.rewards.runner import RewardRunner
@@ -35,14 +36,14 @@ class RolloutResult:
 
 
 def generate_samples(
-    group: object,
+    rollout_group: RolloutGroup,
     items: list[PromptItem],
     sampling: list[SamplingParams],
     *,
     first_group_id: int,
 ) -> list[Sample]:
     """One completion per sample of each prompt, unscored; samples of prompt i share a group id."""
-    completions = group.generate([it.prompt_ids for it in items], sampling)  # type: ignore[attr-defined]
+    completions = rollout_group.generate([it.prompt_ids for it in items], sampling).result()
     samples = []
     for c in completions:
         if c.error is not None:
@@ -100,7 +101,7 @@ def score_samples(
 
 
 def collect_rollouts(
-    group: object,
+    rollout_group: RolloutGroup,
     source: PromptSource,
     runner: RewardRunner,
     decode: Callable[[list[int]], str],
@@ -130,7 +131,7 @@ def collect_rollouts(
             for i in range(len(items))
         ]
         samples = generate_samples(
-            group, items, sampling, first_group_id=step * 1_000_000 + round_idx * 10_000
+            rollout_group, items, sampling, first_group_id=step * 1_000_000 + round_idx * 10_000
         )
         maybe_fail("generate", step)
         for k, v in score_samples(samples, runner, decode, cfg).items():

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlloom.cluster.inline import build_worker_group
+from rlloom.cluster.placement import build_groups
 from rlloom.config.components import RunConfig
 from rlloom.config.loading import to_yaml
 from rlloom.devices import resolve_device
@@ -90,15 +90,22 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
     stop_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if warning := check_fits(cfg):  # before any GPU memory is taken (rlloom plan, docs/plan.md)
         log.warning(warning)
-    group = build_worker_group(cfg)
+    groups = build_groups(cfg)  # the training and rollout groups, placed as cluster.placement says
     train_stop = [] if cfg.rollout.ignore_eos else stop_token_ids  # evaluation still stops at EOS
     ctx = StepContext(
-        cfg=cfg, group=group, source=source, runner=runner, decode=decode, stop_token_ids=train_stop
+        cfg=cfg,
+        train_group=groups.train,
+        rollout_group=groups.rollout,
+        weight_sync=groups.sync,
+        source=source,
+        runner=runner,
+        decode=decode,
+        stop_token_ids=train_stop,
     )
 
     state = TrainerState(step=0, data_state=source.state_dict())
     if resume_from is not None:
-        state = load_checkpoint(group, resume_from)
+        state = load_checkpoint(groups.train, groups.sync, resume_from)
         source.load_state_dict(state.data_state)
         log.info("resumed from %s at step %d", resume_from, state.step)
     loggers = build_loggers(
@@ -107,7 +114,9 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
         resume_from_step=state.step + 1 if resume_from else None,
         total_steps=cfg.trainer.total_steps,
     )
-    run_eval = lambda: evaluate(group, eval_items, runner, decode, cfg, stop_token_ids=stop_token_ids)
+    run_eval = lambda: evaluate(
+        groups.rollout, eval_items, runner, decode, cfg, stop_token_ids=stop_token_ids
+    )
     try:
         if state.step == 0 and state.accuracy_before is None and eval_items:
             before = run_eval()
@@ -137,14 +146,14 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
                 )
             if is_last or (cfg.trainer.save_every and state.step % cfg.trainer.save_every == 0):
                 state.data_state = source.state_dict()
-                save_checkpoint(group, cfg, state)
+                save_checkpoint(groups.train, cfg, state)
                 maybe_fail("after_checkpoint", state.step)
             if _hf_due(cfg, state.step, is_last):
-                save_run_hf(group, cfg, state.step)
+                save_run_hf(groups.train, cfg, state.step)
     finally:
         loggers.close()
         runner.close()
-        group.close()
+        groups.close()
     seconds = time.perf_counter() - start
     result = RunResult(
         steps=state.step,

@@ -1,5 +1,12 @@
 """One RL step, read straight through: generate -> rewards -> old/ref logprobs -> advantages ->
-policy update -> weight sync. Every stage is timed."""
+policy update -> weight sync. Every stage is timed.
+
+The step drives two groups (`rlloom.cluster.base`): the rollout group generates, the training group
+computes logprobs and updates the policy, and the weight sync moves the new weights across. Each
+call returns a `Pending`; the step waits on it where the result is needed. The memory handover of
+colocated placement is visible here: the rollout sleeps (frees its KV cache) before training and
+wakes before the sync.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from rlloom.algorithms import loss_normalizer
-from rlloom.cluster.inline import WorkerGroup
+from rlloom.cluster.base import RolloutGroup, TrainGroup, WeightSync
 from rlloom.config.components import RunConfig
 from rlloom.data.source import PromptSource
 from rlloom.data.types import PolicyUpdate, RolloutBatch
 from rlloom.faults import maybe_fail
+from rlloom.observability.metrics import MetricsAccumulator
 from rlloom.observability.timers import StageTimer
 from rlloom.rewards.runner import RewardRunner
 from rlloom.trainer.policy import build_update
@@ -29,7 +37,9 @@ class StepContext:
     """Everything a step needs that lives across steps."""
 
     cfg: RunConfig
-    group: WorkerGroup
+    train_group: TrainGroup
+    rollout_group: RolloutGroup
+    weight_sync: WeightSync
     source: PromptSource
     runner: RewardRunner
     decode: Callable[[list[int]], str]
@@ -44,14 +54,22 @@ def is_single_pass(cfg: RunConfig) -> bool:
 
 def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -> dict[str, float]:
     """One step; with `rollout` given (the asynchronous loop generated it) the step trains on it."""
-    cfg, group = ctx.cfg, ctx.group
+    cfg, train_group, rollout_group = ctx.cfg, ctx.train_group, ctx.rollout_group
+    # Colocated, the rollout frees its KV cache for training; separate, it has its own GPUs.
+    hand_over = cfg.rollout.sleep_during_train and cfg.cluster.placement == "colocated"
     timer = StageTimer()
     metrics: dict[str, float] = {}
 
     with timer("generate"):
         if rollout is None:
             rollout = collect_rollouts(
-                group, ctx.source, ctx.runner, ctx.decode, cfg, step=step, stop_token_ids=ctx.stop_token_ids
+                rollout_group,
+                ctx.source,
+                ctx.runner,
+                ctx.decode,
+                cfg,
+                step=step,
+                stop_token_ids=ctx.stop_token_ids,
             )
     metrics.update(rollout.metrics)
     if not rollout.samples:  # dynamic sampling found no informative group: nothing to learn from
@@ -59,9 +77,9 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
         metrics["train/skipped_step"] = 1.0
         return metrics
     batch = RolloutBatch(rollout.samples)
-    if cfg.rollout.sleep_during_train:
+    if hand_over:
         with timer("rollout_sleep"):
-            group.sleep_rollout()  # the KV cache's memory goes to training until the sync
+            rollout_group.sleep().result()  # the KV cache's memory goes to training until the sync
 
     old_logp_BT = None
     need_old = not is_single_pass(cfg) or cfg.algorithm.is_correction != "none"
@@ -72,12 +90,13 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
             # Per first-epoch mini-batch, so the forward sees exactly the micro-batches its update will:
             # the first update's importance ratio is then exactly 1.
             parts = [
-                group.old_logprobs(batch.select(rows)) for rows in mini_batch_rows(cfg, len(batch), epoch=0)
+                train_group.old_logprobs(batch.select(rows))
+                for rows in mini_batch_rows(cfg, len(batch), epoch=0)
             ]
-            old_logp_BT = torch.cat(parts)
+            old_logp_BT = torch.cat([p.result() for p in parts])
     maybe_fail("old_logprobs", step)
     with timer("ref_logprobs"):
-        ref_logp_BT = group.ref_logprobs(batch) if cfg.algorithm.kl_coef > 0 else None
+        ref_logp_BT = train_group.ref_logprobs(batch).result() if cfg.algorithm.kl_coef > 0 else None
     maybe_fail("ref_logprobs", step)
     with timer("advantages"):
         norm_constant = cfg.algorithm.norm_constant or cfg.rollout.max_new_tokens
@@ -94,7 +113,7 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
         metrics.update(logprob_gap(old_logp_BT, batch))
 
     with timer("train"):
-        metrics.update(update_policy(cfg, group, update, norm_constant, seed=step))
+        metrics.update(update_policy(cfg, train_group, update, norm_constant, seed=step))
     if metrics.get("train/skipped_step", 0.0) > 0:
         log.warning(
             "step %d: %.0f%% of its optimizer steps were skipped because the loss, the gradient norm or the "
@@ -104,9 +123,9 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
         )
     maybe_fail("train", step)
     with timer("sync"):
-        if cfg.rollout.sleep_during_train:
-            group.wake_rollout()
-        metrics.update(group.sync_weights())
+        if hand_over:
+            rollout_group.wake().result()
+        metrics.update(ctx.weight_sync.sync())
     maybe_fail("sync", step)
 
     seconds = timer.seconds()
@@ -114,7 +133,7 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
     metrics["time/step_s"] = sum(seconds.values())
     metrics["perf/tokens"] = float(batch.num_tokens)
     metrics["perf/step_tok_per_s"] = batch.num_tokens / max(metrics["time/step_s"], 1e-9)
-    metrics["policy/version"] = float(group.version)
+    metrics["policy/version"] = float(train_group.version)
     return metrics
 
 
@@ -125,11 +144,11 @@ def update_was_skipped(metrics: dict[str, float]) -> bool:
 
 
 def update_policy(
-    cfg: RunConfig, group: WorkerGroup, update: PolicyUpdate, norm_constant: int, *, seed: int
+    cfg: RunConfig, train_group: TrainGroup, update: PolicyUpdate, norm_constant: int, *, seed: int
 ) -> dict[str, float]:
-    """`ppo_epochs` passes over `num_mini_batches` mini-batches, one optimizer step each."""
-    totals: dict[str, float] = {}
-    count = 0
+    """`ppo_epochs` passes over `num_mini_batches` mini-batches, one optimizer step each; their
+    metrics combined with each one's declared reduction (a sum stays a sum, a max a max)."""
+    acc = MetricsAccumulator()
     for epoch in range(cfg.trainer.ppo_epochs):
         for rows in mini_batch_rows(cfg, len(update.batch), epoch=epoch, seed=seed):
             mini = (
@@ -142,10 +161,8 @@ def update_policy(
                     ),
                 )
             )
-            for k, v in group.update_policy(mini).items():
-                totals[k] = totals.get(k, 0.0) + v
-            count += 1
-    return {k: v / count for k, v in totals.items()}
+            acc.add(train_group.update_policy(mini).result())
+    return acc.summary()
 
 
 def mini_batch_rows(cfg: RunConfig, num_samples: int, *, epoch: int, seed: int = 0) -> list[list[int]]:

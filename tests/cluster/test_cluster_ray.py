@@ -1,4 +1,8 @@
-"""Ray worker group on CPU (gloo): same results as inline, and a dead actor stops the run cleanly."""
+"""Ray groups on CPU (gloo): every placement reproduces the one-process run, and a rollout actor
+killed mid-generation stops the run cleanly and `trainer.resume=auto` finishes it.
+
+One Ray instance serves the whole module (each start costs 20-40 s on two cores); the runs join it.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("ray", reason="needs the ray extra: pip install 'rlloom[ray]'")
+ray = pytest.importorskip("ray", reason="needs the ray extra: pip install 'rlloom[ray]'")
 
 from rlloom.cluster import WorkerFailure  # noqa: E402
 from rlloom.config import load_config  # noqa: E402
@@ -17,6 +21,22 @@ from rlloom.trainer.checkpoint import checkpoint_dir, checkpoint_model_tensors  
 from rlloom.trainer.run import run  # noqa: E402
 
 SKIP = ("time/", "perf/", "sync/ms", "memory/")
+STEPS = 2
+CHANGING = [  # a learning rate that changes the samples, a reward that varies, two optimizer steps a step
+    "train.lr=3e-2",
+    "reward.name=resume_reward:digit_share",
+    f"reward.import_dir={Path(__file__).parents[1] / 'trainer'}",
+    "reward.num_workers=1",
+    "trainer.num_mini_batches=2",
+    "algorithm.kl_coef=0.1",
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
 
 
 def cfg_for(ckpt: Path, run_dir: Path, *extra: str):
@@ -25,12 +45,13 @@ def cfg_for(ckpt: Path, run_dir: Path, *extra: str):
         [
             f"model.path={ckpt}",
             f"trainer.run_dir={run_dir}",
-            "trainer.total_steps=3",
+            f"trainer.total_steps={STEPS}",
             "trainer.prompts_per_step=4",
             "data.num_eval=4",
             "data.num_train=64",
             "rollout.max_new_tokens=5",
             "logging.console=false",
+            *CHANGING,
             *extra,
         ],
     )
@@ -41,34 +62,55 @@ def metrics(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(SKIP)} for r in rows]
 
 
-def weights(run_dir: Path, step: int, tmp: Path) -> dict[str, torch.Tensor]:
-    return checkpoint_model_tensors(checkpoint_dir(run_dir, step))
-
-
-def test_two_ray_workers_match_inline(tiny_checkpoint, tmp_path):
-    run(cfg_for(tiny_checkpoint, tmp_path / "inline"))
-    run(cfg_for(tiny_checkpoint, tmp_path / "ray", "cluster.mode=ray", "cluster.num_workers=2"))
-    a, b = metrics(tmp_path / "inline"), metrics(tmp_path / "ray")
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2, 3]
-    for ra, rb in zip(a, b):
-        assert ra.keys() == rb.keys()
+def assert_same_run(a: Path, b: Path) -> None:
+    ma, mb = metrics(a), metrics(b)
+    assert [r["step"] for r in ma] == [r["step"] for r in mb] == list(range(STEPS + 1))
+    for ra, rb in zip(ma, mb):
+        assert ra.keys() == rb.keys(), (b.name, ra.keys() ^ rb.keys())
         for k in ra:
-            assert ra[k] == pytest.approx(rb[k], rel=1e-6, abs=1e-6), (ra["step"], k)
-    wa, wb = weights(tmp_path / "inline", 3, tmp_path), weights(tmp_path / "ray", 3, tmp_path)
+            assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), (b.name, ra["step"], k)
+    wa = checkpoint_model_tensors(checkpoint_dir(a, STEPS))
+    wb = checkpoint_model_tensors(checkpoint_dir(b, STEPS))
     assert wa.keys() == wb.keys()
     for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-6, msg=k)
+        # Two data-parallel ranks add the gradient in another order; Adam at lr 3e-2 turns that
+        # rounding into differences of ~1e-5 in a few elements (the metrics still agree to 1e-5).
+        torch.testing.assert_close(
+            wa[k], wb[k], rtol=1e-5, atol=5e-5, msg=lambda m, k=k: f"{b.name} {k}: {m}"
+        )
 
 
-def test_dead_actor_is_reported_and_resume_finishes(tiny_checkpoint, tmp_path, monkeypatch):
+def test_every_placement_matches_one_process(tiny_checkpoint, tmp_path):
+    run(cfg_for(tiny_checkpoint, tmp_path / "inline"))
+    rewards = [r["reward/mean"] for r in metrics(tmp_path / "inline")[1:]]
+    assert len(set(rewards)) > 1, "the samples should change from step to step"
+    layouts = {
+        "separate_1_1": ["cluster.placement=separate", "cluster.rollout_workers=1"],
+        "separate_2_1": ["cluster.placement=separate", "cluster.num_workers=2", "cluster.rollout_workers=1"],
+        "colocated_2": ["cluster.num_workers=2"],
+    }
+    for name, extra in layouts.items():
+        run(cfg_for(tiny_checkpoint, tmp_path / name, "cluster.mode=ray", *extra))
+        assert_same_run(tmp_path / "inline", tmp_path / name)
+
+
+def test_killed_rollout_actor_is_reported_and_resume_finishes(tiny_checkpoint, tmp_path, monkeypatch):
     run_dir = tmp_path / "crash"
-    ray_args = ("cluster.mode=ray", "cluster.num_workers=2", "cluster.timeout_s=60", "trainer.save_every=1")
-    monkeypatch.setenv("RLLOOM_FAULT", "update_policy:2:1")  # rank 1 dies during step 3's update
+    args = (
+        "cluster.mode=ray",
+        "cluster.placement=separate",
+        "cluster.rollout_workers=1",
+        "cluster.timeout_s=60",
+        "trainer.save_every=1",
+    )
+    # Rollout rank 0 dies generating step 2's samples (policy version 2: two mini-batches a step).
+    monkeypatch.setenv("RLLOOM_FAULT", "rollout:2:0")
     start = time.monotonic()
-    with pytest.raises(WorkerFailure, match=r"rank 1 on .* failed in stage 'update_policy'"):
-        run(cfg_for(tiny_checkpoint, run_dir, *ray_args))
-    assert time.monotonic() - start < 120
+    with pytest.raises(WorkerFailure, match=r"rollout rank 0 on \S+ \(pid \d+\) failed in stage 'generate'"):
+        run(cfg_for(tiny_checkpoint, run_dir, *args))
+    assert time.monotonic() - start < 60
+    assert [r["step"] for r in metrics(run_dir)] == [0, 1]  # step 1 done and saved, step 2 lost
     monkeypatch.delenv("RLLOOM_FAULT")
-    result = run(cfg_for(tiny_checkpoint, run_dir, *ray_args, "trainer.resume=auto"))
-    assert result.steps == 3
-    assert [r["step"] for r in metrics(run_dir)] == [0, 1, 2, 3]
+    result = run(cfg_for(tiny_checkpoint, run_dir, *args, "trainer.resume=auto"))
+    assert result.steps == STEPS
+    assert [r["step"] for r in metrics(run_dir)] == list(range(STEPS + 1))

@@ -175,7 +175,7 @@ def test_bf16_train_engine_logprobs_and_step(tmp_path):
 
 
 def test_one_rl_step_on_gpu(tiny_checkpoint, tmp_path):
-    from rlloom.cluster.inline import InlineGroup
+    from rlloom.cluster.placement import build_groups
     from rlloom.config import load_config
     from rlloom.models import load_tokenizer
     from rlloom.rewards.build import build_reward_runner
@@ -187,9 +187,12 @@ def test_one_rl_step_on_gpu(tiny_checkpoint, tmp_path):
         [f"model.path={tiny_checkpoint}", f"trainer.run_dir={tmp_path}", "algorithm.is_correction=tis"],
     )
     tok = load_tokenizer(tiny_checkpoint)
+    groups = build_groups(cfg)
     ctx = StepContext(
         cfg=cfg,
-        group=InlineGroup(cfg),
+        train_group=groups.train,
+        rollout_group=groups.rollout,
+        weight_sync=groups.sync,
         source=build_task_source(cfg.data, tok, "train"),
         runner=build_reward_runner(cfg.reward, task=cfg.data.task),
         decode=lambda ids: tok.decode(ids, skip_special_tokens=True),

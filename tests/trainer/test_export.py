@@ -99,8 +99,8 @@ def build_model_dir(kind: str, tokenizer_dir: Path, out: Path) -> Path:
 def train_two_steps(model_dir: Path, run_dir: Path, monkeypatch, *extra: str):
     """Run 2 RL steps and return the live worker group (its training engine is the trained policy)."""
     groups = []
-    build = run_module.build_worker_group
-    monkeypatch.setattr(run_module, "build_worker_group", lambda cfg: groups.append(build(cfg)) or groups[-1])
+    build = run_module.build_groups
+    monkeypatch.setattr(run_module, "build_groups", lambda cfg: groups.append(build(cfg)) or groups[-1])
     cfg = load_config(
         "arithmetic_smoke",
         [
@@ -139,7 +139,7 @@ def test_export_round_trip_matches_trained_engine(kind, tiny_checkpoint, tmp_pat
     assert hf.dtype == torch.float32 and (out / "tokenizer.json").is_file()
     ids = torch.randint(0, hf.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        expected = group.worker.train.model(ids)
+        expected = group.train.worker.engine.model(ids)
         actual = hf(ids).logits
     assert (actual - expected).abs().max().item() <= 1e-5
 

@@ -25,11 +25,11 @@ import torch
 from test_trainer_loop import final_weights, read_metrics, tiny_cfg
 
 from rlloom.cli import main
-from rlloom.cluster.inline import InlineGroup
+from rlloom.cluster.placement import build_groups
 from rlloom.config import ConfigError
 from rlloom.faults import parse_fault
 from rlloom.models.adapter import hf_named_tensors
-from rlloom.trainer.checkpoint import checkpoint_dir
+from rlloom.trainer.checkpoint import checkpoint_dir, load_checkpoint
 from rlloom.trainer.run import run
 
 TOTAL = 4
@@ -94,17 +94,18 @@ def test_load_refreshes_rollout_and_keeps_reference_initial(tiny_checkpoint, tmp
     run_dir = tmp_path / "run"
     cfg = tiny_cfg(tiny_checkpoint, run_dir, *EXACT, "trainer.total_steps=1")
     run(cfg)
-    worker = InlineGroup(cfg).worker
-    initial = {n: p.detach().clone() for n, p in worker.train.model.named_parameters()}
-    worker.load(str(checkpoint_dir(run_dir, 1) / "engine"))
+    groups = build_groups(cfg)
+    train, rollout = groups.train.worker, groups.rollout.worker
+    initial = {n: p.detach().clone() for n, p in train.engine.model.named_parameters()}
+    load_checkpoint(groups.train, groups.sync, checkpoint_dir(run_dir, 1))
 
-    assert worker.version == 2 and worker.rollout.policy_version == 2
-    trained = dict(worker.train.model.named_parameters())
+    assert groups.train.version == 2 and groups.rollout.version == rollout.engine.policy_version == 2
+    trained = dict(train.engine.model.named_parameters())
     assert any(not torch.equal(trained[n], initial[n]) for n in initial)  # lr 3e-2 moved the weights
-    for n, p in worker.ref.model.named_parameters():  # the reference stays the initial policy
+    for n, p in train.ref.model.named_parameters():  # the reference stays the initial policy
         assert torch.equal(p, initial[n]), n
-    sent = dict(pair for bucket in worker.train.named_weights() for pair in bucket)
-    assert_same_weights(sent, dict(hf_named_tensors(worker.rollout.model)))
+    sent = dict(pair for bucket in train.named_weights(bucket_bytes=1 << 29) for pair in bucket)
+    assert_same_weights(sent, dict(hf_named_tensors(rollout.engine.model)))
 
 
 # ---- kill -9 at every stage, then trainer.resume=auto -------------------------------------------

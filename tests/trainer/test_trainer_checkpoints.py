@@ -18,6 +18,7 @@ import pytest
 from test_trainer_loop import tiny_cfg
 
 from rlloom.cli import main
+from rlloom.cluster.base import Done
 from rlloom.config import ConfigError
 from rlloom.engines.train.native import checkpoint as native_checkpoint
 from rlloom.engines.train.sealed import CheckpointError, write_manifest
@@ -99,10 +100,11 @@ class FakeGroup:
 
     value = "a"
 
-    def save(self, path: str) -> None:
+    def save(self, path: str) -> Done[None]:
         Path(path).mkdir()
         (Path(path) / "weights.txt").write_text(self.value)
         write_manifest(Path(path))
+        return Done(None)
 
 
 def test_interrupted_resave_of_a_step_keeps_a_complete_copy(tmp_path, monkeypatch):

@@ -5,22 +5,22 @@ from __future__ import annotations
 
 import pytest
 
-from rlloom.cluster.worker import RLWorker
 from rlloom.config import ConfigError, load_config
 from rlloom.engines.rollout.native import NativeEngine
 from rlloom.trainer.run import run
+from rlloom.workers.rollout import RolloutWorker
 
 
 def test_ignore_eos_generates_every_training_sample_to_max_new_tokens(tiny_checkpoint, tmp_path, monkeypatch):
     calls = []
-    generate = RLWorker.generate
+    generate = RolloutWorker.generate
 
     def spy(self, prompts, sampling):
         completions = generate(self, prompts, sampling)
         calls.append((sampling, completions))
         return completions
 
-    monkeypatch.setattr(RLWorker, "generate", spy)
+    monkeypatch.setattr(RolloutWorker, "generate", spy)
     max_new = 20  # the random tiny model emits EOS (1 of ~100 tokens) in some of 16 x 20 draws
     cfg = load_config(
         "arithmetic_smoke",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlloom.cluster.inline import InlineGroup
+from rlloom.cluster.placement import build_groups
 from rlloom.config import load_config
 from rlloom.engines.train.native import tensor_checksum
 from rlloom.models.adapter import hf_named_tensors
@@ -36,9 +36,12 @@ def tiny_cfg(ckpt: Path, tmp: Path, *extra: str):
 
 def make_ctx(cfg) -> StepContext:
     tok = load_tokenizer(cfg.model.path)
+    groups = build_groups(cfg)
     return StepContext(
         cfg=cfg,
-        group=InlineGroup(cfg),
+        train_group=groups.train,
+        rollout_group=groups.rollout,
+        weight_sync=groups.sync,
         source=build_task_source(cfg.data, tok, "train"),
         runner=build_reward_runner(cfg.reward, task=cfg.data.task),
         decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
@@ -64,20 +67,20 @@ def test_every_rollout_parameter_receives_exactly_one_tensor(tiny_checkpoint, tm
     ckpt = tiny_checkpoint if tied else _untied_checkpoint(tmp_path)
     cfg = tiny_cfg(ckpt, tmp_path)
     ctx = make_ctx(cfg)
-    worker = ctx.group.worker
-    rec = Recorder(worker.rollout)
-    worker.rollout.update_weights = rec
-    expected = {n: tuple(t.shape) for n, t in hf_named_tensors(worker.rollout.model)}
+    engine = ctx.rollout_group.worker.engine
+    rec = Recorder(engine)
+    engine.update_weights = rec
+    expected = {n: tuple(t.shape) for n, t in hf_named_tensors(engine.model)}
     assert ("lm_head.weight" in expected) == (not tied)
     for step in range(2):
         rl_step(ctx, step)
         version, sent = rec.calls[-1]
-        assert version == step + 1 == worker.rollout.policy_version
+        assert version == step + 1 == engine.policy_version == ctx.rollout_group.version
         names = [n for n, _, _ in sent]
         assert len(names) == len(set(names)), "a tensor was sent twice"
         assert {n: s for n, s, _ in sent} == expected
         # What the rollout engine now holds is exactly what the trainer sent, tensor by tensor.
-        held = {n: tensor_checksum(t) for n, t in hf_named_tensors(worker.rollout.model)}
+        held = {n: tensor_checksum(t) for n, t in hf_named_tensors(engine.model)}
         assert held == {n: c for n, _, c in sent}
     assert len(rec.calls) == 2
 
@@ -103,11 +106,11 @@ def test_first_minibatch_of_on_policy_step_has_ratio_exactly_one(tiny_checkpoint
     cfg = tiny_cfg(tiny_checkpoint, tmp_path, "trainer.num_mini_batches=2", "rollout.temperature=0.7")
     ctx = make_ctx(cfg)
     seen = []
-    orig = ctx.group.update_policy
-    ctx.group.update_policy = lambda update: seen.append(orig(update)) or seen[-1]
+    orig = ctx.train_group.update_policy
+    ctx.train_group.update_policy = lambda update: seen.append(orig(update)) or seen[-1]
     rl_step(ctx, 0)
     assert len(seen) == 2
-    first = seen[0]
+    first = {k: m.value for k, m in seen[0].result().items()}
     assert first["loss/ratio_mean"] == 1.0
     assert first["loss/clipfrac_low"] == 0.0 and first["loss/clipfrac_high"] == 0.0
     assert first["loss/approx_kl"] == 0.0
@@ -116,7 +119,7 @@ def test_first_minibatch_of_on_policy_step_has_ratio_exactly_one(tiny_checkpoint
 def test_single_pass_step_skips_old_logprob_forward(tiny_checkpoint, tmp_path):
     ctx = make_ctx(tiny_cfg(tiny_checkpoint, tmp_path))
     calls = []
-    ctx.group.old_logprobs = lambda batch: calls.append(batch)
+    ctx.train_group.old_logprobs = lambda batch: calls.append(batch)
     m = rl_step(ctx, 0)
     assert calls == [] and m["loss/ratio_mean"] == 1.0
 
@@ -147,7 +150,7 @@ def test_every_algorithm_option_trains(tiny_checkpoint, tmp_path):
     ctx = make_ctx(base)
     for step, extra in enumerate(OPTIONS):
         cfg = tiny_cfg(tiny_checkpoint, tmp_path, *extra)
-        ctx.cfg = ctx.group.worker.cfg = cfg
+        ctx.cfg = ctx.train_group.worker.cfg = cfg
         m = rl_step(ctx, step)
         assert m.get("train/skipped_step", 0.0) == 0.0 or "algorithm.dynamic_sampling=true" in extra, extra
         if "train/loss" in m:

@@ -1,0 +1,94 @@
+"""One process (cluster.mode=inline, the embedded default): a `LocalTrainGroup` of one
+`TrainWorker` and a `LocalRolloutGroup` of one `RolloutWorker` on the same device, with the weight
+sync in place. Calls run at once; their `Pending` results are already computed."""
+
+from __future__ import annotations
+
+import torch
+
+from rlloom.cluster.base import Done
+from rlloom.config.components import RunConfig
+from rlloom.data.types import PolicyUpdate, RolloutBatch
+from rlloom.engines.rollout import Completion, SamplingParams
+from rlloom.observability.metrics import Metric
+from rlloom.weight_sync.colocated import sync_colocated as sync_inplace
+from rlloom.workers.rollout import RolloutWorker
+from rlloom.workers.train import TrainWorker
+
+
+class LocalTrainGroup:
+    """The one training rank of the run, called directly."""
+
+    def __init__(self, worker: TrainWorker) -> None:
+        self.worker = worker
+
+    @property
+    def version(self) -> int:
+        return self.worker.version
+
+    def old_logprobs(self, batch: RolloutBatch) -> Done[torch.Tensor]:
+        return Done(self.worker.old_logprobs(batch))
+
+    def ref_logprobs(self, batch: RolloutBatch) -> Done[torch.Tensor]:
+        return Done(self.worker.ref_logprobs(batch))
+
+    def update_policy(self, update: PolicyUpdate) -> Done[dict[str, Metric]]:
+        return Done(self.worker.update_policy(update))
+
+    def offload(self) -> Done[None]:
+        return Done(self.worker.offload())
+
+    def onload(self) -> Done[None]:
+        return Done(self.worker.onload())
+
+    def save(self, path: str) -> Done[None]:
+        return Done(self.worker.save(path))
+
+    def load(self, path: str) -> Done[None]:
+        return Done(self.worker.load(path))
+
+    def save_hf(self, path: str) -> Done[None]:
+        return Done(self.worker.save_hf(path))
+
+    def close(self) -> None:
+        pass
+
+
+class LocalRolloutGroup:
+    """The one rollout replica of the run, called directly."""
+
+    def __init__(self, worker: RolloutWorker) -> None:
+        self.worker = worker
+
+    @property
+    def version(self) -> int:
+        return self.worker.version
+
+    def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> Done[list[Completion]]:
+        return Done(self.worker.generate(prompts, sampling))
+
+    def sleep(self) -> Done[None]:
+        return Done(self.worker.sleep())
+
+    def wake(self) -> Done[None]:
+        return Done(self.worker.wake())
+
+    def close(self) -> None:
+        pass
+
+
+class LocalSync:
+    """In-place weight sync between the two workers of this process."""
+
+    def __init__(self, source: TrainWorker, sink: RolloutWorker) -> None:
+        self.source, self.sink = source, sink
+
+    def sync(self) -> dict[str, float]:
+        return sync_inplace(self.source, self.sink, dtype=self.source.dtype).metrics()
+
+
+def build_local_groups(cfg: RunConfig) -> tuple[LocalTrainGroup, LocalRolloutGroup, LocalSync]:
+    """The training rank, then the rollout replica in the same dtype on the same device."""
+    train = TrainWorker(cfg)
+    rollout = RolloutWorker(cfg, device=train.device, dtype=train.dtype)
+    return LocalTrainGroup(train), LocalRolloutGroup(rollout), LocalSync(train, rollout)

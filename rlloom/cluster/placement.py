@@ -1,0 +1,90 @@
+"""Where the workers go, and the factory the controller builds its groups with.
+
+`cluster.placement=colocated` (the default): every GPU (or CPU slot) hosts a training rank and a
+rollout rank in one process; the weight sync is in place and memory is handed over by explicit
+`train_group.offload()/onload()` and `rollout_group.sleep()/wake()`. Rollout replicas are
+`rollout.tp` consecutive training ranks, joined by a process group of the training world.
+
+`separate`: `cluster.num_workers` training slots, then `cluster.rollout_workers` rollout slots of
+their own; the rollout ranks are not part of the training world (with `rollout.tp` > 1 they form
+their own), and the weights move by the broadcast transport.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlloom.cluster.base import RolloutGroup, TrainGroup, WeightSync
+from rlloom.config.components import RunConfig
+
+
+def rollout_tp(cfg: RunConfig) -> int:
+    """Ranks of one rollout replica (`rollout.tp`; 1 until the tensor-parallel engine adds the key)."""
+    return getattr(cfg.rollout, "tp", 1)
+
+
+def replica_ranks(num_ranks: int, tp: int) -> list[list[int]]:
+    """Rollout ranks of each replica: consecutive runs of `tp`. Example: (4, 2) -> [[0, 1], [2, 3]]."""
+    if tp < 1 or num_ranks % tp:
+        raise ValueError(f"{num_ranks} rollout ranks do not split into replicas of rollout.tp={tp}")
+    return [list(range(r, r + tp)) for r in range(0, num_ranks, tp)]
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Slots (one GPU or CPU slot each) of the training and rollout ranks. Example, separate with
+    2 training and 2 rollout ranks at rollout.tp=2: train_slots=[0, 1], rollout_slots=[2, 3],
+    replicas=[[0, 1]] (indices into rollout_slots)."""
+
+    colocated: bool
+    train_slots: list[int]
+    """Slot of each training rank."""
+    rollout_slots: list[int]
+    """Slot of each rollout rank (the training rank's own slot when colocated)."""
+    replicas: list[list[int]]
+    """Rollout ranks of each replica."""
+
+    @property
+    def num_slots(self) -> int:
+        return len(set(self.train_slots) | set(self.rollout_slots))
+
+
+def plan_placement(cfg: RunConfig) -> Placement:
+    c = cfg.cluster
+    train = list(range(c.num_workers))
+    if c.placement == "colocated":
+        rollout = train
+    else:
+        rollout = list(range(c.num_workers, c.num_workers + c.rollout_workers))
+    return Placement(
+        colocated=c.placement == "colocated",
+        train_slots=train,
+        rollout_slots=rollout,
+        replicas=replica_ranks(len(rollout), rollout_tp(cfg)),
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class Groups:
+    """What the controller drives: the two groups and the weight sync between them."""
+
+    train: TrainGroup
+    rollout: RolloutGroup
+    sync: WeightSync
+
+    def close(self) -> None:
+        self.rollout.close()
+        self.train.close()
+
+
+def build_groups(cfg: RunConfig) -> Groups:
+    """One process for cluster.mode=inline; Ray actors (Ray imported only then) for cluster.mode=ray."""
+    if cfg.cluster.mode == "ray":
+        from rlloom.cluster.ray import build_ray_groups
+
+        train, rollout, sync = build_ray_groups(cfg, plan_placement(cfg))
+    else:
+        from rlloom.cluster.local import build_local_groups
+
+        train, rollout, sync = build_local_groups(cfg)
+    return Groups(train=train, rollout=rollout, sync=sync)

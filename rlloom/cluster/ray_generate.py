@@ -1,0 +1,90 @@
+"""Generation over the rollout replicas by load: the prompts are cut into chunks and a work queue
+hands the next chunk to whichever replica finishes first, instead of fixed prompt ranges per
+replica. Every rank of a replica gets the chunk (one object-store copy) and rank 0's completions
+are the replica's; the results come back in prompt order. Seeded sampling does not depend on the
+batch a prompt ran in, so the completions do not depend on which replica ran which chunk."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from typing import Any
+
+import ray
+
+from rlloom.engines.rollout import Completion, SamplingParams
+
+CHUNKS_PER_REPLICA = 4
+"""With several replicas, about this many chunks per replica: small enough to even the load out,
+large enough to keep each replica's batch big."""
+
+
+def chunk_bounds(num_prompts: int, num_replicas: int) -> list[tuple[int, int]]:
+    """[lo, hi) prompt ranges of the chunks: one chunk for one replica, else about
+    `CHUNKS_PER_REPLICA` per replica. Example: (10, 2) -> [(0, 2), (2, 4), ..., (8, 10)]."""
+    if num_prompts == 0:
+        return []
+    num_chunks = 1 if num_replicas == 1 else min(num_prompts, num_replicas * CHUNKS_PER_REPLICA)
+    bounds = [num_prompts * c // num_chunks for c in range(num_chunks + 1)]
+    return [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+
+
+class QueuedGeneration:
+    """A `Pending[list[Completion]]`: the first chunk of each replica is sent at once; `done()` and
+    `result()` hand out the rest as replicas finish. A replica that fails or makes no progress for
+    `cluster.timeout_s` raises `WorkerFailure` through `actors` (see ray.py's `Actors`)."""
+
+    def __init__(
+        self, actors: Any, replicas: list[list[int]], prompts: list[list[int]], sampling: list[SamplingParams]
+    ) -> None:
+        self.actors, self.replicas = actors, replicas
+        self.prompts, self.sampling = prompts, sampling
+        self.chunks = chunk_bounds(len(prompts), len(replicas))
+        self.todo = deque(range(len(self.chunks)))
+        self.results: list[list[Completion] | None] = [None] * len(self.chunks)
+        self.running: dict[Any, tuple[int, int, int]] = {}  # ref -> (replica, chunk, rank in replica)
+        self.left: dict[int, int] = {}  # chunk -> refs not yet in
+        for r in range(len(replicas)):
+            self._send(r)
+        self.last_progress = time.monotonic()
+
+    def _send(self, replica: int) -> None:
+        if not self.todo:
+            return
+        c = self.todo.popleft()
+        lo, hi = self.chunks[c]
+        prompts, sampling = ray.put(self.prompts[lo:hi]), ray.put(self.sampling[lo:hi])
+        slots = self.replicas[replica]
+        self.left[c] = len(slots)
+        for rank, ref in enumerate(self.actors.call(slots, "on_rollout", "generate", prompts, sampling)):
+            self.running[ref] = (replica, c, rank)
+
+    def _step(self, timeout: float) -> None:
+        """Take in the refs that are ready (waiting up to `timeout`), sending more chunks as replicas free up."""
+        ready, _ = ray.wait(list(self.running), num_returns=1, timeout=timeout)
+        for ref in ready:
+            replica, c, rank = self.running.pop(ref)
+            value = self.actors.get(ref, "generate", self.replicas[replica][rank])
+            if rank == 0:  # the replica's rank 0 speaks for it
+                lo = self.chunks[c][0]
+                self.results[c] = [dataclasses.replace(x, prompt_index=x.prompt_index + lo) for x in value]
+            self.left[c] -= 1
+            if self.left[c] == 0:
+                self.last_progress = time.monotonic()
+                self._send(replica)
+
+    def done(self) -> bool:
+        if self.running:
+            self._step(0)
+        return not self.running
+
+    def result(self) -> list[Completion]:
+        while self.running:
+            remaining = self.last_progress + self.actors.timeout_s - time.monotonic()
+            if remaining <= 0:
+                slots = sorted({self.replicas[r][rank] for r, _, rank in self.running.values()})
+                self.actors.fail_late(slots, "generate")
+            self._step(max(remaining, 0))
+        out = [x for chunk in self.results for x in chunk or []]
+        return sorted(out, key=lambda x: (x.prompt_index, x.sample_index))

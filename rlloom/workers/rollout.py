@@ -1,0 +1,55 @@
+"""`RolloutWorker`: one rank of a rollout replica. A replica spans `rollout.tp` ranks joined by its
+tensor-parallel process group; every rank of a replica is called with the same arguments and rank 0
+of the replica's results are the replica's.
+
+The worker holds the weights under a policy version: `update_weights` copies the synced tensors in
+place (CUDA graphs stay valid) and later completions carry that version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from rlloom.config.components import RunConfig
+from rlloom.engines.rollout import Completion, SamplingParams
+from rlloom.engines.rollout.build import build_rollout_engine
+from rlloom.faults import maybe_fail
+
+
+class RolloutWorker:
+    """One rollout rank: a rollout engine (or its tensor-parallel part) on one device."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        rank: int = 0,
+        tp_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.rank = rank
+        """Rank among all rollout ranks of the run (for fault injection and error reports)."""
+        self.engine = build_rollout_engine(cfg, device=device, dtype=dtype, tp_group=tp_group)
+        self.version = 0
+        """Policy version of the weights held (the last `update_weights`)."""
+
+    def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> list[Completion]:
+        """Completions of every prompt in prompt order (`prompt_index` = position in `prompts`)."""
+        maybe_fail("rollout", self.version, self.rank)
+        return self.engine.generate(prompts, sampling)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy (Hugging Face name, tensor) pairs into the engine in place; later requests carry `version`."""
+        self.engine.update_weights(named_tensors, version)
+        self.version = version
+
+    def sleep(self) -> None:
+        """Free the KV cache until `wake`."""
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        self.engine.wake()
