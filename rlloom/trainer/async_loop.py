@@ -128,6 +128,10 @@ def drains_after(cfg: RunConfig, steps_done: int) -> bool:
     )
 
 
+TRAIN_STAGES = ("old_logprobs", "ref_logprobs", "advantages", "train")
+"""The synchronous step's stages that keep the training group busy."""
+
+
 class _StreamSync:
     """The weight sync the training half calls, applied between the stream's decode steps."""
 
@@ -158,54 +162,48 @@ class AsyncLoop:
 
     def step(self, step: int) -> dict[str, float]:
         cfg, stream = self.cfg, self.stream
-        start = time.perf_counter()
+        start, busy_before, discarded_before = time.perf_counter(), stream.busy_s, stream.tokens_discarded
         if self.next_index is None:
             self.next_index = step
-        while len(stream.jobs) < capacity(cfg) and self.next_index < cfg.trainer.total_steps:
+        while len(stream.admitted()) < capacity(cfg) and self.next_index < cfg.trainer.total_steps:
             stream.submit(self.next_index)
             self.next_index += 1
-        admitted = len(stream.jobs)
-        wait_for = list(stream.jobs) if cfg.trainer.mode == "one_step_off" else stream.jobs[:1]
-        decode_steps = stream.run_until(lambda: all(stream.is_complete(j) for j in wait_for))
+        jobs = stream.admitted()
+        wait_for = jobs if cfg.trainer.mode == "one_step_off" else jobs[:1]
+        stream.wait_until(lambda: all(stream.is_complete(j) for j in wait_for))
         job = stream.take()
         generate_s = time.perf_counter() - start
         maybe_fail("generate", step)
         maybe_fail("rewards", step)
 
         train_version = _train_version(self.ctx)
-        samples, metrics = split_stale(
-            job.samples()[: cfg.trainer.prompts_per_step * cfg.rollout.n_samples], cfg, train_version
-        )
+        batch_size = cfg.trainer.prompts_per_step * cfg.rollout.n_samples
+        samples, metrics = split_stale(job.samples()[:batch_size], cfg, train_version)
         metrics.update(token_staleness(samples, cfg, train_version))
-        metrics.update(_job_metrics(job, samples))
-        discarded_before = stream.tokens_discarded
-        metrics.update(rl_step(self.ctx, step, rollout=RolloutResult(samples=samples, metrics=dict(metrics))))
+        metrics.update(_job_metrics(job))
+        rollout = RolloutResult(samples=samples, metrics=dict(metrics))
+        metrics.update(rl_step(self.ctx, step, rollout=rollout))
         if drains_after(cfg, step + 1):
             rewind = stream.drop_all()
             if rewind is not None:
                 self.source.load_state_dict(rewind)
                 self.next_index = step + 1
         total_s = time.perf_counter() - start
-        train_s = sum(
-            metrics.get(f"time/{k}_s", 0.0) for k in ("old_logprobs", "ref_logprobs", "advantages", "train")
-        )
+        train_s = sum(metrics.get(f"time/{k}_s", 0.0) for k in TRAIN_STAGES)
         metrics.update(
             {
                 "time/generate_s": generate_s,
                 "time/step_s": total_s,
-                "perf/rollout_idle_frac": max(
-                    0.0, 1 - (generate_s + metrics.get("time/sync_s", 0.0)) / total_s
-                ),
+                "perf/rollout_idle_frac": max(0.0, 1 - (stream.busy_s - busy_before) / total_s),
                 "perf/train_idle_frac": max(0.0, 1 - train_s / total_s),
-                "async/jobs_admitted": float(admitted),
-                "async/decode_steps": float(decode_steps),
+                "async/jobs_admitted": float(len(jobs)),
                 "async/tokens_discarded": float(stream.tokens_discarded - discarded_before),
             }
         )
         return metrics
 
 
-def _job_metrics(job: Job, samples: list[Sample]) -> dict[str, float]:
+def _job_metrics(job: Job) -> dict[str, float]:
     """The synchronous step's rollout metrics for this job."""
     out = dict(job.metrics)
     out.update(reward_metrics(job.first_round))

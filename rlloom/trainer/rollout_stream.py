@@ -20,7 +20,10 @@ happens to the requests in flight:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,14 +101,27 @@ class RolloutStream:
         """Tokens thrown away by `partial=drop` (and by `drop_all`)."""
         self._aborting = False
         """True while the completions of our own abort come out (not a rejected request)."""
+        self.busy_s = 0.0
+        """Seconds spent in decode steps (the rollout's busy time)."""
+        self._cond = threading.Condition()
+        """Held by every change to the stream and by each decode step: weights change between steps."""
+        self._pause = False
+        """The controller wants the stream: the generation thread waits before its next step."""
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._awaited: Callable[[], bool] | None = None
+        self._reached = threading.Event()
 
     # ---- admission -------------------------------------------------------------------------------
 
     def submit(self, index: int) -> Job:
-        """Admit the job of batch `index`: draw its prompts and add their requests."""
-        job = Job(index=index, data_state=self.source.state_dict())
-        self.jobs.append(job)
-        self._add_round(job, self.cfg.trainer.prompts_per_step)
+        """Admit the job of batch `index`: draw its prompts and add their requests; the generation
+        thread starts on them at once."""
+        with self._held():
+            job = Job(index=index, data_state=self.source.state_dict())
+            self.jobs.append(job)
+            self._add_round(job, self.cfg.trainer.prompts_per_step)
+            self._start()
         return job
 
     def _add_round(self, job: Job, num_prompts: int) -> None:
@@ -139,20 +155,70 @@ class RolloutStream:
         missing = self.cfg.trainer.prompts_per_step - len(job.groups)
         return job.outstanding == 0 and missing > 0 and job.rounds < self._max_rounds()
 
-    def run_until(self, done: Callable[[], bool]) -> int:
-        """Run decode steps until `done()`, starting dynamic sampling's extra rounds as jobs need
-        them; return the steps run."""
-        steps = 0
-        while True:
-            for job in self.jobs:
-                if self._needs_round(job):
-                    self._add_round(job, self.cfg.trainer.prompts_per_step - len(job.groups))
+    def wait_until(self, done: Callable[[], bool]) -> None:
+        """Block until `done()` holds (the generation thread checks it after each decode step)."""
+        with self._held():
             if done():
-                return steps
-            if not self.engine.has_unfinished():
+                return
+            if self._thread is None:
                 raise RuntimeError("rollout stream: nothing in flight but the awaited jobs are not complete")
-            self._record(self.engine.step())
-            steps += 1
+            self._awaited = done
+            self._reached.clear()
+        self._reached.wait()
+        with self._held():
+            self._raise()
+            if not done():
+                raise RuntimeError("rollout stream: nothing in flight but the awaited jobs are not complete")
+
+    @contextmanager
+    def _held(self) -> Iterator[None]:
+        """Hold the stream between two decode steps (the generation thread waits meanwhile)."""
+        self._pause = True
+        with self._cond:
+            try:
+                yield
+            finally:
+                self._pause = False
+                self._cond.notify_all()
+
+    def _start(self) -> None:
+        """Start the generation thread unless it runs (call holding the stream)."""
+        if self._thread is None and self.engine.has_unfinished():
+            self._thread = threading.Thread(target=self._generate, name="rollout-stream", daemon=True)
+            self._thread.start()
+
+    def _generate(self) -> None:
+        """The generation thread: one decode step at a time under the lock until nothing is in flight;
+        between steps the controller may take the stream (and change the weights)."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: not self._pause)
+                try:
+                    if not self.engine.has_unfinished():
+                        self._stop()
+                        return
+                    start = time.perf_counter()
+                    self._record(self.engine.step())
+                    for job in self.jobs:  # dynamic sampling: the next round once a round is done
+                        if self._needs_round(job):
+                            self._add_round(job, self.cfg.trainer.prompts_per_step - len(job.groups))
+                    self.busy_s += time.perf_counter() - start
+                    if self._awaited is not None and self._awaited():
+                        self._awaited = None
+                        self._reached.set()
+                except BaseException as e:  # noqa: BLE001 - re-raised in the controller's thread
+                    self._error = e
+                    self._stop()
+                    return
+
+    def _stop(self) -> None:
+        self._thread, self._awaited = None, None
+        self._reached.set()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
     def _record(self, completions: list[Completion]) -> None:
         for c in completions:
@@ -213,21 +279,16 @@ class RolloutStream:
     # ---- weights ---------------------------------------------------------------------------------
 
     def update_weights(self, sync: Callable[[], dict[str, float]]) -> dict[str, float]:
-        """Apply `sync` (which moves the new weights into this engine) between decode steps, treating
-        the requests in flight as `rollout.partial` says; return the sync's metrics and the stream's."""
+        """Apply `sync` (which moves the new weights into this engine) between two decode steps,
+        treating the requests in flight as `rollout.partial` says; return the sync's metrics and
+        async/tokens_interrupted (tokens of aborted requests, resumed or discarded)."""
         mode = self.cfg.rollout.partial
-        in_flight = list(self.requests)
-        aborted_tokens = 0
         if mode == "finish":
-            self.run_until(lambda: not self.requests)
-        elif in_flight:
-            self._aborting = True
-            self.engine.abort(in_flight)
-            self._record(self.engine.step())  # nothing else is scheduled: only the aborted come out
-            self._aborting = False
-            aborted_tokens = sum(len(p[0]) for r in self.requests.values() for p in r.partial.values())
-        metrics = dict(sync())
-        if mode != "finish":
+            self.wait_until(lambda: not self.requests)
+        with self._held():
+            self._raise()
+            interrupted = self._abort_all() if mode != "finish" else 0
+            metrics = dict(sync())
             for request_id, request in self.requests.items():
                 for j, (tokens, logprobs, versions) in sorted(request.partial.items()):
                     if mode == "drop":
@@ -243,25 +304,42 @@ class RolloutStream:
                         prompt_index=int(request_id.rsplit(":", 1)[1]),
                         sample_index=j,
                     )
-        metrics["async/tokens_interrupted"] = float(aborted_tokens)
+            self._start()
+        metrics["async/tokens_interrupted"] = float(interrupted)
         return metrics
+
+    def _abort_all(self) -> int:
+        """Abort every request in flight, keeping each sample's tokens in `partial`; return their count."""
+        if not self.requests:
+            return 0
+        self._aborting = True
+        self.engine.abort(list(self.requests))
+        self._record(self.engine.step())  # nothing else is scheduled: only the aborted come out
+        self._aborting = False
+        return sum(len(p[0]) for r in self.requests.values() for p in r.partial.values())
+
+    def admitted(self) -> list[Job]:
+        """The jobs admitted and not yet taken, oldest first."""
+        with self._held():
+            return list(self.jobs)
 
     def take(self) -> Job:
         """Remove and return the oldest job (complete)."""
-        job = self.jobs.pop(0)
+        with self._held():
+            self._raise()
+            job = self.jobs.pop(0)
         assert self.is_complete(job), f"job {job.index} taken while {job.outstanding} prompts are in flight"
         return job
 
     def drop_all(self) -> dict[str, Any] | None:
         """Abort every request and forget every job; return the prompt-source position of the oldest
         dropped job (to draw its prompts again), or None when nothing was admitted."""
-        if self.requests:
-            self.engine.abort(list(self.requests))
-            for c in self.engine.step():
-                self.tokens_discarded += len(c.token_ids)
-        self.requests.clear()
-        oldest = self.jobs[0].data_state if self.jobs else None
-        self.jobs.clear()
+        with self._held():
+            self._raise()
+            self.tokens_discarded += self._abort_all()
+            self.requests.clear()
+            oldest = self.jobs[0].data_state if self.jobs else None
+            self.jobs.clear()
         return oldest
 
 

@@ -66,3 +66,66 @@ def test_one_step_off_trains_step_k_on_version_k_minus_1(tiny_checkpoint, tmp_pa
         # ones, and the truncated importance weights (on by default) correct for it
         gap = m["is/mean_abs_logp_diff"]
         assert (gap > 1e-3) if k else (gap < 1e-4), (k, gap)
+
+
+def test_abort_resume_keeps_each_tokens_version_and_logprob(tiny_checkpoint, tmp_path, monkeypatch):
+    """Stop strings make response lengths differ, so the next job is part-generated when the oldest
+    completes; its requests are aborted at the weight update and resumed under the new weights."""
+    from transformers import AutoModelForCausalLM
+
+    import rlloom.trainer.async_loop as loop_mod
+    import rlloom.trainer.step as step_mod
+    from rlloom.models.adapter import hf_named_tensors
+
+    weights: dict[int, dict[str, torch.Tensor]] = {}  # policy version -> the rollout's weights
+    trained: list[tuple[int, list]] = []
+    updates: list = []
+    real_step, real_build = loop_mod.rl_step, step_mod.build_update
+
+    def spy_step(ctx, step, rollout):
+        engine = ctx.rollout_group.worker.engine
+        weights[engine.policy_version] = {k: v.clone() for k, v in hf_named_tensors(engine.model)}
+        trained.append((ctx.train_group.version, rollout.samples))
+        return real_step(ctx, step, rollout=rollout)
+
+    def spy_build(*args, **kwargs):
+        update, metrics = real_build(*args, **kwargs)
+        updates.append(update)
+        return update, metrics
+
+    monkeypatch.setattr(loop_mod, "rl_step", spy_step)
+    monkeypatch.setattr(step_mod, "build_update", spy_build)
+    extra = [
+        "trainer.mode=async",
+        "trainer.max_staleness=1",
+        "rollout.partial=abort_resume",
+        "rollout.max_new_tokens=16",
+        "rollout.stop_strings=[a,e,o,'1','2']",
+        "trainer.total_steps=3",
+    ]
+    run(tiny_cfg(tiny_checkpoint, tmp_path / "r", *FAST, *extra))
+    records = read_metrics(tmp_path / "r")
+    assert sum(m["async/tokens_interrupted"] for m in records) > 0
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, torch_dtype=torch.float32)
+    mixed = 0
+    for (train_version, samples), update in zip(trained, updates):
+        for s in samples:
+            versions = s.response_versions()
+            assert versions == sorted(versions) and train_version - versions[0] <= 1
+            mixed += len(set(versions)) > 1
+            for v in set(versions):  # each token's logprob is its producing policy's forward
+                reference.load_state_dict(weights[v], strict=False)
+                with torch.no_grad():
+                    logits = reference(torch.tensor([s.token_ids])).logits[0].float()
+                P = len(s.prompt_ids)
+                logp = torch.log_softmax(logits[P - 1 : -1], -1).gather(
+                    1, torch.tensor(s.response_ids)[:, None]
+                )[:, 0]
+                at = [t for t, tv in enumerate(versions) if tv == v]
+                torch.testing.assert_close(torch.tensor(s.rollout_logprobs)[at], logp[at], atol=1e-5, rtol=0)
+        # the truncated importance weights are proximal / behaviour with these per-token logprobs
+        mask = update.batch.response_mask()
+        expected = torch.exp(update.old_logp_BT - update.batch.rollout_logprobs()).clamp(max=2.0)
+        torch.testing.assert_close(update.is_weights_BT[mask], expected[mask])
+    assert mixed > 0  # some responses were resumed under newer weights
