@@ -13,11 +13,12 @@ never runs more than K versions ahead, memory is bounded) and, since a job admit
 trained at step v + K at the latest, it keeps every sample within the staleness bound; the filter
 (`split_stale`) still drops or down-weights any sample beyond it and counts it.
 
-`one_step_off` waits, before training step k, until the job of step k + 1 is complete too (on
-separate GPUs it generates while step k trains; in one process it runs before): the job of step
-k + 1 is generated under version k, so step k trains on samples of version k - 1 (k >= 1). `async` trains as soon as the oldest
-job is complete; younger jobs are part-generated and meet the weight update in flight. With
-max_staleness=0 only the job being trained is admitted: exactly the synchronous run.
+`one_step_off` is async with max_staleness=1 and partial=finish: the job of step k + 1 is admitted
+when step k starts and generates while step k trains under version k (the weights synced after step
+k - 1); the sync after step k waits for it to finish under those weights. So step k trains on
+samples of version k - 1 (k >= 1). `async` admits K + 1 jobs; younger jobs are part-generated when
+the oldest completes and meet the weight update in flight. With max_staleness=0 only the job being
+trained is admitted: exactly the synchronous run.
 
 One process (cluster.mode=inline): the rollout engine's continuous batching runs every admitted job
 together, interleaved with training (no background thread: runs are deterministic and tests exact).
@@ -44,8 +45,8 @@ from typing import Any
 from rlloom.config.components import RunConfig
 from rlloom.data.types import Sample
 from rlloom.faults import maybe_fail
-from rlloom.trainer.rollout import RolloutResult, reward_metrics
-from rlloom.trainer.rollout_stream import Job, RolloutStream
+from rlloom.trainer.rollout import RolloutResult
+from rlloom.trainer.rollout_stream import RolloutStream
 from rlloom.trainer.step import StepContext, rl_step
 
 
@@ -168,9 +169,9 @@ class AsyncLoop:
         while len(stream.admitted()) < capacity(cfg) and self.next_index < cfg.trainer.total_steps:
             stream.submit(self.next_index)
             self.next_index += 1
+        stream.start()  # after the admissions: the first decode batch holds every admitted job
         jobs = stream.admitted()
-        wait_for = jobs if cfg.trainer.mode == "one_step_off" else jobs[:1]
-        stream.wait_until(lambda: all(stream.is_complete(j) for j in wait_for))
+        stream.wait_until(lambda: stream.is_complete(jobs[0]))
         job = stream.take()
         generate_s = time.perf_counter() - start
         maybe_fail("generate", step)
@@ -180,7 +181,7 @@ class AsyncLoop:
         batch_size = cfg.trainer.prompts_per_step * cfg.rollout.n_samples
         samples, metrics = split_stale(job.samples()[:batch_size], cfg, train_version)
         metrics.update(token_staleness(samples, cfg, train_version))
-        metrics.update(_job_metrics(job))
+        metrics.update(job.rollout_metrics())
         rollout = RolloutResult(samples=samples, metrics=dict(metrics))
         metrics.update(rl_step(self.ctx, step, rollout=rollout))
         if drains_after(cfg, step + 1):
@@ -201,15 +202,6 @@ class AsyncLoop:
             }
         )
         return metrics
-
-
-def _job_metrics(job: Job) -> dict[str, float]:
-    """The synchronous step's rollout metrics for this job."""
-    out = dict(job.metrics)
-    out.update(reward_metrics(job.first_round))
-    out["rollout/groups_dropped"] = float(job.num_groups_dropped)
-    out["rollout/groups_kept"] = float(len(job.groups))
-    return out
 
 
 # ---- where the loop meets the groups -------------------------------------------------------------

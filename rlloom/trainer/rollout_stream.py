@@ -1,15 +1,15 @@
-"""Generation kept in flight across training steps, on a rollout engine's step-level API
-(`add_request` / `step` / `abort` / `resume_request`), for the asynchronous modes (async_loop.py).
+"""The asynchronous loop's producer in this process (cluster.mode=inline): generation on the
+rollout engine's step-level API (`add_request` / `step` / `abort` / `resume_request`) in a
+background thread, kept in flight while the controller trains.
 
-Work comes in `Job`s: the prompts of one training batch, drawn from the prompt source with the seeds
-the synchronous step would use for that batch (`request_seed(seed, job index, round, position)`).
-Each prompt is one request of n samples; when all n are done they are scored into a group, and with
-dynamic sampling a group whose rewards are all equal is dropped and the job draws more prompts (up
-to `algorithm.max_sampling_rounds` rounds, as `collect_rollouts` does). Continuous batching runs
-every admitted request together, so while the oldest job finishes, younger ones are part-generated.
+Each decode step runs under the stream's lock; the controller takes the lock only between two steps
+(admitting jobs, taking a complete one, changing the weights), so generation overlaps training and
+the weights change between decode steps without draining (in-flight updates). Continuous batching
+runs every admitted job together: when the oldest is complete, younger ones are part-generated.
+Jobs and groups: rollout_jobs.py.
 
-New weights arrive between decode steps (`update_weights`), and `rollout.partial` decides what
-happens to the requests in flight:
+New weights arrive between decode steps (`update_weights`); `rollout.partial` decides what happens
+to the requests in flight:
 - finish: they run to the end under the old weights first, then the weights change;
 - abort_resume: they are aborted, the weights change, and each sample resumes from prompt + its
   tokens so far (the KV cache rebuilt by a prefill under the new weights); every token keeps the
@@ -19,7 +19,6 @@ happens to the requests in flight:
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,42 +26,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from rlloom.algorithms import keep_informative_groups
 from rlloom.config.components import RunConfig
 from rlloom.data.dataset import PromptItem
 from rlloom.data.source import PromptSource
 from rlloom.data.types import Sample
 from rlloom.engines.rollout import Completion, SamplingParams
 from rlloom.rewards.runner import RewardRunner
-from rlloom.trainer.rollout import request_seed, score_samples
-
-
-@dataclass(kw_only=True, slots=True)
-class Job:
-    """The prompts of one training batch and the groups they produced so far."""
-
-    index: int
-    """Which batch of the run this is (the step whose seeds it uses)."""
-    data_state: dict[str, Any]
-    """The prompt source's position before this job drew its prompts (to regenerate it)."""
-    rounds: int = 0
-    """Generation rounds started (dynamic sampling adds rounds)."""
-    outstanding: int = 0
-    """Requests added and not yet complete."""
-    groups: list[tuple[int, list[Sample]]] = field(default_factory=list)
-    """Scored groups kept, each with its order key (round * 10_000 + prompt position)."""
-    num_groups_dropped: int = 0
-    """Groups dynamic sampling dropped (all rewards equal)."""
-    metrics: dict[str, float] = field(default_factory=dict)
-    """Reward runner metrics summed over the job's groups."""
-    first_round: list[Sample] = field(default_factory=list)
-    """Every scored sample of round 0, kept or not (the reward metrics' population)."""
-
-    def samples(self) -> list[Sample]:
-        """The kept samples in the synchronous step's order (round, prompt position, sample)."""
-        return [s for _, group in sorted(self.groups, key=lambda g: g[0]) for s in group]
+from rlloom.trainer.rollout_jobs import ROUND_STRIDE, Job, add_group, group_id, make_sample, round_sampling
 
 
 @dataclass(kw_only=True, slots=True)
@@ -72,6 +42,8 @@ class _Request:
     job: Job
     item: PromptItem
     sampling: SamplingParams
+    position: int
+    """The prompt's position in its round (the engine's prompt index)."""
     group_id: int
     order: int
     done: dict[int, Sample] = field(default_factory=dict)
@@ -115,33 +87,33 @@ class RolloutStream:
     # ---- admission -------------------------------------------------------------------------------
 
     def submit(self, index: int) -> Job:
-        """Admit the job of batch `index`: draw its prompts and add their requests; the generation
-        thread starts on them at once."""
+        """Admit the job of batch `index`: draw its prompts and add their requests (generated once
+        `start` is called)."""
         with self._held():
             job = Job(index=index, data_state=self.source.state_dict())
             self.jobs.append(job)
             self._add_round(job, self.cfg.trainer.prompts_per_step)
-            self._start()
         return job
+
+    def start(self) -> None:
+        """Start the generation thread on what is in flight (it stops when nothing is)."""
+        with self._held():
+            self._start()
 
     def _add_round(self, job: Job, num_prompts: int) -> None:
         items = self.source.next_batch(num_prompts)
-        base = SamplingParams.from_config(self.cfg.rollout)
-        for i, item in enumerate(items):
-            sampling = dataclasses.replace(
-                base,
-                stop_token_ids=self.stop_token_ids,
-                seed=request_seed(self.cfg.trainer.seed, job.index, job.rounds, i),
-            )
+        sampling = round_sampling(self.cfg, job, len(items), self.stop_token_ids)
+        for i, (item, params) in enumerate(zip(items, sampling)):
             request_id = f"{job.index}:{job.rounds}:{i}"
             self.requests[request_id] = _Request(
                 job=job,
                 item=item,
-                sampling=sampling,
-                group_id=job.index * 1_000_000 + job.rounds * 10_000 + i,
-                order=job.rounds * 10_000 + i,
+                sampling=params,
+                position=i,
+                group_id=group_id(job, job.rounds, i),
+                order=job.rounds * ROUND_STRIDE + i,
             )
-            self.engine.add_request(item.prompt_ids, sampling, request_id=request_id, prompt_index=i)
+            self.engine.add_request(item.prompt_ids, params, request_id=request_id, prompt_index=i)
         job.outstanding += len(items)
         job.rounds += 1
 
@@ -149,11 +121,7 @@ class RolloutStream:
 
     def is_complete(self, job: Job) -> bool:
         """All its prompts are done and it needs (or may draw) no more rounds."""
-        return job.outstanding == 0 and not self._needs_round(job)
-
-    def _needs_round(self, job: Job) -> bool:
-        missing = self.cfg.trainer.prompts_per_step - len(job.groups)
-        return job.outstanding == 0 and missing > 0 and job.rounds < self._max_rounds()
+        return job.is_complete(self.cfg)
 
     def wait_until(self, done: Callable[[], bool]) -> None:
         """Block until `done()` holds (the generation thread checks it after each decode step)."""
@@ -200,8 +168,8 @@ class RolloutStream:
                     start = time.perf_counter()
                     self._record(self.engine.step())
                     for job in self.jobs:  # dynamic sampling: the next round once a round is done
-                        if self._needs_round(job):
-                            self._add_round(job, self.cfg.trainer.prompts_per_step - len(job.groups))
+                        if job.needs_round(self.cfg):
+                            self._add_round(job, job.missing(self.cfg))
                     self.busy_s += time.perf_counter() - start
                     if self._awaited is not None and self._awaited():
                         self._awaited = None
@@ -233,48 +201,13 @@ class RolloutStream:
                 self._finish_request(c.request_id, request)
 
     def _sample(self, request: _Request, c: Completion) -> Sample:
-        tokens, logprobs, versions = _merge(request, c)
-        item = request.item
-        return Sample(
-            prompt_ids=list(item.prompt_ids),
-            response_ids=tokens,
-            rollout_logprobs=logprobs,
-            group_id=request.group_id,
-            finish_reason=c.finish_reason,
-            policy_version=versions[0] if versions else c.policy_version,
-            token_versions=versions,
-            routed_experts=c.routed_experts,
-            metadata={
-                "ground_truth": item.ground_truth,
-                "index": item.index,
-                "prompt": item.prompt,
-                "columns": item.metadata,
-            },
-        )
+        _, _, versions = request.partial.pop(c.sample_index, ([], [], []))
+        return make_sample(request.item, request.group_id, c, _versions(versions, c))
 
     def _finish_request(self, request_id: str, request: _Request) -> None:
         del self.requests[request_id]
-        job = request.job
         group = [request.done[j] for j in range(request.sampling.n)]
-        for k, v in score_samples(group, self.runner, self.decode, self.cfg).items():
-            job.metrics[k] = job.metrics.get(k, 0.0) + v
-        if request.order < 10_000:
-            job.first_round.extend(group)
-        informative = True
-        if self.cfg.algorithm.dynamic_sampling:
-            keep_B = keep_informative_groups(
-                torch.tensor([s.reward for s in group]), torch.tensor([s.group_id for s in group])
-            )
-            informative = bool(keep_B.all())
-        if informative:
-            job.groups.append((request.order, group))
-        else:
-            job.num_groups_dropped += 1
-        job.outstanding -= 1
-
-    def _max_rounds(self) -> int:
-        algo = self.cfg.algorithm
-        return algo.max_sampling_rounds if algo.dynamic_sampling else 1
+        add_group(request.job, group, request.order, self.cfg, self.runner, self.decode)
 
     # ---- weights ---------------------------------------------------------------------------------
 
@@ -301,7 +234,7 @@ class RolloutStream:
                         output_ids=tokens,
                         logprobs=logprobs,
                         request_id=request_id,
-                        prompt_index=int(request_id.rsplit(":", 1)[1]),
+                        prompt_index=request.position,
                         sample_index=j,
                     )
             self._start()
@@ -343,9 +276,13 @@ class RolloutStream:
         return oldest
 
 
+def _versions(before: list[int], c: Completion) -> list[int]:
+    """Per-token versions of a completion that resumed from `len(before)` tokens of known versions
+    (the completion repeats those tokens; the ones after carry its own version)."""
+    return before + [c.policy_version] * (len(c.token_ids) - len(before))
+
+
 def _merge(request: _Request, c: Completion) -> tuple[list[int], list[float], list[int]]:
-    """The sample's tokens, logprobs and per-token versions: the completion (which repeats the tokens
-    it resumed from) with the versions kept from before the abort for the resumed part."""
+    """An aborted sample's tokens, logprobs and per-token versions so far."""
     _, _, versions = request.partial.pop(c.sample_index, ([], [], []))
-    new = len(c.token_ids) - len(versions)
-    return list(c.token_ids), list(c.logprobs), versions + [c.policy_version] * new
+    return list(c.token_ids), list(c.logprobs), _versions(versions, c)
