@@ -739,14 +739,6 @@ class RunConfig:
             "are the same weights)",
             "set trainer.mode=async, or algorithm.decoupled_ppo=false",
         )
-        _check(
-            self.trainer.mode == "sync" or self.cluster.mode == "inline",
-            "trainer.mode",
-            self.trainer.mode,
-            "the asynchronous modes run with cluster.mode=inline for now (the rollout's step-level API "
-            "in this process)",
-            "set cluster.mode=inline, or trainer.mode=sync",
-        )
         self._check_rollout_replicas()
         batch = self.trainer.prompts_per_step * self.rollout.n_samples
         _check(

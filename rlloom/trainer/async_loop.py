@@ -46,6 +46,7 @@ from rlloom.config.components import RunConfig
 from rlloom.data.types import Sample
 from rlloom.faults import maybe_fail
 from rlloom.trainer.rollout import RolloutResult
+from rlloom.trainer.rollout_futures import FutureStream
 from rlloom.trainer.rollout_stream import RolloutStream
 from rlloom.trainer.step import StepContext, rl_step
 
@@ -136,7 +137,7 @@ TRAIN_STAGES = ("old_logprobs", "ref_logprobs", "advantages", "train")
 class _StreamSync:
     """The weight sync the training half calls, applied between the stream's decode steps."""
 
-    def __init__(self, stream: RolloutStream, sync: Any) -> None:
+    def __init__(self, stream: RolloutStream | FutureStream, sync: Any) -> None:
         self.stream, self.inner = stream, sync
 
     def sync(self) -> dict[str, float]:
@@ -149,14 +150,7 @@ class AsyncLoop:
     def __init__(self, ctx: StepContext) -> None:
         self.cfg = ctx.cfg
         self.source = ctx.source
-        self.stream = RolloutStream(
-            _rollout_engine(ctx),
-            ctx.cfg,
-            source=ctx.source,
-            runner=ctx.runner,
-            decode=ctx.decode,
-            stop_token_ids=ctx.stop_token_ids,
-        )
+        self.stream = _build_producer(ctx)
         self.ctx = _with_sync(dataclasses.replace(ctx, cfg=async_config(ctx.cfg)), self.stream)
         self.next_index: int | None = None
         """Batch index of the next job to admit (None: the first step's)."""
@@ -195,28 +189,33 @@ class AsyncLoop:
             {
                 "time/generate_s": generate_s,
                 "time/step_s": total_s,
-                "perf/rollout_idle_frac": max(0.0, 1 - (stream.busy_s - busy_before) / total_s),
                 "perf/train_idle_frac": max(0.0, 1 - train_s / total_s),
                 "async/jobs_admitted": float(len(jobs)),
                 "async/tokens_discarded": float(stream.tokens_discarded - discarded_before),
             }
         )
+        if stream.busy_s is not None:  # measured in this process only
+            metrics["perf/rollout_idle_frac"] = max(0.0, 1 - (stream.busy_s - busy_before) / total_s)
         return metrics
 
 
 # ---- where the loop meets the groups -------------------------------------------------------------
 
 
-def _rollout_engine(ctx: StepContext) -> Any:
-    """The in-process rollout engine (cluster.mode=inline: the local group's one replica), driven by
-    its step-level API."""
-    return ctx.rollout_group.worker.engine  # type: ignore[attr-defined]
+def _build_producer(ctx: StepContext) -> RolloutStream | FutureStream:
+    """In one process, the rollout engine's step-level API (the local group's one replica) in a
+    background thread; with Ray, the rollout group's `generate` futures."""
+    kwargs = dict(source=ctx.source, runner=ctx.runner, decode=ctx.decode, stop_token_ids=ctx.stop_token_ids)
+    if ctx.cfg.cluster.mode == "inline":
+        engine = ctx.rollout_group.worker.engine  # type: ignore[attr-defined]
+        return RolloutStream(engine, ctx.cfg, **kwargs)  # type: ignore[arg-type]
+    return FutureStream(ctx.rollout_group, ctx.cfg, **kwargs)  # type: ignore[arg-type]
 
 
 def _train_version(ctx: StepContext) -> int:
     return ctx.train_group.version
 
 
-def _with_sync(ctx: StepContext, stream: RolloutStream) -> StepContext:
+def _with_sync(ctx: StepContext, stream: RolloutStream | FutureStream) -> StepContext:
     """`ctx` whose weight sync runs between the stream's decode steps (`RolloutStream.update_weights`)."""
     return dataclasses.replace(ctx, weight_sync=_StreamSync(stream, ctx.weight_sync.sync))
