@@ -100,6 +100,11 @@ def test_abort_resume_keeps_each_tokens_version_and_logprob(tiny_checkpoint, tmp
         engine = ctx.rollout_group.worker.engine
         weights[engine.policy_version] = {k: v.clone() for k, v in hf_named_tensors(engine.model)}
         trained.append((ctx.train_group.version, rollout.samples))
+        # the in-flight update (between decode steps) delivered exactly the training weights
+        assert engine.policy_version == ctx.train_group.version
+        sent = dict(hf_named_tensors(ctx.train_group.worker.engine.model))
+        assert sent.keys() == weights[engine.policy_version].keys()
+        assert all(torch.equal(sent[k], v) for k, v in weights[engine.policy_version].items())
         return real_step(ctx, step, rollout=rollout)
 
     def spy_build(*args, **kwargs):
