@@ -52,8 +52,15 @@ def tiny_cfg_overrides(ckpt: Path, run_dir: Path, *extra: str) -> list[str]:
     ]
 
 
+DYNAMIC = [  # a reward that ties in most groups: dynamic sampling drops them and draws more rounds
+    "reward.name=async_reward:starts_with_digit",
+    "algorithm.dynamic_sampling=true",
+    "algorithm.max_sampling_rounds=3",
+]
+
+
 def test_async_with_max_staleness_0_is_the_synchronous_run(tiny_checkpoint, tmp_path):
-    common = [*FAST, "trainer.total_steps=3", "algorithm.is_correction=tis"]
+    common = [*FAST, *DYNAMIC, "trainer.total_steps=3", "algorithm.is_correction=tis"]
     run(tiny_cfg(tiny_checkpoint, tmp_path / "sync", *common))
     run(
         tiny_cfg(
@@ -64,7 +71,10 @@ def test_async_with_max_staleness_0_is_the_synchronous_run(tiny_checkpoint, tmp_
     assert len(sync) == len(both) == 3
     for a, b in zip(sync, both):
         assert {k: v for k, v in b.items() if not k.startswith("async/")} == a
-        assert b["async/staleness_0"] == 8 and b["async/samples_dropped"] == 0  # 2 prompts x 4
+        assert (
+            b["async/samples_dropped"] == 0 and b.get("async/staleness_0", 0) == 4 * b["rollout/groups_kept"]
+        )
+    assert sum(m["rollout/groups_dropped"] for m in both) > 0  # the extra rounds ran
 
 
 def test_one_step_off_trains_step_k_on_version_k_minus_1(tiny_checkpoint, tmp_path):
@@ -198,3 +208,38 @@ def test_kill_during_async_run_then_resume(tiny_checkpoint, tmp_path, monkeypatc
             if k.startswith("async/staleness_") and k not in ("async/staleness_0", "async/staleness_1")
         ]
         assert m["async/samples_dropped"] == 0
+
+
+def test_partial_drop_with_dynamic_sampling(tiny_checkpoint, tmp_path, monkeypatch):
+    """partial=drop restarts the samples in flight under the new weights: every trained response
+    comes from one policy version; dynamic sampling's extra rounds run through the queue and only
+    groups whose rewards differ are trained."""
+    import rlloom.trainer.async_loop as loop_mod
+
+    trained = []
+    real_step = loop_mod.rl_step
+
+    def spy_step(ctx, step, rollout):
+        trained.append(rollout.samples)
+        return real_step(ctx, step, rollout=rollout)
+
+    monkeypatch.setattr(loop_mod, "rl_step", spy_step)
+    extra = [
+        *DYNAMIC,
+        "trainer.mode=async",
+        "trainer.max_staleness=2",
+        "rollout.partial=drop",
+        "rollout.max_new_tokens=12",
+        "rollout.stop_strings=[a,e,o,'1','2']",
+        "trainer.total_steps=4",
+    ]
+    run(tiny_cfg(tiny_checkpoint, tmp_path / "r", *FAST, *extra))
+    records = read_metrics(tmp_path / "r")
+    assert sum(m["async/tokens_discarded"] for m in records) > 0
+    assert sum(m["rollout/groups_dropped"] for m in records) > 0
+    for samples in trained:
+        assert all(len(set(s.response_versions())) == 1 for s in samples)
+        groups: dict[int, set[float]] = {}
+        for s in samples:
+            groups.setdefault(s.group_id, set()).add(s.reward)
+        assert all(len(r) > 1 for r in groups.values())
