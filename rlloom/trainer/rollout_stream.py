@@ -126,6 +126,7 @@ class RolloutStream:
     def wait_until(self, done: Callable[[], bool]) -> None:
         """Block until `done()` holds (the generation thread checks it after each decode step)."""
         with self._held():
+            self._raise()
             if done():
                 return
             if self._thread is None:
