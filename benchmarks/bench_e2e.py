@@ -8,7 +8,8 @@ a cheap deterministic function of the last token, so rewards vary inside groups 
 trains. Steps after the first are steady state; the table reports their median.
 
     python benchmarks/bench_e2e.py                     # one GPU, inline
-    python benchmarks/bench_e2e.py --workers 2         # Ray, one actor per GPU
+    python benchmarks/bench_e2e.py --workers 2         # Ray, one actor per GPU (colocated)
+    python benchmarks/bench_e2e.py --rollout-workers 1 # Ray: 1 training GPU + 1 rollout GPU (separate)
     python benchmarks/bench_e2e.py --tiny --steps 2    # CPU smoke run of the script
     python benchmarks/bench_e2e.py --profile           # + top device kernels of the last step
     python benchmarks/bench_e2e.py --profile-train     # the same for its policy update, + host ops
@@ -80,7 +81,13 @@ def profiled(fn, *, host_table: bool = False):  # noqa: ANN001, ANN201
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=1, help="training ranks (cluster.num_workers)")
+    parser.add_argument(
+        "--rollout-workers",
+        type=int,
+        default=0,
+        help="rollout GPUs of their own (cluster.placement=separate); 0 = colocated on the training GPUs",
+    )
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -124,8 +131,10 @@ def main() -> None:
         if args.eager:
             overrides += ["train.compile=false", "rollout.compile=false"]
         overrides += args.set
-        if args.workers > 1:
+        if args.workers > 1 or args.rollout_workers > 0:
             overrides += ["cluster.mode=ray", f"cluster.num_workers={args.workers}"]
+        if args.rollout_workers > 0:
+            overrides += ["cluster.placement=separate", f"cluster.rollout_workers={args.rollout_workers}"]
         cfg = load_config("arithmetic_demo", overrides)
         vocab = 512 if args.tiny else 151936
         rng = random.Random(0)
@@ -169,7 +178,10 @@ def main() -> None:
     steady = records[1:] or records
     keys = sorted(k for k in steady[0] if k.startswith("time/"))
     gen_tokens = args.prompts * args.samples * args.new_tokens
-    print(f"\n| stage | median s ({len(steady)} steady steps, workers={args.workers}) |")
+    print(
+        f"\n| stage | median s ({len(steady)} steady steps, workers={args.workers}, "
+        f"rollout_workers={args.rollout_workers}) |"
+    )
     print("|---|---|")
     for k in keys:
         print(f"| {k} | {statistics.median(r[k] for r in steady):.3f} |")

@@ -1,6 +1,7 @@
 """One process (cluster.mode=inline, the embedded default): a `LocalTrainGroup` of one
 `TrainWorker` and a `LocalRolloutGroup` of one `RolloutWorker` on the same device, with the weight
-sync in place. Calls run at once; their `Pending` results are already computed."""
+sync in place (`sync_in_place`, which colocated Ray actors use too). Calls run at once; their
+`Pending` results are already computed."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from rlloom.config.components import RunConfig
 from rlloom.data.types import PolicyUpdate, RolloutBatch
 from rlloom.engines.rollout import Completion, SamplingParams
 from rlloom.observability.metrics import Metric
-from rlloom.weight_sync.colocated import sync_colocated as sync_inplace
+from rlloom.weight_sync.base import checksum_enabled
+from rlloom.weight_sync.inplace import sync_inplace
 from rlloom.workers.rollout import RolloutWorker
 from rlloom.workers.train import TrainWorker
 
@@ -77,18 +79,32 @@ class LocalRolloutGroup:
         pass
 
 
+def sync_in_place(cfg: RunConfig, train: TrainWorker, rollout: RolloutWorker) -> dict[str, float]:
+    """The training worker's weights into the rollout worker of the same process, under the training
+    version (checksummed as `sync.checksum` says); on failure the rollout keeps its version."""
+    report = sync_inplace(
+        train,
+        rollout.engine,
+        bucket_bytes=cfg.sync.bucket_mb << 20,
+        dtype=train.dtype,
+        checksum=checksum_enabled(cfg.sync.checksum, train.device),
+    )
+    rollout.version = report.version
+    return report.metrics()
+
+
 class LocalSync:
     """In-place weight sync between the two workers of this process."""
 
-    def __init__(self, source: TrainWorker, sink: RolloutWorker) -> None:
-        self.source, self.sink = source, sink
+    def __init__(self, cfg: RunConfig, source: TrainWorker, sink: RolloutWorker) -> None:
+        self.cfg, self.source, self.sink = cfg, source, sink
 
     def sync(self) -> dict[str, float]:
-        return sync_inplace(self.source, self.sink, dtype=self.source.dtype).metrics()
+        return sync_in_place(self.cfg, self.source, self.sink)
 
 
 def build_local_groups(cfg: RunConfig) -> tuple[LocalTrainGroup, LocalRolloutGroup, LocalSync]:
     """The training rank, then the rollout replica in the same dtype on the same device."""
     train = TrainWorker(cfg)
     rollout = RolloutWorker(cfg, device=train.device, dtype=train.dtype)
-    return LocalTrainGroup(train), LocalRolloutGroup(rollout), LocalSync(train, rollout)
+    return LocalTrainGroup(train), LocalRolloutGroup(rollout), LocalSync(cfg, train, rollout)

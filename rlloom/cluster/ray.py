@@ -3,7 +3,7 @@ out. Imported only when cluster.mode=ray.
 
 `RayTrainGroup` fans each call out to every training rank and returns a `Pending` at once;
 `RayRolloutGroup` streams chunks of prompts to its replicas by load; the weight sync is in place
-inside each colocated actor, or through the object store into a separate rollout pool. Arguments
+inside each colocated actor, or broadcast from training rank 0 into a separate rollout pool. Arguments
 go to the object store once (`ray.put`) and every actor reads the same copy. A worker that dies,
 raises or hangs beyond `cluster.timeout_s` stops the run with `WorkerFailure` naming its rank,
 host and stage; all actors are then killed so that `trainer.resume=auto` can continue cleanly.
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from rlloom.cluster.base import WorkerFailure
-from rlloom.cluster.placement import Placement
+from rlloom.cluster.placement import Placement, rollout_tp
 from rlloom.cluster.ray_generate import QueuedGeneration
 from rlloom.config.components import RunConfig
 from rlloom.data.types import PolicyUpdate, RolloutBatch
@@ -34,6 +34,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("cluster.mode=ray needs Ray: pip install 'rlloom[ray]'") from e
 
 from rlloom.cluster.ray_actor import SlotActor  # noqa: E402  (needs ray)
+from rlloom.weight_sync.broadcast import SyncGroupSpec  # noqa: E402
 
 ACTOR_ERRORS = (RayActorError, RayTaskError, GetTimeoutError)
 
@@ -67,7 +68,7 @@ class Actors:
         self.slots = [
             actor_cls.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=s)
-            ).remote()
+            ).remote(cfg)
             for s in range(placement.num_slots)
         ]
         addresses = self.wait([a.address.remote() for a in self.slots], "start", list(range(len(self.slots))))
@@ -205,8 +206,8 @@ class RayTrainGroup:
 class RayRolloutGroup:
     """The rollout replicas (`replicas[r]` = the slots of replica r's ranks, rank 0 first)."""
 
-    def __init__(self, actors: Actors, replicas: list[list[int]]) -> None:
-        self.actors, self.replicas = actors, replicas
+    def __init__(self, actors: Actors, replicas: list[list[int]], *, max_num_seqs: int) -> None:
+        self.actors, self.replicas, self.max_num_seqs = actors, replicas, max_num_seqs
         self.slots = [s for r in replicas for s in r]
         self._version = 0
 
@@ -215,7 +216,7 @@ class RayRolloutGroup:
         return self._version
 
     def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> QueuedGeneration:
-        return QueuedGeneration(self.actors, self.replicas, prompts, sampling)
+        return QueuedGeneration(self.actors, self.replicas, prompts, sampling, max_num_seqs=self.max_num_seqs)
 
     def sleep(self) -> Refs:
         return Refs(
@@ -244,28 +245,20 @@ class InPlaceSync:
         return metrics
 
 
-class ObjectStoreSync:
-    """Separate pools: training rank 0 puts the gathered weights in the object store once; every
-    rollout rank fetches them and copies them in place."""
+class BroadcastSync:
+    """Separate pools: training rank 0 broadcasts the weights to every rollout rank over the sync
+    group (`weight_sync/broadcast.py`, outside both worlds); the other training ranks take part in
+    the gather. The receivers check what arrived before loading it."""
 
     def __init__(self, train: RayTrainGroup, rollout: RayRolloutGroup) -> None:
         self.train, self.rollout = train, rollout
 
     def sync(self) -> dict[str, float]:
         actors, tslots, rslots = self.train.actors, self.train.slots, self.rollout.slots
-        start = time.perf_counter()
-        refs = [actors.slots[s].export_weights.remote(i == 0) for i, s in enumerate(tslots)]
-        payload, num_bytes, num_tensors = actors.wait(refs, "sync (send)", tslots)[0]
-        actors.wait(actors.call(rslots, "import_weights", payload), "sync (receive)", rslots)
-        seconds = time.perf_counter() - start
-        self.rollout._version = self.train.version
-        gb = num_bytes / 1e9
-        return {
-            "sync/ms": seconds * 1e3,
-            "sync/gb": gb,
-            "sync/ms_per_gb": seconds * 1e3 / gb if gb > 0 else 0.0,
-            "sync/num_tensors": float(num_tensors),
-        }
+        refs = actors.call(tslots, "send_weights") + actors.call(rslots, "receive_weights")
+        results = actors.wait(refs, "sync", tslots + rslots)
+        self.rollout._version = results[len(tslots)]
+        return results[0]  # the sender's report
 
 
 def build_ray_groups(cfg: RunConfig, placement: Placement) -> tuple[RayTrainGroup, RayRolloutGroup, Any]:
@@ -274,15 +267,33 @@ def build_ray_groups(cfg: RunConfig, placement: Placement) -> tuple[RayTrainGrou
     actors = Actors(cfg, placement)
     tslots, rslots = placement.train_slots, placement.rollout_slots
     master = actors.addresses[tslots[0]]
-    refs = [actors.slots[s].start_train.remote(cfg, i, len(tslots), master) for i, s in enumerate(tslots)]
+    refs = [actors.slots[s].start_train.remote(i, len(tslots), master) for i, s in enumerate(tslots)]
     actors.wait(refs, "setup (training)", tslots)
     multi_rank = any(len(r) > 1 for r in placement.replicas)
     world = (len(rslots), actors.addresses[rslots[0]]) if not placement.colocated and multi_rank else None
-    refs = [
-        actors.slots[s].start_rollout.remote(cfg, j, placement.replicas, world) for j, s in enumerate(rslots)
-    ]
+    refs = [actors.slots[s].start_rollout.remote(j, placement.replicas, world) for j, s in enumerate(rslots)]
     actors.wait(refs, "setup (rollout)", rslots)
+    if not placement.colocated:
+        join_sync_group(cfg, actors, tslots[0], rslots)
     train = RayTrainGroup(actors, tslots)
-    rollout = RayRolloutGroup(actors, [[rslots[j] for j in r] for r in placement.replicas])
-    sync = InPlaceSync(train, rollout) if placement.colocated else ObjectStoreSync(train, rollout)
+    replicas = [[rslots[j] for j in r] for r in placement.replicas]
+    rollout = RayRolloutGroup(actors, replicas, max_num_seqs=cfg.rollout.max_num_seqs)
+    sync = InPlaceSync(train, rollout) if placement.colocated else BroadcastSync(train, rollout)
     return train, rollout, sync
+
+
+def join_sync_group(cfg: RunConfig, actors: Actors, sender: int, receivers: list[int]) -> None:
+    """Training rank 0 (sync rank 0, hosting the group's store on a fresh port) and every rollout rank
+    (sync ranks 1..) join the broadcast sync group together."""
+    host, port = actors.wait(actors.call([sender], "address"), "sync group", [sender])[0][:2]
+    spec = SyncGroupSpec(
+        host=host,
+        port=port,
+        num_senders=1,
+        num_receivers=len(receivers),
+        rollout_tp=rollout_tp(cfg),
+        timeout_s=cfg.sync.timeout_s,
+    )
+    slots = [sender, *receivers]
+    refs = [actors.slots[s].join_sync.remote(spec, rank) for rank, s in enumerate(slots)]
+    actors.wait(refs, "sync group", slots)

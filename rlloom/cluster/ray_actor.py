@@ -9,21 +9,26 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from typing import Any
 
 import ray
 import torch
 import torch.distributed as dist
 
+from rlloom.cluster.local import sync_in_place
 from rlloom.config.components import RunConfig
 from rlloom.devices import resolve_device, resolve_dtype
 from rlloom.parallel import init_distributed
-from rlloom.weight_sync.colocated import sync_colocated as sync_inplace
+from rlloom.weight_sync.base import checksum_enabled
+from rlloom.weight_sync.broadcast import (
+    SyncGroup,
+    SyncGroupSpec,
+    join_sync_group,
+    receive_weights,
+    send_weights,
+)
 from rlloom.workers.rollout import RolloutWorker
 from rlloom.workers.train import TrainWorker
-
-SYNC_BUCKET_BYTES = 256 << 20
 
 
 def join_world(rank: int, world_size: int, master: tuple[str, int], device_type: str) -> None:
@@ -53,9 +58,13 @@ def tp_group_of(rank: int, replicas: list[list[int]]) -> dist.ProcessGroup | Non
 class SlotActor:
     """One slot's process: `train` and/or `rollout`, built by `start_train` / `start_rollout`."""
 
-    def __init__(self) -> None:
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
         self.train: TrainWorker | None = None
         self.rollout: RolloutWorker | None = None
+        self.sync_group: SyncGroup | None = None
+        """Separate placement: this rank's part of the broadcast sync group (None on training ranks
+        that do not send)."""
 
     def address(self) -> tuple[str, int, int]:
         """(host ip, a free port on it, pid) for rendezvous and error reports."""
@@ -64,15 +73,14 @@ class SlotActor:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port, os.getpid()
 
-    def start_train(self, cfg: RunConfig, rank: int, world_size: int, master: tuple[str, int]) -> None:
+    def start_train(self, rank: int, world_size: int, master: tuple[str, int]) -> None:
         """Join the training world as `rank` and build the training worker."""
-        torch.manual_seed(cfg.trainer.seed)
-        join_world(rank, world_size, master, resolve_device(cfg).type)
-        self.train = TrainWorker(cfg, rank=rank)
+        torch.manual_seed(self.cfg.trainer.seed)
+        join_world(rank, world_size, master, resolve_device(self.cfg).type)
+        self.train = TrainWorker(self.cfg, rank=rank)
 
     def start_rollout(
         self,
-        cfg: RunConfig,
         rank: int,
         replicas: list[list[int]],
         world: tuple[int, tuple[str, int]] | None,
@@ -80,13 +88,13 @@ class SlotActor:
         """Build rollout rank `rank`. Colocated (`world` None) its replica groups come from the training
         world this process already joined; separate, the rollout ranks join a world of their own
         (`world` = (size, rendezvous)) when a replica spans more than one rank."""
-        torch.manual_seed(cfg.trainer.seed)
-        device = resolve_device(cfg)
+        torch.manual_seed(self.cfg.trainer.seed)
+        device = resolve_device(self.cfg)
         if world is not None:
             join_world(rank, world[0], world[1], device.type)
         tp_group = tp_group_of(rank, replicas) if dist.is_initialized() else None
         self.rollout = RolloutWorker(
-            cfg, device=device, dtype=resolve_dtype(cfg, device), rank=rank, tp_group=tp_group
+            self.cfg, device=device, dtype=resolve_dtype(self.cfg, device), rank=rank, tp_group=tp_group
         )
 
     def on_train(self, method: str, *args: Any) -> Any:
@@ -105,29 +113,30 @@ class SlotActor:
     def sync_inplace(self) -> dict[str, float]:
         """Colocated: this process's training weights into its rollout rank, in place."""
         assert self.train is not None and self.rollout is not None
-        return sync_inplace(
-            self.train, self.rollout, bucket_bytes=SYNC_BUCKET_BYTES, dtype=self.train.dtype
-        ).metrics()
+        return sync_in_place(self.cfg, self.train, self.rollout)
 
-    def export_weights(self, publish: bool) -> tuple[Any, int, int] | None:
-        """Separate placement: gather the training weights (every rank must take part) and, on the
-        publishing rank, put them in the object store once for every rollout rank to fetch.
-        Returns (ref of (version, buckets), bytes, tensors) there, None elsewhere."""
+    def join_sync(self, spec: SyncGroupSpec, rank: int) -> None:
+        """Separate placement: join the broadcast sync group as sync rank `rank` (collective over the
+        sending training ranks and every rollout rank)."""
+        device = self.train.device if self.train is not None else resolve_device(self.cfg)
+        self.sync_group = join_sync_group(spec, rank, device)
+
+    def send_weights(self) -> dict[str, float]:
+        """Separate placement, every training rank: gather the weights; a sending rank broadcasts them."""
         assert self.train is not None
-        buckets = [
-            [(name, t.detach().cpu()) for name, t in bucket]
-            for bucket in self.train.named_weights(bucket_bytes=SYNC_BUCKET_BYTES, dtype=self.train.dtype)
-        ]
-        if not publish:
-            return None
-        num_bytes = sum(t.numel() * t.element_size() for b in buckets for _, t in b)
-        return ray.put((self.train.version, buckets)), num_bytes, sum(len(b) for b in buckets)
+        report = send_weights(
+            self.sync_group,
+            self.train,
+            bucket_bytes=self.cfg.sync.bucket_mb << 20,
+            checksum=checksum_enabled(self.cfg.sync.checksum, self.train.device),
+        )
+        return report.metrics()
 
-    def import_weights(self, payload: tuple[int, list[list[tuple[str, torch.Tensor]]]]) -> float:
-        """Separate placement: copy the published buckets into this rollout rank; returns seconds."""
-        assert self.rollout is not None
-        start = time.perf_counter()
-        version, buckets = payload
-        for bucket in buckets:
-            self.rollout.update_weights(bucket, version)
-        return time.perf_counter() - start
+    def receive_weights(self) -> int:
+        """Separate placement, every rollout rank: take this rank's slices and load them; returns the
+        version now held (unchanged when the sync failed, which raises)."""
+        assert self.rollout is not None and self.sync_group is not None
+        checksum = checksum_enabled(self.cfg.sync.checksum, resolve_device(self.cfg))
+        report = receive_weights(self.sync_group, self.rollout.engine, checksum=checksum)
+        self.rollout.version = report.version
+        return report.version

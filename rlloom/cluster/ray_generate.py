@@ -16,16 +16,20 @@ import ray
 from rlloom.engines.rollout import Completion, SamplingParams
 
 CHUNKS_PER_REPLICA = 4
-"""With several replicas, about this many chunks per replica: small enough to even the load out,
-large enough to keep each replica's batch big."""
+"""At most this many chunks per replica, to even the load out."""
 
 
-def chunk_bounds(num_prompts: int, num_replicas: int) -> list[tuple[int, int]]:
-    """[lo, hi) prompt ranges of the chunks: one chunk for one replica, else about
-    `CHUNKS_PER_REPLICA` per replica. Example: (10, 2) -> [(0, 2), (2, 4), ..., (8, 10)]."""
+def chunk_bounds(num_prompts: int, num_replicas: int, min_prompts: int = 1) -> list[tuple[int, int]]:
+    """[lo, hi) prompt ranges of the chunks. A replica runs one chunk at a time, so a chunk keeps at
+    least `min_prompts` prompts (enough to fill the engine's batch, `rollout.max_num_seqs`) unless
+    that would leave a replica idle; then up to `CHUNKS_PER_REPLICA` chunks per replica. One replica
+    gets one chunk. Examples: (10, 2, 1) -> 8 chunks; (64, 2, 32) -> [(0, 32), (32, 64)];
+    (1024, 2, 32) -> 8 chunks of 128."""
     if num_prompts == 0:
         return []
-    num_chunks = 1 if num_replicas == 1 else min(num_prompts, num_replicas * CHUNKS_PER_REPLICA)
+    by_size = num_prompts // max(min_prompts, 1)
+    num_chunks = max(num_replicas, min(num_replicas * CHUNKS_PER_REPLICA, by_size))
+    num_chunks = 1 if num_replicas == 1 else min(num_chunks, num_prompts)
     bounds = [num_prompts * c // num_chunks for c in range(num_chunks + 1)]
     return [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
 
@@ -36,11 +40,18 @@ class QueuedGeneration:
     `cluster.timeout_s` raises `WorkerFailure` through `actors` (see ray.py's `Actors`)."""
 
     def __init__(
-        self, actors: Any, replicas: list[list[int]], prompts: list[list[int]], sampling: list[SamplingParams]
+        self,
+        actors: Any,
+        replicas: list[list[int]],
+        prompts: list[list[int]],
+        sampling: list[SamplingParams],
+        *,
+        max_num_seqs: int,
     ) -> None:
         self.actors, self.replicas = actors, replicas
         self.prompts, self.sampling = prompts, sampling
-        self.chunks = chunk_bounds(len(prompts), len(replicas))
+        samples = max((s.n for s in sampling), default=1)
+        self.chunks = chunk_bounds(len(prompts), len(replicas), min_prompts=max_num_seqs // samples)
         self.todo = deque(range(len(self.chunks)))
         self.results: list[list[Completion] | None] = [None] * len(self.chunks)
         self.running: dict[Any, tuple[int, int, int]] = {}  # ref -> (replica, chunk, rank in replica)

@@ -682,6 +682,25 @@ class ClusterConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class SyncConfig:
+    bucket_mb: int = 256
+    """Weight-sync bucket size in MiB: tensors travel in flat buffers of at most this size (a larger
+    tensor travels alone). Bigger buckets mean fewer transfers and more memory held per transfer."""
+    checksum: Literal["auto", "always", "never"] = "auto"
+    """Compare a content checksum of every tensor sent and received on each sync: `auto` = on when
+    the weights are on CPU, off on GPU (it copies every tensor to the host); `always`; `never`. The
+    structural check (every rollout tensor received exactly once, right shape, right version) always runs."""
+    timeout_s: float = 300.0
+    """Longest wait for one weight sync between separate training and rollout workers; on timeout the
+    rollout keeps its previous weights and version and the sync raises."""
+
+    def __post_init__(self) -> None:
+        _check_finite(self, "sync")
+        _check(self.bucket_mb >= 1, "sync.bucket_mb", self.bucket_mb, "must be >= 1 (MiB)", "use e.g. 256")
+        _check(self.timeout_s > 0, "sync.timeout_s", self.timeout_s, "must be > 0 seconds", "use e.g. 300")
+
+
+@dataclass(kw_only=True, slots=True)
 class LoggingConfig:
     console: bool = True
     """Live progress line on the console."""
@@ -704,6 +723,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
 
     def __post_init__(self) -> None:
         if self.data.task in ("jsonl", "parquet"):

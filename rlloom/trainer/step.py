@@ -5,7 +5,10 @@ The step drives two groups (`rlloom.cluster.base`): the rollout group generates,
 computes logprobs and updates the policy, and the weight sync moves the new weights across. Each
 call returns a `Pending`; the step waits on it where the result is needed. The memory handover of
 colocated placement is visible here: the rollout sleeps (frees its KV cache) before training and
-wakes before the sync.
+wakes before the sync. The training group is not offloaded during generation: the rollout engine
+sizes its KV cache when it is built, so the memory an offload frees would go unused and the copies
+would only cost time (`train_group.offload()/onload()` are there for an engine that sizes its
+cache at wake).
 """
 
 from __future__ import annotations

@@ -87,7 +87,9 @@ def test_every_placement_matches_one_process(tiny_checkpoint, tmp_path):
     layouts = {
         "separate_1_1": ["cluster.placement=separate", "cluster.rollout_workers=1"],
         "separate_2_1": ["cluster.placement=separate", "cluster.num_workers=2", "cluster.rollout_workers=1"],
-        "colocated_2": ["cluster.num_workers=2"],
+        # Engines of 4 sequences: the 4 prompts go out in 4 chunks to whichever replica is free;
+        # the rollout sleeps during training and wakes for the sync.
+        "colocated_2": ["cluster.num_workers=2", "rollout.max_num_seqs=4", "rollout.sleep_during_train=true"],
     }
     for name, extra in layouts.items():
         run(cfg_for(tiny_checkpoint, tmp_path / name, "cluster.mode=ray", *extra))

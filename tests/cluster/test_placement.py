@@ -88,11 +88,14 @@ def test_generation_chunks_cover_the_prompts_once():
     pytest.importorskip("ray")
     from rlloom.cluster.ray_generate import chunk_bounds
 
-    assert chunk_bounds(10, 1) == [(0, 10)]
-    chunks = chunk_bounds(10, 2)
-    assert len(chunks) == 8 and chunks[0][0] == 0 and chunks[-1][1] == 10
-    assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
-    assert chunk_bounds(3, 4) == [(0, 1), (1, 2), (2, 3)] and chunk_bounds(0, 2) == []
+    assert chunk_bounds(10, 1) == [(0, 10)] and chunk_bounds(10, 1, 100) == [(0, 10)]
+    for args, count in [((10, 2), 8), ((64, 2, 32), 2), ((1024, 2, 32), 8), ((100, 2, 30), 3), ((3, 4), 3)]:
+        chunks = chunk_bounds(*args)
+        assert len(chunks) == count, args
+        assert chunks[0][0] == 0 and chunks[-1][1] == args[0]
+        assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(chunks, chunks[1:]))
+    # Chunks fill an engine's batch (32 prompts here) unless a replica would be left idle.
+    assert chunk_bounds(64, 2, 32) == [(0, 32), (32, 64)] and chunk_bounds(0, 2) == []
 
 
 def test_optimizer_step_metrics_combine_with_their_reductions():

@@ -1,0 +1,62 @@
+"""What every weight-sync transport shares: the source and sink protocols, the report of one sync,
+the error a failed sync raises, and whether content checksums run (`sync.checksum`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import torch
+
+
+class WeightSource(Protocol):
+    """The training side: a training engine (`TrainEngine.named_weights`)."""
+
+    version: int
+
+    def named_weights(
+        self, *, bucket_bytes: int, dtype: torch.dtype | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]: ...
+
+
+class WeightSink(Protocol):
+    """The rollout side: a rollout engine (`RolloutEngine.update_weights`)."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None: ...
+
+
+class WeightSyncError(RuntimeError):
+    """A sync failed (missing or duplicate tensor, wrong shape or version, checksum mismatch,
+    timeout, a failed peer); the message says which, and whether the rollout kept its previous version."""
+
+
+@dataclass(kw_only=True, slots=True)
+class SyncReport:
+    """What one sync moved, seen from one rank. Example: `SyncReport(version=3, num_tensors=290,
+    num_bytes=270_000_000, seconds=0.05)`."""
+
+    version: int
+    """The policy version the sync carried."""
+    num_tensors: int
+    """Tensors (or slices of tensors) this rank sent or received."""
+    num_bytes: int
+    """Bytes this rank sent or received."""
+    seconds: float
+    """Wall time of the whole sync on this rank, verification included."""
+    checksums: dict[str, str] = field(default_factory=dict)
+    """Tensor (or slice) key -> content checksum, when checksums ran."""
+
+    def metrics(self) -> dict[str, float]:
+        gb = self.num_bytes / 1e9
+        return {
+            "sync/ms": self.seconds * 1e3,
+            "sync/gb": gb,
+            "sync/ms_per_gb": self.seconds * 1e3 / gb if gb > 0 else 0.0,
+            "sync/num_tensors": float(self.num_tensors),
+        }
+
+
+def checksum_enabled(mode: Literal["auto", "always", "never"], device: torch.device) -> bool:
+    """`sync.checksum` resolved for weights on `device`: auto = on CPU, off on GPU."""
+    return mode == "always" or (mode == "auto" and device.type == "cpu")
