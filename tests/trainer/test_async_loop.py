@@ -160,6 +160,7 @@ def test_abort_resume_keeps_each_tokens_version_and_logprob(tiny_checkpoint, tmp
     assert mixed > 0  # some responses were resumed under newer weights
 
 
+@pytest.mark.slow  # ~50 s on 2 cores: the killed run is a CLI process of its own
 def test_kill_during_async_run_then_resume(tiny_checkpoint, tmp_path, monkeypatch):
     """SIGKILL in step 3's training (after step 2's checkpoint), then trainer.resume=auto: every step
     is logged once, the resumed steps train exactly the prompts the uninterrupted run trains (none

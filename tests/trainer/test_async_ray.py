@@ -12,6 +12,7 @@ ray = pytest.importorskip("ray", reason="needs the ray extra: pip install 'rlloo
 from rlloom.trainer.run import run  # noqa: E402
 
 
+@pytest.mark.slow  # a Ray start: 30-90 s on 2 cores
 def test_one_step_off_on_separate_ray_actors(tiny_checkpoint, tmp_path):
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
     try:
