@@ -20,9 +20,13 @@ samples of version k - 1 (k >= 1). `async` admits K + 1 jobs; younger jobs are p
 the oldest completes and meet the weight update in flight. With max_staleness=0 only the job being
 trained is admitted: exactly the synchronous run.
 
-One process (cluster.mode=inline): the rollout engine's continuous batching runs every admitted job
-together, interleaved with training (no background thread: runs are deterministic and tests exact).
-Real overlap needs the rollout on its own GPUs (cluster.placement=separate, cluster.mode=ray).
+Producers: in one process (cluster.mode=inline) a background thread drives the rollout engine's
+step-level API next to training (rollout_stream.py; continuous batching runs every admitted job
+together, and all three `rollout.partial` modes work); with Ray the rounds are the rollout group's
+`generate` futures (rollout_futures.py; partial=finish). Real overlap on GPUs needs the rollout on
+its own GPUs (cluster.mode=ray, cluster.placement=separate); in one process the two share them.
+With max_staleness=0, or one_step_off, the samples do not depend on thread timing; with
+async K >= 1 and abort_resume or drop, where a weight update falls in a response does.
 
 Checkpoints: what is in flight at a checkpoint (or an evaluation, or the end) is dropped and the
 prompt source rewound to the oldest dropped job, so those prompts are generated again by the next
@@ -189,6 +193,7 @@ class AsyncLoop:
             {
                 "time/generate_s": generate_s,
                 "time/step_s": total_s,
+                "perf/step_tok_per_s": metrics.get("perf/tokens", 0.0) / max(total_s, 1e-9),
                 "perf/train_idle_frac": max(0.0, 1 - train_s / total_s),
                 "async/jobs_admitted": float(len(jobs)),
                 "async/tokens_discarded": float(stream.tokens_discarded - discarded_before),
