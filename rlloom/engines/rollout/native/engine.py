@@ -290,7 +290,8 @@ class NativeEngine:
         update): its KV cache is rebuilt by a prefill of prompt + `output_ids` under the current
         weights, the given tokens and `logprobs` stay as they are, and sampling continues at token
         position len(output_ids) with the same seeded noise (`sample_index` as before). The
-        completion carries the current policy version; `sampling.n` is ignored (one sample)."""
+        completion carries the current policy version; `sampling.n` is ignored (one sample). MoE:
+        its routes are those of the resuming weights for every position (the prefill recomputes them)."""
         error = request_problem(
             prompt_ids,
             sampling,
