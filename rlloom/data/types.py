@@ -55,7 +55,13 @@ class Sample:
     finish_reason: FinishReason = "stop"
     """Why generation ended."""
     policy_version: int = 0
-    """Weight version of the policy that generated the response."""
+    """Weight version of the policy that generated the response (its first token, when a partial
+    rollout resumed it under newer weights: see `token_versions`)."""
+    token_versions: list[int] | None = None
+    """Per response token, the weight version of the policy that produced it (a response resumed
+    after an in-flight weight update spans several); None means every token has `policy_version`."""
+    loss_weight: float = 1.0
+    """Weight of its tokens in the policy loss (the asynchronous modes down-weight stale samples)."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Task data: ground truth, prompt text, response text, per-reward parts."""
     routed_experts: torch.Tensor | None = None
@@ -71,6 +77,10 @@ class Sample:
         if self.loss_mask is not None and len(self.loss_mask) != len(self.response_ids):
             raise ValueError(
                 f"Sample: loss_mask has {len(self.loss_mask)} entries for {len(self.response_ids)} response tokens"
+            )
+        if self.token_versions is not None and len(self.token_versions) != len(self.response_ids):
+            raise ValueError(
+                f"Sample: {len(self.token_versions)} token versions for {len(self.response_ids)} response tokens"
             )
         if not self.prompt_ids:
             raise ValueError("Sample: prompt_ids is empty; every sample needs at least one prompt token")
@@ -90,6 +100,17 @@ class Sample:
 
     def response_loss_mask(self) -> list[int]:
         return list(self.loss_mask) if self.loss_mask is not None else [1] * len(self.response_ids)
+
+    def response_versions(self) -> list[int]:
+        """Policy version of each response token."""
+        if self.token_versions is not None:
+            return list(self.token_versions)
+        return [self.policy_version] * len(self.response_ids)
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest policy version among its tokens (what its staleness is measured from)."""
+        return min(self.token_versions) if self.token_versions else self.policy_version
 
 
 @dataclass(kw_only=True, slots=True)
@@ -193,6 +214,10 @@ class RolloutBatch:
         """[B] float32 rewards."""
         return torch.tensor([s.reward for s in self.samples], dtype=torch.float32)
 
+    def loss_weights(self) -> torch.Tensor:
+        """[B] float32 per-sample loss weights."""
+        return torch.tensor([s.loss_weight for s in self.samples], dtype=torch.float32)
+
     def group_ids(self) -> torch.Tensor:
         """[B] int64 group ids."""
         return torch.tensor([s.group_id for s in self.samples], dtype=torch.int64)
@@ -208,6 +233,13 @@ class RolloutBatch:
             if s.rollout_logprobs is None:
                 raise ValueError(f"sample {b} has no rollout logprobs; the rollout engine must return them")
             out[b, : len(s.rollout_logprobs)] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        return out
+
+    def token_versions(self) -> torch.Tensor:
+        """[B, T] int64 policy version of each response token (0 at padding)."""
+        out = torch.zeros(len(self.samples), self.T, dtype=torch.int64)
+        for b, s in enumerate(self.samples):
+            out[b, : len(s.response_ids)] = torch.tensor(s.response_versions(), dtype=torch.int64)
         return out
 
     def shared_prompt_groups(self) -> list[list[int]]:

@@ -71,6 +71,9 @@ def build_update(
             high=algo.is_high,
         )
         metrics.update({k: float(v) for k, v in is_metrics.items()})
+    weight_B = batch.loss_weights()
+    if bool((weight_B != 1).any()):  # down-weighted stale samples (trainer.stale_samples=downweight)
+        weights_BT = (mask_BT.float() if weights_BT is None else weights_BT) * weight_B[:, None]
     update = PolicyUpdate(
         batch=batch,
         advantages_BT=compute_advantages(algo, batch),

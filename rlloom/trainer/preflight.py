@@ -34,6 +34,7 @@ from rlloom.models.checkpoint import resolve_path
 from rlloom.parallel.dims import ParallelDims
 from rlloom.rewards.registry import get_reward_fn
 from rlloom.tasks.build import default_reward_name
+from rlloom.trainer.async_loop import capacity
 
 
 def check_before_loading(cfg: RunConfig) -> None:
@@ -59,15 +60,18 @@ def check_step_size(cfg: RunConfig) -> None:
     otherwise run until the OOM killer ends it without a word)."""
     seqs = cfg.trainer.prompts_per_step * cfg.rollout.n_samples
     longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
-    need = seqs * longest * HOST_BYTES_PER_TOKEN
+    batches = 1 if cfg.trainer.mode == "sync" else capacity(cfg)  # the async modes hold several
+    need = batches * seqs * longest * HOST_BYTES_PER_TOKEN
     free = available_memory_bytes(torch.device("cpu"))
     if need <= free:
         return
+    held = f" x {batches} batches in flight (trainer.mode={cfg.trainer.mode})" if batches > 1 else ""
     raise ConfigError(
         f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} x rollout.n_samples={cfg.rollout.n_samples} "
-        f"= {seqs} sequences of up to {longest} tokens is invalid: a step's samples need about "
+        f"= {seqs} sequences of up to {longest} tokens{held} is invalid: they need about "
         f"{need / 2**30:.1f} GiB of host memory (~{HOST_BYTES_PER_TOKEN} bytes a token) and "
-        f"{free / 2**30:.1f} GiB is free. Fix: lower trainer.prompts_per_step or rollout.n_samples."
+        f"{free / 2**30:.1f} GiB is free. Fix: lower trainer.prompts_per_step or rollout.n_samples"
+        f"{' (or trainer.max_staleness)' if held else ''}."
     )
 
 

@@ -138,7 +138,7 @@ def collect_rollouts(
             metrics[k] = metrics.get(k, 0.0) + v
         maybe_fail("rewards", step)
         if round_idx == 0:
-            metrics.update(_reward_metrics(samples))
+            metrics.update(reward_metrics(samples))
         if algo.dynamic_sampling:
             keep_B = keep_informative_groups(
                 torch.tensor([s.reward for s in samples]), torch.tensor([s.group_id for s in samples])
@@ -153,7 +153,7 @@ def collect_rollouts(
     return RolloutResult(samples=kept, metrics=metrics)
 
 
-def _reward_metrics(samples: list[Sample]) -> dict[str, float]:
+def reward_metrics(samples: list[Sample]) -> dict[str, float]:
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     scores = torch.tensor([s.metadata["score"] for s in samples], dtype=torch.float64)
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)

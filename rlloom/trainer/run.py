@@ -26,6 +26,7 @@ from rlloom.observability.memory import peak_memory_gib
 from rlloom.plan.check import check_fits
 from rlloom.rewards.build import build_reward_runner
 from rlloom.tasks.build import build_task_source
+from rlloom.trainer.async_loop import AsyncLoop
 from rlloom.trainer.checkpoint import (
     TrainerState,
     load_checkpoint,
@@ -123,8 +124,9 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
             loggers.log(0, before)
         after: dict[str, float] = {}
         first_step, num_skipped = state.step + 1, 0
+        loop = AsyncLoop(ctx) if cfg.trainer.mode != "sync" else None  # trainer/async_loop.py
         while state.step < cfg.trainer.total_steps:
-            metrics = rl_step(ctx, state.step)
+            metrics = rl_step(ctx, state.step) if loop is None else loop.step(state.step)
             state.step += 1
             num_skipped += update_was_skipped(metrics)
             metrics["memory/peak_gib"] = peak_memory_gib(resolve_device(cfg).type)

@@ -30,7 +30,7 @@ from rlloom.observability.metrics import MetricsAccumulator
 from rlloom.observability.timers import StageTimer
 from rlloom.rewards.runner import RewardRunner
 from rlloom.trainer.policy import build_update
-from rlloom.trainer.rollout import collect_rollouts
+from rlloom.trainer.rollout import RolloutResult, collect_rollouts
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ def is_single_pass(cfg: RunConfig) -> bool:
     return cfg.trainer.ppo_epochs == 1 and cfg.trainer.num_mini_batches == 1
 
 
-def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
+def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -> dict[str, float]:
+    """One step; with `rollout` given (the asynchronous loop generated it) the step trains on it."""
     cfg, train_group, rollout_group = ctx.cfg, ctx.train_group, ctx.rollout_group
     # Colocated, the rollout frees its KV cache for training; separate, it has its own GPUs.
     hand_over = cfg.rollout.sleep_during_train and cfg.cluster.placement == "colocated"
@@ -63,15 +64,16 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     metrics: dict[str, float] = {}
 
     with timer("generate"):
-        rollout = collect_rollouts(
-            rollout_group,
-            ctx.source,
-            ctx.runner,
-            ctx.decode,
-            cfg,
-            step=step,
-            stop_token_ids=ctx.stop_token_ids,
-        )
+        if rollout is None:
+            rollout = collect_rollouts(
+                rollout_group,
+                ctx.source,
+                ctx.runner,
+                ctx.decode,
+                cfg,
+                step=step,
+                stop_token_ids=ctx.stop_token_ids,
+            )
     metrics.update(rollout.metrics)
     if not rollout.samples:  # dynamic sampling found no informative group: nothing to learn from
         metrics.update(timer.seconds())

@@ -5,7 +5,8 @@
 
 `generate` is built on the step-level API: `add_request` queues a prompt (its n samples), `step`
 runs one scheduled forward and returns the completions that finished, `abort` ends in-flight
-requests. A step is schedule -> (copy-on-write block copies) -> forward -> sample, queued on the
+requests, and `resume_request` continues an aborted sample from its tokens so far (a partial
+rollout across a weight update). A step is schedule -> (copy-on-write block copies) -> forward -> sample, queued on the
 device without waiting; then the previous step's sampled tokens are read back and recorded. So one
 step is always in flight: the host schedules and prepares step k + 1 (and records step k - 1's
 tokens) while the device computes step k, and step k + 1 takes the tokens of step k straight from
@@ -272,6 +273,49 @@ class NativeEngine:
             leader, *forks = seqs[start : start + group]
             leader.forks = forks
             self.scheduler.add(leader)
+        return request_id
+
+    def resume_request(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        output_ids: list[int],
+        logprobs: list[float],
+        request_id: str,
+        prompt_index: int,
+        sample_index: int,
+    ) -> str:
+        """Continue one sample from the tokens it had when it was aborted (e.g. across a weight
+        update): its KV cache is rebuilt by a prefill of prompt + `output_ids` under the current
+        weights, the given tokens and `logprobs` stay as they are, and sampling continues at token
+        position len(output_ids) with the same seeded noise (`sample_index` as before). The
+        completion carries the current policy version; `sampling.n` is ignored (one sample). MoE:
+        its routes are those of the resuming weights for every position (the prefill recomputes them)."""
+        error = request_problem(
+            prompt_ids,
+            sampling,
+            max_model_len=self.max_model_len,
+            vocab_size=self.model.args.vocab_size,
+            can_decode=self.decode is not None,
+            block_manager=self.block_manager,
+        )
+        if error is not None or len(logprobs) != len(output_ids):
+            raise ValueError(
+                error or f"resume_request: {len(logprobs)} logprobs for {len(output_ids)} output tokens"
+            )
+        seq = Sequence(
+            seq_id=next(self._seq_ids),
+            request_id=request_id,
+            prompt_index=prompt_index,
+            sample_index=sample_index,
+            prompt_ids=list(prompt_ids),
+            params=sampling,
+            policy_version=self.policy_version,
+            output_ids=list(output_ids),
+            logprobs=list(logprobs),
+        )
+        self.scheduler.add(seq)
         return request_id
 
     def step(self) -> list[Completion]:

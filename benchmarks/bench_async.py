@@ -1,0 +1,250 @@
+"""Asynchronous RL on a long-tail workload: step time and idle fractions of four layouts (issue 19).
+
+Workload T2: random Qwen3-1.7B weights (28 layers, hidden 2048, 16 heads, 8 KV heads, head dim 128,
+vocab 151936), 64 prompts x 8 samples, 128 prompt tokens, response lengths drawn heavy-tailed
+between 128 and 4096 (a Pareto draw per prompt; generation stops when the drawn length is reached),
+no reference model. Layouts on the same two GPUs:
+
+    sync_colocated  trainer.mode=sync, cluster.placement=colocated, 2 workers (DP2, rollout on both)
+    sync_separate   trainer.mode=sync, 1 training GPU + 1 rollout GPU
+    one_step_off    trainer.mode=one_step_off, 1 training GPU + 1 rollout GPU
+    async_k2        trainer.mode=async, trainer.max_staleness=2, 1 training GPU + 1 rollout GPU
+
+Goal: async >= 1.5x the best synchronous layout's step time. The table reports the median over the
+steps after `--warmup`: step time, generation and training seconds, the training group's idle
+fraction (1 - its busy stages / step time) and, where the controller measures it, the rollout's.
+On Ray the rollout runs in other processes and its busy time is not measured (n/a).
+
+    python benchmarks/bench_async.py                     # 2 GPUs, Ray, all four layouts
+    python benchmarks/bench_async.py --layouts async_k2  # some of them
+    python benchmarks/bench_async.py --smoke             # CPU, tiny model, one process: the script path
+
+The per-prompt lengths are applied by wrapping the rollout group's `generate` (and, in one process,
+the engine's `add_request`) so that each request's `max_new_tokens` is its prompt's drawn length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlloom.cluster.placement import build_groups
+from rlloom.config import load_config
+from rlloom.data.dataset import PromptItem
+from rlloom.data.source import PromptSource
+from rlloom.rewards.runner import RewardRunner
+from rlloom.trainer.async_loop import AsyncLoop
+from rlloom.trainer.step import StepContext, rl_step
+
+LAYOUTS = {
+    "sync_colocated": ["trainer.mode=sync", "cluster.num_workers=2"],
+    "sync_separate": ["trainer.mode=sync", "cluster.placement=separate", "cluster.rollout_workers=1"],
+    "one_step_off": ["trainer.mode=one_step_off", "cluster.placement=separate", "cluster.rollout_workers=1"],
+    "async_k2": [
+        "trainer.mode=async",
+        "trainer.max_staleness=2",
+        "cluster.placement=separate",
+        "cluster.rollout_workers=1",
+    ],
+}
+
+
+def last_token_parity(response_text: str, ground_truth: str) -> float:
+    """Reward: 1 when the last generated token id is even (varies inside groups)."""
+    return float(int(response_text or "0") % 2 == 0)
+
+
+def write_random_qwen3(path: Path, *, tiny: bool) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    shape = (
+        dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, vocab_size=512)
+        if tiny
+        else dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, vocab_size=151936)
+    )  # fmt: skip
+    config = Qwen3Config(**shape, max_position_embeddings=8192, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def heavy_tailed_lengths(num: int, low: int, high: int, *, seed: int = 0, alpha: float = 1.2) -> list[int]:
+    """`num` lengths in [low, high]: low * Pareto(alpha), capped (most short, a few very long)."""
+    rng = random.Random(seed)
+    return [min(high, int(low * rng.paretovariate(alpha))) for _ in range(num)]
+
+
+class LengthCapped:
+    """A rollout group whose requests stop at their prompt's drawn length (`limits`: prompt ids ->
+    max_new_tokens); in one process its `worker.engine` does the same for `add_request`."""
+
+    def __init__(self, group: Any, limits: dict[tuple[int, ...], int]) -> None:
+        self.group, self.limits = group, limits
+        if hasattr(group, "worker"):
+            self.worker = _Worker(_Engine(group.worker.engine, limits))
+
+    def generate(self, prompts: list[list[int]], sampling: list[Any]) -> Any:
+        capped = [
+            dataclasses.replace(s, max_new_tokens=self.limits[tuple(p)]) for p, s in zip(prompts, sampling)
+        ]
+        return self.group.generate(prompts, capped)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.group, name)
+
+
+@dataclasses.dataclass
+class _Worker:
+    engine: Any
+
+
+class _Engine:
+    def __init__(self, engine: Any, limits: dict[tuple[int, ...], int]) -> None:
+        self.engine, self.limits = engine, limits
+
+    def add_request(self, prompt_ids: list[int], sampling: Any, **kwargs: Any) -> str:
+        capped = dataclasses.replace(sampling, max_new_tokens=self.limits[tuple(prompt_ids)])
+        return self.engine.add_request(prompt_ids, capped, **kwargs)
+
+    def resume_request(self, prompt_ids: list[int], sampling: Any, **kwargs: Any) -> str:
+        capped = dataclasses.replace(sampling, max_new_tokens=self.limits[tuple(prompt_ids)])
+        return self.engine.resume_request(prompt_ids, capped, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+
+def run_layout(name: str, args: argparse.Namespace, model_dir: Path, tmp: str) -> list[dict[str, float]]:
+    vocab = 512 if args.smoke else 151936
+    rng = random.Random(0)
+    num_items = args.prompts * (args.steps + 3)
+    items = [
+        PromptItem(
+            prompt_ids=[rng.randrange(vocab) for _ in range(args.prompt_tokens)],
+            prompt_text="",
+            ground_truth="",
+            index=i,
+        )
+        for i in range(num_items)
+    ]
+    lengths = heavy_tailed_lengths(num_items, args.min_tokens, args.max_tokens)
+    limits = {tuple(it.prompt_ids): n for it, n in zip(items, lengths)}
+    overrides = [
+        f"model.path={model_dir}",
+        f"trainer.prompts_per_step={args.prompts}",
+        f"trainer.total_steps={args.steps}",
+        f"rollout.n_samples={args.samples}",
+        f"rollout.max_new_tokens={args.max_tokens}",
+        "rollout.ignore_eos=true",
+        "rollout.sleep_during_train=true",
+        f"rollout.kv_cache_memory_gb={args.kv_gb}",
+        f"rollout.max_num_seqs={args.prompts * args.samples}",
+        f"data.max_prompt_length={args.prompt_tokens}",
+        "train.max_tokens_per_micro_batch=32768",
+        "train.lr=1e-6",
+        f"trainer.run_dir={tmp}/{name}",
+        *LAYOUTS[name],
+        *args.set,
+    ]
+    if args.smoke:  # one process: the placements of the layouts are not available, their modes are
+        overrides = [o for o in overrides if not o.startswith("cluster.")]
+        overrides += ["cluster.device=cpu", "train.compile=false", "rollout.compile=false"]
+    else:
+        overrides += ["cluster.mode=ray"]
+    cfg = load_config("arithmetic_demo", overrides)
+    groups = build_groups(cfg)
+    ctx = StepContext(
+        cfg=cfg,
+        train_group=groups.train,
+        rollout_group=LengthCapped(groups.rollout, limits),  # type: ignore[arg-type]
+        weight_sync=groups.sync,
+        source=PromptSource(items, seed=0),
+        runner=RewardRunner(last_token_parity),
+        decode=lambda ids: str(ids[-1]) if ids else "0",
+        stop_token_ids=[],
+    )
+    loop = AsyncLoop(ctx) if cfg.trainer.mode != "sync" else None
+    records = []
+    try:
+        for step in range(args.steps):
+            m = rl_step(ctx, step) if loop is None else loop.step(step)
+            records.append(m)
+            print(
+                f"{name} step {step}: {m['time/step_s']:.2f} s (generate {m.get('time/generate_s', 0):.2f}, "
+                f"train {m.get('time/train_s', 0):.2f}, sync {m.get('time/sync_s', 0):.2f})",
+                flush=True,
+            )
+    finally:
+        groups.close()
+    return records
+
+
+def summary(name: str, records: list[dict[str, float]], warmup: int) -> dict[str, float]:
+    steady = records[warmup:] or records
+    med = lambda key: statistics.median(r.get(key, float("nan")) for r in steady)  # noqa: E731
+    train_busy = [
+        sum(r.get(f"time/{k}_s", 0.0) for k in ("old_logprobs", "ref_logprobs", "advantages", "train"))
+        for r in steady
+    ]
+    sync_layout = "sync" in name
+    return {
+        "step_s": med("time/step_s"),
+        "generate_s": med("time/generate_s"),
+        "train_s": med("time/train_s"),
+        "train_idle_frac": statistics.median(1 - b / r["time/step_s"] for b, r in zip(train_busy, steady)),
+        "rollout_idle_frac": (
+            statistics.median(1 - r["time/generate_s"] / r["time/step_s"] for r in steady)
+            if sync_layout
+            else med("perf/rollout_idle_frac")
+        ),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--min-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=4096)
+    parser.add_argument("--kv-gb", type=float, default=60.0)
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, one process")
+    parser.add_argument("--out", default="")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra override")
+    args = parser.parse_args()
+    if args.smoke:
+        args.prompts, args.samples, args.prompt_tokens, args.kv_gb = 2, 2, 8, 0.05
+        args.min_tokens, args.max_tokens, args.steps, args.warmup = 4, 32, 3, 1
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_random_qwen3(Path(tmp) / "model", tiny=args.smoke)
+        for name in args.layouts:
+            results[name] = summary(name, run_layout(name, args, model_dir, tmp), args.warmup)
+    best_sync = min((r["step_s"] for n, r in results.items() if n.startswith("sync")), default=float("nan"))
+    print("\n| layout | step s | generate s | train s | train idle | rollout idle | speed-up vs best sync |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        print(
+            f"| {name} | {r['step_s']:.2f} | {r['generate_s']:.2f} | {r['train_s']:.2f} | "
+            f"{r['train_idle_frac']:.2f} | {r['rollout_idle_frac']:.2f} | {best_sync / r['step_s']:.2f}x |"
+        )
+    if args.out:
+        Path(args.out).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

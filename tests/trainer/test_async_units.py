@@ -1,0 +1,92 @@
+"""Pieces of the asynchronous loop without a model: the staleness split, the async config, the
+settings' one-line errors, per-token versions in `Sample`."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlloom.config import ConfigError, load_config
+from rlloom.data.types import RolloutBatch, Sample
+from rlloom.trainer.async_loop import async_config, capacity, drains_after, split_stale
+
+
+def cfg(*overrides: str):
+    return load_config("arithmetic_smoke", list(overrides))
+
+
+def sample(versions: list[int]) -> Sample:
+    return Sample(prompt_ids=[1], response_ids=[2] * len(versions), token_versions=versions)
+
+
+def test_split_stale_drops_or_downweights_samples_beyond_the_bound():
+    samples = [sample([3, 3]), sample([2, 3]), sample([1, 2]), sample([0, 3])]
+    c = cfg("trainer.mode=async", "trainer.max_staleness=1")
+    kept, m = split_stale(samples, c, train_version=3)
+    assert kept == samples[:2]
+    assert (
+        m["async/staleness_0"],
+        m["async/staleness_1"],
+        m["async/staleness_2"],
+        m["async/staleness_3"],
+    ) == (1, 1, 1, 1)
+    assert m["async/samples_dropped"] == 2 and (m["async/version_min"], m["async/version_max"]) == (0, 3)
+
+    c = cfg("trainer.mode=async", "trainer.max_staleness=1", "trainer.stale_samples=downweight")
+    kept, m = split_stale(samples, c, train_version=3)
+    assert [s.loss_weight for s in kept] == [1.0, 1.0, 0.5, 0.25] and m["async/samples_downweighted"] == 2
+    assert RolloutBatch(kept).loss_weights().tolist() == [1.0, 1.0, 0.5, 0.25]
+
+
+def test_staleness_counts_rl_steps_when_a_step_makes_several_optimizer_steps():
+    c = cfg("trainer.mode=async", "trainer.max_staleness=1", "trainer.num_mini_batches=2")
+    kept, m = split_stale([sample([4]), sample([2]), sample([1])], c, train_version=4)
+    assert len(kept) == 2 and m["async/staleness_2"] == 1  # version 1 is 3 updates = 2 steps old
+
+
+def test_queue_capacity_and_drain_points():
+    assert capacity(cfg("trainer.mode=async", "trainer.max_staleness=2")) == 3
+    assert capacity(cfg("trainer.mode=one_step_off")) == 2
+    c = cfg("trainer.mode=async", "trainer.total_steps=6", "trainer.save_every=4", "trainer.eval_every=3")
+    assert [s for s in range(1, 7) if drains_after(c, s)] == [3, 4, 6]
+
+
+def test_async_modes_correct_off_policy_samples_by_default():
+    assert async_config(cfg("trainer.mode=async")).algorithm.is_correction == "tis"
+    assert (
+        async_config(cfg("trainer.mode=async", "algorithm.is_correction=mis")).algorithm.is_correction
+        == "mis"
+    )
+    decoupled = async_config(cfg("trainer.mode=one_step_off", "algorithm.decoupled_ppo=true")).algorithm
+    assert (decoupled.is_correction, decoupled.is_level, decoupled.is_low) == ("mis", "token", 0.0)
+    assert not async_config(cfg("trainer.mode=async")).rollout.sleep_during_train
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.max_staleness=-1"], "trainer.max_staleness=-1 is invalid: must be >= 0"),
+        (["trainer.mode=later"], "trainer.mode"),
+        (["rollout.partial=abort_resume"], "rollout.partial='abort_resume' is invalid"),
+        (
+            ["trainer.mode=async", "rollout.partial=drop", "cluster.mode=ray"],
+            "rollout.partial='drop' is invalid",
+        ),
+        (["algorithm.decoupled_ppo=true"], "algorithm.decoupled_ppo=True is invalid: needs trainer.mode"),
+        (["trainer.stale_samples=weigh"], "trainer.stale_samples"),
+    ],
+)
+def test_bad_async_settings_are_one_line_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        cfg(*overrides)
+    assert "\n" not in str(e.value) and ("Fix:" in str(e.value) or "must be one of" in str(e.value))
+
+
+def test_sample_token_versions():
+    s = sample([1, 2, 2])
+    assert s.oldest_version == 1 and RolloutBatch([s, sample([5])]).token_versions().tolist() == [
+        [1, 2, 2],
+        [5, 0, 0],
+    ]
+    assert Sample(prompt_ids=[1], response_ids=[2], policy_version=4).response_versions() == [4]
+    with pytest.raises(ValueError, match="2 token versions for 1 response tokens"):
+        Sample(prompt_ids=[1], response_ids=[2], token_versions=[1, 2])
