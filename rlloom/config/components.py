@@ -541,6 +541,11 @@ class TrainerConfig:
     resume_allow_changes: bool = False
     """Resume even when the config differs from the checkpoint's in a setting that changes the run
     (see `rlloom.config.resume.FREE_TO_CHANGE` for the settings that may always change)."""
+    save_weights_only: bool = False
+    """Checkpoints hold the policy's weights only (CHECKPOINT/hf, a Hugging Face folder in the model's
+    dtype) with the step and data position, without optimizer state: a fraction of the size, but no run
+    can resume from one (trainer.resume refuses it and says so). Start a new run from its weights with
+    model.path=RUN_DIR/checkpoints/step_N/hf."""
 
     def __post_init__(self) -> None:
         _check(
@@ -591,6 +596,14 @@ class TrainerConfig:
         )
         self.run_dir = os.path.expanduser(self.run_dir)
         if self.resume not in ("never", "auto"):
+            _check(
+                "/" in self.resume or os.sep in self.resume or self.resume.startswith("~"),
+                "trainer.resume",
+                self.resume,
+                "must be never, auto or the path of a checkpoint folder (a path holds a '/')",
+                "use trainer.resume=auto (newest checkpoint in trainer.run_dir), trainer.resume=never, "
+                "or e.g. trainer.resume=runs/my_run/checkpoints/step_000010",
+            )
             self.resume = os.path.expanduser(self.resume)
 
 
@@ -628,6 +641,33 @@ class LoggingConfig:
     """Write metrics.jsonl in the run folder."""
     tensorboard: bool = False
     """Write TensorBoard events (needs `pip install rlloom[tensorboard]`)."""
+    wandb: bool = False
+    """Log metrics and the sample completions to Weights & Biases (needs `pip install rlloom[wandb]`).
+    With the environment variable WANDB_MODE=offline it writes RUN_DIR/wandb without an account
+    (`wandb sync` uploads it later)."""
+    wandb_project: str = "rlloom"
+    """The W&B project the run is logged to (with logging.wandb=true)."""
+    run_name: str = ""
+    """The run's name in the summary line and in W&B; empty = the run folder's name."""
+    samples_per_step: int = 2
+    """Sample completions (prompt, response, reward) per step printed to the console (with
+    logging.console=true) and appended to RUN_DIR/samples.jsonl; 0 = none."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.samples_per_step >= 0,
+            "logging.samples_per_step",
+            self.samples_per_step,
+            "must be >= 0",
+            "use 0 (no samples) or a small count such as 2",
+        )
+        _check(
+            bool(self.wandb_project.strip()),
+            "logging.wandb_project",
+            self.wandb_project,
+            "must name a W&B project",
+            "e.g. logging.wandb_project=my_project",
+        )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -35,9 +35,27 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return plain(cfg)
 
 
+TASK_ONLY_FIELDS: dict[str, tuple[str, ...]] = {
+    "num_digits": ("arithmetic",),
+    "operators": ("arithmetic",),
+    "num_train": ("arithmetic", "countdown"),
+}
+"""`data` fields that only some tasks read: `to_yaml` leaves them out of the other tasks' configs."""
+
+
+def task_dict(cfg: RunConfig) -> dict[str, Any]:
+    """`to_dict(cfg)` without the `data` fields its task does not read (see `TASK_ONLY_FIELDS`)."""
+    data = to_dict(cfg)
+    for name, tasks in TASK_ONLY_FIELDS.items():
+        if cfg.data.task not in tasks:
+            del data["data"][name]
+    return data
+
+
 def to_yaml(cfg: RunConfig) -> str:
-    """The resolved config as YAML; `load_config` of this text gives back an equal config."""
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+    """The resolved config as YAML, without the `data` fields its task does not read; `load_config`
+    of this text gives back a config equal in every field the task reads."""
+    return yaml.safe_dump(task_dict(cfg), sort_keys=False, default_flow_style=False)
 
 
 def recipe_names() -> list[str]:

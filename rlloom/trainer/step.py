@@ -14,7 +14,7 @@ from rlloom.algorithms import loss_normalizer
 from rlloom.cluster.inline import WorkerGroup
 from rlloom.config.components import RunConfig
 from rlloom.data.source import PromptSource
-from rlloom.data.types import PolicyUpdate, RolloutBatch
+from rlloom.data.types import PolicyUpdate, RolloutBatch, Sample
 from rlloom.faults import maybe_fail
 from rlloom.observability.timers import StageTimer
 from rlloom.rewards.runner import RewardRunner
@@ -34,6 +34,8 @@ class StepContext:
     runner: RewardRunner
     decode: Callable[[list[int]], str]
     stop_token_ids: list[int]
+    on_samples: Callable[[list[Sample]], None] | None = None
+    """Called with each step's scored samples (the trainer logs a few of them)."""
 
 
 def is_single_pass(cfg: RunConfig) -> bool:
@@ -52,6 +54,8 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
             group, ctx.source, ctx.runner, ctx.decode, cfg, step=step, stop_token_ids=ctx.stop_token_ids
         )
     metrics.update(rollout.metrics)
+    if ctx.on_samples is not None:
+        ctx.on_samples(rollout.samples)
     if not rollout.samples:  # dynamic sampling found no informative group: nothing to learn from
         metrics.update(timer.seconds())
         metrics["train/skipped_step"] = 1.0

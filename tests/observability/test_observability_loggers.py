@@ -61,17 +61,41 @@ def test_jsonl_resume_of_missing_file_starts_empty(tmp_path):
 def test_console_prints_one_tagged_line_per_step_off_a_tty():
     out = io.StringIO()
     logger = ConsoleLogger(total_steps=20, file=out)
+    logger.log(0, {"eval/accuracy": 0.1})
     logger.log(1, {"reward/mean": 0.5, "train/accuracy": 0.25, "time/step_s": 1.234})
     logger.log(2, {"reward/mean": 0.625, "eval/accuracy": 0.3, "time/step_s": 1.0, "other/x": 9})
+    logger.log(3, {"reward/mean": 0.75, "time/step_s": 1.0})
     logger.close()
     lines = out.getvalue().splitlines()
-    assert len(lines) == 2
-    assert lines[0].startswith("[rlloom] step 1/20 | reward 0.500 | acc 0.250 | 1.23 s/step | eta ")
-    # Values not re-logged keep showing; unknown keys are not shown.
-    assert lines[1].startswith(
-        "[rlloom] step 2/20 | reward 0.625 | acc 0.250 | eval_acc 0.300 | 1.00 s/step | eta "
+    assert len(lines) == 4
+    # The evaluation before training has no step time or ETA.
+    assert lines[0] == "[rlloom] step 0/20 | eval_acc 0.100"
+    # The first training step is the warm-up: labelled, and the ETA waits for the next step.
+    assert lines[1] == (
+        "[rlloom] step 1/20 | reward 0.500 | acc 0.250 | 1.23 s/step (warm-up) | eta after warm-up"
     )
-    assert "other" not in lines[1]
+    # Training values not re-logged keep showing; unknown keys are not shown.
+    assert lines[2].startswith(
+        "[rlloom] step 2/20 | reward 0.625 | acc 0.250 | eval_acc 0.300 | 1.00 s/step | eta 0:00:"
+    )
+    assert "other" not in lines[2]
+    # Evaluation metrics show only on the steps that evaluated.
+    assert lines[3].startswith("[rlloom] step 3/20 | reward 0.750 | acc 0.250 | 1.00 s/step | eta 0:00:")
+
+
+def test_console_eta_leaves_out_the_warm_up_step(monkeypatch):
+    import rlloom.observability.console as console
+
+    clock = iter([0.0, 100.0, 101.0, 102.0])  # start; the warm-up step ends at 100 s, then 1 s a step
+    monkeypatch.setattr(console.time, "monotonic", lambda: next(clock))
+    out = io.StringIO()
+    logger = ConsoleLogger(total_steps=10, file=out, first_step=1)
+    for step in (1, 2, 3):
+        logger.log(step, {"reward/mean": 0.0})
+    lines = out.getvalue().splitlines()
+    assert lines[0].endswith("100.00 s/step (warm-up) | eta after warm-up")
+    # 1 s a step after the warm-up, 7 steps left: 7 s (a rate over all steps would say 238 s).
+    assert lines[2].endswith("1.00 s/step | eta 0:00:07")
 
 
 def test_console_without_total_or_timer():
@@ -79,7 +103,7 @@ def test_console_without_total_or_timer():
     logger = ConsoleLogger(file=out)
     logger.log(3, {"reward/mean": 1.0})
     line = out.getvalue().strip()
-    assert line.startswith("[rlloom] step 3 | reward 1.000 | ") and line.endswith(" s/step")
+    assert line.startswith("[rlloom] step 3 | reward 1.000 | ") and line.endswith(" s/step (warm-up)")
     assert format_eta(3725.4) == "1:02:05"
 
 
@@ -93,12 +117,13 @@ def test_console_live_mode_draws_without_error():
 
 
 def test_build_loggers_follows_config(tmp_path):
-    logger = build_loggers(LoggingConfig(console=False, jsonl=True), tmp_path)
+    logger = build_loggers(LoggingConfig(console=False, jsonl=True, samples_per_step=0), tmp_path)
     assert isinstance(logger, MultiLogger) and len(logger.loggers) == 1
     logger.log(1, {"reward/mean": 0.1})
     logger.close()
     assert read_metrics_jsonl(tmp_path / METRICS_FILE) == [{"step": 1, "reward/mean": 0.1}]
-    assert build_loggers(LoggingConfig(console=False, jsonl=False), tmp_path).loggers == []
+    off = LoggingConfig(console=False, jsonl=False, samples_per_step=0)
+    assert build_loggers(off, tmp_path).loggers == []
 
 
 def test_tensorboard_missing_says_how_to_install(tmp_path):
