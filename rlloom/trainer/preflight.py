@@ -58,10 +58,15 @@ FILE_SUFFIXES = {"jsonl": (".jsonl", ".json", ".ndjson"), "parquet": (".parquet"
 """The file name endings that say a dataset file is in another task's format."""
 
 
+def is_installed(package: str) -> bool:
+    """The package can be imported (found without importing it)."""
+    return importlib.util.find_spec(package) is not None
+
+
 def check_logging_backends(cfg: RunConfig) -> None:
     """Each logging backend that is turned on has its package installed."""
     for setting, package in LOGGING_PACKAGES.items():
-        if getattr(cfg.logging, setting) and importlib.util.find_spec(package) is None:
+        if getattr(cfg.logging, setting) and not is_installed(package):
             raise ConfigError(
                 f"logging.{setting}=true is invalid: it needs the {package} package, which is not installed. "
                 f"Fix: pip install 'rlloom[{package}]', or set logging.{setting}=false."
