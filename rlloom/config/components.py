@@ -701,6 +701,14 @@ class RunConfig:
                 f"estimator {self.algorithm.estimator} needs groups of 2 or more",
                 "set rollout.n_samples=4 or more",
             )
+        _check(
+            self.algorithm.overlong_buffer <= self.rollout.max_new_tokens,
+            "algorithm.overlong_buffer",
+            self.algorithm.overlong_buffer,
+            f"must be at most rollout.max_new_tokens={self.rollout.max_new_tokens} (the penalty ramps over "
+            "the last overlong_buffer tokens a response may have)",
+            f"lower algorithm.overlong_buffer (e.g. {self.rollout.max_new_tokens // 4}) or raise rollout.max_new_tokens",
+        )
         batch = self.trainer.prompts_per_step * self.rollout.n_samples
         _check(
             batch % self.trainer.num_mini_batches == 0,

@@ -85,6 +85,15 @@ def test_bad_resume_values(tiny_checkpoint, tmp_path, capsys):
     assert f"trainer.resume='{missing}' is not a complete checkpoint" in line
 
 
+def test_overlong_buffer_longer_than_the_responses_is_refused_at_start_up(capsys):
+    # Found by running the README's commands with short responses: it used to raise mid-step.
+    assert main(["config", "show", "dapo_arithmetic", "rollout.max_new_tokens=4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(
+        "rlloom: error: algorithm.overlong_buffer=8 is invalid: must be at most rollout.max_new_tokens=4"
+    )
+
+
 def test_config_show_of_a_dataset_config_leaves_out_procedural_fields(tmp_path, capsys):
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
     (tmp_path / "mine.yaml").write_text(
