@@ -18,6 +18,9 @@ FREE_TO_CHANGE: tuple[str, ...] = (
     # How long, where, how often to save, evaluate and log.
     "trainer.total_steps",
     "trainer.save_every",
+    "trainer.save_hf_every",
+    "trainer.save_weights_only",
+    "trainer.keep_last_checkpoints",
     "trainer.eval_every",
     "trainer.run_dir",
     "trainer.resume",

@@ -54,7 +54,10 @@ def resolve_checkpoint(source: str | os.PathLike) -> Path:
     path = Path(source)
     if not path.is_dir():
         raise ConfigError(f"export source {str(source)!r} does not exist. Fix: pass {_WHERE}.")
-    if (path / "trainer_state.json").is_file():
+    # A checkpoint (full: engine/, or weights-only: trainer_state.json beside hf/), not a run folder.
+    if (path / "config.yaml").is_file() and (
+        (path / ENGINE_DIR).is_dir() or (path / "trainer_state.json").is_file()
+    ):
         if ".tmp-" in path.name:
             raise ConfigError(
                 f"export source {str(source)!r} is an interrupted checkpoint save (a .tmp- folder). "

@@ -24,7 +24,7 @@ def test_weights_only_checkpoint_is_exported_and_not_resumed(tiny_checkpoint, tm
     common = ["arithmetic_smoke", f"model.path={tiny_checkpoint}", f"trainer.run_dir={run_dir}"]
     # lr 3e-2 so that one step visibly changes the weights.
     tiny = ["trainer.total_steps=1", "data.num_eval=0", "rollout.max_new_tokens=4", "train.lr=3e-2"]
-    tiny.append("algorithm.entropy_coef=0.01")  # a gradient even when every reward is equal
+    tiny += ["algorithm.entropy_coef=0.01", "data.num_train=16"]  # a gradient even when every reward is equal
     assert main(["train", *common, *tiny, "trainer.save_weights_only=true"]) == 0
     ckpt = run_dir / "checkpoints" / "step_000001"
     assert (ckpt / "hf" / "config.json").is_file() and not (ckpt / "engine").exists()
