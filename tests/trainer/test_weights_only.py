@@ -1,6 +1,7 @@
 """Weights-only checkpoints (`trainer.save_weights_only=true`), through the `rlloom` CLI: the
 checkpoint holds the trained weights as a Hugging Face folder and no optimizer state, a resume from
-it is refused with one line that says how to start from its weights, and `rlloom export` reads it."""
+it is refused with one line that says how to start from its weights, and `rlloom export` and
+`rlloom eval` read it."""
 
 from __future__ import annotations
 
@@ -48,3 +49,7 @@ def test_weights_only_checkpoint_is_exported_and_not_resumed(tiny_checkpoint, tm
     exported = tensors(tmp_path / "out")
     assert exported.keys() == saved.keys()
     assert all(torch.equal(exported[k], saved[k].to(exported[k].dtype)) for k in saved)
+    # So does `rlloom eval`.
+    capsys.readouterr()
+    assert main(["eval", str(run_dir), "arithmetic", "data.num_eval=2", "rollout.max_new_tokens=4"]) == 0
+    assert '"prompts": 2' in capsys.readouterr().out
