@@ -158,3 +158,39 @@ def test_init_logger_once_and_warn_once(capsys, restore_rlloom_logger):
     warn_once(child, "kl_coef=0 ignores kl_kind")
     err = capsys.readouterr().err
     assert err.count("[rlloom]") == 1 and "WARNING kl_coef=0 ignores kl_kind" in err
+
+
+def test_samples_log_resumes_like_metrics_and_picks_spread_samples(tmp_path):
+    from types import SimpleNamespace
+
+    from rlloom.observability.samples import SamplesLogger, pick_samples, sample_records
+
+    def sample(i: int) -> SimpleNamespace:
+        prompt = [{"role": "user", "content": f"q{i // 4}"}]
+        meta = {"prompt": prompt, "response_text": f"r{i}", "ground_truth": "1"}
+        return SimpleNamespace(reward=float(i % 2), finish_reason="stop", metadata=meta)
+
+    batch = [sample(i) for i in range(8)]  # two prompts x four samples
+    picked = pick_samples(batch, 2)
+    assert [s.metadata["response_text"] for s in picked] == ["r0", "r4"]  # one of each prompt
+    assert pick_samples(batch, 0) == [] and len(pick_samples(batch, 20)) == 8
+
+    path = tmp_path / "samples.jsonl"
+    out = io.StringIO()
+    with SamplesLogger(path, file=out) as log:
+        for step in (1, 2, 3):
+            log.log_samples(step, sample_records(step, picked))
+    first = out.getvalue().splitlines()[0]
+    assert first == "[rlloom] sample 1.1 | reward 0.000 | prompt 'user: q0' | response 'r0'"
+    # A resume from step 2 drops what the interrupted run logged at step 2 and later.
+    with SamplesLogger(path, resume_from_step=2, console=False) as log:
+        log.log_samples(2, sample_records(2, picked[:1]))
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 1, 2]
+
+
+def test_wandb_run_id_is_kept_for_a_resume(tmp_path):
+    from rlloom.observability.wandb_logger import run_id
+
+    first = run_id(tmp_path, resume=False)
+    assert run_id(tmp_path, resume=True) == first
+    assert run_id(tmp_path, resume=False) != first  # a fresh start is a new W&B run
