@@ -137,7 +137,8 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
             phase = time.perf_counter()
             before = run_eval()
             log.info(
-                "start-up: first evaluation %.1f s (%d prompts; the first generation compiles and warms up)",
+                "start-up: first evaluation %.1f s (%d prompts; includes the rollout engine's first-use "
+                "set-up: compilation and CUDA graphs where enabled)",
                 time.perf_counter() - phase,
                 len(eval_items),
             )
