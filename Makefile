@@ -27,7 +27,7 @@ test: lint
 
 demo: $(STAMP)
 	@# A fresh run folder each time: a run directory holds one run (see trainer.resume).
-	$(VENV)/bin/rlloom train arithmetic_demo trainer.run_dir=runs/arithmetic_demo-$$(date +%Y%m%d-%H%M%S)
+	$(VENV)/bin/rlloom train arithmetic_demo trainer.run_dir=runs/arithmetic_demo-$$(date +%Y%m%d-%H%M%S) logging.run_name=demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

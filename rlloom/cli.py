@@ -43,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     show = config_sub.add_parser(
         "show",
         help="print the resolved config as YAML",
-        description=f"Print the resolved config as YAML (loads back to the same config). Recipes: {recipes}.",
+        description="Print the resolved config as YAML (loads back to the same config; a recipe's "
+        f"trainer.run_dir is a comment, so a file saved from it runs in runs/<file name>). Recipes: {recipes}.",
     )
     show.add_argument("config", help="recipe name or YAML file")
     show.add_argument("overrides", nargs="*", help=_OVERRIDES_HELP)
@@ -143,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
             print(config_reference(), end="")
             return 0
         if args.command == "config":
-            from rlloom.config.loading import load_config, to_yaml
+            from rlloom.config.loading import show_config
 
-            print(to_yaml(load_config(args.config, args.overrides)), end="")
+            print(show_config(args.config, args.overrides), end="")
             return 0
         if args.command == "plan":
             from rlloom.plan.report import run_plan

@@ -617,6 +617,11 @@ class TrainerConfig:
     stale_samples: Literal["drop", "downweight"] = "drop"
     """Samples older than max_staleness: `drop` (counted in async/samples_dropped) or `downweight`
     (kept, each token's loss weighted by 0.5 ** (its staleness - max_staleness))."""
+    save_weights_only: bool = False
+    """Checkpoints hold the policy's weights only (CHECKPOINT/hf, a Hugging Face folder in the model's
+    dtype) with the step and data position, without optimizer state: a fraction of the size, but no run
+    can resume from one (trainer.resume refuses it and says so). Start a new run from its weights with
+    model.path=RUN_DIR/checkpoints/step_N/hf."""
 
     def __post_init__(self) -> None:
         _check(
@@ -674,6 +679,14 @@ class TrainerConfig:
         )
         self.run_dir = os.path.expanduser(self.run_dir)
         if self.resume not in ("never", "auto"):
+            _check(
+                "/" in self.resume or os.sep in self.resume or self.resume.startswith("~"),
+                "trainer.resume",
+                self.resume,
+                "must be never, auto or the path of a checkpoint folder (a path holds a '/')",
+                "use trainer.resume=auto (newest checkpoint in trainer.run_dir), trainer.resume=never, "
+                "or e.g. trainer.resume=runs/my_run/checkpoints/step_000010",
+            )
             self.resume = os.path.expanduser(self.resume)
 
 
@@ -761,6 +774,33 @@ class LoggingConfig:
     """Write metrics.jsonl in the run folder."""
     tensorboard: bool = False
     """Write TensorBoard events (needs `pip install rlloom[tensorboard]`)."""
+    wandb: bool = False
+    """Log metrics and the sample completions to Weights & Biases (needs `pip install rlloom[wandb]`).
+    With the environment variable WANDB_MODE=offline it writes RUN_DIR/wandb without an account
+    (`wandb sync` uploads it later)."""
+    wandb_project: str = "rlloom"
+    """The W&B project the run is logged to (with logging.wandb=true)."""
+    run_name: str = ""
+    """The run's name in the summary line and in W&B; empty = the run folder's name."""
+    samples_per_step: int = 2
+    """Sample completions (prompt, response, reward) per step printed to the console (with
+    logging.console=true) and appended to RUN_DIR/samples.jsonl; 0 = none."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.samples_per_step >= 0,
+            "logging.samples_per_step",
+            self.samples_per_step,
+            "must be >= 0",
+            "use 0 (no samples) or a small count such as 2",
+        )
+        _check(
+            bool(self.wandb_project.strip()),
+            "logging.wandb_project",
+            self.wandb_project,
+            "must name a W&B project",
+            "e.g. logging.wandb_project=my_project",
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -815,6 +855,14 @@ class RunConfig:
             "set trainer.mode=async, or algorithm.decoupled_ppo=false",
         )
         self._check_rollout_replicas()
+        _check(
+            self.algorithm.overlong_buffer <= self.rollout.max_new_tokens,
+            "algorithm.overlong_buffer",
+            self.algorithm.overlong_buffer,
+            f"must be at most rollout.max_new_tokens={self.rollout.max_new_tokens} (the penalty ramps over "
+            "the last overlong_buffer tokens a response may have)",
+            f"lower algorithm.overlong_buffer (e.g. {self.rollout.max_new_tokens // 4}) or raise rollout.max_new_tokens",
+        )
         batch = self.trainer.prompts_per_step * self.rollout.n_samples
         _check(
             batch % self.trainer.num_mini_batches == 0,
@@ -840,6 +888,7 @@ class RunConfig:
             f"the rollout ranks form replicas of rollout.tp={tp} ranks each, so it must be a multiple of {tp}",
             f"set {key} to a multiple of {tp}, or change rollout.tp",
         )
+
 
 def _check_parallel_world(par: ParallelConfig, num_workers: int) -> None:
     """cluster.num_workers = pp x dp x cp x tp (dp is what is left); ep divides dp x cp x tp."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import re
 import types
 import typing
 from pathlib import Path
@@ -35,9 +36,45 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return plain(cfg)
 
 
+TASK_ONLY_FIELDS: dict[str, tuple[str, ...]] = {
+    "num_digits": ("arithmetic",),
+    "operators": ("arithmetic",),
+    "num_train": ("arithmetic", "countdown"),
+}
+"""`data` fields that only some tasks read: `to_yaml` leaves them out of the other tasks' configs."""
+
+
+def task_dict(cfg: RunConfig) -> dict[str, Any]:
+    """`to_dict(cfg)` without the `data` fields its task does not read (see `TASK_ONLY_FIELDS`)."""
+    data = to_dict(cfg)
+    for name, tasks in TASK_ONLY_FIELDS.items():
+        if cfg.data.task not in tasks:
+            del data["data"][name]
+    return data
+
+
 def to_yaml(cfg: RunConfig) -> str:
-    """The resolved config as YAML; `load_config` of this text gives back an equal config."""
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+    """The resolved config as YAML, without the `data` fields its task does not read; `load_config`
+    of this text gives back a config equal in every field the task reads."""
+    return yaml.safe_dump(task_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def show_config(source: str, overrides: list[str] | None = None) -> str:
+    """`rlloom config show`: the resolved config as YAML. For a recipe, `trainer.run_dir` is shown as a
+    comment (unless an override sets it), so that a YAML file saved from this output runs in
+    runs/<file name> like any YAML file, instead of in (and resuming from) the recipe's folder."""
+    from rlloom.config import recipes
+
+    text = to_yaml(load_config(source, overrides))
+    if source in recipes.RECIPES and not any(o.startswith("trainer.run_dir=") for o in overrides or []):
+        text = re.sub(
+            r"^  run_dir: (.*)$",
+            r"  # run_dir: \1   (the recipe's; a YAML file's run goes to runs/<file name> unless it sets run_dir)",
+            text,
+            count=1,
+            flags=re.M,
+        )
+    return text
 
 
 def recipe_names() -> list[str]:

@@ -12,12 +12,15 @@ from __future__ import annotations
 from typing import Any
 
 from rlloom.config.components import RunConfig
-from rlloom.config.loading import to_dict
+from rlloom.config.loading import task_dict
 
 FREE_TO_CHANGE: tuple[str, ...] = (
     # How long, where, how often to save, evaluate and log.
     "trainer.total_steps",
     "trainer.save_every",
+    "trainer.save_hf_every",
+    "trainer.save_weights_only",
+    "trainer.keep_last_checkpoints",
     "trainer.eval_every",
     "trainer.run_dir",
     "trainer.resume",
@@ -48,8 +51,9 @@ FREE_TO_CHANGE: tuple[str, ...] = (
 
 def run_changing_differences(saved: RunConfig, new: RunConfig) -> list[str]:
     """Each setting whose value differs between the checkpoint's config and this one, as
-    `key: saved -> new`, leaving out the settings of `FREE_TO_CHANGE`. Empty when the run is the same."""
-    old_flat, new_flat = _flatten(to_dict(saved)), _flatten(to_dict(new))
+    `key: saved -> new`, leaving out the settings of `FREE_TO_CHANGE` and the `data` fields the task
+    does not read. Empty when the run is the same."""
+    old_flat, new_flat = _flatten(task_dict(saved)), _flatten(task_dict(new))
     return [
         f"{key}: {old_flat.get(key)!r} -> {new_flat.get(key)!r}"
         for key in sorted(old_flat.keys() | new_flat.keys())

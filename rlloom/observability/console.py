@@ -4,10 +4,14 @@ On a TTY, rich redraws one line in place (a bar, step/total, reward, accuracy, s
 whatever else is printed or logged appears above it. When stdout is not a TTY (CI, `make demo | tee`)
 each `log` call prints one line instead, e.g.
 
+    [rlloom] step 1/20 | reward 0.250 | acc 0.250 | 9.87 s/step (warm-up) | eta after warm-up
     [rlloom] step 3/20 | reward 0.500 | acc 0.250 | eval_acc 0.300 | 1.23 s/step | eta 0:00:21
 
-Fields whose metric has not been logged yet are left out; the last value of each is shown until a
-new one arrives (evaluation runs only every few steps).
+Fields whose metric has not been logged yet are left out; a training metric's last value is shown
+until a new one arrives, evaluation metrics only on the steps that evaluated. The first step of a
+process (`first_step`: 1, or the step a resume starts at) compiles kernels and fills caches, so its
+time is labelled warm-up and the ETA leaves it out: the ETA is the wall-clock time per step since
+the first step ended (evaluation and checkpoints included) times the steps left.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ FIELDS: tuple[tuple[str, str, str], ...] = (
     ("kl", "kl/mean", "{:.4f}"),
 )
 STEP_TIME_KEY = "time/step_s"
+EVAL_PREFIX = "eval/"
+"""Metrics with this prefix are shown only on the steps that log them."""
 
 
 def format_eta(seconds: float) -> str:
@@ -40,10 +46,18 @@ class ConsoleLogger(Logger):
     """Shows training progress; see the module docstring for the line format."""
 
     def __init__(
-        self, total_steps: int | None = None, file: TextIO | None = None, live: bool | None = None
+        self,
+        total_steps: int | None = None,
+        file: TextIO | None = None,
+        live: bool | None = None,
+        *,
+        first_step: int = 1,
     ) -> None:
-        """`file` defaults to stdout; `live=None` redraws in place only when `file` is a TTY."""
+        """`file` defaults to stdout; `live=None` redraws in place only when `file` is a TTY;
+        `first_step` is the warm-up step (the first this process trains)."""
         self.total_steps = total_steps
+        self.first_step = first_step
+        self._warm: tuple[int, float] | None = None  # the warm-up step and when it was logged
         self._file = file if file is not None else sys.stdout
         if live is None:
             isatty = getattr(self._file, "isatty", None)
@@ -72,19 +86,30 @@ class ConsoleLogger(Logger):
         if new_step:
             self._steps_seen.append(step)
             self._last_step_at = now
-        self._last.update({k: float(v) for k, v in metrics.items()})
+        if step >= self.first_step and self._warm is None:
+            self._warm = (step, now)
+        self._last.update({k: float(v) for k, v in metrics.items() if not k.startswith(EVAL_PREFIX)})
+        shown = {**self._last, **{k: float(v) for k, v in metrics.items() if k.startswith(EVAL_PREFIX)}}
 
         parts = [f"step {step}/{self.total_steps}" if self.total_steps else f"step {step}"]
         for label, key, fmt in FIELDS:
-            if key in self._last:
-                parts.append(f"{label} {fmt.format(self._last[key])}")
+            if key in shown:
+                parts.append(f"{label} {fmt.format(shown[key])}")
+        if step < self.first_step:  # the evaluation before training: no step time or ETA yet
+            return " | ".join(parts)
+        warm_up = self._warm is not None and step == self._warm[0]
         if self._last_step_time is not None:
-            parts.append(f"{self._last_step_time:.2f} s/step")
+            parts.append(f"{self._last_step_time:.2f} s/step" + (" (warm-up)" if warm_up else ""))
         if self.total_steps:
-            # ETA from the wall-clock rate of this process (evaluation and checkpoints included).
-            rate = (now - self._start) / len(self._steps_seen)
-            parts.append(f"eta {format_eta(rate * max(self.total_steps - step, 0))}")
+            parts.append(f"eta {self._eta(step, now)}")
         return " | ".join(parts)
+
+    def _eta(self, step: int, now: float) -> str:
+        """Wall-clock time per step since the warm-up step ended, times the steps left."""
+        if self._warm is None or step <= self._warm[0]:
+            return "after warm-up"
+        rate = (now - self._warm[1]) / (step - self._warm[0])
+        return format_eta(rate * max(self.total_steps - step, 0))
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         text = self.line(step, metrics)

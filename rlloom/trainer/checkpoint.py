@@ -7,6 +7,11 @@ files and `engine/manifest.json` (see `rlloom.engines.train.sealed`). A checkpoi
 every earlier checkpoint intact. At start-up (under the run lock) `prepare_run_dir` deletes
 interrupted saves, and `resolve_resume` refuses to overwrite a run with `resume=never` and, with
 `resume=auto`, takes the newest checkpoint that verifies, saying which damaged ones it skipped.
+
+With `trainer.save_weights_only`, `engine/` is replaced by `hf/`: the policy as a Hugging Face folder
+(the model's dtype, no optimizer, schedule or RNG state). No run resumes from such a checkpoint
+(`resolve_resume` refuses it, naming the way to start a new run from its weights); `rlloom export`
+and `rlloom eval` read it like any other.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from rlloom.faults import maybe_fail
 
 log = logging.getLogger(__name__)
 ENGINE_DIR = "engine"
+WEIGHTS_DIR = "hf"
+"""The Hugging Face folder that replaces ENGINE_DIR in a weights-only checkpoint."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -73,7 +80,11 @@ def save_checkpoint(train_group: TrainGroup, cfg: RunConfig, state: TrainerState
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        train_group.save(str(tmp / ENGINE_DIR)).result()
+        weights_only = cfg.trainer.save_weights_only
+        if weights_only:
+            train_group.save_hf(str(tmp / WEIGHTS_DIR)).result()
+        else:
+            train_group.save(str(tmp / ENGINE_DIR)).result()
         maybe_fail("save_engine", state.step)
         trainer_state = {
             "step": state.step,
@@ -82,7 +93,7 @@ def save_checkpoint(train_group: TrainGroup, cfg: RunConfig, state: TrainerState
         }
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state))
         (tmp / "config.yaml").write_text(to_yaml(cfg))
-        write_manifest(tmp, sealed=[ENGINE_DIR])
+        write_manifest(tmp, sealed=[] if weights_only else [ENGINE_DIR])
         swap_in(tmp, final)
     except (OSError, CheckpointError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -148,6 +159,23 @@ def _holds_run(run_dir: Path) -> str | None:
 
 def resolve_resume(cfg: RunConfig) -> Path | None:
     """The checkpoint `trainer.resume` asks for (None = start fresh); refuses to overwrite a run."""
+    path = _resume_checkpoint(cfg)
+    if path is not None and is_weights_only(path):
+        raise ConfigError(
+            f"trainer.resume={cfg.trainer.resume!r} found {str(path)!r}, a weights-only checkpoint "
+            "(trainer.save_weights_only=true): it has no optimizer, schedule or RNG state, so the run cannot "
+            f"continue from it. Fix: start a new run from its weights with model.path={path / WEIGHTS_DIR} "
+            "and another trainer.run_dir, or resume from a full checkpoint."
+        )
+    return path
+
+
+def is_weights_only(checkpoint: str | Path) -> bool:
+    """The checkpoint holds the policy's weights only (`trainer.save_weights_only`)."""
+    return (Path(checkpoint) / WEIGHTS_DIR).is_dir() and not (Path(checkpoint) / ENGINE_DIR).is_dir()
+
+
+def _resume_checkpoint(cfg: RunConfig) -> Path | None:
     resume, run_dir = cfg.trainer.resume, Path(cfg.trainer.run_dir)
     if resume == "never":
         found = _holds_run(run_dir)

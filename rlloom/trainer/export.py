@@ -23,7 +23,8 @@ from rlloom.config.components import ConfigError, RunConfig
 from rlloom.config.loading import load_config
 from rlloom.engines.train.hf_folder import ExportDType, save_hf_folder
 from rlloom.engines.train.native import NativeTrainEngine
-from rlloom.trainer.checkpoint import latest_checkpoint
+from rlloom.engines.train.sealed import verify_folder
+from rlloom.trainer.checkpoint import ENGINE_DIR, WEIGHTS_DIR, is_weights_only, latest_checkpoint
 
 logger = logging.getLogger(__name__)
 _WHERE = "a run folder (RUN_DIR) or one of its checkpoints (RUN_DIR/checkpoints/step_N)"
@@ -53,7 +54,10 @@ def resolve_checkpoint(source: str | os.PathLike) -> Path:
     path = Path(source)
     if not path.is_dir():
         raise ConfigError(f"export source {str(source)!r} does not exist. Fix: pass {_WHERE}.")
-    if (path / "config.yaml").is_file() and (path / "engine").is_dir():
+    # A checkpoint (full: engine/, or weights-only: trainer_state.json beside hf/), not a run folder.
+    if (path / "config.yaml").is_file() and (
+        (path / ENGINE_DIR).is_dir() or (path / "trainer_state.json").is_file()
+    ):
         if ".tmp-" in path.name:
             raise ConfigError(
                 f"export source {str(source)!r} is an interrupted checkpoint save (a .tmp- folder). "
@@ -81,17 +85,22 @@ def check_output(out: str | os.PathLike) -> Path:
 
 
 def build_engine_from_checkpoint(ckpt: Path) -> tuple[RunConfig, NativeTrainEngine]:
-    """The training engine of a checkpoint, on CPU in fp32, restored with its public `load`."""
+    """The training engine of a checkpoint, on CPU in fp32, restored with its public `load` (a
+    weights-only checkpoint's engine is built from its Hugging Face folder instead)."""
     cfg = load_config(ckpt / "config.yaml")
     t = cfg.trainer
+    weights_only = is_weights_only(ckpt)
+    if weights_only:
+        verify_folder(ckpt)  # a full checkpoint's engine verifies its own files in `load`
     engine = NativeTrainEngine.build(
         cfg.train,
-        cfg.model.path,
+        str(ckpt / WEIGHTS_DIR) if weights_only else cfg.model.path,
         device="cpu",
         dtype=torch.float32,
         total_steps=t.total_steps * t.ppo_epochs * t.num_mini_batches,
     )
-    engine.load(str(ckpt / "engine"))
+    if not weights_only:
+        engine.load(str(ckpt / ENGINE_DIR))
     return cfg, engine
 
 

@@ -7,6 +7,10 @@
 - The parallel degrees (parallel.tp/ep/...) divide the model's heads, KV heads, experts, vocabulary
   and layers as each technique needs (`ParallelDims.check_model`), every factor printed.
 - The reward function resolves (a built-in name, an importable plug-in, or a weighted sum of them).
+- A dataset file (data.task=jsonl/parquet) has the format its task names, its rows read, at least one
+  row holds the prompt and answer columns (data.prompt_key, data.answer_key), and data.num_eval
+  leaves training rows (`check_data`).
+- The logging backends turned on (logging.tensorboard, logging.wandb) are installed.
 - A resume continues the same run: the checkpoint's `config.yaml` differs from this config only in
   the settings of `rlloom.config.resume.FREE_TO_CHANGE`, unless trainer.resume_allow_changes=true
   (`check_resume_config`, called by `run` once it holds the run directory's lock and has resolved
@@ -17,6 +21,7 @@ Each failure is one `ConfigError` line naming the setting, the value, the rule a
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -33,7 +38,7 @@ from rlloom.models.args import ModelArgs
 from rlloom.models.checkpoint import resolve_path
 from rlloom.parallel.dims import ParallelDims
 from rlloom.rewards.registry import get_reward_fn
-from rlloom.tasks.build import default_reward_name
+from rlloom.tasks.build import default_reward_name, task_prompts
 from rlloom.trainer.async_loop import capacity
 
 
@@ -47,6 +52,46 @@ def check_before_loading(cfg: RunConfig) -> None:
     check_reward(cfg)
     check_step_size(cfg)
     check_parallel(cfg, hf_config)
+    check_data(cfg)
+    check_logging_backends(cfg)
+
+
+LOGGING_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+"""logging.<setting> -> the package it needs (and the rlloom extra of the same name)."""
+
+FILE_SUFFIXES = {"jsonl": (".jsonl", ".json", ".ndjson"), "parquet": (".parquet", ".pq")}
+"""The file name endings that say a dataset file is in another task's format."""
+
+
+def is_installed(package: str) -> bool:
+    """The package can be imported (found without importing it)."""
+    return importlib.util.find_spec(package) is not None
+
+
+def check_logging_backends(cfg: RunConfig) -> None:
+    """Each logging backend that is turned on has its package installed."""
+    for setting, package in LOGGING_PACKAGES.items():
+        if getattr(cfg.logging, setting) and not is_installed(package):
+            raise ConfigError(
+                f"logging.{setting}=true is invalid: it needs the {package} package, which is not installed. "
+                f"Fix: pip install 'rlloom[{package}]', or set logging.{setting}=false."
+            )
+
+
+def check_data(cfg: RunConfig) -> None:
+    """A dataset file must be in its task's format and hold usable rows for both splits (the rows are
+    read once here and again when the run builds its prompts)."""
+    data = cfg.data
+    if data.task not in FILE_SUFFIXES:
+        return
+    suffix = Path(data.path).suffix.lower()
+    other = next((task for task, ends in FILE_SUFFIXES.items() if suffix in ends and task != data.task), None)
+    if other is not None:
+        raise ConfigError(
+            f"data.task={data.task} is invalid for data.path={data.path!r}: a {suffix} file is read as "
+            f"{other}. Fix: set data.task={other}."
+        )
+    task_prompts(data, "eval")  # DataError: missing or unreadable file, no usable row, num_eval too large
 
 
 HOST_BYTES_PER_TOKEN = 128

@@ -1,7 +1,9 @@
 """`run(cfg)`: the whole training job, reading like the algorithm (STYLE.md §3).
 
 build -> (resume) -> evaluate -> [rl_step -> log -> evaluate every k -> checkpoint every k -> Hugging
-Face folder every k] -> final evaluation, checkpoint and Hugging Face folder -> one summary line.
+Face folder every k] -> final evaluation, checkpoint and Hugging Face folder -> one summary line,
+`<run name>: accuracy_before=... accuracy_after=... steps=... seconds=...`. The start-up phases
+(tokenizer and data, model and engines, first evaluation) are logged with their times.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ import torch
 
 from rlloom.cluster.placement import build_groups
 from rlloom.config.components import RunConfig
-from rlloom.config.loading import to_yaml
+from rlloom.config.loading import to_dict, to_yaml
+from rlloom.data.types import Sample
 from rlloom.devices import resolve_device
 from rlloom.faults import check_fault_env, maybe_fail
 from rlloom.models import load_tokenizer
 from rlloom.observability.log import init_logger
-from rlloom.observability.loggers import build_loggers
+from rlloom.observability.loggers import build_loggers, run_name
 from rlloom.observability.memory import peak_memory_gib
+from rlloom.observability.samples import pick_samples, sample_records
 from rlloom.plan.check import check_fits
 from rlloom.rewards.build import build_reward_runner
 from rlloom.tasks.build import build_task_source
@@ -82,15 +86,29 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
 
+    phase = time.perf_counter()
     tokenizer = load_tokenizer(cfg.model.path)
     source = build_task_source(cfg.data, tokenizer, "train")
     eval_items = list(build_task_source(cfg.data, tokenizer, "eval").items)
+    log.info(
+        "start-up: tokenizer and data %.1f s (%d train, %d eval prompts)",
+        time.perf_counter() - phase,
+        len(source),
+        len(eval_items),
+    )
     runner = build_reward_runner(cfg.reward, task=cfg.data.task)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
     stop_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if warning := check_fits(cfg):  # before any GPU memory is taken (rlloom plan, docs/plan.md)
         log.warning(warning)
+    phase = time.perf_counter()
     groups = build_groups(cfg)  # the training and rollout groups, placed as cluster.placement says
+    log.info("start-up: model and engines %.1f s (%s)", time.perf_counter() - phase, cfg.model.path)
+    picked: list[Sample] = []
+
+    def keep_samples(samples: list[Sample]) -> None:  # the few of each step's samples that are logged
+        picked[:] = pick_samples(samples, cfg.logging.samples_per_step)
+
     train_stop = [] if cfg.rollout.ignore_eos else stop_token_ids  # evaluation still stops at EOS
     ctx = StepContext(
         cfg=cfg,
@@ -101,6 +119,7 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
         runner=runner,
         decode=decode,
         stop_token_ids=train_stop,
+        on_samples=keep_samples,
     )
 
     state = TrainerState(step=0, data_state=source.state_dict())
@@ -113,13 +132,21 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
         run_dir,
         resume_from_step=state.step + 1 if resume_from else None,
         total_steps=cfg.trainer.total_steps,
+        config=to_dict(cfg),
     )
     run_eval = lambda: evaluate(
         groups.rollout, eval_items, runner, decode, cfg, stop_token_ids=stop_token_ids
     )
     try:
         if state.step == 0 and state.accuracy_before is None and eval_items:
+            phase = time.perf_counter()
             before = run_eval()
+            log.info(
+                "start-up: first evaluation %.1f s (%d prompts; includes the rollout engine's first-use "
+                "set-up: compilation and CUDA graphs where enabled)",
+                time.perf_counter() - phase,
+                len(eval_items),
+            )
             state.accuracy_before = before["eval/accuracy"]
             loggers.log(0, before)
         after: dict[str, float] = {}
@@ -137,6 +164,7 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
                 after = run_eval()
                 metrics.update(after)
             loggers.log(state.step, metrics)
+            loggers.log_samples(state.step, sample_records(state.step, picked))
             if is_last and num_skipped == state.step - first_step + 1:
                 raise TrainingStalled(
                     f"every policy update of steps {first_step}-{state.step} was skipped because the loss, the "
@@ -163,7 +191,7 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
         run_dir=run_dir,
     )
     print(
-        f"demo: accuracy_before={_fmt(result.accuracy_before)} accuracy_after={_fmt(result.accuracy_after)} "
+        f"{run_name(cfg.logging, run_dir)}: accuracy_before={_fmt(result.accuracy_before)} accuracy_after={_fmt(result.accuracy_after)} "
         f"steps={result.steps} seconds={seconds:.0f}",
         flush=True,
     )

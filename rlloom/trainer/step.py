@@ -24,7 +24,7 @@ from rlloom.algorithms import loss_normalizer
 from rlloom.cluster.base import RolloutGroup, TrainGroup, WeightSync
 from rlloom.config.components import RunConfig
 from rlloom.data.source import PromptSource
-from rlloom.data.types import PolicyUpdate, RolloutBatch
+from rlloom.data.types import PolicyUpdate, RolloutBatch, Sample
 from rlloom.faults import maybe_fail
 from rlloom.observability.metrics import MetricsAccumulator
 from rlloom.observability.timers import StageTimer
@@ -47,6 +47,8 @@ class StepContext:
     runner: RewardRunner
     decode: Callable[[list[int]], str]
     stop_token_ids: list[int]
+    on_samples: Callable[[list[Sample]], None] | None = None
+    """Called with each step's scored samples (the trainer logs a few of them)."""
 
 
 def is_single_pass(cfg: RunConfig) -> bool:
@@ -75,6 +77,8 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
                 stop_token_ids=ctx.stop_token_ids,
             )
     metrics.update(rollout.metrics)
+    if ctx.on_samples is not None:
+        ctx.on_samples(rollout.samples)
     if not rollout.samples:  # dynamic sampling found no informative group: nothing to learn from
         metrics.update(timer.seconds())
         metrics["train/skipped_step"] = 1.0

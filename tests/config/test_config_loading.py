@@ -170,7 +170,11 @@ def test_cli_config_show_round_trips(tmp_path):
     ).stdout
     path = tmp_path / "shown.yaml"
     path.write_text(out)
-    assert load_config(path) == load_config("arithmetic_demo", ["algorithm.kl_coef=0.01"])
+    # The same config, except that the saved file's run goes to runs/<file name>: a recipe's
+    # trainer.run_dir is shown as a comment, so a file saved from it does not run in the recipe's folder.
+    assert "  # run_dir: runs/arithmetic_demo " in out
+    expected = load_config("arithmetic_demo", ["algorithm.kl_coef=0.01", "trainer.run_dir=runs/shown"])
+    assert load_config(path) == expected
 
 
 @pytest.mark.parametrize(

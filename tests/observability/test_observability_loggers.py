@@ -61,17 +61,41 @@ def test_jsonl_resume_of_missing_file_starts_empty(tmp_path):
 def test_console_prints_one_tagged_line_per_step_off_a_tty():
     out = io.StringIO()
     logger = ConsoleLogger(total_steps=20, file=out)
+    logger.log(0, {"eval/accuracy": 0.1})
     logger.log(1, {"reward/mean": 0.5, "train/accuracy": 0.25, "time/step_s": 1.234})
     logger.log(2, {"reward/mean": 0.625, "eval/accuracy": 0.3, "time/step_s": 1.0, "other/x": 9})
+    logger.log(3, {"reward/mean": 0.75, "time/step_s": 1.0})
     logger.close()
     lines = out.getvalue().splitlines()
-    assert len(lines) == 2
-    assert lines[0].startswith("[rlloom] step 1/20 | reward 0.500 | acc 0.250 | 1.23 s/step | eta ")
-    # Values not re-logged keep showing; unknown keys are not shown.
-    assert lines[1].startswith(
-        "[rlloom] step 2/20 | reward 0.625 | acc 0.250 | eval_acc 0.300 | 1.00 s/step | eta "
+    assert len(lines) == 4
+    # The evaluation before training has no step time or ETA.
+    assert lines[0] == "[rlloom] step 0/20 | eval_acc 0.100"
+    # The first training step is the warm-up: labelled, and the ETA waits for the next step.
+    assert lines[1] == (
+        "[rlloom] step 1/20 | reward 0.500 | acc 0.250 | 1.23 s/step (warm-up) | eta after warm-up"
     )
-    assert "other" not in lines[1]
+    # Training values not re-logged keep showing; unknown keys are not shown.
+    assert lines[2].startswith(
+        "[rlloom] step 2/20 | reward 0.625 | acc 0.250 | eval_acc 0.300 | 1.00 s/step | eta 0:00:"
+    )
+    assert "other" not in lines[2]
+    # Evaluation metrics show only on the steps that evaluated.
+    assert lines[3].startswith("[rlloom] step 3/20 | reward 0.750 | acc 0.250 | 1.00 s/step | eta 0:00:")
+
+
+def test_console_eta_leaves_out_the_warm_up_step(monkeypatch):
+    import rlloom.observability.console as console
+
+    clock = iter([0.0, 100.0, 101.0, 102.0])  # start; the warm-up step ends at 100 s, then 1 s a step
+    monkeypatch.setattr(console.time, "monotonic", lambda: next(clock))
+    out = io.StringIO()
+    logger = ConsoleLogger(total_steps=10, file=out, first_step=1)
+    for step in (1, 2, 3):
+        logger.log(step, {"reward/mean": 0.0})
+    lines = out.getvalue().splitlines()
+    assert lines[0].endswith("100.00 s/step (warm-up) | eta after warm-up")
+    # 1 s a step after the warm-up, 7 steps left: 7 s (a rate over all steps would say 238 s).
+    assert lines[2].endswith("1.00 s/step | eta 0:00:07")
 
 
 def test_console_without_total_or_timer():
@@ -79,7 +103,7 @@ def test_console_without_total_or_timer():
     logger = ConsoleLogger(file=out)
     logger.log(3, {"reward/mean": 1.0})
     line = out.getvalue().strip()
-    assert line.startswith("[rlloom] step 3 | reward 1.000 | ") and line.endswith(" s/step")
+    assert line.startswith("[rlloom] step 3 | reward 1.000 | ") and line.endswith(" s/step (warm-up)")
     assert format_eta(3725.4) == "1:02:05"
 
 
@@ -93,12 +117,13 @@ def test_console_live_mode_draws_without_error():
 
 
 def test_build_loggers_follows_config(tmp_path):
-    logger = build_loggers(LoggingConfig(console=False, jsonl=True), tmp_path)
+    logger = build_loggers(LoggingConfig(console=False, jsonl=True, samples_per_step=0), tmp_path)
     assert isinstance(logger, MultiLogger) and len(logger.loggers) == 1
     logger.log(1, {"reward/mean": 0.1})
     logger.close()
     assert read_metrics_jsonl(tmp_path / METRICS_FILE) == [{"step": 1, "reward/mean": 0.1}]
-    assert build_loggers(LoggingConfig(console=False, jsonl=False), tmp_path).loggers == []
+    off = LoggingConfig(console=False, jsonl=False, samples_per_step=0)
+    assert build_loggers(off, tmp_path).loggers == []
 
 
 def test_tensorboard_missing_says_how_to_install(tmp_path):
@@ -133,3 +158,39 @@ def test_init_logger_once_and_warn_once(capsys, restore_rlloom_logger):
     warn_once(child, "kl_coef=0 ignores kl_kind")
     err = capsys.readouterr().err
     assert err.count("[rlloom]") == 1 and "WARNING kl_coef=0 ignores kl_kind" in err
+
+
+def test_samples_log_resumes_like_metrics_and_picks_spread_samples(tmp_path):
+    from types import SimpleNamespace
+
+    from rlloom.observability.samples import SamplesLogger, pick_samples, sample_records
+
+    def sample(i: int) -> SimpleNamespace:
+        prompt = [{"role": "user", "content": f"q{i // 4}"}]
+        meta = {"prompt": prompt, "response_text": f"r{i}", "ground_truth": "1"}
+        return SimpleNamespace(reward=float(i % 2), finish_reason="stop", metadata=meta)
+
+    batch = [sample(i) for i in range(8)]  # two prompts x four samples
+    picked = pick_samples(batch, 2)
+    assert [s.metadata["response_text"] for s in picked] == ["r0", "r4"]  # one of each prompt
+    assert pick_samples(batch, 0) == [] and len(pick_samples(batch, 20)) == 8
+
+    path = tmp_path / "samples.jsonl"
+    out = io.StringIO()
+    with SamplesLogger(path, file=out) as log:
+        for step in (1, 2, 3):
+            log.log_samples(step, sample_records(step, picked))
+    first = out.getvalue().splitlines()[0]
+    assert first == "[rlloom] sample 1.1 | reward 0.000 | prompt 'user: q0' | response 'r0'"
+    # A resume from step 2 drops what the interrupted run logged at step 2 and later.
+    with SamplesLogger(path, resume_from_step=2, console=False) as log:
+        log.log_samples(2, sample_records(2, picked[:1]))
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 1, 2]
+
+
+def test_wandb_run_id_is_kept_for_a_resume(tmp_path):
+    from rlloom.observability.wandb_logger import run_id
+
+    first = run_id(tmp_path, resume=False)
+    assert run_id(tmp_path, resume=True) == first
+    assert run_id(tmp_path, resume=False) != first  # a fresh start is a new W&B run

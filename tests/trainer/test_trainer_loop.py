@@ -43,7 +43,7 @@ def final_weights(run_dir: Path, step: int, tmp: Path) -> dict[str, torch.Tensor
 def test_two_steps_log_every_metric_and_checkpoint(tiny_checkpoint, tmp_path, capsys):
     result = run(tiny_cfg(tiny_checkpoint, tmp_path / "run", "trainer.total_steps=2"))
     assert result.steps == 2
-    assert "demo: accuracy_before=" in capsys.readouterr().out
+    assert "run: accuracy_before=" in capsys.readouterr().out  # the summary names the run (its folder)
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
     step = records[1]
