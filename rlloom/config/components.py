@@ -158,6 +158,9 @@ class RolloutConfig:
     """Keep generating past EOS up to max_new_tokens (benchmarks with fixed lengths)."""
     sleep_during_train: bool = True
     """Free the KV cache between generation and weight sync, so training can use that memory."""
+    tp: int = 1
+    """Tensor-parallel degree of one rollout engine: its model's heads, MLP (and expert) widths and
+    vocabulary are split over `tp` ranks (GPUs), one all-reduce per attention and per MLP."""
 
     def __post_init__(self) -> None:
         _check_finite(self, "rollout")
@@ -212,6 +215,13 @@ class RolloutConfig:
             "e.g. 1.0",
         )
         _check(self.max_num_seqs >= 1, "rollout.max_num_seqs", self.max_num_seqs, "must be >= 1", "e.g. 256")
+        _check(
+            self.tp >= 1,
+            "rollout.tp",
+            self.tp,
+            "must be >= 1",
+            "use 1 (one GPU per rollout engine) or the number of GPUs one engine spans, e.g. 2",
+        )
         _check(
             self.eval_temperature >= 0,
             "rollout.eval_temperature",

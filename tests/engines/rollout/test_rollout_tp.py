@@ -1,0 +1,102 @@
+"""rollout.tp = 2 (two gloo processes on CPU, fp32) against rollout.tp = 1: the same greedy tokens, the
+same seeded (and engine-seeded) samples, logprobs within 1e-5, with prefix sharing (n > 1), prompts of
+different lengths, top-k/top-p, a dense model with split KV heads, a tied-embedding Qwen3-MoE with a
+replicated KV head and a padded vocabulary, DeepSeek-V3 MLA, and weight updates (full and sliced)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from rollout_testutil import prompts, save, tiny_dense
+from tp_testutil import run_job, run_rank, tiny_mla, tiny_moe_tied
+
+from rlloom.config.components import ConfigError, RolloutConfig
+from rlloom.engines.rollout.native import SamplingParams
+
+MIXED = [
+    SamplingParams(n=1, temperature=0.0, max_new_tokens=8),
+    SamplingParams(n=4, temperature=1.0, max_new_tokens=8, seed=11),
+    SamplingParams(n=2, temperature=0.7, max_new_tokens=8, seed=12),
+]
+
+
+def _jobs(tmp_path) -> dict[str, dict]:
+    dense, moe, mla = (
+        save(m, tmp_path / n) for m, n in [(tiny_dense(0), "d"), (tiny_moe_tied(0), "m"), (tiny_mla(0), "a")]
+    )
+    dense_1, dense_2 = save(tiny_dense(1), tmp_path / "d1"), save(tiny_dense(2), tmp_path / "d2")
+    batch = prompts(6, max_len=20, seed=3)
+    mixed = [MIXED[i % 3] for i in range(len(batch))]
+    unseeded = SamplingParams(n=3, temperature=1.0, max_new_tokens=6)
+    truncated = SamplingParams(n=2, temperature=0.9, top_k=5, top_p=0.8, max_new_tokens=6, seed=5)
+    return {
+        "dense": {
+            "path": dense,
+            "steps": [
+                ("generate", batch, mixed),
+                ("generate", batch[:3], unseeded),
+                ("generate", batch[:3], truncated),
+            ],
+        },
+        "moe": {"path": moe, "steps": [("generate", [[min(t, 99) for t in p] for p in batch], mixed)]},
+        "mla": {"path": mla, "steps": [("generate", batch, mixed)]},
+        "update": {
+            "path": dense,
+            "steps": [
+                ("update", dense_1, False),
+                ("generate", batch, mixed),
+                ("update", dense_2, True),
+                ("generate", batch, mixed),
+            ],
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp")
+    jobs = _jobs(tmp)
+    mp.spawn(run_rank, args=(2, str(tmp / "rendezvous"), jobs, str(tmp / "out")), nprocs=2, join=True)
+    ranks = [torch.load(tmp / f"out.{r}", weights_only=False) for r in range(2)]
+    reference = {name: run_job(job, None) for name, job in jobs.items()}
+    return reference, ranks
+
+
+def _assert_same(got, want, atol=1e-5):
+    assert [(p, s, t, f) for p, s, t, _, f in got] == [(p, s, t, f) for p, s, t, _, f in want]
+    worst = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g[3], w[3]))
+    assert worst <= atol, worst
+
+
+@pytest.mark.parametrize("job", ["dense", "moe", "mla", "update"])
+def test_tp2_matches_tp1(tp_runs, job):
+    reference, ranks = tp_runs
+    for rank in ranks:  # every rank of the replica returns the same completions
+        assert len(rank["results"][job]) == len(reference[job])
+        for got, want in zip(rank["results"][job], reference[job]):
+            _assert_same(got, want)
+
+
+def test_update_changes_outputs(tp_runs):
+    """The weight updates change the samples, so the update job's agreement is not the old model's."""
+    reference, _ = tp_runs
+    before = [t for _, _, t, _, _ in reference["dense"][0]]
+    after_full, after_sliced = ([t for _, _, t, _, _ in r] for r in reference["update"])
+    assert before != after_full and after_full != after_sliced
+
+
+def test_shard_spec(tp_runs):
+    dims = tp_runs[1][0]["dims"]
+    assert dims["model.layers.0.self_attn.q_proj.weight"] == 0
+    assert dims["model.layers.0.self_attn.o_proj.weight"] == 1
+    assert dims["model.layers.1.mlp.down_proj.weight"] == 1
+    assert dims["model.embed_tokens.weight"] == 0 and dims["lm_head.weight"] == 0
+    assert dims["model.layers.0.input_layernorm.weight"] is None
+    assert dims["model.layers.0.self_attn.q_norm.weight"] is None
+
+
+def test_rollout_tp_config():
+    assert RolloutConfig(tp=2).tp == 2
+    with pytest.raises(ConfigError, match=r"rollout.tp=0 is invalid: must be >= 1"):
+        RolloutConfig(tp=0)
