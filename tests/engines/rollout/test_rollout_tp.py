@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as mp
-from rollout_testutil import prompts, save, tiny_dense
-from tp_testutil import run_job, run_rank, tiny_mla, tiny_moe_tied
+from rollout_testutil import prompts, save, tiny_dense, tiny_mla, tiny_moe_tied
+from tp_testutil import run_job, run_rank
 
 from rlloom.config.components import ConfigError, RolloutConfig
 from rlloom.engines.rollout.native import SamplingParams
@@ -37,6 +37,7 @@ def _jobs(tmp_path) -> dict[str, dict]:
                 ("generate", batch, mixed),
                 ("generate", batch[:3], unseeded),
                 ("generate", batch[:3], truncated),
+                ("dims",),
             ],
         },
         "moe": {"path": moe, "steps": [("generate", [[min(t, 99) for t in p] for p in batch], mixed)]},
@@ -72,9 +73,11 @@ def _assert_same(got, want, atol=1e-5):
 @pytest.mark.parametrize("job", ["dense", "moe", "mla", "update"])
 def test_tp2_matches_tp1(tp_runs, job):
     reference, ranks = tp_runs
+    want_runs = [r for r in reference[job] if isinstance(r, list)]
     for rank in ranks:  # every rank of the replica returns the same completions
-        assert len(rank["results"][job]) == len(reference[job])
-        for got, want in zip(rank["results"][job], reference[job]):
+        got_runs = [r for r in rank[job] if isinstance(r, list)]
+        assert len(got_runs) == len(want_runs)
+        for got, want in zip(got_runs, want_runs):
             _assert_same(got, want)
 
 
@@ -87,7 +90,10 @@ def test_update_changes_outputs(tp_runs):
 
 
 def test_shard_spec(tp_runs):
-    dims = tp_runs[1][0]["dims"]
+    reference, ranks = tp_runs
+    assert set(reference["dense"][-1].values()) == {None}  # tp = 1: every rank holds every tensor
+    dims = ranks[0]["dense"][-1]
+    assert dims.keys() == reference["dense"][-1].keys()
     assert dims["model.layers.0.self_attn.q_proj.weight"] == 0
     assert dims["model.layers.0.self_attn.o_proj.weight"] == 1
     assert dims["model.layers.1.mlp.down_proj.weight"] == 1
@@ -100,3 +106,12 @@ def test_rollout_tp_config():
     assert RolloutConfig(tp=2).tp == 2
     with pytest.raises(ConfigError, match=r"rollout.tp=0 is invalid: must be >= 1"):
         RolloutConfig(tp=0)
+
+
+def test_build_refuses_a_group_of_another_size():
+    from rlloom.config.loading import load_config
+    from rlloom.engines.rollout.build import build_rollout_engine
+
+    cfg = load_config("arithmetic_smoke", ["rollout.tp=2"])
+    with pytest.raises(ValueError, match=r"rollout.tp=2 but the rollout engine was given .* of 1 ranks"):
+        build_rollout_engine(cfg, device=torch.device("cpu"), dtype=torch.float32)
