@@ -49,6 +49,7 @@ from rlloom.engines.rollout.native.tensor_parallel import (
     load_sharded,
     shard_dims_by_hf_name,
     shard_model,
+    shared_seed,
 )
 from rlloom.engines.rollout.native.validation import (
     available_memory_bytes,
@@ -140,7 +141,7 @@ class NativeEngine:
         """This rank's part of a tensor-parallel replica (None: the whole model on one device)."""
         if tp_group is not None and dist.get_world_size(tp_group) > 1:
             self.tp = shard_model(model, tp_group)
-            seed = _shared_seed(seed, tp_group, self.device)
+            seed = shared_seed(seed, tp_group, self.device)
         dtype = next(model.parameters()).dtype
         per_block = kv_bytes_per_block(model.args, block_size, dtype)
         setting, value = (
@@ -491,15 +492,6 @@ class NativeEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
-
-
-def _shared_seed(seed: int | None, group: dist.ProcessGroup, device: torch.device) -> int:
-    """`seed`, or one drawn by the group's first rank: every rank of a replica must sample alike."""
-    if seed is not None:
-        return seed
-    value = torch.tensor([random.randrange(2**62)], dtype=torch.int64, device=device)
-    dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group)
-    return int(value.item())
 
 
 def _route_spans(batch: Batch) -> list[tuple[int, int, int]]:

@@ -32,14 +32,15 @@ Shape legend: Hq/Hkv heads, D head dim, I intermediate width, V vocabulary, Vp r
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from rlloom.engines.rollout.native.tp_layers import ReducedMoE, RowParallelLinear, VocabParallelEmbedding
 from rlloom.models.adapter import NativeKey, StateDictAdapter, native_keys
 from rlloom.models.args import ModelArgs
 from rlloom.models.attention import Attention
@@ -101,53 +102,6 @@ def tp_problem(args: ModelArgs, tp: int) -> str | None:
 def _rows(weight: torch.Tensor, ranges: list[tuple[int, int]], dim: int = 0) -> torch.Tensor:
     """The (start, length) ranges of `weight` along `dim`, concatenated (a copy)."""
     return torch.cat([weight.narrow(dim, s, n) for s, n in ranges], dim=dim).contiguous()
-
-
-class RowParallelLinear(nn.Linear):
-    """y = all_reduce(x_local @ W_local^T) + b: the input features split over the group, the bias
-    (replicated) added once after the sum."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup) -> None:
-        super().__init__(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        if bias is not None:
-            self.bias = nn.Parameter(bias.clone(), requires_grad=False)
-        self.group = group
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        dist.all_reduce(y, group=self.group)
-        return y if self.bias is None else y + self.bias
-
-
-class VocabParallelEmbedding(nn.Embedding):
-    """Rows [start, start + Vp) of the embedding; ids elsewhere look up zeros, and an all-reduce
-    sums the ranks' lookups into the full embedding."""
-
-    def __init__(self, weight: torch.Tensor, start: int, group: dist.ProcessGroup) -> None:
-        super().__init__(weight.shape[0], weight.shape[1], device="meta")
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.start = start
-        self.group = group
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        local = ids - self.start
-        mine = (local >= 0) & (local < self.weight.shape[0])
-        h = F.embedding(torch.where(mine, local, 0), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
-        dist.all_reduce(h, group=self.group)
-        return h
-
-
-class ReducedMoE(MoE):
-    """A MoE layer whose experts hold a slice of every expert's width: one all-reduce of the combined
-    (routed + shared) output. Installed by class swap, so routes and counts stay where they were."""
-
-    def forward(
-        self, x: torch.Tensor, routes_TK: torch.Tensor | None = None, replay: bool = False
-    ) -> torch.Tensor:
-        out = super().forward(x, routes_TK, replay)
-        dist.all_reduce(out, group=self.group)
-        return out
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None, parts: dict[str, int] | None) -> nn.Linear:
@@ -350,3 +304,12 @@ def load_sharded(
                 f"full tensor or its slice {list(target.shape)} ({shard}). Fix: send the full tensor or this slice."
             )
         target.copy_(tensor)
+
+
+def shared_seed(seed: int | None, group: dist.ProcessGroup, device: torch.device) -> int:
+    """`seed`, or one drawn by the group's first rank: every rank of a replica must sample alike."""
+    if seed is not None:
+        return seed
+    value = torch.tensor([random.randrange(2**62)], dtype=torch.int64, device=device)
+    dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group)
+    return int(value.item())
