@@ -115,3 +115,20 @@ def test_build_refuses_a_group_of_another_size():
     cfg = load_config("arithmetic_smoke", ["rollout.tp=2"])
     with pytest.raises(ValueError, match=r"rollout.tp=2 but the rollout engine was given .* of 1 ranks"):
         build_rollout_engine(cfg, device=torch.device("cpu"), dtype=torch.float32)
+
+
+def test_tp_problem_names_the_setting():
+    from rlloom.engines.rollout.native.tensor_parallel import tp_problem
+    from rlloom.models import ModelArgs
+
+    def args(heads: int, kv_heads: int) -> ModelArgs:
+        return ModelArgs.from_hf_config(
+            {"model_type": "qwen3", "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": 8, "intermediate_size": 96}
+        )  # fmt: skip
+
+    assert tp_problem(args(8, 4), 2) is None and tp_problem(args(8, 4), 8) is None  # 8 > 4: KV replicated
+    assert tp_problem(args(8, 4), 3) == (
+        "rollout.tp=3 must divide num_attention_heads=8. Fix: choose a rollout.tp that divides them (e.g. 1 or 2)."
+    )
+    assert "must divide num_key_value_heads=3 or be a multiple of it" in tp_problem(args(6, 3), 2)
