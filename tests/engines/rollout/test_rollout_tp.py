@@ -58,10 +58,13 @@ def _jobs(tmp_path) -> dict[str, dict]:
 def tp_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp")
     jobs = _jobs(tmp)
-    mp.spawn(run_rank, args=(2, str(tmp / "rendezvous"), jobs, str(tmp / "out")), nprocs=2, join=True)
-    ranks = [torch.load(tmp / f"out.{r}", weights_only=False) for r in range(2)]
-    reference = {name: run_job(job, None) for name, job in jobs.items()}
-    return reference, ranks
+    ranks = mp.spawn(
+        run_rank, args=(2, str(tmp / "rendezvous"), jobs, str(tmp / "out")), nprocs=2, join=False
+    )
+    reference = {name: run_job(job, None) for name, job in jobs.items()}  # while the ranks run
+    while not ranks.join():
+        pass
+    return reference, [torch.load(tmp / f"out.{r}", weights_only=False) for r in range(2)]
 
 
 def _assert_same(got, want, atol=1e-5):
@@ -70,6 +73,7 @@ def _assert_same(got, want, atol=1e-5):
     assert worst <= atol, worst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("job", ["dense", "moe", "mla", "update"])
 def test_tp2_matches_tp1(tp_runs, job):
     reference, ranks = tp_runs
@@ -81,6 +85,7 @@ def test_tp2_matches_tp1(tp_runs, job):
             _assert_same(got, want)
 
 
+@pytest.mark.slow
 def test_update_changes_outputs(tp_runs):
     """The weight updates change the samples, so the update job's agreement is not the old model's."""
     reference, _ = tp_runs
@@ -89,6 +94,7 @@ def test_update_changes_outputs(tp_runs):
     assert before != after_full and after_full != after_sliced
 
 
+@pytest.mark.slow
 def test_shard_spec(tp_runs):
     reference, ranks = tp_runs
     assert set(reference["dense"][-1].values()) == {None}  # tp = 1: every rank holds every tensor

@@ -18,6 +18,10 @@ token ids outside the vocabulary, invalid SamplingParams, stop strings without `
 larger than the whole KV cache) comes back as completions with finish_reason "abort" and `error`
 set, and the other requests proceed.
 
+Tensor parallelism (`tp_group`, rollout.tp ranks, each calling every method with the same
+arguments): every rank schedules alike, runs its shard of the model (tensor_parallel.py) and gets
+the same tokens from the vocabulary-parallel sampler (vocab_parallel.py), the tokens tp = 1 gives.
+
 Weights: `update_weights` copies Hugging Face-named tensors in place (the CUDA graphs stay valid);
 `sleep` frees the KV cache (and optionally moves the weights to CPU), `wake` takes them back (the
 CUDA graphs are captured again on first use).

@@ -72,7 +72,8 @@ class TPShards:
     vocab_rows: int
     """Rows per rank (Vp): the logits have this many columns; ids >= vocab_size are padding."""
     slices: dict[str, Shard | None]
-    """Native parameter name -> this rank's `Shard` of it (None: replicated). Experts: per expert."""
+    """Native parameter name -> this rank's `Shard` of it (None: replicated); for stacked experts the
+    Shard of each expert's own [I, D] (gate, up) or [D, I] (down) tensor."""
 
     @property
     def vocab_valid(self) -> int:
