@@ -138,3 +138,14 @@ def test_tp_problem_names_the_setting():
         "rollout.tp=3 must divide num_attention_heads=8. Fix: choose a rollout.tp that divides them (e.g. 1 or 2)."
     )
     assert "must divide num_key_value_heads=3 or be a multiple of it" in tp_problem(args(6, 3), 2)
+
+
+def test_run_refuses_a_degree_that_does_not_split_the_model(tiny_checkpoint, tmp_path):
+    from rlloom.config.loading import load_config
+    from rlloom.trainer.run import run
+
+    cfg = load_config(
+        "arithmetic_smoke", [f"model.path={tiny_checkpoint}", f"trainer.run_dir={tmp_path}", "rollout.tp=3"]
+    )
+    with pytest.raises(ConfigError, match=r"^rollout.tp=3 must divide num_attention_heads=4\. Fix: "):
+        run(cfg)
