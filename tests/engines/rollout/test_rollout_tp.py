@@ -1,7 +1,8 @@
 """rollout.tp = 2 (two gloo processes on CPU, fp32) against rollout.tp = 1: the same greedy tokens, the
 same seeded (and engine-seeded) samples, logprobs within 1e-5, with prefix sharing (n > 1), prompts of
 different lengths, top-k/top-p, a dense model with split KV heads, a tied-embedding Qwen3-MoE with a
-replicated KV head and a padded vocabulary, DeepSeek-V3 MLA, and weight updates (full and sliced)."""
+replicated KV head and a padded vocabulary, DeepSeek-V3 MLA (these two built by build_rollout_engine,
+each rank loading only its shard), and weight updates (full and sliced)."""
 
 from __future__ import annotations
 
@@ -40,8 +41,12 @@ def _jobs(tmp_path) -> dict[str, dict]:
                 ("dims",),
             ],
         },
-        "moe": {"path": moe, "steps": [("generate", [[min(t, 99) for t in p] for p in batch], mixed)]},
-        "mla": {"path": mla, "steps": [("generate", batch, mixed)]},
+        "moe": {
+            "path": moe,
+            "build": True,
+            "steps": [("generate", [[min(t, 99) for t in p] for p in batch], mixed)],
+        },
+        "mla": {"path": mla, "build": True, "steps": [("generate", batch, mixed)]},
         "update": {
             "path": dense,
             "steps": [

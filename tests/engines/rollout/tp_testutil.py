@@ -21,15 +21,20 @@ Result = list[tuple[int, int, list[int], list[float], str]]
 
 
 def run_job(job: dict, group: dist.ProcessGroup | None) -> list[Result]:
-    """Run one job's steps on a fresh engine (this rank's shard with `group`); the generated results."""
-    engine = NativeEngine(
-        models.from_pretrained(job["path"], fused_projections=True),
-        max_model_len=64,
-        num_blocks=128,
-        block_size=4,
-        seed=job.get("seed", 0),
-        tp_group=group,
-    )
+    """Run one job's steps on a fresh engine (this rank's shard with `group`); the generated results.
+    With job["build"] the engine comes from `build_rollout_engine` (at tp > 1: each rank loads only
+    its shard of the checkpoint), else from the full model."""
+    if job.get("build"):
+        engine = _built_engine(job["path"], group)
+    else:
+        engine = NativeEngine(
+            models.from_pretrained(job["path"], fused_projections=True),
+            max_model_len=64,
+            num_blocks=128,
+            block_size=4,
+            seed=job.get("seed", 0),
+            tp_group=group,
+        )
     results = []
     for step in job["steps"]:
         if step[0] == "generate":
@@ -47,6 +52,18 @@ def run_job(job: dict, group: dist.ProcessGroup | None) -> list[Result]:
                 tensors = ((n, t if slices[n] is None else t.narrow(*slices[n])) for n, t in tensors)
             engine.update_weights(tensors, version=len(results))
     return results
+
+
+def _built_engine(path: str, group: dist.ProcessGroup | None) -> NativeEngine:
+    from rlloom.config.loading import load_config
+    from rlloom.engines.rollout.build import build_rollout_engine
+
+    tp = 1 if group is None else dist.get_world_size(group)
+    overrides = ["data.max_prompt_length=40", "rollout.max_new_tokens=24", "rollout.num_blocks=128"]
+    cfg = load_config(
+        "arithmetic_smoke", [f"model.path={path}", f"rollout.tp={tp}", "rollout.block_size=4", *overrides]
+    )
+    return build_rollout_engine(cfg, device=torch.device("cpu"), dtype=torch.float32, tp_group=group)
 
 
 def run_rank(rank: int, world: int, rendezvous: str, jobs: dict[str, dict], out: str) -> None:

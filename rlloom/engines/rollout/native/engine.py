@@ -48,13 +48,8 @@ from rlloom.engines.rollout.native.model_runner import ModelRunner, kv_bytes_per
 from rlloom.engines.rollout.native.sampler import Sampler, SamplingRows, noise_key
 from rlloom.engines.rollout.native.scheduler import Batch, Scheduler
 from rlloom.engines.rollout.native.sequence import Sequence, Status
-from rlloom.engines.rollout.native.tensor_parallel import (
-    TPShards,
-    load_sharded,
-    shard_dims_by_hf_name,
-    shard_model,
-    shared_seed,
-)
+from rlloom.engines.rollout.native.tensor_parallel import TPShards, shard_model, shared_seed
+from rlloom.engines.rollout.native.tp_weights import load_sharded, shard_dims_by_hf_name
 from rlloom.engines.rollout.native.validation import (
     available_memory_bytes,
     kv_cache_problem,
@@ -122,9 +117,10 @@ class NativeEngine:
         tp_group: dist.ProcessGroup | None = None,
     ) -> None:
         """Wrap a loaded `rlloom.models.CausalLM`; `decode(token_ids) -> str` enables stop strings.
-        With `tp_group` (the ranks of one tensor-parallel replica, each passing the same full model
-        and calling every method with the same arguments) this rank keeps its shard of the model
-        (tensor_parallel.py) and samples from its vocabulary slice (vocab_parallel.py)."""
+        With `tp_group` (the ranks of one tensor-parallel replica, each passing the same full model,
+        or its own shard from `tp_weights.from_pretrained_sharded`, and calling every method with the
+        same arguments) this rank keeps its shard of the model (tensor_parallel.py) and samples from
+        its vocabulary slice (vocab_parallel.py)."""
         _check(max_model_len >= 2, "max_model_len", max_model_len, "must be >= 2", "e.g. 2048")
         _check(
             num_blocks >= 0, "num_blocks", num_blocks, "must be >= 0", "use 0 to size by kv_cache_memory_gb"
@@ -144,7 +140,7 @@ class NativeEngine:
         self.tp: TPShards | None = None
         """This rank's part of a tensor-parallel replica (None: the whole model on one device)."""
         if tp_group is not None and dist.get_world_size(tp_group) > 1:
-            self.tp = shard_model(model, tp_group)
+            self.tp = getattr(model, "tp_shards", None) or shard_model(model, tp_group)
             seed = shared_seed(seed, tp_group, self.device)
         dtype = next(model.parameters()).dtype
         per_block = kv_bytes_per_block(model.args, block_size, dtype)

@@ -23,8 +23,8 @@ The sharded model's `args` count this rank's heads (num_heads, num_kv_heads), wh
 cache and the attention kernels need; vocab_size and every other field stay the full model's.
 
 Weights: `TPShards.slices` maps every loadable native key to a `Shard` (the dim a full tensor is cut
-on and this rank's range), or nothing for a replicated tensor; `load_sharded` takes full Hugging Face
-tensors (and keeps this rank's slice) or tensors already of the slice's shape.
+on and this rank's range), or nothing for a replicated tensor; tp_weights.py loads and updates the
+shards.
 
 Shape legend: Hq/Hkv heads, D head dim, I intermediate width, V vocabulary, Vp rows per rank.
 """
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +40,6 @@ import torch.distributed as dist
 from torch import nn
 
 from rlloom.engines.rollout.native.tp_layers import ReducedMoE, RowParallelLinear, VocabParallelEmbedding
-from rlloom.models.adapter import NativeKey, StateDictAdapter, native_keys
 from rlloom.models.args import ModelArgs
 from rlloom.models.attention import Attention
 from rlloom.models.layers import FusedLinear, SwiGLU
@@ -241,7 +239,8 @@ class _Sharder:
 
 @torch.no_grad()
 def shard_model(model: nn.Module, group: dist.ProcessGroup) -> TPShards:
-    """Cut `model` (a CausalLM, identical on every rank of `group`) down to this rank's shard in place."""
+    """Cut `model` (a CausalLM, identical on every rank of `group`; real or on the meta device) down to
+    this rank's shard in place; the model keeps the returned record as `tp_shards`."""
     args = model.args
     size = dist.get_world_size(group)
     problem = tp_problem(args, size)
@@ -265,46 +264,8 @@ def shard_model(model: nn.Module, group: dist.ProcessGroup) -> TPShards:
         num_heads=attention.num_heads,
         num_kv_heads=getattr(attention, "num_kv_heads", attention.num_heads),
     )
-    return TPShards(group, sharder.rank, size, args, start, rows, sharder.slices)
-
-
-def shard_dims_by_hf_name(model: nn.Module, shards: TPShards) -> dict[str, Shard | None]:
-    """Hugging Face name -> this rank's Shard of the full tensor (None: replicated), every weight."""
-    adapter = StateDictAdapter(model.args)
-    return {adapter.hf_name(name, expert): shards.slices.get(name) for name, expert in native_keys(model)}
-
-
-@torch.no_grad()
-def load_sharded(
-    model: nn.Module, shards: TPShards, named_tensors: Iterable[tuple[str, torch.Tensor]]
-) -> None:
-    """Copy HF-named tensors into a sharded model in place: a full tensor gives this rank's slice, a
-    tensor of the slice's shape is taken as it is. Unknown names and other shapes raise ValueError."""
-    adapter = StateDictAdapter(model.args)
-    slots: dict[NativeKey, torch.Tensor] = native_keys(model)
-    for hf_name, tensor in named_tensors:
-        if adapter.is_mtp_layer(hf_name):
-            continue
-        key = adapter.from_hf(hf_name)
-        if key is None or key not in slots:
-            if hf_name == "lm_head.weight" and model.args.tie_word_embeddings:
-                continue
-            raise ValueError(
-                f"unexpected tensor {hf_name!r} with shape {list(tensor.shape)}: it has no place in this "
-                f"{model.args.model_type} model. Fix: check that the weights match the rollout model."
-            )
-        target, shard = slots[key], shards.slices.get(key[0])
-        if shard is not None:
-            target = target.narrow(shard.dim, 0, shard.length)
-            if tensor.shape != target.shape:
-                full = tensor.shape[shard.dim] >= shard.start + shard.length
-                tensor = tensor.narrow(shard.dim, shard.start, shard.length) if full else tensor
-        if tensor.shape != target.shape:
-            raise ValueError(
-                f"tensor {hf_name!r} has shape {list(tensor.shape)} but rollout.tp rank {shards.rank} expects the "
-                f"full tensor or its slice {list(target.shape)} ({shard}). Fix: send the full tensor or this slice."
-            )
-        target.copy_(tensor)
+    model.tp_shards = TPShards(group, sharder.rank, size, args, start, rows, sharder.slices)
+    return model.tp_shards
 
 
 def shared_seed(seed: int | None, group: dist.ProcessGroup, device: torch.device) -> int:
