@@ -160,7 +160,8 @@ class RolloutConfig:
     """Free the KV cache between generation and weight sync, so training can use that memory."""
     tp: int = 1
     """Tensor-parallel degree of one rollout engine: its model's heads, MLP (and expert) widths and
-    vocabulary are split over `tp` ranks (GPUs), one all-reduce per attention and per MLP."""
+    vocabulary are split over `tp` ranks (GPUs), one all-reduce per attention and per MLP. Must divide
+    the attention heads and the MLP widths (checked at start-up); kv_cache_memory_gb is per rank."""
 
     def __post_init__(self) -> None:
         _check_finite(self, "rollout")
