@@ -13,14 +13,22 @@ T = 1 with ignore_eos, against HF generate on the left-padded batch.
     python benchmarks/bench_rollout.py           # needs a CUDA device
     python benchmarks/bench_rollout.py --model 8b --skip-hf   # the larger shapes, native only
     python benchmarks/bench_rollout.py --cpu [--threads 1]   # 1 thread is steadier on a busy machine
+    python benchmarks/bench_rollout.py --model 8b --skip-hf --tp 2   # one engine over 2 GPUs (rollout.tp)
+
+`--tp N` starts N processes (one per GPU, NCCL; gloo with --smoke on CPU) that build the same random
+model and run one tensor-parallel engine; rank 0 prints. The bandwidth bound is per rank: the bytes
+one rank reads per decode step (its weight shard and its KV heads) over one GPU's copy bandwidth.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 
 from rlloom.engines.rollout.native import NativeEngine, SamplingParams
 
@@ -178,19 +186,31 @@ def logprob_gap(engine: NativeEngine, prompts: list[list[int]], new: int) -> flo
 
 
 def bench_gpu(
-    config: dict, device: torch.device, num_prompts: int, prompt_len: int, new: int, *, with_hf: bool = True
+    config: dict,
+    device: torch.device,
+    num_prompts: int,
+    prompt_len: int,
+    new: int,
+    *,
+    with_hf: bool = True,
+    tp_group: dist.ProcessGroup | None = None,
 ) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    native, hf = random_model(config, device, dtype, with_hf=with_hf)
+    tp = 1 if tp_group is None else dist.get_world_size(tp_group)
+    native, hf = random_model(config, device, dtype, with_hf=with_hf and tp == 1)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, config["vocab_size"], (num_prompts, prompt_len), generator=gen).tolist()
     max_len = prompt_len + new
     blocks_per_seq = -(-max_len // 16)
     engine = NativeEngine(
         native, max_model_len=max_len, num_blocks=num_prompts * blocks_per_seq + 64, max_num_seqs=num_prompts,
-        eos_token_ids=[],
+        eos_token_ids=[], tp_group=tp_group,
     )  # fmt: skip
-    gap = logprob_gap(engine, prompts[:8], 32)  # also the warm-up
+    if tp == 1:
+        gap = f"{logprob_gap(engine, prompts[:8], 32):.1e}"  # also the warm-up
+    else:  # the model's lm head holds this rank's vocabulary rows only: warm up without the check
+        engine.generate(prompts[:8], SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True))
+        gap = "n/a at tp > 1"
     table: list[tuple[str, ...]] = []
     bandwidth = copy_bandwidth(device)
     r = run_engine(engine, prompts, SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True))
@@ -198,7 +218,7 @@ def bench_gpu(
     name = f"{num_prompts}x{prompt_len} -> {new}"
     row(table, name, "native", r,
         f"decode {r['decode_s']:.2f}s, bound {bound:.2f}s at {bandwidth / 1e12:.2f} TB/s, ratio "
-        f"{bound / r['decode_s']:.2f}; max logprob gap vs forward {gap:.1e}; decode attention "
+        f"{bound / r['decode_s']:.2f} (per rank, tp={tp}); max logprob gap vs forward {gap}; decode attention "
         f"{'triton' if engine.runner.backend.use_decode_kernel else 'torch gather+SDPA'}")  # fmt: skip
     groups = num_prompts // 8
     for sharing in (True, False):
@@ -217,8 +237,9 @@ def bench_gpu(
     if hf is not None:
         row(table, name, "HF generate", hf_generate(hf, prompts, new, pad_id=0))
     title = torch.cuda.get_device_name() if device.type == "cuda" else "CPU smoke run of the GPU workload"
-    title += f", {config['num_hidden_layers']} layers x hidden {config['hidden_size']}"
-    print_table(f"bench_rollout ({title}, {dtype})", table)
+    title += f", {config['num_hidden_layers']} layers x hidden {config['hidden_size']}, rollout.tp={tp}"
+    if tp_group is None or dist.get_rank(tp_group) == 0:
+        print_table(f"bench_rollout ({title}, {dtype})", table)
 
 
 def chat_prompts(tokenizer: object, num: int) -> list[list[int]]:
@@ -279,7 +300,32 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="CPU mode: interleaved runs, best of each")
     parser.add_argument("--model", choices=sorted(SHAPES), default="0.6b", help="GPU: the Qwen3 shape")
     parser.add_argument("--skip-hf", action="store_true", help="GPU: leave out transformers' generate")
+    parser.add_argument("--tp", type=int, default=1, help="GPU (or --smoke): one engine over N ranks")
     args = parser.parse_args()
+    if args.tp > 1 and args.cpu:
+        parser.error("--tp is for the GPU workload (or --smoke), not --cpu")
+    if args.tp > 1:
+        import torch.multiprocessing as mp
+
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(tp_rank, args=(args, os.path.join(tmp, "rendezvous")), nprocs=args.tp, join=True)
+        return
+    run(args)
+
+
+def tp_rank(rank: int, args: argparse.Namespace, rendezvous: str) -> None:
+    """One rank of `--tp N`: NCCL on GPU `rank`, gloo on CPU (--smoke)."""
+    backend = "gloo" if args.smoke else "nccl"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=args.tp)
+    try:
+        run(args, dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace, tp_group: dist.ProcessGroup | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -298,9 +344,11 @@ def main() -> None:
             16,
             8,
             16,
+            tp_group=tp_group,
         )
     elif torch.cuda.is_available():
-        bench_gpu(SHAPES[args.model], torch.device("cuda"), 256, 128, 512, with_hf=not args.skip_hf)
+        device = torch.device("cuda", torch.cuda.current_device())
+        bench_gpu(SHAPES[args.model], device, 256, 128, 512, with_hf=not args.skip_hf, tp_group=tp_group)
     else:
         raise SystemExit("bench_rollout: no CUDA device; run with --cpu for the CPU benchmark")
 

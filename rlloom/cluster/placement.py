@@ -20,7 +20,7 @@ from rlloom.config.components import RunConfig
 
 def rollout_tp(cfg: RunConfig) -> int:
     """Ranks of one rollout replica (`rollout.tp`; 1 until the tensor-parallel engine adds the key)."""
-    return getattr(cfg.rollout, "tp", 1)
+    return cfg.rollout.tp
 
 
 def replica_ranks(num_ranks: int, tp: int) -> list[list[int]]:

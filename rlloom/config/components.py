@@ -164,6 +164,10 @@ class RolloutConfig:
     weights updated between decode steps, and they resume under the new weights from prompt + tokens
     so far (KV cache rebuilt; every token keeps the version and logprob of the policy that produced
     it); `drop`: their tokens are discarded and the samples generated again under the new weights."""
+    tp: int = 1
+    """Tensor-parallel degree of one rollout engine: its model's heads, MLP (and expert) widths and
+    vocabulary are split over `tp` ranks (GPUs), one all-reduce per attention and per MLP. Must divide
+    the attention heads and the MLP widths (checked at start-up); kv_cache_memory_gb is per rank."""
 
     def __post_init__(self) -> None:
         _check_finite(self, "rollout")
@@ -218,6 +222,13 @@ class RolloutConfig:
             "e.g. 1.0",
         )
         _check(self.max_num_seqs >= 1, "rollout.max_num_seqs", self.max_num_seqs, "must be >= 1", "e.g. 256")
+        _check(
+            self.tp >= 1,
+            "rollout.tp",
+            self.tp,
+            "must be >= 1",
+            "use 1 (one GPU per rollout engine) or the number of GPUs one engine spans, e.g. 2",
+        )
         _check(
             self.eval_temperature >= 0,
             "rollout.eval_temperature",
@@ -874,7 +885,7 @@ class RunConfig:
 
     def _check_rollout_replicas(self) -> None:
         """The rollout ranks split into whole replicas of rollout.tp ranks each."""
-        tp = getattr(self.rollout, "tp", 1)  # rollout.tp comes with the tensor-parallel rollout engine
+        tp = self.rollout.tp
         c = self.cluster
         ranks, key = (
             (c.rollout_workers, "cluster.rollout_workers")

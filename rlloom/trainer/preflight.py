@@ -6,6 +6,8 @@
 - The KV cache asked for fits in the device's free memory (inline mode; see `kv_cache_problem`).
 - The parallel degrees (parallel.tp/ep/...) divide the model's heads, KV heads, experts, vocabulary
   and layers as each technique needs (`ParallelDims.check_model`), every factor printed.
+- rollout.tp splits the model evenly: it divides the attention heads, the KV heads (or is a multiple
+  of them) and the MLP and expert widths (`tp_problem`).
 - The reward function resolves (a built-in name, an importable plug-in, or a weighted sum of them).
 - A dataset file (data.task=jsonl/parquet) has the format its task names, its rows read, at least one
   row holds the prompt and answer columns (data.prompt_key, data.answer_key), and data.num_eval
@@ -33,6 +35,7 @@ from rlloom.config.loading import load_config
 from rlloom.config.resume import run_changing_differences
 from rlloom.devices import resolve_device, resolve_dtype
 from rlloom.engines.rollout.native.model_runner import kv_bytes_per_block
+from rlloom.engines.rollout.native.tensor_parallel import tp_problem
 from rlloom.engines.rollout.native.validation import available_memory_bytes, kv_cache_problem
 from rlloom.models.args import ModelArgs
 from rlloom.models.checkpoint import resolve_path
@@ -47,6 +50,7 @@ def check_before_loading(cfg: RunConfig) -> None:
     hf_config = model_hf_config(cfg.model.path)
     max_positions = hf_config.get("max_position_embeddings")
     check_sequence_length(cfg, max_positions if isinstance(max_positions, int) else None)
+    check_rollout_tp(cfg, hf_config)
     if cfg.cluster.mode == "inline":  # ray workers check their own devices when they build engines
         check_kv_cache(cfg, hf_config)
     check_reward(cfg)
@@ -140,6 +144,19 @@ def check_sequence_length(cfg: RunConfig, max_positions: int | None) -> None:
         f"max_position_embeddings={max_positions} ({cfg.model.path}). Fix: lower data.max_prompt_length "
         f"or rollout.max_new_tokens so that their sum is at most {max_positions}."
     )
+
+
+def check_rollout_tp(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
+    """rollout.tp must split the model's heads and widths evenly (the engine checks again)."""
+    if cfg.rollout.tp == 1:
+        return
+    try:
+        args = ModelArgs.from_hf_config(hf_config)
+    except ValueError:
+        return  # check_kv_cache or the engine reports the model itself
+    problem = tp_problem(args, cfg.rollout.tp)
+    if problem is not None:
+        raise ConfigError(f"{problem} ({cfg.model.path})")
 
 
 def check_kv_cache(cfg: RunConfig, hf_config: dict[str, Any]) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoModelForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
     Qwen3Config,
@@ -50,6 +51,30 @@ def tiny_deepseek(seed: int = 0, *, q_lora_rank: int | None = 16) -> DeepseekV3F
         bos_token_id=None, pad_token_id=None,
     )  # fmt: skip
     return randomize_(DeepseekV3ForCausalLM(cfg), seed).eval()
+
+
+def tiny_moe_tied(seed: int = 0) -> Qwen3MoeForCausalLM:
+    """Qwen3-MoE with tied embeddings, q/k/v/o biases, one KV head (replicated at tp 2) and a
+    vocabulary of 100 (rows padded at tp 2: 52 per rank)."""
+    cfg = Qwen3MoeConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+        max_position_embeddings=512, norm_topk_prob=True, tie_word_embeddings=True, attention_bias=True, eos_token_id=None,
+        bos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    return randomize_(Qwen3MoeForCausalLM(cfg), seed).eval()
+
+
+def tiny_mla(seed: int = 0) -> torch.nn.Module:
+    """DeepSeek-V3 (MLA with query LoRA, a dense first layer, shared experts, group routing)."""
+    cfg = DeepseekV3Config(
+        vocab_size=128, hidden_size=64, num_attention_heads=4, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, first_k_dense_replace=1, num_key_value_heads=4, n_routed_experts=8,
+        n_shared_experts=1, n_group=4, topk_group=2, num_experts_per_tok=2, q_lora_rank=24, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, max_position_embeddings=512,
+        eos_token_id=None, bos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    return randomize_(AutoModelForCausalLM.from_config(cfg), seed).eval()
 
 
 def save(hf_model: torch.nn.Module, folder: Path) -> str:

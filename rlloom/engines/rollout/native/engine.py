@@ -19,6 +19,10 @@ token ids outside the vocabulary, invalid SamplingParams, stop strings without `
 larger than the whole KV cache) comes back as completions with finish_reason "abort" and `error`
 set, and the other requests proceed.
 
+Tensor parallelism (`tp_group`, rollout.tp ranks, each calling every method with the same
+arguments): every rank schedules alike, runs its shard of the model (tensor_parallel.py) and gets
+the same tokens from the vocabulary-parallel sampler (vocab_parallel.py), the tokens tp = 1 gives.
+
 Weights: `update_weights` copies Hugging Face-named tensors in place (the CUDA graphs stay valid);
 `sleep` frees the KV cache (and optionally moves the weights to CPU), `wake` takes them back (the
 CUDA graphs are captured again on first use).
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from rlloom.config.components import ConfigError, RolloutConfig
 from rlloom.devices import to_device
@@ -44,11 +49,14 @@ from rlloom.engines.rollout.native.model_runner import ModelRunner, kv_bytes_per
 from rlloom.engines.rollout.native.sampler import Sampler, SamplingRows, noise_key
 from rlloom.engines.rollout.native.scheduler import Batch, Scheduler
 from rlloom.engines.rollout.native.sequence import Sequence, Status
+from rlloom.engines.rollout.native.tensor_parallel import TPShards, shard_model, shared_seed
+from rlloom.engines.rollout.native.tp_weights import load_sharded, shard_dims_by_hf_name
 from rlloom.engines.rollout.native.validation import (
     available_memory_bytes,
     kv_cache_problem,
     request_problem,
 )
+from rlloom.engines.rollout.native.vocab_parallel import VocabParallelSampler
 
 
 def _check(ok: bool, name: str, value: object, rule: str, fix: str) -> None:
@@ -107,8 +115,13 @@ class NativeEngine:
         decode: Callable[[list[int]], str] | None = None,
         eos_token_ids: Iterable[int] | None = None,
         seed: int | None = None,
+        tp_group: dist.ProcessGroup | None = None,
     ) -> None:
-        """Wrap a loaded `rlloom.models.CausalLM`; `decode(token_ids) -> str` enables stop strings."""
+        """Wrap a loaded `rlloom.models.CausalLM`; `decode(token_ids) -> str` enables stop strings.
+        With `tp_group` (the ranks of one tensor-parallel replica, each passing the same full model,
+        or its own shard from `tp_weights.from_pretrained_sharded`, and calling every method with the
+        same arguments) this rank keeps its shard of the model (tensor_parallel.py) and samples from
+        its vocabulary slice (vocab_parallel.py)."""
         _check(max_model_len >= 2, "max_model_len", max_model_len, "must be >= 2", "e.g. 2048")
         _check(
             num_blocks >= 0, "num_blocks", num_blocks, "must be >= 0", "use 0 to size by kv_cache_memory_gb"
@@ -125,6 +138,11 @@ class NativeEngine:
         )
         self.model = model.eval()
         self.device = next(model.parameters()).device
+        self.tp: TPShards | None = None
+        """This rank's part of a tensor-parallel replica (None: the whole model on one device)."""
+        if tp_group is not None and dist.get_world_size(tp_group) > 1:
+            self.tp = getattr(model, "tp_shards", None) or shard_model(model, tp_group)
+            seed = shared_seed(seed, tp_group, self.device)
         dtype = next(model.parameters()).dtype
         per_block = kv_bytes_per_block(model.args, block_size, dtype)
         setting, value = (
@@ -176,7 +194,12 @@ class NativeEngine:
             enforce_eager=enforce_eager,
             compile=compile,
         )
-        self.sampler = Sampler(self.device, seed if seed is not None else random.randrange(2**62))
+        seed = seed if seed is not None else random.randrange(2**62)
+        self.sampler = (
+            Sampler(self.device, seed)
+            if self.tp is None
+            else VocabParallelSampler(self.device, seed, self.tp)
+        )
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._ready: list[Completion] = []
@@ -214,6 +237,7 @@ class NativeEngine:
         max_model_len: int,
         decode: Callable[[list[int]], str] | None = None,
         seed: int | None = None,
+        tp_group: dist.ProcessGroup | None = None,
     ) -> NativeEngine:
         """Build from the run's `RolloutConfig` (cache and batching fields) and runtime objects."""
         return cls(
@@ -227,6 +251,7 @@ class NativeEngine:
             compile=config.compile,
             decode=decode,
             seed=seed,
+            tp_group=tp_group,
         )
 
     # ---- step-level API -------------------------------------------------------------------------
@@ -457,11 +482,35 @@ class NativeEngine:
     # ---- weights and memory ---------------------------------------------------------------------
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Copy Hugging Face-named tensors into the model in place and set the policy version."""
+        """Copy Hugging Face-named tensors into the model in place and set the policy version. A
+        tensor-parallel rank takes full tensors (and keeps its slice) or tensors of its slice's shape."""
         from rlloom.models import load_hf_tensors
 
-        load_hf_tensors(self.model, named_tensors)
+        if self.tp is None:
+            load_hf_tensors(self.model, named_tensors)
+        else:
+            load_sharded(self.model, self.tp, named_tensors)
         self.policy_version = version
+
+    def weight_shard_dims(self) -> dict[str, int | None]:
+        """The shard spec: for each Hugging Face weight name the dim this engine's ranks split it on,
+        None when every rank holds the whole tensor (always None at tp = 1). Rank r holds the r-th of
+        tp equal parts of that dim, except KV heads replicated when tp > num_key_value_heads and the
+        vocabulary rows (embedding, lm head), padded to a multiple of 4 per rank: `weight_shard_slices`
+        gives this rank's exact (dim, start, length)."""
+        return {
+            name: None if shard is None else shard[0] for name, shard in self.weight_shard_slices().items()
+        }
+
+    def weight_shard_slices(self) -> dict[str, tuple[int, int, int] | None]:
+        """Hugging Face weight name -> (dim, start, length) of the full tensor this rank holds, or None
+        when it holds all of it; `update_weights` accepts that slice in place of the full tensor."""
+        if self.tp is None:
+            from rlloom.models import hf_named_tensors
+
+            return {name: None for name, _ in hf_named_tensors(self.model)}
+        shards = shard_dims_by_hf_name(self.model, self.tp)
+        return {name: None if s is None else (s.dim, s.start, s.length) for name, s in shards.items()}
 
     def sleep(self, offload_weights: bool = False) -> None:
         """Free the KV cache (and with offload_weights move the weights to CPU); requests must be done."""
