@@ -19,7 +19,7 @@ from rlloom.config.components import RunConfig
 
 
 def rollout_tp(cfg: RunConfig) -> int:
-    """Ranks of one rollout replica (`rollout.tp`; 1 until the tensor-parallel engine adds the key)."""
+    """Ranks of one rollout replica (`rollout.tp`)."""
     return cfg.rollout.tp
 
 
