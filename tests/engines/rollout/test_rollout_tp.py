@@ -123,7 +123,7 @@ def test_build_refuses_a_group_of_another_size():
     from rlloom.config.loading import load_config
     from rlloom.engines.rollout.build import build_rollout_engine
 
-    cfg = load_config("arithmetic_smoke", ["rollout.tp=2"])
+    cfg = load_config("arithmetic_smoke", ["rollout.tp=2", "cluster.mode=ray", "cluster.num_workers=2"])
     with pytest.raises(ValueError, match=r"rollout.tp=2 but the rollout engine was given .* of 1 ranks"):
         build_rollout_engine(cfg, device=torch.device("cpu"), dtype=torch.float32)
 
@@ -150,7 +150,14 @@ def test_run_refuses_a_degree_that_does_not_split_the_model(tiny_checkpoint, tmp
     from rlloom.trainer.run import run
 
     cfg = load_config(
-        "arithmetic_smoke", [f"model.path={tiny_checkpoint}", f"trainer.run_dir={tmp_path}", "rollout.tp=3"]
+        "arithmetic_smoke",
+        [
+            f"model.path={tiny_checkpoint}",
+            f"trainer.run_dir={tmp_path}",
+            "rollout.tp=3",
+            "cluster.mode=ray",
+            "cluster.num_workers=3",
+        ],
     )
     with pytest.raises(ConfigError, match=r"^rollout.tp=3 must divide num_attention_heads=4\. Fix: "):
         run(cfg)

@@ -60,6 +60,8 @@ def _built_engine(path: str, group: dist.ProcessGroup | None) -> NativeEngine:
 
     tp = 1 if group is None else dist.get_world_size(group)
     overrides = ["data.max_prompt_length=40", "rollout.max_new_tokens=24", "rollout.num_blocks=128"]
+    if tp > 1:  # a run's rollout ranks form whole replicas of rollout.tp
+        overrides += ["cluster.mode=ray", f"cluster.num_workers={tp}"]
     cfg = load_config(
         "arithmetic_smoke", [f"model.path={path}", f"rollout.tp={tp}", "rollout.block_size=4", *overrides]
     )
