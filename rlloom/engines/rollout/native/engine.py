@@ -280,14 +280,7 @@ class NativeEngine:
             )
             for j in range(max(sampling.n, 1))
         ]
-        error = request_problem(
-            prompt_ids,
-            sampling,
-            max_model_len=self.max_model_len,
-            vocab_size=self.model.args.vocab_size,
-            can_decode=self.decode is not None,
-            block_manager=self.block_manager,
-        )
+        error = self._request_problem(prompt_ids, sampling)
         if error is not None:
             for seq in seqs:
                 seq.status, seq.finish_reason, seq.error = Status.FINISHED, "abort", error
@@ -299,6 +292,17 @@ class NativeEngine:
             leader.forks = forks
             self.scheduler.add(leader)
         return request_id
+
+    def _request_problem(self, prompt_ids: list[int], sampling: SamplingParams) -> str | None:
+        """Why this engine must reject the request (validation.py), or None."""
+        return request_problem(
+            prompt_ids,
+            sampling,
+            max_model_len=self.max_model_len,
+            vocab_size=self.model.args.vocab_size,
+            can_decode=self.decode is not None,
+            block_manager=self.block_manager,
+        )
 
     def resume_request(
         self,
@@ -317,14 +321,7 @@ class NativeEngine:
         position len(output_ids) with the same seeded noise (`sample_index` as before). The
         completion carries the current policy version; `sampling.n` is ignored (one sample). MoE:
         its routes are those of the resuming weights for every position (the prefill recomputes them)."""
-        error = request_problem(
-            prompt_ids,
-            sampling,
-            max_model_len=self.max_model_len,
-            vocab_size=self.model.args.vocab_size,
-            can_decode=self.decode is not None,
-            block_manager=self.block_manager,
-        )
+        error = self._request_problem(prompt_ids, sampling)
         if error is not None or len(logprobs) != len(output_ids):
             raise ValueError(
                 error or f"resume_request: {len(logprobs)} logprobs for {len(output_ids)} output tokens"
