@@ -27,22 +27,30 @@ Padding: every rank holds the same number of tokens (the collectives need equal 
 tokens of a rank form a pseudo-document of their own, so they attend to themselves only and their
 (discarded) outputs stay finite.
 
-How the training engine uses it (one micro-batch, `cp_group = dims.cp_mesh().get_group()`):
+How the training engine uses it (one micro-batch; `cp_group = dims.cp_mesh().get_group()`):
 
-    check_cp_layout(dims.cp, cfg.share_prompts)               # at start-up
+    check_cp_layout(dims.cp, cfg.share_prompts)                   # at start-up
     shard = CPShard(packed.cu_seqlens, group=cp_group, device=device, pad_multiple=dims.tp)
+    mine_K, local_K = shard.localize(positions_K)                # selected positions this rank holds
     hidden_nD = model.hidden_states(shard.take(input_ids_N), position_ids=shard.take(position_ids_N),
-                                    attn=shard, routes_NLK=shard.take(routes_NLK) or None)
-    mine_K, local_K = shard.localize(positions_K)            # the selected positions this rank holds
-    logp_k = token_logprobs(hidden_nD[local_K[mine_K]], head, targets_K[mine_K], ...)
+                                    attn=shard, routes_NLK=...)  # routes too: shard.take(routes_NLK)
+    logp_k, entropy_k = token_logprobs(hidden_nD[local_K[mine_K]], head, targets_K[mine_K], ...)
+    logp_K = shard.gather_selected(logp_k, mine_K)               # the whole micro-batch's, differentiable
 
-Each rank then sums the loss over the positions it holds (`mine_K`) and divides by the GLOBAL
-normaliser; FSDP sums gradients over dp_shard x cp (`apply_fsdp` divides by 1), so the cp ranks'
-sum is the micro-batch's gradient. Token and sample counts that feed the loss or metrics (e.g.
-`train/computed_tokens`, the MoE balance term's share of tokens) are per rank and are summed over
-dp x cp (`ParallelDims.loss_mesh()`), not dp only; a forward-only pass (old/ref logprobs) fills
-the rows of the positions it holds and all-reduces over dp x cp, each entry coming from exactly one
-rank. The shared-prompt layout is refused under CP (`check_cp_layout`).
+In `run_micro_batch` (engines/train/native/policy.py) that is: build the shard, pass the sharded ids
+and position ids, `attn=shard` and the local positions/targets to `PolicyHead.forward` (which passes
+`attn` on to `hidden_states`, with tree=None), and `gather_selected` its logp (and entropy) before
+spreading them to [b, T]. Every cp rank then holds the same logp_bT and calls the unchanged loss
+function on the whole micro-batch (sequence-level losses such as GSPO need every token of a
+sequence); `gather_selected`'s backward keeps only the rank's own entries, so each rank's backward
+covers its own tokens and FSDP's sum over dp_shard x cp (`apply_fsdp` divides by 1) adds the cp
+ranks' parts into the micro-batch's gradient. The loss normaliser stays the global batch's, and
+metrics computed from logp_bT are already whole on every cp rank (reduce them over dp as today).
+Counts of what a rank computed are per rank and are summed over dp x cp (`ParallelDims.loss_mesh()`):
+the MoE balance term's share of tokens must use `shard.num_real / total_tokens` (its routing counts
+are the local tokens'), and a `train/computed_tokens` metric the local count summed over dp x cp.
+forward_logprobs uses the same path under no_grad. The shared-prompt layout is refused under CP
+(`check_cp_layout`).
 
 Shape legend: N tokens of the full stream, S documents, n tokens per rank (padded), H heads, D head
 channels, K selected positions.
@@ -230,7 +238,7 @@ class CPShard:
         dk = k.shape[-1]
         kv_all = all_gather_tokens(torch.cat([k, v], dim=-1), self.group)
         k_all, v_all = kv_all[..., :dk], kv_all[..., dk:]
-        if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        if self.use_varlen(q):
             return self._varlen_attention(q, k_all, v_all, scale)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1),
@@ -241,6 +249,17 @@ class CPShard:
             enable_gqa=q.shape[1] != k.shape[1],
         )
         return out.transpose(0, 1)
+
+    def use_varlen(self, q: torch.Tensor) -> bool:
+        """Whether the FlashAttention varlen kernel runs (CUDA, bf16/fp16) instead of the reference."""
+        return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+
+    def gather_selected(self, values_k: torch.Tensor, mine_K: torch.Tensor) -> torch.Tensor:
+        """Values [K] at every selected position from this rank's values [k] at the positions it holds
+        (`mine_K` from `localize`; each position is held by exactly one rank). Differentiable on the
+        condition that every cp rank computes the same loss from the result: the backward passes
+        each rank the gradient of its own entries, without communication."""
+        return _GatherSelected.apply(values_k, mine_K.to(values_k.device), self.group)
 
     def _varlen_attention(
         self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, scale: float
@@ -271,6 +290,25 @@ class _AllGatherTokens(torch.autograd.Function):
         out = grad.new_empty((grad.shape[0] // world, *grad.shape[1:]))
         dist.reduce_scatter_single(out, grad.contiguous(), group=ctx.group)
         return out, None
+
+
+class _GatherSelected(torch.autograd.Function):
+    """Forward: every rank's disjoint entries summed into one [K]; backward: a rank's own entries."""
+
+    @staticmethod
+    def forward(
+        ctx, values_k: torch.Tensor, mine_K: torch.Tensor, group: dist.ProcessGroup | None
+    ) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(mine_K)
+        out = values_k.new_zeros(mine_K.shape[0], *values_k.shape[1:])
+        out[mine_K] = values_k
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_K: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: ANN001
+        (mine_K,) = ctx.saved_tensors
+        return grad_K[mine_K], None, None
 
 
 def all_gather_tokens(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
