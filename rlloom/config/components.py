@@ -512,6 +512,59 @@ class TrainEngineConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel degree: attention heads, MLP width and the vocabulary split over tp ranks.
+    Data parallelism is what the degrees leave: cluster.num_workers = pp x dp x cp x tp."""
+    pp: int = 1
+    """Pipeline-parallel degree (decoder layers split into pp stages)."""
+    cp: int = 1
+    """Context-parallel degree (each packed sequence split over cp ranks)."""
+    ep: int = 1
+    """Expert-parallel degree (routed experts split over ep ranks, taken from dp x cp x tp; no
+    expert-tensor parallelism: split across TP ranks the expert GEMMs get too small to run well)."""
+    sequence_parallel: bool = True
+    """With tp > 1, keep the residual stream sharded over tokens between blocks (norms and residual
+    adds run on a 1/tp share). The engine always runs it with tp > 1: false is refused."""
+    pp_schedule: Literal["1f1b", "interleaved", "zero_bubble"] = "1f1b"
+    """Pipeline schedule with pp > 1: 1F1B, interleaved 1F1B (pp_virtual_stages per rank), or a
+    zero-bubble variant."""
+    pp_virtual_stages: int = 1
+    """Stages per pipeline rank for the interleaved schedule (1 = one stage per rank)."""
+    pp_first_stage_layers: int = 0
+    """Decoder layers of the first pipeline stage (0 = an even split)."""
+    pp_last_stage_layers: int = 0
+    """Decoder layers of the last pipeline stage (0 = an even split), e.g. a shorter last stage
+    that also holds the lm head."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "cp", "ep", "pp_virtual_stages"):
+            value = getattr(self, name)
+            _check(
+                value >= 1, f"parallel.{name}", value, "must be >= 1", f"use parallel.{name}=1 to turn it off"
+            )
+        for name in ("pp_first_stage_layers", "pp_last_stage_layers"):
+            value = getattr(self, name)
+            _check(value >= 0, f"parallel.{name}", value, "must be >= 0", "use 0 for an even split")
+        _check(
+            self.sequence_parallel or self.tp == 1,
+            "parallel.sequence_parallel",
+            self.sequence_parallel,
+            f"tensor parallelism (parallel.tp={self.tp}) always runs with sequence parallelism here",
+            "set parallel.sequence_parallel=true",
+        )
+        for name in ("pp", "cp"):
+            value = getattr(self, name)
+            _check(
+                value == 1,
+                f"parallel.{name}",
+                value,
+                "pipeline and context parallelism are not available in this version",
+                f"set parallel.{name}=1",
+            )
+
+
+@dataclass(kw_only=True, slots=True)
 class TrainerConfig:
     total_steps: int = 20
     """RL steps (each: generate, score, update, sync)."""
@@ -640,11 +693,13 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     train: TrainEngineConfig = field(default_factory=TrainEngineConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
+        _check_parallel_world(self.parallel, self.cluster.num_workers)
         if self.data.task in ("jsonl", "parquet"):
             _check(
                 bool(self.data.path),
@@ -669,3 +724,28 @@ class RunConfig:
             f"must divide the batch of {batch} completions",
             "pick a divisor of prompts_per_step x n_samples",
         )
+
+
+def _check_parallel_world(par: ParallelConfig, num_workers: int) -> None:
+    """cluster.num_workers = pp x dp x cp x tp (dp is what is left); ep divides dp x cp x tp."""
+    others = par.pp * par.cp * par.tp
+    factors = f"(pp={par.pp}, cp={par.cp}, tp={par.tp}, ep={par.ep}, cluster.num_workers={num_workers})"
+    _check(
+        num_workers % others == 0,
+        "cluster.num_workers",
+        num_workers,
+        f"must be divisible by pp x cp x tp = {par.pp} x {par.cp} x {par.tp} = {others} (num_workers = "
+        f"pp x dp x cp x tp, dp is what is left) {factors}",
+        f"use cluster.num_workers={others * max(1, -(-num_workers // others))} or degrees whose product divides "
+        f"{num_workers}",
+    )
+    pool = num_workers // par.pp
+    dp = pool // (par.cp * par.tp)
+    _check(
+        pool % par.ep == 0,
+        "parallel.ep",
+        par.ep,
+        f"must divide dp x cp x tp = {dp} x {par.cp} x {par.tp} = {pool}, the ranks expert parallelism "
+        f"borrows {factors}",
+        f"use a parallel.ep that divides {pool}",
+    )

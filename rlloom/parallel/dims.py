@@ -180,6 +180,7 @@ class ParallelDims:
         m["fsdp"] = fsdp["dp_replicate", "fsdp"] if self.dp_replicate > 1 else fsdp["fsdp"]
         m["dp"] = dense["dp_replicate", "dp_shard"]._flatten("dp")
         m["loss"] = dense["dp_replicate", "dp_shard", "cp"]._flatten("loss")
+        m["tokens"] = dense["dp_replicate", "dp_shard", "cp", "tp"]._flatten("tokens")
         m["ep"], m["efsdp"] = sparse["ep"], sparse["efsdp"]
         m["efsdp_hsdp"] = sparse["dp_replicate", "efsdp"] if self.dp_replicate > 1 else sparse["efsdp"]
         self._meshes = m
@@ -213,6 +214,11 @@ class ParallelDims:
     def loss_mesh(self) -> DeviceMesh:
         """dp x cp as one 1-D mesh: the ranks whose token and sequence counts make the global batch."""
         return self._get("loss")
+
+    def token_mesh(self) -> DeviceMesh:
+        """dp x cp x tp as one 1-D mesh: the ranks of one pipeline stage, whose token shards make the
+        global batch when every TP rank routes its own shard (expert parallelism over TP ranks)."""
+        return self._get("tokens")
 
     def tp_mesh(self) -> DeviceMesh:
         return self._get("tp")

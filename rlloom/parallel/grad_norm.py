@@ -2,12 +2,14 @@
 
 The norm is the 2-norm of the whole model's gradient: each rank sums the squares of its local
 shards, the sums are all-reduced over the mesh axes the gradient is sharded on (never over
-replicated axes, which would count it twice), and every rank gets the same value.
+replicated axes, which would count it twice), and every rank gets the same value. Expert weights
+under expert parallelism are split over the EP ranks outside any DTensor (`ep.py`): their sums are
+also all-reduced over the EP group (`ep_params`, `ep_group`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 import torch.distributed as dist
@@ -20,17 +22,28 @@ def _shard_groups(grad: DTensor) -> tuple[dist.ProcessGroup, ...]:
     return tuple(mesh.get_group(i) for i, p in enumerate(grad.placements) if isinstance(p, Shard))
 
 
-def grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
+def grad_norm(
+    parameters: Iterable[nn.Parameter],
+    *,
+    ep_params: Collection[nn.Parameter] = (),
+    ep_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
     """Global 2-norm (fp32 scalar tensor, identical on every rank) of the gradients of `parameters`.
 
     Parameters without a gradient are skipped. NaN or inf in any gradient gives a non-finite norm.
+    `ep_params` (a subset of `parameters`) hold this rank's experts; their squares are also summed
+    over `ep_group`.
     """
     params = [p for p in parameters if p.grad is not None]
-    plain = [p.grad for p in params if not isinstance(p.grad, DTensor)]
+    expert_ids = {id(p) for p in ep_params} if ep_group is not None else set()
+    plain = [p.grad for p in params if not isinstance(p.grad, DTensor) and id(p) not in expert_ids]
     by_groups: dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]] = {}
     for p in params:
+        extra = (ep_group,) if id(p) in expert_ids else ()
         if isinstance(p.grad, DTensor):
-            by_groups.setdefault(_shard_groups(p.grad), []).append(p.grad.to_local())
+            by_groups.setdefault(_shard_groups(p.grad) + extra, []).append(p.grad.to_local())
+        elif extra:
+            by_groups.setdefault(extra, []).append(p.grad)
     device = params[0].grad.device if params else torch.device("cpu")
     total_sq = torch.zeros((), dtype=torch.float32, device=device)
     if plain:
@@ -43,14 +56,20 @@ def grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
     return total_sq.sqrt()
 
 
-def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[nn.Parameter],
+    max_norm: float,
+    *,
+    ep_params: Collection[nn.Parameter] = (),
+    ep_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
     """Scale gradients in place so their global norm is at most `max_norm` (0 = only measure).
 
-    Returns the norm before clipping. A non-finite norm leaves the gradients untouched (the caller
-    skips the step).
+    Returns the norm before clipping (see `grad_norm` for `ep_params`). A non-finite norm leaves the
+    gradients untouched (the caller skips the step).
     """
     params = [p for p in parameters if p.grad is not None]
-    norm = grad_norm(params)
+    norm = grad_norm(params, ep_params=ep_params, ep_group=ep_group)
     if max_norm > 0 and params and bool(torch.isfinite(norm)):
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]

@@ -11,6 +11,8 @@ every technique `ParallelDims` asks for, in a fixed order:
 4. torch.compile (`compile.py`) of each (checkpointed) layer, inside FSDP's hooks.
 5. FSDP2 (`fsdp.py`) last: it shards whatever parameters the steps above left, experts over the
    ranks that hold the same experts, everything else over dp_shard x cp.
+
+Without `dims` (one process, no process group, fp32) only steps 3 and 4 apply.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from rlloom.parallel.tp import apply_tp
 
 def parallelize(
     model: nn.Module,
-    dims: ParallelDims,
+    dims: ParallelDims | None,
     *,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype = torch.float32,
@@ -38,12 +40,17 @@ def parallelize(
     compile_layers: bool = False,
     reshard_after_forward: bool = True,
     root: nn.Module | None = None,
-) -> FSDPModule:
+) -> FSDPModule | nn.Module:
     """Parallelise the native `CausalLM` `model` in place over the meshes of `dims` (built).
 
     `root` is the module FSDP makes its root when it wraps `model` (the training engine's policy
-    head); default `model`. Returns the FSDP root.
+    head); default `model`. Returns the FSDP root (`root` or `model` unsharded when `dims` is None).
     """
+    if dims is None:
+        apply_ac(model, ac_mode, ac_every_k)
+        if compile_layers:
+            apply_compile(model)
+        return root if root is not None else model
     dims.check_model(model.args)
     if dims.pp > 1 or dims.cp > 1:
         raise ValueError(

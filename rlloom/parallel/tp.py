@@ -38,7 +38,6 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -151,33 +150,52 @@ def _mla_attention_plan(args: ModelArgs) -> dict[str, ParallelStyle]:
     return plan
 
 
+class MoETokens(ParallelStyle):
+    """The MoE layer's inputs and output under TP (its parameters stay plain and replicated).
+
+    Without expert parallelism all tokens of the TP group go through the whole MoE layer on every
+    TP rank (the token shards are all-gathered), then each rank keeps its shard: the weights see the
+    same tokens and gradients everywhere. With it (EP borrows the TP ranks, dims.py) each rank routes
+    its own token shard and the experts' all-to-all brings every expert its tokens from all of them;
+    the router and shared experts then see only this rank's tokens, and `apply_tp` sums their
+    gradients over TP. The rollout's routes (routing replay, [N, K] for the whole stream, the same
+    on every TP rank) are passed whole or cut to the rank's shard to match.
+    """
+
+    def __init__(self, experts_parallel: bool) -> None:
+        super().__init__()
+        self.experts_parallel = experts_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        rank = device_mesh.get_local_rank()
+
+        def shard_of(x: torch.Tensor) -> DTensor:
+            if isinstance(x, DTensor):
+                return x
+            return DTensor.from_local(x, device_mesh, [TOKENS], run_check=False)
+
+        def inputs_fn(_module: nn.Module, args: tuple) -> tuple:
+            x, *rest = args
+            if not self.experts_parallel:
+                return (shard_of(x).redistribute(device_mesh, [Replicate()]).to_local(), *rest)
+            x = shard_of(x).to_local()
+            if rest and rest[0] is not None:
+                rest[0] = rest[0][rank * x.shape[0] : (rank + 1) * x.shape[0]]
+            return (x, *rest)
+
+        def output_fn(_module: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+            if self.experts_parallel:
+                return out
+            full = DTensor.from_local(out, device_mesh, [Replicate()], run_check=False)
+            return full.redistribute(device_mesh, [TOKENS]).to_local()
+
+        module.register_forward_pre_hook(inputs_fn)
+        module.register_forward_hook(output_fn)
+        return module
+
+
 def _moe_plan(experts_parallel: bool) -> dict[str, ParallelStyle]:
-    if experts_parallel:
-        # Expert parallelism borrows the TP ranks (dims.py): each rank routes its own token shard,
-        # the experts' all-to-all brings every expert its tokens from all of them. The router and
-        # shared experts then see only this rank's tokens: `apply_tp` sums their gradients over TP.
-        return {
-            "moe": PrepareModuleInputOutput(
-                input_layouts=(TOKENS,),
-                desired_input_layouts=(TOKENS,),
-                use_local_input=True,
-                output_layouts=(TOKENS,),
-                desired_output_layouts=(TOKENS,),
-                use_local_output=True,
-            )
-        }
-    # Without EP, all tokens of the TP group go through the whole MoE layer on every TP rank, then
-    # each rank keeps its token shard: the weights see the same tokens and gradients everywhere.
-    return {
-        "moe": PrepareModuleInputOutput(
-            input_layouts=(TOKENS,),
-            desired_input_layouts=(Replicate(),),
-            use_local_input=True,
-            output_layouts=(Replicate(),),
-            desired_output_layouts=(TOKENS,),
-            use_local_output=True,
-        )
-    }
+    return {"moe": MoETokens(experts_parallel)}
 
 
 def layer_plan(args: ModelArgs, layer_idx: int, experts_parallel: bool = False) -> dict[str, ParallelStyle]:

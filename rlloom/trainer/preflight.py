@@ -4,6 +4,8 @@
   for: data.max_prompt_length + rollout.max_new_tokens (a longer one would run silently past the
   positions the model was trained on).
 - The KV cache asked for fits in the device's free memory (inline mode; see `kv_cache_problem`).
+- The parallel degrees (parallel.tp/ep/...) divide the model's heads, KV heads, experts, vocabulary
+  and layers as each technique needs (`ParallelDims.check_model`), every factor printed.
 - The reward function resolves (a built-in name, an importable plug-in, or a weighted sum of them).
 - A resume continues the same run: the checkpoint's `config.yaml` differs from this config only in
   the settings of `rlloom.config.resume.FREE_TO_CHANGE`, unless trainer.resume_allow_changes=true
@@ -29,6 +31,7 @@ from rlloom.engines.rollout.native.model_runner import kv_bytes_per_block
 from rlloom.engines.rollout.native.validation import available_memory_bytes, kv_cache_problem
 from rlloom.models.args import ModelArgs
 from rlloom.models.checkpoint import resolve_path
+from rlloom.parallel.dims import ParallelDims
 from rlloom.rewards.registry import get_reward_fn
 from rlloom.tasks.build import default_reward_name
 
@@ -42,6 +45,7 @@ def check_before_loading(cfg: RunConfig) -> None:
         check_kv_cache(cfg, hf_config)
     check_reward(cfg)
     check_step_size(cfg)
+    check_parallel(cfg, hf_config)
 
 
 HOST_BYTES_PER_TOKEN = 128
@@ -148,3 +152,17 @@ def check_resume_config(checkpoint: Path, cfg: RunConfig) -> None:
             f"({saved_file}) in settings that change the run: {'; '.join(differences)}. Fix: use the "
             f"checkpoint's values, or {allow} (total_steps, saving and logging settings may always change)."
         )
+
+
+def check_parallel(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
+    """The parallel degrees against the model's shapes; the world-size rules are checked with the
+    config itself (`RunConfig.__post_init__`)."""
+    par = cfg.parallel
+    if par.tp == par.pp == par.cp == par.ep == 1:
+        return
+    try:
+        args = ModelArgs.from_hf_config(hf_config)
+        dims = ParallelDims(world_size=cfg.cluster.num_workers, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep)
+        dims.check_model(args)
+    except ValueError as e:
+        raise ConfigError(f"{' '.join(str(e).split())} (model.path={cfg.model.path!r})") from None

@@ -1,5 +1,7 @@
 """`build_train_engine` and `build_reference`: the training backend a run asks for, picked with a
-plain `if` (one backend, `native`, today). Workers build their engines only through these."""
+plain `if` (one backend, `native`, today). Workers build their engines only through these; the
+parallel layout (`ParallelDims`) comes from the `parallel` config section and the world size
+(cluster.num_workers)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import torch
 
 from rlloom.config.components import RunConfig
 from rlloom.engines.train.base import TrainEngine
+from rlloom.parallel.dims import ParallelDims
 
 
 def _optimizer_steps(cfg: RunConfig) -> int:
@@ -14,20 +17,40 @@ def _optimizer_steps(cfg: RunConfig) -> int:
     return t.total_steps * t.ppo_epochs * t.num_mini_batches
 
 
+def parallel_dims(cfg: RunConfig) -> ParallelDims | None:
+    """The run's layout: None for one process without any parallel degree (an unsharded engine)."""
+    par, world = cfg.parallel, cfg.cluster.num_workers
+    if world == 1 and par.tp == par.pp == par.cp == par.ep == 1:
+        return None
+    return ParallelDims(world_size=world, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep)
+
+
 def build_train_engine(cfg: RunConfig, *, device: torch.device, dtype: torch.dtype) -> TrainEngine:
     """This rank's training engine: the policy with its optimizer, in the run's parallel layout."""
     from rlloom.engines.train.native import NativeTrainEngine
 
     return NativeTrainEngine.build(
-        cfg.train, cfg.model.path, device=device, dtype=dtype, total_steps=_optimizer_steps(cfg)
+        cfg.train,
+        cfg.model.path,
+        device=device,
+        dtype=dtype,
+        total_steps=_optimizer_steps(cfg),
+        parallel_dims=parallel_dims(cfg),
     )
 
 
 def build_reference(cfg: RunConfig, *, device: torch.device, dtype: torch.dtype) -> TrainEngine:
-    """The frozen reference policy (the initial weights) for the KL loss: only `forward_logprobs`
-    is ever called on it."""
+    """The frozen reference policy (the initial weights) for the KL loss: forward-only, in the
+    compute dtype and the run's layout, with no fp32 master copy, no gradients and no optimizer
+    (only `forward_logprobs` is ever called on it)."""
     from rlloom.engines.train.native import NativeTrainEngine
 
     return NativeTrainEngine.build(
-        cfg.train, cfg.model.path, device=device, dtype=dtype, total_steps=_optimizer_steps(cfg)
+        cfg.train,
+        cfg.model.path,
+        device=device,
+        dtype=dtype,
+        total_steps=_optimizer_steps(cfg),
+        parallel_dims=parallel_dims(cfg),
+        frozen=True,
     )

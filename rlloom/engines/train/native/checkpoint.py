@@ -115,29 +115,47 @@ def _unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return tree
 
 
-def _local_chunk(t: torch.Tensor) -> tuple[torch.Tensor, list[int], bool]:
-    """(this rank's part, its offset in the global tensor, whether this rank writes it)."""
+EXPERTS = ".moe.experts."
+"""Names of routed-expert tensors (and their optimizer state) contain this: under expert
+parallelism each EP rank holds a contiguous block of experts along dim 0, outside any DTensor."""
+
+
+def _local_chunk(
+    t: torch.Tensor, name: str = "", experts: tuple[int, int] = (0, 1)
+) -> tuple[torch.Tensor, list[int], bool, list[int]]:
+    """(this rank's part, its offset in the global tensor, whether this rank writes it, the global
+    shape). `experts` = (this rank's EP rank, ep): an expert tensor's block is placed at its experts."""
+    ep_rank, ep = experts
     if not isinstance(t, DTensor):
-        return t, [0] * t.dim(), _rank() == 0
-    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    coord = t.device_mesh.get_coordinate() or []
-    # Of the ranks holding the same chunk (replicated mesh dimensions) only the first writes it.
-    primary = all(c == 0 for c, p in zip(coord, t.placements) if not isinstance(p, Shard))
-    return t.to_local(), list(offset), primary
+        part, offset, primary, shape = t, [0] * t.dim(), _rank() == 0, list(t.shape)
+    else:
+        _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        coord = t.device_mesh.get_coordinate() or []
+        # Of the ranks holding the same chunk (replicated mesh dimensions) only the first writes it.
+        primary = all(c == 0 for c, p in zip(coord, t.placements) if not isinstance(p, Shard))
+        part, offset, shape = t.to_local(), list(offset), list(t.shape)
+    if ep > 1 and EXPERTS in name and t.dim() > 0:
+        offset[0] += ep_rank * shape[0]
+        shape[0] *= ep
+    return part, offset, primary, shape
 
 
 # ---- save ---------------------------------------------------------------------------------------
 
 
-def _write_rank_files(tmp: Path, tree: dict[str, Any], engine_state: dict[str, Any]) -> None:
+def _write_rank_files(
+    tmp: Path, tree: dict[str, Any], engine_state: dict[str, Any], experts: tuple[int, int]
+) -> None:
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _flatten(tree, "", tensors)
     rank = _rank()
     local: dict[str, torch.Tensor] = {}
     offsets: dict[str, list[int]] = {}
     storages: set[int] = set()
+    shapes: dict[str, Any] = {}
     for name, t in tensors.items():
-        part, offset, writes = _local_chunk(t.detach())
+        part, offset, writes, shape = _local_chunk(t.detach(), name, experts)
+        shapes[name] = {"shape": shape, "dtype": str(t.dtype).removeprefix("torch.")}
         if writes and part.numel() > 0:
             part = part.to("cpu").contiguous()
             if (
@@ -151,10 +169,6 @@ def _write_rank_files(tmp: Path, tree: dict[str, Any], engine_state: dict[str, A
     (tmp / f"chunks_rank{rank}.json").write_text(json.dumps(offsets))
     (tmp / f"rng_rank{rank}.json").write_text(json.dumps(rng_state()))
     if rank == 0:
-        shapes = {
-            n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-            for n, t in tensors.items()
-        }
         state = {
             "format": 1,
             "world_size": _world(),
@@ -171,8 +185,12 @@ def save_checkpoint(
     optimizers: list[torch.optim.Optimizer],
     extra_tensors: dict[str, torch.Tensor],
     engine_state: dict[str, Any],
+    experts: tuple[int, int] = (0, 1),
 ) -> None:
     """Write a checkpoint to `path` (every rank calls this; `path` is on a shared filesystem).
+
+    `experts` = (this rank's EP rank, ep) under expert parallelism: expert tensors are stored whole
+    (all experts), so any other layout loads them.
 
     On any error (e.g. a full disk) every rank raises CheckpointError, the temporary folder is
     removed and an existing checkpoint at `path` is left as it was.
@@ -191,7 +209,7 @@ def save_checkpoint(
     if extra_tensors:
         tree["extra"] = extra_tensors
     try:
-        _write_rank_files(tmp, tree, engine_state)
+        _write_rank_files(tmp, tree, engine_state, experts)
     except Exception as e:  # safetensors reports I/O errors (a full disk) as its own type
         error = f"saving checkpoint {str(final)!r} failed on rank {_rank()}: {e}"
     try:
@@ -226,13 +244,19 @@ def check_complete(path: str | os.PathLike) -> dict[str, Any]:
     return json.loads((Path(path) / STATE).read_text())
 
 
-def _fill(target: torch.Tensor, name: str, meta: dict[str, Any], chunks: list[tuple[Any, list[int]]]) -> None:
+def _fill(
+    target: torch.Tensor,
+    name: str,
+    meta: dict[str, Any],
+    chunks: list[tuple[Any, list[int]]],
+    experts: tuple[int, int],
+) -> None:
     """Copy into `target` (this rank's part of tensor `name`) its overlap with every saved chunk."""
-    part, offset, _ = _local_chunk(target)
-    if list(target.shape) != meta["shape"] or str(target.dtype).removeprefix("torch.") != meta["dtype"]:
+    part, offset, _, shape = _local_chunk(target, name, experts)
+    if shape != meta["shape"] or str(target.dtype).removeprefix("torch.") != meta["dtype"]:
         raise CheckpointError(
             f"checkpoint tensor {name!r} is {meta['dtype']} {meta['shape']}, the engine's is "
-            f"{target.dtype} {list(target.shape)}. Fix: load it into an engine built with the same model."
+            f"{target.dtype} {shape}. Fix: load it into an engine built with the same model."
         )
     if part.dim() == 0 and chunks:
         part.copy_(chunks[0][0].get_tensor(name))
@@ -259,11 +283,13 @@ def load_checkpoint(
     model: nn.Module,
     optimizers: list[torch.optim.Optimizer],
     extra_tensors: dict[str, torch.Tensor],
+    experts: tuple[int, int] = (0, 1),
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Load `path` into `model` and `optimizers` in place and restore this rank's RNG states.
 
     `extra_tensors` are templates (right shapes and layouts) for the extra state saved alongside;
-    returns (engine state, loaded extra tensors).
+    `experts` as in `save_checkpoint` (the saving layout's may differ). Returns (engine state,
+    loaded extra tensors).
     """
     root = Path(path)
     state = check_complete(root)
@@ -288,7 +314,7 @@ def load_checkpoint(
             for name, offset in json.loads((root / f"chunks_rank{r}.json").read_text()).items():
                 per_name[name].append((handle, offset))
         for name, target in targets.items():
-            _fill(target, name, saved[name], per_name[name])
+            _fill(target, name, saved[name], per_name[name], experts)
     loaded = _unflatten(state["tree"], targets)
     if optimizers:
         set_state_dict(model, optimizers, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])

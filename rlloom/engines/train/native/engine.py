@@ -1,10 +1,13 @@
-"""NativeTrainEngine: the PyTorch training engine (FSDP2 data parallel, bf16 compute, fp32 master).
+"""NativeTrainEngine: the PyTorch training engine (bf16 compute, fp32 master weights) in any layout
+of TP/SP, EP and FSDP2 that `rlloom.parallel.parallelize` builds; the engine itself only knows the
+few facts of `EngineLayout` (layout.py).
 
 One call of `train_step` is one optimizer step over a global batch:
 
     plan     balance samples over data-parallel ranks by tokens, pack each rank's share into
              micro-batches of at most max_tokens_per_micro_batch tokens (no padding, no truncation);
-             with share_prompts the packing units are groups (one prompt copy + its responses)
+             with share_prompts the packing units are groups (one prompt copy + its responses).
+             The TP ranks of one dp rank run the same micro-batches (padded to a multiple of tp)
     run      per micro-batch: packed forward, logprobs at response positions, the caller's loss_fn,
              backward of loss_sum / loss_normalizer (gradients accumulate; FSDP sums them over ranks)
     step     global grad norm, clip, AdamW (skipped when the loss or the norm is not finite, or when a
@@ -14,7 +17,8 @@ Every rank receives the same global batch and computes the same plan from it, so
 Ranks with fewer micro-batches run zero-weight copies of their smallest sample, so every rank issues
 the same collectives. Because each micro-batch's loss sum is divided by the normaliser of the
 global batch and gradients are summed, loss and gradients equal those of the whole batch at once,
-for any token budget and any number of ranks.
+for any token budget and any layout (the normaliser counts the tokens of every dp rank's samples;
+TP ranks hold the same samples and are not counted again).
 
 Shape legend: B samples of the global batch, b of a micro-batch, T response tokens (batch.T).
 """
@@ -37,8 +41,9 @@ from rlloom.config.components import TrainEngineConfig
 from rlloom.data.types import RolloutBatch
 from rlloom.devices import to_device
 from rlloom.engines.train.base import LossFn
-from rlloom.engines.train.native.checkpoint import load_checkpoint, save_checkpoint
+from rlloom.engines.train.native.checkpoint import EXPERTS, load_checkpoint, save_checkpoint
 from rlloom.engines.train.native.flops import active_body_params, step_flops
+from rlloom.engines.train.native.layout import EngineLayout
 from rlloom.engines.train.native.lr_schedule import lr_at
 from rlloom.engines.train.native.microbatch import plan_rank, shared_prompt_units
 from rlloom.engines.train.native.moe_balance import MoEBalance
@@ -50,20 +55,14 @@ from rlloom.engines.train.native.step_guard import (
     all_true,
     optimizer_state_tensors,
 )
-from rlloom.engines.train.native.weights import named_weight_buckets
+from rlloom.engines.train.native.weights import WeightLayout, named_weight_buckets, weight_layouts
 from rlloom.models import from_pretrained
 from rlloom.observability.memory import memory_metrics, reset_peak_memory
 from rlloom.observability.metrics import Max, Mean, Metric, MetricsAccumulator, Min, Sum, reduce_across_ranks
 from rlloom.observability.mfu import H100_BF16_PEAK_FLOPS
-from rlloom.parallel import (
-    ParallelDims,
-    apply_ac,
-    apply_compile,
-    apply_fsdp,
-    clip_grad_norm_,
-    init_distributed,
-)
+from rlloom.parallel import ParallelDims, clip_grad_norm_, init_distributed
 from rlloom.parallel.layers import decoder_layers, layer_items
+from rlloom.parallel.parallelize import parallelize
 
 
 class NativeTrainEngine:
@@ -71,9 +70,10 @@ class NativeTrainEngine:
 
     `model`: a native CausalLM (fp32 weights on CPU or `device`). `dtype`: compute dtype (default
     bf16 on CUDA, fp32 on CPU). With more than one rank (an initialised process group, or torchrun
-    variables WORLD_SIZE/RANK/MASTER_ADDR/MASTER_PORT), or a compute dtype other than fp32, the
-    model is sharded with FSDP2 (a one-rank process group is started when none exists).
-    `total_steps`: optimizer steps of the run, needed by the linear and cosine LR schedules.
+    variables WORLD_SIZE/RANK/MASTER_ADDR/MASTER_PORT), a compute dtype other than fp32, or
+    `parallel_dims`, the model is parallelised in that layout (default: FSDP2 over every rank; a
+    one-rank process group is started when none exists). `total_steps`: optimizer steps of the run,
+    needed by the linear and cosine LR schedules. `frozen`: a forward-only reference (see below).
     """
 
     def __init__(
@@ -86,67 +86,75 @@ class NativeTrainEngine:
         total_steps: int | None = None,
         parallel_dims: ParallelDims | None = None,
         reshard_after_forward: bool = True,
+        frozen: bool = False,
     ) -> None:
         self.cfg = cfg
         self.device = torch.device(device)
         self.compute_dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.total_steps = total_steps
+        self.frozen = frozen
+        """A forward-only reference: weights in the compute dtype, no gradients, no optimizer."""
         lr_at(0, cfg, total_steps)  # fail now, not at the first step, on a schedule without total_steps
         world_size = (
             dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         )
         self.sharded = world_size > 1 or self.compute_dtype != torch.float32 or parallel_dims is not None
 
-        self.model = model.float()  # parameters are the fp32 master weights
-        self.moe_balance = MoEBalance.build(
-            self.model, aux_loss_coef=cfg.moe_aux_loss_coef, bias_update_rate=cfg.moe_bias_update_rate
+        # Trained parameters are the fp32 master weights; a frozen reference keeps the compute dtype.
+        self.model = model.to(self.compute_dtype).requires_grad_(False) if frozen else model.float()
+        self._body_params = active_body_params(self.model)  # before expert parallelism splits experts
+        self.moe_balance = (
+            None
+            if frozen
+            else MoEBalance.build(
+                self.model, aux_loss_coef=cfg.moe_aux_loss_coef, bias_update_rate=cfg.moe_bias_update_rate
+            )
         )
-        apply_ac(self.model, cfg.activation_checkpointing, cfg.ac_every_k)
-        compiled = cfg.compile and self.device.type == "cuda"
-        if compiled:  # after AC, before FSDP (rlloom/parallel/compile.py)
-            apply_compile(self.model)
         self.module = PolicyHead(
             self.model, chunk_tokens=cfg.logprob_chunk_tokens, fused_head=self.device.type == "cuda"
         )
         self.reshard_after_forward = reshard_after_forward
-        self.dp_group: dist.ProcessGroup | None = None
-        self.dp_rank, self.dp_size = 0, 1
+        self.dims: ParallelDims | None = None
         if self.sharded:
             init_distributed(self.device.type)  # also picks this rank's GPU (LOCAL_RANK)
+            self.dims = parallel_dims or ParallelDims(world_size=dist.get_world_size())
+            self.dims.build_mesh(self.device.type)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        if self.sharded:
-            self.parallel_dims = parallel_dims or ParallelDims(world_size=dist.get_world_size())
-            extra = {
-                k: v for k, v in self.parallel_dims.degrees().items() if k in ("tp", "cp", "pp") and v > 1
-            }
-            if extra:
-                raise ValueError(
-                    f"parallel degrees {extra} are not implemented by the native engine yet; it shards with "
-                    "FSDP (dp_shard) and HSDP (dp_replicate) only. Fix: set tp=cp=pp=1."
-                )
-            self.parallel_dims.build_mesh(self.device.type)
-            apply_fsdp(
-                self.module,
-                self.parallel_dims.dp_shard_mesh(),
-                param_dtype=self.compute_dtype,
-                reduce_dtype=torch.float32,
-                reshard_after_forward=reshard_after_forward,
-                layers_of=self.model,
-            )
-            dp_mesh = self.parallel_dims.dp_mesh()
-            self.dp_group, self.dp_rank, self.dp_size = (
-                dp_mesh.get_group(),
-                dp_mesh.get_local_rank(),
-                dp_mesh.size(),
-            )
-        else:
+        self.layout = EngineLayout.of(self.dims)
+        parallelize(
+            self.model,
+            self.dims,
+            param_dtype=self.compute_dtype,
+            reduce_dtype=torch.float32,
+            ac_mode="off" if frozen else cfg.activation_checkpointing,
+            ac_every_k=cfg.ac_every_k,
+            compile_layers=cfg.compile and self.device.type == "cuda",  # after AC, before FSDP
+            reshard_after_forward=reshard_after_forward,
+            root=self.module,
+        )
+        if not self.sharded:
             self.module.to(self.device)
-        self.optimizer = EngineOptimizer(list(self.module.named_parameters()), cfg)
+        self.dp_group, self.dp_rank, self.dp_size = (
+            self.layout.dp_group,
+            self.layout.dp_rank,
+            self.layout.dp_size,
+        )
+        named = list(self.module.named_parameters())
+        self._expert_params = [p for name, p in named if EXPERTS in name] if self.layout.ep_group else []
+        self._optimizer = None if frozen else EngineOptimizer(named, cfg)
         self.version = 0
         """Optimizer steps applied so far: the policy version of the current weights."""
         self.num_skipped_steps = 0
-        self._body_params = active_body_params(self.model)
+
+    @property
+    def optimizer(self) -> EngineOptimizer:
+        if self._optimizer is None:
+            raise ValueError(
+                "this engine is a frozen reference (build_reference): it has no optimizer and cannot train "
+                "or be saved. Fix: train and save the policy engine (build_train_engine)."
+            )
+        return self._optimizer
 
     @classmethod
     def build(cls, cfg: TrainEngineConfig, model_path: str, **kwargs: Any) -> NativeTrainEngine:
@@ -174,23 +182,23 @@ class NativeTrainEngine:
 
     def _check_same_batch(self, batch: RolloutBatch) -> None:
         # A rank with another batch would plan other collectives and hang; one tiny all-reduce instead.
-        if self.dp_size == 1:
+        if self.layout.world_size == 1:
             return
         local = torch.tensor(
             [len(batch), batch.num_tokens, batch.T], dtype=torch.float64, device=self._comm_device
         )
         both = torch.cat([local, -local])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.dp_group)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.layout.world_group)
         if not torch.equal(both[:3], -both[3:]):
             raise ValueError(
-                f"data-parallel ranks received different batches (samples, tokens, T): rank {self.dp_rank} has "
+                f"ranks received different batches (samples, tokens, T): rank {dist.get_rank()} has "
                 f"{local.long().tolist()}, the max over ranks is {both[:3].long().tolist()}. Fix: pass every rank "
                 "the same global batch; the engine picks each rank's share itself."
             )
 
     @property
     def _comm_device(self) -> torch.device:
-        return self.device if dist.get_backend(self.dp_group) == "nccl" else torch.device("cpu")
+        return self.device if dist.get_backend(self.layout.world_group) == "nccl" else torch.device("cpu")
 
     def _run(
         self,
@@ -208,6 +216,7 @@ class NativeTrainEngine:
             with_entropy,
             share_prompts=self.cfg.share_prompts,
             replay_routes=routing_replay,
+            pad_multiple=self.layout.tp,
         )
 
     # ---- the engine interface ---------------------------------------------------------------
@@ -324,6 +333,9 @@ class NativeTrainEngine:
         counts = self.model.route_mismatch()
         if counts is None:
             return {}
+        if self.layout.tokens_split_over_tp:  # each TP rank compared its own token shard
+            counts = counts.to(self._comm_device)
+            dist.all_reduce(counts, group=self.layout.tp_group)
         compared = sum((len(batch.samples[i].routed_experts)) for i in rows) * len(self.model.moe_layers())
         return {"moe/route_mismatch_frac": Mean(counts[0] / counts[1].clamp(min=1), weight=compared)}
 
@@ -382,7 +394,14 @@ class NativeTrainEngine:
             routing_replay=routing_replay,
         )
         lr = lr_at(self.version, self.cfg, self.total_steps)
-        grad_norm = float(clip_grad_norm_(self.optimizer.params, self.cfg.grad_clip))
+        grad_norm = float(
+            clip_grad_norm_(
+                self.optimizer.params,
+                self.cfg.grad_clip,
+                ep_params=self._expert_params,
+                ep_group=self.layout.ep_group,
+            )
+        )
         skip = not (math.isfinite(grad_norm) and math.isfinite(metrics.get("train/loss", 0.0)))
         if not skip:
             skip = not self._step_if_finite(lr)
@@ -394,8 +413,8 @@ class NativeTrainEngine:
         if self.moe_balance is not None:
             metrics |= self.moe_balance.finish(
                 applied=not skip,
-                group=self.dp_group if self.dp_size > 1 else None,
-                comm_device=self._comm_device if self.dp_size > 1 else self.device,
+                group=self.layout.moe_count_group,
+                comm_device=self._comm_device if self.layout.world_size > 1 else self.device,
             )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -411,7 +430,7 @@ class NativeTrainEngine:
         self.optimizer.set_lr(lr)
         self.optimizer.stage_grads()
         flags = [adamw_would_be_finite(optim) for optim in self.optimizer.optimizers]
-        if not all_true(flags, self.dp_group, self.device):
+        if not all_true(flags, self.layout.world_group, self.device):
             return False
         self.optimizer.step()
         return True
@@ -421,10 +440,11 @@ class NativeTrainEngine:
         out = {"perf/train_tok_per_s": sum(seq_lens) / seconds, "time/train_step_s": seconds}
         acc = MetricsAccumulator()
         acc.add(memory_metrics(self.device))
-        out |= reduce_across_ranks(acc, self.dp_group)
+        out |= reduce_across_ranks(acc, self.layout.world_group)
         if self.device.type == "cuda":
+            # The global batch's FLOPs over every device of the layout (dp x tp x ...), not just dp.
             flops = step_flops(self.model, seq_lens, int(num_response), body_params=self._body_params)
-            out["perf/mfu"] = flops / (seconds * H100_BF16_PEAK_FLOPS * self.dp_size)
+            out["perf/mfu"] = flops / (seconds * H100_BF16_PEAK_FLOPS * self.layout.world_size)
         return out
 
     def named_weights(
@@ -434,19 +454,32 @@ class NativeTrainEngine:
 
         Gathers shards: every rank must consume the generator. See `weights.tensor_checksum`.
         """
-        return named_weight_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype)
+        return named_weight_buckets(
+            self.model, bucket_bytes=bucket_bytes, dtype=dtype, ep_group=self.layout.ep_group
+        )
+
+    def weight_layouts(self) -> dict[str, WeightLayout]:
+        """For each Hugging Face name `named_weights` yields, where it lives on this rank (native
+        parameter, expert index and EP owner, DTensor mesh dimensions and placements); no data moves."""
+        return weight_layouts(self.model, ep=self.layout.ep)
 
     # ---- checkpoint and memory --------------------------------------------------------------
 
     def _dcp_optimizers(self) -> list[torch.optim.Optimizer]:
-        return [self.optimizer.device_optim] if self.optimizer.device_optim is not None else []
+        optim = self.optimizer.device_optim
+        return [optim] if optim is not None else []
 
     def save(self, path: str) -> None:
         """Save model, optimizer, schedule position and RNG states to the folder `path` (all ranks)."""
         self._check_finite_for_save(path)
         state = {"version": self.version, "num_skipped_steps": self.num_skipped_steps}
         save_checkpoint(
-            path, self.module, self._dcp_optimizers(), self.optimizer.offloaded_state_dict(), state
+            path,
+            self.module,
+            self._dcp_optimizers(),
+            self.optimizer.offloaded_state_dict(),
+            state,
+            experts=(self.layout.ep_rank, self.layout.ep),
         )
 
     def _check_finite_for_save(self, path: str) -> None:
@@ -454,7 +487,7 @@ class NativeTrainEngine:
         named = list(self.module.named_parameters()) + list(
             optimizer_state_tensors(self.optimizer.optimizers)
         )
-        if all_finite([t for _, t in named], self.dp_group, self.device):
+        if all_finite([t for _, t in named], self.layout.world_group, self.device):
             return
         local = [name for name, t in named if not all_finite([t], None, self.device)]
         raise ValueError(
@@ -466,7 +499,11 @@ class NativeTrainEngine:
     def load(self, path: str) -> None:
         """Restore a `save`d folder into this engine (built with the same model and settings)."""
         state, extra = load_checkpoint(
-            path, self.module, self._dcp_optimizers(), self.optimizer.offloaded_state_dict()
+            path,
+            self.module,
+            self._dcp_optimizers(),
+            self.optimizer.offloaded_state_dict(),
+            experts=(self.layout.ep_rank, self.layout.ep),
         )
         self.optimizer.load_offloaded_state_dict(extra)
         self.version = int(state["version"])
@@ -484,7 +521,8 @@ class NativeTrainEngine:
 
     def _move(self, device: torch.device) -> None:
         self.module.to(device)  # FSDP2 keeps its sharded parameters registered across .to()
-        self.optimizer.move_state(device)
+        if self._optimizer is not None:
+            self._optimizer.move_state(device)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

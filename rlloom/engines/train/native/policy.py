@@ -5,19 +5,29 @@ owned by the root FSDP unit) must be used inside the root's forward. Wrapping hi
 `token_logprobs` in one forward does that, and lets the head run only at the positions that predict
 a trained response token instead of over the whole packed stream.
 
+Under tensor parallelism the hidden states come as token shards and the head weight is sharded over
+the vocabulary: the selected positions are gathered from the all-gathered stream and the head runs
+on the local vocabulary slice (`rlloom.parallel.vocab_parallel`), never building full logits. The
+packed stream is padded to a multiple of tp tokens with a segment of its own at the end, which no
+real position attends to and no selected position reads.
+
 Shape legend: N tokens in the packed stream, S segments, Z branches of shared-prompt segments,
 K selected positions, D hidden size, b samples of a micro-batch, T response tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
-from rlloom.data.types import RolloutBatch
+from rlloom.data.types import PackedTensors, RolloutBatch
 from rlloom.devices import to_device
 from rlloom.models.attention_ops import TreePlan
 from rlloom.models.logprobs import token_logprobs
+from rlloom.parallel.vocab_parallel import vocab_parallel_token_logprobs
 
 
 class PolicyHead(nn.Module):
@@ -68,15 +78,28 @@ class PolicyHead(nn.Module):
             # every parameter, so backward gives (zero) gradients everywhere, as on other ranks.
             positions_K = positions_K.new_zeros(1)
             targets_K = targets_K.new_zeros(1)
-        logp_K, entropy_K = token_logprobs(
-            hidden_ND[positions_K],
-            self.model.lm_head_weight,
-            targets_K,
-            temperature=temperature,
-            chunk_tokens=self.chunk_tokens,
-            with_entropy=with_entropy,
-            fused=self.fused_head,
-        )
+        weight_VD = self.model.lm_head_weight
+        if isinstance(weight_VD, DTensor):  # tensor parallel: token shards, vocabulary-sharded head
+            if isinstance(hidden_ND, DTensor):
+                hidden_ND = hidden_ND.redistribute(hidden_ND.device_mesh, [Replicate()]).to_local()
+            logp_K, entropy_K = vocab_parallel_token_logprobs(
+                hidden_ND[positions_K],
+                weight_VD,
+                targets_K,
+                temperature=temperature,
+                chunk_tokens=self.chunk_tokens,
+                with_entropy=with_entropy,
+            )
+        else:
+            logp_K, entropy_K = token_logprobs(
+                hidden_ND[positions_K],
+                weight_VD,
+                targets_K,
+                temperature=temperature,
+                chunk_tokens=self.chunk_tokens,
+                with_entropy=with_entropy,
+                fused=self.fused_head,
+            )
         if num_selected == 0:
             logp_K = logp_K[:0]
             entropy_K = entropy_K[:0] if entropy_K is not None else None
@@ -92,10 +115,12 @@ def run_micro_batch(
     *,
     share_prompts: bool = False,
     replay_routes: bool = False,
+    pad_multiple: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
     """Pack `batch` (one micro-batch; shared-prompt layout with `share_prompts`), run `module` (a
     PolicyHead, maybe FSDP-wrapped) on it; with `replay_routes` an MoE model uses the experts the
-    rollout recorded in the samples (routing replay).
+    rollout recorded in the samples (routing replay); the stream is padded to a multiple of
+    `pad_multiple` tokens (the tensor-parallel degree).
 
     Returns logp_bT and entropy_bT (or None) on `device`, fp32 [b, T] and 0 where the response mask
     is false, then the number of tokens in the packed stream and the number of response tokens.
@@ -104,6 +129,8 @@ def run_micro_batch(
     CUDA the call queues its kernels without waiting for the GPU.
     """
     packed = batch.packed(share_prompts=share_prompts)
+    num_tokens = packed.input_ids_N.numel()
+    packed = pad_stream(packed, pad_multiple)
     mask_bT = packed.response_mask_BT
     flat_K = mask_bT.flatten().nonzero().squeeze(1)
     if replay_routes and packed.routes_NLK is None:
@@ -135,4 +162,31 @@ def run_micro_batch(
         return zeros.index_put((flat_K_device,), values_K).view(mask_bT.shape)
 
     entropy_bT = spread(entropy_K) if entropy_K is not None else None
-    return spread(logp_K), entropy_bT, packed.input_ids_N.numel(), flat_K.numel()
+    return spread(logp_K), entropy_bT, num_tokens, flat_K.numel()
+
+
+def pad_stream(packed: PackedTensors, multiple: int) -> PackedTensors:
+    """`packed` with a padding segment of token 0 appended so its length is a multiple of `multiple`
+    (the same object when it already is). The segment is a causal sequence of its own (a prompt with
+    no branches in the shared-prompt layout), with no recorded routes; no response reads it."""
+    num_tokens = packed.input_ids_N.numel()
+    pad = -num_tokens % multiple
+    if pad == 0:
+        return packed
+    ids = packed.input_ids_N
+    routes = packed.routes_NLK
+    prefix = packed.prefix_lens_S
+    return dataclasses.replace(
+        packed,
+        input_ids_N=torch.cat([ids, ids.new_zeros(pad)]),
+        position_ids_N=torch.cat(
+            [packed.position_ids_N, torch.arange(pad, dtype=packed.position_ids_N.dtype)]
+        ),
+        cu_seqlens=torch.cat([packed.cu_seqlens, packed.cu_seqlens.new_tensor([num_tokens + pad])]),
+        target_ids_N=torch.cat([packed.target_ids_N, packed.target_ids_N.new_zeros(pad)]),
+        max_seqlen=max(packed.max_seqlen, pad),
+        prefix_lens_S=None if prefix is None else torch.cat([prefix, prefix.new_tensor([pad])]),
+        routes_NLK=None
+        if routes is None
+        else torch.cat([routes, routes.new_full((pad, *routes.shape[1:]), -1)]),
+    )

@@ -1,18 +1,23 @@
 """Weight export for weight sync: full tensors under Hugging Face names, in size-bounded buckets.
 
-Sharded (FSDP) parameters are gathered with `DTensor.full_tensor()`, a collective: every rank must
-iterate the generator to the end in the same order, although usually only one rank sends.
+Sharded (FSDP, TP) parameters are gathered with `DTensor.full_tensor()`, and expert-parallel expert
+weights with an all-gather over the EP ranks: collectives, so every rank must iterate the generator
+to the end in the same order, although usually only one rank sends. `weight_layouts` describes
+where each Hugging Face tensor lives in the training layout without moving any data.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement
 
+from rlloom.engines.train.native.checkpoint import EXPERTS
 from rlloom.models.adapter import StateDictAdapter
 
 
@@ -28,10 +33,66 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
     return digest.hexdigest()
 
 
+@dataclass(frozen=True, slots=True)
+class WeightLayout:
+    """Where one Hugging Face tensor lives in the training layout (for an owner-only reshard plan)."""
+
+    native_name: str
+    """The native parameter it comes from (e.g. `layers.1.moe.experts.w1`)."""
+    expert: int | None
+    """For a routed expert: its index in the native [E, ...] stack (the HF tensor is that row)."""
+    ep_rank: int | None
+    """For a routed expert under expert parallelism: the EP rank holding it (None: every rank)."""
+    mesh_dim_names: tuple[str, ...]
+    """Mesh dimensions of this rank's native DTensor (empty for a plain tensor)."""
+    placements: tuple[Placement, ...]
+    """Its placements on those dimensions (Shard(0) over "fsdp" and Shard(d) / Replicate over "tp",
+    ...); an expert's are those of its EP rank's [E / ep, ...] block."""
+
+
+def weight_layouts(model: nn.Module, ep: int = 1) -> dict[str, WeightLayout]:
+    """For each Hugging Face name of `model` (as `named_weight_buckets` yields them), its layout."""
+    adapter = StateDictAdapter(model.args)
+    out: dict[str, WeightLayout] = {}
+    for native_name, tensor in model.state_dict().items():
+        mesh_dims: tuple[str, ...] = ()
+        placements: tuple[Placement, ...] = ()
+        if isinstance(tensor, DTensor):
+            mesh_dims, placements = tuple(tensor.device_mesh.mesh_dim_names or ()), tuple(tensor.placements)
+        split = ep if EXPERTS in f".{native_name}" else 1
+        meta = torch.empty(
+            (tensor.shape[0] * split, *tensor.shape[1:]) if tensor.dim() else (), device="meta"
+        )
+        for index, (hf_name, _) in enumerate(adapter.to_hf(native_name, meta)):
+            is_expert = EXPERTS in f".{native_name}"
+            out[hf_name] = WeightLayout(
+                native_name=native_name,
+                expert=index if is_expert else None,
+                ep_rank=index // tensor.shape[0] if is_expert and ep > 1 else None,
+                mesh_dim_names=mesh_dims,
+                placements=placements,
+            )
+    return out
+
+
+def _full_tensor(native_name: str, tensor: torch.Tensor, ep_group: dist.ProcessGroup | None) -> torch.Tensor:
+    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+    if ep_group is None or EXPERTS not in f".{native_name}":
+        return full
+    blocks = [torch.empty_like(full) for _ in range(dist.get_world_size(ep_group))]
+    dist.all_gather(blocks, full.contiguous(), group=ep_group)
+    return torch.cat(blocks)
+
+
 def named_weight_buckets(
-    model: nn.Module, *, bucket_bytes: int, dtype: torch.dtype | None = None
+    model: nn.Module,
+    *,
+    bucket_bytes: int,
+    dtype: torch.dtype | None = None,
+    ep_group: dist.ProcessGroup | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Buckets of (hf_name, full tensor) of `model` (a native CausalLM, possibly FSDP-sharded).
+    """Buckets of (hf_name, full tensor) of `model` (a native CausalLM, possibly FSDP/TP-sharded; with
+    `ep_group` its routed experts split over those EP ranks).
 
     A bucket holds at most `bucket_bytes` (a larger tensor comes alone). Tensors are cast to `dtype`
     when given (e.g. bf16 for a bf16 rollout engine) and stay on the model's device.
@@ -44,7 +105,7 @@ def named_weight_buckets(
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for native_name, tensor in model.state_dict().items():
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+        full = _full_tensor(native_name, tensor, ep_group)
         if dtype is not None:
             full = full.to(dtype)
         for hf_name, part in adapter.to_hf(native_name, full):

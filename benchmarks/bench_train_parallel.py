@@ -1,0 +1,195 @@
+"""Training-engine throughput in a parallel layout (TP/SP, EP, FSDP), one row per launch.
+
+Launched with torchrun, one process per GPU; the layout is `--tp` / `--ep` (data parallelism is what
+the world size leaves). Random weights built from a config (no downloads), fp32 master weights,
+bf16 compute, activation checkpointing full, packed sequences of `--seq-len` tokens (one per
+micro-batch), `--micro-batches` per data-parallel rank. One warm-up step, then `--steps` timed.
+Reported (rank 0): layout, model shape, tokens/s (global and per GPU), MFU on active parameters
+(routed experts count top_k / num_experts; over every GPU of the layout, 989 TFLOP/s each), peak
+GPU memory (max over ranks) and peak host RSS (max over ranks). `--append FILE` adds the row as a
+JSON line; `--table FILE` prints every row of that file as one table.
+
+Shapes: `30b-a3b-8l` (Qwen3-30B-A3B width, 8 of 48 layers, 128 experts), `30b-a3b-24l` (24 layers,
+~15.5B parameters: fp32 master + Adam do not fit one H200; use --optimizer-offload-fraction),
+`8b` (Qwen3-8B dense). The model is built on the GPU in fp32 before it is sharded, so the whole
+model must fit one GPU once (the 24-layer MoE does: ~62 GB).
+
+    torchrun --nproc-per-node 1 benchmarks/bench_train_parallel.py --shape 30b-a3b-8l --append rows.jsonl
+    torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --shape 30b-a3b-8l --ep 2 --append rows.jsonl
+    torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --shape 30b-a3b-24l --ep 2 \\
+        --optimizer-offload-fraction 0.5 --append rows.jsonl
+    torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --shape 8b --tp 2 --append rows.jsonl
+    torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --shape 8b --append rows.jsonl   # dp=2
+    python benchmarks/bench_train_parallel.py --table rows.jsonl
+    torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --smoke --tp 2   # CPU, gloo, tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_moe import QWEN3_30B_A3B_8L  # noqa: E402
+from bench_rollout import QWEN3_8B  # noqa: E402
+
+from rlloom.algorithms.losses import aggregate_loss_sum, loss_normalizer
+from rlloom.config.components import TrainEngineConfig
+from rlloom.data.types import RolloutBatch, Sample
+from rlloom.engines.train.native import NativeTrainEngine
+from rlloom.models.checkpoint import build_model
+from rlloom.parallel import ParallelDims, init_distributed
+
+SHAPES = {
+    "30b-a3b-8l": QWEN3_30B_A3B_8L,
+    "30b-a3b-24l": QWEN3_30B_A3B_8L | {"num_hidden_layers": 24},
+    "8b": QWEN3_8B,
+}
+TINY_MOE = QWEN3_30B_A3B_8L | {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+}
+COLUMNS = ("layout", "gpus", "shape", "tokens", "tok/s", "tok/s/GPU", "MFU(active)", "GPU GiB", "host GiB")
+
+
+def random_model(config: dict, device: torch.device) -> torch.nn.Module:
+    torch.manual_seed(0)  # every rank builds the same weights
+    model = build_model(config, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02) if p.ndim >= 2 else p.fill_(1.0)
+    model.init_buffers()
+    return model
+
+
+def packed_batch(num_samples: int, seq_len: int, vocab: int) -> RolloutBatch:
+    rng = random.Random(0)
+    samples = []
+    for _ in range(num_samples):
+        prompt = max(1, seq_len // 4)
+        samples.append(
+            Sample(
+                prompt_ids=[rng.randrange(vocab) for _ in range(prompt)],
+                response_ids=[rng.randrange(vocab) for _ in range(seq_len - prompt)],
+            )
+        )
+    return RolloutBatch(samples)
+
+
+def run(args: argparse.Namespace) -> dict:
+    device_type = "cpu" if args.smoke else "cuda"
+    rank, world = init_distributed(device_type)
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    )
+    config = TINY_MOE if args.smoke else SHAPES[args.shape]
+    if args.smoke and args.shape == "8b":
+        config = TINY_MOE | {
+            "model_type": "qwen3",
+            "architectures": ["Qwen3ForCausalLM"],
+            "intermediate_size": 128,
+        }
+    seq_len = 64 if args.smoke else args.seq_len
+    dims = ParallelDims(world_size=world, tp=args.tp, ep=args.ep)
+    offload = args.optimizer_offload_fraction > 0
+    cfg = TrainEngineConfig(
+        lr=1e-6,
+        max_tokens_per_micro_batch=seq_len,
+        activation_checkpointing="full",
+        compile=not args.eager,
+        optimizer_offload=offload,
+        optimizer_offload_fraction=args.optimizer_offload_fraction if offload else 1.0,
+    )
+    engine = NativeTrainEngine(cfg, random_model(config, device), device=device, parallel_dims=dims)
+    batch = packed_batch(args.micro_batches * dims.dp_size, seq_len, config["vocab_size"])
+    mask = batch.response_mask()
+    adv_B = torch.randn(len(batch), generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(logp_bT, entropy_bT, rows):
+        adv = adv_B[rows].to(logp_bT.device)[:, None]
+        return aggregate_loss_sum(-adv * logp_bT, mask[rows].to(logp_bT.device), "token-mean"), {}
+
+    normalizer = loss_normalizer(mask, "token-mean")
+    timed = [engine.train_step(batch, loss_fn, loss_normalizer=normalizer) for _ in range(args.steps + 1)][1:]
+    seconds = sum(m["time/train_step_s"] for m in timed) / len(timed)
+    layout = ", ".join(f"{k}={v}" for k, v in dims.degrees().items() if v > 1) or "1 GPU"
+    if offload:
+        layout += f", CPU Adam {args.optimizer_offload_fraction:g}"
+    row = {
+        "layout": layout,
+        "gpus": world,
+        "shape": f"{'tiny' if args.smoke else args.shape} ({config['num_hidden_layers']} layers)",
+        "tokens": batch.num_tokens,
+        "tok/s": batch.num_tokens / seconds,
+        "tok/s/GPU": batch.num_tokens / seconds / world,
+        "MFU(active)": timed[-1].get("perf/mfu", float("nan")),
+        "GPU GiB": timed[-1].get("memory/peak_allocated_gib", float("nan")),
+        "host GiB": timed[-1].get("memory/peak_rss_gib", float("nan")),
+    }
+    if rank == 0:
+        print_table([row])
+        if args.append:
+            with open(args.append, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    print("".join(f"{c:>14}" if i else f"{c:<32}" for i, c in enumerate(COLUMNS)))
+    for r in rows:
+        cells = []
+        for i, c in enumerate(COLUMNS):
+            v = r[c]
+            text = f"{v:.3f}" if c == "MFU(active)" else f"{v:.1f}" if isinstance(v, float) else str(v)
+            cells.append(f"{text:>14}" if i else f"{text:<32}")
+        print("".join(cells))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="30b-a3b-8l")
+    parser.add_argument("--tp", type=int, default=1, help="parallel.tp")
+    parser.add_argument("--ep", type=int, default=1, help="parallel.ep")
+    parser.add_argument(
+        "--seq-len", type=int, default=4096, help="tokens per packed sequence (= micro-batch)"
+    )
+    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per data-parallel rank")
+    parser.add_argument("--steps", type=int, default=2, help="timed optimizer steps (after one warm-up)")
+    parser.add_argument(
+        "--optimizer-offload-fraction", type=float, default=0.0, help="CPU Adam for this fraction (0 = off)"
+    )
+    parser.add_argument("--eager", action="store_true", help="no torch.compile of the decoder layers")
+    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU (gloo): checks the script")
+    parser.add_argument("--append", default="", help="append the row as a JSON line to this file")
+    parser.add_argument("--table", default="", help="print the rows of this JSON-lines file and exit")
+    args = parser.parse_args()
+    if args.table:
+        print_table([json.loads(line) for line in Path(args.table).read_text().splitlines() if line.strip()])
+        return
+    if args.smoke:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        run(args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

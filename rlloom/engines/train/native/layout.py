@@ -1,0 +1,60 @@
+"""`EngineLayout`: what the training engine needs to know of its parallel layout, and nothing more.
+
+The engine plans micro-batches per data-parallel rank (the TP ranks of one dp rank run the SAME
+micro-batches, as they hold the same samples), reduces metrics and per-row results over the dp
+ranks only, pads each packed stream to a multiple of tp, and takes decisions that must agree on
+every rank (skip a step, refuse a save) over the whole world. Everything else about the layout
+lives in `rlloom.parallel` (`parallelize` and the meshes of `ParallelDims`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from rlloom.parallel.dims import ParallelDims
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLayout:
+    dp_group: dist.ProcessGroup | None = None
+    """Data-parallel ranks (dp_replicate x dp_shard); None in one unsharded process."""
+    dp_rank: int = 0
+    dp_size: int = 1
+    tp: int = 1
+    """Tensor-parallel degree: packed streams are padded to a multiple of it."""
+    tp_group: dist.ProcessGroup | None = None
+    ep: int = 1
+    ep_rank: int = 0
+    ep_group: dist.ProcessGroup | None = None
+    """Expert-parallel ranks (None without expert parallelism)."""
+    world_group: dist.ProcessGroup | None = None
+    """Every rank: decisions that must be the same everywhere (a skipped step, a refused save)."""
+    world_size: int = 1
+    moe_count_group: dist.ProcessGroup | None = None
+    """Ranks whose MoE token counts add up to the global batch's: dp, or dp x tp when each TP rank
+    routes only its own token shard (expert parallelism over the TP ranks)."""
+    tokens_split_over_tp: bool = False
+    """Each TP rank routes its own token shard through the MoE layers (ep > 1 and tp > 1)."""
+
+    @classmethod
+    def of(cls, dims: ParallelDims | None) -> EngineLayout:
+        if dims is None:
+            return cls()
+        dp = dims.dp_mesh()
+        split = dims.ep > 1 and dims.tp > 1
+        return cls(
+            dp_group=dp.get_group(),
+            dp_rank=dp.get_local_rank(),
+            dp_size=dp.size(),
+            tp=dims.tp,
+            tp_group=dims.tp_mesh().get_group(),
+            ep=dims.ep,
+            ep_rank=dims.ep_mesh().get_local_rank(),
+            ep_group=dims.ep_mesh().get_group() if dims.ep > 1 else None,
+            world_group=dist.group.WORLD,
+            world_size=dims.world_size,
+            moe_count_group=dims.token_mesh().get_group() if split else dp.get_group(),
+            tokens_split_over_tp=split,
+        )
