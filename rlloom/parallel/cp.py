@@ -297,8 +297,11 @@ class _GatherSelected(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, values_k: torch.Tensor, mine_K: torch.Tensor, group: dist.ProcessGroup | None
-    ) -> torch.Tensor:  # noqa: ANN001
+        ctx,  # noqa: ANN001
+        values_k: torch.Tensor,
+        mine_K: torch.Tensor,
+        group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
         ctx.save_for_backward(mine_K)
         out = values_k.new_zeros(mine_K.shape[0], *values_k.shape[1:])
         out[mine_K] = values_k
