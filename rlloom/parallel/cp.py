@@ -23,9 +23,12 @@ ring-flash-attn's llama3 functions) with Megatron-LM's load balancing by chunk p
      end, gathered by an index (bottom-right causal alignment makes that exactly the block-causal
      mask). MLA's narrower V is zero-padded to the q/k width. Needs a GPU run: not tested here.
 
-Padding: every rank holds the same number of tokens (the collectives need equal sizes); the pad
-tokens of a rank form a pseudo-document of their own, so they attend to themselves only and their
-(discarded) outputs stay finite.
+Padding: the ranks' token counts differ by a few (at most 2 per document); the model runs on each
+rank's own tokens only, and the K/V all-gather pads each rank's block with zero rows to the longest
+(the collectives need equal sizes), which no query sees. So no pad token reaches the model: MoE
+loads and routes count real tokens only. With pad_multiple > 1 (sequence parallelism needs a
+multiple of tp) the local stream itself ends in pads, which form a pseudo-document of their own:
+they attend to themselves only and their (discarded) outputs stay finite.
 
 How the training engine uses it (one micro-batch; `cp_group = dims.cp_mesh().get_group()`):
 
@@ -124,8 +127,9 @@ class CPShard:
     """One cp rank's share of a packed stream, and the attention backend that runs on it.
 
     cu_seqlens [S + 1]: the full stream's documents (read on the host). group: the cp process group
-    (default: the world). pad_multiple: the local length is padded to a multiple of it (pass the TP
-    degree under sequence parallelism). device: where the model's index tensors go.
+    (default: the world). pad_multiple: the local stream is padded to a multiple of it (pass the TP
+    degree: sequence parallelism splits it over the TP ranks). device: where the model's index
+    tensors go.
     """
 
     def __init__(
@@ -146,11 +150,14 @@ class CPShard:
         lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
         self.shares = balance_chunks(lens, self.cp)
         counts = [sum(c.end - c.start for c in share) for share in self.shares]
-        self.n = _round_up(max(max(counts), 1), pad_multiple)
-        """Tokens per rank, padding included."""
         self.num_real = counts[self.rank]
-        # Per rank: the stream position of each local token (pads: -1), and each slot's document
-        # (pads: a pseudo-document S + rank) and position in it.
+        """Stream tokens this rank holds."""
+        self.local_len = _round_up(self.num_real, pad_multiple)
+        """Tokens the model runs on here: num_real, then pads up to a multiple of pad_multiple."""
+        self.n = max(max(_round_up(c, pad_multiple) for c in counts), 1)
+        """Slots per rank in the gathered K/V (the longest local stream; shorter ones pad with zeros)."""
+        # Per slot of the gathered buffer: its stream position (pads: -1), its document (pads: a
+        # pseudo-document S + rank) and its position in the document.
         streams, docs, pos = [], [], []
         for r, share in enumerate(self.shares):
             pad = self.n - counts[r]
@@ -167,16 +174,17 @@ class CPShard:
         """[N] the gathered-buffer slot of each stream position."""
         real = self.stream_slot >= 0
         self.slot_of[self.stream_slot[real]] = torch.arange(self.cp * self.n)[real]
-        mine = self.stream_slot[self.rank * self.n : (self.rank + 1) * self.n]
+        mine = self.stream_slot[self.rank * self.n : self.rank * self.n + self.local_len]
         self.index = to_device(mine.clamp(min=0), self.device)
-        """[n] stream position of each local token (pads repeat position 0; their outputs are junk)."""
+        """[local_len] stream position of each local token (pads repeat position 0: junk outputs)."""
         self._mask: torch.Tensor | None = None
         self._varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None = None
         if self.device.type == "cuda":
             self.varlen()  # built before the layers, as TreePlan does
 
     def take(self, x_N: torch.Tensor) -> torch.Tensor:
-        """This rank's rows [n, ...] of a full-stream tensor [N, ...] (input ids, position ids, routes)."""
+        """This rank's rows [local_len, ...] of a full-stream tensor [N, ...] (input ids, position ids,
+        routes)."""
         return x_N[to_device(self.index, x_N.device)]
 
     def localize(self, positions_K: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,15 +196,15 @@ class CPShard:
 
     @torch.no_grad()
     def unshard(self, y_n: torch.Tensor) -> torch.Tensor:
-        """The full stream [N, ...] of every rank's local rows [n, ...] (forward only, e.g. tests)."""
+        """The full stream [N, ...] of every rank's local rows [local_len, ...] (forward only, e.g. tests)."""
         gathered = y_n.new_empty((self.cp * self.n, *y_n.shape[1:]))
-        dist.all_gather_single(gathered, y_n.contiguous(), group=self.group)
+        dist.all_gather_single(gathered, self._pad_rows(y_n), group=self.group)
         return gathered[to_device(self.slot_of, y_n.device)]
 
     def mask(self) -> torch.Tensor:
-        """[n, cp x n] bool: local query i sees slot j iff same document and j's position <= i's."""
+        """[local_len, cp x n] bool: local query i sees slot j iff same document and j's position <= i's."""
         if self._mask is None:
-            lo, hi = self.rank * self.n, (self.rank + 1) * self.n
+            lo, hi = self.rank * self.n, self.rank * self.n + self.local_len
             q_doc, q_pos = self.slot_doc[lo:hi, None], self.slot_pos[lo:hi, None]
             visible = (q_doc == self.slot_doc[None]) & (self.slot_pos[None] <= q_pos)
             self._mask = to_device(visible, self.device)
@@ -212,11 +220,12 @@ class CPShard:
                 q_lens.append(c.end - c.start)
                 k_lens.append(c.end)
                 kv_index.append(self.slot_of[self.cu[c.doc] : self.cu[c.doc] + c.end])
-            pad = self.n - self.num_real
+            pad = self.local_len - self.num_real
             if pad:
                 q_lens.append(pad)
                 k_lens.append(pad)
-                kv_index.append(torch.arange(self.rank * self.n + self.num_real, (self.rank + 1) * self.n))
+                start = self.rank * self.n + self.num_real
+                kv_index.append(torch.arange(start, start + pad))
             cu_q, cu_k = (
                 torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
                 for lens in (q_lens, k_lens)
@@ -234,9 +243,9 @@ class CPShard:
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
         """The attention backend hook: local q [n, Hq, Dqk], k [n, Hkv, Dqk], v [n, Hkv, Dv] ->
-        [n, Hq, Dv], the queries attending to every rank's keys (see the module docstring)."""
+        [n, Hq, Dv] (n = local_len), the queries attending to every rank's keys (module docstring)."""
         dk = k.shape[-1]
-        kv_all = all_gather_tokens(torch.cat([k, v], dim=-1), self.group)
+        kv_all = all_gather_tokens(self._pad_rows(torch.cat([k, v], dim=-1)), self.group)
         k_all, v_all = kv_all[..., :dk], kv_all[..., dk:]
         if self.use_varlen(q):
             return self._varlen_attention(q, k_all, v_all, scale)
@@ -249,6 +258,11 @@ class CPShard:
             enable_gqa=q.shape[1] != k.shape[1],
         )
         return out.transpose(0, 1)
+
+    def _pad_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [local_len, ...] with zero rows up to [n, ...], the collectives' common size."""
+        pad = self.n - x.shape[0]
+        return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x.contiguous()
 
     def use_varlen(self, q: torch.Tensor) -> bool:
         """Whether the FlashAttention varlen kernel runs (CUDA, bf16/fp16) instead of the reference."""

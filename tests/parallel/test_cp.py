@@ -21,7 +21,8 @@ from rlloom.parallel.cp import CPShard
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 # [37, 1, ...]: a document longer than a rank's share, single-token documents; [3]: ranks of
-# different token counts (rank 0 holds one token and a pad); pad_multiple=4 pads both ranks.
+# different token counts (rank 0 holds one token, its K/V block is padded); pad_multiple=4 (as
+# under sequence parallelism) puts pad tokens into the local streams.
 CASES = [([37, 1, 5, 1, 12, 3], 1), ([3], 1), ([random.Random(7).randint(1, 30) for _ in range(9)], 4)]
 
 
@@ -59,7 +60,7 @@ def _use_kernel(kernel: str) -> None:
 
 
 def attention_worker(kernel: str) -> None:
-    padded_somewhere = False
+    gather_padded = model_padded = False
     for lengths, pad_multiple in CASES:
         cu, n = _cu(lengths), sum(lengths)
         g = torch.Generator().manual_seed(0)
@@ -72,7 +73,8 @@ def attention_worker(kernel: str) -> None:
             x.grad = None
 
         shard = CPShard(cu, pad_multiple=pad_multiple)
-        padded_somewhere |= shard.num_real < shard.n
+        gather_padded |= shard.local_len < shard.n
+        model_padded |= shard.num_real < shard.local_len
         real = shard.index[: shard.num_real]
         out = shard.attn(0, shard.take(q), shard.take(k), shard.take(v), 0.3)
         assert out.isfinite().all()  # pads included
@@ -81,7 +83,7 @@ def attention_worker(kernel: str) -> None:
         (out[: shard.num_real] * weights[real]).sum().backward()
         for name, x, ref in zip("qkv", (q, k, v), ref_grads):
             torch.testing.assert_close(_summed(x.grad), ref, **TOL, msg=f"{kernel} {lengths} d{name}")
-    assert padded_somewhere
+    assert gather_padded and model_padded
 
 
 def _sequence_loss(logp_K: torch.Tensor, doc_K: torch.Tensor, num_docs: int) -> torch.Tensor:

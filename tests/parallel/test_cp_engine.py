@@ -55,6 +55,7 @@ def worker(rank: int, expected: dict) -> None:
         NativeTrainEngine(cfg(), tiny_model("qwen3"), parallel_dims=ParallelDims(world_size=2, cp=2))
 
 
+@pytest.mark.slow
 def test_cp_engine_equals_one_process():
     expected = {family: run(family, None) for family in FAMILIES}
     run_gloo(worker, 2, expected)
