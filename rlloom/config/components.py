@@ -519,7 +519,8 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel degree (decoder layers split into pp stages)."""
     cp: int = 1
-    """Context-parallel degree (each packed sequence split over cp ranks)."""
+    """Context-parallel degree: each packed micro-batch split over cp ranks, every document cut into
+    2 x cp chunks balanced by attention cost (rlloom.parallel.cp). Needs train.share_prompts=false."""
     ep: int = 1
     """Expert-parallel degree (routed experts split over ep ranks, taken from dp x cp x tp; no
     expert-tensor parallelism: split across TP ranks the expert GEMMs get too small to run well)."""
@@ -553,15 +554,13 @@ class ParallelConfig:
             f"tensor parallelism (parallel.tp={self.tp}) always runs with sequence parallelism here",
             "set parallel.sequence_parallel=true",
         )
-        for name in ("pp", "cp"):
-            value = getattr(self, name)
-            _check(
-                value == 1,
-                f"parallel.{name}",
-                value,
-                "pipeline and context parallelism are not available in this version",
-                f"set parallel.{name}=1",
-            )
+        _check(
+            self.pp == 1,
+            "parallel.pp",
+            self.pp,
+            "pipeline parallelism is not available in this version",
+            "set parallel.pp=1",
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -700,6 +699,13 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _check_parallel_world(self.parallel, self.cluster.num_workers)
+        _check(  # the same rule as rlloom.parallel.cp.check_cp_layout, at start-up
+            self.parallel.cp == 1 or not self.train.share_prompts,
+            "train.share_prompts",
+            self.train.share_prompts,
+            f"parallel.cp={self.parallel.cp} splits plain packed documents, not shared-prompt trees",
+            "set train.share_prompts=false (or parallel.cp=1)",
+        )
         if self.data.task in ("jsonl", "parquet"):
             _check(
                 bool(self.data.path),

@@ -5,7 +5,9 @@ every technique `ParallelDims` asks for, in a fixed order:
    DTensors, which every later step must see (FSDP shards a DTensor over dp on top of its TP shard).
 2. EP (`ep.py`): keeps the local experts and hooks the dispatch/combine around them; after TP,
    because the TP plan decides whether the MoE layer sees token shards (it does when EP runs).
-   Context parallelism belongs after EP and pipeline stages before TP (not built yet).
+   Context parallelism (`cp.py`) changes no module: the engine shards each micro-batch and hands
+   the attention a `CPShard` (the attention backend hook); FSDP shards over dp_shard x cp. Pipeline
+   stages belong before TP (not built yet).
 3. Activation checkpointing (`ac.py`) wraps whole decoder layers, hooks included, so a recompute
    replays the TP collectives and the EP all-to-alls in the same order on every rank.
 4. torch.compile (`compile.py`) of each (checkpointed) layer, inside FSDP's hooks.
@@ -52,10 +54,9 @@ def parallelize(
             apply_compile(model)
         return root if root is not None else model
     dims.check_model(model.args)
-    if dims.pp > 1 or dims.cp > 1:
+    if dims.pp > 1:
         raise ValueError(
-            f"parallelize: pipeline (pp={dims.pp}) and context parallelism (cp={dims.cp}) are not built yet. "
-            "Fix: set parallel.pp=1 and parallel.cp=1."
+            f"parallelize: pipeline parallelism (pp={dims.pp}) is not built yet. Fix: set parallel.pp=1."
         )
     if dims.tp > 1:
         apply_tp(model, dims.tp_mesh(), experts_parallel=dims.ep > 1)

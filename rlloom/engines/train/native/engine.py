@@ -7,7 +7,8 @@ One call of `train_step` is one optimizer step over a global batch:
     plan     balance samples over data-parallel ranks by tokens, pack each rank's share into
              micro-batches of at most max_tokens_per_micro_batch tokens (no padding, no truncation);
              with share_prompts the packing units are groups (one prompt copy + its responses).
-             The TP ranks of one dp rank run the same micro-batches (padded to a multiple of tp)
+             The TP ranks of one dp rank run the same micro-batches (padded to a multiple of tp);
+             so do its CP ranks, each on its share of every stream (rlloom.parallel.cp)
     run      per micro-batch: packed forward, logprobs at response positions, the caller's loss_fn,
              backward of loss_sum / loss_normalizer (gradients accumulate; FSDP sums them over ranks)
     step     global grad norm, clip, AdamW (skipped when the loss or the norm is not finite, or when a
@@ -61,6 +62,7 @@ from rlloom.observability.memory import memory_metrics, reset_peak_memory
 from rlloom.observability.metrics import Max, Mean, Metric, MetricsAccumulator, Min, Sum, reduce_across_ranks
 from rlloom.observability.mfu import H100_BF16_PEAK_FLOPS
 from rlloom.parallel import ParallelDims, clip_grad_norm_, init_distributed
+from rlloom.parallel.cp import check_cp_layout
 from rlloom.parallel.layers import decoder_layers, layer_items
 from rlloom.parallel.parallelize import parallelize
 
@@ -122,6 +124,7 @@ class NativeTrainEngine:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.layout = EngineLayout.of(self.dims)
+        check_cp_layout(self.layout.cp, cfg.share_prompts)
         parallelize(
             self.model,
             self.dims,
@@ -217,6 +220,7 @@ class NativeTrainEngine:
             share_prompts=self.cfg.share_prompts,
             replay_routes=routing_replay,
             pad_multiple=self.layout.tp,
+            cp_group=self.layout.cp_group if self.layout.cp > 1 else None,
         )
 
     # ---- the engine interface ---------------------------------------------------------------
@@ -305,7 +309,8 @@ class NativeTrainEngine:
                     )
                 loss = loss_sum.reshape(()) / loss_normalizer
                 if balance is not None:
-                    aux, aux_metrics = balance.aux_term(num_tokens / total_tokens)
+                    # Under CP each rank's aux loss is its share's (the routing of its tokens).
+                    aux, aux_metrics = balance.aux_term(num_tokens / total_tokens / self.layout.cp)
                     loss = loss if aux is None else loss + aux
                     records.append(aux_metrics)
                     balance.accumulate()
@@ -336,6 +341,9 @@ class NativeTrainEngine:
         if self.layout.tokens_split_over_tp:  # each TP rank compared its own token shard
             counts = counts.to(self._comm_device)
             dist.all_reduce(counts, group=self.layout.tp_group)
+        if self.layout.cp > 1:  # each CP rank compared its own share of the stream
+            counts = counts.to(self._comm_device)
+            dist.all_reduce(counts, group=self.layout.cp_group)
         compared = sum((len(batch.samples[i].routed_experts)) for i in rows) * len(self.model.moe_layers())
         return {"moe/route_mismatch_frac": Mean(counts[0] / counts[1].clamp(min=1), weight=compared)}
 
