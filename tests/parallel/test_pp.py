@@ -1,0 +1,168 @@
+"""Pipeline parallelism (rlloom/parallel/pp.py): the stage split, and pp=2 on gloo against one process.
+
+Every schedule runs two steps on one pipeline with uneven stages: micro-batches of different real
+lengths (padded to the budget), a filler micro-batch (3 real ones on 2 ranks), then a step with a
+different number of micro-batches and tokens. Losses, every gradient and the logprobs must equal
+the one-process model's within 1e-5.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from parallel_helpers import run_gloo, tiny_args, tiny_model
+from torch.distributed.device_mesh import init_device_mesh
+
+from rlloom.models.logprobs import token_logprobs
+from rlloom.models.model import CausalLM
+from rlloom.parallel.pp import PipeMicroBatch, apply_pp, check_pp, rank_stages, split_layers
+
+BUDGET = 32
+NUM_LAYERS = 6
+
+
+def _spans(ranges: list[range]) -> list[tuple[int, int]]:
+    return [(r.start, r.stop) for r in ranges]
+
+
+def test_split_layers_uneven_last_stage():
+    # slime's DeepSeek-R1 layout: 61 layers, pp=4, the last stage 13; the embedding weighs on stage 0.
+    assert _spans(split_layers(61, 4, last_stage_layers=13)) == [(0, 16), (16, 32), (32, 48), (48, 61)]
+
+
+def test_split_layers_weights_embedding_and_head():
+    assert _spans(split_layers(4, 2)) == [(0, 2), (2, 4)]
+    assert _spans(split_layers(6, 4)) == [(0, 1), (1, 3), (3, 5), (5, 6)]
+    assert _spans(split_layers(61, 8)) == [(0, 7), *[(7 + 8 * i, 15 + 8 * i) for i in range(6)], (55, 61)]
+    assert _spans(split_layers(10, 3, first_stage_layers=2, last_stage_layers=2)) == [(0, 2), (2, 8), (8, 10)]
+    assert _spans(split_layers(5, 1)) == [(0, 5)]
+
+
+def test_split_layers_refuses_impossible_layouts():
+    with pytest.raises(ValueError, match="pp_last_stage_layers=5 leave 1 "):
+        split_layers(6, 3, last_stage_layers=5)
+    with pytest.raises(ValueError, match="need at least one decoder layer each"):
+        split_layers(3, 4)
+    with pytest.raises(ValueError, match="pp_first_stage_layers=-1"):
+        split_layers(6, 2, first_stage_layers=-1)
+
+
+def test_rank_stages_looped():
+    assert rank_stages(0, 2, 2) == [0, 2] and rank_stages(1, 2, 2) == [1, 3]
+
+
+def test_check_pp_refuses_bad_settings():
+    args = _args()
+    with pytest.raises(ValueError, match="pp_schedule='gpipe'"):
+        check_pp(args, 2, "gpipe", 1)
+    with pytest.raises(ValueError, match="pp_virtual_stages=2"):
+        check_pp(args, 2, "1f1b", 2)
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        check_pp(tiny_args("qwen3"), 2, "1f1b", 1)
+
+
+def _args():
+    return dataclasses.replace(tiny_args("llama"), num_layers=NUM_LAYERS)
+
+
+def _model() -> CausalLM:
+    torch.manual_seed(0)
+    ref = tiny_model("llama")
+    model = CausalLM(_args())
+    state = ref.state_dict()
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # layers 2.. reuse layer 0/1 weights, perturbed
+            src = name if name in state else name.replace(f"layers.{name.split('.')[1]}", "layers.1")
+            p.copy_(state[src] + 0.05 * torch.randn_like(p))
+    return model
+
+
+def _micro_batch(lengths: list[int], seed: int) -> PipeMicroBatch:
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+    ids = torch.randint(0, 64, (n,), generator=g)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    positions = torch.cat([torch.arange(length) for length in lengths])
+    # score the second half of every sequence (a "response"), target = the next token
+    selected = torch.cat(
+        [torch.arange(s + (e - s) // 2, e - 1) for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    )
+    return PipeMicroBatch(ids, positions, cu, max(lengths), selected, ids[selected + 1])
+
+
+STEPS = [
+    [_micro_batch([9, 5, 12], 1), _micro_batch([17, 3], 2), _micro_batch([30], 3)],  # 3 real + 1 filler
+    [_micro_batch([7, 11], 4), _micro_batch([20, 6, 4], 5)],
+]
+
+
+def _weights(i: int, k: int) -> torch.Tensor:
+    return torch.randn(k, generator=torch.Generator().manual_seed(100 + i))
+
+
+def _loss_fn(normaliser: float):
+    def loss(i: int, logp_K: torch.Tensor, entropy_K: torch.Tensor | None) -> torch.Tensor:
+        return ((logp_K * _weights(i, logp_K.numel())).sum() + 0.1 * entropy_K.sum()) / normaliser
+
+    return loss
+
+
+def _reference(model: CausalLM, mbs: list[PipeMicroBatch], loss_fn) -> tuple[torch.Tensor, list]:
+    losses, logps = [], []
+    for i, mb in enumerate(mbs):
+        hidden = model.hidden_states(
+            mb.input_ids_N, position_ids=mb.position_ids_N, cu_seqlens=mb.cu_seqlens, max_seqlen=mb.max_seqlen
+        )
+        logp_K, entropy_K = token_logprobs(
+            hidden[mb.positions_K], model.lm_head_weight, mb.targets_K, with_entropy=True
+        )
+        loss = loss_fn(i, logp_K, entropy_K)
+        loss.backward()
+        losses.append(loss.detach())
+        logps.append((logp_K.detach(), entropy_K.detach()))
+    return torch.stack(losses), logps
+
+
+def pp_worker(rank: int, schedule: str, virtual_stages: int, first: int, last: int) -> None:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    ref = _model()
+    modules, pipe = apply_pp(
+        copy.deepcopy(ref),
+        mesh,
+        schedule=schedule,
+        budget=BUDGET,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        virtual_stages=virtual_stages,
+        first_stage_layers=first,
+        last_stage_layers=last,
+    )
+    ref_params = dict(ref.named_parameters())
+    held = {name.removeprefix("model."): p for m in modules for name, p in m.named_parameters()}
+    assert len(held) < len(ref_params)
+    for mbs in STEPS:
+        ref.zero_grad()
+        for p in held.values():
+            p.grad = None
+        normaliser = float(sum(mb.positions_K.numel() for mb in mbs))
+        loss_fn = _loss_fn(normaliser)
+        expected_losses, expected_logps = _reference(ref, mbs, loss_fn)
+        losses = pipe.forward_backward(mbs, loss_fn, with_entropy=True)
+        torch.testing.assert_close(losses, expected_losses, atol=1e-5, rtol=1e-5)
+        for name, p in held.items():
+            torch.testing.assert_close(p.grad, ref_params[name].grad, atol=1e-5, rtol=1e-5, msg=name)
+        logps = pipe.forward_logprobs(mbs, with_entropy=True)
+        for (logp, entropy), (exp_logp, exp_entropy) in zip(logps, expected_logps, strict=True):
+            torch.testing.assert_close(logp, exp_logp, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(entropy, exp_entropy, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "virtual_stages", "first", "last"),
+    [("1f1b", 1, 2, 0), ("interleaved", 2, 0, 1), ("zero_bubble", 2, 2, 0)],
+)
+def test_pp_matches_one_process(schedule, virtual_stages, first, last):
+    run_gloo(pp_worker, 2, schedule, virtual_stages, first, last)
