@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -365,6 +366,9 @@ class Pipeline:
         out = self._run(mbs, False, None)
         out_M2P = out if out is not None else torch.zeros(n, 2, self.budget, device=self.device)
         out_M2P = out_M2P.float().contiguous()
+        for module in self.modules:  # FSDP roots stay gathered after a forward (see apply_fsdp)
+            if isinstance(module, FSDPModule):
+                module.reshard()
         dist.broadcast(out_M2P, src=self.last_rank, group=self.group)
         result = []
         for i, mb in enumerate(mbs):

@@ -14,10 +14,12 @@ import dataclasses
 import pytest
 import torch
 from parallel_helpers import run_gloo, tiny_args, tiny_model
-from torch.distributed.device_mesh import init_device_mesh
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from rlloom.models.logprobs import token_logprobs
 from rlloom.models.model import CausalLM
+from rlloom.parallel import ParallelDims, apply_fsdp
 from rlloom.parallel.pp import PipeMicroBatch, apply_pp, check_pp, rank_stages, split_layers
 
 BUDGET = 32
@@ -126,12 +128,26 @@ def _reference(model: CausalLM, mbs: list[PipeMicroBatch], loss_fn) -> tuple[tor
     return torch.stack(losses), logps
 
 
-def pp_worker(rank: int, schedule: str, virtual_stages: int, first: int, last: int) -> None:
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _check_schedule(schedule: str, virtual_stages: int, first: int, last: int, fsdp: bool) -> None:
+    dims = ParallelDims(world_size=2, pp=2)
+    dims.build_mesh("cpu")
     ref = _model()
+    parallelize_stage = None
+    if fsdp:  # FSDP2 on each stage (a one-rank data-parallel mesh here), no reshard after forward under PP
+
+        def parallelize_stage(stage: nn.Module) -> nn.Module:
+            mesh = dims.dp_shard_mesh()
+            return apply_fsdp(
+                stage, mesh, param_dtype=torch.float32, reshard_after_forward=False, layers_of=stage.model
+            )
+
     modules, pipe = apply_pp(
         copy.deepcopy(ref),
-        mesh,
+        dims.pp_mesh(),
         schedule=schedule,
         budget=BUDGET,
         device=torch.device("cpu"),
@@ -139,30 +155,43 @@ def pp_worker(rank: int, schedule: str, virtual_stages: int, first: int, last: i
         virtual_stages=virtual_stages,
         first_stage_layers=first,
         last_stage_layers=last,
+        parallelize_stage=parallelize_stage,
     )
     ref_params = dict(ref.named_parameters())
     held = {name.removeprefix("model."): p for m in modules for name, p in m.named_parameters()}
-    assert len(held) < len(ref_params)
+    assert 0 < len(held) < len(ref_params)
     for mbs in STEPS:
         ref.zero_grad()
-        for p in held.values():
-            p.grad = None
+        for m in modules:
+            m.zero_grad()
         normaliser = float(sum(mb.positions_K.numel() for mb in mbs))
         loss_fn = _loss_fn(normaliser)
         expected_losses, expected_logps = _reference(ref, mbs, loss_fn)
         losses = pipe.forward_backward(mbs, loss_fn, with_entropy=True)
-        torch.testing.assert_close(losses, expected_losses, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(losses, expected_losses, atol=1e-5, rtol=1e-5, msg=schedule)
         for name, p in held.items():
-            torch.testing.assert_close(p.grad, ref_params[name].grad, atol=1e-5, rtol=1e-5, msg=name)
+            grad = _full(p.grad)
+            torch.testing.assert_close(
+                grad, ref_params[name].grad, atol=1e-5, rtol=1e-5, msg=f"{schedule} {name}"
+            )
         logps = pipe.forward_logprobs(mbs, with_entropy=True)
         for (logp, entropy), (exp_logp, exp_entropy) in zip(logps, expected_logps, strict=True):
-            torch.testing.assert_close(logp, exp_logp, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(entropy, exp_entropy, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(logp, exp_logp, atol=1e-5, rtol=1e-5, msg=schedule)
+            torch.testing.assert_close(entropy, exp_entropy, atol=1e-5, rtol=1e-5, msg=schedule)
 
 
-@pytest.mark.parametrize(
-    ("schedule", "virtual_stages", "first", "last"),
-    [("1f1b", 1, 2, 0), ("interleaved", 2, 0, 1), ("zero_bubble", 2, 2, 0)],
-)
-def test_pp_matches_one_process(schedule, virtual_stages, first, last):
-    run_gloo(pp_worker, 2, schedule, virtual_stages, first, last)
+def pp_worker(rank: int, layouts: list[tuple]) -> None:
+    torch.manual_seed(0)
+    for layout in layouts:
+        _check_schedule(*layout)
+
+
+def test_pp_matches_one_process_every_schedule():
+    """pp=2 with (schedule, virtual stages, first stage layers, last stage layers, FSDP on each stage)."""
+    layouts = [
+        ("1f1b", 1, 2, 0, False),
+        ("interleaved", 2, 0, 1, False),
+        ("zero_bubble", 2, 2, 0, False),
+        ("interleaved", 2, 0, 0, True),
+    ]
+    run_gloo(pp_worker, 2, layouts)
