@@ -48,10 +48,12 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
 )
+from torch.distributed.tensor import DTensor
 
 from rlloom.models.args import ModelArgs
 from rlloom.models.attention_ops import AttnLayout
 from rlloom.models.logprobs import token_logprobs
+from rlloom.parallel.grad_norm import grad_norm
 
 SCHEDULES = {
     "1f1b": Schedule1F1B,
@@ -127,18 +129,29 @@ def rank_stages(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
 
 
 class StageModel(nn.Module):
-    """The part of a CausalLM one stage holds, under the CausalLM's attribute names; absent parts are None."""
+    """The part of a CausalLM one stage holds, under the CausalLM's attribute names; absent parts are None.
+
+    With tied embeddings the last stage holds `tok_embeddings` too, as its lm head: both copies start
+    equal, `Pipeline.clip_grad_norm_` sums their gradients, so they stay equal (as Megatron does).
+    """
 
     def __init__(self, model: nn.Module, layer_ids: range, *, is_first: bool, is_last: bool) -> None:
         super().__init__()
         self.args = model.args
         self.hf_config = model.hf_config
-        self.tok_embeddings = model.tok_embeddings if is_first else None
+        self.tied = model.output is None
+        """The whole model ties its lm head to the token embedding."""
+        self.tok_embeddings = model.tok_embeddings if is_first or (is_last and self.tied) else None
         self.rope = type(model.rope)(model.args.rope)  # no parameters; one per stage, buffers rebuilt
         self.rope.init_buffers()
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
         self.norm = model.norm if is_last else None
         self.output = model.output if is_last else None
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[V, D] weight of the lm head (the token embedding when tied); last stage only."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
 
 
 @dataclass
@@ -240,7 +253,7 @@ class PipelineStageModule(nn.Module):
             positions_K, targets_K = positions_K.new_zeros(1), targets_K.new_zeros(1)
         logp_K, entropy_K = token_logprobs(
             hidden_PD[positions_K],
-            self.model.output.weight,
+            self.model.lm_head_weight,
             targets_K,
             temperature=self.feed.temperature,
             chunk_tokens=self.chunk_tokens,
@@ -357,6 +370,46 @@ class Pipeline:
         return losses_M[: len(mbs)]
 
     @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Finish this step's gradients and clip them; returns the norm before clipping.
+
+        With tied embeddings the first stage's embedding gradient and the last stage's head gradient
+        are summed first (both copies then hold the whole gradient). The norm is the whole model's
+        2-norm (over dp/tp shards and the pp ranks, the tied weight counted once); gradients are
+        scaled to at most `max_norm` (0 = only measure). Call once per optimizer step, after the last
+        `forward_backward`, in place of `rlloom.parallel.clip_grad_norm_`.
+        """
+        params = [p for m in self.modules for p in m.parameters() if p.grad is not None]
+        tied = self._tied_weight()
+        if tied is not None:
+            peer = dist.get_global_rank(self.group, self.pp - 1 if self.has_first else 0)
+            mine = _local(tied.grad)
+            theirs = torch.empty_like(mine)
+            ops = [
+                dist.P2POp(dist.isend, mine, peer, self.group),
+                dist.P2POp(dist.irecv, theirs, peer, self.group),
+            ]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            mine += theirs
+        counted = [p for p in params if not (p is tied and not self.has_first)]
+        sq = grad_norm(counted).square() if counted else torch.zeros((), device=self.device)
+        dist.all_reduce(sq, group=self.group)
+        norm = sq.sqrt()
+        if max_norm > 0 and params and bool(torch.isfinite(norm)):
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_([_local(p.grad) for p in params], coef)
+        return norm
+
+    def _tied_weight(self) -> nn.Parameter | None:
+        """This rank's copy of a tied embedding (first or last stage), None if untied or neither."""
+        for module in self.modules:
+            model = _stage_module(module).model
+            if model.tied and model.tok_embeddings is not None:
+                return model.tok_embeddings.weight
+        return None
+
+    @torch.no_grad()
     def forward_logprobs(
         self, mbs: list[PipeMicroBatch | None], *, temperature: float = 1.0, with_entropy: bool = False
     ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -375,6 +428,10 @@ class Pipeline:
             k = 0 if mb is None else mb.positions_K.numel()
             result.append((out_M2P[i, 0, :k], out_M2P[i, 1, :k] if with_entropy else None))
         return result
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _stage_module(module: nn.Module) -> PipelineStageModule:
@@ -449,12 +506,6 @@ def check_pp(args: ModelArgs, pp: int, schedule: str, virtual_stages: int) -> No
         raise ValueError(
             f"parallel.pp_schedule=1f1b runs one stage per rank, but parallel.pp_virtual_stages={virtual_stages}. "
             "Fix: use pp_schedule=interleaved (or zero_bubble) for virtual stages, or pp_virtual_stages=1."
-        )
-    if args.tie_word_embeddings and pp > 1:
-        raise ValueError(
-            f"parallel.pp={pp} with a model whose embedding and lm head are tied ({args.model_type}, "
-            "tie_word_embeddings=true) is not supported: the first and last stage would each need the weight. "
-            "Fix: set parallel.pp=1 for this model."
         )
     if args.num_layers < pp * virtual_stages:
         raise ValueError(
