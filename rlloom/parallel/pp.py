@@ -1,12 +1,7 @@
 """Pipeline parallelism: the native model cut into stages, run by a torch.distributed.pipelining schedule.
 
-- `split_layers` assigns contiguous decoder layers to the pp x virtual_stages stages; the first and
-  last stage may be given a fixed size (`parallel.pp_first_stage_layers`/`pp_last_stage_layers`,
-  as slime's decoder-last-pipeline-num-layers), the others share the rest, with the embedding and
-  the head each weighing as much as one layer. Stage s runs on pp rank s % pp (looped placement).
-- `PipelineStageModule` is one stage: the CausalLM's modules it holds (the first stage the
-  embedding, the last the final norm and the logprob head), under the whole model's parameter names
-  (`model.layers.7...`, as the engine's PolicyHead), so checkpoints and optimizers see one model.
+- `apply_pp` cuts this rank's stages from the model (`pp_stages.py`: uneven first/last stages,
+  virtual stages), lets the caller parallelise each stage module, and returns them with the runner.
 - `Pipeline` runs a schedule ("1f1b", "interleaved", "zero_bubble") over micro-batches padded to
   ONE token budget: pipelining fixes activation shapes when it first runs, so every micro-batch is
   the packed stream plus a padding segment up to the budget. The last stage writes the K selected
@@ -26,7 +21,8 @@ How the training engine plugs it in (per rank, after `ParallelDims.build_mesh`):
 
 TP/EP/AC/compile go inside `parallelize_stage` (each stage module is a model of its own to them);
 FSDP must not reshard after forward under PP (each micro-batch would gather the layers again).
-Not supported yet (refused): tied embeddings, shared-prompt packing and routing replay.
+Tied embeddings: the last stage holds the embedding as its head and `Pipeline.clip_grad_norm_`
+sums the two gradients. Not supported yet: shared-prompt packing, routing replay, MoE balance terms.
 
 Shape legend: N tokens of a micro-batch, P the token budget, K selected positions, M micro-batches,
 D hidden size.
@@ -35,7 +31,6 @@ D hidden size.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -50,221 +45,24 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
-from rlloom.models.args import ModelArgs
-from rlloom.models.attention_ops import AttnLayout
-from rlloom.models.logprobs import token_logprobs
 from rlloom.parallel.grad_norm import grad_norm
+from rlloom.parallel.pp_stages import (
+    SCHEDULE_NAMES,
+    PipelineStageModule,
+    PipeMicroBatch,
+    StageFeed,
+    StageModel,
+    check_pp,
+    pad_to_budget,
+    rank_stages,
+    split_layers,
+)
 
-SCHEDULES = {
-    "1f1b": Schedule1F1B,
-    "interleaved": ScheduleInterleaved1F1B,
-    "zero_bubble": ScheduleInterleavedZeroBubble,
-}
+SCHEDULES = dict(
+    zip(SCHEDULE_NAMES, (Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble), strict=True)
+)
 PipeLossFn = Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor]
 """(micro-batch index, logp_K, entropy_K or None) -> scalar loss already divided by the global normaliser."""
-
-
-def split_layers(
-    num_layers: int,
-    num_stages: int,
-    *,
-    first_stage_layers: int = 0,
-    last_stage_layers: int = 0,
-    embed_weight: int = 1,
-    head_weight: int = 1,
-) -> list[range]:
-    """Contiguous decoder-layer ranges of `num_stages` stages (pp x virtual stages).
-
-    A non-zero `first_stage_layers`/`last_stage_layers` fixes that stage's size; every other stage
-    starts with one layer and each further layer goes to the stage of lowest cost (its layers, plus
-    `embed_weight` on stage 0 and `head_weight` on the last stage), ties to the earliest stage.
-    E.g. 61 layers over 4 stages with the last holding 13: [0, 16), [16, 32), [32, 48), [48, 61).
-    """
-    for name, value in (
-        ("pp_first_stage_layers", first_stage_layers),
-        ("pp_last_stage_layers", last_stage_layers),
-    ):
-        if value < 0:
-            raise ValueError(
-                f"parallel.{name}={value} is invalid: must be >= 0 (0 = even split). Fix: use 0."
-            )
-    if num_stages < 1 or num_layers < num_stages:
-        raise ValueError(
-            f"{num_stages} pipeline stages (parallel.pp x parallel.pp_virtual_stages) need at least one decoder "
-            f"layer each, but the model has {num_layers}. Fix: lower parallel.pp or parallel.pp_virtual_stages."
-        )
-    counts = [0] * num_stages
-    if num_stages == 1:
-        if first_stage_layers or last_stage_layers:
-            raise ValueError(
-                "parallel.pp_first_stage_layers / pp_last_stage_layers need at least 2 pipeline stages. Fix: set "
-                "them to 0 or raise parallel.pp."
-            )
-        return [range(num_layers)]
-    counts[0], counts[-1] = first_stage_layers, last_stage_layers
-    free = [s for s, n in enumerate(counts) if n == 0]
-    remaining = num_layers - sum(counts)
-    if remaining < len(free) or (not free and remaining):
-        raise ValueError(
-            f"parallel.pp_first_stage_layers={first_stage_layers} and pp_last_stage_layers={last_stage_layers} "
-            f"leave {remaining} of the model's {num_layers} layers for the other {len(free)} stages (rule: every "
-            "stage holds at least one layer and all layers are placed). Fix: change them so that they do."
-        )
-    extra = [0] * num_stages
-    extra[0] += embed_weight
-    extra[-1] += head_weight
-    for s in free:
-        counts[s] = 1
-    for _ in range(remaining - len(free)):
-        counts[min(free, key=lambda s: (counts[s] + extra[s], s))] += 1
-    bounds = [0]
-    for n in counts:
-        bounds.append(bounds[-1] + n)
-    return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
-
-
-def rank_stages(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
-    """Stage indices pp rank `pp_rank` runs (looped placement: stage s on rank s % pp)."""
-    return list(range(pp_rank, pp * virtual_stages, pp))
-
-
-class StageModel(nn.Module):
-    """The part of a CausalLM one stage holds, under the CausalLM's attribute names; absent parts are None.
-
-    With tied embeddings the last stage holds `tok_embeddings` too, as its lm head: both copies start
-    equal, `Pipeline.clip_grad_norm_` sums their gradients, so they stay equal (as Megatron does).
-    """
-
-    def __init__(self, model: nn.Module, layer_ids: range, *, is_first: bool, is_last: bool) -> None:
-        super().__init__()
-        self.args = model.args
-        self.hf_config = model.hf_config
-        self.tied = model.output is None
-        """The whole model ties its lm head to the token embedding."""
-        self.tok_embeddings = model.tok_embeddings if is_first or (is_last and self.tied) else None
-        self.rope = type(model.rope)(model.args.rope)  # no parameters; one per stage, buffers rebuilt
-        self.rope.init_buffers()
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
-        self.norm = model.norm if is_last else None
-        self.output = model.output if is_last else None
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        """[V, D] weight of the lm head (the token embedding when tied); last stage only."""
-        return self.tok_embeddings.weight if self.output is None else self.output.weight
-
-
-@dataclass
-class PipeMicroBatch:
-    """One micro-batch as the caller packed it (unpadded; CPU or device tensors)."""
-
-    input_ids_N: torch.Tensor
-    position_ids_N: torch.Tensor
-    cu_seqlens: torch.Tensor
-    """[S + 1] int32."""
-    max_seqlen: int
-    positions_K: torch.Tensor
-    """[K] int64 positions whose next token is scored."""
-    targets_K: torch.Tensor
-    """[K] int64 the scored tokens."""
-
-
-@dataclass
-class _Padded:
-    """A micro-batch padded to the budget, on the device: one padding segment after the real tokens."""
-
-    input_ids_1P: torch.Tensor
-    position_ids_P: torch.Tensor
-    cu_seqlens: torch.Tensor
-    max_seqlen: int
-    positions_K: torch.Tensor
-    targets_K: torch.Tensor
-    real: bool
-
-
-def pad_to_budget(mb: PipeMicroBatch | None, budget: int, device: torch.device) -> _Padded:
-    """`mb` padded with a segment of its own up to `budget` tokens; None gives an all-padding filler."""
-    if mb is None:
-        empty = torch.zeros(0, dtype=torch.int64)
-        mb = PipeMicroBatch(empty, empty, torch.zeros(1, dtype=torch.int32), 0, empty, empty)
-    n = mb.input_ids_N.numel()
-    if n > budget:
-        raise ValueError(
-            f"a micro-batch has {n} tokens but train.max_tokens_per_micro_batch={budget}; under pipeline "
-            "parallelism every micro-batch is padded to that budget, so no sample may exceed it. Fix: raise "
-            f"train.max_tokens_per_micro_batch to at least {n} (the longest prompt + response)."
-        )
-    pad = budget - n
-    ids = torch.cat([mb.input_ids_N.cpu(), torch.zeros(pad, dtype=torch.int64)])
-    pos = torch.cat([mb.position_ids_N.cpu(), torch.arange(pad)])
-    cu = mb.cu_seqlens.cpu().to(torch.int32)
-    if pad:
-        cu = torch.cat([cu, torch.tensor([budget], dtype=torch.int32)])
-    return _Padded(
-        ids.view(1, budget).to(device),
-        pos.to(device),
-        cu.to(device),
-        max(mb.max_seqlen, pad),
-        mb.positions_K.to(device),
-        mb.targets_K.to(device),
-        real=mb.input_ids_N.numel() > 0,
-    )
-
-
-@dataclass
-class _Feed:
-    """What the stages of one schedule step read: the padded micro-batches and the head's settings."""
-
-    micro_batches: list[_Padded] = field(default_factory=list)
-    temperature: float = 1.0
-    with_entropy: bool = False
-
-
-class PipelineStageModule(nn.Module):
-    """One stage: forward(x, mb) with x the token ids [1, P] (first stage) or hidden states [1, P, D];
-    returns hidden states [1, P, D], or on the last stage [1, 2, P] fp32: logprobs then entropies
-    of the K selected positions in slots [:K], 0 after."""
-
-    def __init__(
-        self, model: StageModel, *, is_first: bool, is_last: bool, chunk_tokens: int, fused_head: bool
-    ):
-        super().__init__()
-        self.model = model
-        self.is_first, self.is_last = is_first, is_last
-        self.chunk_tokens, self.fused_head = chunk_tokens, fused_head
-        self.feed = _Feed()
-
-    def forward(self, x: torch.Tensor, mb: int) -> torch.Tensor:
-        batch = self.feed.micro_batches[mb]
-        h = self.model.tok_embeddings(x[0]) if self.is_first else x[0]
-        cos, sin = self.model.rope(batch.position_ids_P, h.dtype)
-        layout = AttnLayout(kind="packed", cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen)
-        for layer in self.model.layers.values():
-            h = layer(h, cos, sin, layout)
-        if not self.is_last:
-            # Not a view: zero-bubble schedules detach a stage's outputs in place after the input backward.
-            return h.unsqueeze(0).clone()
-        return self._head(self.model.norm(h), batch)
-
-    def _head(self, hidden_PD: torch.Tensor, batch: _Padded) -> torch.Tensor:
-        positions_K, targets_K = batch.positions_K, batch.targets_K
-        num_selected = positions_K.numel()
-        if num_selected == 0:  # one position, kept connected to every parameter with weight 0
-            positions_K, targets_K = positions_K.new_zeros(1), targets_K.new_zeros(1)
-        logp_K, entropy_K = token_logprobs(
-            hidden_PD[positions_K],
-            self.model.lm_head_weight,
-            targets_K,
-            temperature=self.feed.temperature,
-            chunk_tokens=self.chunk_tokens,
-            with_entropy=self.feed.with_entropy,
-            fused=self.fused_head,
-        )
-        if entropy_K is None:
-            entropy_K = torch.zeros_like(logp_K)
-        out_12P = hidden_PD.new_zeros(1, 2, hidden_PD.shape[0], dtype=torch.float32)
-        out_12P[0, :, : logp_K.numel()] = torch.stack([logp_K, entropy_K]) * (1.0 if num_selected else 0.0)
-        return out_12P
 
 
 def _mb_to_int(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -294,7 +92,7 @@ class Pipeline:
         self.schedule_name, self.budget, self.device = schedule, budget, device
         self.num_stages = num_stages
         self.modules = modules
-        self.feed = _Feed()
+        self.feed = StageFeed()
         self.stages = []
         hidden = torch.empty(1, budget, hidden_size, dtype=dtype, device="meta", requires_grad=True)
         for module, s in zip(modules, stage_ids, strict=True):
@@ -492,23 +290,3 @@ def apply_pp(
         dtype=dtype,
     )
     return modules, pipe
-
-
-def check_pp(args: ModelArgs, pp: int, schedule: str, virtual_stages: int) -> None:
-    """ValueError naming the first pipeline setting the model or the schedule cannot take."""
-    if schedule not in SCHEDULES:
-        raise ValueError(
-            f"parallel.pp_schedule={schedule!r} is invalid: must be one of {', '.join(SCHEDULES)}. Fix: pick one."
-        )
-    if virtual_stages < 1:
-        raise ValueError(f"parallel.pp_virtual_stages={virtual_stages} is invalid: must be >= 1. Fix: use 1.")
-    if schedule == "1f1b" and virtual_stages != 1:
-        raise ValueError(
-            f"parallel.pp_schedule=1f1b runs one stage per rank, but parallel.pp_virtual_stages={virtual_stages}. "
-            "Fix: use pp_schedule=interleaved (or zero_bubble) for virtual stages, or pp_virtual_stages=1."
-        )
-    if args.num_layers < pp * virtual_stages:
-        raise ValueError(
-            f"parallel.pp={pp} x parallel.pp_virtual_stages={virtual_stages} = {pp * virtual_stages} stages, but the "
-            f"model has {args.num_layers} layers (rule: at least one per stage). Fix: lower them."
-        )

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (rlloom/parallel/pp.py): the stage split, and pp=2 on gloo against one process.
+"""Pipeline parallelism (rlloom/parallel/pp.py, pp_stages.py): the stage split, and pp=2 on gloo against one process.
 
 Every schedule runs two steps on one pipeline with uneven stages: micro-batches of different real
 lengths (padded to the budget), a filler micro-batch (3 real ones on 2 ranks), then a step with a
@@ -20,7 +20,8 @@ from torch.distributed.tensor import DTensor
 from rlloom.models.logprobs import token_logprobs
 from rlloom.models.model import CausalLM
 from rlloom.parallel import ParallelDims, apply_fsdp, grad_norm
-from rlloom.parallel.pp import PipeMicroBatch, apply_pp, check_pp, rank_stages, split_layers
+from rlloom.parallel.pp import apply_pp
+from rlloom.parallel.pp_stages import PipeMicroBatch, check_pp, rank_stages, split_layers
 
 BUDGET = 32
 NUM_LAYERS = 6
@@ -65,18 +66,25 @@ def test_check_pp_refuses_bad_settings():
 
 
 def _args(family: str = "llama"):
-    return dataclasses.replace(tiny_args(family), num_layers=NUM_LAYERS)
+    args = dataclasses.replace(tiny_args(family), num_layers=NUM_LAYERS)
+    if args.moe is not None:  # MoE layers on both stages
+        args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, sparse_layers=(1, 3, 4)))
+    return args
 
 
 def _model(family: str) -> CausalLM:
-    """A 6-layer model of `family`: layers 2.. copy layer 1's random weights, all perturbed."""
+    """A 6-layer model of `family`: layers 2.. copy layer 1's (or dense layer 0's) random weights, all perturbed."""
     torch.manual_seed(0)
     ref = tiny_model(family)
     model = CausalLM(_args(family))
     state = ref.state_dict()
     with torch.no_grad():
-        for name, p in model.named_parameters():  # layers 2.. reuse layer 0/1 weights, perturbed
-            src = name if name in state else name.replace(f"layers.{name.split('.')[1]}", "layers.1")
+        for name, p in model.named_parameters():
+            src = name
+            if src not in state:  # a layer the 2-layer model lacks: take layer 1's weight, else layer 0's
+                layer = name.split(".")[1]
+                src = name.replace(f"layers.{layer}.", "layers.1.")
+                src = src if src in state else name.replace(f"layers.{layer}.", "layers.0.")
             p.copy_(state[src] + 0.05 * torch.randn_like(p))
     return model
 
@@ -197,5 +205,6 @@ def test_pp_matches_one_process_every_schedule():
         ("llama", "zero_bubble", 2, 2, 0, False),
         ("llama", "interleaved", 2, 0, 0, True),
         ("qwen3", "1f1b", 1, 0, 4, True),  # tied embeddings: the last stage's head is a copy
+        ("deepseek_v3", "1f1b", 1, 2, 0, False),  # MLA + MoE layers on both stages
     ]
     run_gloo(pp_worker, 2, layouts)
