@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from rlloom.models.logprobs import token_logprobs
 from rlloom.models.model import CausalLM
-from rlloom.parallel import ParallelDims, apply_fsdp, grad_norm
+from rlloom.parallel import ParallelDims, apply_ac, apply_fsdp, grad_norm
 from rlloom.parallel.pp import apply_pp
 from rlloom.parallel.pp_stages import PipeMicroBatch, check_pp, rank_stages, split_layers
 
@@ -135,26 +135,33 @@ def _reference(model: CausalLM, mbs: list[PipeMicroBatch], loss_fn) -> tuple[tor
     return torch.stack(losses), logps
 
 
+def _ref_name(name: str) -> str:
+    """A stage parameter's name in the whole model."""
+    return name.removeprefix("model.").replace("_checkpoint_wrapped_module.", "")
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _check_schedule(
-    family: str, schedule: str, virtual_stages: int, first: int, last: int, fsdp: bool
-) -> None:
-    dims = ParallelDims(world_size=2, pp=2)
-    dims.build_mesh("cpu")
-    ref = _model(family)
-    parallelize_stage = None
-    if fsdp:  # FSDP2 on each stage (a one-rank data-parallel mesh here), no reshard after forward under PP
+def _build(
+    ref: CausalLM, dims: ParallelDims, schedule: str, virtual_stages: int, first: int, last: int, wrap: str
+):
+    """apply_pp on a copy of `ref`; `wrap`: "" (plain), "fsdp" (FSDP2 on each stage, no reshard after
+    forward under PP) or "ac+fsdp" (full activation checkpointing first)."""
 
-        def parallelize_stage(stage: nn.Module) -> nn.Module:
-            mesh = dims.dp_shard_mesh()
-            return apply_fsdp(
-                stage, mesh, param_dtype=torch.float32, reshard_after_forward=False, layers_of=stage.model
-            )
+    def parallelize_stage(stage: nn.Module) -> nn.Module:
+        if "ac" in wrap:
+            apply_ac(stage.model, "full")
+        return apply_fsdp(
+            stage,
+            dims.dp_shard_mesh(),
+            param_dtype=torch.float32,
+            reshard_after_forward=False,
+            layers_of=stage.model,
+        )
 
-    modules, pipe = apply_pp(
+    return apply_pp(
         copy.deepcopy(ref),
         dims.pp_mesh(),
         schedule=schedule,
@@ -164,10 +171,19 @@ def _check_schedule(
         virtual_stages=virtual_stages,
         first_stage_layers=first,
         last_stage_layers=last,
-        parallelize_stage=parallelize_stage,
+        parallelize_stage=parallelize_stage if wrap else None,
     )
+
+
+def _check_schedule(
+    family: str, schedule: str, virtual_stages: int, first: int, last: int, wrap: str
+) -> None:
+    dims = ParallelDims(world_size=2, pp=2)
+    dims.build_mesh("cpu")
+    ref = _model(family)
+    modules, pipe = _build(ref, dims, schedule, virtual_stages, first, last, wrap)
     ref_params = dict(ref.named_parameters())
-    held = {name.removeprefix("model."): p for m in modules for name, p in m.named_parameters()}
+    held = {_ref_name(name): p for m in modules for name, p in m.named_parameters()}
     assert 0 < len(held) < len(ref_params)
     for mbs in STEPS:
         ref.zero_grad()
@@ -198,13 +214,43 @@ def pp_worker(rank: int, layouts: list[tuple]) -> None:
 
 
 def test_pp_matches_one_process_every_schedule():
-    """pp=2 with (model, schedule, virtual stages, first/last stage layers, FSDP2 on each stage)."""
+    """pp=2 with (model, schedule, virtual stages, first/last stage layers, wrapping of each stage)."""
     layouts = [
-        ("llama", "1f1b", 1, 2, 0, False),
-        ("llama", "interleaved", 2, 0, 1, False),
-        ("llama", "zero_bubble", 2, 2, 0, False),
-        ("llama", "interleaved", 2, 0, 0, True),
-        ("qwen3", "1f1b", 1, 0, 4, True),  # tied embeddings: the last stage's head is a copy
-        ("deepseek_v3", "1f1b", 1, 2, 0, False),  # MLA + MoE layers on both stages
+        ("llama", "1f1b", 1, 2, 0, ""),
+        ("llama", "interleaved", 2, 0, 1, ""),
+        ("llama", "zero_bubble", 2, 2, 0, ""),
+        ("llama", "interleaved", 2, 0, 0, "fsdp"),
+        ("llama", "zero_bubble", 2, 0, 2, "ac+fsdp"),
+        ("qwen3", "1f1b", 1, 0, 4, "fsdp"),  # tied embeddings: the last stage's head is a copy
+        ("deepseek_v3", "1f1b", 1, 2, 0, ""),  # MLA + MoE layers on both stages
     ]
     run_gloo(pp_worker, 2, layouts)
+
+
+def pp_dp_worker(rank: int) -> None:
+    """pp=2 x dp_shard=2 (FSDP2): each data-parallel rank runs its own micro-batches, the loss is
+    normalised over both, and the summed gradients equal one process running them all."""
+    dims = ParallelDims(world_size=4, pp=2)
+    dims.build_mesh("cpu")
+    ref = _model("llama")
+    modules, pipe = _build(ref, dims, "interleaved", 2, 0, 1, "fsdp")
+    shares = [STEPS[0][:2], STEPS[1]]
+    mine = shares[dims.dp_mesh().get_local_rank()]
+    loss_fn = _loss_fn(float(sum(mb.positions_K.numel() for share in shares for mb in share)))
+    offset = 0 if mine is shares[0] else len(shares[0])
+    losses = pipe.forward_backward(
+        mine, lambda i, logp, ent: loss_fn(offset + i, logp, ent), with_entropy=True
+    )
+    expected_losses, _ = _reference(ref, shares[0] + shares[1], loss_fn)
+    torch.testing.assert_close(losses, expected_losses[offset : offset + len(mine)], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pipe.clip_grad_norm_(0.0), grad_norm(ref.parameters()), atol=1e-5, rtol=1e-5)
+    ref_params = dict(ref.named_parameters())
+    for m in modules:
+        for name, p in m.named_parameters():
+            expected = ref_params[_ref_name(name)].grad
+            torch.testing.assert_close(_full(p.grad), expected, atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_pp_with_fsdp_data_parallel_matches_one_process():
+    run_gloo(pp_dp_worker, 4)
