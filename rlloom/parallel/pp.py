@@ -22,7 +22,8 @@ How the training engine plugs it in (per rank, after `ParallelDims.build_mesh`):
 TP/EP/AC/compile go inside `parallelize_stage` (each stage module is a model of its own to them);
 FSDP must not reshard after forward under PP (each micro-batch would gather the layers again).
 Tied embeddings: the last stage holds the embedding as its head and `Pipeline.clip_grad_norm_`
-sums the two gradients. Not supported yet: shared-prompt packing, routing replay, MoE balance terms.
+sums the two gradients. Shared-prompt micro-batches and MoE routes (compared, or replayed) pass through as in
+`CausalLM.hidden_states`. Not built: MoE balance terms (aux loss, bias updates) per stage.
 
 Shape legend: N tokens of a micro-batch, P the token budget, K selected positions, M micro-batches,
 D hidden size.
@@ -112,6 +113,10 @@ class Pipeline:
         self._schedule: tuple[tuple[int, bool], object] | None = None
         self._loss_fn: PipeLossFn | None = None
 
+    def _set_head(self, temperature: float, with_entropy: bool, replay_routes: bool) -> None:
+        self.feed.temperature, self.feed.with_entropy = temperature, with_entropy
+        self.feed.replay_routes = replay_routes
+
     def num_micro_batches(self, n: int) -> int:
         """Micro-batches the schedule runs for `n` real ones: a multiple of pp, at least pp (fillers added)."""
         return -(-max(n, 1) // self.pp) * self.pp
@@ -154,10 +159,11 @@ class Pipeline:
         *,
         temperature: float = 1.0,
         with_entropy: bool = False,
+        replay_routes: bool = False,
     ) -> torch.Tensor:
         """Accumulate into the stages' gradients the backward of sum_i loss_fn(i, ...) over the
         micro-batches `mbs` (None = zero-weight filler); returns the losses [len(mbs)] on every pp rank."""
-        self.feed.temperature, self.feed.with_entropy = temperature, with_entropy
+        self._set_head(temperature, with_entropy, replay_routes)
         self._loss_fn = loss_fn
         losses: list[torch.Tensor] = []
         self._run(mbs, True, losses)
@@ -209,10 +215,15 @@ class Pipeline:
 
     @torch.no_grad()
     def forward_logprobs(
-        self, mbs: list[PipeMicroBatch | None], *, temperature: float = 1.0, with_entropy: bool = False
+        self,
+        mbs: list[PipeMicroBatch | None],
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        replay_routes: bool = False,
     ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """(logp_K, entropy_K or None) fp32 of each micro-batch, on every pp rank (forward only)."""
-        self.feed.temperature, self.feed.with_entropy = temperature, with_entropy
+        self._set_head(temperature, with_entropy, replay_routes)
         n = self.num_micro_batches(len(mbs))
         out = self._run(mbs, False, None)
         out_M2P = out if out is not None else torch.zeros(n, 2, self.budget, device=self.device)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from rlloom.models.args import ModelArgs
-from rlloom.models.attention_ops import AttnLayout
+from rlloom.models.attention_ops import AttnLayout, TreePlan
 from rlloom.models.logprobs import token_logprobs
 
 SCHEDULE_NAMES = ("1f1b", "interleaved", "zero_bubble")
@@ -110,6 +110,9 @@ class StageModel(nn.Module):
         self.rope = type(model.rope)(model.args.rope)  # no parameters; one per stage, buffers rebuilt
         self.rope.init_buffers()
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
+        sparse = [i for i, layer in enumerate(model.layers) if getattr(layer, "moe", None) is not None]
+        self.moe_index = {str(i): sparse.index(i) for i in layer_ids if i in sparse}
+        """Layer key -> its index among the whole model's MoE layers (the routes' middle axis)."""
         self.norm = model.norm if is_last else None
         self.output = model.output if is_last else None
 
@@ -132,6 +135,12 @@ class PipeMicroBatch:
     """[K] int64 positions whose next token is scored."""
     targets_K: torch.Tensor
     """[K] int64 the scored tokens."""
+    prefix_lens_S: torch.Tensor | None = None
+    """Shared-prompt layout (as `PackedTensors`): [S] prompt length opening each segment, or None."""
+    branch_lens_Z: torch.Tensor | None = None
+    """Shared-prompt layout: [Z] non-empty branch lengths in stream order, or None."""
+    routes_NLK: torch.Tensor | None = None
+    """[N, MoE layers, K] experts the rollout chose per position (-1 = none), or None."""
 
 
 @dataclass
@@ -140,10 +149,10 @@ class PaddedMicroBatch:
 
     input_ids_1P: torch.Tensor
     position_ids_P: torch.Tensor
-    cu_seqlens: torch.Tensor
-    max_seqlen: int
+    layout: AttnLayout
     positions_K: torch.Tensor
     targets_K: torch.Tensor
+    routes_PLK: torch.Tensor | None
     real: bool
 
 
@@ -163,16 +172,29 @@ def pad_to_budget(mb: PipeMicroBatch | None, budget: int, device: torch.device) 
     ids = torch.cat([mb.input_ids_N.cpu(), torch.zeros(pad, dtype=torch.int64)])
     pos = torch.cat([mb.position_ids_N.cpu(), torch.arange(pad)])
     cu = mb.cu_seqlens.cpu().to(torch.int32)
-    if pad:
+    prefix = mb.prefix_lens_S
+    routes = mb.routes_NLK
+    if pad:  # the padding segment: a causal sequence of its own (a prompt without branches)
         cu = torch.cat([cu, torch.tensor([budget], dtype=torch.int32)])
+        prefix = None if prefix is None else torch.cat([prefix.cpu(), prefix.new_tensor([pad]).cpu()])
+        routes = (
+            None if routes is None else torch.cat([routes, routes.new_full((pad, *routes.shape[1:]), -1)])
+        )
+    layout = AttnLayout(kind="packed", cu_seqlens=cu.to(device), max_seqlen=max(mb.max_seqlen, pad))
+    if prefix is not None and mb.branch_lens_Z is not None:
+        tree = TreePlan(cu, prefix, mb.branch_lens_Z.cpu(), device)  # built on the host: no syncs
+        if tree.has_branches:
+            layout = AttnLayout(
+                kind="tree", cu_seqlens=layout.cu_seqlens, max_seqlen=layout.max_seqlen, tree=tree
+            )
     return PaddedMicroBatch(
         ids.view(1, budget).to(device),
         pos.to(device),
-        cu.to(device),
-        max(mb.max_seqlen, pad),
+        layout,
         mb.positions_K.to(device),
         mb.targets_K.to(device),
-        real=mb.input_ids_N.numel() > 0,
+        None if routes is None else routes.to(device),
+        real=n > 0,
     )
 
 
@@ -183,6 +205,8 @@ class StageFeed:
     micro_batches: list[PaddedMicroBatch] = field(default_factory=list)
     temperature: float = 1.0
     with_entropy: bool = False
+    replay_routes: bool = False
+    """MoE: use the micro-batches' routes (routing replay) instead of only comparing them."""
 
 
 class PipelineStageModule(nn.Module):
@@ -203,9 +227,12 @@ class PipelineStageModule(nn.Module):
         batch = self.feed.micro_batches[mb]
         h = self.model.tok_embeddings(x[0]) if self.is_first else x[0]
         cos, sin = self.model.rope(batch.position_ids_P, h.dtype)
-        layout = AttnLayout(kind="packed", cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen)
-        for layer in self.model.layers.values():
-            h = layer(h, cos, sin, layout)
+        for key, layer in self.model.layers.items():
+            moe_index = self.model.moe_index.get(key)
+            if moe_index is not None and batch.routes_PLK is not None:
+                h = layer(h, cos, sin, batch.layout, batch.routes_PLK[:, moe_index], self.feed.replay_routes)
+            else:
+                h = layer(h, cos, sin, batch.layout)
         if not self.is_last:
             # Not a view: zero-bubble schedules detach a stage's outputs in place after the input backward.
             return h.unsqueeze(0).clone()

@@ -2,7 +2,8 @@
 
 Every schedule runs two steps on one pipeline with uneven stages: micro-batches of different real
 lengths (padded to the budget), a filler micro-batch (3 real ones on 2 ranks), then a step with a
-different number of micro-batches and tokens. Losses, every gradient and the logprobs must equal
+different number of micro-batches and tokens, one of them in the shared-prompt layout; the MoE
+model gets rollout routes, replayed in the first step and compared in the second. Losses, every gradient and the logprobs must equal
 the one-process model's within 1e-5.
 """
 
@@ -102,9 +103,37 @@ def _micro_batch(lengths: list[int], seed: int) -> PipeMicroBatch:
     return PipeMicroBatch(ids, positions, cu, max(lengths), selected, ids[selected + 1])
 
 
+def _shared_prompt_micro_batch(seed: int) -> PipeMicroBatch:
+    """Two segments: a 4-token prompt with branches of 3 and 2 tokens, a 3-token prompt with one of 4."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (16,), generator=g)
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 6, 4, 5, 0, 1, 2, 3, 4, 5, 6])
+    selected = torch.tensor([3, 4, 5, 3, 7, 11, 12, 13, 14])  # a prompt's last position scores each branch
+    return PipeMicroBatch(
+        ids,
+        positions,
+        torch.tensor([0, 9, 16], dtype=torch.int32),
+        9,
+        selected,
+        torch.randint(0, 64, (9,), generator=g),
+        prefix_lens_S=torch.tensor([4, 3], dtype=torch.int32),
+        branch_lens_Z=torch.tensor([3, 2, 4], dtype=torch.int32),
+    )
+
+
+def _with_routes(mb: PipeMicroBatch, args, seed: int) -> PipeMicroBatch:
+    """`mb` with random rollout routes [N, MoE layers, top_k] (distinct experts; every 5th position none)."""
+    g = torch.Generator().manual_seed(seed)
+    n, layers, k = mb.input_ids_N.numel(), len(args.moe.sparse_layers), args.moe.top_k
+    routes = torch.stack([torch.randperm(args.moe.num_experts, generator=g)[:k] for _ in range(n * layers)])
+    routes = routes.view(n, layers, k)
+    routes[::5] = -1
+    return dataclasses.replace(mb, routes_NLK=routes)
+
+
 STEPS = [
     [_micro_batch([9, 5, 12], 1), _micro_batch([17, 3], 2), _micro_batch([30], 3)],  # 3 real + 1 filler
-    [_micro_batch([7, 11], 4), _micro_batch([20, 6, 4], 5)],
+    [_micro_batch([7, 11], 4), _shared_prompt_micro_batch(5)],
 ]
 
 
@@ -119,11 +148,20 @@ def _loss_fn(normaliser: float):
     return loss
 
 
-def _reference(model: CausalLM, mbs: list[PipeMicroBatch], loss_fn) -> tuple[torch.Tensor, list]:
+def _reference(
+    model: CausalLM, mbs: list[PipeMicroBatch], loss_fn, replay: bool = False
+) -> tuple[torch.Tensor, list]:
     losses, logps = [], []
     for i, mb in enumerate(mbs):
         hidden = model.hidden_states(
-            mb.input_ids_N, position_ids=mb.position_ids_N, cu_seqlens=mb.cu_seqlens, max_seqlen=mb.max_seqlen
+            mb.input_ids_N,
+            position_ids=mb.position_ids_N,
+            cu_seqlens=mb.cu_seqlens,
+            max_seqlen=mb.max_seqlen,
+            prefix_lens=mb.prefix_lens_S,
+            branch_lens=mb.branch_lens_Z,
+            routes_NLK=mb.routes_NLK,
+            replay_routes=replay,
         )
         logp_K, entropy_K = token_logprobs(
             hidden[mb.positions_K], model.lm_head_weight, mb.targets_K, with_entropy=True
@@ -185,14 +223,17 @@ def _check_schedule(
     ref_params = dict(ref.named_parameters())
     held = {_ref_name(name): p for m in modules for name, p in m.named_parameters()}
     assert 0 < len(held) < len(ref_params)
-    for mbs in STEPS:
+    for step, mbs in enumerate(STEPS):
+        replay = ref.args.moe is not None and step == 0  # MoE: routes replayed, then only compared
+        if ref.args.moe is not None:
+            mbs = [_with_routes(mb, ref.args, seed=10 + i) for i, mb in enumerate(mbs)]
         ref.zero_grad()
         for m in modules:
             m.zero_grad()
         normaliser = float(sum(mb.positions_K.numel() for mb in mbs))
         loss_fn = _loss_fn(normaliser)
-        expected_losses, expected_logps = _reference(ref, mbs, loss_fn)
-        losses = pipe.forward_backward(mbs, loss_fn, with_entropy=True)
+        expected_losses, expected_logps = _reference(ref, mbs, loss_fn, replay)
+        losses = pipe.forward_backward(mbs, loss_fn, with_entropy=True, replay_routes=replay)
         torch.testing.assert_close(losses, expected_losses, atol=1e-5, rtol=1e-5, msg=schedule)
         norm = pipe.clip_grad_norm_(0.0)  # sums a tied embedding's two gradients
         torch.testing.assert_close(norm, grad_norm(ref.parameters()), atol=1e-5, rtol=1e-5, msg=schedule)
@@ -201,7 +242,7 @@ def _check_schedule(
             torch.testing.assert_close(
                 grad, ref_params[name].grad, atol=1e-5, rtol=1e-5, msg=f"{schedule} {name}"
             )
-        logps = pipe.forward_logprobs(mbs, with_entropy=True)
+        logps = pipe.forward_logprobs(mbs, with_entropy=True, replay_routes=replay)
         for (logp, entropy), (exp_logp, exp_entropy) in zip(logps, expected_logps, strict=True):
             torch.testing.assert_close(logp, exp_logp, atol=1e-5, rtol=1e-5, msg=schedule)
             torch.testing.assert_close(entropy, exp_entropy, atol=1e-5, rtol=1e-5, msg=schedule)
@@ -222,7 +263,7 @@ def test_pp_matches_one_process_every_schedule():
         ("llama", "interleaved", 2, 0, 0, "fsdp"),
         ("llama", "zero_bubble", 2, 0, 2, "ac+fsdp"),
         ("qwen3", "1f1b", 1, 0, 4, "fsdp"),  # tied embeddings: the last stage's head is a copy
-        ("deepseek_v3", "1f1b", 1, 2, 0, ""),  # MLA + MoE layers on both stages
+        ("deepseek_v3", "1f1b", 1, 2, 0, ""),  # MLA + MoE layers on both stages, routes replayed
     ]
     run_gloo(pp_worker, 2, layouts)
 
