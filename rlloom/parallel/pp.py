@@ -90,7 +90,7 @@ class Pipeline:
     ) -> None:
         self.group = pp_mesh.get_group()
         self.pp = pp_mesh.size()
-        self.schedule_name, self.budget, self.device = schedule, budget, device
+        self.schedule_name, self.budget, self.device, self.dtype = schedule, budget, device, dtype
         self.num_stages = num_stages
         self.modules = modules
         self.feed = StageFeed()
