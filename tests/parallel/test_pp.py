@@ -22,7 +22,7 @@ from rlloom.models.logprobs import token_logprobs
 from rlloom.models.model import CausalLM
 from rlloom.parallel import ParallelDims, apply_ac, apply_fsdp, grad_norm
 from rlloom.parallel.pp import apply_pp
-from rlloom.parallel.pp_stages import PipeMicroBatch, check_pp, rank_stages, split_layers
+from rlloom.parallel.pp_stages import PipeMicroBatch, check_pp, pad_to_budget, rank_stages, split_layers
 
 BUDGET = 32
 NUM_LAYERS = 6
@@ -52,6 +52,18 @@ def test_split_layers_refuses_impossible_layouts():
         split_layers(3, 4)
     with pytest.raises(ValueError, match="pp_first_stage_layers=-1"):
         split_layers(6, 2, first_stage_layers=-1)
+
+
+def test_pad_to_budget_adds_a_padding_segment_and_refuses_a_longer_micro_batch():
+    padded = pad_to_budget(_shared_prompt_micro_batch(0), 20, torch.device("cpu"))
+    assert padded.input_ids_1P.shape == (1, 20) and padded.layout.kind == "tree"
+    assert padded.layout.cu_seqlens.tolist() == [0, 9, 16, 20]
+    assert padded.layout.tree.prefix == [4, 3, 4]  # the padding: a prompt of its own, no branches
+    assert padded.position_ids_P[16:].tolist() == [0, 1, 2, 3]
+    filler = pad_to_budget(None, 20, torch.device("cpu"))
+    assert not filler.real and filler.layout.cu_seqlens.tolist() == [0, 20]
+    with pytest.raises(ValueError, match="train.max_tokens_per_micro_batch=8"):
+        pad_to_budget(_shared_prompt_micro_batch(0), 8, torch.device("cpu"))
 
 
 def test_rank_stages_looped():
