@@ -7,7 +7,8 @@ micro-batches of `--tokens` tokens each (sequences of random lengths), loss over
 each sequence. Timed: `Pipeline.forward_backward` (no optimizer step), one warm-up step, then
 `--steps`. Bubble fraction = 1 - ideal / measured step time, where ideal = micro-batches x the
 largest per-rank time of one micro-batch's forward + backward through the rank's stages run alone;
-the theoretical (pp - 1) / (v x micro-batches + pp - 1) is printed next to it.
+the (interleaved) 1F1B theory (pp - 1) / (v x micro-batches + pp - 1) is printed next to it (a
+zero-bubble schedule should come out below it).
 
     torchrun --nproc-per-node 2 benchmarks/bench_pp.py --shape 8b --schedule 1f1b --append rows.jsonl
     torchrun --nproc-per-node 2 benchmarks/bench_pp.py --shape 8b --schedule interleaved --virtual-stages 2 \\
@@ -189,7 +190,7 @@ def main() -> None:
         "step_s": round(step_s, 4),
         "tokens_per_s": round(n * a.tokens * a.dp / step_s, 1),
         "bubble_measured": round(1 - n * float(busy) / step_s, 4),
-        "bubble_theory": round((pp - 1) / (v * n + pp - 1), 4),
+        "bubble_theory_1f1b": round((pp - 1) / (v * n + pp - 1), 4),
         "peak_gib": round(float(peak), 2),
         "device": torch.cuda.get_device_name(device) if device_type == "cuda" else "cpu",
     }

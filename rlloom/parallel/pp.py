@@ -9,21 +9,35 @@
   them per micro-batch and returns that micro-batch's loss sum divided by the GLOBAL normaliser
   (no per-micro-batch or per-stage rescaling: the schedule runs with scale_grads=False).
 
-How the training engine plugs it in (per rank, after `ParallelDims.build_mesh`):
+How the training engine plugs it in (per rank, after `ParallelDims.build_mesh`; not wired yet):
 
-    stages, pipe = apply_pp(model, dims.pp_mesh(), schedule=..., virtual_stages=..., first_stage_layers=...,
-                            last_stage_layers=..., budget=cfg.max_tokens_per_micro_batch, device=..., dtype=...,
+    stages, pipe = apply_pp(model, dims.pp_mesh(), schedule=par.pp_schedule, virtual_stages=par.pp_virtual_stages,
+                            first_stage_layers=par.pp_first_stage_layers, last_stage_layers=par.pp_last_stage_layers,
+                            budget=cfg.max_tokens_per_micro_batch, device=device, dtype=compute_dtype,
                             parallelize_stage=lambda m: apply_fsdp(m, dims.dp_shard_mesh(), ...,
                                                                    reshard_after_forward=False, layers_of=m.model))
-    # optimizer over the parameters of `stages`; per step, micro-batches from plan_rank as PipeMicroBatch:
-    losses_M = pipe.forward_backward(mbs, loss_fn)      # loss_fn(i, logp_K, entropy_K) -> loss_sum_i / normaliser
-    logps = pipe.forward_logprobs(mbs, temperature=..., with_entropy=...)   # [(logp_K, entropy_K)] on every pp rank
+    # optimizer over the parameters of `stages` (names as PolicyHead's: "model.layers.7...");
+    # per step, this dp rank's micro-batches from plan_rank (equal counts on every dp rank), each
+    # `batch.select(mb).packed(share_prompts)` as a PipeMicroBatch (positions/targets: the response
+    # mask's gather_index_BT/target_ids_BT), None for a filler:
+    losses_M = pipe.forward_backward(mbs, loss_fn)  # loss_fn(i, logp_K, entropy_K): spread logp_K to [b, T]
+                                                    # with the mask, loss_sum_i / global normaliser
+    norm = pipe.clip_grad_norm_(cfg.grad_clip)      # once per optimizer step, before the step
+    logps = pipe.forward_logprobs(mbs, temperature=..., with_entropy=...)  # [(logp_K, entropy_K)], every pp rank
+
+`loss_fn` runs on the last stage's rank only: metrics it returns must be reduced there and
+broadcast over the pp group. Still to build in the engine: weight sync (`named_weights` must
+gather every stage's weights over the pp group), checkpoints (names are the whole model's, so a
+pp=2 -> pp=1 resume needs no renaming, but a tied embedding is held twice), MoE balance terms.
 
 TP/EP/AC/compile go inside `parallelize_stage` (each stage module is a model of its own to them);
-FSDP must not reshard after forward under PP (each micro-batch would gather the layers again).
+AC and FSDP2 are tested here. With TP + sequence parallelism the activations between stages are
+token-sharded DTensors: the stages' static shapes below would then be DTensor metadata (or
+PipelineStage's dynamic inference), and the budget a multiple of tp. FSDP must not reshard after
+forward under PP (each micro-batch would gather the layers again).
 Tied embeddings: the last stage holds the embedding as its head and `Pipeline.clip_grad_norm_`
-sums the two gradients. Shared-prompt micro-batches and MoE routes (compared, or replayed) pass through as in
-`CausalLM.hidden_states`. Not built: MoE balance terms (aux loss, bias updates) per stage.
+sums the two gradients. Shared-prompt micro-batches and MoE routes (compared, or replayed) pass
+through as in `CausalLM.hidden_states`.
 
 Shape legend: N tokens of a micro-batch, P the token budget, K selected positions, M micro-batches,
 D hidden size.
