@@ -26,9 +26,10 @@ How the training engine plugs it in (per rank, after `ParallelDims.build_mesh`; 
     logps = pipe.forward_logprobs(mbs, temperature=..., with_entropy=...)  # [(logp_K, entropy_K)], every pp rank
 
 `loss_fn` runs on the last stage's rank only: metrics it returns must be reduced there and
-broadcast over the pp group. Still to build in the engine: weight sync (`named_weights` must
-gather every stage's weights over the pp group), checkpoints (names are the whole model's, so a
-pp=2 -> pp=1 resume needs no renaming, but a tied embedding is held twice), MoE balance terms.
+broadcast over the pp group. Weight sync: `Pipeline.full_weights()` gives every rank the whole
+model under the CausalLM's names (for the Hugging Face adapter). Still to build in the engine:
+checkpoints (names are the whole model's, so a pp=2 -> pp=1 resume needs no renaming, but a tied
+embedding is held twice), MoE balance terms (per-stage aux loss and bias updates).
 
 TP/EP/AC/compile go inside `parallelize_stage` (each stage module is a model of its own to them);
 AC and FSDP2 are tested here. With TP + sequence parallelism the activations between stages are
@@ -45,7 +46,7 @@ D hidden size.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -122,6 +123,7 @@ class Pipeline:
                     module, s, num_stages, device, input_args=inputs, output_args=outputs, group=self.group
                 )
             )
+        self.stage_ids = stage_ids
         self.has_first = 0 in stage_ids
         self.last_rank = dist.get_global_rank(self.group, (num_stages - 1) % self.pp)
         self._schedule: tuple[tuple[int, bool], object] | None = None
@@ -228,6 +230,36 @@ class Pipeline:
         return None
 
     @torch.no_grad()
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name in the whole CausalLM, full tensor) of every parameter, in the model's order, on every
+        pp rank (weight sync): each stage's rank gathers its shards and broadcasts them over the pp
+        group. A tied embedding comes once. Collective: every rank must consume the generator."""
+        mine = {
+            s: [(model_name(n), p) for n, p in m.named_parameters()]
+            for s, m in zip(self.stage_ids, self.modules)
+        }
+        shapes = [(s, [(n, tuple(p.shape), p.dtype) for n, p in params]) for s, params in mine.items()]
+        everyone: list[list] = [[] for _ in range(self.pp)]
+        dist.all_gather_object(everyone, shapes, group=self.group)
+        seen: set[str] = set()
+        for s, owner, params in sorted(
+            (s, r, params) for r, held in enumerate(everyone) for s, params in held
+        ):
+            for i, (name, shape, dtype) in enumerate(params):
+                if name in seen:  # the last stage's copy of a tied embedding
+                    continue
+                seen.add(name)
+                if s in mine:
+                    param = mine[s][i][1]
+                    tensor = (
+                        (param.full_tensor() if isinstance(param, DTensor) else param).detach().contiguous()
+                    )
+                else:
+                    tensor = torch.empty(shape, dtype=dtype, device=self.device)
+                dist.broadcast(tensor, src=dist.get_global_rank(self.group, owner), group=self.group)
+                yield name, tensor
+
+    @torch.no_grad()
     def forward_logprobs(
         self,
         mbs: list[PipeMicroBatch | None],
@@ -251,6 +283,13 @@ class Pipeline:
             k = 0 if mb is None else mb.positions_K.numel()
             result.append((out_M2P[i, 0, :k], out_M2P[i, 1, :k] if with_entropy else None))
         return result
+
+
+def model_name(name: str) -> str:
+    """A stage module's parameter name as the whole CausalLM's (no wrapper prefixes)."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(wrapper, "")
+    return name.removeprefix("model.")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from rlloom.models.logprobs import token_logprobs
 from rlloom.models.model import CausalLM
 from rlloom.parallel import ParallelDims, apply_ac, apply_fsdp, grad_norm
-from rlloom.parallel.pp import apply_pp
+from rlloom.parallel.pp import apply_pp, model_name
 from rlloom.parallel.pp_stages import PipeMicroBatch, check_pp, pad_to_budget, rank_stages, split_layers
 
 BUDGET = 32
@@ -185,11 +185,6 @@ def _reference(
     return torch.stack(losses), logps
 
 
-def _ref_name(name: str) -> str:
-    """A stage parameter's name in the whole model."""
-    return name.removeprefix("model.").replace("_checkpoint_wrapped_module.", "")
-
-
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
@@ -233,7 +228,7 @@ def _check_schedule(
     ref = _model(family)
     modules, pipe = _build(ref, dims, schedule, virtual_stages, first, last, wrap)
     ref_params = dict(ref.named_parameters())
-    held = {_ref_name(name): p for m in modules for name, p in m.named_parameters()}
+    held = {model_name(name): p for m in modules for name, p in m.named_parameters()}
     assert 0 < len(held) < len(ref_params)
     for step, mbs in enumerate(STEPS):
         replay = ref.args.moe is not None and step == 0  # MoE: routes replayed, then only compared
@@ -258,6 +253,10 @@ def _check_schedule(
         for (logp, entropy), (exp_logp, exp_entropy) in zip(logps, expected_logps, strict=True):
             torch.testing.assert_close(logp, exp_logp, atol=1e-5, rtol=1e-5, msg=schedule)
             torch.testing.assert_close(entropy, exp_entropy, atol=1e-5, rtol=1e-5, msg=schedule)
+    weights = list(pipe.full_weights())  # every rank gets the whole model, in its order, once
+    assert [name for name, _ in weights] == list(ref_params), schedule
+    for name, tensor in weights:
+        torch.testing.assert_close(tensor, ref_params[name].detach(), atol=0, rtol=0, msg=name)
 
 
 def pp_worker(rank: int, layouts: list[tuple]) -> None:
@@ -300,7 +299,7 @@ def pp_dp_worker(rank: int) -> None:
     ref_params = dict(ref.named_parameters())
     for m in modules:
         for name, p in m.named_parameters():
-            expected = ref_params[_ref_name(name)].grad
+            expected = ref_params[model_name(name)].grad
             torch.testing.assert_close(_full(p.grad), expected, atol=1e-5, rtol=1e-5, msg=name)
 
 
