@@ -84,7 +84,8 @@ PipeLossFn = Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor]
 def _mb_to_int(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Forward pre-hook run before FSDP's: the micro-batch index as a host int (FSDP would copy the
     [1] tensor to the GPU, and reading it back there costs a host sync)."""
-    return args, {**kwargs, "mb": int(kwargs["mb"][0])}
+    mb = kwargs["mb"]
+    return args, {**kwargs, "mb": mb if isinstance(mb, int) else int(mb[0])}
 
 
 class Pipeline:
