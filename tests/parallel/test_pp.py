@@ -1,10 +1,12 @@
-"""Pipeline parallelism (rlloom/parallel/pp.py, pp_stages.py): the stage split, and pp=2 on gloo against one process.
+"""Pipeline parallelism (rlloom/parallel/pp.py, pp_stages.py): the stage split, and pp=2 on gloo
+against one process.
 
 Every schedule runs two steps on one pipeline with uneven stages: micro-batches of different real
 lengths (padded to the budget), a filler micro-batch (3 real ones on 2 ranks), then a step with a
 different number of micro-batches and tokens, one of them in the shared-prompt layout; the MoE
-model gets rollout routes, replayed in the first step and compared in the second. Losses, every gradient and the logprobs must equal
-the one-process model's within 1e-5.
+model gets rollout routes, replayed in the first step and compared in the second. Losses, every
+gradient, the grad norm and the logprobs must equal the one-process model's within 1e-5, and
+`full_weights` must give every rank the whole model.
 """
 
 from __future__ import annotations
