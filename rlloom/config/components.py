@@ -554,12 +554,21 @@ class ParallelConfig:
             f"tensor parallelism (parallel.tp={self.tp}) always runs with sequence parallelism here",
             "set parallel.sequence_parallel=true",
         )
+        others = {"tp": self.tp, "cp": self.cp, "ep": self.ep}
         _check(
-            self.pp == 1,
+            self.pp == 1 or all(v == 1 for v in others.values()),
             "parallel.pp",
             self.pp,
-            "pipeline parallelism is not available in this version",
-            "set parallel.pp=1",
+            "pipeline parallelism composes with data parallelism (FSDP) only in this version, not with "
+            + ", ".join(f"parallel.{k}={v}" for k, v in others.items() if v > 1),
+            "set parallel.pp=1 or the other degrees to 1",
+        )
+        _check(
+            self.pp_schedule != "1f1b" or self.pp_virtual_stages == 1,
+            "parallel.pp_virtual_stages",
+            self.pp_virtual_stages,
+            "parallel.pp_schedule=1f1b runs one stage per pp rank",
+            "use parallel.pp_schedule=interleaved (or zero_bubble) for virtual stages, or pp_virtual_stages=1",
         )
 
 

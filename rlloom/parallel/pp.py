@@ -9,7 +9,8 @@
   them per micro-batch and returns that micro-batch's loss sum divided by the GLOBAL normaliser
   (no per-micro-batch or per-stage rescaling: the schedule runs with scale_grads=False).
 
-How the training engine plugs it in (per rank, after `ParallelDims.build_mesh`; not wired yet):
+How the training engine plugs it in (per rank, after `ParallelDims.build_mesh`; the engine does it
+through `rlloom.parallel.parallelize.parallelize_pp` and `rlloom.engines.train.native.pipeline`):
 
     stages, pipe = apply_pp(model, dims.pp_mesh(), schedule=par.pp_schedule, virtual_stages=par.pp_virtual_stages,
                             first_stage_layers=par.pp_first_stage_layers, last_stage_layers=par.pp_last_stage_layers,
@@ -27,9 +28,9 @@ How the training engine plugs it in (per rank, after `ParallelDims.build_mesh`; 
 
 `loss_fn` runs on the last stage's rank only: metrics it returns must be reduced there and
 broadcast over the pp group. Weight sync: `Pipeline.full_weights()` gives every rank the whole
-model under the CausalLM's names (for the Hugging Face adapter). Still to build in the engine:
-checkpoints (names are the whole model's, so a pp=2 -> pp=1 resume needs no renaming, but a tied
-embedding is held twice), MoE balance terms (per-stage aux loss and bias updates).
+model under the CausalLM's names (for the Hugging Face adapter). Checkpoints use the whole model's
+names, so a pp=2 -> pp=1 resume needs no renaming (a tied embedding is held twice and written once).
+Not built: MoE balance terms (per-stage aux loss and bias updates); the engine refuses them.
 
 TP/EP/AC/compile go inside `parallelize_stage` (each stage module is a model of its own to them);
 AC and FSDP2 are tested here. With TP + sequence parallelism the activations between stages are
@@ -114,7 +115,7 @@ class Pipeline:
         hidden = torch.empty(1, budget, hidden_size, dtype=dtype, device="meta", requires_grad=True)
         for module, s in zip(modules, stage_ids, strict=True):
             module.register_forward_pre_hook(_mb_to_int, prepend=True, with_kwargs=True)
-            _stage_module(module).feed = self.feed
+            stage_module(module).feed = self.feed
             # Static shapes: no metadata exchange with real data, and the same shapes every step.
             first, last = s == 0, s == num_stages - 1
             inputs = torch.empty(1, budget, dtype=torch.int64, device="meta") if first else hidden
@@ -225,7 +226,7 @@ class Pipeline:
     def _tied_weight(self) -> nn.Parameter | None:
         """This rank's copy of a tied embedding (first or last stage), None if untied or neither."""
         for module in self.modules:
-            model = _stage_module(module).model
+            model = stage_module(module).model
             if model.tied and model.tok_embeddings is not None:
                 return model.tok_embeddings.weight
         return None
@@ -297,7 +298,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _stage_module(module: nn.Module) -> PipelineStageModule:
+def stage_module(module: nn.Module) -> PipelineStageModule:
     """The PipelineStageModule itself (FSDP2 keeps the class, wrappers that nest it expose `.module`)."""
     return module if isinstance(module, PipelineStageModule) else module.module
 

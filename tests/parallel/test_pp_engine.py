@@ -1,0 +1,124 @@
+"""The training engine with pipeline parallelism (parallel.pp=2) on 2 gloo processes equals the
+one-process engine in fp32: logprobs and entropies, every gradient (each rank its stages', a tied
+embedding's gradient summed over its two copies), losses and grad norms of two steps (same metrics
+on both pp ranks) and the weights `named_weights` gives (the whole model on every rank). A pp=2
+checkpoint resumes in one process and a one-process checkpoint at pp=2, each continuing as the
+uninterrupted run. MoE balancing and PP with TP are refused with the fix."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engines" / "train"))
+from parallel_helpers import run_gloo, tiny_model  # noqa: E402
+from test_train_parallel_gloo import MODE, batches, compare_weights, full_grads, full_weights  # noqa: E402
+from train_engine_helpers import PolicyLoss  # noqa: E402
+
+from rlloom.algorithms.losses import loss_normalizer  # noqa: E402
+from rlloom.config.components import ConfigError, ParallelConfig, TrainEngineConfig  # noqa: E402
+from rlloom.engines.train.native import NativeTrainEngine  # noqa: E402
+from rlloom.parallel import ParallelDims  # noqa: E402
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+KEYS = ("train/loss", "train/grad_norm", "train/tokens", "train/response_tokens", "loss/ratio_high_frac")
+
+
+def cfg(**changes) -> TrainEngineConfig:
+    # lr 3e-2: a wrong gradient moves the weights visibly; budget 80 >= the longest sample (71 tokens)
+    return TrainEngineConfig(
+        lr=3e-2, weight_decay=0.1, grad_clip=0.5, max_tokens_per_micro_batch=80, **changes
+    )
+
+
+def engine_for(pp: int, **par) -> NativeTrainEngine:
+    if pp == 1:
+        return NativeTrainEngine(cfg(), tiny_model("qwen3"))
+    layout = ParallelConfig(pp=pp, **par)
+    return NativeTrainEngine(
+        cfg(), tiny_model("qwen3"), parallel_dims=ParallelDims(world_size=2, pp=pp), pipeline=layout
+    )
+
+
+def step(engine: NativeTrainEngine, i: int) -> dict[str, float]:
+    batch = batches(False)[i]
+    normalizer = loss_normalizer(batch.response_mask(), MODE)
+    return engine.train_step(batch, PolicyLoss(batch, MODE), loss_normalizer=normalizer, with_entropy=True)
+
+
+def run(engine: NativeTrainEngine) -> dict:
+    data = batches(False)
+    logp, entropy = engine.forward_logprobs(data[0], with_entropy=True)
+    normalizer = loss_normalizer(data[0].response_mask(), MODE)
+    engine.forward_backward(data[0], PolicyLoss(data[0], MODE), loss_normalizer=normalizer, with_entropy=True)
+    if engine.pipe is not None:
+        engine.pipe.clip_grad_norm_(0.0)  # sums the tied embedding's two gradients (measures only)
+    grads = full_grads(engine)
+    metrics = [{k: m[k] for k in KEYS} for m in (step(engine, 0), step(engine, 1))]
+    return {
+        "logp": logp,
+        "entropy": entropy,
+        "grads": grads,
+        "metrics": metrics,
+        "weights": full_weights(engine),
+    }
+
+
+def check(got: dict, expected: dict, what: str) -> None:
+    torch.testing.assert_close(got["logp"], expected["logp"], **TOL, msg=f"{what} logp")
+    torch.testing.assert_close(got["entropy"], expected["entropy"], **TOL, msg=f"{what} entropy")
+    assert 0 < len(got["grads"]) < len(expected["grads"])  # this rank's stages only
+    for name, grad in got["grads"].items():
+        torch.testing.assert_close(grad, expected["grads"][name], **TOL, msg=f"{what} grad {name}")
+    for i, (a, b) in enumerate(zip(got["metrics"], expected["metrics"])):
+        for k in b:
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (what, i, k, a[k], b[k])
+    compare_weights(got["weights"], expected["weights"], what)
+
+
+def worker(rank: int, expected: dict, tmp: str) -> None:
+    torch.manual_seed(0)
+    engine = engine_for(2)
+    check(run(engine), expected, "pp=2")
+    engine.save(os.path.join(tmp, "pp2"))
+    resumed = engine_for(2)
+    resumed.load(os.path.join(tmp, "one"))
+    assert resumed.version == 2
+    step(resumed, 2)
+    compare_weights(full_weights(resumed), expected["step3"], "one process -> pp=2")
+    with pytest.raises(ValueError, match=r"train.moe_aux_loss_coef=0.01 .*Fix: set both to 0"):
+        NativeTrainEngine(
+            cfg(moe_aux_loss_coef=0.01),
+            tiny_model("qwen3_moe"),
+            parallel_dims=ParallelDims(world_size=2, pp=2),
+            pipeline=ParallelConfig(pp=2),
+        )
+
+
+def test_pp_with_tensor_parallelism_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match=r"parallel.pp=2 .*parallel.tp=2.*Fix: set parallel.pp=1"):
+        ParallelConfig(pp=2, tp=2)
+    with pytest.raises(
+        ConfigError, match=r"parallel.pp_virtual_stages=2 .*Fix: use parallel.pp_schedule=interleaved"
+    ):
+        ParallelConfig(pp=2, pp_virtual_stages=2)
+
+
+@pytest.mark.slow
+def test_pp_engine_equals_one_process_and_checkpoints_cross_pp(tmp_path):
+    engine = engine_for(1)
+    expected = run(engine)
+    engine.save(str(tmp_path / "one"))
+    step(engine, 2)
+    expected["step3"] = full_weights(engine)
+    run_gloo(worker, 2, expected, str(tmp_path))
+    # pp=2 -> one process: step 3 after the resume gives the uninterrupted run's weights.
+    single = engine_for(1)
+    single.load(str(tmp_path / "pp2"))
+    assert single.version == 2
+    step(single, 2)
+    compare_weights(full_weights(single), expected["step3"], "pp=2 -> one process")
