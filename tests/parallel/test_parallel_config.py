@@ -24,7 +24,11 @@ RAY = ["cluster.mode=ray"]
             ["cluster.num_workers=4", "parallel.tp=2", "parallel.ep=3"],
             r"parallel.ep=3 is invalid: must divide dp x cp x tp = 2 x 1 x 2 = 4.*Fix: use a parallel.ep that divides 4",
         ),
-        (["cluster.num_workers=2", "parallel.pp=2"], r"parallel.pp=2 is invalid: pipeline parallelism .*"),
+        (
+            ["cluster.num_workers=4", "parallel.pp=2", "parallel.tp=2"],
+            r"parallel.pp=2 is invalid: pipeline parallelism composes with data parallelism \(FSDP\) only in "
+            r"this version, not with parallel.tp=2. Fix: set parallel.pp=1 or the other degrees to 1\.$",
+        ),
         (
             ["cluster.num_workers=2", "parallel.cp=2"],
             r"train.share_prompts=True is invalid: parallel.cp=2 splits plain packed documents, not "

@@ -20,9 +20,11 @@ from test_train_parallel_gloo import MODE, batches, compare_weights, full_grads,
 from train_engine_helpers import PolicyLoss  # noqa: E402
 
 from rlloom.algorithms.losses import loss_normalizer  # noqa: E402
+from rlloom.config import load_config  # noqa: E402
 from rlloom.config.components import ConfigError, ParallelConfig, TrainEngineConfig  # noqa: E402
 from rlloom.engines.train.native import NativeTrainEngine  # noqa: E402
 from rlloom.parallel import ParallelDims  # noqa: E402
+from rlloom.trainer.preflight import check_parallel, model_hf_config  # noqa: E402
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 KEYS = ("train/loss", "train/grad_norm", "train/tokens", "train/response_tokens", "loss/ratio_high_frac")
@@ -58,8 +60,10 @@ def run(engine: NativeTrainEngine) -> dict:
     if engine.pipe is not None:
         engine.pipe.clip_grad_norm_(0.0)  # sums the tied embedding's two gradients (measures only)
     grads = full_grads(engine)
-    metrics = [{k: m[k] for k in KEYS} for m in (step(engine, 0), step(engine, 1))]
+    steps = [step(engine, 0), step(engine, 1)]
+    metrics = [{k: m[k] for k in KEYS} for m in steps]
     return {
+        "last": steps[-1],
         "logp": logp,
         "entropy": entropy,
         "grads": grads,
@@ -83,7 +87,11 @@ def check(got: dict, expected: dict, what: str) -> None:
 def worker(rank: int, expected: dict, tmp: str) -> None:
     torch.manual_seed(0)
     engine = engine_for(2)
-    check(run(engine), expected, "pp=2")
+    got = run(engine)
+    check(got, expected, "pp=2")
+    last = got["last"]  # PP metrics: the token slots filled, and the lightest rank's memory
+    assert 0 < last["perf/pp_budget_fill"] <= 1
+    assert 0 < last["memory/peak_rss_gib_min_rank"] <= last["memory/peak_rss_gib"]
     engine.save(os.path.join(tmp, "pp2"))
     resumed = engine_for(2)
     resumed.load(os.path.join(tmp, "one"))
@@ -106,6 +114,27 @@ def test_pp_with_tensor_parallelism_is_refused_with_the_fix():
         ConfigError, match=r"parallel.pp_virtual_stages=2 .*Fix: use parallel.pp_schedule=interleaved"
     ):
         ParallelConfig(pp=2, pp_virtual_stages=2)
+
+
+def test_pipeline_settings_are_checked_against_the_model(tiny_checkpoint):
+    def check(*overrides):
+        cfg = load_config(
+            "arithmetic_smoke", [f"model.path={tiny_checkpoint}", "cluster.mode=ray", *overrides]
+        )
+        check_parallel(cfg, model_hf_config(cfg.model.path))
+
+    check("cluster.num_workers=4", "parallel.pp=2")  # 2 layers: pp=2 x dp=2 fits
+    with pytest.raises(
+        ConfigError, match=r"pp_first_stage_layers=2 .*leave 0 of the model's 2 layers.*pp 2 x dp"
+    ):
+        check("cluster.num_workers=2", "parallel.pp=2", "parallel.pp_first_stage_layers=2")
+    with pytest.raises(ConfigError, match=r"= 4 stages, but the model has 2 layers.*num_hidden_layers=2"):
+        check(
+            "cluster.num_workers=2",
+            "parallel.pp=2",
+            "parallel.pp_schedule=interleaved",
+            "parallel.pp_virtual_stages=2",
+        )
 
 
 @pytest.mark.slow

@@ -429,6 +429,9 @@ class NativeTrainEngine:
         acc = MetricsAccumulator()
         acc.add_all(records)
         acc.add({"train/num_micro_batches": Max(len(micro_batches))})
+        # Real tokens per token slot the pipeline computed (every micro-batch is padded to the budget).
+        slots = self.pipe.num_micro_batches(len(micro_batches)) * self.pipe.budget
+        acc.add({"perf/pp_budget_fill": Mean(sum(pb.num_tokens) / slots, weight=slots)})
         metrics = reduce_across_ranks(acc, self.dp_group)
         return from_last_stage(self.pipe, metrics)
 
@@ -579,10 +582,14 @@ class NativeTrainEngine:
         seq_lens = [s.num_tokens for s in batch.samples]
         out = {"perf/train_tok_per_s": sum(seq_lens) / seconds, "time/train_step_s": seconds}
         acc = MetricsAccumulator()
-        acc.add(memory_metrics(self.device))
+        memory = memory_metrics(self.device)
+        acc.add(memory)
+        if self.pipe is not None:  # pp ranks hold different layers: the lightest rank shows the imbalance
+            acc.add({f"{k}_min_rank": Min(v.value) for k, v in memory.items()})
         out |= reduce_across_ranks(acc, self.layout.world_group)
         if self.device.type == "cuda":
-            # The global batch's FLOPs over every device of the layout (dp x tp x ...), not just dp.
+            # The global batch's FLOPs over every device of the layout (pp x dp x tp x ...), not just
+            # dp; under PP the padding to the token budget is not counted (it is no useful work).
             flops = step_flops(self.model, seq_lens, int(num_response), body_params=self._body_params)
             out["perf/mfu"] = flops / (seconds * H100_BF16_PEAK_FLOPS * self.layout.world_size)
         return out
