@@ -35,8 +35,9 @@ def train(ckpt: Path, run_dir: Path, *extra: str) -> list[dict]:
     overrides = [
         f"model.path={ckpt}",
         f"trainer.run_dir={run_dir}",
-        "trainer.total_steps=3",
+        "trainer.total_steps=2",
         "trainer.prompts_per_step=4",
+        "rollout.n_samples=4",
         "data.num_eval=0",
         "data.num_train=64",
         "rollout.max_new_tokens=6",
@@ -56,15 +57,16 @@ def train(ckpt: Path, run_dir: Path, *extra: str) -> list[dict]:
 @pytest.mark.slow
 def test_pipeline_parallel_ray_runs_match_one_process(four_layer_checkpoint, tmp_path):
     expected = train(four_layer_checkpoint, tmp_path / "one")
-    assert [r["step"] for r in expected] == [1, 2, 3]
-    assert len({round(r.get("train/loss", 0.0), 6) for r in expected}) > 1  # the policy moves
+    assert [r["step"] for r in expected] == [1, 2]
+    # The policy moves: step 2's samples come from the weights step 1 trained.
+    assert expected[0]["train/grad_norm"] > 0 and expected[0]["reward/mean"] != expected[1]["reward/mean"]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)  # one start for every layout
     try:
         for name, layout in LAYOUTS.items():
             got = train(
                 four_layer_checkpoint, tmp_path / name, "cluster.mode=ray", "cluster.num_workers=2", *layout
             )
-            assert [r["step"] for r in got] == [1, 2, 3], name
+            assert [r["step"] for r in got] == [1, 2], name
             for want, row in zip(expected, got):
                 assert want.keys() == row.keys(), name
                 for k in want:
