@@ -73,7 +73,7 @@ class NativeTrainEngine:
     variables WORLD_SIZE/RANK/MASTER_ADDR/MASTER_PORT), a compute dtype other than fp32, or
     `parallel_dims`, the model is parallelised in that layout (default: FSDP2 over every rank; a
     one-rank process group is started when none exists). `total_steps`: optimizer steps of the run,
-    needed by the linear and cosine LR schedules. `frozen`: a forward-only reference (see below).
+    needed by the linear and cosine LR schedules. `frozen`: a forward-only reference (`build_reference`).
     """
 
     def __init__(
