@@ -83,7 +83,7 @@ class NativeTrainEngine:
     `parallel_dims`, the model is parallelised in that layout (`pipeline`: the pipeline settings of
     the `parallel` section, used when parallel_dims.pp > 1) (default: FSDP2 over every rank; a
     one-rank process group is started when none exists). `total_steps`: optimizer steps of the run,
-    needed by the linear and cosine LR schedules. `frozen`: a forward-only reference (see below).
+    needed by the linear and cosine LR schedules. `frozen`: a forward-only reference (`build_reference`).
     """
 
     def __init__(
@@ -365,7 +365,7 @@ class NativeTrainEngine:
                     aux, aux_metrics = balance.aux_term(num_tokens / total_tokens / self.layout.cp)
                     loss = loss if aux is None else loss + aux
                     records.append(aux_metrics)
-                    balance.accumulate()
+                    balance.accumulate(self._padding_routed_here(num_tokens))
                 loss.backward()
                 records.append(_weighted(mb_metrics, num_response))
                 records.append(self._route_metrics(batch, mb))
@@ -461,6 +461,17 @@ class NativeTrainEngine:
             logp_BT[rows] = pb.spread(i, logp_K).to(self.device)
             if entropy_BT is not None:
                 entropy_BT[rows] = pb.spread(i, entropy_K).to(self.device)
+
+    def _padding_routed_here(self, num_tokens: int) -> int:
+        """How many of the padding tokens (tp - 1 at most, at the end of the stream) this rank's MoE
+        layers routed, the last ones they saw: all under TP alone (every TP rank routes the whole
+        stream); the overlap with its own token shard when each TP rank routes its shard."""
+        pad = -num_tokens % self.layout.tp
+        if not (self.layout.tokens_split_over_tp and self.dims is not None):
+            return pad
+        shard = (num_tokens + pad) // self.layout.tp
+        start = self.dims.tp_mesh().get_local_rank() * shard
+        return max(0, min(start + shard, num_tokens + pad) - max(start, num_tokens))
 
     def _route_metrics(self, batch: RolloutBatch, rows: list[int]) -> dict[str, Metric]:
         """`moe/route_mismatch_frac`: the fraction of (token, MoE layer) pairs of this micro-batch whose
