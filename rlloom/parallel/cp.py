@@ -10,9 +10,8 @@ ring-flash-attn's llama3 functions) with Megatron-LM's load balancing by chunk p
    costs the same on every rank (bound in the docstring). Which pair a rank takes rotates with the
    document, so that rounding leftovers do not all land on one rank.
 2. `CPShard` (one rank's share, built on the host from cu_seqlens): `take(x_N)` picks the rank's
-   tokens (input ids, position ids, MoE routes...) in local order, padded to the same length on
-   every rank. Position ids are taken from the full stream, so RoPE sees each token's global
-   position in its document.
+   tokens (input ids, position ids, MoE routes) in local order. Position ids come from the full
+   stream, so RoPE sees each token's global position in its document.
 3. Attention: the model runs on the local tokens with `attn=shard` (the model's attention backend
    hook, see `rlloom.models.attention_ops`). Each layer all-gathers K/V over the cp group (one
    collective for both; its backward is a reduce-scatter of their gradients) and the rank's queries
@@ -21,42 +20,39 @@ ring-flash-attn's llama3 functions) with Megatron-LM's load balancing by chunk p
    - CUDA with bf16/fp16: one FlashAttention varlen call (`torch.nn.attention.varlen.varlen_attn`)
      over runs: each local chunk is a run whose keys are its document's tokens up to the chunk's
      end, gathered by an index (bottom-right causal alignment makes that exactly the block-causal
-     mask). MLA's narrower V is zero-padded to the q/k width. Needs a GPU run: not tested here.
+     mask). MLA's narrower V is zero-padded to the q/k width. The runs are tested on CPU against a
+     stand-in of the kernel; the kernel itself needs a GPU run.
+4. `gather_selected`: the logprobs of the whole micro-batch on every cp rank, differentiable.
 
-Padding: the ranks' token counts differ by a few (at most 2 per document); the model runs on each
-rank's own tokens only, and the K/V all-gather pads each rank's block with zero rows to the longest
-(the collectives need equal sizes), which no query sees. So no pad token reaches the model: MoE
-loads and routes count real tokens only. With pad_multiple > 1 (sequence parallelism needs a
-multiple of tp) the local stream itself ends in pads, which form a pseudo-document of their own:
-they attend to themselves only and their (discarded) outputs stay finite.
+Padding: the ranks' token counts differ by a few (at most 2 per document). The model runs on each
+rank's own tokens only; the K/V all-gather pads the shorter blocks with zero rows (collectives need
+equal sizes) that no query sees, so MoE loads and routes count real tokens only. With pad_multiple
+> 1 (sequence parallelism needs a multiple of tp) the local stream ends in pad tokens, a
+pseudo-document of their own: they attend to themselves only and their outputs are dropped.
 
-How the training engine uses it (one micro-batch; `cp_group = dims.cp_mesh().get_group()`):
+The training engine (engines/train/native/policy.py, `run_micro_batch` with a cp group) does, per
+micro-batch, on every cp rank of a dp rank (they run the same micro-batches):
 
-    check_cp_layout(dims.cp, cfg.share_prompts)                   # at start-up
-    shard = CPShard(packed.cu_seqlens, group=cp_group, device=device, pad_multiple=dims.tp)
-    mine_K, local_K = shard.localize(positions_K)                # selected positions this rank holds
-    hidden_nD = model.hidden_states(shard.take(input_ids_N), position_ids=shard.take(position_ids_N),
-                                    attn=shard, routes_NLK=...)  # routes too: shard.take(routes_NLK)
-    logp_k, entropy_k = token_logprobs(hidden_nD[local_K[mine_K]], head, targets_K[mine_K], ...)
-    logp_K = shard.gather_selected(logp_k, mine_K)               # the whole micro-batch's, differentiable
+    shard = CPShard(packed.cu_seqlens, group=cp_group, device=device, pad_multiple=tp)
+    mine_K, local_K = shard.localize(positions_K)              # the selected positions held here
+    hidden = model.hidden_states(shard.take(input_ids_N), position_ids=shard.take(position_ids_N),
+                                 attn=shard, routes_NLK=shard.take(routes_NLK))
+    logp_k = token_logprobs(hidden[local_K[mine_K]], head, targets_K[mine_K])
+    logp_K = shard.gather_selected(logp_k, mine_K)             # the same on every cp rank
 
-In `run_micro_batch` (engines/train/native/policy.py) that is: build the shard, pass the sharded ids
-and position ids, `attn=shard` and the local positions/targets to `PolicyHead.forward` (which passes
-`attn` on to `hidden_states`, with tree=None), and `gather_selected` its logp (and entropy) before
-spreading them to [b, T]. Every cp rank then holds the same logp_bT and calls the unchanged loss
-function on the whole micro-batch (sequence-level losses such as GSPO need every token of a
-sequence); `gather_selected`'s backward keeps only the rank's own entries, so each rank's backward
-covers its own tokens and FSDP's sum over dp_shard x cp (`apply_fsdp` divides by 1) adds the cp
-ranks' parts into the micro-batch's gradient. The loss normaliser stays the global batch's, and
-metrics computed from logp_bT are already whole on every cp rank (reduce them over dp as today).
-Counts of what a rank computed are per rank and are summed over dp x cp (`ParallelDims.loss_mesh()`):
-the MoE balance term's share of tokens must use `shard.num_real / total_tokens` (its routing counts
-are the local tokens'), and a `train/computed_tokens` metric the local count summed over dp x cp.
-forward_logprobs uses the same path under no_grad. The shared-prompt layout is refused under CP
-(`check_cp_layout`).
+Every cp rank then runs the unchanged loss function on the whole micro-batch (sequence-level
+losses such as GSPO need all of a sequence's tokens), divided by the global batch's normaliser;
+`gather_selected`'s backward keeps the rank's own entries, so its backward covers its own tokens,
+and FSDP's gradient sum over dp_shard x cp (`apply_fsdp` divides by 1) adds the cp ranks' parts.
+Metrics computed from the logprobs are whole on every cp rank and are reduced over dp as before;
+what each rank computed on its own tokens is summed over dp x cp (`ParallelDims.loss_mesh()`): the
+MoE loads (bias update, load metrics) and the route-mismatch counts. The MoE auxiliary loss
+(train.moe_aux_loss_coef > 0, off in RL) is each share's own, weighted by 1/cp: balance losses do
+not add over token subsets, so that term is an approximation under CP. The shared-prompt layout
+is refused (`check_cp_layout`, and the config at start-up).
 
-Shape legend: N tokens of the full stream, S documents, n tokens per rank (padded), H heads, D head
-channels, K selected positions.
+Shape legend: N tokens of the full stream, S documents, n tokens per rank (the longest local
+stream), H heads, D head channels, K selected positions.
 """
 
 from __future__ import annotations
@@ -90,10 +86,11 @@ def balance_chunks(seq_lens: Sequence[int], cp: int) -> list[list[Chunk]]:
     """Per cp rank, its non-empty chunks in local order (documents in stream order, front chunk first).
 
     Document s is cut at `chunk_bounds(L_s, cp)`; rank r takes chunk pair p = (r + s) mod cp: chunks
-    p and 2cp-1-p (one chunk when they touch, as the middle pair does). Every token goes to exactly one rank. Bounds, with cost = sum over a rank's tokens
-    of (document position + 1), the query-key pairs of causal attention: per document, the ranks'
-    token counts differ by at most 2 and their costs by less than 2 (L_s + 1), against an ideal
-    share of about L_s^2 / (2 cp) (a relative imbalance under 4 cp / L_s).
+    p and 2cp-1-p (one chunk when they touch, as the middle pair does). Every token goes to exactly
+    one rank. Bounds, with cost = sum over a rank's tokens of (document position + 1), the
+    query-key pairs of causal attention: per document, the ranks' token counts differ by at most 2
+    and their costs by less than 2 (L_s + 1), against an ideal share of about L_s^2 / (2 cp) (a
+    relative imbalance under 4 cp / L_s).
     """
     if cp < 1:
         raise ValueError(f"parallel.cp={cp} is invalid: must be >= 1. Fix: use 1 to turn it off.")

@@ -1,8 +1,9 @@
 """The training engine with context parallelism (parallel.cp=2) on 2 gloo processes equals the
 one-process engine in fp32: logprobs and entropies, every gradient, the losses, grad norms and
 token counts of two steps and the weights after them, for a dense model and an MoE model with
-routing replay; micro-batches of several documents each cut over both ranks (one document longer
-than the budget). The shared-prompt layout is refused with the fix."""
+routing replay, and with activation checkpointing; micro-batches of several documents each cut
+over both ranks (one document longer than the budget). The shared-prompt layout is refused with
+the fix."""
 
 from __future__ import annotations
 
@@ -24,12 +25,11 @@ from rlloom.parallel import ParallelDims  # noqa: E402
 FAMILIES = ("qwen3", "qwen3_moe")
 
 
-def run(family: str, dims: ParallelDims | None) -> dict:
+def run(family: str, dims: ParallelDims | None, **settings: object) -> dict:
     """logprobs/entropy and gradients of batch 0, then two steps: the results to compare."""
     moe = family.endswith("moe")
-    engine = NativeTrainEngine(
-        dataclasses.replace(cfg(), share_prompts=False), tiny_model(family), parallel_dims=dims
-    )
+    config = dataclasses.replace(cfg(), share_prompts=False, **settings)
+    engine = NativeTrainEngine(config, tiny_model(family), parallel_dims=dims)
     data = batches(moe)
     logp, entropy = engine.forward_logprobs(data[0], with_entropy=True)
     loss, normalizer = PolicyLoss(data[0], MODE), loss_normalizer(data[0].response_mask(), MODE)
@@ -49,6 +49,9 @@ def run(family: str, dims: ParallelDims | None) -> dict:
 def worker(rank: int, expected: dict) -> None:
     for family in FAMILIES:
         compare(run(family, ParallelDims(world_size=2, cp=2)), expected[family], f"{family} cp=2")
+    # Activation checkpointing recomputes the layers, all-gathers included, in backward.
+    ac = run("qwen3", ParallelDims(world_size=2, cp=2), activation_checkpointing="full")
+    compare(ac, expected["qwen3"], "qwen3 cp=2 with activation checkpointing")
     with pytest.raises(
         ValueError, match=r"train.share_prompts=true .*parallel.cp=2.*Fix: set train.share_prompts=false"
     ):
