@@ -3,10 +3,12 @@ one-process engine in fp32: logprobs and entropies, every gradient (each rank it
 embedding's gradient summed over its two copies), losses and grad norms of two steps (same metrics
 on both pp ranks) and the weights `named_weights` gives (the whole model on every rank). A pp=2
 checkpoint resumes in one process and a one-process checkpoint at pp=2, each continuing as the
-uninterrupted run. MoE balancing and PP with TP are refused with the fix."""
+uninterrupted run. On 4 processes, pp=2 x dp=2 with the zero-bubble schedule and 2 virtual
+stages per rank (4 layers) equals one process too. MoE balancing and PP with TP are refused with the fix."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -23,6 +25,7 @@ from rlloom.algorithms.losses import loss_normalizer  # noqa: E402
 from rlloom.config import load_config  # noqa: E402
 from rlloom.config.components import ConfigError, ParallelConfig, TrainEngineConfig  # noqa: E402
 from rlloom.engines.train.native import NativeTrainEngine  # noqa: E402
+from rlloom.models.model import CausalLM  # noqa: E402
 from rlloom.parallel import ParallelDims  # noqa: E402
 from rlloom.trainer.preflight import check_parallel, model_hf_config  # noqa: E402
 
@@ -37,12 +40,26 @@ def cfg(**changes) -> TrainEngineConfig:
     )
 
 
-def engine_for(pp: int, **par) -> NativeTrainEngine:
+def four_layer_model() -> CausalLM:
+    """The tiny qwen3 with 4 layers (2 virtual stages on each of 2 pp ranks), layers 2-3 perturbed copies."""
+    small = tiny_model("qwen3")
+    torch.manual_seed(1)
+    model = CausalLM(dataclasses.replace(small.args, num_layers=4))
+    state = small.state_dict()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            src = name.replace("layers.2.", "layers.0.").replace("layers.3.", "layers.1.")
+            p.copy_(state[src] + (0.05 * torch.randn_like(p) if src != name else 0))
+    return model
+
+
+def engine_for(pp: int, world: int = 2, layers: int = 2, **par) -> NativeTrainEngine:
+    model = tiny_model("qwen3") if layers == 2 else four_layer_model()
     if pp == 1:
-        return NativeTrainEngine(cfg(), tiny_model("qwen3"))
+        return NativeTrainEngine(cfg(), model)
     layout = ParallelConfig(pp=pp, **par)
     return NativeTrainEngine(
-        cfg(), tiny_model("qwen3"), parallel_dims=ParallelDims(world_size=2, pp=pp), pipeline=layout
+        cfg(), model, parallel_dims=ParallelDims(world_size=world, pp=pp), pipeline=layout
     )
 
 
@@ -151,3 +168,15 @@ def test_pp_engine_equals_one_process_and_checkpoints_cross_pp(tmp_path):
     assert single.version == 2
     step(single, 2)
     compare_weights(full_weights(single), expected["step3"], "pp=2 -> one process")
+
+
+def worker_4(rank: int, expected: dict) -> None:
+    torch.manual_seed(0)
+    engine = engine_for(2, world=4, layers=4, pp_schedule="zero_bubble", pp_virtual_stages=2)
+    assert engine.dp_size == 2
+    check(run(engine), expected, "pp=2 x dp=2 zero_bubble")
+
+
+@pytest.mark.slow
+def test_pp_times_dp_with_zero_bubble_and_virtual_stages_equals_one_process():
+    run_gloo(worker_4, 4, run(engine_for(1, layers=4)))
