@@ -715,6 +715,16 @@ class RunConfig:
             f"parallel.cp={self.parallel.cp} splits plain packed documents, not shared-prompt trees",
             "set train.share_prompts=false (or parallel.cp=1)",
         )
+        longest = self.data.max_prompt_length + self.rollout.max_new_tokens
+        _check(
+            self.parallel.pp == 1 or self.train.max_tokens_per_micro_batch >= longest,
+            "train.max_tokens_per_micro_batch",
+            self.train.max_tokens_per_micro_batch,
+            f"parallel.pp={self.parallel.pp} pads every micro-batch to this budget, so it must hold the longest "
+            f"sample: data.max_prompt_length + rollout.max_new_tokens = {self.data.max_prompt_length} + "
+            f"{self.rollout.max_new_tokens} = {longest}",
+            f"set train.max_tokens_per_micro_batch={longest} or more (or lower those)",
+        )
         if self.data.task in ("jsonl", "parquet"):
             _check(
                 bool(self.data.path),

@@ -133,6 +133,21 @@ def test_pp_with_tensor_parallelism_is_refused_with_the_fix():
         ParallelConfig(pp=2, pp_virtual_stages=2)
 
 
+def test_pp_needs_a_budget_that_holds_the_longest_sample():
+    with pytest.raises(
+        ConfigError, match=r"train.max_tokens_per_micro_batch=100 is invalid: .* = 256 \+ 8 = 264\."
+    ):
+        load_config(
+            "arithmetic_smoke",
+            [
+                "cluster.mode=ray",
+                "cluster.num_workers=2",
+                "parallel.pp=2",
+                "train.max_tokens_per_micro_batch=100",
+            ],
+        )
+
+
 def test_pipeline_settings_are_checked_against_the_model(tiny_checkpoint):
     def check(*overrides):
         cfg = load_config(

@@ -43,6 +43,7 @@ def train(ckpt: Path, run_dir: Path, *extra: str) -> list[dict]:
         "rollout.max_new_tokens=6",
         "train.lr=3e-2",
         "train.max_tokens_per_micro_batch=160",
+        "data.max_prompt_length=150",  # + 6 new tokens: every sample fits the budget PP pads to
         "algorithm.kl_coef=0.05",
         "reward.name=resume_reward:digit_share",  # a reward a random model earns, so the policy moves
         f"reward.import_dir={Path(__file__).parents[1] / 'trainer'}",
