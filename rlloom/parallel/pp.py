@@ -30,7 +30,9 @@ through `rlloom.parallel.parallelize.parallelize_pp` and `rlloom.engines.train.n
 broadcast over the pp group. Weight sync: `Pipeline.full_weights()` gives every rank the whole
 model under the CausalLM's names (for the Hugging Face adapter). Checkpoints use the whole model's
 names, so a pp=2 -> pp=1 resume needs no renaming (a tied embedding is held twice and written once).
-Not built: MoE balance terms (per-stage aux loss and bias updates); the engine refuses them.
+Not built: MoE balance terms (per-stage aux loss and bias updates; the engine refuses them), the
+engine's `moe/route_mismatch_frac` metric under PP (not reported), and PP with TP/EP/CP in the engine
+(refused at start-up).
 
 TP/EP/AC/compile go inside `parallelize_stage` (each stage module is a model of its own to them);
 AC and FSDP2 are tested here. With TP + sequence parallelism the activations between stages are
