@@ -1,8 +1,9 @@
 """The whole RL run through `run(cfg)` with 2 Ray workers in a tensor-parallel or an expert-parallel
 training layout gives the one-process run's per-step metrics (loss, grad norm, rewards, entropy, ...)
 within rel 1e-4. The learning rate (3e-2) is large enough that a wrong gradient changes the weights,
-hence the later samples and rewards; the KL term runs the frozen reference in the same layout, and
-the MoE routes of the rollout are replayed under expert parallelism."""
+hence the later samples; the random tiny model earns no reward, so an entropy bonus gives the
+gradient. The KL term runs the frozen reference in the same layout, and the MoE routes of the
+rollout are replayed under expert parallelism."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def cfg_for(ckpt: Path, run_dir: Path, *extra: str):
             "train.lr=3e-2",
             "algorithm.kl_coef=0.05",
             "algorithm.routing_replay=rollout",
+            "algorithm.entropy_coef=0.01",  # rewards of a random model are 0: the entropy term trains it
             "logging.console=false",
             *extra,
         ],
