@@ -14,12 +14,14 @@ from collections.abc import Collection, Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 
 def _shard_groups(grad: DTensor) -> tuple[dist.ProcessGroup, ...]:
     mesh = grad.device_mesh
-    return tuple(mesh.get_group(i) for i, p in enumerate(grad.placements) if isinstance(p, Shard))
+    # Not `isinstance(p, Shard)`: FSDP shards a TP-sharded dimension again as a _StridedShard, which
+    # is no Shard subclass; every placement but Replicate splits the tensor over that mesh dimension.
+    return tuple(mesh.get_group(i) for i, p in enumerate(grad.placements) if not p.is_replicate())
 
 
 def grad_norm(

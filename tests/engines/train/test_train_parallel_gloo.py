@@ -1,8 +1,9 @@
 """The training engine in tensor/sequence- and expert-parallel layouts on 2 gloo processes equals the
 one-process engine in fp32: logprobs and entropies, every parameter's gradient, the gradient norm,
 the losses of three steps and the weights after them; for MoE with routing replay of skewed routes
-(experts that get no token). Checkpoints move between layouts: tp=2 -> one process, ep=2 -> one
-process, dp=2 -> tp=2, each continuing exactly as the uninterrupted run."""
+(experts that get no token). On 4 processes: tp=2 x dp=2 and ep=2 x dp=4 (experts FSDP-sharded over
+efsdp=2). Checkpoints move between layouts: tp=2 -> one process, ep=2 -> one process, dp=2 -> tp=2,
+tp=2 x dp=2 -> one process, dp=4 -> tp=2 x dp=2, each continuing as the uninterrupted run."""
 
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ def run_layout(family: str, dims: ParallelDims | None) -> tuple[NativeTrainEngin
         "logp": logp,
         "entropy": entropy,
         "grads": grads,
-        "metrics": [{k: m[k] for k in keys} for m in metrics],
+        "metrics": [{k: m[k] for k in m if k in keys or k.startswith("moe/")} for m in metrics],
         "weights": full_weights(engine),
     }
     return engine, out
@@ -147,8 +148,20 @@ def worker(rank: int, expected: dict, tmp: str) -> None:
         engine, got = run_layout(family, ParallelDims(world_size=2, **degrees))
         what = f"{family} {degrees}"
         compare(got, expected[family], what)
+        layouts = engine.weight_layouts()  # where each HF tensor lives, for an owner-only reshard
+        assert layouts.keys() == got["weights"].keys()
+        if "ep" in degrees:
+            owners = {(w.expert, w.ep_rank) for w in layouts.values() if w.expert is not None}
+            assert owners == {(e, e // 2) for e in range(4)}, owners
+        if "tp" in degrees:
+            assert len(layouts["model.layers.0.self_attn.q_proj.weight"].placements) == 2  # (fsdp, tp)
         if (family, degrees) in (("qwen3", dict(tp=2)), ("qwen3_moe", dict(ep=2))):
             engine.save(os.path.join(tmp, f"{family}_{next(iter(degrees))}"))
+    # The frozen reference (build_reference) in the tensor-parallel layout gives the same logprobs.
+    ref = NativeTrainEngine(
+        cfg(), tiny_model("qwen3"), parallel_dims=ParallelDims(world_size=2, tp=2), frozen=True
+    )
+    torch.testing.assert_close(ref.forward_logprobs(batches(False)[0])[0], expected["qwen3"]["logp"], **TOL)
     # dp=2 -> tp=2: an FSDP checkpoint resumes in the tensor-parallel layout.
     engine, _ = run_layout("qwen3", ParallelDims(world_size=2))
     engine.save(os.path.join(tmp, "qwen3_dp"))
@@ -172,3 +185,35 @@ def test_tp_and_ep_engine_equal_one_process_and_checkpoints_cross_layouts(tmp_pa
         single = NativeTrainEngine(cfg(), tiny_model(family))
         weights = continue_from(single, str(tmp_path / saved), family.endswith("moe"))
         compare_weights(weights, expected[family]["step3"], f"{saved} -> one process")
+
+
+def worker_4(rank: int, expected: dict, tmp: str) -> None:
+    # tp=2 x dp=2: 2-D (fsdp, tp) parameters, micro-batches per dp rank shared by its TP ranks.
+    # ep=2 x dp=4: experts FSDP-sharded over the 2 ranks that hold the same experts (efsdp=2).
+    for degrees in (dict(tp=2), dict(ep=2)):
+        engine, got = run_layout("qwen3_moe", ParallelDims(world_size=4, **degrees))
+        compare(got, expected, f"qwen3_moe world 4 {degrees}")
+        if degrees == dict(tp=2):
+            engine.save(os.path.join(tmp, "tp2_dp2"))
+    # dp=4 -> tp=2 x dp=2
+    engine, _ = run_layout("qwen3_moe", ParallelDims(world_size=4))
+    engine.save(os.path.join(tmp, "dp4"))
+    resumed = NativeTrainEngine(
+        cfg(), tiny_model("qwen3_moe"), parallel_dims=ParallelDims(world_size=4, tp=2)
+    )
+    compare_weights(
+        continue_from(resumed, os.path.join(tmp, "dp4"), True), expected["step3"], "dp4->tp2 x dp2"
+    )
+
+
+@pytest.mark.slow
+def test_four_processes_tp_x_dp_and_ep_x_dp_equal_one_process(tmp_path):
+    engine, expected = run_layout("qwen3_moe", None)
+    step(engine, batches(True)[2], True)
+    expected["step3"] = full_weights(engine)
+    run_gloo(worker_4, 4, expected, str(tmp_path))
+    # tp=2 x dp=2 -> one process
+    single = NativeTrainEngine(cfg(), tiny_model("qwen3_moe"))
+    compare_weights(
+        continue_from(single, str(tmp_path / "tp2_dp2"), True), expected["step3"], "tp2 x dp2 -> 1"
+    )

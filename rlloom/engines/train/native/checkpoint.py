@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from rlloom.engines.train.native.rng_state import rng_state, set_rng_state
@@ -132,7 +132,8 @@ def _local_chunk(
         _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         coord = t.device_mesh.get_coordinate() or []
         # Of the ranks holding the same chunk (replicated mesh dimensions) only the first writes it.
-        primary = all(c == 0 for c, p in zip(coord, t.placements) if not isinstance(p, Shard))
+        # (FSDP over a TP-sharded dimension is a _StridedShard, which is no Shard: test replication.)
+        primary = all(c == 0 for c, p in zip(coord, t.placements) if p.is_replicate())
         part, offset, shape = t.to_local(), list(offset), list(t.shape)
     if ep > 1 and EXPERTS in name and t.dim() > 0:
         offset[0] += ep_rank * shape[0]

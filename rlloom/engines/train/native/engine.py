@@ -75,7 +75,7 @@ class NativeTrainEngine:
     variables WORLD_SIZE/RANK/MASTER_ADDR/MASTER_PORT), a compute dtype other than fp32, or
     `parallel_dims`, the model is parallelised in that layout (default: FSDP2 over every rank; a
     one-rank process group is started when none exists). `total_steps`: optimizer steps of the run,
-    needed by the linear and cosine LR schedules. `frozen`: a forward-only reference (see below).
+    needed by the linear and cosine LR schedules. `frozen`: a forward-only reference (`build_reference`).
     """
 
     def __init__(
@@ -313,7 +313,7 @@ class NativeTrainEngine:
                     aux, aux_metrics = balance.aux_term(num_tokens / total_tokens / self.layout.cp)
                     loss = loss if aux is None else loss + aux
                     records.append(aux_metrics)
-                    balance.accumulate()
+                    balance.accumulate(self._padding_routed_here(num_tokens))
                 loss.backward()
                 records.append(_weighted(mb_metrics, num_response))
                 records.append(self._route_metrics(batch, mb))
@@ -329,6 +329,17 @@ class NativeTrainEngine:
         acc.add_all(records)
         acc.add({"train/num_micro_batches": Max(len(micro_batches))})
         return reduce_across_ranks(acc, self.dp_group)
+
+    def _padding_routed_here(self, num_tokens: int) -> int:
+        """How many of the padding tokens (tp - 1 at most, at the end of the stream) this rank's MoE
+        layers routed, the last ones they saw: all under TP alone (every TP rank routes the whole
+        stream); the overlap with its own token shard when each TP rank routes its shard."""
+        pad = -num_tokens % self.layout.tp
+        if not (self.layout.tokens_split_over_tp and self.dims is not None):
+            return pad
+        shard = (num_tokens + pad) // self.layout.tp
+        start = self.dims.tp_mesh().get_local_rank() * shard
+        return max(0, min(start + shard, num_tokens + pad) - max(start, num_tokens))
 
     def _route_metrics(self, batch: RolloutBatch, rows: list[int]) -> dict[str, Metric]:
         """`moe/route_mismatch_frac`: the fraction of (token, MoE layer) pairs of this micro-batch whose
