@@ -36,7 +36,8 @@ def run(family: str, dims: ParallelDims | None, **settings: object) -> dict:
     engine.forward_backward(data[0], loss, loss_normalizer=normalizer, with_entropy=True, routing_replay=moe)
     grads = full_grads(engine)
     metrics = [step(engine, b, moe) for b in data[:2]]
-    keys = ("train/loss", "train/grad_norm", "train/tokens", "train/response_tokens", "loss/ratio_high_frac")
+    keys = ("train/loss", "train/grad_norm", "train/tokens", "train/computed_tokens", "train/response_tokens")
+    keys += ("loss/ratio_high_frac",) + (("moe/load_max_over_mean",) if moe else ())
     return {
         "logp": logp,
         "entropy": entropy,
