@@ -1,9 +1,9 @@
 """The training engine with context parallelism (parallel.cp=2) on 2 gloo processes equals the
 one-process engine in fp32: logprobs and entropies, every gradient, the losses, grad norms and
 token counts of two steps and the weights after them, for a dense model and an MoE model with
-routing replay, and with activation checkpointing; micro-batches of several documents each cut
-over both ranks (one document longer than the budget). The shared-prompt layout is refused with
-the fix."""
+routing replay, and with activation checkpointing; also tp=2 x cp=2 on 4 processes. Micro-batches
+hold several documents, each cut over the cp ranks (one document longer than the budget). The
+shared-prompt layout is refused with the fix."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def run(family: str, dims: ParallelDims | None, **settings: object) -> dict:
     engine.forward_backward(data[0], loss, loss_normalizer=normalizer, with_entropy=True, routing_replay=moe)
     grads = full_grads(engine)
     metrics = [step(engine, b, moe) for b in data[:2]]
-    keys = ("train/loss", "train/grad_norm", "train/tokens", "train/response_tokens", "loss/ratio_high_frac")
+    keys = ("train/loss", "train/grad_norm", "train/tokens", "train/computed_tokens", "train/response_tokens")
+    keys += ("loss/ratio_high_frac",) + (("moe/load_max_over_mean",) if moe else ())
     return {
         "logp": logp,
         "entropy": entropy,
@@ -62,3 +63,15 @@ def worker(rank: int, expected: dict) -> None:
 def test_cp_engine_equals_one_process():
     expected = {family: run(family, None) for family in FAMILIES}
     run_gloo(worker, 2, expected)
+
+
+def tp_cp_worker(rank: int, expected: dict) -> None:
+    got = run("qwen3_moe", ParallelDims(world_size=4, tp=2, cp=2))
+    compare(got, expected, "qwen3_moe tp=2 x cp=2")
+
+
+@pytest.mark.slow
+def test_cp_with_tensor_parallelism_equals_one_process():
+    """tp=2 x cp=2 on 4 processes: sequence parallelism splits each rank's share (padded to a
+    multiple of tp) and the attention heads; MoE routes replayed."""
+    run_gloo(tp_cp_worker, 4, run("qwen3_moe", None))

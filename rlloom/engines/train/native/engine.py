@@ -347,6 +347,7 @@ class NativeTrainEngine:
         keep_gathered = self.sharded and self.cfg.gather_once_per_step
         balance = self.moe_balance
         total_tokens = self._computed_tokens(batch) if balance is not None else 1
+        computed_here = 0  # tokens this rank's forward passes ran on (its share of each stream under CP)
         with deferred_finite_checks(), self._gathered_until_last(keep_gathered) as set_last:
             for i, mb in enumerate(micro_batches):
                 set_last(i == len(micro_batches) - 1)
@@ -362,24 +363,25 @@ class NativeTrainEngine:
                 loss = loss_sum.reshape(()) / loss_normalizer
                 if balance is not None:
                     # Under CP each rank's aux loss is its share's (the routing of its tokens).
-                    aux, aux_metrics = balance.aux_term(num_tokens / total_tokens / self.layout.cp)
+                    aux, aux_metrics = balance.aux_term(num_tokens / total_tokens)
                     loss = loss if aux is None else loss + aux
                     records.append(aux_metrics)
                     balance.accumulate(self._padding_routed_here(num_tokens))
                 loss.backward()
+                computed_here += num_tokens
                 records.append(_weighted(mb_metrics, num_response))
                 records.append(self._route_metrics(batch, mb))
                 records.append(
                     {
                         "train/loss": Sum(loss_sum.detach() / loss_normalizer),
                         "train/tokens": Sum(sum(batch.samples[i].num_tokens for i in mb)),
-                        "train/computed_tokens": Sum(num_tokens),
                         "train/response_tokens": Sum(num_response),
                     }
                 )
         acc = MetricsAccumulator()
         acc.add_all(records)
         acc.add({"train/num_micro_batches": Max(len(micro_batches))})
+        acc.add({"train/computed_tokens": Sum(self._summed_over_cp(computed_here))})
         return reduce_across_ranks(acc, self.dp_group)
 
     def _pipe_forward_backward(
@@ -462,9 +464,18 @@ class NativeTrainEngine:
             if entropy_BT is not None:
                 entropy_BT[rows] = pb.spread(i, entropy_K).to(self.device)
 
+    def _summed_over_cp(self, count: int) -> int:
+        """A count of what this rank computed, summed over its cp ranks (the whole micro-batches')."""
+        if self.layout.cp == 1:
+            return count
+        total = torch.tensor([count], dtype=torch.float64, device=self._comm_device)
+        dist.all_reduce(total, group=self.layout.cp_group)
+        return int(total.item())
+
     def _padding_routed_here(self, num_tokens: int) -> int:
-        """How many of the padding tokens (tp - 1 at most, at the end of the stream) this rank's MoE
-        layers routed, the last ones they saw: all under TP alone (every TP rank routes the whole
+        """How many of the padding tokens (tp - 1 at most, at the end of the stream; under CP of this
+        rank's share, `num_tokens` being what `run_micro_batch` says this rank computed) this rank's
+        MoE layers routed, the last ones they saw: all under TP alone (every TP rank routes the whole
         stream); the overlap with its own token shard when each TP rank routes its shard."""
         pad = -num_tokens % self.layout.tp
         if not (self.layout.tokens_split_over_tp and self.dims is not None):

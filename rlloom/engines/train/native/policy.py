@@ -133,7 +133,8 @@ def run_micro_batch(
     covering its own positions.
 
     Returns logp_bT and entropy_bT (or None) on `device`, fp32 [b, T] and 0 where the response mask
-    is false, then the number of tokens in the packed stream and the number of response tokens.
+    is false, then the number of tokens of the packed stream this rank computed (its share under CP;
+    padding not counted) and the number of response tokens.
     Differentiable when grad is enabled. Everything the host must read (the segment structure, the
     selected positions, the counts) is computed on CPU and only the model's inputs are copied, so on
     CUDA the call queues its kernels without waiting for the GPU.
@@ -146,6 +147,7 @@ def run_micro_batch(
     else:
         check_cp_layout(dist.get_world_size(cp_group), packed.prefix_lens_S is not None)
         shard = CPShard(packed.cu_seqlens, group=cp_group, device=device, pad_multiple=pad_multiple)
+        num_tokens = shard.num_real
     mask_bT = packed.response_mask_BT
     flat_K = mask_bT.flatten().nonzero().squeeze(1)
     if replay_routes and packed.routes_NLK is None:
