@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> dict:
     row = {
         "layout": layout,
         "gpus": world,
-        "shape": f"{'tiny' if args.smoke else args.shape} ({config['num_hidden_layers']} layers)",
+        "shape": f"{'tiny ' + config['model_type'] if args.smoke else args.shape} ({config['num_hidden_layers']} layers)",
         "tokens": batch.num_tokens,
         "tok/s": batch.num_tokens / seconds,
         "tok/s/GPU": batch.num_tokens / seconds / world,
@@ -148,15 +148,25 @@ def run(args: argparse.Namespace) -> dict:
     return row
 
 
+WIDTHS = {"layout": -34, "shape": -20, "gpus": 5}
+
+
 def print_table(rows: list[dict]) -> None:
-    print("".join(f"{c:>14}" if i else f"{c:<32}" for i, c in enumerate(COLUMNS)))
+    def cell(column: str, text: str) -> str:
+        width = WIDTHS.get(column, 12)
+        return f"{text:<{-width}}" if width < 0 else f"{text:>{width}}"
+
+    print(" ".join(cell(c, c) for c in COLUMNS))
     for r in rows:
-        cells = []
-        for i, c in enumerate(COLUMNS):
-            v = r[c]
-            text = f"{v:.3f}" if c == "MFU(active)" else f"{v:.1f}" if isinstance(v, float) else str(v)
-            cells.append(f"{text:>14}" if i else f"{text:<32}")
-        print("".join(cells))
+        texts = {
+            c: f"{r[c]:.3f}"
+            if c == "MFU(active)"
+            else f"{r[c]:.1f}"
+            if isinstance(r[c], float)
+            else str(r[c])
+            for c in COLUMNS
+        }
+        print(" ".join(cell(c, texts[c]) for c in COLUMNS))
 
 
 def main() -> None:

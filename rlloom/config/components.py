@@ -542,7 +542,8 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel degree (decoder layers split into pp stages)."""
     cp: int = 1
-    """Context-parallel degree (each packed sequence split over cp ranks)."""
+    """Context-parallel degree: each packed micro-batch split over cp ranks, every document cut into
+    2 x cp chunks balanced by attention cost (rlloom.parallel.cp). Needs train.share_prompts=false."""
     ep: int = 1
     """Expert-parallel degree (routed experts split over ep ranks, taken from dp x cp x tp; no
     expert-tensor parallelism: split across TP ranks the expert GEMMs get too small to run well)."""
@@ -576,15 +577,22 @@ class ParallelConfig:
             f"tensor parallelism (parallel.tp={self.tp}) always runs with sequence parallelism here",
             "set parallel.sequence_parallel=true",
         )
-        for name in ("pp", "cp"):
-            value = getattr(self, name)
-            _check(
-                value == 1,
-                f"parallel.{name}",
-                value,
-                "pipeline and context parallelism are not available in this version",
-                f"set parallel.{name}=1",
-            )
+        others = {"tp": self.tp, "cp": self.cp, "ep": self.ep}
+        _check(
+            self.pp == 1 or all(v == 1 for v in others.values()),
+            "parallel.pp",
+            self.pp,
+            "pipeline parallelism composes with data parallelism (FSDP) only in this version, not with "
+            + ", ".join(f"parallel.{k}={v}" for k, v in others.items() if v > 1),
+            "set parallel.pp=1 or the other degrees to 1",
+        )
+        _check(
+            self.pp_schedule != "1f1b" or self.pp_virtual_stages == 1,
+            "parallel.pp_virtual_stages",
+            self.pp_virtual_stages,
+            "parallel.pp_schedule=1f1b runs one stage per pp rank",
+            "use parallel.pp_schedule=interleaved (or zero_bubble) for virtual stages, or pp_virtual_stages=1",
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -832,6 +840,23 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _check_parallel_world(self.parallel, self.cluster.num_workers)
+        _check(  # the same rule as rlloom.parallel.cp.check_cp_layout, at start-up
+            self.parallel.cp == 1 or not self.train.share_prompts,
+            "train.share_prompts",
+            self.train.share_prompts,
+            f"parallel.cp={self.parallel.cp} splits plain packed documents, not shared-prompt trees",
+            "set train.share_prompts=false (or parallel.cp=1)",
+        )
+        longest = self.data.max_prompt_length + self.rollout.max_new_tokens
+        _check(
+            self.parallel.pp == 1 or self.train.max_tokens_per_micro_batch >= longest,
+            "train.max_tokens_per_micro_batch",
+            self.train.max_tokens_per_micro_batch,
+            f"parallel.pp={self.parallel.pp} pads every micro-batch to this budget, so it must hold the longest "
+            f"sample: data.max_prompt_length + rollout.max_new_tokens = {self.data.max_prompt_length} + "
+            f"{self.rollout.max_new_tokens} = {longest}",
+            f"set train.max_tokens_per_micro_batch={longest} or more (or lower those)",
+        )
         if self.data.task in ("jsonl", "parquet"):
             _check(
                 bool(self.data.path),

@@ -45,6 +45,8 @@ FREE_TO_CHANGE: tuple[str, ...] = (
     "reward.timeout_s",
     "cluster.timeout_s",
     "cluster.address",
+    # The training layout: checkpoints load in any other (tp, ep, dp) with the same continuation.
+    "parallel.",
 )
 """Dotted settings (a trailing `.` names a whole section) that a resume may change freely."""
 

@@ -10,8 +10,10 @@
   branch_k] (see `rlloom.data.types`): prompt tokens attend causally within the prompt, a branch
   token to the whole prompt and causally to its own branch. Segments with at most one branch are
   plain causal sequences.
-- backend: q/k/v [N, H, D] handed to a pluggable `attn` object (the rollout engine's paged KV
-  cache): `attn.attn(layer_idx, q, k, v, scale) -> out`, k/v NOT repeated for GQA.
+- backend: q/k/v [N, H, D] handed to a pluggable `attn` object: `attn.attn(layer_idx, q, k, v,
+  scale) -> out`, k/v NOT repeated for GQA. Two backends use this hook: the rollout engine's paged
+  KV cache, and context parallelism (`rlloom.parallel.cp.CPShard`: the stream is one rank's share
+  of a packed micro-batch, and the hook attends to the keys of every cp rank).
 
 Packed kernels by device:
 - CPU (the tested reference) and other cases: one causal SDPA per sequence. Measured on 2 CPU
@@ -53,7 +55,8 @@ from rlloom.devices import to_device
 
 
 class AttnBackend(Protocol):
-    """The rollout engine's attention: it owns the KV cache and knows the sequence structure."""
+    """Attention that knows the sequence structure the model does not: the rollout engine's (it owns
+    the KV cache) or context parallelism's (the keys live on several ranks)."""
 
     def attn(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
@@ -153,10 +156,10 @@ def _varlen_cuda(
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     if max_seqlen is None:
         max_seqlen = int((cu[1:] - cu[:-1]).max())
-    return _varlen_causal(q, k, v, scale, cu, cu, max_seqlen, max_seqlen)
+    return varlen_causal(q, k, v, scale, cu, cu, max_seqlen, max_seqlen)
 
 
-def _varlen_causal(
+def varlen_causal(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -311,7 +314,7 @@ def tree_attention(
         and q_NHD.shape[-1] == v_NHD.shape[-1]
     ):
         cu_q, cu_k, kv_index, max_q, max_k = tree.varlen()
-        return _varlen_causal(q_NHD, k_NHD[kv_index], v_NHD[kv_index], scale, cu_q, cu_k, max_q, max_k)
+        return varlen_causal(q_NHD, k_NHD[kv_index], v_NHD[kv_index], scale, cu_q, cu_k, max_q, max_k)
     outs = []
     for start, end, mask in zip(tree.cu[:-1], tree.cu[1:], tree.masks()):
         q, k, v = (x[start:end].transpose(0, 1) for x in (q_NHD, k_NHD, v_NHD))

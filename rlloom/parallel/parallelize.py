@@ -5,7 +5,8 @@ every technique `ParallelDims` asks for, in a fixed order:
    DTensors, which every later step must see (FSDP shards a DTensor over dp on top of its TP shard).
 2. EP (`ep.py`): keeps the local experts and hooks the dispatch/combine around them; after TP,
    because the TP plan decides whether the MoE layer sees token shards (it does when EP runs).
-   Context parallelism belongs after EP and pipeline stages before TP (not built yet).
+   Context parallelism (`cp.py`) changes no module: the engine shards each micro-batch and hands
+   the attention a `CPShard` (the attention backend hook); FSDP shards over dp_shard x cp.
 3. Activation checkpointing (`ac.py`) wraps whole decoder layers, hooks included, so a recompute
    replays the TP collectives and the EP all-to-alls in the same order on every rank.
 4. torch.compile (`compile.py`) of each (checkpointed) layer, inside FSDP's hooks.
@@ -13,6 +14,11 @@ every technique `ParallelDims` asks for, in a fixed order:
    ranks that hold the same experts, everything else over dp_shard x cp.
 
 Without `dims` (one process, no process group, fp32) only steps 3 and 4 apply.
+
+Pipeline parallelism (`parallelize_pp`, pp > 1) comes before all of these: the model is cut into
+this rank's stage modules first (`pp.apply_pp`), then each stage module is a model of its own to
+steps 3-5 (FSDP2 with its stage module as the root, never resharding after forward: each
+micro-batch would gather the layers again). PP with TP, EP or CP is refused for now.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from rlloom.parallel.compile import apply_compile
 from rlloom.parallel.dims import ParallelDims
 from rlloom.parallel.ep import apply_ep
 from rlloom.parallel.fsdp import apply_fsdp
+from rlloom.parallel.pp import Pipeline, apply_pp
 from rlloom.parallel.tp import apply_tp
 
 
@@ -52,10 +59,10 @@ def parallelize(
             apply_compile(model)
         return root if root is not None else model
     dims.check_model(model.args)
-    if dims.pp > 1 or dims.cp > 1:
+    if dims.pp > 1:
         raise ValueError(
-            f"parallelize: pipeline (pp={dims.pp}) and context parallelism (cp={dims.cp}) are not built yet. "
-            "Fix: set parallel.pp=1 and parallel.cp=1."
+            f"parallelize: pipeline parallelism (pp={dims.pp}) cuts the model into stages. Fix: call "
+            "parallelize_pp instead."
         )
     if dims.tp > 1:
         apply_tp(model, dims.tp_mesh(), experts_parallel=dims.ep > 1)
@@ -72,4 +79,60 @@ def parallelize(
         reshard_after_forward=reshard_after_forward,
         layers_of=model,
         expert_mesh=dims.efsdp_mesh() if dims.ep > 1 else None,
+    )
+
+
+def parallelize_pp(
+    model: nn.Module,
+    dims: ParallelDims,
+    *,
+    schedule: str,
+    virtual_stages: int,
+    first_stage_layers: int,
+    last_stage_layers: int,
+    budget: int,
+    device: torch.device,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype = torch.float32,
+    ac_mode: ACMode = "off",
+    ac_every_k: int = 1,
+    compile_layers: bool = False,
+    chunk_tokens: int = 1024,
+) -> tuple[list[nn.Module], Pipeline]:
+    """Cut `model` into this pp rank's stage modules (PP first), then AC, compile and FSDP2 over
+    dp_shard on each; returns the FSDP-wrapped stage modules and the `Pipeline` that runs them."""
+    dims.check_model(model.args)
+    others = {"tp": dims.tp, "ep": dims.ep, "cp": dims.cp}
+    if any(v > 1 for v in others.values()):
+        raise ValueError(
+            f"parallel.pp={dims.pp} with {', '.join(f'parallel.{k}={v}' for k, v in others.items() if v > 1)} "
+            "is not supported yet (pipeline parallelism composes with FSDP only here). Fix: set "
+            "parallel.tp=parallel.ep=parallel.cp=1 with parallel.pp > 1, or parallel.pp=1."
+        )
+
+    def parallelize_stage(stage: nn.Module) -> nn.Module:
+        apply_ac(stage.model, ac_mode, ac_every_k)
+        if compile_layers:
+            apply_compile(stage.model)
+        return apply_fsdp(
+            stage,
+            dims.dp_shard_mesh(),
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            reshard_after_forward=False,
+            layers_of=stage.model,
+        )
+
+    return apply_pp(
+        model,
+        dims.pp_mesh(),
+        schedule=schedule,
+        budget=budget,
+        device=device,
+        dtype=param_dtype,
+        virtual_stages=virtual_stages,
+        first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers,
+        chunk_tokens=chunk_tokens,
+        parallelize_stage=parallelize_stage,
     )

@@ -254,7 +254,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, experts_parallel: bool = 
         if hasattr(attention, "num_kv_heads"):
             attention.num_kv_heads //= tp
     for param in model.parameters():
-        if isinstance(param, DTensor):
+        if isinstance(param, DTensor) and param.requires_grad:  # a frozen reference has no gradients
             param.register_post_accumulate_grad_hook(_grad_like_param)
     # On the embedding: `forward` and `hidden_states` both start there.
     model.tok_embeddings.register_forward_pre_hook(partial(_check_divisible, tp=tp))

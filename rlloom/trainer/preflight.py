@@ -40,6 +40,7 @@ from rlloom.engines.rollout.native.validation import available_memory_bytes, kv_
 from rlloom.models.args import ModelArgs
 from rlloom.models.checkpoint import resolve_path
 from rlloom.parallel.dims import ParallelDims
+from rlloom.parallel.pp_stages import check_pp, split_layers
 from rlloom.rewards.registry import get_reward_fn
 from rlloom.tasks.build import default_reward_name, task_prompts
 from rlloom.trainer.async_loop import capacity
@@ -226,9 +227,24 @@ def check_parallel(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
     par = cfg.parallel
     if par.tp == par.pp == par.cp == par.ep == 1:
         return
+    args = None
     try:
         args = ModelArgs.from_hf_config(hf_config)
         dims = ParallelDims(world_size=cfg.cluster.num_workers, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep)
         dims.check_model(args)
+        if par.pp > 1:
+            check_pp(args, par.pp, par.pp_schedule, par.pp_virtual_stages)
+            split_layers(
+                args.num_layers,
+                par.pp * par.pp_virtual_stages,
+                first_stage_layers=par.pp_first_stage_layers,
+                last_stage_layers=par.pp_last_stage_layers,
+            )
     except ValueError as e:
-        raise ConfigError(f"{' '.join(str(e).split())} (model.path={cfg.model.path!r})") from None
+        factors = (
+            ""
+            if args is None
+            else f"; num_hidden_layers={args.num_layers}, cluster.num_workers={cfg.cluster.num_workers} = pp "
+            f"{par.pp} x dp x cp {par.cp} x tp {par.tp}, ep={par.ep}, pp_virtual_stages={par.pp_virtual_stages}"
+        )
+        raise ConfigError(f"{' '.join(str(e).split())} (model.path={cfg.model.path!r}{factors})") from None

@@ -24,8 +24,16 @@ RAY = ["cluster.mode=ray"]
             ["cluster.num_workers=4", "parallel.tp=2", "parallel.ep=3"],
             r"parallel.ep=3 is invalid: must divide dp x cp x tp = 2 x 1 x 2 = 4.*Fix: use a parallel.ep that divides 4",
         ),
-        (["cluster.num_workers=2", "parallel.pp=2"], r"parallel.pp=2 is invalid: pipeline and context .*"),
-        (["cluster.num_workers=2", "parallel.cp=2"], r"parallel.cp=2 is invalid: .*Fix: set parallel.cp=1"),
+        (
+            ["cluster.num_workers=4", "parallel.pp=2", "parallel.tp=2"],
+            r"parallel.pp=2 is invalid: pipeline parallelism composes with data parallelism \(FSDP\) only in "
+            r"this version, not with parallel.tp=2. Fix: set parallel.pp=1 or the other degrees to 1\.$",
+        ),
+        (
+            ["cluster.num_workers=2", "parallel.cp=2"],
+            r"train.share_prompts=True is invalid: parallel.cp=2 splits plain packed documents, not "
+            r"shared-prompt trees. Fix: set train.share_prompts=false \(or parallel.cp=1\)\.$",
+        ),
         (["parallel.tp=0"], r"parallel.tp=0 is invalid: must be >= 1"),
         (
             ["cluster.num_workers=2", "parallel.tp=2", "parallel.sequence_parallel=false"],
@@ -55,3 +63,7 @@ def test_degrees_are_checked_against_the_model(tiny_checkpoint, tiny_moe_checkpo
     cfg = load_config("arithmetic_smoke", [f"model.path={tiny_checkpoint}", *RAY, "cluster.num_workers=2"])
     assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, cfg.parallel.ep) == (1, 1, 1, 1)
     assert cfg.parallel.sequence_parallel and cfg.parallel.pp_schedule == "1f1b"
+    cfg = load_config(
+        "arithmetic_smoke", [*RAY, "cluster.num_workers=2", "parallel.cp=2", "train.share_prompts=false"]
+    )
+    assert cfg.parallel.cp == 2

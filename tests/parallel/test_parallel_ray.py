@@ -1,8 +1,9 @@
 """The whole RL run through `run(cfg)` with 2 Ray workers in a tensor-parallel or an expert-parallel
 training layout gives the one-process run's per-step metrics (loss, grad norm, rewards, entropy, ...)
 within rel 1e-4. The learning rate (3e-2) is large enough that a wrong gradient changes the weights,
-hence the later samples and rewards; the KL term runs the frozen reference in the same layout, and
-the MoE routes of the rollout are replayed under expert parallelism."""
+hence the later samples; the random tiny model earns no reward, so an entropy bonus gives the
+gradient. The KL term runs the frozen reference in the same layout, and the MoE routes of the
+rollout are replayed under expert parallelism."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def cfg_for(ckpt: Path, run_dir: Path, *extra: str):
             "train.lr=3e-2",
             "algorithm.kl_coef=0.05",
             "algorithm.routing_replay=rollout",
+            "algorithm.entropy_coef=0.01",  # rewards of a random model are 0: the entropy term trains it
             "logging.console=false",
             *extra,
         ],
@@ -64,5 +66,4 @@ def test_two_ray_workers_in_a_parallel_layout_match_one_process(
             assert {"train/loss", "train/grad_norm", "reward/mean", "actor/entropy"} <= row.keys()
         for k in expected:
             assert row[k] == pytest.approx(expected[k], rel=1e-4, abs=1e-6), (layout, row["step"], k)
-    # The learning rate moves the policy: later rewards or losses are not those of step 1.
-    assert len({round(r.get("train/loss", 0.0), 6) for r in got[1:]}) > 1
+    assert all(r["train/grad_norm"] > 0 for r in got[1:])

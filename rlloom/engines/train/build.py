@@ -36,6 +36,7 @@ def build_train_engine(cfg: RunConfig, *, device: torch.device, dtype: torch.dty
         dtype=dtype,
         total_steps=_optimizer_steps(cfg),
         parallel_dims=parallel_dims(cfg),
+        pipeline=cfg.parallel,
     )
 
 
@@ -52,5 +53,6 @@ def build_reference(cfg: RunConfig, *, device: torch.device, dtype: torch.dtype)
         dtype=dtype,
         total_steps=_optimizer_steps(cfg),
         parallel_dims=parallel_dims(cfg),
+        pipeline=cfg.parallel,
         frozen=True,
     )

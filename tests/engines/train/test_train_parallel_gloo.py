@@ -105,7 +105,7 @@ def run_layout(family: str, dims: ParallelDims | None) -> tuple[NativeTrainEngin
         "logp": logp,
         "entropy": entropy,
         "grads": grads,
-        "metrics": [{k: m[k] for k in keys} for m in metrics],
+        "metrics": [{k: m[k] for k in m if k in keys or k.startswith("moe/")} for m in metrics],
         "weights": full_weights(engine),
     }
     return engine, out
@@ -157,6 +157,11 @@ def worker(rank: int, expected: dict, tmp: str) -> None:
             assert len(layouts["model.layers.0.self_attn.q_proj.weight"].placements) == 2  # (fsdp, tp)
         if (family, degrees) in (("qwen3", dict(tp=2)), ("qwen3_moe", dict(ep=2))):
             engine.save(os.path.join(tmp, f"{family}_{next(iter(degrees))}"))
+    # The frozen reference (build_reference) in the tensor-parallel layout gives the same logprobs.
+    ref = NativeTrainEngine(
+        cfg(), tiny_model("qwen3"), parallel_dims=ParallelDims(world_size=2, tp=2), frozen=True
+    )
+    torch.testing.assert_close(ref.forward_logprobs(batches(False)[0])[0], expected["qwen3"]["logp"], **TOL)
     # dp=2 -> tp=2: an FSDP checkpoint resumes in the tensor-parallel layout.
     engine, _ = run_layout("qwen3", ParallelDims(world_size=2))
     engine.save(os.path.join(tmp, "qwen3_dp"))

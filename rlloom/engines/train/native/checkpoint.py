@@ -12,6 +12,10 @@ Layout of an engine checkpoint folder (a sealed folder, see `rlloom.engines.trai
 
 Tensor names are `model/<fqn>`, `optim/state/<fqn>/<key>` and `extra/<name>`, with the FQNs of
 `torch.distributed.checkpoint.state_dict` (the native model's names, not Hugging Face's).
+Under pipeline parallelism each rank holds only its stages' tensors (under the whole model's
+names): rank 0 writes the union of every rank's state tree, a chunk held by several ranks (a tied
+embedding on the first and the last stage) is written by the lowest of them, and each rank loads
+only the tensors it holds, so pp=2 and pp=1 load each other's checkpoints.
 Any rank count loads any other's checkpoint: each rank reads, for every tensor, the overlap of its
 own shard with the saved chunks. Every hash is checked (ranks split the work) before any tensor is
 read. The folder is written to `<dir>.tmp` and swapped in whole, so a crash or a full disk
@@ -126,8 +130,8 @@ def _local_chunk(
     """(this rank's part, its offset in the global tensor, whether this rank writes it, the global
     shape). `experts` = (this rank's EP rank, ep): an expert tensor's block is placed at its experts."""
     ep_rank, ep = experts
-    if not isinstance(t, DTensor):
-        part, offset, primary, shape = t, [0] * t.dim(), _rank() == 0, list(t.shape)
+    if not isinstance(t, DTensor):  # held whole: written by the lowest rank holding it (`_writers`)
+        part, offset, primary, shape = t, [0] * t.dim(), True, list(t.shape)
     else:
         _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         coord = t.device_mesh.get_coordinate() or []
@@ -154,10 +158,13 @@ def _write_rank_files(
     offsets: dict[str, list[int]] = {}
     storages: set[int] = set()
     shapes: dict[str, Any] = {}
-    for name, t in tensors.items():
-        part, offset, writes, shape = _local_chunk(t.detach(), name, experts)
-        shapes[name] = {"shape": shape, "dtype": str(t.dtype).removeprefix("torch.")}
-        if writes and part.numel() > 0:
+    chunks = {name: _local_chunk(t.detach(), name, experts) for name, t in tensors.items()}
+    mine = {name: offset for name, (part, offset, writes, _) in chunks.items() if writes and part.numel() > 0}
+    for name, (part, _, _, shape) in chunks.items():
+        shapes[name] = {"shape": shape, "dtype": str(part.dtype).removeprefix("torch.")}
+    everyone = _all_ranks((mine, skeleton, shapes))
+    for name, (part, offset, _, _) in chunks.items():
+        if name in mine and _writers(everyone, name, offset) == rank:
             part = part.to("cpu").contiguous()
             if (
                 part.untyped_storage().data_ptr() in storages
@@ -174,10 +181,44 @@ def _write_rank_files(
             "format": 1,
             "world_size": _world(),
             "engine": engine_state,
-            "tree": skeleton,
-            "tensors": shapes,
+            "tree": _merged_tree([tree for _, tree, _ in everyone]),
+            "tensors": {k: v for _, _, held in everyone for k, v in held.items()},
         }
         (tmp / STATE).write_text(json.dumps(state, indent=1))
+
+
+def _all_ranks(value: Any) -> list[Any]:
+    """`value` of every rank, in rank order (an object all-gather)."""
+    if not _distributed():
+        return [value]
+    out: list[Any] = [None] * _world()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _writers(everyone: list[tuple[dict[str, list[int]], Any, Any]], name: str, offset: list[int]) -> int:
+    """The lowest rank that would write the chunk of `name` at `offset` (one copy of each chunk)."""
+    return next(r for r, (chunks, _, _) in enumerate(everyone) if chunks.get(name) == offset)
+
+
+def _merged_tree(trees: list[Any]) -> Any:
+    """The union of the ranks' state trees (under PP each holds its stages' entries): dicts merged
+    by key, lists of names (an optimizer group's params) joined, other values the first rank's."""
+    merged = trees[0]
+    for tree in trees[1:]:
+        merged = _merge(merged, tree)
+    return merged
+
+
+def _merge(a: Any, b: Any) -> Any:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {**b, **{k: _merge(v, b[k]) if k in b else v for k, v in a.items()}}
+    if isinstance(a, list) and isinstance(b, list):
+        if all(isinstance(x, str) for x in a + b):
+            return a + [x for x in b if x not in a]
+        if len(a) == len(b):
+            return [_merge(x, y) for x, y in zip(a, b)]
+    return a
 
 
 def save_checkpoint(
@@ -300,8 +341,10 @@ def load_checkpoint(
     targets: dict[str, torch.Tensor] = {}
     _flatten(tree, "", targets)
     saved = state["tensors"]
-    if targets.keys() != saved.keys():
-        missing, unexpected = sorted(targets.keys() - saved.keys()), sorted(saved.keys() - targets.keys())
+    # Under pipeline parallelism each rank holds some tensors; together they hold all.
+    held = set().union(*_all_ranks(sorted(targets)))
+    if not targets.keys() <= saved.keys() or held != saved.keys():
+        missing, unexpected = sorted(held - saved.keys()), sorted(saved.keys() - held)
         raise CheckpointError(
             f"checkpoint {str(root)!r} does not fit this engine: tensors missing {missing[:3]}, unexpected "
             f"{unexpected[:3]}. Fix: load it with the model and train settings (optimizer_offload) it was saved with."
@@ -316,7 +359,8 @@ def load_checkpoint(
                 per_name[name].append((handle, offset))
         for name, target in targets.items():
             _fill(target, name, saved[name], per_name[name], experts)
-    loaded = _unflatten(state["tree"], targets)
+    # This rank's own tree (its tensors now loaded) where it holds only part of the saved one.
+    loaded = _unflatten(state["tree"], targets) if targets.keys() == saved.keys() else tree
     if optimizers:
         set_state_dict(model, optimizers, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
     else:

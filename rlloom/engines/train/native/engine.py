@@ -7,11 +7,17 @@ One call of `train_step` is one optimizer step over a global batch:
     plan     balance samples over data-parallel ranks by tokens, pack each rank's share into
              micro-batches of at most max_tokens_per_micro_batch tokens (no padding, no truncation);
              with share_prompts the packing units are groups (one prompt copy + its responses).
-             The TP ranks of one dp rank run the same micro-batches (padded to a multiple of tp)
+             The TP ranks of one dp rank run the same micro-batches (padded to a multiple of tp);
+             so do its CP ranks, each on its share of every stream (rlloom.parallel.cp)
     run      per micro-batch: packed forward, logprobs at response positions, the caller's loss_fn,
              backward of loss_sum / loss_normalizer (gradients accumulate; FSDP sums them over ranks)
     step     global grad norm, clip, AdamW (skipped when the loss or the norm is not finite, or when a
              trial of the update finds that a new parameter would not be finite: step_guard.py)
+
+Under pipeline parallelism (parallel.pp > 1; pipeline.py) the same plan runs through the stages
+of a `rlloom.parallel.pp.Pipeline`: every micro-batch is padded to the token budget, the loss of
+each runs on the last stage's rank, whose metrics every pp rank returns, and the grad norm is taken
+once per step over the pp ranks.
 
 Every rank receives the same global batch and computes the same plan from it, so no plan is sent.
 Ranks with fewer micro-batches run zero-weight copies of their smallest sample, so every rank issues
@@ -37,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlloom.algorithms._validate import deferred_finite_checks
-from rlloom.config.components import TrainEngineConfig
+from rlloom.config.components import ParallelConfig, TrainEngineConfig
 from rlloom.data.types import RolloutBatch
 from rlloom.devices import to_device
 from rlloom.engines.train.base import LossFn
@@ -48,6 +54,7 @@ from rlloom.engines.train.native.lr_schedule import lr_at
 from rlloom.engines.train.native.microbatch import plan_rank, shared_prompt_units
 from rlloom.engines.train.native.moe_balance import MoEBalance
 from rlloom.engines.train.native.optimizer import EngineOptimizer
+from rlloom.engines.train.native.pipeline import PipeBatch, from_last_stage, stage_view
 from rlloom.engines.train.native.policy import PolicyHead, run_micro_batch
 from rlloom.engines.train.native.step_guard import (
     adamw_would_be_finite,
@@ -61,8 +68,10 @@ from rlloom.observability.memory import memory_metrics, reset_peak_memory
 from rlloom.observability.metrics import Max, Mean, Metric, MetricsAccumulator, Min, Sum, reduce_across_ranks
 from rlloom.observability.mfu import H100_BF16_PEAK_FLOPS
 from rlloom.parallel import ParallelDims, clip_grad_norm_, init_distributed
+from rlloom.parallel.cp import check_cp_layout
 from rlloom.parallel.layers import decoder_layers, layer_items
-from rlloom.parallel.parallelize import parallelize
+from rlloom.parallel.parallelize import parallelize, parallelize_pp
+from rlloom.parallel.pp import Pipeline
 
 
 class NativeTrainEngine:
@@ -71,9 +80,10 @@ class NativeTrainEngine:
     `model`: a native CausalLM (fp32 weights on CPU or `device`). `dtype`: compute dtype (default
     bf16 on CUDA, fp32 on CPU). With more than one rank (an initialised process group, or torchrun
     variables WORLD_SIZE/RANK/MASTER_ADDR/MASTER_PORT), a compute dtype other than fp32, or
-    `parallel_dims`, the model is parallelised in that layout (default: FSDP2 over every rank; a
+    `parallel_dims`, the model is parallelised in that layout (`pipeline`: the pipeline settings of
+    the `parallel` section, used when parallel_dims.pp > 1) (default: FSDP2 over every rank; a
     one-rank process group is started when none exists). `total_steps`: optimizer steps of the run,
-    needed by the linear and cosine LR schedules. `frozen`: a forward-only reference (see below).
+    needed by the linear and cosine LR schedules. `frozen`: a forward-only reference (`build_reference`).
     """
 
     def __init__(
@@ -85,6 +95,7 @@ class NativeTrainEngine:
         dtype: torch.dtype | None = None,
         total_steps: int | None = None,
         parallel_dims: ParallelDims | None = None,
+        pipeline: ParallelConfig | None = None,
         reshard_after_forward: bool = True,
         frozen: bool = False,
     ) -> None:
@@ -92,6 +103,8 @@ class NativeTrainEngine:
         self.device = torch.device(device)
         self.compute_dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.total_steps = total_steps
+        self.pipeline_settings = pipeline or ParallelConfig()
+        """The `parallel` section's pipeline settings (pp_schedule, pp_virtual_stages, stage sizes)."""
         self.frozen = frozen
         """A forward-only reference: weights in the compute dtype, no gradients, no optimizer."""
         lr_at(0, cfg, total_steps)  # fail now, not at the first step, on a schedule without total_steps
@@ -122,17 +135,24 @@ class NativeTrainEngine:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.layout = EngineLayout.of(self.dims)
-        parallelize(
-            self.model,
-            self.dims,
-            param_dtype=self.compute_dtype,
-            reduce_dtype=torch.float32,
-            ac_mode="off" if frozen else cfg.activation_checkpointing,
-            ac_every_k=cfg.ac_every_k,
-            compile_layers=cfg.compile and self.device.type == "cuda",  # after AC, before FSDP
-            reshard_after_forward=reshard_after_forward,
-            root=self.module,
-        )
+        check_cp_layout(self.layout.cp, cfg.share_prompts)
+        self.pipe: Pipeline | None = None
+        """The pipeline runner under pipeline parallelism (parallel.pp > 1), else None."""
+        self._stage_modules: list[nn.Module] = []
+        if self.dims is not None and self.dims.pp > 1:
+            self._build_pipeline(frozen)
+        else:
+            parallelize(
+                self.model,
+                self.dims,
+                param_dtype=self.compute_dtype,
+                reduce_dtype=torch.float32,
+                ac_mode="off" if frozen else cfg.activation_checkpointing,
+                ac_every_k=cfg.ac_every_k,
+                compile_layers=cfg.compile and self.device.type == "cuda",  # after AC, before FSDP
+                reshard_after_forward=reshard_after_forward,
+                root=self.module,
+            )
         if not self.sharded:
             self.module.to(self.device)
         self.dp_group, self.dp_rank, self.dp_size = (
@@ -146,6 +166,39 @@ class NativeTrainEngine:
         self.version = 0
         """Optimizer steps applied so far: the policy version of the current weights."""
         self.num_skipped_steps = 0
+
+    def _build_pipeline(self, frozen: bool) -> None:
+        """Cut the model into this rank's stages (`parallelize_pp`); `self.module` becomes a view of
+        them under the PolicyHead's names and `self.model` its CausalLM-like part."""
+        if self.moe_balance is not None:
+            raise ValueError(
+                f"train.moe_aux_loss_coef={self.cfg.moe_aux_loss_coef} / train.moe_bias_update_rate="
+                f"{self.cfg.moe_bias_update_rate}: MoE load balancing is not built for pipeline parallelism "
+                f"(parallel.pp={self.dims.pp}). Fix: set both to 0, or parallel.pp=1."
+            )
+        par = self.pipeline_settings
+        modules, self.pipe = parallelize_pp(
+            self.model,
+            self.dims,
+            schedule=par.pp_schedule,
+            virtual_stages=par.pp_virtual_stages,
+            first_stage_layers=par.pp_first_stage_layers,
+            last_stage_layers=par.pp_last_stage_layers,
+            budget=self.cfg.max_tokens_per_micro_batch,
+            device=self.device,
+            param_dtype=self.compute_dtype,
+            ac_mode="off" if frozen else self.cfg.activation_checkpointing,
+            ac_every_k=self.cfg.ac_every_k,
+            compile_layers=self.cfg.compile and self.device.type == "cuda",
+            chunk_tokens=self.cfg.logprob_chunk_tokens,
+        )
+        self._stage_modules = modules
+        self.module = stage_view(modules, self.model)
+        self.model = self.module.model  # the layers of other stages are freed with the whole model
+
+    def _set_mode(self, train: bool) -> None:
+        for module in self._stage_modules or [self.module]:
+            module.train(train)
 
     @property
     def optimizer(self) -> EngineOptimizer:
@@ -217,6 +270,7 @@ class NativeTrainEngine:
             share_prompts=self.cfg.share_prompts,
             replay_routes=routing_replay,
             pad_multiple=self.layout.tp,
+            cp_group=self.layout.cp_group if self.layout.cp > 1 else None,
         )
 
     # ---- the engine interface ---------------------------------------------------------------
@@ -235,10 +289,13 @@ class NativeTrainEngine:
         Every data-parallel rank passes the same global batch and gets the whole result. With
         `routing_replay` an MoE model routes each token to the experts the rollout recorded.
         """
-        self.module.eval()
+        self._set_mode(False)
         micro_batches, filler = self._plan(batch)
         logp_BT = torch.zeros(len(batch), batch.T, dtype=torch.float32, device=self.device)
         entropy_BT = torch.zeros_like(logp_BT) if with_entropy else None
+        if self.pipe is not None:
+            self._pipe_logprobs(batch, micro_batches, logp_BT, entropy_BT, temperature, routing_replay)
+            micro_batches = []
         for mb in micro_batches:
             logp_bT, entropy_bT, _, _ = self._run(
                 batch, mb or [filler], temperature, with_entropy, routing_replay
@@ -249,7 +306,7 @@ class NativeTrainEngine:
             logp_BT[rows] = logp_bT
             if entropy_BT is not None:
                 entropy_BT[rows] = entropy_bT
-        if self.sharded:
+        if self.sharded and self.pipe is None:
             self.module.reshard()  # the root unit stays gathered after a forward (see apply_fsdp)
         if self.dp_size > 1:  # each row was computed on exactly one rank and is 0 elsewhere
             for t in (logp_BT, entropy_BT):
@@ -278,14 +335,19 @@ class NativeTrainEngine:
                 "rlloom.algorithms.losses.loss_normalizer(global_mask_BT, agg_mode)."
             )
         self.optimizer.zero_grad()
-        self.module.train()
+        self._set_mode(True)
         micro_batches, filler = self._plan(batch)
+        if self.pipe is not None:
+            return self._pipe_forward_backward(
+                batch, micro_batches, loss_fn, loss_normalizer, temperature, with_entropy, routing_replay
+            )
         # No host reads inside the loop (metrics stay tensors, finiteness checks are queued): on CUDA
         # the host packs the next micro-batch while the GPU still runs this one.
         records: list[dict[str, Metric]] = []
         keep_gathered = self.sharded and self.cfg.gather_once_per_step
         balance = self.moe_balance
         total_tokens = self._computed_tokens(batch) if balance is not None else 1
+        computed_here = 0  # tokens this rank's forward passes ran on (its share of each stream under CP)
         with deferred_finite_checks(), self._gathered_until_last(keep_gathered) as set_last:
             for i, mb in enumerate(micro_batches):
                 set_last(i == len(micro_batches) - 1)
@@ -297,33 +359,130 @@ class NativeTrainEngine:
                     (logp_bT.sum() * 0.0).backward()
                     continue
                 loss_sum, mb_metrics = loss_fn(logp_bT, entropy_bT, torch.tensor(mb, dtype=torch.int64))
-                if not isinstance(loss_sum, torch.Tensor) or loss_sum.numel() != 1:
-                    raise ValueError(
-                        f"loss_fn returned a loss of type {type(loss_sum).__name__} "
-                        f"{tuple(getattr(loss_sum, 'shape', ()))}; it must return a scalar tensor (the "
-                        "micro-batch's loss sum). Fix: return aggregate_loss_sum(loss_bT, mask_bT, mode)."
-                    )
+                _check_loss_sum(loss_sum)
                 loss = loss_sum.reshape(()) / loss_normalizer
                 if balance is not None:
+                    # Under CP each rank's aux loss is its share's (the routing of its tokens).
                     aux, aux_metrics = balance.aux_term(num_tokens / total_tokens)
                     loss = loss if aux is None else loss + aux
                     records.append(aux_metrics)
-                    balance.accumulate()
+                    balance.accumulate(self._padding_routed_here(num_tokens))
                 loss.backward()
+                computed_here += num_tokens
                 records.append(_weighted(mb_metrics, num_response))
                 records.append(self._route_metrics(batch, mb))
                 records.append(
                     {
                         "train/loss": Sum(loss_sum.detach() / loss_normalizer),
                         "train/tokens": Sum(sum(batch.samples[i].num_tokens for i in mb)),
-                        "train/computed_tokens": Sum(num_tokens),
                         "train/response_tokens": Sum(num_response),
                     }
                 )
         acc = MetricsAccumulator()
         acc.add_all(records)
         acc.add({"train/num_micro_batches": Max(len(micro_batches))})
+        acc.add({"train/computed_tokens": Sum(self._summed_over_cp(computed_here))})
         return reduce_across_ranks(acc, self.dp_group)
+
+    def _pipe_forward_backward(
+        self,
+        batch: RolloutBatch,
+        micro_batches: list[list[int] | None],
+        loss_fn: LossFn,
+        loss_normalizer: float,
+        temperature: float,
+        with_entropy: bool,
+        routing_replay: bool,
+    ) -> dict[str, float]:
+        """forward_backward through the pipeline: `loss_fn` runs on the last stage's rank, whose
+        metrics (reduced over its dp ranks) every pp rank returns."""
+        pb = PipeBatch.of(
+            batch, micro_batches, share_prompts=self.cfg.share_prompts, replay_routes=routing_replay
+        )
+        records: list[dict[str, Metric]] = []
+
+        def pipe_loss(i: int, logp_K: torch.Tensor, entropy_K: torch.Tensor | None) -> torch.Tensor:
+            rows = pb.rows[i]
+            entropy_bT = pb.spread(i, entropy_K) if entropy_K is not None else None
+            loss_sum, mb_metrics = loss_fn(
+                pb.spread(i, logp_K), entropy_bT, torch.tensor(rows, dtype=torch.int64)
+            )
+            _check_loss_sum(loss_sum)
+            num_response = int(pb.masks[i].sum())
+            records.append(_weighted(mb_metrics, num_response))
+            records.append(
+                {
+                    "train/loss": Sum(loss_sum.detach() / loss_normalizer),
+                    "train/tokens": Sum(sum(batch.samples[r].num_tokens for r in rows)),
+                    "train/computed_tokens": Sum(pb.num_tokens[i]),
+                    "train/response_tokens": Sum(num_response),
+                }
+            )
+            return loss_sum.reshape(()) / loss_normalizer
+
+        with deferred_finite_checks():
+            self.pipe.forward_backward(
+                pb.micro_batches,
+                pipe_loss,
+                temperature=temperature,
+                with_entropy=with_entropy,
+                replay_routes=routing_replay,
+            )
+        acc = MetricsAccumulator()
+        acc.add_all(records)
+        acc.add({"train/num_micro_batches": Max(len(micro_batches))})
+        # Real tokens per token slot the pipeline computed (every micro-batch is padded to the budget).
+        slots = self.pipe.num_micro_batches(len(micro_batches)) * self.pipe.budget
+        acc.add({"perf/pp_budget_fill": Mean(sum(pb.num_tokens) / slots, weight=slots)})
+        metrics = reduce_across_ranks(acc, self.dp_group)
+        return from_last_stage(self.pipe, metrics)
+
+    def _pipe_logprobs(
+        self,
+        batch: RolloutBatch,
+        micro_batches: list[list[int] | None],
+        logp_BT: torch.Tensor,
+        entropy_BT: torch.Tensor | None,
+        temperature: float,
+        routing_replay: bool,
+    ) -> None:
+        """forward_logprobs through the pipeline: this dp rank's rows of logp_BT (entropy_BT) filled."""
+        pb = PipeBatch.of(
+            batch, micro_batches, share_prompts=self.cfg.share_prompts, replay_routes=routing_replay
+        )
+        out = self.pipe.forward_logprobs(
+            pb.micro_batches,
+            temperature=temperature,
+            with_entropy=entropy_BT is not None,
+            replay_routes=routing_replay,
+        )
+        for i, (logp_K, entropy_K) in enumerate(out):
+            if pb.rows[i] is None:
+                continue
+            rows = torch.tensor(pb.rows[i], device=self.device)
+            logp_BT[rows] = pb.spread(i, logp_K).to(self.device)
+            if entropy_BT is not None:
+                entropy_BT[rows] = pb.spread(i, entropy_K).to(self.device)
+
+    def _summed_over_cp(self, count: int) -> int:
+        """A count of what this rank computed, summed over its cp ranks (the whole micro-batches')."""
+        if self.layout.cp == 1:
+            return count
+        total = torch.tensor([count], dtype=torch.float64, device=self._comm_device)
+        dist.all_reduce(total, group=self.layout.cp_group)
+        return int(total.item())
+
+    def _padding_routed_here(self, num_tokens: int) -> int:
+        """How many of the padding tokens (tp - 1 at most, at the end of the stream; under CP of this
+        rank's share, `num_tokens` being what `run_micro_batch` says this rank computed) this rank's
+        MoE layers routed, the last ones they saw: all under TP alone (every TP rank routes the whole
+        stream); the overlap with its own token shard when each TP rank routes its shard."""
+        pad = -num_tokens % self.layout.tp
+        if not (self.layout.tokens_split_over_tp and self.dims is not None):
+            return pad
+        shard = (num_tokens + pad) // self.layout.tp
+        start = self.dims.tp_mesh().get_local_rank() * shard
+        return max(0, min(start + shard, num_tokens + pad) - max(start, num_tokens))
 
     def _route_metrics(self, batch: RolloutBatch, rows: list[int]) -> dict[str, Metric]:
         """`moe/route_mismatch_frac`: the fraction of (token, MoE layer) pairs of this micro-batch whose
@@ -336,6 +495,9 @@ class NativeTrainEngine:
         if self.layout.tokens_split_over_tp:  # each TP rank compared its own token shard
             counts = counts.to(self._comm_device)
             dist.all_reduce(counts, group=self.layout.tp_group)
+        if self.layout.cp > 1:  # each CP rank compared its own share of the stream
+            counts = counts.to(self._comm_device)
+            dist.all_reduce(counts, group=self.layout.cp_group)
         compared = sum((len(batch.samples[i].routed_experts)) for i in rows) * len(self.model.moe_layers())
         return {"moe/route_mismatch_frac": Mean(counts[0] / counts[1].clamp(min=1), weight=compared)}
 
@@ -394,14 +556,17 @@ class NativeTrainEngine:
             routing_replay=routing_replay,
         )
         lr = lr_at(self.version, self.cfg, self.total_steps)
-        grad_norm = float(
-            clip_grad_norm_(
-                self.optimizer.params,
-                self.cfg.grad_clip,
-                ep_params=self._expert_params,
-                ep_group=self.layout.ep_group,
+        if self.pipe is not None:  # once per step over the pp ranks (a tied embedding's two halves summed)
+            grad_norm = float(self.pipe.clip_grad_norm_(self.cfg.grad_clip))
+        else:
+            grad_norm = float(
+                clip_grad_norm_(
+                    self.optimizer.params,
+                    self.cfg.grad_clip,
+                    ep_params=self._expert_params,
+                    ep_group=self.layout.ep_group,
+                )
             )
-        )
         skip = not (math.isfinite(grad_norm) and math.isfinite(metrics.get("train/loss", 0.0)))
         if not skip:
             skip = not self._step_if_finite(lr)
@@ -439,10 +604,14 @@ class NativeTrainEngine:
         seq_lens = [s.num_tokens for s in batch.samples]
         out = {"perf/train_tok_per_s": sum(seq_lens) / seconds, "time/train_step_s": seconds}
         acc = MetricsAccumulator()
-        acc.add(memory_metrics(self.device))
+        memory = memory_metrics(self.device)
+        acc.add(memory)
+        if self.pipe is not None:  # pp ranks hold different layers: the lightest rank shows the imbalance
+            acc.add({f"{k}_min_rank": Min(v.value) for k, v in memory.items()})
         out |= reduce_across_ranks(acc, self.layout.world_group)
         if self.device.type == "cuda":
-            # The global batch's FLOPs over every device of the layout (dp x tp x ...), not just dp.
+            # The global batch's FLOPs over every device of the layout (pp x dp x tp x ...), not just
+            # dp; under PP the padding to the token budget is not counted (it is no useful work).
             flops = step_flops(self.model, seq_lens, int(num_response), body_params=self._body_params)
             out["perf/mfu"] = flops / (seconds * H100_BF16_PEAK_FLOPS * self.layout.world_size)
         return out
@@ -455,7 +624,11 @@ class NativeTrainEngine:
         Gathers shards: every rank must consume the generator. See `weights.tensor_checksum`.
         """
         return named_weight_buckets(
-            self.model, bucket_bytes=bucket_bytes, dtype=dtype, ep_group=self.layout.ep_group
+            self.model,
+            bucket_bytes=bucket_bytes,
+            dtype=dtype,
+            ep_group=self.layout.ep_group,
+            tensors=self.pipe.full_weights() if self.pipe is not None else None,
         )
 
     def weight_layouts(self) -> dict[str, WeightLayout]:
@@ -520,7 +693,8 @@ class NativeTrainEngine:
         self._move(self.device)
 
     def _move(self, device: torch.device) -> None:
-        self.module.to(device)  # FSDP2 keeps its sharded parameters registered across .to()
+        for module in self._stage_modules or [self.module]:
+            module.to(device)  # FSDP2 keeps its sharded parameters registered across .to()
         if self._optimizer is not None:
             self._optimizer.move_state(device)
         if self.device.type == "cuda":
@@ -532,3 +706,12 @@ def _weighted(metrics: Mapping[str, Any], weight: int) -> dict[str, Metric]:
     return {
         k: v if isinstance(v, Mean | Sum | Max | Min) else Mean(v, weight=weight) for k, v in metrics.items()
     }
+
+
+def _check_loss_sum(loss_sum: Any) -> None:
+    if not isinstance(loss_sum, torch.Tensor) or loss_sum.numel() != 1:
+        raise ValueError(
+            f"loss_fn returned a loss of type {type(loss_sum).__name__} "
+            f"{tuple(getattr(loss_sum, 'shape', ()))}; it must return a scalar tensor (the "
+            "micro-batch's loss sum). Fix: return aggregate_loss_sum(loss_bT, mask_bT, mode)."
+        )

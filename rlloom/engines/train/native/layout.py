@@ -1,8 +1,9 @@
 """`EngineLayout`: what the training engine needs to know of its parallel layout, and nothing more.
 
-The engine plans micro-batches per data-parallel rank (the TP ranks of one dp rank run the SAME
-micro-batches, as they hold the same samples), reduces metrics and per-row results over the dp
-ranks only, pads each packed stream to a multiple of tp, and takes decisions that must agree on
+The engine plans micro-batches per data-parallel rank (the TP and CP ranks of one dp rank run the
+SAME micro-batches, as they hold the same samples; CP ranks each compute a share of the tokens and
+gather the micro-batch's logprobs), reduces metrics and per-row results over the dp ranks only,
+pads each packed stream (each CP share) to a multiple of tp, and takes decisions that must agree on
 every rank (skip a step, refuse a save) over the whole world. Everything else about the layout
 lives in `rlloom.parallel` (`parallelize` and the meshes of `ParallelDims`).
 """
@@ -25,6 +26,10 @@ class EngineLayout:
     tp: int = 1
     """Tensor-parallel degree: packed streams are padded to a multiple of it."""
     tp_group: dist.ProcessGroup | None = None
+    cp: int = 1
+    """Context-parallel degree: the cp ranks of one dp rank run the same micro-batches, each on its
+    share of every packed stream (`rlloom.parallel.cp`)."""
+    cp_group: dist.ProcessGroup | None = None
     ep: int = 1
     ep_rank: int = 0
     ep_group: dist.ProcessGroup | None = None
@@ -33,8 +38,8 @@ class EngineLayout:
     """Every rank: decisions that must be the same everywhere (a skipped step, a refused save)."""
     world_size: int = 1
     moe_count_group: dist.ProcessGroup | None = None
-    """Ranks whose MoE token counts add up to the global batch's: dp, or dp x tp when each TP rank
-    routes only its own token shard (expert parallelism over the TP ranks)."""
+    """Ranks whose MoE token counts add up to the global batch's: dp x cp, or dp x cp x tp when each
+    TP rank routes only its own token shard (expert parallelism over the TP ranks)."""
     tokens_split_over_tp: bool = False
     """Each TP rank routes its own token shard through the MoE layers (ep > 1 and tp > 1)."""
 
@@ -50,11 +55,13 @@ class EngineLayout:
             dp_size=dp.size(),
             tp=dims.tp,
             tp_group=dims.tp_mesh().get_group(),
+            cp=dims.cp,
+            cp_group=dims.cp_mesh().get_group(),
             ep=dims.ep,
             ep_rank=dims.ep_mesh().get_local_rank(),
             ep_group=dims.ep_mesh().get_group() if dims.ep > 1 else None,
             world_group=dist.group.WORLD,
             world_size=dims.world_size,
-            moe_count_group=dims.token_mesh().get_group() if split else dp.get_group(),
+            moe_count_group=(dims.token_mesh() if split else dims.loss_mesh()).get_group(),
             tokens_split_over_tp=split,
         )

@@ -47,9 +47,19 @@ class MoEBalance:
         aux = torch.stack(losses).mean()
         return self.aux_loss_coef * token_share * aux, {"moe/aux_loss": Sum(aux.detach() * token_share)}
 
-    def accumulate(self) -> None:
-        """Add the last forward's per-layer token counts to the step's loads (no host sync)."""
-        counts_LE = torch.stack([moe.last_token_counts for moe in self.layers.values()])
+    def accumulate(self, padding_tokens: int = 0) -> None:
+        """Add the last forward's per-layer token counts to the step's loads (no host sync), less
+        those of its last `padding_tokens` tokens (the padding that tensor parallelism appends)."""
+        counts = []
+        for moe in self.layers.values():
+            counts_E = moe.last_token_counts
+            if padding_tokens:
+                pad_experts = moe.last_experts_TK[-padding_tokens:].flatten()
+                counts_E = counts_E - torch.bincount(pad_experts, minlength=counts_E.shape[0]).to(
+                    counts_E.dtype
+                )
+            counts.append(counts_E)
+        counts_LE = torch.stack(counts)
         self._loads_LE = counts_LE if self._loads_LE is None else self._loads_LE + counts_LE
 
     @torch.no_grad()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -27,6 +28,7 @@ from rlloom.data.types import PackedTensors, RolloutBatch
 from rlloom.devices import to_device
 from rlloom.models.attention_ops import TreePlan
 from rlloom.models.logprobs import token_logprobs
+from rlloom.parallel.cp import CPShard, check_cp_layout
 from rlloom.parallel.vocab_parallel import vocab_parallel_token_logprobs
 
 
@@ -53,6 +55,7 @@ class PolicyHead(nn.Module):
         tree: TreePlan | None = None,
         routes_NLK: torch.Tensor | None = None,
         replay_routes: bool = False,
+        cp: CPShard | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """fp32 log p(targets_K[k] | what position positions_K[k] attends to) [K], and entropy [K] or None.
 
@@ -61,16 +64,19 @@ class PolicyHead(nn.Module):
         branch); tree: the shared-prompt layout built on the host (a `TreePlan`: FSDP leaves it
         alone, where it would copy tensors to the GPU), or None for plain packed sequences;
         routes_NLK: the rollout's experts per position for MoE models (compared, or with
-        replay_routes replayed: see rlloom/models/moe.py).
+        replay_routes replayed: see rlloom/models/moe.py); cp: under context parallelism, this rank's
+        share of the stream (the inputs and positions are then local, and the shard's attention
+        replaces cu_seqlens).
         """
         hidden_ND = self.model.hidden_states(
             input_ids_N,
             position_ids=position_ids_N,
-            cu_seqlens=cu_seqlens,
+            cu_seqlens=None if cp is not None else cu_seqlens,
             max_seqlen=max_seqlen,
             tree=tree,
             routes_NLK=routes_NLK,
             replay_routes=replay_routes,
+            attn=cp,
         )
         num_selected = positions_K.shape[0]
         if num_selected == 0:
@@ -116,21 +122,32 @@ def run_micro_batch(
     share_prompts: bool = False,
     replay_routes: bool = False,
     pad_multiple: int = 1,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
     """Pack `batch` (one micro-batch; shared-prompt layout with `share_prompts`), run `module` (a
     PolicyHead, maybe FSDP-wrapped) on it; with `replay_routes` an MoE model uses the experts the
     rollout recorded in the samples (routing replay); the stream is padded to a multiple of
-    `pad_multiple` tokens (the tensor-parallel degree).
+    `pad_multiple` tokens (the tensor-parallel degree). With `cp_group` (context parallelism) each
+    rank runs its share of the stream (`rlloom.parallel.cp.CPShard`, padded to `pad_multiple`) and
+    the logprobs of the whole micro-batch are gathered on every cp rank, each rank's backward
+    covering its own positions.
 
     Returns logp_bT and entropy_bT (or None) on `device`, fp32 [b, T] and 0 where the response mask
-    is false, then the number of tokens in the packed stream and the number of response tokens.
+    is false, then the number of tokens of the packed stream this rank computed (its share under CP;
+    padding not counted) and the number of response tokens.
     Differentiable when grad is enabled. Everything the host must read (the segment structure, the
     selected positions, the counts) is computed on CPU and only the model's inputs are copied, so on
     CUDA the call queues its kernels without waiting for the GPU.
     """
     packed = batch.packed(share_prompts=share_prompts)
     num_tokens = packed.input_ids_N.numel()
-    packed = pad_stream(packed, pad_multiple)
+    shard = None
+    if cp_group is None:
+        packed = pad_stream(packed, pad_multiple)
+    else:
+        check_cp_layout(dist.get_world_size(cp_group), packed.prefix_lens_S is not None)
+        shard = CPShard(packed.cu_seqlens, group=cp_group, device=device, pad_multiple=pad_multiple)
+        num_tokens = shard.num_real
     mask_bT = packed.response_mask_BT
     flat_K = mask_bT.flatten().nonzero().squeeze(1)
     if replay_routes and packed.routes_NLK is None:
@@ -142,19 +159,30 @@ def run_micro_batch(
     tree = None
     if packed.prefix_lens_S is not None and packed.branch_lens_Z is not None:
         tree = TreePlan(packed.cu_seqlens, packed.prefix_lens_S, packed.branch_lens_Z, device)
+    ids_N, pos_N, routes_NLK = packed.input_ids_N, packed.position_ids_N, packed.routes_NLK
+    positions_K, targets_K = packed.gather_index_BT[mask_bT], packed.target_ids_BT[mask_bT]
+    if shard is not None:
+        mine_K, local_K = shard.localize(positions_K)
+        positions_K, targets_K = local_K[mine_K], targets_K[mine_K]
+        ids_N, pos_N = shard.take(ids_N), shard.take(pos_N)
+        routes_NLK = None if routes_NLK is None else shard.take(routes_NLK)
     logp_K, entropy_K = module(
-        to_device(packed.input_ids_N, device),
-        to_device(packed.position_ids_N, device),
+        to_device(ids_N, device),
+        to_device(pos_N, device),
         to_device(packed.cu_seqlens, device),
         packed.max_seqlen,
-        to_device(packed.gather_index_BT[mask_bT], device),
-        to_device(packed.target_ids_BT[mask_bT], device),
+        to_device(positions_K, device),
+        to_device(targets_K, device),
         temperature,
         with_entropy,
         tree,
-        None if packed.routes_NLK is None else to_device(packed.routes_NLK, device),
+        None if routes_NLK is None else to_device(routes_NLK, device),
         replay_routes,
+        shard,
     )
+    if shard is not None:
+        logp_K = shard.gather_selected(logp_K, mine_K)
+        entropy_K = None if entropy_K is None else shard.gather_selected(entropy_K, mine_K)
     flat_K_device = to_device(flat_K, device)
 
     def spread(values_K: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ where each Hugging Face tensor lives in the training layout without moving any d
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -90,12 +90,15 @@ def named_weight_buckets(
     bucket_bytes: int,
     dtype: torch.dtype | None = None,
     ep_group: dist.ProcessGroup | None = None,
+    tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets of (hf_name, full tensor) of `model` (a native CausalLM, possibly FSDP/TP-sharded; with
     `ep_group` its routed experts split over those EP ranks).
 
     A bucket holds at most `bucket_bytes` (a larger tensor comes alone). Tensors are cast to `dtype`
-    when given (e.g. bf16 for a bf16 rollout engine) and stay on the model's device.
+    when given (e.g. bf16 for a bf16 rollout engine) and stay on the model's device. `tensors`:
+    (native name, full tensor) to export instead of `model.state_dict()` (pipeline parallelism:
+    `Pipeline.full_weights()`, every stage's weights on every pp rank).
     """
     if bucket_bytes < 1:
         raise ValueError(
@@ -104,7 +107,7 @@ def named_weight_buckets(
     adapter = StateDictAdapter(model.args)
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for native_name, tensor in model.state_dict().items():
+    for native_name, tensor in tensors if tensors is not None else model.state_dict().items():
         full = _full_tensor(native_name, tensor, ep_group)
         if dtype is not None:
             full = full.to(dtype)

@@ -1,0 +1,117 @@
+"""The training engine's pipeline-parallel path (parallel.pp > 1): what the engine adds around
+`rlloom.parallel.pp.Pipeline`.
+
+- `stage_view`: one module holding this rank's stage parts under the PolicyHead's names
+  (`model.tok_embeddings`, `model.layers.7...`, `model.norm`, `model.output`), so the optimizer,
+  checkpoints and finiteness checks see one model, the whole model's names on every rank (a pp=2
+  checkpoint resumes at pp=1 without renaming).
+- `PipeBatch`: the engine's micro-batches (sample indices, None = filler) as the Pipeline's
+  `PipeMicroBatch`es, with each one's response mask to spread the K selected logprobs to [b, T].
+- `from_last_stage`: metrics computed on the last stage's rank, the same on every pp rank.
+
+Shape legend: K selected positions, b samples of a micro-batch, T response tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlloom.data.types import RolloutBatch
+from rlloom.parallel.pp import Pipeline, stage_module
+from rlloom.parallel.pp_stages import PipeMicroBatch
+
+PARTS = ("tok_embeddings", "layers", "norm", "output")
+
+
+def stage_view(modules: list[nn.Module], model: nn.Module) -> nn.Module:
+    """A module whose `model` holds the parts of `modules` (this rank's stages) under the CausalLM's
+    attribute names, with the whole model's `args` and `hf_config` (no parameter is copied)."""
+    body = nn.Module()
+    body.args, body.hf_config = model.args, model.hf_config
+    layers = nn.ModuleDict()
+    parts: dict[str, nn.Module] = {}
+    for module in modules:
+        stage = stage_module(module).model
+        layers.update(stage.layers)
+        for name in ("tok_embeddings", "norm", "output"):
+            part = getattr(stage, name)
+            if part is not None:
+                parts.setdefault(name, part)
+    for name in PARTS:  # the CausalLM's order
+        if name == "layers":
+            body.layers = layers
+        elif name in parts:
+            setattr(body, name, parts[name])
+    view = nn.Module()
+    view.model = body
+    return view
+
+
+@dataclass
+class PipeBatch:
+    """The engine's micro-batches of one global batch as the Pipeline takes them."""
+
+    rows: list[list[int] | None]
+    """Sample indices of each micro-batch (None = a zero-weight filler)."""
+    micro_batches: list[PipeMicroBatch | None]
+    masks: list[torch.Tensor | None]
+    """[b, T] response mask of each micro-batch."""
+    num_tokens: list[int]
+    """Tokens of each packed micro-batch (before the padding to the budget)."""
+
+    @classmethod
+    def of(
+        cls, batch: RolloutBatch, rows: list[list[int] | None], *, share_prompts: bool, replay_routes: bool
+    ) -> PipeBatch:
+        mbs: list[PipeMicroBatch | None] = []
+        masks: list[torch.Tensor | None] = []
+        num_tokens: list[int] = []
+        for mb in rows:
+            if mb is None:
+                mbs.append(None)
+                masks.append(None)
+                num_tokens.append(0)
+                continue
+            packed = batch.select(mb).packed(share_prompts=share_prompts)
+            if replay_routes and packed.routes_NLK is None:
+                raise ValueError(
+                    "algorithm.routing_replay=rollout needs the experts the rollout chose, but a sample has "
+                    "no routed_experts (a dense model, or samples not made by the rollout engine). Fix: set "
+                    "algorithm.routing_replay=none for this model."
+                )
+            mask_bT = packed.response_mask_BT
+            mbs.append(
+                PipeMicroBatch(
+                    packed.input_ids_N,
+                    packed.position_ids_N,
+                    packed.cu_seqlens,
+                    packed.max_seqlen,
+                    packed.gather_index_BT[mask_bT],
+                    packed.target_ids_BT[mask_bT],
+                    prefix_lens_S=packed.prefix_lens_S,
+                    branch_lens_Z=packed.branch_lens_Z,
+                    routes_NLK=packed.routes_NLK,
+                )
+            )
+            masks.append(mask_bT)
+            num_tokens.append(packed.input_ids_N.numel())
+        return cls(rows, mbs, masks, num_tokens)
+
+    def spread(self, i: int, values_K: torch.Tensor) -> torch.Tensor:
+        """fp32 [b, T] of micro-batch `i` with `values_K` at its response positions, 0 elsewhere."""
+        mask_bT = self.masks[i]
+        flat_K = mask_bT.flatten().nonzero().squeeze(1).to(values_K.device)
+        zeros = torch.zeros(mask_bT.numel(), dtype=torch.float32, device=values_K.device)
+        return zeros.index_put((flat_K,), values_K.float()).view(mask_bT.shape)
+
+
+def from_last_stage(pipe: Pipeline, value: Any) -> Any:
+    """`value` as the last stage's rank of this pp group has it, on every rank of the group."""
+    box = [value]
+    dist.broadcast_object_list(box, src=pipe.last_rank, group=pipe.group)
+    return box[0]
