@@ -96,10 +96,10 @@ def _failures(group, rank: int, out: dict) -> None:
     if group.is_sender:
         side.step()
     if rank == 1:
-        broadcast._broadcast = _flip_bucket_bytes(original := broadcast._broadcast)
+        broadcast.post_broadcast = _flip_bucket_bytes(original := broadcast.post_broadcast)
     check("checksum", _sync(group, side, rank))
     if rank == 1:
-        broadcast._broadcast = original
+        broadcast.post_broadcast = original
     if group.is_sender:
         side.skip = {"model.layers.1.mlp.down_proj.weight"}
     check("missing", _sync(group, side, rank))
