@@ -12,6 +12,7 @@ weight changes.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -20,11 +21,20 @@ from rlloom.engines.train.native.weights import tensor_checksum
 from rlloom.models import CausalLM, hf_named_tensors
 from rlloom.weight_sync.reshard import Box, RankLayout, box_numel, full_box, intersect
 
+_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
 
 def rank_layout(engine: object) -> RankLayout:
     """What this rollout rank holds, from its engine: names and FULL shapes from the engine's model
     config (a meta-device copy, no memory) and, for a tensor-parallel engine, its slice of each
-    tensor from `engine.weight_shard_slices()` (name -> (dim, start, length), None = whole)."""
+    tensor from `engine.weight_shard_slices()` (name -> (dim, start, length), None = whole).
+    Computed once per engine (building the meta model takes a moment on large models)."""
+    if engine not in _LAYOUTS:
+        _LAYOUTS[engine] = _rank_layout(engine)
+    return _LAYOUTS[engine]
+
+
+def _rank_layout(engine: object) -> RankLayout:
     model = engine.model  # type: ignore[attr-defined]
     full_args = getattr(getattr(engine, "tp", None), "full_args", model.args)
     with torch.device("meta"):

@@ -5,9 +5,10 @@ The training engine yields buckets of full tensors under Hugging Face names (gat
 Every bucket is kept until the whole sync has arrived and passed the structural check (each rollout
 tensor exactly once, at its full shape: `checksum.check_names`); only then are they copied into
 the rollout engine, so a sync that fails on the way (the training engine raised, a tensor is
-missing or misshapen) leaves the rollout on its previous weights and version. The cost: the cast
-copies of the weights (the rollout dtype) are held together for the duration of the sync; without a
-cast, or for unsharded tensors, they are views of the training weights and cost nothing.
+missing or misshapen) leaves the rollout on its previous weights and version. The cost: what the
+training engine yields is held together for the duration of the sync: one copy of the weights in
+the rollout dtype when they are cast or gathered from FSDP shards (on top of the rollout's own
+copy), nothing for unsharded tensors already in that dtype (views of the training weights).
 
 With `checksum`, the content checksum of every tensor sent is compared after the copy with what the
 rollout model holds (read back under the same names): it proves the copy lossless; a mismatch there

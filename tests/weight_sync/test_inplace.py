@@ -105,5 +105,6 @@ def test_rank_layout_reads_the_engine_slices():
     assert set(layout.shapes) == set(rollout_weights(engine))
     assert all(box == tuple((0, n) for n in layout.shapes[name]) for name, box in layout.boxes.items())
     name = "model.layers.0.self_attn.o_proj.weight"
-    engine.weight_shard_slices = lambda: {name: (1, 16, 16)}  # as rank 1 of a tp=2 engine says
-    assert rank_layout(engine).boxes[name] == ((0, 32), (16, 32))
+    sharded = rollout_engine("dense")
+    sharded.weight_shard_slices = lambda: {name: (1, 16, 16)}  # as rank 1 of a tp=2 engine says
+    assert rank_layout(sharded).boxes[name] == ((0, 32), (16, 32))
