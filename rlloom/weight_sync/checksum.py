@@ -67,6 +67,23 @@ def digest(tensor: torch.Tensor) -> str:
     return tensor_checksum(tensor)
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same dtype, shape and bytes (NaNs compare equal to themselves),
+    compared where they are, without a host copy."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(_bits(a), _bits(b.to(a.device)))
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as integers of its element size (comparing wide integers is several times
+    faster than comparing bytes)."""
+    return t.detach().view(_INT_OF_SIZE[t.element_size()])
+
+
 def _names(names: Iterable[str], limit: int = 5) -> str:
     names = sorted(names)
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
