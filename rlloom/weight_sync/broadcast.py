@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -211,6 +212,7 @@ def send_weights(
     deadline = time.monotonic() + group.spec.timeout_s
     links = [group.links[(group.rank, r)] for r in range(group.spec.rollout_tp)]
     io = dict(device=group.device, deadline=deadline)
+    weights = None
     try:
         hello = [
             _decode_layout(h)
@@ -226,12 +228,10 @@ def send_weights(
         outbox = _Outbox(
             routes, links, dtype=dtype, device=group.device, checksum=checksum, deadline=deadline
         )
-        try:
-            for bucket in source.named_weights(bucket_bytes=bucket_bytes, dtype=dtype):
-                for name, tensor in bucket:
-                    outbox.put(name, tensor, rollout.shapes)
-        except Exception as exc:  # the receivers must still hear that this sync failed
-            outbox.problems.append(f"the training engine raised {type(exc).__name__}: {exc}")
+        weights = source.named_weights(bucket_bytes=bucket_bytes, dtype=dtype)
+        for bucket in _reporting(weights, outbox.problems):
+            for name, tensor in bucket:
+                outbox.put(name, tensor, rollout.shapes)
         outbox.finish(rollout.shapes)
         status = "; ".join(outbox.problems) or "ok"
         trailers = [json.dumps({"status": status, "checksums": c}).encode() for c in outbox.checksums]
@@ -241,6 +241,9 @@ def send_weights(
         )
     except (TimeoutError, RuntimeError) as exc:
         group.broken = True
+        # the other training ranks are gathering the weights with this one: go through the rest
+        for _ in weights if weights is not None else source.named_weights(bucket_bytes=bucket_bytes):
+            pass
         raise WeightSyncError(
             f"weight sync of version {source.version} from training rank {group.rank} failed: {exc}; "
             "the rollout keeps its previous weights. Close the sync group and join a fresh one"
@@ -258,6 +261,15 @@ def send_weights(
         seconds=time.perf_counter() - start,
         checksums=checksums,
     )
+
+
+def _reporting(weights: Iterator, problems: list[str]) -> Iterator:
+    """The training engine's buckets; if it raises, the error joins `problems` (the receivers must
+    still hear that this sync failed) and the iteration ends."""
+    try:
+        yield from weights
+    except Exception as exc:
+        problems.append(f"the training engine raised {type(exc).__name__}: {exc}")
 
 
 def _manifest(version: int, dtype: torch.dtype, route: tuple[Bucket, ...]) -> bytes:

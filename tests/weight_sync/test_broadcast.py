@@ -124,11 +124,14 @@ def _timeout(spec: SyncGroupSpec, rank: int, out: dict) -> None:
         def stalled(**kwargs):
             time.sleep(spec.timeout_s + 3)
             yield from original(**kwargs)
+            out["timeout_drained"] = True  # the other training ranks' gathers would need every bucket
 
         side.named_weights = stalled
     start = time.monotonic()
     ok, err = _sync(group, side, rank)
-    if not group.is_sender:
+    if group.is_sender:
+        out["timeout_sender_error"] = err
+    else:
         out["timeout_error"] = err
         out["timeout_s"] = time.monotonic() - start
         out["timeout_kept"] = side.policy_version == 0 and all(
@@ -232,6 +235,8 @@ def test_timeout_keeps_previous_version(results):
         "timed out" in receiver["timeout_error"] and "keeps its previous weights" in receiver["timeout_error"]
     )
     assert receiver["timeout_s"] < 10 and receiver["timeout_kept"]
+    for sender in results[:2]:  # the senders fail too, after going through all their weights
+        assert "failed" in sender["timeout_sender_error"] and sender["timeout_drained"]
 
 
 @pytest.mark.skipif(
