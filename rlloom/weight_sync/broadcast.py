@@ -38,6 +38,7 @@ Replicas of one tp rank share a group, so a sender's bucket reaches all of them 
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Iterator
@@ -67,6 +68,7 @@ from rlloom.weight_sync.reshard import (
     Box,
     Bucket,
     RankLayout,
+    ReshardPlan,
     RolloutLayout,
     TrainLayout,
     box_numel,
@@ -212,24 +214,25 @@ def send_weights(
     deadline = time.monotonic() + group.spec.timeout_s
     links = [group.links[(group.rank, r)] for r in range(group.spec.rollout_tp)]
     io = dict(device=group.device, deadline=deadline)
-    weights = None
+    stream = None
     try:
-        hello = [
-            _decode_layout(h)
-            for h in exchange(links, [None] * len(links), root=1, what="the rollout layout", **io)
-        ]
-        rollout, rollout_dtype = RolloutLayout(ranks=tuple(rank for rank, _ in hello)), hello[0][1]
+        hello = tuple(exchange(links, [None] * len(links), root=1, what="the rollout layout", **io))
+        rollout, rollout_dtype = _rollout_layout(hello)
         dtype = dtype or rollout_dtype
-        train = layout or TrainLayout.replicated(rollout.shapes, group.spec.num_senders)
-        plan = plan_reshard(train, rollout, bucket_numel=max(1, bucket_bytes // dtype.itemsize))
+        bucket_numel = max(1, bucket_bytes // dtype.itemsize)
+        if layout is None:
+            plan = _replicated_plan(hello, group.spec.num_senders, bucket_numel)
+        else:
+            plan = plan_reshard(layout, rollout, bucket_numel=bucket_numel)
         routes = [plan.route(group.rank, r) for r in range(len(links))]
         manifests = [_manifest(source.version, dtype, route) for route in routes]
         exchange(links, manifests, root=0, what="rollout ranks to take the manifest", **io)
         outbox = _Outbox(
             routes, links, dtype=dtype, device=group.device, checksum=checksum, deadline=deadline
         )
-        weights = source.named_weights(bucket_bytes=bucket_bytes, dtype=dtype)
-        for bucket in _reporting(weights, outbox.problems):
+        # held in a name: were it collected mid-way, closing it would end the engine's iteration too
+        stream = _reporting(source.named_weights(bucket_bytes=bucket_bytes, dtype=dtype), outbox.problems)
+        for bucket in stream:
             for name, tensor in bucket:
                 outbox.put(name, tensor, rollout.shapes)
         outbox.finish(rollout.shapes)
@@ -242,7 +245,7 @@ def send_weights(
     except (TimeoutError, RuntimeError) as exc:
         group.broken = True
         # the other training ranks are gathering the weights with this one: go through the rest
-        for _ in weights if weights is not None else source.named_weights(bucket_bytes=bucket_bytes):
+        for _ in stream if stream is not None else source.named_weights(bucket_bytes=bucket_bytes):
             pass
         raise WeightSyncError(
             f"weight sync of version {source.version} from training rank {group.rank} failed: {exc}; "
@@ -260,6 +263,22 @@ def send_weights(
         num_bytes=outbox.num_bytes,
         seconds=time.perf_counter() - start,
         checksums=checksums,
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def _rollout_layout(hello: tuple[bytes, ...]) -> tuple[RolloutLayout, torch.dtype]:
+    """The replica's layout from what each of its tp ranks said (kept: it is the same every sync)."""
+    ranks = [_decode_layout(h) for h in hello]
+    return RolloutLayout(ranks=tuple(rank for rank, _ in ranks)), ranks[0][1]
+
+
+@functools.lru_cache(maxsize=4)
+def _replicated_plan(hello: tuple[bytes, ...], num_senders: int, bucket_numel: int) -> ReshardPlan:
+    """The plan when every sender holds every full tensor (kept: a large MoE has ~10^5 tensors)."""
+    rollout, _ = _rollout_layout(hello)
+    return plan_reshard(
+        TrainLayout.replicated(rollout.shapes, num_senders), rollout, bucket_numel=bucket_numel
     )
 
 
