@@ -1,8 +1,9 @@
 """Weight sync from the training layout to the rollout layout, one file per transport.
 
 - `inplace.py`: training and rollout engines in the same process (colocated placement).
-- `broadcast.py`: separate GPU pools: a process group outside both worlds joins the training ranks
-  that send and the rollout ranks that receive (NCCL on GPU, gloo on CPU).
+- `broadcast.py`: separate GPU pools, over the sync group of `group.py` (process groups outside
+  both worlds joining the training ranks that send and the rollout ranks that receive; NCCL on
+  GPU, gloo on CPU).
 - `reshard.py`: the pure plan saying which training rank sends which slice of each tensor to which
   rollout tensor-parallel rank, in buckets.
 - `checksum.py`: the per-sync verification (every rollout tensor exactly once, right shape and

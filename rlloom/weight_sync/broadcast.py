@@ -16,12 +16,12 @@ API (the workers call exactly these):
     report = receive_weights(group, rollout_engine, checksum=...)   # -> SyncReport
     group.close()
 
-How: `join_sync_group` builds one process group per (sender s, rollout tp rank r), joining s and
-the rollout ranks of tp rank r of every replica, from its own TCPStore (rank 0 hosts it at
-host:port): `ProcessGroupNCCL` on GPU, `ProcessGroupGloo` on CPU, constructed directly, so neither
-world's default group is touched. Each sync, on each of those groups:
+How: `join_sync_group` (group.py) builds one process group per (sender s, rollout tp rank r),
+joining s and the rollout ranks of tp rank r of every replica, from its own TCPStore:
+`ProcessGroupNCCL` on GPU, `ProcessGroupGloo` on CPU, outside both worlds. Each sync, on each:
 1. the first receiver of each tp rank broadcasts what that rank holds (names, full shapes, its
-   slice of each, dtype: `checksum.rank_layout`) and every sender plans with `reshard.plan_reshard` (training layout: `layout`, default every sender
+   slice of each, dtype: `checksum.rank_layout`) and every sender plans with
+   `reshard.plan_reshard` (training layout: `layout`, default every sender
    holds every full tensor, as today's engines yield them) who sends which slice;
 2. the sender broadcasts a manifest: version, dtype, its buckets and their pieces (name, box);
 3. then each bucket as one flat buffer (at most `bucket_bytes`), filled as the training engine
@@ -38,10 +38,10 @@ Replicas of one tp rank share a group, so a sender's bucket reaches all of them 
 
 from __future__ import annotations
 
+import functools
 import json
 import time
-from dataclasses import dataclass, field
-from datetime import timedelta
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -55,10 +55,20 @@ from rlloom.weight_sync.checksum import (
     rank_layout,
     weight_dtype,
 )
+from rlloom.weight_sync.group import (
+    Link,
+    SyncGroup,
+    SyncGroupSpec,
+    exchange,
+    join_sync_group,
+    post_broadcast,
+    wait_all,
+)
 from rlloom.weight_sync.reshard import (
     Box,
     Bucket,
     RankLayout,
+    ReshardPlan,
     RolloutLayout,
     TrainLayout,
     box_numel,
@@ -67,157 +77,9 @@ from rlloom.weight_sync.reshard import (
     relative,
 )
 
+__all__ = ["SyncGroup", "SyncGroupSpec", "join_sync_group", "receive_weights", "send_weights"]
+
 _MAX_IN_FLIGHT = 3
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SyncGroupSpec:
-    """Where and how big the sync group is. Example: `SyncGroupSpec(host="10.0.0.1", port=29600,
-    num_senders=1, num_receivers=2, rollout_tp=2)`."""
-
-    host: str
-    """Address of the sync group's rank 0 (the first sender), which hosts its TCPStore."""
-    port: int
-    """A free port on `host`, different from both worlds' (MASTER_PORT)."""
-    num_senders: int
-    """Training ranks that send (sync ranks 0..num_senders-1)."""
-    num_receivers: int
-    """Rollout ranks (sync ranks num_senders..): replicas x rollout_tp."""
-    rollout_tp: int = 1
-    """Ranks of one rollout replica (`rollout.tp`)."""
-    timeout_s: float = 300.0
-    """Longest a join or a sync may take (`sync.timeout_s`)."""
-
-    @property
-    def world_size(self) -> int:
-        return self.num_senders + self.num_receivers
-
-    def members(self, sender: int, tp_rank: int) -> list[int]:
-        """Sync ranks of the group (sender, tp rank): the sender first, then its receivers."""
-        receivers = range(self.num_receivers)
-        return [sender] + [self.num_senders + i for i in receivers if i % self.rollout_tp == tp_rank]
-
-
-@dataclass(kw_only=True, slots=True)
-class _Link:
-    pg: dist.ProcessGroup
-    local_rank: int
-    """This rank in the link's group: 0 is the sender, 1 the first receiver."""
-
-
-@dataclass(kw_only=True, slots=True)
-class SyncGroup:
-    """This rank's membership of the sync group (`join_sync_group` builds it)."""
-
-    spec: SyncGroupSpec
-    rank: int
-    device: torch.device
-    links: dict[tuple[int, int], _Link] = field(default_factory=dict)
-    """(sender, tp rank) -> the process group joining them, for the pairs this rank belongs to."""
-    broken: bool = False
-    """A sync failed in transport (timeout, lost peer): close the group and join a fresh one."""
-
-    @property
-    def is_sender(self) -> bool:
-        return self.rank < self.spec.num_senders
-
-    @property
-    def tp_rank(self) -> int:
-        """The rollout tp rank of this receiver."""
-        return (self.rank - self.spec.num_senders) % self.spec.rollout_tp
-
-    def barrier(self) -> None:
-        """Wait until every member got here (a one-byte broadcast on each of this rank's groups, in
-        the global order); benchmarks use it to start a timed sync together."""
-        deadline = time.monotonic() + self.spec.timeout_s
-        for key in sorted(self.links):
-            flag = torch.zeros(1, dtype=torch.uint8, device=self.device)
-            _wait([_broadcast(self.links[key], flag, root=0)], deadline, "the sync group's barrier")
-
-    def close(self) -> None:
-        """Leave the group (aborting what is still in flight when a sync broke it)."""
-        for link in self.links.values():
-            link.pg.abort() if self.broken else link.pg.shutdown()
-        self.links.clear()
-
-
-def _new_pg(store: dist.Store, rank: int, size: int, device: torch.device, timeout: timedelta, name: str):
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        options.group_name = name
-        return dist.ProcessGroupNCCL(store, rank, size, options)
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
-
-
-def join_sync_group(spec: SyncGroupSpec, rank: int, device: torch.device) -> SyncGroup:
-    """Join the sync group as sync rank `rank` (collective: every member calls it at the same time).
-    The groups are built in one global order, so no two members wait on each other."""
-    if not 0 <= rank < spec.world_size:
-        raise ValueError(f"sync rank {rank} is invalid: the sync group has {spec.world_size} ranks.")
-    if spec.num_receivers % spec.rollout_tp:
-        raise ValueError(
-            f"rollout ranks={spec.num_receivers} is invalid: must be a multiple of rollout.tp={spec.rollout_tp}. "
-            "Fix: give every rollout replica rollout.tp ranks."
-        )
-    # Joining waits for the slowest member to start (at least 5 minutes); syncs keep to timeout_s
-    # by polling their own deadline.
-    timeout = timedelta(seconds=max(spec.timeout_s, 300.0))
-    store = dist.TCPStore(spec.host, spec.port, spec.world_size, is_master=rank == 0, timeout=timeout)
-    group = SyncGroup(spec=spec, rank=rank, device=device)
-    for sender in range(spec.num_senders):
-        for tp_rank in range(spec.rollout_tp):
-            members = spec.members(sender, tp_rank)
-            if rank in members:
-                name = f"rlloom_sync_{sender}_{tp_rank}"
-                pg = _new_pg(
-                    dist.PrefixStore(name, store), members.index(rank), len(members), device, timeout, name
-                )
-                group.links[(sender, tp_rank)] = _Link(pg=pg, local_rank=members.index(rank))
-    return group
-
-
-# ---- transport primitives --------------------------------------------------------------------
-
-
-def _broadcast(link: _Link, tensor: torch.Tensor, root: int) -> dist.Work:
-    options = dist.BroadcastOptions()
-    options.rootRank, options.rootTensor = root, 0
-    return link.pg.broadcast([tensor.view(torch.uint8)], options)
-
-
-def _wait(works: list[dist.Work], deadline: float, what: str) -> None:
-    """Wait for every work until `deadline` (time.monotonic), polling so a hung peer cannot block past it."""
-    for work in works:
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out waiting for {what}")
-            time.sleep(1e-4)
-        work.wait()
-
-
-def _exchange(
-    links: list[_Link],
-    payloads: list[bytes | None],
-    *,
-    root: int,
-    device: torch.device,
-    deadline: float,
-    what: str,
-) -> list[bytes]:
-    """Broadcast a byte string from local rank `root` on every link (size first, then bytes)."""
-    mine = [p if link.local_rank == root else None for link, p in zip(links, payloads, strict=True)]
-    sizes = [torch.tensor([len(p) if p is not None else 0], dtype=torch.int64, device=device) for p in mine]
-    _wait([_broadcast(link, s, root) for link, s in zip(links, sizes)], deadline, what)
-    bufs = [
-        torch.frombuffer(bytearray(p), dtype=torch.uint8).to(device)
-        if p is not None
-        else torch.empty(int(s.item()), dtype=torch.uint8, device=device)
-        for p, s in zip(mine, sizes)
-    ]
-    _wait([_broadcast(link, b, root) for link, b in zip(links, bufs)], deadline, what)
-    return [bytes(b.cpu().numpy()) for b in bufs]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -249,7 +111,7 @@ class _Outbox:
     def __init__(
         self,
         routes: list[tuple[Bucket, ...]],
-        links: list[_Link],
+        links: list[Link],
         *,
         dtype: torch.dtype,
         device: torch.device,
@@ -308,13 +170,13 @@ class _Outbox:
         route = self.routes[r]
         while self.next[r] < len(route) and self.remaining[(r, self.next[r])] == 0:
             buf = self._buffer(r, self.next[r])
-            self.in_flight[r].append(_broadcast(self.links[r], buf, root=0))
+            self.in_flight[r].append(post_broadcast(self.links[r], buf, root=0))
             self.num_bytes += buf.numel() * buf.element_size()
             self.num_pieces += len(route[self.next[r]].pieces)
             del self.buffers[(r, self.next[r])]  # the work keeps it alive until sent
             self.next[r] += 1
             if len(self.in_flight[r]) > _MAX_IN_FLIGHT:
-                _wait([self.in_flight[r].pop(0)], self.deadline, "a rollout rank to take a bucket")
+                wait_all([self.in_flight[r].pop(0)], self.deadline, "a rollout rank to take a bucket")
 
     def finish(self, shapes: dict[str, tuple[int, ...]]) -> None:
         """Send what is left (buckets with tensors the engine never yielded go out as zeros, so the
@@ -352,34 +214,39 @@ def send_weights(
     deadline = time.monotonic() + group.spec.timeout_s
     links = [group.links[(group.rank, r)] for r in range(group.spec.rollout_tp)]
     io = dict(device=group.device, deadline=deadline)
+    stream = None
     try:
-        hello = [
-            _decode_layout(h)
-            for h in _exchange(links, [None] * len(links), root=1, what="the rollout layout", **io)
-        ]
-        rollout, rollout_dtype = RolloutLayout(ranks=tuple(rank for rank, _ in hello)), hello[0][1]
+        hello = tuple(exchange(links, [None] * len(links), root=1, what="the rollout layout", **io))
+        rollout, rollout_dtype = _rollout_layout(hello)
         dtype = dtype or rollout_dtype
-        train = layout or TrainLayout.replicated(rollout.shapes, group.spec.num_senders)
-        plan = plan_reshard(train, rollout, bucket_numel=max(1, bucket_bytes // dtype.itemsize))
+        bucket_numel = max(1, bucket_bytes // dtype.itemsize)
+        if layout is None:
+            plan = _replicated_plan(hello, group.spec.num_senders, bucket_numel)
+        else:
+            plan = plan_reshard(layout, rollout, bucket_numel=bucket_numel)
         routes = [plan.route(group.rank, r) for r in range(len(links))]
         manifests = [_manifest(source.version, dtype, route) for route in routes]
-        _exchange(links, manifests, root=0, what="rollout ranks to take the manifest", **io)
+        exchange(links, manifests, root=0, what="rollout ranks to take the manifest", **io)
         outbox = _Outbox(
             routes, links, dtype=dtype, device=group.device, checksum=checksum, deadline=deadline
         )
-        try:
-            for bucket in source.named_weights(bucket_bytes=bucket_bytes, dtype=dtype):
-                for name, tensor in bucket:
-                    outbox.put(name, tensor, rollout.shapes)
-        except Exception as exc:  # the receivers must still hear that this sync failed
-            outbox.problems.append(f"the training engine raised {type(exc).__name__}: {exc}")
+        # held in a name: were it collected mid-way, closing it would end the engine's iteration too
+        stream = _reporting(source.named_weights(bucket_bytes=bucket_bytes, dtype=dtype), outbox.problems)
+        for bucket in stream:
+            for name, tensor in bucket:
+                outbox.put(name, tensor, rollout.shapes)
         outbox.finish(rollout.shapes)
         status = "; ".join(outbox.problems) or "ok"
         trailers = [json.dumps({"status": status, "checksums": c}).encode() for c in outbox.checksums]
-        _exchange(links, trailers, root=0, what="rollout ranks to take the trailer", **io)
-        _wait([w for works in outbox.in_flight for w in works], deadline, "rollout ranks to take the buckets")
+        exchange(links, trailers, root=0, what="rollout ranks to take the trailer", **io)
+        wait_all(
+            [w for works in outbox.in_flight for w in works], deadline, "rollout ranks to take the buckets"
+        )
     except (TimeoutError, RuntimeError) as exc:
         group.broken = True
+        # the other training ranks are gathering the weights with this one: go through the rest
+        for _ in stream if stream is not None else source.named_weights(bucket_bytes=bucket_bytes):
+            pass
         raise WeightSyncError(
             f"weight sync of version {source.version} from training rank {group.rank} failed: {exc}; "
             "the rollout keeps its previous weights. Close the sync group and join a fresh one"
@@ -397,6 +264,31 @@ def send_weights(
         seconds=time.perf_counter() - start,
         checksums=checksums,
     )
+
+
+@functools.lru_cache(maxsize=4)
+def _rollout_layout(hello: tuple[bytes, ...]) -> tuple[RolloutLayout, torch.dtype]:
+    """The replica's layout from what each of its tp ranks said (kept: it is the same every sync)."""
+    ranks = [_decode_layout(h) for h in hello]
+    return RolloutLayout(ranks=tuple(rank for rank, _ in ranks)), ranks[0][1]
+
+
+@functools.lru_cache(maxsize=4)
+def _replicated_plan(hello: tuple[bytes, ...], num_senders: int, bucket_numel: int) -> ReshardPlan:
+    """The plan when every sender holds every full tensor (kept: a large MoE has ~10^5 tensors)."""
+    rollout, _ = _rollout_layout(hello)
+    return plan_reshard(
+        TrainLayout.replicated(rollout.shapes, num_senders), rollout, bucket_numel=bucket_numel
+    )
+
+
+def _reporting(weights: Iterator, problems: list[str]) -> Iterator:
+    """The training engine's buckets; if it raises, the error joins `problems` (the receivers must
+    still hear that this sync failed) and the iteration ends."""
+    try:
+        yield from weights
+    except Exception as exc:
+        problems.append(f"the training engine raised {type(exc).__name__}: {exc}")
 
 
 def _manifest(version: int, dtype: torch.dtype, route: tuple[Bucket, ...]) -> bytes:
@@ -443,9 +335,9 @@ def _receive(group: SyncGroup, layout: RankLayout, dtype: torch.dtype, checksum:
     deadline = time.monotonic() + group.spec.timeout_s
     links = [group.links[(s, group.tp_rank)] for s in range(group.spec.num_senders)]
     io = dict(device=group.device, deadline=deadline)
-    _exchange(links, [_encode_layout(layout, dtype)] * len(links), root=1, what="the training ranks", **io)
+    exchange(links, [_encode_layout(layout, dtype)] * len(links), root=1, what="the training ranks", **io)
     manifests = [
-        json.loads(m) for m in _exchange(links, [None] * len(links), root=0, what="the manifests", **io)
+        json.loads(m) for m in exchange(links, [None] * len(links), root=0, what="the manifests", **io)
     ]
     buffers = [
         [
@@ -458,11 +350,11 @@ def _receive(group: SyncGroup, layout: RankLayout, dtype: torch.dtype, checksum:
         ]
         for m in manifests
     ]
-    works = [_broadcast(link, buf, root=0) for link, bufs in zip(links, buffers) for buf in bufs]
+    works = [post_broadcast(link, buf, root=0) for link, bufs in zip(links, buffers) for buf in bufs]
     trailers = [
-        json.loads(t) for t in _exchange(links, [None] * len(links), root=0, what="the trailers", **io)
+        json.loads(t) for t in exchange(links, [None] * len(links), root=0, what="the trailers", **io)
     ]
-    _wait(works, deadline, "the weight buckets")
+    wait_all(works, deadline, "the weight buckets")
     pieces = []  # (name, box, received view)
     for m, bufs in zip(manifests, buffers):
         for bucket, buf in zip(m["buckets"], bufs):

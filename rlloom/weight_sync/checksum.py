@@ -12,6 +12,7 @@ weight changes.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -20,11 +21,20 @@ from rlloom.engines.train.native.weights import tensor_checksum
 from rlloom.models import CausalLM, hf_named_tensors
 from rlloom.weight_sync.reshard import Box, RankLayout, box_numel, full_box, intersect
 
+_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
 
 def rank_layout(engine: object) -> RankLayout:
     """What this rollout rank holds, from its engine: names and FULL shapes from the engine's model
     config (a meta-device copy, no memory) and, for a tensor-parallel engine, its slice of each
-    tensor from `engine.weight_shard_slices()` (name -> (dim, start, length), None = whole)."""
+    tensor from `engine.weight_shard_slices()` (name -> (dim, start, length), None = whole).
+    Computed once per engine (building the meta model takes a moment on large models)."""
+    if engine not in _LAYOUTS:
+        _LAYOUTS[engine] = _rank_layout(engine)
+    return _LAYOUTS[engine]
+
+
+def _rank_layout(engine: object) -> RankLayout:
     model = engine.model  # type: ignore[attr-defined]
     full_args = getattr(getattr(engine, "tp", None), "full_args", model.args)
     with torch.device("meta"):
@@ -55,6 +65,23 @@ def piece_key(name: str, box: Box) -> str:
 def digest(tensor: torch.Tensor) -> str:
     """Content checksum (BLAKE2b of dtype, shape and bytes; copies the tensor to the host)."""
     return tensor_checksum(tensor)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same dtype, shape and bytes (NaNs compare equal to themselves),
+    compared where they are, without a host copy."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(_bits(a), _bits(b.to(a.device)))
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as integers of its element size (comparing wide integers is several times
+    faster than comparing bytes)."""
+    return t.detach().view(_INT_OF_SIZE[t.element_size()])
 
 
 def _names(names: Iterable[str], limit: int = 5) -> str:

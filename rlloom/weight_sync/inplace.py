@@ -5,13 +5,15 @@ The training engine yields buckets of full tensors under Hugging Face names (gat
 Every bucket is kept until the whole sync has arrived and passed the structural check (each rollout
 tensor exactly once, at its full shape: `checksum.check_names`); only then are they copied into
 the rollout engine, so a sync that fails on the way (the training engine raised, a tensor is
-missing or misshapen) leaves the rollout on its previous weights and version. The cost: the cast
-copies of the weights (the rollout dtype) are held together for the duration of the sync; without a
-cast, or for unsharded tensors, they are views of the training weights and cost nothing.
+missing or misshapen) leaves the rollout on its previous weights and version. The cost: what the
+training engine yields is held together for the duration of the sync: one copy of the weights in
+the rollout dtype when they are cast or gathered from FSDP shards (on top of the rollout's own
+copy), nothing for unsharded tensors already in that dtype (views of the training weights).
 
-With `checksum`, the content checksum of every tensor sent is compared after the copy with what the
-rollout model holds (read back under the same names): it proves the copy lossless; a mismatch there
-means the rollout's loader is wrong, and the error says the rollout weights are no longer trustworthy.
+With `checksum` (sync.checksum), every tensor sent is compared bit for bit after the copy with what
+the rollout model holds (read back under the same names, on the device: no hashing is needed when
+both are in one process, and it costs one read of each): it proves the copy lossless; a mismatch
+there means the rollout's loader is wrong, and the error says the weights are no longer trustworthy.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import torch
 
 from rlloom.models import hf_named_tensors
 from rlloom.weight_sync.base import SyncReport, WeightSink, WeightSource, WeightSyncError
-from rlloom.weight_sync.checksum import check_checksums, check_names, digest, rank_layout
-from rlloom.weight_sync.reshard import full_box
+from rlloom.weight_sync.checksum import check_names, rank_layout, same_bits
+from rlloom.weight_sync.reshard import RankLayout, full_box
 
 
 def sync_inplace(
@@ -49,25 +51,31 @@ def sync_inplace(
     problems = check_names(layout.shapes, [(n, tuple(t.shape)) for n, t in staged])
     if problems:
         raise _failed(version, sink, "; ".join(problems))
-    # a tensor-parallel engine keeps a slice of some tensors: those are not read back
-    whole = {n for n, box in layout.boxes.items() if box == full_box(layout.shapes[n])}
-    sent = {name: digest(t) for name, t in staged if name in whole} if checksum else {}
     sink.update_weights(staged, version)
     if checksum:
-        got = {name: digest(t) for name, t in hf_named_tensors(sink.model) if name in sent}  # type: ignore[attr-defined]
-        problems = check_checksums(sent, got)
-        if problems:
-            raise WeightSyncError(
-                f"weight sync of version {version} copied wrong values into the rollout engine: "
-                f"{'; '.join(problems)}; its weights are no longer trustworthy (a bug in its loader)"
-            )
+        _compare_after_copy(staged, sink, layout, version)
     return SyncReport(
         version=version,
         num_tensors=len(staged),
         num_bytes=sum(t.numel() * t.element_size() for _, t in staged),
         seconds=time.perf_counter() - start,
-        checksums=sent,
     )
+
+
+def _compare_after_copy(
+    staged: list[tuple[str, torch.Tensor]], sink: WeightSink, layout: RankLayout, version: int
+) -> None:
+    """Every tensor the rollout holds whole, read back and compared bit for bit with what was sent
+    (a tensor-parallel engine's slices are left out)."""
+    whole = {n for n, box in layout.boxes.items() if box == full_box(layout.shapes[n])}
+    held = {name: t for name, t in hf_named_tensors(sink.model) if name in whole}  # type: ignore[attr-defined]
+    bad = [name for name, t in staged if name in held and not same_bits(t, held[name])]
+    if bad:
+        raise WeightSyncError(
+            f"weight sync of version {version} copied wrong values into the rollout engine "
+            f"({len(bad)} tensors differ from those sent: {', '.join(bad[:5])}); its weights are no longer "
+            "trustworthy (a bug in its loader)"
+        )
 
 
 def _failed(version: int, sink: WeightSink, why: str) -> WeightSyncError:

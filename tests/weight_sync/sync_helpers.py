@@ -94,13 +94,17 @@ class TrainSide:
         return {n: t.clone() for b in named_weight_buckets(self.model, bucket_bytes=1 << 30) for n, t in b}
 
 
-def rollout_engine(kind: str) -> NativeEngine:
-    """A native rollout engine (fused q/k/v and gate/up) with garbage weights until the first sync."""
+def rollout_engine(kind: str, tp_group: object = None) -> NativeEngine:
+    """A native rollout engine (fused q/k/v and gate/up) with zero weights until the first sync; with
+    `tp_group`, this rank of a tensor-parallel one."""
     model = build_model(hf_config(kind), dtype=torch.float32, device="cpu", fused_projections=True)
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
-    return NativeEngine(model, max_model_len=64, num_blocks=8, block_size=16, max_num_seqs=4, compile=False)
+    tp = {} if tp_group is None else {"tp_group": tp_group}
+    return NativeEngine(
+        model, max_model_len=64, num_blocks=8, block_size=16, max_num_seqs=4, compile=False, **tp
+    )
 
 
 def rollout_weights(engine: NativeEngine) -> dict[str, torch.Tensor]:

@@ -7,20 +7,25 @@
 2. failures on the same group: a byte flipped on the wire (checksum mismatch), a tensor the training
    engine does not yield: each raises WeightSyncError on both sides, the rollout keeps its weights
    and version, and the next sync succeeds; then a sender that stalls past sync timeout_s;
-3. one training rank -> one replica of rollout.tp=2: each TP rank receives only its slice.
+3. one training rank -> one replica of rollout.tp=2: each TP rank receives only its slice; where
+   the build has the tensor-parallel rollout engine, a second sync into it, whose greedy tokens
+   and logprobs then match a tp=1 engine holding the weights sent.
 Each rank writes what it saw to a JSON file; the tests below read them.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rlloom.engines.rollout.native import NativeEngine, SamplingParams
 from rlloom.weight_sync import broadcast
 from rlloom.weight_sync.base import WeightSyncError
 from rlloom.weight_sync.broadcast import SyncGroupSpec, join_sync_group, receive_weights, send_weights
@@ -37,6 +42,8 @@ from tests.weight_sync.sync_helpers import (
 pytestmark = pytest.mark.slow
 
 KINDS = ("dense", "moe", "mla")
+TP_ENGINE = "tp_group" in inspect.signature(NativeEngine.__init__).parameters
+PROMPTS = [[5, 9, 12, 30, 7], [40, 41, 3]]
 BUCKET = 8 << 10  # small buckets: several per sync, tensors split across them
 
 
@@ -96,10 +103,10 @@ def _failures(group, rank: int, out: dict) -> None:
     if group.is_sender:
         side.step()
     if rank == 1:
-        broadcast._broadcast = _flip_bucket_bytes(original := broadcast._broadcast)
+        broadcast.post_broadcast = _flip_bucket_bytes(original := broadcast.post_broadcast)
     check("checksum", _sync(group, side, rank))
     if rank == 1:
-        broadcast._broadcast = original
+        broadcast.post_broadcast = original
     if group.is_sender:
         side.skip = {"model.layers.1.mlp.down_proj.weight"}
     check("missing", _sync(group, side, rank))
@@ -117,11 +124,14 @@ def _timeout(spec: SyncGroupSpec, rank: int, out: dict) -> None:
         def stalled(**kwargs):
             time.sleep(spec.timeout_s + 3)
             yield from original(**kwargs)
+            out["timeout_drained"] = True  # the other training ranks' gathers would need every bucket
 
         side.named_weights = stalled
     start = time.monotonic()
     ok, err = _sync(group, side, rank)
-    if not group.is_sender:
+    if group.is_sender:
+        out["timeout_sender_error"] = err
+    else:
         out["timeout_error"] = err
         out["timeout_s"] = time.monotonic() - start
         out["timeout_kept"] = side.policy_version == 0 and all(
@@ -152,7 +162,29 @@ def _tensor_parallel(spec: SyncGroupSpec, rank: int, out: dict) -> None:
         out["tp_equal"] = _equal(sink.tensors, expected)
         out["tp_bytes"] = report.num_bytes
         out["full_bytes"] = sum(t.numel() * t.element_size() for t in full.values())
+    if TP_ENGINE:  # the real tensor-parallel rollout engine, in builds that have it (rollout.tp)
+        _tensor_parallel_engine(group, train, out)
     group.close()
+
+
+def _greedy(engine) -> list:
+    done = engine.generate(PROMPTS, [SamplingParams(n=1, temperature=0.0, max_new_tokens=6)] * len(PROMPTS))
+    return [[c.token_ids, c.logprobs] for c in done]
+
+
+def _tensor_parallel_engine(group, train: TrainSide, out: dict) -> None:
+    """A second sync into a rollout.tp=2 native engine (default layout: its own weight_shard_slices)."""
+    train.step()
+    if group.is_sender:
+        send_weights(group, train, bucket_bytes=BUCKET, checksum=True)
+        torch.save(train.weights(), out["dir"] / "tp_sent.pt")
+        return
+    rendezvous = f"file://{out['dir'] / 'tp_world'}"
+    dist.init_process_group("gloo", init_method=rendezvous, rank=group.tp_rank, world_size=2)
+    engine = rollout_engine("dense", tp_group=dist.group.WORLD)
+    receive_weights(group, engine, checksum=True)
+    out["tp_engine"] = _greedy(engine)
+    dist.destroy_process_group()
 
 
 def _worker(rank: int, ports: tuple[int, int, int], folder: str) -> None:
@@ -167,7 +199,7 @@ def _worker(rank: int, ports: tuple[int, int, int], folder: str) -> None:
     _tensor_parallel(tp_spec, rank, out)
     timeout_spec = SyncGroupSpec(host="127.0.0.1", port=ports[2], num_senders=2, num_receivers=1, timeout_s=4)
     _timeout(timeout_spec, rank, out)
-    del out["dir"]
+    out["folder"] = str(out.pop("dir"))
     (Path(folder) / f"rank{rank}.json").write_text(json.dumps(out))
 
 
@@ -203,6 +235,20 @@ def test_timeout_keeps_previous_version(results):
         "timed out" in receiver["timeout_error"] and "keeps its previous weights" in receiver["timeout_error"]
     )
     assert receiver["timeout_s"] < 10 and receiver["timeout_kept"]
+    for sender in results[:2]:  # the senders fail too, after going through all their weights
+        assert "failed" in sender["timeout_sender_error"] and sender["timeout_drained"]
+
+
+@pytest.mark.skipif(
+    not TP_ENGINE, reason="this build's rollout engine has no tensor parallelism (rollout.tp)"
+)
+def test_tensor_parallel_engine_after_sync_generates_as_tp1(results):
+    reference = rollout_engine("dense")
+    folder = Path(results[0]["folder"])
+    reference.update_weights(torch.load(folder / "tp_sent.pt").items(), version=2)
+    for got, want in zip(results[1]["tp_engine"], _greedy(reference), strict=True):
+        assert got[0] == want[0]
+        assert max(abs(a - b) for a, b in zip(got[1], want[1])) < 1e-5
 
 
 def test_tensor_parallel_rank_receives_only_its_slice(results):
