@@ -206,10 +206,6 @@ def worker_4(rank: int, expected: dict, tmp: str) -> None:
     )
 
 
-@pytest.mark.skip(
-    reason="does not finish within 25 min on the shared 2-core machine: the layouts pass (tp=2 x dp=2, "
-    "ep=2 x dp=4), the hang is in or after loading the dp=4 checkpoint into tp=2 x dp=2; not diagnosed"
-)
 @pytest.mark.slow
 def test_four_processes_tp_x_dp_and_ep_x_dp_equal_one_process(tmp_path):
     engine, expected = run_layout("qwen3_moe", None)

@@ -67,9 +67,15 @@ class MoEBalance:
         """Reduce the loads over ranks, update the correction biases (applied steps only), and
         return the step's load metrics; resets for the next step."""
         loads_LE, self._loads_LE = self._loads_LE, None
+        reduce = group is not None and dist.get_world_size(group) > 1
         if loads_LE is None:
-            return {}
-        if group is not None and dist.get_world_size(group) > 1:
+            if not reduce:
+                return {}
+            # A rank whose data-parallel share of the batch was empty ran only zero-weight filler
+            # micro-batches: it still joins the reduction (with no load), or the others wait forever.
+            experts = [moe.router.gate.weight.shape[0] for moe in self.layers.values()]
+            loads_LE = torch.zeros(len(experts), max(experts), dtype=torch.float64)
+        if reduce:
             reduced = loads_LE.to(comm_device, torch.float64)
             dist.all_reduce(reduced, group=group)
             loads_LE = reduced.to(loads_LE.device)
