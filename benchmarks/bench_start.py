@@ -9,7 +9,7 @@ benchmark's first line), model build (training and rollout engines), first gener
 process start), first step (the warm-up step, compilation included), the median of the later (steady)
 steps, and the whole process; then the cache's size after the run.
 
-    python benchmarks/bench_start.py                # one GPU: both runs, about 3 minutes
+    python benchmarks/bench_start.py                # one GPU: both runs (expected 3-4 minutes)
     python benchmarks/bench_start.py --tiny         # CPU smoke run of the script (CPU runs do not compile)
     python benchmarks/bench_start.py --cache DIR    # keep the cache in DIR (new or empty) to inspect it
 """
@@ -68,7 +68,12 @@ def run_once(args: argparse.Namespace, model_dir: Path, cache: Path) -> dict[str
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
     )
     argv = [sys.executable, __file__, *sys.argv[1:], "--child-model", str(model_dir)]
-    out = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True, timeout=args.timeout_s)
+    try:
+        out = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True, timeout=args.timeout_s)
+    except subprocess.TimeoutExpired:
+        sys.exit(
+            f"bench_start: a run took longer than --timeout-s={args.timeout_s:g}; raise it or use fewer --steps"
+        )
     lines = [x for x in out.stdout.splitlines() if x.startswith(MARK)]
     if out.returncode != 0 or not lines:
         sys.exit(f"bench_start: a run failed (exit {out.returncode}); its output is above")
