@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from rlloom.cluster.placement import build_groups
-from rlloom.config import load_config
+from rlloom.cluster.placement import Groups, build_groups
+from rlloom.config import RunConfig, load_config
 from rlloom.data.dataset import PromptItem
 from rlloom.data.source import PromptSource
 from rlloom.rewards.runner import RewardRunner
@@ -78,6 +78,68 @@ def profiled(fn, *, host_table: bool = False):  # noqa: ANN001, ANN201
     return result
 
 
+def add_shape_args(parser: argparse.ArgumentParser) -> None:
+    """The workload's options (defaults: the T1 shape above); --tiny shrinks it for a CPU smoke run."""
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--kv-gb", type=float, default=40.0)
+    parser.add_argument("--tiny", action="store_true")
+
+
+def tiny_shape(args: argparse.Namespace) -> None:
+    """--tiny: a few short prompts and a small KV cache (CPU smoke runs)."""
+    args.prompts, args.samples, args.prompt_tokens, args.new_tokens, args.kv_gb = 4, 4, 16, 16, 0.1
+
+
+def e2e_config(args: argparse.Namespace, model_dir: Path, run_dir: Path, extra: list[str]) -> RunConfig:
+    """The benchmark's run config for `args` (prompts, samples, prompt/new tokens, kv_gb), plus `extra`."""
+    overrides = [
+        f"model.path={model_dir}",
+        f"trainer.prompts_per_step={args.prompts}",
+        f"rollout.n_samples={args.samples}",
+        f"rollout.max_new_tokens={args.new_tokens}",
+        "rollout.ignore_eos=true",
+        "rollout.sleep_during_train=true",
+        f"rollout.kv_cache_memory_gb={args.kv_gb}",
+        f"rollout.max_num_seqs={args.prompts * args.samples}",
+        f"data.max_prompt_length={args.prompt_tokens}",
+        # 32k-token micro-batches (peak 58 GiB with the KV cache asleep) gathered once per step:
+        # 10 micro-batches of FSDP copies and per-layer launches instead of 20 (train 3.8 -> 2.9 s).
+        "train.max_tokens_per_micro_batch=32768",
+        "train.gather_once_per_step=true",
+        "train.lr=1e-6",
+        f"trainer.run_dir={run_dir}",
+    ]
+    return load_config("arithmetic_demo", overrides + extra)
+
+
+def e2e_context(cfg: RunConfig, groups: Groups, args: argparse.Namespace) -> StepContext:
+    """One step context over random prompts (enough for args.steps + 1 steps) and the parity reward."""
+    vocab = 512 if args.tiny else 151936
+    rng = random.Random(0)
+    items = [
+        PromptItem(
+            prompt_ids=[rng.randrange(vocab) for _ in range(args.prompt_tokens)],
+            prompt_text="",
+            ground_truth="",
+            index=i,
+        )
+        for i in range(args.prompts * (args.steps + 1))
+    ]
+    return StepContext(
+        cfg=cfg,
+        train_group=groups.train,
+        rollout_group=groups.rollout,
+        weight_sync=groups.sync,
+        source=PromptSource(items, seed=0),
+        runner=RewardRunner(last_token_parity),
+        decode=lambda ids: str(ids[-1]),
+        stop_token_ids=[],
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
@@ -88,12 +150,7 @@ def main() -> None:
         default=0,
         help="rollout GPUs of their own (cluster.placement=separate); 0 = colocated on the training GPUs",
     )
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=512)
-    parser.add_argument("--kv-gb", type=float, default=40.0)
-    parser.add_argument("--tiny", action="store_true")
+    add_shape_args(parser)
     parser.add_argument("--out", default="")
     parser.add_argument("--profile", action="store_true", help="torch.profiler over the last step (inline)")
     parser.add_argument(
@@ -107,57 +164,18 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.tiny:
-        args.prompts, args.samples, args.prompt_tokens, args.new_tokens, args.kv_gb = 4, 4, 16, 16, 0.1
+        tiny_shape(args)
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_random_qwen3(Path(tmp) / "model", tiny=args.tiny)
-        overrides = [
-            f"model.path={model_dir}",
-            f"trainer.prompts_per_step={args.prompts}",
-            f"rollout.n_samples={args.samples}",
-            f"rollout.max_new_tokens={args.new_tokens}",
-            "rollout.ignore_eos=true",
-            "rollout.sleep_during_train=true",
-            f"rollout.kv_cache_memory_gb={args.kv_gb}",
-            f"rollout.max_num_seqs={args.prompts * args.samples}",
-            f"data.max_prompt_length={args.prompt_tokens}",
-            # 32k-token micro-batches (peak 58 GiB with the KV cache asleep) gathered once per step:
-            # 10 micro-batches of FSDP copies and per-layer launches instead of 20 (train 3.8 -> 2.9 s).
-            "train.max_tokens_per_micro_batch=32768",
-            "train.gather_once_per_step=true",
-            "train.lr=1e-6",
-            f"trainer.run_dir={tmp}/run",
-        ]
-        if args.eager:
-            overrides += ["train.compile=false", "rollout.compile=false"]
-        overrides += args.set
+        extra = ["train.compile=false", "rollout.compile=false"] if args.eager else []
         if args.workers > 1 or args.rollout_workers > 0:
-            overrides += ["cluster.mode=ray", f"cluster.num_workers={args.workers}"]
+            extra += ["cluster.mode=ray", f"cluster.num_workers={args.workers}"]
         if args.rollout_workers > 0:
-            overrides += ["cluster.placement=separate", f"cluster.rollout_workers={args.rollout_workers}"]
-        cfg = load_config("arithmetic_demo", overrides)
-        vocab = 512 if args.tiny else 151936
-        rng = random.Random(0)
-        items = [
-            PromptItem(
-                prompt_ids=[rng.randrange(vocab) for _ in range(args.prompt_tokens)],
-                prompt_text="",
-                ground_truth="",
-                index=i,
-            )
-            for i in range(args.prompts * (args.steps + 1))
-        ]
+            extra += ["cluster.placement=separate", f"cluster.rollout_workers={args.rollout_workers}"]
+        cfg = e2e_config(args, model_dir, Path(tmp) / "run", extra + args.set)
         groups = build_groups(cfg)
-        ctx = StepContext(
-            cfg=cfg,
-            train_group=groups.train,
-            rollout_group=groups.rollout,
-            weight_sync=groups.sync,
-            source=PromptSource(items, seed=0),
-            runner=RewardRunner(last_token_parity),
-            decode=lambda ids: str(ids[-1]),
-            stop_token_ids=[],
-        )
+        ctx = e2e_context(cfg, groups, args)
         records = []
         for step in range(args.steps):
             if args.profile_train and step == args.steps - 1:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from rlloom.cluster.local import sync_in_place
 from rlloom.config.components import RunConfig
 from rlloom.devices import resolve_device, resolve_dtype
+from rlloom.observability.log import init_logger
 from rlloom.parallel import init_distributed
 from rlloom.weight_sync.base import checksum_enabled
 from rlloom.weight_sync.broadcast import (
@@ -59,6 +60,7 @@ class SlotActor:
     """One slot's process: `train` and/or `rollout`, built by `start_train` / `start_rollout`."""
 
     def __init__(self, cfg: RunConfig) -> None:
+        init_logger()  # its start-up phases (first generated token) reach the driver's output
         self.cfg = cfg
         self.train: TrainWorker | None = None
         self.rollout: RolloutWorker | None = None

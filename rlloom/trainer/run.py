@@ -3,7 +3,9 @@
 build -> (resume) -> evaluate -> [rl_step -> log -> evaluate every k -> checkpoint every k -> Hugging
 Face folder every k] -> final evaluation, checkpoint and Hugging Face folder -> one summary line,
 `<run name>: accuracy_before=... accuracy_after=... steps=... seconds=...`. The start-up phases
-(tokenizer and data, model and engines, first evaluation) are logged with their times.
+(tokenizer and data, model and engines, first generated token, first evaluation) are logged with
+their times; the first generated token's, counted from process start, is also the metric
+`perf/first_token_s` of the first step this process trains (observability/startup.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from rlloom.observability.log import init_logger
 from rlloom.observability.loggers import build_loggers, run_name
 from rlloom.observability.memory import peak_memory_gib
 from rlloom.observability.samples import pick_samples, sample_records
+from rlloom.observability.startup import first_token_s
 from rlloom.plan.check import check_fits
 from rlloom.rewards.build import build_reward_runner
 from rlloom.tasks.build import build_task_source
@@ -163,6 +166,8 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
             ):
                 after = run_eval()
                 metrics.update(after)
+            if state.step == first_step and (seconds := first_token_s()) is not None:
+                metrics["perf/first_token_s"] = seconds  # this process's (None in Ray's driver)
             loggers.log(state.step, metrics)
             loggers.log_samples(state.step, sample_records(state.step, picked))
             if is_last and num_skipped == state.step - first_step + 1:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rlloom.config import load_config
+from rlloom.observability.startup import seconds_since_process_start
 from rlloom.trainer.checkpoint import checkpoint_dir, checkpoint_model_tensors
 from rlloom.trainer.run import run
 
@@ -56,6 +57,9 @@ def test_two_steps_log_every_metric_and_checkpoint(tiny_checkpoint, tmp_path, ca
     ]:  # fmt: skip
         assert key in step, key
     assert step["policy/version"] == 1 and records[2]["policy/version"] == 2
+    # start-up: the first generated token, counted from this process's start, on the first step only
+    assert 0 < step["perf/first_token_s"] < seconds_since_process_start()
+    assert "perf/first_token_s" not in records[2]
     assert 0 <= step["rollout/logp_gap_abs"] < 1e-4 and 1 <= step["rollout/token_mult_prob_error"] < 1 + 1e-4
     assert "eval/accuracy" in records[0] and "eval/accuracy" in records[2]
     assert (tmp_path / "run" / "checkpoints" / "step_000002" / "manifest.json").is_file()

@@ -57,6 +57,7 @@ from rlloom.engines.rollout.native.validation import (
     request_problem,
 )
 from rlloom.engines.rollout.native.vocab_parallel import VocabParallelSampler
+from rlloom.observability.startup import mark_first_token
 
 
 def _check(ok: bool, name: str, value: object, rule: str, fix: str) -> None:
@@ -422,6 +423,7 @@ class NativeEngine:
                     start, n, offset = step.route_spans[source]
                     seq.record_routes(start, step.routes[offset : offset + n])
         token_ids, logprobs = step.host_token_ids_R.tolist(), step.host_logprobs_R.tolist()
+        mark_first_token()  # the process's first generated token: a start-up phase
         for seq in self.scheduler.resolve(step.rows, step.offsets, token_ids, logprobs):
             self._ready.append(seq.completion())
 

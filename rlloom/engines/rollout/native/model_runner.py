@@ -25,6 +25,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from rlloom.compile_cache import enable_compile_cache
 from rlloom.devices import to_device
 from rlloom.engines.rollout.native.attention import AttnContext, PagedAttention, new_handle
 from rlloom.engines.rollout.native.cuda_graphs import (
@@ -57,7 +58,9 @@ def kv_bytes_per_block(a: ModelArgs, block_size: int, dtype: torch.dtype) -> int
 
 def compile_decode_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
     """`model.hidden_states` compiled as one graph (fullgraph: a graph break is an error, not a
-    silent split) with a dynamic token count; attention is the opaque `rlloom::paged_attention` op."""
+    silent split) with a dynamic token count; attention is the opaque `rlloom::paged_attention` op.
+    The compiled code is cached on disk (`rlloom.compile_cache`) for later runs of the same shapes."""
+    enable_compile_cache()
     return torch.compile(model.hidden_states, dynamic=True, fullgraph=True)
 
 

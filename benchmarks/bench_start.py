@@ -1,0 +1,136 @@
+"""Fast start (issue 17): the time to the first generated token and the first step, cold and warm cache.
+
+Runs the bench_e2e workload (T1: random Qwen3-0.6B weights, 64 prompts x 8 samples, 128 prompt tokens,
+512 new tokens; see bench_e2e.py) twice, each in a fresh process, with one compile cache directory
+(`RLLOOM_COMPILE_CACHE`, rlloom/compile_cache.py) that starts empty: run 1 compiles everything (cold),
+run 2 finds Inductor's, AOTAutograd's, the autotuner's and Triton's entries on disk (warm). Dynamo's
+tracing and the CUDA-graph capture run in both. Per run, in seconds: imports (process start to the
+benchmark's first line), model build (training and rollout engines), first generated token (from
+process start), first step (the warm-up step, compilation included), the median of the later (steady)
+steps, and the whole process; then the cache's size after the run.
+
+    python benchmarks/bench_start.py                # one GPU: both runs (expected 3-4 minutes)
+    python benchmarks/bench_start.py --tiny         # CPU smoke run of the script (CPU runs do not compile)
+    python benchmarks/bench_start.py --cache DIR    # keep the cache in DIR (new or empty) to inspect it
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_e2e import add_shape_args, e2e_config, e2e_context, tiny_shape, write_random_qwen3  # noqa: E402
+
+from rlloom.observability.startup import first_token_s, seconds_since_process_start  # noqa: E402
+
+ROOT = Path(__file__).parents[1]
+MARK = "bench_start: "  # the child's result line on stdout
+
+
+def child(args: argparse.Namespace) -> None:
+    """One run in this (fresh) process: build, then `args.steps` GRPO steps; prints one JSON line."""
+    imports_s = seconds_since_process_start()
+    from rlloom.cluster.placement import build_groups
+    from rlloom.trainer.step import rl_step
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = e2e_config(args, Path(args.model), Path(tmp) / "run", args.set)
+        start = time.perf_counter()
+        groups = build_groups(cfg)
+        build_s = time.perf_counter() - start
+        ctx = e2e_context(cfg, groups, args)
+        steps = [rl_step(ctx, step)["time/step_s"] for step in range(args.steps)]
+        groups.close()
+    result = {
+        "imports_s": imports_s,
+        "build_s": build_s,
+        "first_token_s": first_token_s(),
+        "first_step_s": steps[0],
+        "steady_step_s": statistics.median(steps[1:]) if len(steps) > 1 else float("nan"),
+        "process_s": seconds_since_process_start(),
+    }
+    print(MARK + json.dumps(result), flush=True)
+
+
+def run_once(args: argparse.Namespace, model_dir: Path, cache: Path) -> dict[str, float]:
+    """One child process with the cache at `cache` (the user's TORCHINDUCTOR_/TRITON_ settings dropped)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    env.update(
+        RLLOOM_COMPILE_CACHE=str(cache),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+    )
+    argv = [sys.executable, __file__, *sys.argv[1:], "--child-model", str(model_dir)]
+    try:
+        out = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True, timeout=args.timeout_s)
+    except subprocess.TimeoutExpired:
+        sys.exit(
+            f"bench_start: a run took longer than --timeout-s={args.timeout_s:g}; raise it or use fewer --steps"
+        )
+    lines = [x for x in out.stdout.splitlines() if x.startswith(MARK)]
+    if out.returncode != 0 or not lines:
+        sys.exit(f"bench_start: a run failed (exit {out.returncode}); its output is above")
+    result = json.loads(lines[-1].removeprefix(MARK))
+    files = [f for f in cache.rglob("*") if f.is_file()]
+    result["cache_mb"] = sum(f.stat().st_size for f in files) / 2**20
+    result["cache_files"] = len(files)
+    return result
+
+
+def print_table(runs: list[tuple[str, dict[str, float]]], args: argparse.Namespace) -> None:
+    shape = f"{args.prompts} prompts x {args.samples}, {args.prompt_tokens}+{args.new_tokens} tokens"
+    print(f"\n| run ({'tiny' if args.tiny else 'Qwen3-0.6B'}, {shape}) | imports s | model build s | "
+          "first token s (from process start) | first step s (warm-up) | steady step s | process s | "
+          "cache MB (files) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in runs:
+        token = "n/a" if r["first_token_s"] is None else f"{r['first_token_s']:.1f}"
+        print(
+            f"| {name} | {r['imports_s']:.1f} | {r['build_s']:.1f} | {token} | {r['first_step_s']:.1f} | "
+            f"{r['steady_step_s']:.2f} | {r['process_s']:.1f} | {r['cache_mb']:.1f} ({r['cache_files']}) |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3, help="steps per run (the first is the warm-up)")
+    add_shape_args(parser)
+    parser.add_argument(
+        "--cache", default="", help="cache directory, new or empty (default: a temporary one)"
+    )
+    parser.add_argument("--timeout-s", type=float, default=280.0, help="limit per run")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="extra config override"
+    )
+    parser.add_argument("--child-model", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.tiny:
+        tiny_shape(args)
+    if args.child_model:
+        args.model = args.child_model
+        child(args)
+        return
+    if args.cache and Path(args.cache).exists() and any(Path(args.cache).iterdir()):
+        sys.exit(
+            f"bench_start: --cache {args.cache} is not empty; run 1 must start cold. Fix: name a new directory."
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_random_qwen3(Path(tmp) / "model", tiny=args.tiny)
+        cache = Path(args.cache) if args.cache else Path(tmp) / "compile-cache"
+        cache.mkdir(parents=True, exist_ok=True)
+        runs = []
+        for name in ("1 cold", "2 warm"):
+            runs.append((name, run_once(args, model_dir, cache)))
+            print(f"run {name}: {json.dumps(runs[-1][1])}", flush=True)
+    print_table(runs, args)
+
+
+if __name__ == "__main__":
+    main()
