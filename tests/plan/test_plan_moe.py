@@ -1,6 +1,7 @@
 """The memory model's MoE terms against hand counts, on the single-GPU MoE cases of
-benchmarks/bench_plan_memory.py (Qwen3-30B-A3B's width with 4 layers), and the benchmark's tiny MoE
-case through the training engine on CPU.
+benchmarks/bench_plan_memory.py (Qwen3-30B-A3B's width with 4 layers); the per-copy activation count
+against what torch.compile's partitioner keeps for backward of the MoE layer's CUDA path (grouped
+GEMMs, run on CPU); and the benchmark's tiny MoE case through the training engine on CPU.
 
 Hand counts: h = 2048, 32 query / 4 KV heads of d = 128 with QK-norm, E = 128 experts of width
 f = 768, K = 8 per token, V = 151936, untied head. On one GPU (ep = 1) a decoder layer, experts
@@ -16,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlloom.models.args import ModelArgs
+from rlloom.models.args import ModelArgs, MoEArgs
+from rlloom.models.moe import MoE
 from rlloom.plan.counts import ROUTING_PER_COPY, model_costs
 from rlloom.plan.memory import GB, Hardware, Layout, Workload, estimate
 
@@ -65,6 +67,54 @@ def test_routed_copies_scale_with_top_k():
         for top_k in (4, 8)
     ]
     assert acts[1] - acts[0] == 4 * (2 * h + 3 * f + ROUTING_PER_COPY)
+
+
+def _compiled_saved_per_token(top_k: int, hidden: int = 256, width: int = 128, tokens: int = 512) -> float:
+    """bf16 elements per token that the compiled MoE layer keeps for backward (what the backward
+    graph takes besides gradients and parameters), with torch.compile's min-cut partitioner."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    moe = MoE(hidden, MoEArgs(num_experts=8, top_k=top_k, intermediate_size=width)).to(torch.bfloat16)
+    moe.experts._loop = moe.experts._grouped_mm  # the CUDA path: torch._grouped_mm runs on CPU too
+    param_shapes = {tuple(p.shape) for p in moe.parameters()} | {
+        tuple(p.shape[::-1]) for p in moe.parameters()
+    }
+    saved = []
+
+    def backward_compiler(gm, example_inputs):
+        for n in gm.graph.nodes:
+            v = n.meta.get("val")
+            if n.op == "placeholder" and not n.name.startswith("tangents") and isinstance(v, torch.Tensor):
+                if tuple(v.shape) not in param_shapes and v.dim() < 3:
+                    saved.append(v.numel() * v.element_size())
+        return make_boxed_func(gm)
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(
+            gm,
+            example_inputs,
+            fw_compiler=lambda g, _: make_boxed_func(g),
+            bw_compiler=backward_compiler,
+            partition_fn=min_cut_rematerialization_partition,
+        )
+
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    torch.compile(moe, backend=backend, fullgraph=True)(x).sum().backward()
+    torch._dynamo.reset()
+    return sum(saved) / 2 / tokens
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="needs torch._grouped_mm")
+def test_each_routed_copy_costs_what_the_compiled_layer_keeps():
+    # two more copies a token: the permuted input, gate, up, product and expert output (2h + 3f) and
+    # the routing bookkeeping; the partitioner keeps the fp32 routing weight or recomputes it from
+    # the scores (a difference of 2 per copy), so the slope is held to 1%
+    per_copy = (_compiled_saved_per_token(4) - _compiled_saved_per_token(2)) / 2
+    assert per_copy == pytest.approx(2 * 256 + 3 * 128 + ROUTING_PER_COPY, rel=0.01)
 
 
 def test_one_micro_batch_peaks_at_the_root_reduce():
