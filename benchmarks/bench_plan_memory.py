@@ -84,7 +84,7 @@ MOE_CASES = (
 )
 """Each under 70 GB predicted (one 80 GB H100 suffices) and under ~50 GB of host memory for the
 offloaded master weights, moments and gradient staging (16 bytes an offloaded parameter)."""
-TINY_CASES = ("tiny:512:off:0", "tiny:512:full:1.0:2", "tiny-moe:512:off:0.5:2")
+TINY_CASES = ("tiny:512:off:0", "tiny:512:full:1.0:2", "tiny-moe:512:full:0.5:2", "tiny-moe:512:off:1.0")
 SEQ_LEN = 1024
 RESPONSE_FRACTION = 0.75
 """Of each sequence, the response (whose logprobs the head computes); the rest is the prompt."""
