@@ -1,7 +1,9 @@
 """Measured training-step GPU memory beside `rlloom plan --check` predictions (one table).
 
-For each case: random weights of a dense Qwen3 shape, rlloom's training engine on one GPU (FSDP2,
-fp32 master weights, bf16 compute, the default torch.compile of the decoder layers), a batch of
+For each case: random weights of a dense Qwen3 shape or of Qwen3-30B-A3B's MoE width with 4 or 8
+of its 48 layers (`qwen3-30b-a3b-4l`, `-8l`: benchmarks/bench_moe.py's config), rlloom's training
+engine on one GPU (FSDP2, fp32 master weights, bf16 compute, the default torch.compile of the
+decoder layers), a batch of
 1024-token sequences (a quarter prompt) that fills exactly MICRO_BATCHES micro-batches of TOKENS
 tokens (default 1; from 2 on, backward runs beside the accumulated gradients), and two optimizer
 steps, each case in a fresh process; the measured peak is torch.cuda.max_memory_allocated of the
@@ -9,11 +11,16 @@ second step (AdamW moments exist by then). The prediction is `rlloom.plan.memory
 same single-GPU layout (tp=pp=cp=ep=1, dp=1) without a rollout engine, with the head computing
 logprobs of 3/4 of the tokens; error = predicted / measured - 1.
 
-    python benchmarks/bench_plan_memory.py            # the default cases (each under 65 GB predicted)
+    python benchmarks/bench_plan_memory.py            # the dense cases (each under 65 GB predicted)
+    python benchmarks/bench_plan_memory.py --moe      # the MoE cases (each under 70 GB predicted)
     python benchmarks/bench_plan_memory.py --eager    # without torch.compile
     python benchmarks/bench_plan_memory.py --case qwen3-4b:8192:full:1.0   # model:tokens:ac:offload
     python benchmarks/bench_plan_memory.py --case qwen3-1.7b:8192:off:0.5:2  # ...:micro_batches
-    python benchmarks/bench_plan_memory.py --tiny     # a tiny shape on CPU: checks the script runs
+    python benchmarks/bench_plan_memory.py --tiny     # tiny dense and MoE shapes on CPU: checks the script runs
+
+DeepSeek-V3's width with 2 layers (bench_moe.py's DEEPSEEK_V3_2L, 13.9B parameters) is not a case:
+its predicted peak on one GPU is 168 GB even with offload 1.0 (fp32 shards and gradients alone take
+104 GB), so it needs expert parallelism over several GPUs.
 """
 
 from __future__ import annotations
@@ -26,6 +33,10 @@ import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_moe import QWEN3_30B_A3B_8L  # noqa: E402
+from bench_moe import TINY as TINY_MOE  # noqa: E402
 
 from rlloom.algorithms.losses import aggregate_loss_sum, loss_normalizer
 from rlloom.config.components import TrainEngineConfig
@@ -50,6 +61,9 @@ SHAPES = {
         "num_hidden_layers": 2,
         "head_dim": 16,
     },
+    "qwen3-30b-a3b-4l": QWEN3_30B_A3B_8L | {"num_hidden_layers": 4},
+    "qwen3-30b-a3b-8l": QWEN3_30B_A3B_8L,
+    "tiny-moe": TINY_MOE,
 }
 DEFAULT_CASES = (
     "qwen3-0.6b:8192:off:0",
@@ -62,6 +76,16 @@ DEFAULT_CASES = (
     "qwen3-1.7b:16384:full:1.0:2",
     "qwen3-1.7b:8192:off:0.5:2",
 )
+MOE_CASES = (
+    "qwen3-30b-a3b-4l:8192:full:0",
+    "qwen3-30b-a3b-4l:8192:full:1.0",
+    "qwen3-30b-a3b-4l:8192:full:0.5:2",
+    "qwen3-30b-a3b-4l:16384:off:0.5",
+    "qwen3-30b-a3b-8l:8192:full:0.5",
+)
+"""Each under 70 GB predicted (one 80 GB H100 suffices) and under ~50 GB of host memory for the
+offloaded master weights, moments and gradient staging (16 bytes an offloaded parameter)."""
+TINY_CASES = ("tiny:512:off:0", "tiny:512:full:1.0:2", "tiny-moe:512:full:0.5:2", "tiny-moe:512:off:1.0")
 SEQ_LEN = 1024
 RESPONSE_FRACTION = 0.75
 """Of each sequence, the response (whose logprobs the head computes); the rest is the prompt."""
@@ -155,12 +179,13 @@ def main() -> None:
         "--case", action="append", help="model:tokens:ac:offload[:micro_batches] (repeatable)"
     )
     parser.add_argument("--eager", action="store_true", help="no torch.compile of the decoder layers")
-    parser.add_argument("--tiny", action="store_true", help="tiny shape on CPU (checks the script runs)")
+    parser.add_argument("--moe", action="store_true", help="the MoE cases instead of the dense ones")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (checks the script runs)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # measure one case in this process
     args = parser.parse_args()
     if args.one:
         model, tokens, ac, offload, micro_batches = parse_case(args.one)
-        device = torch.device("cpu" if model == "tiny" else "cuda")
+        device = torch.device("cpu" if model.startswith("tiny") else "cuda")
         print(
             json.dumps(
                 {"peak": measure(SHAPES[model], tokens, ac, offload, micro_batches, device, not args.eager)}
@@ -168,7 +193,7 @@ def main() -> None:
         )
         return
     device = torch.device("cpu" if args.tiny else "cuda")
-    cases = ["tiny:512:off:0", "tiny:512:full:1.0:2"] if args.tiny else (args.case or list(DEFAULT_CASES))
+    cases = args.case or list(TINY_CASES if args.tiny else MOE_CASES if args.moe else DEFAULT_CASES)
     gpu_gb = torch.cuda.get_device_properties(0).total_memory / GB if device.type == "cuda" else 80.0
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"device {name} ({gpu_gb:.1f} GB), compile={not args.eager and device.type == 'cuda'}")

@@ -6,8 +6,10 @@ bf16 compute, activation checkpointing full, packed sequences of `--seq-len` tok
 micro-batch), `--micro-batches` per data-parallel rank. One warm-up step, then `--steps` timed.
 Reported (rank 0): layout, model shape, tokens/s (global and per GPU), MFU on active parameters
 (routed experts count top_k / num_experts; over every GPU of the layout, 989 TFLOP/s each), peak
-GPU memory (max over ranks) and peak host RSS (max over ranks). `--append FILE` adds the row as a
-JSON line; `--table FILE` prints every row of that file as one table.
+GPU memory (max over ranks) beside `rlloom.plan.memory.estimate`'s prediction for the same layout
+and workload (no rollout engine; 3/4 of each sequence is response), and peak host RSS (max over
+ranks). `--append FILE` adds the row as a JSON line; `--table FILE` prints every row of that file
+as one table.
 
 Shapes: `30b-a3b-8l` (Qwen3-30B-A3B width, 8 of 48 layers, 128 experts), `30b-a3b-24l` (24 layers,
 ~15.5B parameters: fp32 master + Adam do not fit one H200; use --optimizer-offload-fraction),
@@ -44,8 +46,11 @@ from rlloom.algorithms.losses import aggregate_loss_sum, loss_normalizer
 from rlloom.config.components import TrainEngineConfig
 from rlloom.data.types import RolloutBatch, Sample
 from rlloom.engines.train.native import NativeTrainEngine
+from rlloom.models.args import ModelArgs
 from rlloom.models.checkpoint import build_model
 from rlloom.parallel import ParallelDims, init_distributed
+from rlloom.plan.counts import model_costs
+from rlloom.plan.memory import Hardware, Layout, Workload, estimate
 
 SHAPES = {
     "30b-a3b-8l": QWEN3_30B_A3B_8L,
@@ -63,7 +68,10 @@ TINY_MOE = QWEN3_30B_A3B_8L | {
     "num_experts": 8,
     "num_experts_per_tok": 2,
 }
-COLUMNS = ("layout", "gpus", "shape", "tokens", "tok/s", "tok/s/GPU", "MFU(active)", "GPU GiB", "host GiB")
+COLUMNS = (
+    "layout", "gpus", "shape", "tokens", "tok/s", "tok/s/GPU", "MFU(active)", "GPU GiB", "predicted GiB",
+    "host GiB",
+)  # fmt: skip
 
 
 def random_model(config: dict, device: torch.device) -> torch.nn.Module:
@@ -88,6 +96,22 @@ def packed_batch(num_samples: int, seq_len: int, vocab: int) -> RolloutBatch:
             )
         )
     return RolloutBatch(samples)
+
+
+def predicted_gib(config: dict, dims: ParallelDims, args: argparse.Namespace, seq_len: int) -> float:
+    """The memory model's training peak per GPU for this launch's layout and workload."""
+    layout = Layout(tp=dims.tp, ep=dims.ep, dp=dims.dp_size, offload_fraction=args.optimizer_offload_fraction)
+    work = Workload(
+        max_tokens_per_gpu=seq_len,
+        recompute="full",
+        response_fraction=0.75,
+        micro_batches=args.micro_batches,
+        compiled=not args.eager,
+        colocated_rollout=False,
+    )
+    gpu_gb = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
+    hardware = Hardware(gpus=dims.world_size, gpu_memory_gb=gpu_gb)
+    return estimate(model_costs(ModelArgs.from_hf_config(config)), layout, hardware, work).gpu_memory_gb
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -138,6 +162,7 @@ def run(args: argparse.Namespace) -> dict:
         "tok/s/GPU": batch.num_tokens / seconds / world,
         "MFU(active)": timed[-1].get("perf/mfu", float("nan")),
         "GPU GiB": timed[-1].get("memory/peak_allocated_gib", float("nan")),
+        "predicted GiB": predicted_gib(config, dims, args, seq_len),
         "host GiB": timed[-1].get("memory/peak_rss_gib", float("nan")),
     }
     if rank == 0:
@@ -148,7 +173,7 @@ def run(args: argparse.Namespace) -> dict:
     return row
 
 
-WIDTHS = {"layout": -34, "shape": -20, "gpus": 5}
+WIDTHS = {"layout": -34, "shape": -20, "gpus": 5, "predicted GiB": 14}
 
 
 def print_table(rows: list[dict]) -> None:
@@ -162,8 +187,8 @@ def print_table(rows: list[dict]) -> None:
             c: f"{r[c]:.3f}"
             if c == "MFU(active)"
             else f"{r[c]:.1f}"
-            if isinstance(r[c], float)
-            else str(r[c])
+            if isinstance(r.get(c), float)
+            else str(r.get(c, "-"))  # rows appended before a column existed
             for c in COLUMNS
         }
         print(" ".join(cell(c, texts[c]) for c in COLUMNS))

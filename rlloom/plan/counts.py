@@ -60,6 +60,14 @@ class ModelCosts:
     """Routed-expert parameters of all layers."""
 
 
+ROUTING_PER_COPY = 3 * 4 + 2 + 1
+"""bf16 elements an MoE layer saves per routed copy besides the expert activations
+(rlloom/models/moe.py): the chosen expert id (kept by the weights' gather), the copy's position in
+the expert-sorted order (kept by the weights' permutation) and its token (kept by the gather of the
+inputs and the index_add of the outputs), each int64 = 4 bf16 elements; the routing weight in fp32
+(2) and its bf16 copy that scales the expert output (1)."""
+
+
 def _attention(args: ModelArgs) -> tuple[int, int, int]:
     """(params, activation elements per token: none, selective) of the attention block with its norm."""
     h, a = args.hidden_size, args.num_heads
@@ -115,10 +123,11 @@ def _feed_forward(args: ModelArgs, is_moe: bool) -> tuple[int, int, int, int]:
     f, shared = moe.intermediate_size, moe.num_shared_experts * moe.intermediate_size
     dense = moe.num_experts * h + 3 * h * shared + h + (moe.num_experts if moe.score_bias else 0)
     experts = moe.num_experts * 3 * h * f
-    # router logits (fp32 = 2 bf16 elements each), per routed copy: permuted input, gate, up,
-    # product, expert output (balanced routing: top_k copies per token); the shared expert.
-    routed_none = moe.top_k * (2 * h + 3 * f)
-    routed_sel = moe.top_k * (h + 2 * f)
+    # router scores (fp32 = 2 bf16 elements each), per routed copy: permuted input, gate, up,
+    # product, expert output (balanced routing: top_k copies per token), its routing bookkeeping;
+    # the shared expert.
+    routed_none = moe.top_k * (2 * h + 3 * f + ROUTING_PER_COPY)
+    routed_sel = moe.top_k * (h + 2 * f + ROUTING_PER_COPY)
     none = 2 * h + 2 * moe.num_experts + routed_none + 3 * shared
     selective = h + routed_sel + 2 * shared
     return dense, experts, none, selective
