@@ -38,3 +38,21 @@ def test_predicted_peak_is_within_2_percent_of_the_measured_one(case):
     predicted, parts = predict(SHAPES[model], tokens, ac, offload, micro_batches, 139.8, True)
     assert predicted == pytest.approx(measured, rel=0.02), parts
     assert parts.endswith(f"at {phase}")
+
+
+# MoE: the Qwen3-30B-A3B width with 4 of its layers on one H100 (80 GB), 2026-11-23,
+# `python benchmarks/bench_plan_memory.py --moe`. The peak phase was not traced on the device; the
+# model is held to 5% (the 10% the issue asks, with room to see a regression).
+MEASURED_MOE = {
+    "qwen3-30b-a3b-4l:8192:full:0": 52.29,
+    "qwen3-30b-a3b-4l:8192:full:1.0": 29.07,
+    "qwen3-30b-a3b-4l:8192:full:0.5:2": 44.88,
+    "qwen3-30b-a3b-4l:16384:off:0.5": 41.00,
+}
+
+
+@pytest.mark.parametrize("case", list(MEASURED_MOE))
+def test_moe_predicted_peak_is_within_5_percent_of_the_measured_one(case):
+    model, tokens, ac, offload, micro_batches = parse_case(case)
+    predicted, parts = predict(SHAPES[model], tokens, ac, offload, micro_batches, 79.2, True)
+    assert predicted == pytest.approx(MEASURED_MOE[case], rel=0.05), parts
