@@ -28,6 +28,9 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         fn(rank, *args)
+        # Every rank's last collective has completed before any rank tears gloo down (a rank that
+        # destroyed its group while a peer's transfer was still in flight aborted the peer).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
