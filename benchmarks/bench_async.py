@@ -30,19 +30,17 @@ import dataclasses
 import json
 import random
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_e2e import add_shape_args, e2e_config, e2e_context, random_prompts, write_random_qwen3  # noqa: E402
 
-from rlloom.cluster.placement import build_groups
-from rlloom.config import load_config
-from rlloom.data.dataset import PromptItem
-from rlloom.data.source import PromptSource
-from rlloom.rewards.runner import RewardRunner
-from rlloom.trainer.async_loop import AsyncLoop
-from rlloom.trainer.step import StepContext, rl_step
+from rlloom.cluster.placement import build_groups  # noqa: E402
+from rlloom.trainer.async_loop import AsyncLoop  # noqa: E402
+from rlloom.trainer.step import rl_step  # noqa: E402
 
 LAYOUTS = {
     "sync_colocated": ["trainer.mode=sync", "cluster.num_workers=2"],
@@ -55,27 +53,6 @@ LAYOUTS = {
         "cluster.rollout_workers=1",
     ],
 }
-
-
-def last_token_parity(response_text: str, ground_truth: str) -> float:
-    """Reward: 1 when the last generated token id is even (varies inside groups)."""
-    return float(int(response_text or "0") % 2 == 0)
-
-
-def write_random_qwen3(path: Path, *, tiny: bool) -> Path:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    shape = (
-        dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, vocab_size=512)
-        if tiny
-        else dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                  num_key_value_heads=8, head_dim=128, vocab_size=151936)
-    )  # fmt: skip
-    config = Qwen3Config(**shape, max_position_embeddings=8192, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
-    return path
 
 
 def heavy_tailed_lengths(num: int, low: int, high: int, *, seed: int = 0, alpha: float = 1.2) -> list[int]:
@@ -125,53 +102,25 @@ class _Engine:
 
 
 def run_layout(name: str, args: argparse.Namespace, model_dir: Path, tmp: str) -> list[dict[str, float]]:
-    vocab = 512 if args.smoke else 151936
-    rng = random.Random(0)
-    num_items = args.prompts * (args.steps + 3)
-    items = [
-        PromptItem(
-            prompt_ids=[rng.randrange(vocab) for _ in range(args.prompt_tokens)],
-            prompt_text="",
-            ground_truth="",
-            index=i,
-        )
-        for i in range(num_items)
-    ]
-    lengths = heavy_tailed_lengths(num_items, args.min_tokens, args.max_tokens)
+    items = random_prompts(args.prompts * (args.steps + 3), args.prompt_tokens, tiny=args.tiny)
+    lengths = heavy_tailed_lengths(len(items), args.min_tokens, args.new_tokens)
     limits = {tuple(it.prompt_ids): n for it, n in zip(items, lengths)}
-    overrides = [
-        f"model.path={model_dir}",
-        f"trainer.prompts_per_step={args.prompts}",
+    extra = [
         f"trainer.total_steps={args.steps}",
-        f"rollout.n_samples={args.samples}",
-        f"rollout.max_new_tokens={args.max_tokens}",
-        "rollout.ignore_eos=true",
-        "rollout.sleep_during_train=true",
-        f"rollout.kv_cache_memory_gb={args.kv_gb}",
-        f"rollout.max_num_seqs={args.prompts * args.samples}",
-        f"data.max_prompt_length={args.prompt_tokens}",
-        "train.max_tokens_per_micro_batch=32768",
-        "train.lr=1e-6",
-        f"trainer.run_dir={tmp}/{name}",
+        "train.gather_once_per_step=false",
         *LAYOUTS[name],
         *args.set,
     ]
-    if args.smoke:  # one process: the placements of the layouts are not available, their modes are
-        overrides = [o for o in overrides if not o.startswith("cluster.")]
-        overrides += ["cluster.device=cpu", "train.compile=false", "rollout.compile=false"]
+    if args.tiny:  # one process: the placements of the layouts are not available, their modes are
+        extra = [o for o in extra if not o.startswith("cluster.")]
+        extra += ["cluster.device=cpu", "train.compile=false", "rollout.compile=false"]
     else:
-        overrides += ["cluster.mode=ray"]
-    cfg = load_config("arithmetic_demo", overrides)
+        extra += ["cluster.mode=ray"]
+    cfg = e2e_config(args, model_dir, Path(tmp) / name, extra)
     groups = build_groups(cfg)
-    ctx = StepContext(
-        cfg=cfg,
-        train_group=groups.train,
+    ctx = dataclasses.replace(
+        e2e_context(cfg, groups, args, items),
         rollout_group=LengthCapped(groups.rollout, limits),  # type: ignore[arg-type]
-        weight_sync=groups.sync,
-        source=PromptSource(items, seed=0),
-        runner=RewardRunner(last_token_parity),
-        decode=lambda ids: str(ids[-1]) if ids else "0",
-        stop_token_ids=[],
     )
     loop = AsyncLoop(ctx) if cfg.trainer.mode != "sync" else None
     records = []
@@ -212,26 +161,26 @@ def summary(name: str, records: list[dict[str, float]], warmup: int) -> dict[str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_args(parser)
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--min-tokens", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=4096)
-    parser.add_argument("--kv-gb", type=float, default=60.0)
-    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, one process")
+    parser.add_argument("--max-tokens", dest="new_tokens", type=int, help="the longest response")
+    parser.add_argument("--smoke", dest="tiny", action="store_true", help="CPU, tiny model, one process")
     parser.add_argument("--out", default="")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra override")
+    parser.set_defaults(new_tokens=4096, kv_gb=60.0)
     args = parser.parse_args()
-    if args.smoke:
+    if args.tiny:
         args.prompts, args.samples, args.prompt_tokens, args.kv_gb = 2, 2, 8, 0.05
-        args.min_tokens, args.max_tokens, args.steps, args.warmup = 4, 32, 3, 1
+        args.min_tokens, args.new_tokens, args.steps, args.warmup = 4, 32, 3, 1
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_random_qwen3(Path(tmp) / "model", tiny=args.smoke)
+        model_dir = write_random_qwen3(
+            Path(tmp) / "model", tiny=args.tiny, hidden=2048, intermediate=6144, max_positions=8192
+        )
         for name in args.layouts:
             results[name] = summary(name, run_layout(name, args, model_dir, tmp), args.warmup)
     best_sync = min((r["step_s"] for n, r in results.items() if n.startswith("sync")), default=float("nan"))

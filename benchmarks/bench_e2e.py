@@ -35,24 +35,43 @@ from rlloom.trainer.step import StepContext, rl_step
 
 
 def last_token_parity(response_text: str, ground_truth: str) -> float:
-    """Reward for the benchmark: 1 when the last generated token id is even."""
-    return float(int(response_text) % 2 == 0)
+    """Reward for the benchmark: 1 when the last generated token id is even (varies inside groups)."""
+    return float(int(response_text or "0") % 2 == 0)
 
 
-def write_random_qwen3(path: Path, *, tiny: bool) -> Path:
+def write_random_qwen3(
+    path: Path, *, tiny: bool, hidden: int = 1024, intermediate: int = 3072, max_positions: int = 4096
+) -> Path:
+    """Random bf16 Qwen3 weights in a Hugging Face folder: 28 layers of width `hidden` (the default:
+    Qwen3-0.6B's shape; 2048/6144: Qwen3-1.7B's), or a 2-layer toy with `tiny`."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     shape = (
         dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, vocab_size=512)
         if tiny
-        else dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                  num_key_value_heads=8, head_dim=128, vocab_size=151936)
+        else dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936)
     )  # fmt: skip
-    config = Qwen3Config(**shape, max_position_embeddings=4096, tie_word_embeddings=True)
+    config = Qwen3Config(**shape, max_position_embeddings=max_positions, tie_word_embeddings=True)
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
     return path
+
+
+def random_prompts(num: int, prompt_tokens: int, *, tiny: bool) -> list[PromptItem]:
+    """`num` prompts of `prompt_tokens` random token ids (seeded: the same in every run)."""
+    vocab = 512 if tiny else 151936
+    rng = random.Random(0)
+    return [
+        PromptItem(
+            prompt_ids=[rng.randrange(vocab) for _ in range(prompt_tokens)],
+            prompt_text="",
+            ground_truth="",
+            index=i,
+        )
+        for i in range(num)
+    ]
 
 
 def profiled(fn, *, host_table: bool = False):  # noqa: ANN001, ANN201
@@ -115,19 +134,13 @@ def e2e_config(args: argparse.Namespace, model_dir: Path, run_dir: Path, extra: 
     return load_config("arithmetic_demo", overrides + extra)
 
 
-def e2e_context(cfg: RunConfig, groups: Groups, args: argparse.Namespace) -> StepContext:
-    """One step context over random prompts (enough for args.steps + 1 steps) and the parity reward."""
-    vocab = 512 if args.tiny else 151936
-    rng = random.Random(0)
-    items = [
-        PromptItem(
-            prompt_ids=[rng.randrange(vocab) for _ in range(args.prompt_tokens)],
-            prompt_text="",
-            ground_truth="",
-            index=i,
-        )
-        for i in range(args.prompts * (args.steps + 1))
-    ]
+def e2e_context(
+    cfg: RunConfig, groups: Groups, args: argparse.Namespace, items: list[PromptItem] | None = None
+) -> StepContext:
+    """One step context over `items` (default: random prompts for args.steps + 1 steps) and the parity
+    reward."""
+    if items is None:
+        items = random_prompts(args.prompts * (args.steps + 1), args.prompt_tokens, tiny=args.tiny)
     return StepContext(
         cfg=cfg,
         train_group=groups.train,
@@ -135,7 +148,7 @@ def e2e_context(cfg: RunConfig, groups: Groups, args: argparse.Namespace) -> Ste
         weight_sync=groups.sync,
         source=PromptSource(items, seed=0),
         runner=RewardRunner(last_token_parity),
-        decode=lambda ids: str(ids[-1]),
+        decode=lambda ids: str(ids[-1]) if ids else "0",
         stop_token_ids=[],
     )
 

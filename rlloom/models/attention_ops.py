@@ -194,6 +194,26 @@ def varlen_causal(
     return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
 
 
+VarlenRuns = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]
+
+
+def varlen_runs(
+    q_lens: list[int], k_lens: list[int], kv_index: list[torch.Tensor], device: torch.device
+) -> VarlenRuns:
+    """`varlen_causal`'s parameters for U runs of queries: (cu_q, cu_k [U + 1] int32 on `device`,
+    kv_index [M] int64 (run u's keys are kv_index[cu_k[u]:cu_k[u + 1]]), max_q, max_k)."""
+    cu_q, cu_k = (
+        torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32) for lens in (q_lens, k_lens)
+    )
+    return (
+        to_device(cu_q, device),
+        to_device(cu_k, device),
+        to_device(torch.cat(kv_index), device),
+        max(q_lens),
+        max(k_lens),
+    )
+
+
 @functools.cache
 def _varlen_params() -> frozenset[str]:
     from torch.nn.attention.varlen import varlen_attn
@@ -224,7 +244,7 @@ class TreePlan:
         self.branches = _split_branches(self.cu, self.prefix, branch_lens.tolist())
         """Per segment, its branch lengths."""
         self._masks: list[torch.Tensor | None] | None = None
-        self._varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None = None
+        self._varlen: VarlenRuns | None = None
         if self.device.type == "cuda":
             # Built here, before the layers: inside a compiled layer the pinned copy would not trace.
             self.varlen()
@@ -243,7 +263,7 @@ class TreePlan:
             ]
         return self._masks
 
-    def varlen(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    def varlen(self) -> VarlenRuns:
         """(cu_q [U + 1], cu_k [U + 1] int32, kv_index [M] int64, max_q, max_k) over U runs (each
         prompt, each branch): the queries are the stream itself; run u's keys are kv_index[cu_k[u]:
         cu_k[u + 1]], its prompt's positions (for a branch) followed by its own."""
@@ -260,17 +280,7 @@ class TreePlan:
                     k_lens.append(p + r)
                     kv_index += [prompt, torch.arange(offset, offset + r)]
                     offset += r
-            cu_q, cu_k = (
-                torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-                for lens in (q_lens, k_lens)
-            )
-            self._varlen = (
-                to_device(cu_q, self.device),
-                to_device(cu_k, self.device),
-                to_device(torch.cat(kv_index), self.device),
-                max(q_lens),
-                max(k_lens),
-            )
+            self._varlen = varlen_runs(q_lens, k_lens, kv_index, self.device)
         return self._varlen
 
 

@@ -65,7 +65,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rlloom.devices import to_device
-from rlloom.models.attention_ops import varlen_causal
+from rlloom.models.attention_ops import VarlenRuns, varlen_causal, varlen_runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +175,7 @@ class CPShard:
         self.index = to_device(mine.clamp(min=0), self.device)
         """[local_len] stream position of each local token (pads repeat position 0: junk outputs)."""
         self._mask: torch.Tensor | None = None
-        self._varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None = None
+        self._varlen: VarlenRuns | None = None
         if self.device.type == "cuda":
             self.varlen()  # built before the layers, as TreePlan does
 
@@ -207,7 +207,7 @@ class CPShard:
             self._mask = to_device(visible, self.device)
         return self._mask
 
-    def varlen(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    def varlen(self) -> VarlenRuns:
         """(cu_q, cu_k [U + 1] int32, kv_index [M] int64, max_q, max_k) over U runs: each local chunk
         (then the padding) is a run of queries whose keys are kv_index[cu_k[u]:cu_k[u + 1]], the slots
         of its document's positions 0 .. chunk end (the padding: itself)."""
@@ -223,17 +223,7 @@ class CPShard:
                 k_lens.append(pad)
                 start = self.rank * self.n + self.num_real
                 kv_index.append(torch.arange(start, start + pad))
-            cu_q, cu_k = (
-                torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-                for lens in (q_lens, k_lens)
-            )
-            self._varlen = (
-                to_device(cu_q, self.device),
-                to_device(cu_k, self.device),
-                to_device(torch.cat(kv_index), self.device),
-                max(q_lens),
-                max(k_lens),
-            )
+            self._varlen = varlen_runs(q_lens, k_lens, kv_index, self.device)
         return self._varlen
 
     def attn(
