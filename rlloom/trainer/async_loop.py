@@ -208,12 +208,12 @@ class AsyncLoop:
 
 
 def _build_producer(ctx: StepContext) -> RolloutStream | FutureStream:
-    """In one process, the rollout engine's step-level API (the local group's one replica) in a
-    background thread; with Ray, the rollout group's `generate` futures."""
+    """The replicas' step-level producers (in this process, or in each rollout actor with Ray), which
+    every `rollout.partial` mode needs; with Ray and partial=finish, the rollout group's `generate`
+    futures (any rollout.tp, chunks spread over the replicas by load)."""
     kwargs = dict(source=ctx.source, runner=ctx.runner, decode=ctx.decode, stop_token_ids=ctx.stop_token_ids)
-    if ctx.cfg.cluster.mode == "inline":
-        engine = ctx.rollout_group.worker.engine  # type: ignore[attr-defined]
-        return RolloutStream(engine, ctx.cfg, **kwargs)  # type: ignore[arg-type]
+    if ctx.cfg.cluster.mode == "inline" or ctx.cfg.rollout.partial != "finish":
+        return RolloutStream(ctx.rollout_group, ctx.cfg, **kwargs)  # type: ignore[arg-type]
     return FutureStream(ctx.rollout_group, ctx.cfg, **kwargs)  # type: ignore[arg-type]
 
 
