@@ -20,11 +20,14 @@ samples of version k - 1 (k >= 1). `async` admits K + 1 jobs; younger jobs are p
 the oldest completes and meet the weight update in flight. With max_staleness=0 only the job being
 trained is admitted: exactly the synchronous run.
 
-Producers: in one process (cluster.mode=inline) a background thread drives the rollout engine's
-step-level API next to training (rollout_stream.py; continuous batching runs every admitted job
-together, and all three `rollout.partial` modes work); with Ray the rounds are the rollout group's
-`generate` futures (rollout_futures.py; partial=finish). Real overlap on GPUs needs the rollout on
-its own GPUs (cluster.mode=ray, cluster.placement=separate); in one process the two share them.
+Producers: rollout_stream.py drives each rollout replica's step-level producer (workers/stream.py:
+a background thread next to the engine, in this process with cluster.mode=inline, in the rollout
+actor with Ray); continuous batching runs every admitted job together, and all three
+`rollout.partial` modes work, inline and on Ray (colocated or separate placement; on Ray
+abort_resume and drop need rollout.tp=1, checked at start-up). With Ray and partial=finish the
+rounds are the rollout group's `generate` futures instead (rollout_futures.py, any rollout.tp).
+Real overlap on GPUs needs the rollout on its own GPUs (cluster.mode=ray,
+cluster.placement=separate); in one process, or colocated, the two share them.
 With max_staleness=0, or one_step_off, the samples do not depend on thread timing; with
 async K >= 1 and abort_resume or drop, where a weight update falls in a response does.
 

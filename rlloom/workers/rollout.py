@@ -47,6 +47,7 @@ class RolloutWorker:
         return self.engine.generate(prompts, sampling)
 
     def stream_add(self, requests: list[StreamRequest]) -> None:
+        maybe_fail("rollout", self.version, self.rank)
         self.stream.add(requests)
 
     def stream_poll(self, timeout_s: float) -> list[StreamResult]:

@@ -76,6 +76,8 @@ class EngineStream:
         """A caller wants the stream: the generation thread waits before its next step."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._news = threading.Event()
+        """Set when samples finish, or the thread stops or fails (what `poll` waits for)."""
 
     def add(self, requests: list[StreamRequest]) -> None:
         """Queue the requests and (re)start the generation thread."""
@@ -90,13 +92,9 @@ class EngineStream:
 
     def poll(self, timeout_s: float) -> list[StreamResult]:
         """The samples finished since the last poll, waiting up to `timeout_s` for the first one."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while not self.finished and self._thread is not None and self._error is None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
+        self._news.wait(timeout_s)
+        with self._held():
+            self._news.clear()
             self._raise()
             out, self.finished = self.finished, []
         return out
@@ -177,14 +175,14 @@ class EngineStream:
                 try:
                     if not self.engine.has_unfinished():
                         self._thread = None
-                        self._cond.notify_all()
+                        self._news.set()
                         return
                     start = time.perf_counter()
                     self._record(self.engine.step())
                     self.busy_s += time.perf_counter() - start
                 except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                     self._error, self._thread = e, None
-                    self._cond.notify_all()
+                    self._news.set()
                     return
 
     def _raise(self) -> None:
@@ -204,7 +202,7 @@ class EngineStream:
             if flight.left == 0:
                 del self.flights[c.request_id]
         if completions:
-            self._cond.notify_all()
+            self._news.set()
 
 
 def _versions(before: list[int], c: Completion) -> list[int]:
