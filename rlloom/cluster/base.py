@@ -128,8 +128,8 @@ class RolloutGroup(Protocol):
         ...
 
     @property
-    def stream_busy_s(self) -> float | None:
-        """Seconds the producers spent in decode steps (None where not measured)."""
+    def stream_busy_s(self) -> float:
+        """Seconds the producers spent in decode steps so far (the replicas' mean)."""
         ...
 
     def sleep(self) -> Pending[None]:

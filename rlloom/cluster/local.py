@@ -88,8 +88,8 @@ class LocalRolloutGroup:
         return self.worker.stream_drop()
 
     @property
-    def stream_busy_s(self) -> float | None:
-        return self.worker.stream.busy_s
+    def stream_busy_s(self) -> float:
+        return self.worker.stream_busy()
 
     def sleep(self) -> Done[None]:
         return Done(self.worker.sleep())

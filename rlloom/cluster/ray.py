@@ -246,8 +246,10 @@ class RayRolloutGroup:
         return sum(self._streams("stream_drop"))
 
     @property
-    def stream_busy_s(self) -> float | None:
-        return None  # measured in the actors, not reported
+    def stream_busy_s(self) -> float:
+        """The replicas' mean busy time (their mean idle fraction follows from it)."""
+        busy = self._streams("stream_busy")
+        return sum(busy) / len(busy)
 
     def sleep(self) -> Refs:
         return Refs(

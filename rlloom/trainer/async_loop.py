@@ -202,8 +202,9 @@ class AsyncLoop:
                 "async/tokens_discarded": float(stream.tokens_discarded - discarded_before),
             }
         )
-        if stream.busy_s is not None:  # measured in this process only
-            metrics["perf/rollout_idle_frac"] = max(0.0, 1 - (stream.busy_s - busy_before) / total_s)
+        busy_after = stream.busy_s
+        if busy_after is not None and busy_before is not None:  # not measured with generate futures
+            metrics["perf/rollout_idle_frac"] = max(0.0, 1 - (busy_after - busy_before) / total_s)
         return metrics
 
 

@@ -44,7 +44,7 @@ class FutureStream:
         """Rounds submitted and not collected: (job, round, prompts, future), oldest first."""
         self.tokens_discarded = 0
         self.busy_s: float | None = None
-        """Not measured: the replicas run elsewhere."""
+        """Not measured: `generate` calls report no busy time."""
 
     def submit(self, index: int) -> Job:
         job = Job(index=index, data_state=self.source.state_dict())

@@ -73,8 +73,8 @@ class RolloutStream:
         """Tokens thrown away by `partial=drop` (and by `drop_all`)."""
 
     @property
-    def busy_s(self) -> float | None:
-        """Seconds the replicas spent in decode steps (None where not measured)."""
+    def busy_s(self) -> float:
+        """Seconds the replicas spent in decode steps so far (their mean)."""
         return self.group.stream_busy_s
 
     # ---- admission -------------------------------------------------------------------------------

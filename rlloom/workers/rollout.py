@@ -62,6 +62,10 @@ class RolloutWorker:
     def stream_drop(self) -> int:
         return self.stream.drop_all()
 
+    def stream_busy(self) -> float:
+        """Seconds its producer spent in decode steps so far."""
+        return self.stream.busy_s
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy (Hugging Face name, tensor) pairs into the engine in place; later requests carry `version`."""
         self.engine.update_weights(named_tensors, version)
