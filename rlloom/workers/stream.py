@@ -101,18 +101,22 @@ class EngineStream:
 
     def abort(self) -> int:
         """Abort every request in flight between two decode steps, keeping each unfinished sample's
-        tokens, logprobs and versions; return their token count. Nothing is in flight afterwards."""
+        tokens, logprobs and versions; return their token count. Nothing is in flight afterwards and
+        the generation thread has ended (the engine is free for a weight update or `generate`)."""
         with self._held():
             self._raise()
-            if not self.flights:
-                return 0
-            self._aborting = True
-            try:
-                self.engine.abort(list(self.flights))
-                self._record(self.engine.step())  # nothing else is scheduled: only the aborted come out
-            finally:
-                self._aborting = False
-            return sum(len(p[0]) for f in self.flights.values() for p in f.partial.values())
+            thread, interrupted = self._thread, 0
+            if self.flights:
+                self._aborting = True
+                try:
+                    self.engine.abort(list(self.flights))
+                    self._record(self.engine.step())  # nothing else is scheduled: only the aborted come out
+                finally:
+                    self._aborting = False
+                interrupted = sum(len(p[0]) for f in self.flights.values() for p in f.partial.values())
+        if thread is not None:
+            thread.join()  # it sees nothing in flight and ends
+        return interrupted
 
     def resume(self, keep: bool) -> int:
         """Continue every aborted sample under the engine's current weights: from its tokens so far
