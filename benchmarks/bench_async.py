@@ -13,14 +13,15 @@ no reference model. Layouts on the same two GPUs:
 Goal: async >= 1.5x the best synchronous layout's step time. The table reports the median over the
 steps after `--warmup`: step time, generation and training seconds, the training group's idle
 fraction (1 - its busy stages / step time) and, where the controller measures it, the rollout's.
-On Ray the rollout runs in other processes and its busy time is not measured (n/a).
+With rollout.partial=finish on Ray (`generate` futures) the rollout's busy time is not measured
+(nan); with `--set rollout.partial=abort_resume` (or drop) the rollout actors measure it.
 
     python benchmarks/bench_async.py                     # 2 GPUs, Ray, all four layouts
     python benchmarks/bench_async.py --layouts async_k2  # some of them
     python benchmarks/bench_async.py --smoke             # CPU, tiny model, one process: the script path
 
-The per-prompt lengths are applied by wrapping the rollout group's `generate` (and, in one process,
-the engine's `add_request`) so that each request's `max_new_tokens` is its prompt's drawn length.
+The per-prompt lengths are applied by wrapping the rollout group's `generate` and `stream_add` so
+that each request's `max_new_tokens` is its prompt's drawn length.
 """
 
 from __future__ import annotations
@@ -63,42 +64,23 @@ def heavy_tailed_lengths(num: int, low: int, high: int, *, seed: int = 0, alpha:
 
 class LengthCapped:
     """A rollout group whose requests stop at their prompt's drawn length (`limits`: prompt ids ->
-    max_new_tokens); in one process its `worker.engine` does the same for `add_request`."""
+    max_new_tokens), through `generate` and through the asynchronous loop's `stream_add`."""
 
     def __init__(self, group: Any, limits: dict[tuple[int, ...], int]) -> None:
         self.group, self.limits = group, limits
-        if hasattr(group, "worker"):
-            self.worker = _Worker(_Engine(group.worker.engine, limits))
+
+    def _capped(self, prompt_ids: list[int], sampling: Any) -> Any:
+        return dataclasses.replace(sampling, max_new_tokens=self.limits[tuple(prompt_ids)])
 
     def generate(self, prompts: list[list[int]], sampling: list[Any]) -> Any:
-        capped = [
-            dataclasses.replace(s, max_new_tokens=self.limits[tuple(p)]) for p, s in zip(prompts, sampling)
-        ]
-        return self.group.generate(prompts, capped)
+        return self.group.generate(prompts, [self._capped(p, s) for p, s in zip(prompts, sampling)])
+
+    def stream_add(self, replica: int, requests: list[Any]) -> None:
+        capped = [dataclasses.replace(r, sampling=self._capped(r.prompt_ids, r.sampling)) for r in requests]
+        self.group.stream_add(replica, capped)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.group, name)
-
-
-@dataclasses.dataclass
-class _Worker:
-    engine: Any
-
-
-class _Engine:
-    def __init__(self, engine: Any, limits: dict[tuple[int, ...], int]) -> None:
-        self.engine, self.limits = engine, limits
-
-    def add_request(self, prompt_ids: list[int], sampling: Any, **kwargs: Any) -> str:
-        capped = dataclasses.replace(sampling, max_new_tokens=self.limits[tuple(prompt_ids)])
-        return self.engine.add_request(prompt_ids, capped, **kwargs)
-
-    def resume_request(self, prompt_ids: list[int], sampling: Any, **kwargs: Any) -> str:
-        capped = dataclasses.replace(sampling, max_new_tokens=self.limits[tuple(prompt_ids)])
-        return self.engine.resume_request(prompt_ids, capped, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
 
 
 def run_layout(name: str, args: argparse.Namespace, model_dir: Path, tmp: str) -> list[dict[str, float]]:

@@ -11,8 +11,9 @@ Driver stages, in step order: generate, rewards, old_logprobs, ref_logprobs, adv
 policy updates done, weights not yet synced), sync; then save_engine (the engine state of the step's
 checkpoint is written, the checkpoint's manifest is not) and after_checkpoint. Worker stages: update_policy
 (before an optimizer step; there STEP counts optimizer steps, the policy version, and RANK picks the
-training rank) and rollout (a rollout worker's generate call has started; STEP is the policy version
-its weights hold, RANK the rollout rank). Unset in normal runs; reading one variable costs nothing.
+training rank) and rollout (a rollout worker's generate or stream_add call has started; STEP is the
+policy version its weights hold, RANK the rollout rank). Unset in normal runs; reading one variable
+costs nothing.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import torch
 from rlloom.data.types import PolicyUpdate, RolloutBatch
 from rlloom.engines.rollout import Completion, SamplingParams
 from rlloom.observability.metrics import Metric
+from rlloom.workers.stream import StreamRequest, StreamResult
 
 T_co = TypeVar("T_co", covariant=True)
 T = TypeVar("T")
@@ -99,6 +100,36 @@ class RolloutGroup(Protocol):
     def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> Pending[list[Completion]]:
         """Completions of every prompt, in prompt order (`Completion.prompt_index` is the position in
         `prompts`); requests are spread over the replicas by load."""
+        ...
+
+    num_replicas: int
+
+    def stream_add(self, replica: int, requests: list[StreamRequest]) -> None:
+        """Queue requests on replica `replica`'s step-level producer (`workers/stream.py`), generated
+        in the background from now on (the asynchronous loop; one-rank replicas)."""
+        ...
+
+    def stream_poll(self, timeout_s: float) -> list[StreamResult]:
+        """The samples every replica finished since the last poll (waiting up to `timeout_s`)."""
+        ...
+
+    def stream_abort(self) -> int:
+        """Abort every request in flight between decode steps, keeping tokens, logprobs and versions;
+        returns their token count. The weights may change afterwards."""
+        ...
+
+    def stream_resume(self, keep: bool) -> int:
+        """Resume the aborted samples under the current weights, from their tokens (`keep`) or from
+        scratch; returns the tokens discarded."""
+        ...
+
+    def stream_drop(self) -> int:
+        """Abort and forget everything in flight; returns the tokens discarded."""
+        ...
+
+    @property
+    def stream_busy_s(self) -> float:
+        """Seconds the producers spent in decode steps so far (the replicas' mean)."""
         ...
 
     def sleep(self) -> Pending[None]:

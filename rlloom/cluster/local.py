@@ -15,6 +15,7 @@ from rlloom.observability.metrics import Metric
 from rlloom.weight_sync.base import checksum_enabled
 from rlloom.weight_sync.inplace import sync_inplace
 from rlloom.workers.rollout import RolloutWorker
+from rlloom.workers.stream import StreamRequest, StreamResult
 from rlloom.workers.train import TrainWorker
 
 
@@ -68,6 +69,27 @@ class LocalRolloutGroup:
 
     def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> Done[list[Completion]]:
         return Done(self.worker.generate(prompts, sampling))
+
+    num_replicas = 1
+
+    def stream_add(self, replica: int, requests: list[StreamRequest]) -> None:
+        self.worker.stream_add(requests)
+
+    def stream_poll(self, timeout_s: float) -> list[StreamResult]:
+        return self.worker.stream_poll(timeout_s)
+
+    def stream_abort(self) -> int:
+        return self.worker.stream_abort()
+
+    def stream_resume(self, keep: bool) -> int:
+        return self.worker.stream_resume(keep)
+
+    def stream_drop(self) -> int:
+        return self.worker.stream_drop()
+
+    @property
+    def stream_busy_s(self) -> float:
+        return self.worker.stream_busy()
 
     def sleep(self) -> Done[None]:
         return Done(self.worker.sleep())

@@ -24,6 +24,7 @@ from rlloom.cluster.ray_generate import QueuedGeneration
 from rlloom.config.components import RunConfig
 from rlloom.data.types import PolicyUpdate, RolloutBatch
 from rlloom.engines.rollout import SamplingParams
+from rlloom.workers.stream import StreamRequest, StreamResult
 
 try:
     import ray
@@ -217,6 +218,38 @@ class RayRolloutGroup:
 
     def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> QueuedGeneration:
         return QueuedGeneration(self.actors, self.replicas, prompts, sampling, max_num_seqs=self.max_num_seqs)
+
+    # ---- the step-level producers (one-rank replicas: rank 0 is the replica) ----------------------
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.replicas)
+
+    def _streams(self, method: str, *args: Any) -> list[Any]:
+        heads = [r[0] for r in self.replicas]
+        return self.actors.wait(self.actors.call(heads, "on_rollout", method, *args), method, heads)
+
+    def stream_add(self, replica: int, requests: list[StreamRequest]) -> None:
+        head = self.replicas[replica][0]
+        self.actors.wait(self.actors.call([head], "on_rollout", "stream_add", requests), "generate", [head])
+
+    def stream_poll(self, timeout_s: float) -> list[StreamResult]:
+        return [x for results in self._streams("stream_poll", timeout_s) for x in results]
+
+    def stream_abort(self) -> int:
+        return sum(self._streams("stream_abort"))
+
+    def stream_resume(self, keep: bool) -> int:
+        return sum(self._streams("stream_resume", keep))
+
+    def stream_drop(self) -> int:
+        return sum(self._streams("stream_drop"))
+
+    @property
+    def stream_busy_s(self) -> float:
+        """The replicas' mean busy time (their mean idle fraction follows from it)."""
+        busy = self._streams("stream_busy")
+        return sum(busy) / len(busy)
 
     def sleep(self) -> Refs:
         return Refs(

@@ -163,7 +163,8 @@ class RolloutConfig:
     end under the old weights before the update is applied; `abort_resume`: they are aborted, the
     weights updated between decode steps, and they resume under the new weights from prompt + tokens
     so far (KV cache rebuilt; every token keeps the version and logprob of the policy that produced
-    it); `drop`: their tokens are discarded and the samples generated again under the new weights."""
+    it); `drop`: their tokens are discarded and the samples generated again under the new weights.
+abort_resume and drop need trainer.mode=async and, with cluster.mode=ray, rollout.tp=1."""
     tp: int = 1
     """Tensor-parallel degree of one rollout engine: its model's heads, MLP (and expert) widths and
     vocabulary are split over `tp` ranks (GPUs), one all-reduce per attention and per MLP. Must divide
@@ -874,13 +875,20 @@ class RunConfig:
                 "set rollout.n_samples=4 or more",
             )
         _check(
-            self.rollout.partial == "finish"
-            or (self.trainer.mode == "async" and self.cluster.mode == "inline"),
+            self.rollout.partial == "finish" or self.trainer.mode == "async",
             "rollout.partial",
             self.rollout.partial,
             "abort_resume and drop act on requests in flight across a weight update: they need "
-            "trainer.mode=async, and for now cluster.mode=inline (the rollout's step-level API in this process)",
-            "set trainer.mode=async and cluster.mode=inline, or rollout.partial=finish",
+            "trainer.mode=async",
+            "set trainer.mode=async, or rollout.partial=finish",
+        )
+        _check(
+            self.rollout.partial == "finish" or self.cluster.mode == "inline" or self.rollout.tp == 1,
+            "rollout.partial",
+            self.rollout.partial,
+            "with cluster.mode=ray, abort_resume and drop run each replica's step-level API in its actor, "
+            f"which needs one-rank replicas (rollout.tp=1, not {self.rollout.tp})",
+            "set rollout.tp=1 (more replicas through cluster.rollout_workers), or rollout.partial=finish",
         )
         _check(
             not self.algorithm.decoupled_ppo or self.trainer.mode != "sync",

@@ -20,11 +20,14 @@ samples of version k - 1 (k >= 1). `async` admits K + 1 jobs; younger jobs are p
 the oldest completes and meet the weight update in flight. With max_staleness=0 only the job being
 trained is admitted: exactly the synchronous run.
 
-Producers: in one process (cluster.mode=inline) a background thread drives the rollout engine's
-step-level API next to training (rollout_stream.py; continuous batching runs every admitted job
-together, and all three `rollout.partial` modes work); with Ray the rounds are the rollout group's
-`generate` futures (rollout_futures.py; partial=finish). Real overlap on GPUs needs the rollout on
-its own GPUs (cluster.mode=ray, cluster.placement=separate); in one process the two share them.
+Producers: rollout_stream.py drives each rollout replica's step-level producer (workers/stream.py:
+a background thread next to the engine, in this process with cluster.mode=inline, in the rollout
+actor with Ray); continuous batching runs every admitted job together, and all three
+`rollout.partial` modes work, inline and on Ray (colocated or separate placement; on Ray
+abort_resume and drop need rollout.tp=1, checked at start-up). With Ray and partial=finish the
+rounds are the rollout group's `generate` futures instead (rollout_futures.py, any rollout.tp).
+Real overlap on GPUs needs the rollout on its own GPUs (cluster.mode=ray,
+cluster.placement=separate); in one process, or colocated, the two share them.
 With max_staleness=0, or one_step_off, the samples do not depend on thread timing; with
 async K >= 1 and abort_resume or drop, where a weight update falls in a response does.
 
@@ -199,8 +202,9 @@ class AsyncLoop:
                 "async/tokens_discarded": float(stream.tokens_discarded - discarded_before),
             }
         )
-        if stream.busy_s is not None:  # measured in this process only
-            metrics["perf/rollout_idle_frac"] = max(0.0, 1 - (stream.busy_s - busy_before) / total_s)
+        busy_after = stream.busy_s
+        if busy_after is not None and busy_before is not None:  # not measured with generate futures
+            metrics["perf/rollout_idle_frac"] = max(0.0, 1 - (busy_after - busy_before) / total_s)
         return metrics
 
 
@@ -208,12 +212,12 @@ class AsyncLoop:
 
 
 def _build_producer(ctx: StepContext) -> RolloutStream | FutureStream:
-    """In one process, the rollout engine's step-level API (the local group's one replica) in a
-    background thread; with Ray, the rollout group's `generate` futures."""
+    """The replicas' step-level producers (in this process, or in each rollout actor with Ray), which
+    every `rollout.partial` mode needs; with Ray and partial=finish, the rollout group's `generate`
+    futures (any rollout.tp, chunks spread over the replicas by load)."""
     kwargs = dict(source=ctx.source, runner=ctx.runner, decode=ctx.decode, stop_token_ids=ctx.stop_token_ids)
-    if ctx.cfg.cluster.mode == "inline":
-        engine = ctx.rollout_group.worker.engine  # type: ignore[attr-defined]
-        return RolloutStream(engine, ctx.cfg, **kwargs)  # type: ignore[arg-type]
+    if ctx.cfg.cluster.mode == "inline" or ctx.cfg.rollout.partial != "finish":
+        return RolloutStream(ctx.rollout_group, ctx.cfg, **kwargs)  # type: ignore[arg-type]
     return FutureStream(ctx.rollout_group, ctx.cfg, **kwargs)  # type: ignore[arg-type]
 
 

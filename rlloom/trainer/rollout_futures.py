@@ -3,10 +3,10 @@ round of a job is one `rollout_group.generate` call, in flight on the rollout re
 controller trains. With cluster.placement=separate the replicas have their own GPUs, so the next
 batch generates while this one trains (one_step_off, async).
 
-Weights change only when nothing is in flight (rollout.partial=finish: `update_weights` first waits
-for every round submitted, generated under the old weights). Aborting and resuming requests across
-a weight update needs the step-level API inside the rollout actors (rollout_stream.py does it in one
-process). The futures are polled only while the controller waits on generation, so with several
+Used for rollout.partial=finish on Ray (any rollout.tp): weights change only when nothing is in
+flight (`update_weights` first waits for every round submitted, generated under the old weights).
+abort_resume and drop go through the rollout actors' step-level producers (rollout_stream.py). The
+futures are polled only while the controller waits on generation, so with several
 replicas a round's later chunks are handed out then (`QueuedGeneration`).
 """
 
@@ -44,7 +44,7 @@ class FutureStream:
         """Rounds submitted and not collected: (job, round, prompts, future), oldest first."""
         self.tokens_discarded = 0
         self.busy_s: float | None = None
-        """Not measured: the replicas run elsewhere."""
+        """Not measured: `generate` calls report no busy time."""
 
     def submit(self, index: int) -> Job:
         job = Job(index=index, data_state=self.source.state_dict())

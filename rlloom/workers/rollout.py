@@ -3,7 +3,8 @@ tensor-parallel process group; every rank of a replica is called with the same a
 of the replica's results are the replica's.
 
 The worker holds the weights under a policy version: `update_weights` copies the synced tensors in
-place (CUDA graphs stay valid) and later completions carry that version.
+place (CUDA graphs stay valid) and later completions carry that version. The asynchronous loop's
+requests in flight go through `stream_*` (its `EngineStream`, stream.py; one-rank replicas only).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from rlloom.config.components import RunConfig
 from rlloom.engines.rollout import Completion, SamplingParams
 from rlloom.engines.rollout.build import build_rollout_engine
 from rlloom.faults import maybe_fail
+from rlloom.workers.stream import EngineStream, StreamRequest, StreamResult
 
 
 class RolloutWorker:
@@ -36,11 +38,33 @@ class RolloutWorker:
         self.engine = build_rollout_engine(cfg, device=device, dtype=dtype, tp_group=tp_group)
         self.version = 0
         """Policy version of the weights held (the last `update_weights`)."""
+        self.stream = EngineStream(self.engine)
+        """The step-level producer of the asynchronous loop (idle unless `stream_add` is called)."""
 
     def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> list[Completion]:
         """Completions of every prompt in prompt order (`prompt_index` = position in `prompts`)."""
         maybe_fail("rollout", self.version, self.rank)
         return self.engine.generate(prompts, sampling)
+
+    def stream_add(self, requests: list[StreamRequest]) -> None:
+        maybe_fail("rollout", self.version, self.rank)
+        self.stream.add(requests)
+
+    def stream_poll(self, timeout_s: float) -> list[StreamResult]:
+        return self.stream.poll(timeout_s)
+
+    def stream_abort(self) -> int:
+        return self.stream.abort()
+
+    def stream_resume(self, keep: bool) -> int:
+        return self.stream.resume(keep)
+
+    def stream_drop(self) -> int:
+        return self.stream.drop_all()
+
+    def stream_busy(self) -> float:
+        """Seconds its producer spent in decode steps so far."""
+        return self.stream.busy_s
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy (Hugging Face name, tensor) pairs into the engine in place; later requests carry `version`."""

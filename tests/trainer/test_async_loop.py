@@ -92,59 +92,50 @@ def test_one_step_off_trains_step_k_on_version_k_minus_1(tiny_checkpoint, tmp_pa
         assert (gap > 1e-3) if k else (gap < 1e-4), (k, gap)
 
 
-def test_abort_resume_keeps_each_tokens_version_and_logprob(tiny_checkpoint, tmp_path, monkeypatch):
-    """Stop strings make response lengths differ, so the next job is part-generated when the oldest
-    completes; its requests are aborted at the weight update and resumed under the new weights."""
-    from transformers import AutoModelForCausalLM
-
+def spy_on_versions(monkeypatch, weights_of):
+    """Record, for each trained step, (training version, samples), the policy update, and the
+    rollout's weights under each policy version. `weights_of(ctx)` returns (rollout version, rollout
+    weights, training weights) at the start of a step (after the in-flight update)."""
     import rlloom.trainer.async_loop as loop_mod
     import rlloom.trainer.step as step_mod
-    from rlloom.models.adapter import hf_named_tensors
 
-    weights: dict[int, dict[str, torch.Tensor]] = {}  # policy version -> the rollout's weights
-    trained: list[tuple[int, list]] = []
-    updates: list = []
+    seen = {"weights": {}, "trained": [], "updates": []}
     real_step, real_build = loop_mod.rl_step, step_mod.build_update
 
     def spy_step(ctx, step, rollout):
-        engine = ctx.rollout_group.worker.engine
-        weights[engine.policy_version] = {k: v.clone() for k, v in hf_named_tensors(engine.model)}
-        trained.append((ctx.train_group.version, rollout.samples))
+        version, held, sent = weights_of(ctx)
+        seen["weights"][version] = held
+        seen["trained"].append((ctx.train_group.version, rollout.samples))
         # the in-flight update (between decode steps) delivered exactly the training weights
-        assert engine.policy_version == ctx.train_group.version
-        sent = dict(hf_named_tensors(ctx.train_group.worker.engine.model))
-        assert sent.keys() == weights[engine.policy_version].keys()
-        assert all(torch.equal(sent[k], v) for k, v in weights[engine.policy_version].items())
+        assert version == ctx.train_group.version
+        assert sent.keys() == held.keys() and all(torch.equal(sent[k], v) for k, v in held.items())
         return real_step(ctx, step, rollout=rollout)
 
     def spy_build(*args, **kwargs):
         update, metrics = real_build(*args, **kwargs)
-        updates.append(update)
+        seen["updates"].append(update)
         return update, metrics
 
     monkeypatch.setattr(loop_mod, "rl_step", spy_step)
     monkeypatch.setattr(step_mod, "build_update", spy_build)
-    extra = [
-        "trainer.mode=async",
-        "trainer.max_staleness=1",
-        "rollout.partial=abort_resume",
-        "rollout.max_new_tokens=16",
-        "rollout.stop_strings=[a,e,o,'1','2']",
-        "trainer.total_steps=3",
-    ]
-    run(tiny_cfg(tiny_checkpoint, tmp_path / "r", *FAST, *extra))
-    records = read_metrics(tmp_path / "r")
-    assert sum(m["async/tokens_interrupted"] for m in records) > 0
+    return seen
 
-    reference = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, torch_dtype=torch.float32)
+
+def check_versions_and_logprobs(seen, checkpoint, max_staleness: int = 1) -> int:
+    """Every trained response's tokens carry non-decreasing versions within the staleness bound, and
+    each token's behaviour logprob is its producing policy's forward (within 1e-5); the importance
+    weights use them. Returns how many responses mix two versions (resumed across an update)."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32)
     mixed = 0
-    for (train_version, samples), update in zip(trained, updates):
+    for (train_version, samples), update in zip(seen["trained"], seen["updates"]):
         for s in samples:
             versions = s.response_versions()
-            assert versions == sorted(versions) and train_version - versions[0] <= 1
+            assert versions == sorted(versions) and train_version - versions[0] <= max_staleness
             mixed += len(set(versions)) > 1
             for v in set(versions):  # each token's logprob is its producing policy's forward
-                reference.load_state_dict(weights[v], strict=False)
+                reference.load_state_dict(seen["weights"][v], strict=False)
                 with torch.no_grad():
                     logits = reference(torch.tensor([s.token_ids])).logits[0].float()
                 P = len(s.prompt_ids)
@@ -157,7 +148,34 @@ def test_abort_resume_keeps_each_tokens_version_and_logprob(tiny_checkpoint, tmp
         mask = update.batch.response_mask()
         expected = torch.exp(update.old_logp_BT - update.batch.rollout_logprobs()).clamp(max=2.0)
         torch.testing.assert_close(update.is_weights_BT[mask], expected[mask])
-    assert mixed > 0  # some responses were resumed under newer weights
+    return mixed
+
+
+ABORT_RESUME = [  # stop strings make response lengths differ: the next job is part-generated
+    "trainer.mode=async",
+    "trainer.max_staleness=1",
+    "rollout.partial=abort_resume",
+    "rollout.max_new_tokens=16",
+    "rollout.stop_strings=[a,e,o,'1','2']",
+    "trainer.total_steps=3",
+]
+
+
+def test_abort_resume_keeps_each_tokens_version_and_logprob(tiny_checkpoint, tmp_path, monkeypatch):
+    """Stop strings make response lengths differ, so the next job is part-generated when the oldest
+    completes; its requests are aborted at the weight update and resumed under the new weights."""
+    from rlloom.models.adapter import hf_named_tensors
+
+    def weights_of(ctx):
+        engine = ctx.rollout_group.worker.engine
+        held = {k: v.clone() for k, v in hf_named_tensors(engine.model)}
+        return engine.policy_version, held, dict(hf_named_tensors(ctx.train_group.worker.engine.model))
+
+    seen = spy_on_versions(monkeypatch, weights_of)
+    run(tiny_cfg(tiny_checkpoint, tmp_path / "r", *FAST, *ABORT_RESUME))
+    records = read_metrics(tmp_path / "r")
+    assert sum(m["async/tokens_interrupted"] for m in records) > 0
+    assert check_versions_and_logprobs(seen, tiny_checkpoint) > 0  # some responses were resumed
 
 
 @pytest.mark.slow  # ~50 s on 2 cores: the killed run is a CLI process of its own

@@ -68,8 +68,15 @@ def test_async_modes_correct_off_policy_samples_by_default():
         (["trainer.mode=later"], "trainer.mode"),
         (["rollout.partial=abort_resume"], "rollout.partial='abort_resume' is invalid"),
         (
-            ["trainer.mode=async", "rollout.partial=drop", "cluster.mode=ray"],
-            "rollout.partial='drop' is invalid",
+            [
+                "trainer.mode=async",
+                "rollout.partial=drop",
+                "cluster.mode=ray",
+                "cluster.placement=separate",
+                "cluster.rollout_workers=2",
+                "rollout.tp=2",
+            ],
+            "rollout.partial='drop' is invalid: with cluster.mode=ray.*rollout.tp=1, not 2",
         ),
         (["algorithm.decoupled_ppo=true"], "algorithm.decoupled_ppo=True is invalid: needs trainer.mode"),
         (["trainer.stale_samples=weigh"], "trainer.stale_samples"),

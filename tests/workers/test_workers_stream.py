@@ -1,0 +1,90 @@
+"""`EngineStream` (workers/stream.py) on the tiny checkpoint: samples aborted mid-response while the
+generation thread runs, then resumed (or restarted), end exactly as an uninterrupted `generate`
+(seeded sampling, same weights), with each token's policy version."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import rlloom.models as models
+from rlloom.engines.rollout.native import NativeEngine, SamplingParams
+from rlloom.models.adapter import hf_named_tensors
+from rlloom.workers.stream import EngineStream, StreamRequest
+
+PROMPTS = [[5, 6, 7, 8, 9], [11, 3]]
+PARAMS = SamplingParams(n=2, temperature=1.0, max_new_tokens=14, seed=3, ignore_eos=True)
+
+
+def _engine(path) -> NativeEngine:
+    return NativeEngine(
+        models.from_pretrained(path, fused_projections=True), max_model_len=64, num_blocks=64, block_size=4
+    )
+
+
+def _interrupted_stream(path) -> tuple[EngineStream, int]:
+    """A stream whose requests were aborted after 4 or more decode steps (of 14 tokens)."""
+    engine = _engine(path)
+    step, steps, four = engine.step, [], threading.Event()
+
+    def counted():
+        steps.append(1)
+        if len(steps) >= 4:
+            four.set()
+        time.sleep(0.01)
+        return step()
+
+    engine.step = counted
+    stream = EngineStream(engine)
+    stream.add(
+        [
+            StreamRequest(request_id=str(i), prompt_ids=p, sampling=PARAMS, prompt_index=i)
+            for i, p in enumerate(PROMPTS)
+        ]
+    )
+    assert four.wait(30)
+    interrupted = stream.abort()
+    assert interrupted > 0 and not engine.has_unfinished() and stream._thread is None
+    engine.update_weights(list(hf_named_tensors(engine.model)), version=1)  # same weights, a new version
+    return stream, interrupted
+
+
+def _collect(stream: EngineStream, count: int) -> dict:
+    out = {}
+    deadline = time.monotonic() + 60
+    while len(out) < count and time.monotonic() < deadline:
+        for r in stream.poll(0.5):
+            out[(r.completion.prompt_index, r.completion.sample_index)] = r
+    return out
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["abort_resume", "drop"])
+def test_interrupted_samples_end_as_uninterrupted_ones(tiny_checkpoint, keep):
+    straight = {
+        (c.prompt_index, c.sample_index): c for c in _engine(tiny_checkpoint).generate(PROMPTS, PARAMS)
+    }
+    stream, interrupted = _interrupted_stream(tiny_checkpoint)
+    assert stream.resume(keep=keep) == (0 if keep else interrupted)
+    got = _collect(stream, len(straight))
+    assert got.keys() == straight.keys() and not stream.flights
+    mixed = 0
+    for key, r in got.items():
+        c, ref = r.completion, straight[key]
+        assert c.token_ids == ref.token_ids
+        torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(ref.logprobs), atol=1e-5, rtol=0)
+        assert r.versions == sorted(r.versions) and len(r.versions) == len(c.token_ids)
+        mixed += len(set(r.versions)) > 1
+    # resumed: the tokens before the abort keep version 0, the rest have version 1; restarted: one
+    # version per sample
+    assert mixed > 0 if keep else mixed == 0
+    assert stream.drop_all() == 0
+
+
+def test_drop_all_frees_the_engine(tiny_checkpoint):
+    stream, interrupted = _interrupted_stream(tiny_checkpoint)
+    stream.resume(keep=True)
+    assert stream.drop_all() >= interrupted and not stream.flights and not stream.finished
+    assert len(stream.engine.generate(PROMPTS, PARAMS)) == 4  # nothing of the stream is left in the engine
