@@ -25,9 +25,11 @@ from rlloom.weight_sync.broadcast import (
     SyncGroup,
     SyncGroupSpec,
     join_sync_group,
+    owner_layout,
     receive_weights,
     send_weights,
 )
+from rlloom.weight_sync.reshard import TrainLayout
 from rlloom.workers.rollout import RolloutWorker
 from rlloom.workers.train import TrainWorker
 
@@ -65,8 +67,10 @@ class SlotActor:
         self.train: TrainWorker | None = None
         self.rollout: RolloutWorker | None = None
         self.sync_group: SyncGroup | None = None
-        """Separate placement: this rank's part of the broadcast sync group (None on training ranks
-        that do not send)."""
+        """Separate placement: this rank's part of the broadcast sync group (every training rank sends)."""
+        self.sync_layout: TrainLayout | None = None
+        """Separate placement, training ranks: what each sender owns (`owner_layout`, built at the
+        first sync: collective over the training world)."""
 
     def address(self) -> tuple[str, int, int]:
         """(host ip, a free port on it, pid) for rendezvous and error reports."""
@@ -124,13 +128,17 @@ class SlotActor:
         self.sync_group = join_sync_group(spec, rank, device)
 
     def send_weights(self) -> dict[str, float]:
-        """Separate placement, every training rank: gather the weights; a sending rank broadcasts them."""
+        """Separate placement, every training rank: gather the dense weights (collective) and send
+        what the plan gives this rank of what it owns (its routed experts, a share of the rest)."""
         assert self.train is not None
+        if self.sync_layout is None:
+            self.sync_layout = owner_layout(self.train.weight_layouts(), self.train.ep_rank)
         report = send_weights(
             self.sync_group,
             self.train,
             bucket_bytes=self.cfg.sync.bucket_mb << 20,
             checksum=checksum_enabled(self.cfg.sync.checksum, self.train.device),
+            layout=self.sync_layout,
         )
         return report.metrics()
 

@@ -85,7 +85,7 @@ class TrainSide:
         self.version += 1
 
     def named_weights(
-        self, *, bucket_bytes: int, dtype: torch.dtype | None = None
+        self, *, bucket_bytes: int, dtype: torch.dtype | None = None, owned_only: bool = False
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         for bucket in named_weight_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype):
             yield [(n, t) for n, t in bucket if n not in self.skip]

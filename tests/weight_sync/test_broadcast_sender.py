@@ -20,8 +20,8 @@ class CountingSide(TrainSide):
         super().__init__("dense")
         self.buckets = self.total = 0
 
-    def named_weights(self, *, bucket_bytes: int, dtype: torch.dtype | None = None):
-        for bucket in super().named_weights(bucket_bytes=bucket_bytes, dtype=dtype):
+    def named_weights(self, *, bucket_bytes: int, dtype: torch.dtype | None = None, owned_only: bool = False):
+        for bucket in super().named_weights(bucket_bytes=bucket_bytes, dtype=dtype, owned_only=owned_only):
             self.buckets += 1
             yield bucket
 
