@@ -151,6 +151,8 @@ class _Outbox:
         self.in_flight: list[list[dist.Work]] = [[] for _ in routes]
         self.checksums: list[dict[str, str]] = [{} for _ in routes]
         self.seen: set[str] = set()
+        self.unexpected: list[str] = []
+        """Tensors yielded that the training layout does not give this sender."""
         self.problems: list[str] = []
         self.num_bytes = self.num_pieces = 0
 
@@ -173,9 +175,7 @@ class _Outbox:
             )
             return
         if name not in held:
-            self.problems.append(
-                f"the training engine yielded {name!r}, which the training layout does not give this sender"
-            )
+            self.unexpected.append(name)
             return
         if tuple(tensor.shape) != tuple(shapes[name]):
             self.problems.append(
@@ -206,6 +206,11 @@ class _Outbox:
         """Send what is left (buckets with tensors the engine never yielded go out as zeros, so the
         receivers' streams stay in step; the trailer says the sync failed). `held`: the tensors the
         training layout gives this sender, all of which the engine must have yielded."""
+        if self.unexpected:
+            self.problems.append(
+                f"the training engine yielded {len(self.unexpected)} tensors that the training layout does "
+                f"not give this sender: {self.unexpected[:5]}"
+            )
         missing = sorted(held - self.seen)
         if missing:
             self.problems.append(f"the training engine did not yield {len(missing)} tensors: {missing[:5]}")
