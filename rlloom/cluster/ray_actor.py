@@ -7,6 +7,7 @@ calls their methods by name. What to call on which actor is decided by the group
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from typing import Any
@@ -68,9 +69,6 @@ class SlotActor:
         self.rollout: RolloutWorker | None = None
         self.sync_group: SyncGroup | None = None
         """Separate placement: this rank's part of the broadcast sync group (every training rank sends)."""
-        self.sync_layout: TrainLayout | None = None
-        """Separate placement, training ranks: what each sender owns (`owner_layout`, built at the
-        first sync: collective over the training world)."""
 
     def address(self) -> tuple[str, int, int]:
         """(host ip, a free port on it, pid) for rendezvous and error reports."""
@@ -131,8 +129,6 @@ class SlotActor:
         """Separate placement, every training rank: gather the dense weights (collective) and send
         what the plan gives this rank of what it owns (its routed experts, a share of the rest)."""
         assert self.train is not None
-        if self.sync_layout is None:
-            self.sync_layout = owner_layout(self.train.weight_layouts(), self.train.ep_rank)
         report = send_weights(
             self.sync_group,
             self.train,
@@ -141,6 +137,13 @@ class SlotActor:
             layout=self.sync_layout,
         )
         return report.metrics()
+
+    @functools.cached_property
+    def sync_layout(self) -> TrainLayout | None:
+        """Separate placement, training ranks: what each sender owns (`owner_layout`), built at the
+        first sync (collective over the training world)."""
+        assert self.train is not None
+        return owner_layout(self.train.weight_layouts(), self.train.ep_rank)
 
     def receive_weights(self) -> int:
         """Separate placement, every rollout rank: take this rank's slices and load them; returns the

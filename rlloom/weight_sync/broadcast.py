@@ -296,11 +296,16 @@ def send_weights(
     )
 
 
-def owner_layout(layouts: Mapping[str, WeightLayout], ep_rank: int) -> TrainLayout:
+def owner_layout(layouts: Mapping[str, WeightLayout], ep_rank: int) -> TrainLayout | None:
     """The senders' layout when every training rank sends (sync rank s = training rank s) what its
     `named_weights(owned_only=True)` yields: `layouts` is the engine's `weight_layouts()` (the same on
-    every rank), `ep_rank` this rank's EP rank, gathered from every rank over the default process
-    group. Collective over the training world: every training rank calls it, once, and keeps it."""
+    every rank under expert parallelism), `ep_rank` this rank's EP rank, gathered from every rank
+    over the default process group. Collective over the training world under expert parallelism:
+    every training rank calls it, once, and keeps it. None without expert parallelism: every sender
+    then holds every tensor (`send_weights`' default; it covers pipeline parallelism too, whose
+    export gives every rank every stage while `layouts` describes only its own)."""
+    if all(w.ep_rank is None for w in layouts.values()):
+        return None
     ep_ranks: list[int] = [ep_rank]
     if dist.is_initialized():
         ep_ranks = [0] * dist.get_world_size()
