@@ -59,7 +59,7 @@ class ModelSource:
                 p.normal_(0, 0.02)
         self.version = 0
 
-    def named_weights(self, *, bucket_bytes: int, dtype: torch.dtype | None = None):
+    def named_weights(self, *, bucket_bytes: int, dtype: torch.dtype | None = None, owned_only: bool = False):
         self.version += 1
         return named_weight_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype)
 

@@ -3,7 +3,8 @@ out. Imported only when cluster.mode=ray.
 
 `RayTrainGroup` fans each call out to every training rank and returns a `Pending` at once;
 `RayRolloutGroup` streams chunks of prompts to its replicas by load; the weight sync is in place
-inside each colocated actor, or broadcast from training rank 0 into a separate rollout pool. Arguments
+inside each colocated actor, or broadcast from every training rank (each sending the weights it
+owns: its routed experts, a share of the dense tensors) into a separate rollout pool. Arguments
 go to the object store once (`ray.put`) and every actor reads the same copy. A worker that dies,
 raises or hangs beyond `cluster.timeout_s` stops the run with `WorkerFailure` naming its rank,
 host and stage; all actors are then killed so that `trainer.resume=auto` can continue cleanly.
@@ -279,9 +280,10 @@ class InPlaceSync:
 
 
 class BroadcastSync:
-    """Separate pools: training rank 0 broadcasts the weights to every rollout rank over the sync
-    group (`weight_sync/broadcast.py`, outside both worlds); the other training ranks take part in
-    the gather. The receivers check what arrived before loading it."""
+    """Separate pools: every training rank broadcasts what it owns (owner-only: its routed experts,
+    never all-gathered over expert parallelism, and its share of the dense tensors) to the rollout
+    ranks that hold it, over the sync group (`weight_sync/broadcast.py`, outside both worlds). The
+    receivers check what arrived before loading it."""
 
     def __init__(self, train: RayTrainGroup, rollout: RayRolloutGroup) -> None:
         self.train, self.rollout = train, rollout
@@ -291,7 +293,17 @@ class BroadcastSync:
         refs = actors.call(tslots, "send_weights") + actors.call(rslots, "receive_weights")
         results = actors.wait(refs, "sync", tslots + rslots)
         self.rollout._version = results[len(tslots)]
-        return results[0]  # the sender's report
+        return _sent(results[: len(tslots)])
+
+
+def _sent(reports: list[dict[str, float]]) -> dict[str, float]:
+    """The senders' metrics as one: bytes and pieces add up, the time is the slowest sender's."""
+    out = dict(reports[0])
+    for key in ("sync/gb", "sync/num_tensors"):
+        out[key] = sum(r[key] for r in reports)
+    out["sync/ms"] = max(r["sync/ms"] for r in reports)
+    out["sync/ms_per_gb"] = out["sync/ms"] / out["sync/gb"] if out["sync/gb"] > 0 else 0.0
+    return out
 
 
 def build_ray_groups(cfg: RunConfig, placement: Placement) -> tuple[RayTrainGroup, RayRolloutGroup, Any]:
@@ -307,7 +319,7 @@ def build_ray_groups(cfg: RunConfig, placement: Placement) -> tuple[RayTrainGrou
     refs = [actors.slots[s].start_rollout.remote(j, placement.replicas, world) for j, s in enumerate(rslots)]
     actors.wait(refs, "setup (rollout)", rslots)
     if not placement.colocated:
-        join_sync_group(cfg, actors, tslots[0], rslots)
+        join_sync_group(cfg, actors, tslots, rslots)
     train = RayTrainGroup(actors, tslots)
     replicas = [[rslots[j] for j in r] for r in placement.replicas]
     rollout = RayRolloutGroup(actors, replicas, max_num_seqs=cfg.rollout.max_num_seqs)
@@ -315,18 +327,18 @@ def build_ray_groups(cfg: RunConfig, placement: Placement) -> tuple[RayTrainGrou
     return train, rollout, sync
 
 
-def join_sync_group(cfg: RunConfig, actors: Actors, sender: int, receivers: list[int]) -> None:
-    """Training rank 0 (sync rank 0, hosting the group's store on a fresh port) and every rollout rank
-    (sync ranks 1..) join the broadcast sync group together."""
-    host, port = actors.wait(actors.call([sender], "address"), "sync group", [sender])[0][:2]
+def join_sync_group(cfg: RunConfig, actors: Actors, senders: list[int], receivers: list[int]) -> None:
+    """Every training rank (sync rank s = training rank s; rank 0 hosts the group's store on a fresh
+    port) and every rollout rank (sync ranks S..) join the broadcast sync group together."""
+    host, port = actors.wait(actors.call(senders[:1], "address"), "sync group", senders[:1])[0][:2]
     spec = SyncGroupSpec(
         host=host,
         port=port,
-        num_senders=1,
+        num_senders=len(senders),
         num_receivers=len(receivers),
         rollout_tp=rollout_tp(cfg),
         timeout_s=cfg.sync.timeout_s,
     )
-    slots = [sender, *receivers]
+    slots = [*senders, *receivers]
     refs = [actors.slots[s].join_sync.remote(spec, rank) for rank, s in enumerate(slots)]
     actors.wait(refs, "sync group", slots)

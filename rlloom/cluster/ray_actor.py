@@ -7,6 +7,7 @@ calls their methods by name. What to call on which actor is decided by the group
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from typing import Any
@@ -25,9 +26,11 @@ from rlloom.weight_sync.broadcast import (
     SyncGroup,
     SyncGroupSpec,
     join_sync_group,
+    owner_layout,
     receive_weights,
     send_weights,
 )
+from rlloom.weight_sync.reshard import TrainLayout
 from rlloom.workers.rollout import RolloutWorker
 from rlloom.workers.train import TrainWorker
 
@@ -65,8 +68,7 @@ class SlotActor:
         self.train: TrainWorker | None = None
         self.rollout: RolloutWorker | None = None
         self.sync_group: SyncGroup | None = None
-        """Separate placement: this rank's part of the broadcast sync group (None on training ranks
-        that do not send)."""
+        """Separate placement: this rank's part of the broadcast sync group (every training rank sends)."""
 
     def address(self) -> tuple[str, int, int]:
         """(host ip, a free port on it, pid) for rendezvous and error reports."""
@@ -124,15 +126,24 @@ class SlotActor:
         self.sync_group = join_sync_group(spec, rank, device)
 
     def send_weights(self) -> dict[str, float]:
-        """Separate placement, every training rank: gather the weights; a sending rank broadcasts them."""
+        """Separate placement, every training rank: gather the dense weights (collective) and send
+        what the plan gives this rank of what it owns (its routed experts, a share of the rest)."""
         assert self.train is not None
         report = send_weights(
             self.sync_group,
             self.train,
             bucket_bytes=self.cfg.sync.bucket_mb << 20,
             checksum=checksum_enabled(self.cfg.sync.checksum, self.train.device),
+            layout=self.sync_layout,
         )
         return report.metrics()
+
+    @functools.cached_property
+    def sync_layout(self) -> TrainLayout | None:
+        """Separate placement, training ranks: what each sender owns (`owner_layout`), built at the
+        first sync (collective over the training world)."""
+        assert self.train is not None
+        return owner_layout(self.train.weight_layouts(), self.train.ep_rank)
 
     def receive_weights(self) -> int:
         """Separate placement, every rollout rank: take this rank's slices and load them; returns the

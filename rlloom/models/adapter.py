@@ -151,12 +151,15 @@ class StateDictAdapter:
             return f"model.layers.{layer}.{prefix}{expert}.{proj}.weight"
         return f"model.layers.{layer}.{self._layer_native_to_hf[rest]}"
 
-    def to_hf(self, native_name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-        """(hf_name, tensor) pairs for one native tensor; stacked experts yield one per expert."""
+    def to_hf(
+        self, native_name: str, tensor: torch.Tensor, *, first_expert: int = 0
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(hf_name, tensor) pairs for one native tensor; stacked experts yield one per expert, row j
+        being expert `first_expert + j` (a block of the stack, e.g. one expert-parallel rank's)."""
         rest = _NATIVE_LAYER_RE.match(native_name)
         if rest is not None and _STACKED_RE.match(rest.group(2)):
             for j in range(tensor.shape[0]):
-                yield self.hf_name(native_name, j), tensor[j]
+                yield self.hf_name(native_name, first_expert + j), tensor[j]
         else:
             yield self.hf_name(native_name), tensor
 

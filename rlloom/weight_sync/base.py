@@ -16,8 +16,11 @@ class WeightSource(Protocol):
     version: int
 
     def named_weights(
-        self, *, bucket_bytes: int, dtype: torch.dtype | None = None
-    ) -> Iterator[list[tuple[str, torch.Tensor]]]: ...
+        self, *, bucket_bytes: int, dtype: torch.dtype | None = None, owned_only: bool = False
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Buckets of (Hugging Face name, full tensor); `owned_only`: only the tensors this rank holds
+        without an all-gather over the expert-parallel ranks (the broadcast sync's senders)."""
+        ...
 
 
 class WeightSink(Protocol):

@@ -8,10 +8,12 @@ API (the workers call exactly these):
     group = join_sync_group(spec, rank, device)   # every member, at start-up; collective
         # ranks 0..S-1: the training ranks that send; S..S+R-1: the rollout ranks, rollout rank i
         # being tp rank i % tp of replica i // tp
+    # once, on every training rank when all of them send (collective over the training world):
+    layout = owner_layout(train_engine.weight_layouts(), train_engine.layout.ep_rank)
     # each sync, on every training rank (non-senders pass group=None: FSDP gathers are collective):
     report = send_weights(group, train_engine, bucket_bytes=cfg.sync.bucket_mb << 20,
                           dtype=None, checksum=checksum_enabled(cfg.sync.checksum, device),
-                          layout=None)            # -> SyncReport
+                          layout=layout)          # -> SyncReport
     # each sync, on every rollout rank, at the same time:
     report = receive_weights(group, rollout_engine, checksum=...)   # -> SyncReport
     group.close()
@@ -21,12 +23,19 @@ joining s and the rollout ranks of tp rank r of every replica, from its own TCPS
 `ProcessGroupNCCL` on GPU, `ProcessGroupGloo` on CPU, outside both worlds. Each sync, on each:
 1. the first receiver of each tp rank broadcasts what that rank holds (names, full shapes, its
    slice of each, dtype: `checksum.rank_layout`) and every sender plans with
-   `reshard.plan_reshard` (training layout: `layout`, default every sender
-   holds every full tensor, as today's engines yield them) who sends which slice;
+   `reshard.plan_reshard` (training layout: `layout`; default every sender holds every full
+   tensor) who sends which slice: every sender computes the same plan from the same data;
 2. the sender broadcasts a manifest: version, dtype, its buckets and their pieces (name, box);
 3. then each bucket as one flat buffer (at most `bucket_bytes`), filled as the training engine
    yields its tensors, at most 3 in flight per group; a rollout TP rank receives only its slices;
 4. then a trailer: "ok" or what went wrong on the sender, and the content checksums.
+
+Owner-only sending: every sender iterates `named_weights(owned_only=True)`, which gathers FSDP/TP
+shards (collectives, same order on every training rank) but never all-gathers routed experts over
+the expert-parallel ranks: each rank yields its own experts. `owner_layout` says so to the plan
+(`TrainLayout.owned`): an expert is sent only by a training rank of its EP rank (they share the
+work when the expert-FSDP gather leaves it on several), a dense tensor by one of all senders,
+balanced by bytes. A sender checks that it yields exactly the tensors the layout gives it.
 
 Failure: the receiver stages every bucket it receives (one extra copy of its slice of the weights,
 on its device, for the duration of the sync) and copies into the engine only after every sender's
@@ -41,11 +50,12 @@ from __future__ import annotations
 import functools
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
+from rlloom.engines.train.native.weights import WeightLayout
 from rlloom.weight_sync.base import SyncReport, WeightSink, WeightSource, WeightSyncError
 from rlloom.weight_sync.checksum import (
     check_checksums,
@@ -77,7 +87,14 @@ from rlloom.weight_sync.reshard import (
     relative,
 )
 
-__all__ = ["SyncGroup", "SyncGroupSpec", "join_sync_group", "receive_weights", "send_weights"]
+__all__ = [
+    "SyncGroup",
+    "SyncGroupSpec",
+    "join_sync_group",
+    "owner_layout",
+    "receive_weights",
+    "send_weights",
+]
 
 _MAX_IN_FLIGHT = 3
 
@@ -134,6 +151,8 @@ class _Outbox:
         self.in_flight: list[list[dist.Work]] = [[] for _ in routes]
         self.checksums: list[dict[str, str]] = [{} for _ in routes]
         self.seen: set[str] = set()
+        self.unexpected: list[str] = []
+        """Tensors yielded that the training layout does not give this sender."""
         self.problems: list[str] = []
         self.num_bytes = self.num_pieces = 0
 
@@ -143,7 +162,9 @@ class _Outbox:
             self.buffers[(r, b)] = torch.zeros(numel, dtype=self.dtype, device=self.device)
         return self.buffers[(r, b)]
 
-    def put(self, name: str, tensor: torch.Tensor, shapes: dict[str, tuple[int, ...]]) -> None:
+    def put(
+        self, name: str, tensor: torch.Tensor, shapes: dict[str, tuple[int, ...]], held: set[str]
+    ) -> None:
         if name in self.seen:
             self.problems.append(f"the training engine yielded {name!r} twice")
             return
@@ -152,6 +173,9 @@ class _Outbox:
             self.problems.append(
                 f"the training engine yielded {name!r}, which the rollout model does not have"
             )
+            return
+        if name not in held:
+            self.unexpected.append(name)
             return
         if tuple(tensor.shape) != tuple(shapes[name]):
             self.problems.append(
@@ -178,10 +202,16 @@ class _Outbox:
             if len(self.in_flight[r]) > _MAX_IN_FLIGHT:
                 wait_all([self.in_flight[r].pop(0)], self.deadline, "a rollout rank to take a bucket")
 
-    def finish(self, shapes: dict[str, tuple[int, ...]]) -> None:
+    def finish(self, held: set[str]) -> None:
         """Send what is left (buckets with tensors the engine never yielded go out as zeros, so the
-        receivers' streams stay in step; the trailer says the sync failed)."""
-        missing = sorted(set(shapes) - self.seen)
+        receivers' streams stay in step; the trailer says the sync failed). `held`: the tensors the
+        training layout gives this sender, all of which the engine must have yielded."""
+        if self.unexpected:
+            self.problems.append(
+                f"the training engine yielded {len(self.unexpected)} tensors that the training layout does "
+                f"not give this sender: {self.unexpected[:5]}"
+            )
+        missing = sorted(held - self.seen)
         if missing:
             self.problems.append(f"the training engine did not yield {len(missing)} tensors: {missing[:5]}")
         for key in self.remaining:
@@ -200,13 +230,15 @@ def send_weights(
     layout: TrainLayout | None = None,
 ) -> SyncReport:
     """Send the source's current weights under `source.version` to every rollout rank. Every training
-    rank calls it (each iterates `source.named_weights`: FSDP gathers are collective); a rank that
-    sends nothing passes group=None. `dtype`: None = the rollout's weight dtype. `layout`: what each
-    sender holds (default: every sender holds every full tensor; the plan then splits the sending
-    between them). Raises WeightSyncError when the sync failed (the rollout keeps its weights)."""
+    rank calls it (each iterates `source.named_weights(owned_only=True)`: FSDP gathers are
+    collective); a rank that sends nothing passes group=None. `dtype`: None = the rollout's weight
+    dtype. `layout`: what each sender holds, as its owner-only export yields it (`owner_layout`;
+    default: every sender holds every full tensor, the plan splits the sending between them).
+    Raises WeightSyncError when the sync failed (the rollout keeps its weights)."""
     start = time.perf_counter()
+    weights = functools.partial(source.named_weights, bucket_bytes=bucket_bytes, owned_only=True)
     if group is None:
-        for _ in source.named_weights(bucket_bytes=bucket_bytes, dtype=dtype):
+        for _ in weights(dtype=dtype):
             pass
         return SyncReport(
             version=source.version, num_tensors=0, num_bytes=0, seconds=time.perf_counter() - start
@@ -219,11 +251,9 @@ def send_weights(
         hello = tuple(exchange(links, [None] * len(links), root=1, what="the rollout layout", **io))
         rollout, rollout_dtype = _rollout_layout(hello)
         dtype = dtype or rollout_dtype
-        bucket_numel = max(1, bucket_bytes // dtype.itemsize)
-        if layout is None:
-            plan = _replicated_plan(hello, group.spec.num_senders, bucket_numel)
-        else:
-            plan = plan_reshard(layout, rollout, bucket_numel=bucket_numel)
+        layout = layout or _replicated_layout(hello, group.spec.num_senders)
+        plan, held_by = _plan(layout, hello, max(1, bucket_bytes // dtype.itemsize))
+        held = held_by.get(group.rank, set())
         routes = [plan.route(group.rank, r) for r in range(len(links))]
         manifests = [_manifest(source.version, dtype, route) for route in routes]
         exchange(links, manifests, root=0, what="rollout ranks to take the manifest", **io)
@@ -231,21 +261,21 @@ def send_weights(
             routes, links, dtype=dtype, device=group.device, checksum=checksum, deadline=deadline
         )
         # held in a name: were it collected mid-way, closing it would end the engine's iteration too
-        stream = _reporting(source.named_weights(bucket_bytes=bucket_bytes, dtype=dtype), outbox.problems)
+        stream = _reporting(weights(dtype=dtype), outbox.problems)
         for bucket in stream:
             for name, tensor in bucket:
-                outbox.put(name, tensor, rollout.shapes)
-        outbox.finish(rollout.shapes)
+                outbox.put(name, tensor, rollout.shapes, held)
+        outbox.finish(held)
         status = "; ".join(outbox.problems) or "ok"
         trailers = [json.dumps({"status": status, "checksums": c}).encode() for c in outbox.checksums]
         exchange(links, trailers, root=0, what="rollout ranks to take the trailer", **io)
         wait_all(
             [w for works in outbox.in_flight for w in works], deadline, "rollout ranks to take the buckets"
         )
-    except (TimeoutError, RuntimeError) as exc:
+    except (TimeoutError, RuntimeError, ValueError) as exc:
         group.broken = True
         # the other training ranks are gathering the weights with this one: go through the rest
-        for _ in stream if stream is not None else source.named_weights(bucket_bytes=bucket_bytes):
+        for _ in stream if stream is not None else weights(dtype=dtype):
             pass
         raise WeightSyncError(
             f"weight sync of version {source.version} from training rank {group.rank} failed: {exc}; "
@@ -266,6 +296,24 @@ def send_weights(
     )
 
 
+def owner_layout(layouts: Mapping[str, WeightLayout], ep_rank: int) -> TrainLayout | None:
+    """The senders' layout when every training rank sends (sync rank s = training rank s) what its
+    `named_weights(owned_only=True)` yields: `layouts` is the engine's `weight_layouts()` (the same on
+    every rank under expert parallelism), `ep_rank` this rank's EP rank, gathered from every rank
+    over the default process group. Collective over the training world under expert parallelism:
+    every training rank calls it, once, and keeps it. None without expert parallelism: every sender
+    then holds every tensor (`send_weights`' default; it covers pipeline parallelism too, whose
+    export gives every rank every stage while `layouts` describes only its own)."""
+    if all(w.ep_rank is None for w in layouts.values()):
+        return None
+    ep_ranks: list[int] = [ep_rank]
+    if dist.is_initialized():
+        ep_ranks = [0] * dist.get_world_size()
+        dist.all_gather_object(ep_ranks, ep_rank)
+    experts = {n: w.ep_rank for n, w in layouts.items() if w.ep_rank is not None}
+    return TrainLayout.owned({n: w.shape for n, w in layouts.items()}, experts, ep_ranks)
+
+
 @functools.lru_cache(maxsize=4)
 def _rollout_layout(hello: tuple[bytes, ...]) -> tuple[RolloutLayout, torch.dtype]:
     """The replica's layout from what each of its tp ranks said (kept: it is the same every sync)."""
@@ -274,12 +322,31 @@ def _rollout_layout(hello: tuple[bytes, ...]) -> tuple[RolloutLayout, torch.dtyp
 
 
 @functools.lru_cache(maxsize=4)
-def _replicated_plan(hello: tuple[bytes, ...], num_senders: int, bucket_numel: int) -> ReshardPlan:
-    """The plan when every sender holds every full tensor (kept: a large MoE has ~10^5 tensors)."""
-    rollout, _ = _rollout_layout(hello)
-    return plan_reshard(
-        TrainLayout.replicated(rollout.shapes, num_senders), rollout, bucket_numel=bucket_numel
-    )
+def _replicated_layout(hello: tuple[bytes, ...], num_senders: int) -> TrainLayout:
+    """Every sender holds every full tensor the rollout loads (a source without expert parallelism)."""
+    return TrainLayout.replicated(_rollout_layout(hello)[0].shapes, num_senders)
+
+
+_PLANS: dict[tuple[int, tuple[bytes, ...], int], tuple[TrainLayout, ReshardPlan, dict[int, set[str]]]] = {}
+
+
+def _plan(
+    layout: TrainLayout, hello: tuple[bytes, ...], bucket_numel: int
+) -> tuple[ReshardPlan, dict[int, set[str]]]:
+    """(the plan, the tensors `layout` gives each sender), kept for the last few layouts: a large MoE
+    has ~10^5 tensors and both are the same every sync. Raises ValueError when the layouts disagree."""
+    key = (id(layout), hello, bucket_numel)
+    hit = _PLANS.get(key)
+    if hit is None or hit[0] is not layout:
+        plan = plan_reshard(layout, _rollout_layout(hello)[0], bucket_numel=bucket_numel)
+        held: dict[int, set[str]] = {}
+        for name, owners in layout.owners.items():
+            for rank, _ in owners:
+                held.setdefault(rank, set()).add(name)
+        if len(_PLANS) >= 4:
+            _PLANS.pop(next(iter(_PLANS)))
+        hit = _PLANS[key] = (layout, plan, held)
+    return hit[1], hit[2]
 
 
 def _reporting(weights: Iterator, problems: list[str]) -> Iterator:

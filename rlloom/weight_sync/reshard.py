@@ -7,7 +7,9 @@ Both layouts describe slices as boxes (a [start, stop) range per dim) of the FUL
   (of the sync group's senders) and the box each holds. FSDP shards are boxes along dim 0, TP shards
   along the split dim, an expert's tensor is held whole by its EP rank (and FSDP-sharded over what EP
   leaves). Identical boxes on several ranks are replicas (data parallel, or a full tensor gathered
-  on every rank): the plan picks one of them to send, balancing bytes.
+  on every rank): the plan picks one of them to send, balancing bytes. `TrainLayout.owned` is what
+  the training engine's owner-only export gives: dense tensors gathered whole on every sender, each
+  routed expert whole on the senders of its EP rank only (never all-gathered over EP).
 - `RolloutLayout`: one replica of `tp` ranks, each stating its box of every tensor it holds (a
   `RankLayout`; the engine's `weight_shard_slices()`): column-parallel projections (q/k/v,
   gate/up) split dim 0, row-parallel ones (o, down) dim 1, the vocabulary-parallel embedding and
@@ -24,7 +26,7 @@ a sender can fill a bucket as its tensors arrive and send it when full.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 Box = tuple[tuple[int, int], ...]
@@ -79,6 +81,34 @@ class TrainLayout:
             shapes=dict(shapes),
             owners={n: tuple((r, full_box(s)) for r in range(num_senders)) for n, s in shapes.items()},
         )
+
+    @classmethod
+    def owned(
+        cls,
+        shapes: dict[str, tuple[int, ...]],
+        expert_ep_ranks: Mapping[str, int],
+        sender_ep_ranks: Sequence[int],
+    ) -> TrainLayout:
+        """What the senders hold when each yields `named_weights(owned_only=True)`: a routed expert
+        (`expert_ep_ranks[name]`: the EP rank holding it) whole on every sender of that EP rank (the
+        replicas its expert-FSDP gather leaves), every other tensor whole on every sender.
+        `sender_ep_ranks[s]`: the EP rank of sender s. Raises ValueError when no sender holds an
+        expert's EP rank (the senders must be every training rank of an expert-parallel layout)."""
+        everyone = tuple(range(len(sender_ep_ranks)))
+        by_ep: dict[int, tuple[int, ...]] = {}
+        for sender, ep_rank in enumerate(sender_ep_ranks):
+            by_ep[ep_rank] = (*by_ep.get(ep_rank, ()), sender)
+        owners = {}
+        for name, shape in shapes.items():
+            ep_rank = expert_ep_ranks.get(name)
+            ranks = everyone if ep_rank is None else by_ep.get(ep_rank, ())
+            if not ranks:
+                raise ValueError(
+                    f"owner-only weight sync: expert tensor {name!r} lives on EP rank {ep_rank}, but the "
+                    f"senders hold EP ranks {sorted(by_ep)}. Fix: make every training rank a sender."
+                )
+            owners[name] = tuple((r, full_box(shape)) for r in ranks)
+        return cls(shapes=dict(shapes), owners=owners)
 
     @classmethod
     def sharded(

@@ -18,6 +18,7 @@ from rlloom.data.types import PolicyUpdate, RolloutBatch
 from rlloom.devices import resolve_device, resolve_dtype
 from rlloom.engines.train.build import build_reference, build_train_engine
 from rlloom.engines.train.hf_folder import save_hf_folder
+from rlloom.engines.train.native.weights import WeightLayout
 from rlloom.faults import maybe_fail
 from rlloom.observability.metrics import Max, Mean, Metric, Sum
 
@@ -99,11 +100,21 @@ class TrainWorker:
         return update_metrics(values)
 
     def named_weights(
-        self, *, bucket_bytes: int, dtype: torch.dtype | None = None
+        self, *, bucket_bytes: int, dtype: torch.dtype | None = None, owned_only: bool = False
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The weight source of the sync: buckets of (Hugging Face name, full tensor). Every rank must
-        consume the generator (it gathers the shards)."""
-        return self.engine.named_weights(bucket_bytes=bucket_bytes, dtype=dtype)
+        consume the generator (it gathers the shards). `owned_only`: this rank's routed experts only,
+        without the all-gather over the expert-parallel ranks (the broadcast sync)."""
+        return self.engine.named_weights(bucket_bytes=bucket_bytes, dtype=dtype, owned_only=owned_only)
+
+    def weight_layouts(self) -> dict[str, WeightLayout]:
+        """Per Hugging Face name: full shape and, for a routed expert, the EP rank that holds it."""
+        return self.engine.weight_layouts()
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's expert-parallel rank (0 without expert parallelism)."""
+        return self.engine.layout.ep_rank
 
     def offload(self) -> None:
         """Move the policy's parameters, gradients and optimizer state to the host."""

@@ -3,7 +3,8 @@ training layout gives the one-process run's per-step metrics (loss, grad norm, r
 within rel 1e-4. The learning rate (3e-2) is large enough that a wrong gradient changes the weights,
 hence the later samples; the random tiny model earns no reward, so an entropy bonus gives the
 gradient. The KL term runs the frozen reference in the same layout, and the MoE routes of the
-rollout are replayed under expert parallelism."""
+rollout are replayed under expert parallelism; with a rollout pool of its own (separate placement)
+both expert-parallel ranks send the experts they own to the rollout (owner-only weight sync)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("ray", reason="needs the ray extra: pip install 'rlloom[ray]'")
+ray = pytest.importorskip("ray", reason="needs the ray extra: pip install 'rlloom[ray]'")
 
 from rlloom.config import load_config  # noqa: E402
 from rlloom.trainer.run import run  # noqa: E402
@@ -46,6 +47,14 @@ def metrics(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(SKIP)} for r in rows]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    """One Ray instance for the module's runs (each start costs 20-40 s on two cores)."""
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
 @pytest.fixture(scope="module")
 def one_process(tiny_moe_checkpoint, tmp_path_factory) -> list[dict]:
     run_dir = tmp_path_factory.mktemp("inline")
@@ -53,11 +62,19 @@ def one_process(tiny_moe_checkpoint, tmp_path_factory) -> list[dict]:
     return metrics(run_dir)
 
 
-@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.ep=2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "parallel.tp=2",
+        "parallel.ep=2",
+        # a rollout pool of its own: both expert-parallel ranks send the experts they own
+        "parallel.ep=2 cluster.placement=separate cluster.rollout_workers=1",
+    ],
+)
 def test_two_ray_workers_in_a_parallel_layout_match_one_process(
     tiny_moe_checkpoint, tmp_path, one_process, layout
 ):
-    run(cfg_for(tiny_moe_checkpoint, tmp_path, "cluster.mode=ray", "cluster.num_workers=2", layout))
+    run(cfg_for(tiny_moe_checkpoint, tmp_path, "cluster.mode=ray", "cluster.num_workers=2", *layout.split()))
     got = metrics(tmp_path)
     assert [r["step"] for r in got] == [r["step"] for r in one_process] == [0, 1, 2, 3]
     for expected, row in zip(one_process, got):

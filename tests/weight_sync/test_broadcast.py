@@ -1,5 +1,10 @@
-"""Broadcast weight sync between separate processes (gloo, CPU), three processes spawned once:
+"""Broadcast weight sync between separate processes (gloo, CPU), four processes spawned once:
 
+0. expert parallelism (all four, `sync_helpers.expert_parallel_sync`): a Qwen3-MoE trained on 2
+   ranks with parallel.ep=2, both sending owner-only, into one replica of rollout.tp=2, then two
+   replicas of rollout.tp=1: each rollout rank's weights equal its slice of the all-gathered
+   export, each sender sends only its own experts, and no EP all-gather runs during the syncs;
+   then, on the first three:
 1. two training ranks (replicas: the plan splits the sending between them) -> one native rollout
    engine, for a dense model with tied embeddings, Qwen3-MoE and DeepSeek-V3 (MLA): after the 1st
    and the 10th sync (the trainer steps at a large learning rate in between) every rollout tensor
@@ -29,10 +34,12 @@ from rlloom.engines.rollout.native import NativeEngine, SamplingParams
 from rlloom.weight_sync import broadcast
 from rlloom.weight_sync.base import WeightSyncError
 from rlloom.weight_sync.broadcast import SyncGroupSpec, join_sync_group, receive_weights, send_weights
-from rlloom.weight_sync.reshard import RolloutLayout, chunk_box
+from rlloom.weight_sync.reshard import RolloutLayout, chunk_box, full_box
 from tests.weight_sync.sync_helpers import (
     ShardSink,
     TrainSide,
+    expert_of,
+    expert_parallel_sync,
     free_port,
     rollout_engine,
     rollout_weights,
@@ -187,8 +194,11 @@ def _tensor_parallel_engine(group, train: TrainSide, out: dict) -> None:
     dist.destroy_process_group()
 
 
-def _worker(rank: int, ports: tuple[int, int, int], folder: str) -> None:
+def _worker(rank: int, ports: tuple[int, ...], folder: str) -> None:
     torch.set_num_threads(1)
+    expert_parallel_sync(rank, ports[3:], Path(folder))
+    if rank == 3:  # the second rollout rank of the expert-parallel phase only
+        return
     out: dict = {"dir": Path(folder)}
     spec = SyncGroupSpec(host="127.0.0.1", port=ports[0], num_senders=2, num_receivers=1, timeout_s=60)
     group = join_sync_group(spec, rank, torch.device("cpu"))
@@ -206,7 +216,8 @@ def _worker(rank: int, ports: tuple[int, int, int], folder: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     folder = tmp_path_factory.mktemp("broadcast")
-    mp.spawn(_worker, args=((free_port(), free_port(), free_port()), str(folder)), nprocs=3, join=True)
+    ports = tuple(free_port() for _ in range(5))
+    mp.spawn(_worker, args=(ports, str(folder)), nprocs=4, join=True)
     return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(3)]
 
 
@@ -256,3 +267,47 @@ def test_tensor_parallel_rank_receives_only_its_slice(results):
         assert results[rank]["tp_equal"]
         # the replicated norms travel to both ranks; everything else is halved
         assert results[rank]["tp_bytes"] < 0.6 * results[rank]["full_bytes"]
+
+
+@pytest.fixture(scope="module")
+def ep(results) -> dict:
+    """The expert-parallel phase: what each rank wrote."""
+    folder = Path(results[0]["folder"])
+    return {
+        "senders": [json.loads((folder / f"ep_rank{r}.json").read_text()) for r in (0, 1)],
+        "full": torch.load(folder / "ep_full.pt"),
+        "received": {k: torch.load(folder / f"ep_{k}.pt") for k in ("tp2_2", "tp2_3", "tp1_2", "tp1_3")},
+    }
+
+
+def test_ep2_training_syncs_owner_only_to_rollout_tp1_and_tp2(ep):
+    full = ep["full"]  # the whole model: the export that all-gathers the experts
+    for key, got in ep["received"].items():  # checksums were compared on receipt too
+        assert got["version"] == 1 and got["boxes"].keys() == full.keys(), key
+        for name, box in got["boxes"].items():
+            expected = full[name][tuple(slice(a, b) for a, b in box)]
+            assert torch.equal(got["loaded"][name], expected), (key, name)
+        split = [
+            n for n, b in got["boxes"].items() if expert_of(n) is not None and b != full_box(full[n].shape)
+        ]
+        assert bool(split) == key.startswith("tp2")  # a tp=2 rank holds half of each expert's width
+
+
+def test_each_ep_sender_owns_and_sends_only_its_experts_without_an_ep_all_gather(ep):
+    for rank, sender in enumerate(ep["senders"]):
+        mine = {2 * rank, 2 * rank + 1}  # 4 experts over ep=2
+        assert sender["owned_experts"] == sorted(mine)  # the owner-only export yields only these
+        for name, owners in sender["owners"].items():  # the plan's training layout
+            assert owners == (
+                [0] if expert_of(name) in (0, 1) else [1] if expert_of(name) is not None else [0, 1]
+            )
+        for sync in ("tp2", "tp1"):
+            sent = {expert_of(p) for p in sender[sync]["pieces"]} - {None}
+            assert sent == mine, (rank, sync, sent)
+            assert sender[sync]["all_gathers"] == 0  # no EP all-gather during the sync
+            assert any(expert_of(p) is None for p in sender[sync]["pieces"])  # a share of the dense tensors
+        assert sender["full_all_gathers"] > 0  # the gathering export does all-gather (the count works)
+    # the two tp=1 replicas take each bucket in one broadcast: the senders' bytes add up to one model
+    full_bytes = sum(t.numel() * t.element_size() for t in ep["full"].values())
+    assert sum(s["tp1"]["bytes"] for s in ep["senders"]) == full_bytes
+    assert all(s["tp1"]["bytes"] < 0.7 * full_bytes for s in ep["senders"])

@@ -154,3 +154,38 @@ def test_each_rank_states_its_own_boxes_replicated_kv_heads_and_padded_vocab():
         if name in boxes[rank]:
             expected[tuple(slice(a, b) for a, b in boxes[rank][name])] = 1
         assert torch.equal(count, expected), (name, rank)
+
+
+def test_owner_only_layout_sends_each_expert_from_its_ep_rank_and_balances_the_rest():
+    """Skewed ownership: 3 senders, EP ranks (0, 0, 1): experts 0-2 on EP rank 0 (senders 0 and 1,
+    replicas after the expert-FSDP gather), expert 3 alone on EP rank 1 (sender 2)."""
+    shapes = moe_shapes()
+    expert_ep = {n: 0 if int(n.split(".")[1]) < 3 else 1 for n in shapes if n.startswith("experts.")}
+    train = TrainLayout.owned(shapes, expert_ep, (0, 0, 1))
+    assert list(train.shapes) == list(shapes)
+    for name, owners in train.owners.items():
+        ranks = {r for r, _ in owners}
+        assert ranks == ({0, 1} if expert_ep.get(name) == 0 else {2} if name in expert_ep else {0, 1, 2})
+        assert all(box == tuple((0, n) for n in shapes[name]) for _, box in owners)
+    plan = plan_reshard(train, tp2_rollout(shapes), bucket_numel=40)
+    for (name, rank), count in coverage(plan, shapes, 2).items():
+        expected = torch.zeros_like(count)
+        expected[tuple(slice(a, b) for a, b in tp2_rollout(shapes).box(name, rank))] = 1
+        assert torch.equal(count, expected), (name, rank)
+    sent_by = {}
+    for bucket in plan.buckets:
+        for piece in bucket.pieces:
+            sent_by.setdefault(piece.name, set()).add(bucket.sender)
+    for name, ep_rank in expert_ep.items():
+        assert sent_by[name] <= ({0, 1} if ep_rank == 0 else {2}), name
+    # the replicas of EP rank 0 share its experts; sender 2 (one expert) takes more dense tensors
+    assert {s for n, ranks in sent_by.items() if expert_ep.get(n) == 0 for s in ranks} == {0, 1}
+    sent = [plan.sent_numel(s) for s in range(3)]
+    assert max(sent) < 1.5 * min(sent), sent
+
+
+def test_owner_only_layout_refuses_an_ep_rank_no_sender_holds():
+    shapes = moe_shapes()
+    expert_ep = {n: int(n.split(".")[1]) // 2 for n in shapes if n.startswith("experts.")}
+    with pytest.raises(ValueError, match="lives on EP rank 1, but the senders hold EP ranks \\[0\\].*Fix:"):
+        TrainLayout.owned(shapes, expert_ep, (0,))

@@ -48,9 +48,10 @@ class TrainEngine(Protocol):
         ...
 
     def named_weights(
-        self, *, bucket_bytes: int = 1 << 29, dtype: torch.dtype | None = None
+        self, *, bucket_bytes: int = 1 << 29, dtype: torch.dtype | None = None, owned_only: bool = False
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Buckets of (Hugging Face name, full tensor) for weight sync."""
+        """Buckets of (Hugging Face name, full tensor) for weight sync. `owned_only`: only what this
+        rank holds without gathering over the expert-parallel ranks (its own routed experts)."""
         ...
 
     def save(self, path: str) -> None: ...

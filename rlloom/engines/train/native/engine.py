@@ -617,11 +617,13 @@ class NativeTrainEngine:
         return out
 
     def named_weights(
-        self, *, bucket_bytes: int = 1 << 29, dtype: torch.dtype | None = None
+        self, *, bucket_bytes: int = 1 << 29, dtype: torch.dtype | None = None, owned_only: bool = False
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Buckets of (Hugging Face name, full tensor) for weight sync; version is `self.version`.
 
-        Gathers shards: every rank must consume the generator. See `weights.tensor_checksum`.
+        Gathers shards: every rank must consume the generator. `owned_only`: routed experts are not
+        all-gathered over the EP ranks, this rank yields only its own (`weights.named_weight_buckets`).
+        See `weights.tensor_checksum`.
         """
         return named_weight_buckets(
             self.model,
@@ -629,11 +631,13 @@ class NativeTrainEngine:
             dtype=dtype,
             ep_group=self.layout.ep_group,
             tensors=self.pipe.full_weights() if self.pipe is not None else None,
+            owned_only=owned_only,
         )
 
     def weight_layouts(self) -> dict[str, WeightLayout]:
         """For each Hugging Face name `named_weights` yields, where it lives on this rank (native
-        parameter, expert index and EP owner, DTensor mesh dimensions and placements); no data moves."""
+        parameter, full shape, expert index and EP owner, DTensor mesh dimensions and placements);
+        no data moves. This rank's EP rank is `layout.ep_rank`."""
         return weight_layouts(self.model, ep=self.layout.ep)
 
     # ---- checkpoint and memory --------------------------------------------------------------

@@ -2,8 +2,11 @@
 
 Sharded (FSDP, TP) parameters are gathered with `DTensor.full_tensor()`, and expert-parallel expert
 weights with an all-gather over the EP ranks: collectives, so every rank must iterate the generator
-to the end in the same order, although usually only one rank sends. `weight_layouts` describes
-where each Hugging Face tensor lives in the training layout without moving any data.
+to the end in the same order. With `owned_only` (the broadcast weight sync, where every training
+rank sends what it holds) the EP all-gather is left out: each rank yields only its own routed
+experts, under their global Hugging Face names, and every dense tensor; the FSDP/TP gathers still
+run, in the same order on every rank. `weight_layouts` describes where each Hugging Face tensor
+lives in the training layout (shape, expert index, owning EP rank) without moving any data.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ class WeightLayout:
 
     native_name: str
     """The native parameter it comes from (e.g. `layers.1.moe.experts.w1`)."""
+    shape: tuple[int, ...]
+    """The full shape of the Hugging Face tensor."""
     expert: int | None
     """For a routed expert: its index in the native [E, ...] stack (the HF tensor is that row)."""
     ep_rank: int | None
@@ -63,10 +68,11 @@ def weight_layouts(model: nn.Module, ep: int = 1) -> dict[str, WeightLayout]:
         meta = torch.empty(
             (tensor.shape[0] * split, *tensor.shape[1:]) if tensor.dim() else (), device="meta"
         )
-        for index, (hf_name, _) in enumerate(adapter.to_hf(native_name, meta)):
+        for index, (hf_name, part) in enumerate(adapter.to_hf(native_name, meta)):
             is_expert = EXPERTS in f".{native_name}"
             out[hf_name] = WeightLayout(
                 native_name=native_name,
+                shape=tuple(part.shape),
                 expert=index if is_expert else None,
                 ep_rank=index // tensor.shape[0] if is_expert and ep > 1 else None,
                 mesh_dim_names=mesh_dims,
@@ -75,13 +81,20 @@ def weight_layouts(model: nn.Module, ep: int = 1) -> dict[str, WeightLayout]:
     return out
 
 
-def _full_tensor(native_name: str, tensor: torch.Tensor, ep_group: dist.ProcessGroup | None) -> torch.Tensor:
+def _gathered(
+    native_name: str, tensor: torch.Tensor, ep_group: dist.ProcessGroup | None, owned_only: bool
+) -> tuple[torch.Tensor, int]:
+    """(the tensor gathered over its FSDP/TP shards, index of its first expert): routed experts under
+    expert parallelism are all-gathered over the EP ranks too, unless `owned_only` (then this rank's
+    block of the stack and the global index of its first expert)."""
     full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
     if ep_group is None or EXPERTS not in f".{native_name}":
-        return full
+        return full, 0
+    if owned_only:
+        return full, dist.get_rank(ep_group) * full.shape[0]
     blocks = [torch.empty_like(full) for _ in range(dist.get_world_size(ep_group))]
     dist.all_gather(blocks, full.contiguous(), group=ep_group)
-    return torch.cat(blocks)
+    return torch.cat(blocks), 0
 
 
 def named_weight_buckets(
@@ -91,6 +104,7 @@ def named_weight_buckets(
     dtype: torch.dtype | None = None,
     ep_group: dist.ProcessGroup | None = None,
     tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+    owned_only: bool = False,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets of (hf_name, full tensor) of `model` (a native CausalLM, possibly FSDP/TP-sharded; with
     `ep_group` its routed experts split over those EP ranks).
@@ -98,7 +112,8 @@ def named_weight_buckets(
     A bucket holds at most `bucket_bytes` (a larger tensor comes alone). Tensors are cast to `dtype`
     when given (e.g. bf16 for a bf16 rollout engine) and stay on the model's device. `tensors`:
     (native name, full tensor) to export instead of `model.state_dict()` (pipeline parallelism:
-    `Pipeline.full_weights()`, every stage's weights on every pp rank).
+    `Pipeline.full_weights()`, every stage's weights on every pp rank). `owned_only`: no all-gather
+    over the EP ranks; this rank's routed experts only (see the module docstring).
     """
     if bucket_bytes < 1:
         raise ValueError(
@@ -108,10 +123,10 @@ def named_weight_buckets(
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for native_name, tensor in tensors if tensors is not None else model.state_dict().items():
-        full = _full_tensor(native_name, tensor, ep_group)
+        full, first_expert = _gathered(native_name, tensor, ep_group, owned_only)
         if dtype is not None:
             full = full.to(dtype)
-        for hf_name, part in adapter.to_hf(native_name, full):
+        for hf_name, part in adapter.to_hf(native_name, full, first_expert=first_expert):
             nbytes = part.numel() * part.element_size()
             if bucket and size + nbytes > bucket_bytes:
                 yield bucket

@@ -1,0 +1,198 @@
+"""Broadcast weight sync of an expert-parallel MoE: owner-only sending against gather-then-send (one
+table: mode, GB, ms, ms/GB).
+
+`--ep` training ranks hold a Qwen3-MoE shape (`--layers`, `--experts`, ...; default 3.1B parameters,
+2.4B of them in experts, 6.2 GB in bf16) in a NativeTrainEngine with parallel.ep = `--ep` (fp32 master weights, uninitialised:
+only the bytes moved matter), and `--rollout-tp` ranks hold one native rollout engine in bf16. Both
+modes cast to bf16 on the way and reach the same rollout weights:
+- `owner-only`: what a run does (separate placement): every training rank sends, each only its own
+  experts and a share of the dense tensors (`named_weights(owned_only=True)`, `owner_layout`).
+- `gather`: the previous protocol: every training rank all-gathers every expert over EP, rank 0
+  alone sends everything.
+Each row is the median of `--repeats` syncs after one warm-up; a sync's time is the slowest rank's,
+from a common start (a barrier) until the rollout's weights are in place (devices synchronised).
+
+    python benchmarks/bench_weight_sync_ep.py                   # GPU: ep + rollout_tp GPUs (3 by default)
+    python benchmarks/bench_weight_sync_ep.py --ep 4 --rollout-tp 2 --experts 128
+    python benchmarks/bench_weight_sync_ep.py --smoke           # tiny shape on CPU (gloo), to check the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rlloom.config.components import TrainEngineConfig
+from rlloom.engines.rollout.native import NativeEngine
+from rlloom.engines.train.native import NativeTrainEngine
+from rlloom.models.checkpoint import build_model
+from rlloom.parallel import ParallelDims
+from rlloom.weight_sync.broadcast import (
+    SyncGroupSpec,
+    join_sync_group,
+    owner_layout,
+    receive_weights,
+    send_weights,
+)
+
+MODES = ("owner-only", "gather")
+
+
+def moe_config(args: argparse.Namespace) -> dict:
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        moe_intermediate_size=args.moe_intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 128 if args.hidden >= 128 else 4,
+        num_key_value_heads=4,
+        head_dim=128 if args.hidden >= 128 else args.hidden // 4,
+        num_experts=args.experts,
+        num_experts_per_tok=8 if args.experts >= 8 else 2,
+        max_position_embeddings=4096,
+    ).to_dict()
+
+
+class Gathering:
+    """The training engine as the previous protocol used it: every expert all-gathered on every rank."""
+
+    def __init__(self, engine: NativeTrainEngine) -> None:
+        self.engine = engine
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def named_weights(self, *, bucket_bytes: int, dtype: torch.dtype | None = None, owned_only: bool = False):
+        return self.engine.named_weights(bucket_bytes=bucket_bytes, dtype=dtype)
+
+
+def _rank(rank: int, args: argparse.Namespace, ports: tuple[int, ...], out: str) -> None:
+    """Training ranks 0..ep-1 (a world of their own), rollout ranks ep.. (a world of their own when
+    rollout_tp > 1); both sync groups (one per mode) are joined once."""
+    torch.set_num_threads(1)
+    gpu = not args.smoke
+    device = torch.device(f"cuda:{rank}") if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    train = rank < args.ep
+    size, local = (args.ep, rank) if train else (args.rollout_tp, rank - args.ep)
+    world = Path(out, "train" if train else "rollout")
+    if train or size > 1:
+        dist.init_process_group(
+            "nccl" if gpu else "gloo", init_method=f"file://{world}", rank=local, world_size=size
+        )
+    cfg = moe_config(args)
+    if train:
+        model = build_model(cfg, dtype=torch.float32, device=device)
+        dims = ParallelDims(world_size=args.ep, ep=args.ep)
+        side = NativeTrainEngine(TrainEngineConfig(compile=False), model, device=device, parallel_dims=dims)
+        layout = owner_layout(side.weight_layouts(), side.layout.ep_rank)
+    else:
+        dtype = torch.bfloat16 if gpu else torch.float32
+        model = build_model(cfg, dtype=dtype, device=device, fused_projections=True)
+        tp = {"tp_group": dist.group.WORLD} if size > 1 else {}
+        side = NativeEngine(
+            model, max_model_len=256, num_blocks=4, block_size=16, max_num_seqs=4, compile=False, **tp
+        )
+    specs = {
+        "owner-only": SyncGroupSpec(
+            host="127.0.0.1", port=ports[0], num_senders=args.ep, num_receivers=args.rollout_tp,
+            rollout_tp=args.rollout_tp, timeout_s=900,
+        ),
+        "gather": SyncGroupSpec(
+            host="127.0.0.1", port=ports[1], num_senders=1, num_receivers=args.rollout_tp,
+            rollout_tp=args.rollout_tp, timeout_s=900,
+        ),
+    }  # fmt: skip
+    lines = []
+    for mode, spec in specs.items():
+        # the gather mode's group has one sender: training ranks 1.. stay out of it (sync rank -1)
+        sync_rank = rank if train else spec.num_senders + local
+        group = join_sync_group(spec, sync_rank, device) if not (train and rank >= spec.num_senders) else None
+        times, num_bytes = [], 0
+        for _ in range(args.repeats + 1):
+            if group is not None:
+                group.barrier()
+            if train:
+                dist.barrier()
+            if gpu:
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            if not train:
+                receive_weights(group, side)
+            elif mode == "owner-only":
+                num_bytes = send_weights(
+                    group, side, bucket_bytes=args.bucket_mb << 20, layout=layout
+                ).num_bytes
+            else:
+                num_bytes = send_weights(group, Gathering(side), bucket_bytes=args.bucket_mb << 20).num_bytes
+            if gpu:
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        if group is not None:
+            group.close()
+        lines.append(f"{mode} {num_bytes} {' '.join(map(str, times[1:]))}")
+    Path(out, f"rank{rank}.txt").write_text("\n".join(lines))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--smoke", action="store_true", help="a tiny shape on CPU (gloo), to check the script"
+    )
+    parser.add_argument("--ep", type=int, default=2, help="training ranks = parallel.ep")
+    parser.add_argument("--rollout-tp", type=int, default=1, help="rollout ranks (one replica, rollout.tp)")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--moe-intermediate", type=int, default=768)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--bucket-mb", type=int, default=256, help="sync.bucket_mb")
+    parser.add_argument("--repeats", type=int, default=5, help="timed syncs per mode (after one warm-up)")
+    args = parser.parse_args()
+    if args.smoke:
+        args.layers, args.experts, args.hidden, args.moe_intermediate, args.vocab = 2, 4, 32, 16, 64
+        args.bucket_mb, args.repeats = 1, 2
+    elif torch.cuda.device_count() < args.ep + args.rollout_tp:
+        parser.error(f"needs {args.ep + args.rollout_tp} GPUs (ep + rollout-tp); run with --smoke on CPU")
+    nprocs = args.ep + args.rollout_tp
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_rank, args=(args, (_free_port(), _free_port()), out), nprocs=nprocs, join=True)
+        ranks = [Path(out, f"rank{r}.txt").read_text().splitlines() for r in range(nprocs)]
+    title = "CPU smoke run" if args.smoke else torch.cuda.get_device_name()
+    print(
+        f"weight sync of a Qwen3-MoE shape ({args.layers} layers, {args.experts} experts, hidden {args.hidden}), "
+        f"ep={args.ep} -> rollout.tp={args.rollout_tp}, {title}, bucket {args.bucket_mb} MiB"
+    )
+    print(f"{'mode':<11} {'GB':>8} {'ms':>9} {'ms/GB':>8}")
+    for i, mode in enumerate(MODES):
+        rows = [r[i].split() for r in ranks]
+        gb = sum(int(r[1]) for r in rows[: args.ep]) / 1e9  # bytes the senders sent
+        slowest = [max(float(r[k]) for r in rows) for k in range(2, len(rows[0]))]
+        ms = statistics.median(slowest) * 1e3
+        print(f"{mode:<11} {gb:>8.3f} {ms:>9.2f} {ms / gb:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
