@@ -84,8 +84,8 @@ def test_every_placement_matches_one_process(tiny_checkpoint, tmp_path):
     run(cfg_for(tiny_checkpoint, tmp_path / "inline"))
     rewards = [r["reward/mean"] for r in metrics(tmp_path / "inline")[1:]]
     assert len(set(rewards)) > 1, "the samples should change from step to step"
+    # One training worker and one rollout worker (separate 1 + 1) run in test_async_ray.py and below.
     layouts = {
-        "separate_1_1": ["cluster.placement=separate", "cluster.rollout_workers=1"],
         "separate_2_1": ["cluster.placement=separate", "cluster.num_workers=2", "cluster.rollout_workers=1"],
         # Engines of 4 sequences: the 4 prompts go out in 4 chunks to whichever replica is free;
         # the rollout sleeps during training and wakes for the sync.

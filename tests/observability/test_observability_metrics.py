@@ -9,7 +9,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from procs import spawn
 
 from rlloom.observability.metrics import Max, Mean, MetricsAccumulator, Min, Sum, reduce_across_ranks
 
@@ -134,7 +134,7 @@ def test_reduce_across_two_gloo_ranks_equals_one_accumulator(tmp_path):
     rng = random.Random(7)
     per_rank = [random_records(rng, 6), random_records(rng, 9)]
     per_rank[1].append({"rank1/only": Sum(2.0)})  # a key only one rank saw
-    mp.spawn(_rank_main, args=(2, _free_port(), per_rank, str(tmp_path)), nprocs=2, join=True)
+    spawn(_rank_main, args=(2, _free_port(), per_rank, str(tmp_path)), nprocs=2, join=True)
     want = naive(per_rank[0] + per_rank[1])
     want["rank1/only"] = 2.0
     for rank in (0, 1):

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from procs import spawn
 
 from rlloom.models.args import MLAArgs, ModelArgs, MoEArgs, RopeArgs
 from rlloom.models.layers import RMSNorm
@@ -37,7 +37,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
 
 def run_gloo(fn: Callable, world: int, *args) -> None:
     """Run `fn(rank, *args)` in `world` processes joined by a gloo group; a failure in any fails the test."""
-    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+    spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
 
 
 def tiny_args(family: str) -> ModelArgs:

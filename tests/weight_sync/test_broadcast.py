@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from procs import spawn
 
 from rlloom.engines.rollout.native import NativeEngine, SamplingParams
 from rlloom.weight_sync import broadcast
@@ -217,7 +217,7 @@ def _worker(rank: int, ports: tuple[int, ...], folder: str) -> None:
 def results(tmp_path_factory) -> list[dict]:
     folder = tmp_path_factory.mktemp("broadcast")
     ports = tuple(free_port() for _ in range(5))
-    mp.spawn(_worker, args=(ports, str(folder)), nprocs=4, join=True)
+    spawn(_worker, args=(ports, str(folder)), nprocs=4, join=True)
     return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(3)]
 
 

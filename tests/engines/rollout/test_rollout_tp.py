@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from procs import spawn
 from rollout_testutil import prompts, save, tiny_dense, tiny_mla, tiny_moe_tied
 from tp_testutil import run_job, run_rank
 
@@ -63,9 +63,7 @@ def _jobs(tmp_path) -> dict[str, dict]:
 def tp_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp")
     jobs = _jobs(tmp)
-    ranks = mp.spawn(
-        run_rank, args=(2, str(tmp / "rendezvous"), jobs, str(tmp / "out")), nprocs=2, join=False
-    )
+    ranks = spawn(run_rank, args=(2, str(tmp / "rendezvous"), jobs, str(tmp / "out")), nprocs=2, join=False)
     reference = {name: run_job(job, None) for name, job in jobs.items()}  # while the ranks run
     while not ranks.join():
         pass

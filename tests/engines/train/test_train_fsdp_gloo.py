@@ -12,7 +12,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from procs import spawn
 from train_engine_helpers import PolicyLoss, load_tiny, make_batch, make_tiny_checkpoint
 
 from rlloom.algorithms.losses import loss_normalizer
@@ -102,7 +102,7 @@ def test_two_process_fsdp_equals_one_process(tmp_path):
     logp, _ = single.forward_logprobs(batches()[0])
     losses = [train(single, b)["train/loss"] for b in batches()]
     expected = {"logp": logp, "losses": losses, "weights": full_weights(single)}
-    mp.spawn(worker, args=(free_port(), ckpt, str(tmp_path), expected), nprocs=2, join=True)
+    spawn(worker, args=(free_port(), ckpt, str(tmp_path), expected), nprocs=2, join=True)
 
     # The two ranks' checkpoint (after step 2) loads into one unsharded process; redoing step 3 there
     # gives the weights of the uninterrupted run.
@@ -153,4 +153,4 @@ def test_gathering_once_per_step_equals_gathering_per_micro_batch(tmp_path):
     ckpt = make_tiny_checkpoint(tmp_path / "tiny")
     single = NativeTrainEngine(cfg(), load_tiny(ckpt))
     losses = [train(single, b)["train/loss"] for b in batches()]
-    mp.spawn(gather_once_worker, args=(ckpt, {"losses": losses, "weights": full_weights(single)}), nprocs=1)
+    spawn(gather_once_worker, args=(ckpt, {"losses": losses, "weights": full_weights(single)}), nprocs=1)

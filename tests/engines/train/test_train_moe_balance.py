@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from procs import spawn
 from test_train_shared_prompts import lively
 from transformers import DeepseekV3Config, Qwen3MoeConfig
 
@@ -199,7 +200,6 @@ def _bias_worker(rank: int, port: int, expected: dict) -> None:
 
 
 def test_two_ranks_update_the_bias_from_the_global_load():
-    import torch.multiprocessing as mp
     from test_train_fsdp_gloo import free_port
 
     single = NativeTrainEngine(TrainEngineConfig(lr=1e-3, moe_bias_update_rate=0.01), deepseek())
@@ -207,4 +207,4 @@ def test_two_ranks_update_the_bias_from_the_global_load():
     bias = next(iter(single.model.moe_layers().values())).router.expert_bias.detach().clone()
     assert bias.abs().sum() > 0
     expected = {"bias": bias, "ratio": metrics["moe/load_max_over_mean"]}
-    mp.spawn(_bias_worker, args=(free_port(), expected), nprocs=2, join=True)
+    spawn(_bias_worker, args=(free_port(), expected), nprocs=2, join=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from procs import spawn
 from test_train_fsdp_gloo import free_port, full_weights
 from train_engine_helpers import PolicyLoss, load_tiny, make_batch, make_tiny_checkpoint
 
@@ -107,4 +107,4 @@ def sharded_rollback_worker(rank: int, port: int, ckpt: str) -> None:
 
 @pytest.mark.slow
 def test_non_finite_update_is_rolled_back_on_every_fsdp_rank(ckpt):
-    mp.spawn(sharded_rollback_worker, args=(free_port(), ckpt), nprocs=2, join=True)
+    spawn(sharded_rollback_worker, args=(free_port(), ckpt), nprocs=2, join=True)

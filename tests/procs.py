@@ -1,0 +1,28 @@
+"""Start a test's worker processes from one fork server that has imported torch, transformers and
+rlloom once, instead of a fresh interpreter per process (`torch.multiprocessing.spawn`'s default).
+
+Each spawned interpreter spends about 6 s of CPU importing the stack; the multi-process tests start
+dozens of them, a large share of the suite's time on 2 cores. The server never runs a parallel CPU
+kernel, so forking it is safe (forking the test process itself, after OpenMP started, is not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.multiprocessing as mp
+
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "transformers",
+    "rlloom.engines.train.native.engine",
+    "rlloom.engines.rollout.native.engine",
+    "rlloom.parallel.parallelize",
+]
+
+
+def spawn(fn: Callable, args: tuple = (), nprocs: int = 1, join: bool = True):  # noqa: ANN201
+    """`torch.multiprocessing.spawn(fn, args, nprocs, join)`, the processes forked from the server."""
+    mp.get_context("forkserver").set_forkserver_preload(PRELOAD)  # takes effect when it first starts
+    return mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method="forkserver")
