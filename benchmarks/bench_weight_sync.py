@@ -35,8 +35,9 @@ from bench_rollout import SHAPES  # noqa: E402  (the shapes live in one place)
 from rlloom.engines.rollout.native import NativeEngine
 from rlloom.engines.train.native.weights import named_weight_buckets
 from rlloom.models.checkpoint import build_model
-from rlloom.weight_sync.broadcast import SyncGroupSpec, join_sync_group, receive_weights, send_weights
+from rlloom.weight_sync.broadcast import SyncGroupSpec, join_sync_group, send_weights
 from rlloom.weight_sync.inplace import sync_inplace
+from rlloom.weight_sync.receive import receive_weights
 
 TINY = SHAPES["0.6b"] | {
     "vocab_size": 512,

@@ -39,9 +39,9 @@ from rlloom.weight_sync.broadcast import (
     SyncGroupSpec,
     join_sync_group,
     owner_layout,
-    receive_weights,
     send_weights,
 )
+from rlloom.weight_sync.receive import receive_weights
 
 MODES = ("owner-only", "gather")
 

@@ -27,9 +27,9 @@ from rlloom.weight_sync.broadcast import (
     SyncGroupSpec,
     join_sync_group,
     owner_layout,
-    receive_weights,
     send_weights,
 )
+from rlloom.weight_sync.receive import receive_weights
 from rlloom.weight_sync.reshard import TrainLayout
 from rlloom.workers.rollout import RolloutWorker
 from rlloom.workers.train import TrainWorker

@@ -14,7 +14,7 @@ API (the workers call exactly these):
     report = send_weights(group, train_engine, bucket_bytes=cfg.sync.bucket_mb << 20,
                           dtype=None, checksum=checksum_enabled(cfg.sync.checksum, device),
                           layout=layout)          # -> SyncReport
-    # each sync, on every rollout rank, at the same time:
+    # each sync, on every rollout rank, at the same time (receive.py):
     report = receive_weights(group, rollout_engine, checksum=...)   # -> SyncReport
     group.close()
 
@@ -56,14 +56,10 @@ import torch
 import torch.distributed as dist
 
 from rlloom.engines.train.native.weights import WeightLayout
-from rlloom.weight_sync.base import SyncReport, WeightSink, WeightSource, WeightSyncError
+from rlloom.weight_sync.base import SyncReport, WeightSource, WeightSyncError
 from rlloom.weight_sync.checksum import (
-    check_checksums,
-    check_tiling,
     digest,
     piece_key,
-    rank_layout,
-    weight_dtype,
 )
 from rlloom.weight_sync.group import (
     Link,
@@ -77,46 +73,24 @@ from rlloom.weight_sync.group import (
 from rlloom.weight_sync.reshard import (
     Box,
     Bucket,
-    RankLayout,
     ReshardPlan,
     RolloutLayout,
     TrainLayout,
     box_numel,
     box_shape,
     plan_reshard,
-    relative,
 )
+from rlloom.weight_sync.wire import decode_layout, encode_manifest
 
 __all__ = [
     "SyncGroup",
     "SyncGroupSpec",
     "join_sync_group",
     "owner_layout",
-    "receive_weights",
     "send_weights",
 ]
 
 _MAX_IN_FLIGHT = 3
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _encode_layout(layout: RankLayout, dtype: torch.dtype) -> bytes:
-    boxes = {n: [list(r) for r in b] for n, b in layout.boxes.items()}
-    return json.dumps({"shapes": layout.shapes, "boxes": boxes, "dtype": _dtype_name(dtype)}).encode()
-
-
-def _decode_layout(data: bytes) -> tuple[RankLayout, torch.dtype]:
-    raw = json.loads(data)
-    shapes = {n: tuple(s) for n, s in raw["shapes"].items()}
-    layout = RankLayout(shapes=shapes, boxes={n: _box_of(b) for n, b in raw["boxes"].items()})
-    return layout, getattr(torch, raw["dtype"])
-
-
-def _box_of(raw: list[list[int]]) -> Box:
-    return tuple((a, b) for a, b in raw)
 
 
 # ---- sending ---------------------------------------------------------------------------------
@@ -255,7 +229,7 @@ def send_weights(
         plan, held_by = _plan(layout, hello, max(1, bucket_bytes // dtype.itemsize))
         held = held_by.get(group.rank, set())
         routes = [plan.route(group.rank, r) for r in range(len(links))]
-        manifests = [_manifest(source.version, dtype, route) for route in routes]
+        manifests = [encode_manifest(source.version, dtype, route) for route in routes]
         exchange(links, manifests, root=0, what="rollout ranks to take the manifest", **io)
         outbox = _Outbox(
             routes, links, dtype=dtype, device=group.device, checksum=checksum, deadline=deadline
@@ -317,7 +291,7 @@ def owner_layout(layouts: Mapping[str, WeightLayout], ep_rank: int) -> TrainLayo
 @functools.lru_cache(maxsize=4)
 def _rollout_layout(hello: tuple[bytes, ...]) -> tuple[RolloutLayout, torch.dtype]:
     """The replica's layout from what each of its tp ranks said (kept: it is the same every sync)."""
-    ranks = [_decode_layout(h) for h in hello]
+    ranks = [decode_layout(h) for h in hello]
     return RolloutLayout(ranks=tuple(rank for rank, _ in ranks)), ranks[0][1]
 
 
@@ -356,116 +330,3 @@ def _reporting(weights: Iterator, problems: list[str]) -> Iterator:
         yield from weights
     except Exception as exc:
         problems.append(f"the training engine raised {type(exc).__name__}: {exc}")
-
-
-def _manifest(version: int, dtype: torch.dtype, route: tuple[Bucket, ...]) -> bytes:
-    buckets = [[[p.name, [list(r) for r in p.box]] for p in b.pieces] for b in route]
-    return json.dumps({"version": version, "dtype": _dtype_name(dtype), "buckets": buckets}).encode()
-
-
-# ---- receiving -------------------------------------------------------------------------------
-
-
-def receive_weights(
-    group: SyncGroup,
-    sink: WeightSink,
-    *,
-    checksum: bool = False,
-    layout: RankLayout | None = None,
-    dtype: torch.dtype | None = None,
-) -> SyncReport:
-    """Receive this rollout rank's slices of the training weights and load them into `sink` under the
-    senders' version, only once all arrived and passed the checks. `layout`/`dtype`: what the engine
-    holds (default: `checksum.rank_layout(sink)`, `weight_dtype(sink)`). Raises WeightSyncError
-    on failure or timeout; the sink then keeps its previous weights and version."""
-    start = time.perf_counter()
-    layout = layout or rank_layout(sink)
-    dtype = dtype or weight_dtype(sink)
-    try:
-        version, tensors, report = _receive(group, layout, dtype, checksum)
-    except (TimeoutError, RuntimeError) as exc:
-        group.broken = not isinstance(exc, _Rejected)
-        raise WeightSyncError(
-            f"weight sync failed on rollout rank {group.rank - group.spec.num_senders}: {exc}; the rollout "
-            f"engine keeps its previous weights (version {getattr(sink, 'policy_version', '?')})"
-        ) from exc
-    sink.update_weights(tensors, version)
-    report.seconds = time.perf_counter() - start
-    return report
-
-
-class _Rejected(RuntimeError):
-    """Everything arrived but failed the checks: the group is still in step."""
-
-
-def _receive(group: SyncGroup, layout: RankLayout, dtype: torch.dtype, checksum: bool):
-    deadline = time.monotonic() + group.spec.timeout_s
-    links = [group.links[(s, group.tp_rank)] for s in range(group.spec.num_senders)]
-    io = dict(device=group.device, deadline=deadline)
-    exchange(links, [_encode_layout(layout, dtype)] * len(links), root=1, what="the training ranks", **io)
-    manifests = [
-        json.loads(m) for m in exchange(links, [None] * len(links), root=0, what="the manifests", **io)
-    ]
-    buffers = [
-        [
-            torch.empty(
-                sum(box_numel(_box_of(p[1])) for p in b),
-                dtype=getattr(torch, m["dtype"]),
-                device=group.device,
-            )
-            for b in m["buckets"]
-        ]
-        for m in manifests
-    ]
-    works = [post_broadcast(link, buf, root=0) for link, bufs in zip(links, buffers) for buf in bufs]
-    trailers = [
-        json.loads(t) for t in exchange(links, [None] * len(links), root=0, what="the trailers", **io)
-    ]
-    wait_all(works, deadline, "the weight buckets")
-    pieces = []  # (name, box, received view)
-    for m, bufs in zip(manifests, buffers):
-        for bucket, buf in zip(m["buckets"], bufs):
-            offset = 0
-            for name, raw in bucket:
-                box = _box_of(raw)
-                pieces.append((name, box, buf.narrow(0, offset, box_numel(box)).view(box_shape(box))))
-                offset += box_numel(box)
-    targets = layout.boxes
-    problems = [t["status"] for t in trailers if t["status"] != "ok"]
-    versions = {m["version"] for m in manifests}
-    if len(versions) != 1:
-        problems.append(f"the training ranks sent different versions {sorted(versions)}")
-    problems += check_tiling(targets, [(n, b) for n, b, _ in pieces])
-    received = {piece_key(n, b): digest(v) for n, b, v in pieces} if checksum else {}
-    if checksum:
-        problems += check_checksums({k: v for t in trailers for k, v in t["checksums"].items()}, received)
-    if problems:
-        raise _Rejected("; ".join(problems))
-    version = versions.pop()
-    tensors = _assemble(targets, pieces, dtype, group.device)
-    num_bytes = sum(v.numel() * v.element_size() for _, _, v in pieces)
-    report = SyncReport(
-        version=version, num_tensors=len(pieces), num_bytes=num_bytes, seconds=0.0, checksums=received
-    )
-    return version, tensors, report
-
-
-def _assemble(
-    targets: dict[str, Box], pieces: list, dtype: torch.dtype, device: torch.device
-) -> list[tuple[str, torch.Tensor]]:
-    """This rank's tensors (its box of each), in the layout's order: a view of the staged bucket
-    when one piece is the whole box, else the pieces copied into a new tensor."""
-    by_name: dict[str, list] = {}
-    for name, box, view in pieces:
-        by_name.setdefault(name, []).append((box, view))
-    out = []
-    for name, target in targets.items():
-        parts = by_name.get(name, [])
-        if len(parts) == 1 and parts[0][0] == target:
-            out.append((name, parts[0][1]))
-            continue
-        tensor = torch.empty(box_shape(target), dtype=dtype, device=device)
-        for box, view in parts:
-            tensor[tuple(slice(a, b) for a, b in relative(box, target))].copy_(view)
-        out.append((name, tensor))
-    return out

@@ -28,10 +28,10 @@ from rlloom.weight_sync.broadcast import (
     SyncGroupSpec,
     join_sync_group,
     owner_layout,
-    receive_weights,
     send_weights,
 )
 from rlloom.weight_sync.checksum import rank_layout
+from rlloom.weight_sync.receive import receive_weights
 
 VOCAB = 64
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, max_position_embeddings=128)

@@ -33,7 +33,8 @@ from procs import spawn
 from rlloom.engines.rollout.native import NativeEngine, SamplingParams
 from rlloom.weight_sync import broadcast
 from rlloom.weight_sync.base import WeightSyncError
-from rlloom.weight_sync.broadcast import SyncGroupSpec, join_sync_group, receive_weights, send_weights
+from rlloom.weight_sync.broadcast import SyncGroupSpec, join_sync_group, send_weights
+from rlloom.weight_sync.receive import receive_weights
 from rlloom.weight_sync.reshard import RolloutLayout, chunk_box, full_box
 from tests.weight_sync.sync_helpers import (
     ShardSink,

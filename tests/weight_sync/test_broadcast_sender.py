@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlloom.engines.train.native.weights import WeightLayout
-from rlloom.weight_sync import broadcast
+from rlloom.weight_sync import broadcast, wire
 from rlloom.weight_sync.base import WeightSyncError
 from rlloom.weight_sync.broadcast import SyncGroup, SyncGroupSpec, owner_layout, send_weights
 from rlloom.weight_sync.group import Link
@@ -31,7 +31,7 @@ class CountingSide(TrainSide):
 def test_a_lost_rollout_rank_still_lets_the_sender_go_through_every_bucket(monkeypatch):
     side = CountingSide()
     shapes = {n: tuple(t.shape) for n, t in side.weights().items()}
-    hello = broadcast._encode_layout(
+    hello = wire.encode_layout(
         RankLayout(shapes=shapes, boxes={n: full_box(s) for n, s in shapes.items()}), torch.float32
     )
 
@@ -55,7 +55,7 @@ def test_a_lost_rollout_rank_still_lets_the_sender_go_through_every_bucket(monke
 
 def _lone_sender(monkeypatch, shapes: dict) -> SyncGroup:
     """Sync rank 0 of 2 senders, its rollout (one tp rank holding everything) and transport faked."""
-    hello = broadcast._encode_layout(
+    hello = wire.encode_layout(
         RankLayout(shapes=shapes, boxes={n: full_box(s) for n, s in shapes.items()}), torch.float32
     )
     monkeypatch.setattr(
