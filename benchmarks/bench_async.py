@@ -39,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_e2e import add_shape_args, e2e_config, e2e_context, random_prompts, write_random_qwen3  # noqa: E402
 
-from rlloom.cluster.placement import build_groups  # noqa: E402
+from rlloom.cluster.build import build_groups  # noqa: E402
 from rlloom.trainer.async_loop import AsyncLoop  # noqa: E402
 from rlloom.trainer.step import rl_step  # noqa: E402
 

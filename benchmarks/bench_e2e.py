@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from rlloom.cluster.placement import Groups, build_groups
+from rlloom.cluster.build import Groups, build_groups
 from rlloom.config import RunConfig, load_config
 from rlloom.data.dataset import PromptItem
 from rlloom.data.source import PromptSource

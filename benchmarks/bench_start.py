@@ -38,7 +38,7 @@ MARK = "bench_start: "  # the child's result line on stdout
 def child(args: argparse.Namespace) -> None:
     """One run in this (fresh) process: build, then `args.steps` GRPO steps; prints one JSON line."""
     imports_s = seconds_since_process_start()
-    from rlloom.cluster.placement import build_groups
+    from rlloom.cluster.build import build_groups
     from rlloom.trainer.step import rl_step
 
     with tempfile.TemporaryDirectory() as tmp:

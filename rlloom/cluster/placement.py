@@ -1,4 +1,4 @@
-"""Where the workers go, and the factory the controller builds its groups with.
+"""Where the workers go (a pure plan; build.py starts the groups from it).
 
 `cluster.placement=colocated` (the default): every GPU (or CPU slot) hosts a training rank and a
 rollout rank in one process; the weight sync is in place and memory is handed over by explicit
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlloom.cluster.base import RolloutGroup, TrainGroup, WeightSync
 from rlloom.config.components import RunConfig
 
 
@@ -62,29 +61,3 @@ def plan_placement(cfg: RunConfig) -> Placement:
         rollout_slots=rollout,
         replicas=replica_ranks(len(rollout), rollout_tp(cfg)),
     )
-
-
-@dataclass(kw_only=True, slots=True)
-class Groups:
-    """What the controller drives: the two groups and the weight sync between them."""
-
-    train: TrainGroup
-    rollout: RolloutGroup
-    sync: WeightSync
-
-    def close(self) -> None:
-        self.rollout.close()
-        self.train.close()
-
-
-def build_groups(cfg: RunConfig) -> Groups:
-    """One process for cluster.mode=inline; Ray actors (Ray imported only then) for cluster.mode=ray."""
-    if cfg.cluster.mode == "ray":
-        from rlloom.cluster.ray import build_ray_groups
-
-        train, rollout, sync = build_ray_groups(cfg, plan_placement(cfg))
-    else:
-        from rlloom.cluster.local import build_local_groups
-
-        train, rollout, sync = build_local_groups(cfg)
-    return Groups(train=train, rollout=rollout, sync=sync)

@@ -1,7 +1,8 @@
 """Observability: metrics with explicit reductions, stage timers, memory, MFU, loggers and plots."""
 
 from rlloom.observability.log import init_logger, warn_once
-from rlloom.observability.loggers import Logger, MultiLogger, build_loggers
+from rlloom.observability.logger import Logger, MultiLogger
+from rlloom.observability.loggers import build_loggers
 from rlloom.observability.metrics import Max, Mean, Metric, MetricsAccumulator, Min, Sum, reduce_across_ranks
 from rlloom.observability.timers import StageTimer
 

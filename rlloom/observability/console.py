@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping
 from typing import TextIO
 
-from rlloom.observability.loggers import Logger
+from rlloom.observability.logger import Logger
 
 # (label, metric key, format) shown in this order when present.
 FIELDS: tuple[tuple[str, str, str], ...] = (

@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from rlloom.observability.loggers import Logger
+from rlloom.observability.logger import Logger
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The metrics-logger interface (`log`/`close`), fan-out to several backends, and the factory.
+"""The loggers of a run, built from `LoggingConfig` (the interface they share is logger.py).
 
 Backends: `ConsoleLogger` (console.py), `JsonlLogger` (jsonl.py), `TensorBoardLogger`
 (tensorboard.py), `WandbLogger` (wandb_logger.py) and `SamplesLogger` (samples.py, the sample
@@ -14,68 +14,17 @@ log nothing) and calls `log(step, metrics)` once per step with everything for th
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rlloom.config.components import LoggingConfig
-
-if TYPE_CHECKING:
-    from rlloom.observability.samples import SampleRecord
+from rlloom.observability.logger import Logger, MultiLogger
 
 METRICS_FILE = "metrics.jsonl"
 """File name of the JSONL metrics log inside a run folder."""
 TENSORBOARD_DIR = "tensorboard"
 """Folder name of the TensorBoard event files inside a run folder."""
-
-
-class Logger(ABC):
-    """Receives one dict of scalar metrics per step."""
-
-    @abstractmethod
-    def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Record `metrics` (keys `component/quantity_unit`, float values) for RL step `step`."""
-
-    def log_samples(self, step: int, records: Sequence[SampleRecord]) -> None:
-        """Record a few sample completions of step `step` (backends without a place for them ignore them)."""
-        return None
-
-    def close(self) -> None:
-        """Flush and release files or displays. Safe to call twice."""
-        return None
-
-    def __enter__(self) -> Logger:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class MultiLogger(Logger):
-    """Sends every call to each of its loggers, in order."""
-
-    def __init__(self, loggers: Sequence[Logger]) -> None:
-        self.loggers = list(loggers)
-
-    def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        for logger in self.loggers:
-            logger.log(step, metrics)
-
-    def log_samples(self, step: int, records: Sequence[SampleRecord]) -> None:
-        for logger in self.loggers:
-            logger.log_samples(step, records)
-
-    def close(self) -> None:
-        # Close every backend even if one fails, then re-raise the first failure.
-        first_error: BaseException | None = None
-        for logger in self.loggers:
-            try:
-                logger.close()
-            except Exception as error:
-                first_error = first_error or error
-        if first_error is not None:
-            raise first_error
 
 
 def build_loggers(

@@ -19,35 +19,17 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
 from rlloom.observability.jsonl import truncate_metrics_jsonl
-from rlloom.observability.loggers import Logger
+from rlloom.observability.logger import Logger, SampleRecord
 
 SAMPLES_FILE = "samples.jsonl"
 """File name of the sample completions inside a run folder."""
 CONSOLE_CHARS = 160
 """Characters of a prompt or response shown on the console (the file keeps the whole text)."""
-
-
-@dataclass(kw_only=True, slots=True)
-class SampleRecord:
-    """One completion as logged: what was asked, what came back and how it scored."""
-
-    step: int
-    """The RL step (as in metrics.jsonl) whose rollout produced it."""
-    prompt: str
-    """The prompt's text: a string prompt as it is, chat messages as `role: content` lines."""
-    response: str
-    """The decoded response."""
-    reward: float
-    """The reward the update used (the reward function's score plus any shaping)."""
-    ground_truth: str
-    """What the reward function compared the response with."""
-    finish_reason: str
-    """`stop` (an end token) or `length` (rollout.max_new_tokens reached)."""
 
 
 def prompt_text(prompt: object) -> str:

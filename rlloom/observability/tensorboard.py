@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from rlloom.observability.loggers import Logger
+from rlloom.observability.logger import Logger
 
 
 class TensorBoardLogger(Logger):

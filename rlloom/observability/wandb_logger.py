@@ -15,8 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from rlloom.observability.loggers import Logger
-from rlloom.observability.samples import SampleRecord
+from rlloom.observability.logger import Logger, SampleRecord
 
 RUN_ID_FILE = "wandb_run_id"
 """File inside a run folder holding the W&B run id (a resume continues that W&B run)."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlloom.cluster.placement import build_groups
+from rlloom.cluster.build import build_groups
 from rlloom.config.components import RunConfig
 from rlloom.config.loading import to_dict, to_yaml
 from rlloom.data.types import Sample

@@ -175,7 +175,7 @@ def test_bf16_train_engine_logprobs_and_step(tmp_path):
 
 
 def test_one_rl_step_on_gpu(tiny_checkpoint, tmp_path):
-    from rlloom.cluster.placement import build_groups
+    from rlloom.cluster.build import build_groups
     from rlloom.config import load_config
     from rlloom.models import load_tokenizer
     from rlloom.rewards.build import build_reward_runner

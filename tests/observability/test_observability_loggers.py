@@ -10,7 +10,8 @@ from rlloom.config.components import LoggingConfig
 from rlloom.observability.console import ConsoleLogger, format_eta
 from rlloom.observability.jsonl import JsonlLogger, read_metrics_jsonl
 from rlloom.observability.log import init_logger, warn_once
-from rlloom.observability.loggers import METRICS_FILE, MultiLogger, build_loggers
+from rlloom.observability.logger import MultiLogger
+from rlloom.observability.loggers import METRICS_FILE, build_loggers
 
 
 def metrics_at(step: int) -> dict:

@@ -25,7 +25,7 @@ import torch
 from test_trainer_loop import final_weights, read_metrics, tiny_cfg
 
 from rlloom.cli import main
-from rlloom.cluster.placement import build_groups
+from rlloom.cluster.build import build_groups
 from rlloom.config import ConfigError
 from rlloom.faults import parse_fault
 from rlloom.models.adapter import hf_named_tensors

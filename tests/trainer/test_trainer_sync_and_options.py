@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlloom.cluster.placement import build_groups
+from rlloom.cluster.build import build_groups
 from rlloom.config import load_config
 from rlloom.engines.train.native import tensor_checksum
 from rlloom.models.adapter import hf_named_tensors

@@ -1,0 +1,36 @@
+"""The factory the controller builds its groups with: one process for cluster.mode=inline (local.py),
+Ray actors placed as placement.py plans (ray.py; Ray imported only then) for cluster.mode=ray."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlloom.cluster.base import RolloutGroup, TrainGroup, WeightSync
+from rlloom.cluster.placement import plan_placement
+from rlloom.config.components import RunConfig
+
+
+@dataclass(kw_only=True, slots=True)
+class Groups:
+    """What the controller drives: the two groups and the weight sync between them."""
+
+    train: TrainGroup
+    rollout: RolloutGroup
+    sync: WeightSync
+
+    def close(self) -> None:
+        self.rollout.close()
+        self.train.close()
+
+
+def build_groups(cfg: RunConfig) -> Groups:
+    """One process for cluster.mode=inline; Ray actors (Ray imported only then) for cluster.mode=ray."""
+    if cfg.cluster.mode == "ray":
+        from rlloom.cluster.ray import build_ray_groups
+
+        train, rollout, sync = build_ray_groups(cfg, plan_placement(cfg))
+    else:
+        from rlloom.cluster.local import build_local_groups
+
+        train, rollout, sync = build_local_groups(cfg)
+    return Groups(train=train, rollout=rollout, sync=sync)
