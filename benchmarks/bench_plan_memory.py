@@ -45,7 +45,8 @@ from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.models.args import ModelArgs
 from rlloom.models.checkpoint import build_model
 from rlloom.plan.counts import model_costs
-from rlloom.plan.memory import GB, Hardware, Layout, Workload, estimate
+from rlloom.plan.inputs import Hardware, Layout, Workload
+from rlloom.plan.memory import GB, estimate
 
 QWEN3_06B = json.loads((Path(__file__).parents[1] / "tests/plan/configs/qwen3-0.6b/config.json").read_text())
 SHAPES = {

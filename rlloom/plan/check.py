@@ -18,7 +18,8 @@ from rlloom.config.components import RunConfig
 from rlloom.models.args import ModelArgs
 from rlloom.models.checkpoint import resolve_path
 from rlloom.plan.counts import model_costs
-from rlloom.plan.memory import GB, Hardware, Layout, Workload, estimate
+from rlloom.plan.inputs import Hardware, Layout, Workload
+from rlloom.plan.memory import GB, estimate
 
 _RECOMPUTE = {"off": "none", "full": "full", "every_k": "full"}
 

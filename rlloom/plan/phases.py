@@ -13,14 +13,11 @@ against an H200's allocator trace: docs/plan.md lists what was alive at each mea
 from __future__ import annotations
 
 from dataclasses import astuple, dataclass
-from typing import TYPE_CHECKING
 
 from rlloom.engines.train.native.step_guard import TRIAL_CHUNK
 from rlloom.plan.counts import LayerCost, ModelCosts
+from rlloom.plan.inputs import Layout, Workload
 from rlloom.plan.stages import layer_kinds
-
-if TYPE_CHECKING:
-    from rlloom.plan.memory import Layout, Workload
 
 GB = float(1 << 30)
 NCCL_BUFFERS_GB = 0.5

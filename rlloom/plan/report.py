@@ -18,7 +18,8 @@ from typing import Any
 from rlloom.config.components import ConfigError
 from rlloom.models.args import ModelArgs
 from rlloom.plan.counts import ModelCosts, model_costs
-from rlloom.plan.memory import Estimate, Hardware, Layout, Workload
+from rlloom.plan.inputs import Hardware, Layout, Workload
+from rlloom.plan.memory import Estimate
 from rlloom.plan.search import Candidate, best_split, fit_layout, gpus_needed, search, step_cost
 
 CHECK_KEYS = ("tp", "pp", "cp", "ep", "offload")

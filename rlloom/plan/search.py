@@ -15,7 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from rlloom.plan.counts import ModelCosts
-from rlloom.plan.memory import Estimate, Hardware, Layout, Workload, estimate
+from rlloom.plan.inputs import Hardware, Layout, Workload
+from rlloom.plan.memory import Estimate, estimate
 from rlloom.plan.stages import layer_kinds, stage_ranges
 
 OFFLOAD_STEPS = (0.0, 0.25, 0.5, 0.75, 1.0)

@@ -10,7 +10,8 @@ import pytest
 
 from rlloom.models.args import ModelArgs
 from rlloom.plan.counts import model_costs
-from rlloom.plan.memory import Hardware, Layout, Workload, estimate
+from rlloom.plan.inputs import Hardware, Layout, Workload
+from rlloom.plan.memory import estimate
 
 CONFIGS = Path(__file__).parent / "configs"
 

@@ -20,7 +20,8 @@ import torch
 from rlloom.models.args import ModelArgs, MoEArgs
 from rlloom.models.moe import MoE
 from rlloom.plan.counts import ROUTING_PER_COPY, model_costs
-from rlloom.plan.memory import GB, Hardware, Layout, Workload, estimate
+from rlloom.plan.inputs import Hardware, Layout, Workload
+from rlloom.plan.memory import GB, estimate
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 from bench_plan_memory import SHAPES, measure  # noqa: E402
