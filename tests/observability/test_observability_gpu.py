@@ -1,12 +1,12 @@
 """On CUDA: timers synchronize, memory reads the allocator, and the NCCL reduction of metrics."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from procs import free_port
 
 from rlloom.observability.memory import memory_metrics, peak_memory_gib, reset_peak_memory
 from rlloom.observability.metrics import Max, Mean, MetricsAccumulator, Min, Sum, reduce_across_ranks
@@ -32,12 +32,6 @@ def test_timer_waits_for_kernels_and_memory_reads_allocator():
     del y
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
@@ -59,7 +53,7 @@ def _rank_main(rank: int, port: int, results) -> None:
 def test_reduce_across_two_nccl_ranks():
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_rank_main, args=(_free_port(), results), nprocs=2, join=True)
+        mp.spawn(_rank_main, args=(free_port(), results), nprocs=2, join=True)
         got = dict(results)
     # loss: (1*1 + 2*2) / (1 + 2); tokens 10 + 20; max of 0,1; min of 0,-1.
     want = {

@@ -4,12 +4,11 @@ import json
 import math
 import os
 import random
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-from procs import spawn
+from procs import free_port, spawn
 
 from rlloom.observability.metrics import Max, Mean, MetricsAccumulator, Min, Sum, reduce_across_ranks
 
@@ -111,12 +110,6 @@ def test_reduce_without_process_group_is_summary():
     assert reduce_across_ranks(acc) == acc.summary()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, world: int, port: int, records: list[list[dict]], out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -134,7 +127,7 @@ def test_reduce_across_two_gloo_ranks_equals_one_accumulator(tmp_path):
     rng = random.Random(7)
     per_rank = [random_records(rng, 6), random_records(rng, 9)]
     per_rank[1].append({"rank1/only": Sum(2.0)})  # a key only one rank saw
-    spawn(_rank_main, args=(2, _free_port(), per_rank, str(tmp_path)), nprocs=2, join=True)
+    spawn(_rank_main, args=(2, free_port(), per_rank, str(tmp_path)), nprocs=2, join=True)
     want = naive(per_rank[0] + per_rank[1])
     want["rank1/only"] = 2.0
     for rank in (0, 1):

@@ -4,22 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from procs import spawn
+from procs import free_port, spawn
 
 from rlloom.models.args import MLAArgs, ModelArgs, MoEArgs, RopeArgs
 from rlloom.models.layers import RMSNorm
 from rlloom.models.model import CausalLM
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:

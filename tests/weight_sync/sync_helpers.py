@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -155,12 +154,6 @@ class ShardSink:
         for name, tensor in named_tensors:
             self.tensors[name] = tensor.clone()
         self.policy_version = version
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 EXPERT = re.compile(r"\.experts\.(\d+)\.")

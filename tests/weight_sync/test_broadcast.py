@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from procs import spawn
+from procs import free_port, spawn
 
 from rlloom.engines.rollout.native import NativeEngine, SamplingParams
 from rlloom.weight_sync import broadcast
@@ -41,7 +41,6 @@ from tests.weight_sync.sync_helpers import (
     TrainSide,
     expert_of,
     expert_parallel_sync,
-    free_port,
     rollout_engine,
     rollout_weights,
     shard_dims,

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-from procs import spawn
+from procs import free_port, spawn
 from train_engine_helpers import PolicyLoss, load_tiny, make_batch, make_tiny_checkpoint
 
 from rlloom.algorithms.losses import loss_normalizer
@@ -87,12 +86,6 @@ def worker(rank: int, port: int, ckpt: str, tmp: str, expected: dict) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_process_fsdp_equals_one_process(tmp_path):

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from procs import spawn
+from procs import free_port, spawn
 from test_train_shared_prompts import lively
 from transformers import DeepseekV3Config, Qwen3MoeConfig
 
@@ -200,8 +200,6 @@ def _bias_worker(rank: int, port: int, expected: dict) -> None:
 
 
 def test_two_ranks_update_the_bias_from_the_global_load():
-    from test_train_fsdp_gloo import free_port
-
     single = NativeTrainEngine(TrainEngineConfig(lr=1e-3, moe_bias_update_rate=0.01), deepseek())
     metrics = single.train_step(batch(n=8), zero_policy_loss, loss_normalizer=1.0)
     bias = next(iter(single.model.moe_layers().values())).router.expert_bias.detach().clone()

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from procs import spawn
-from test_train_fsdp_gloo import free_port, full_weights
+from procs import free_port, spawn
+from test_train_fsdp_gloo import full_weights
 from train_engine_helpers import PolicyLoss, load_tiny, make_batch, make_tiny_checkpoint
 
 from rlloom.algorithms.losses import loss_normalizer
