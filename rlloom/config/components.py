@@ -164,7 +164,7 @@ class RolloutConfig:
     weights updated between decode steps, and they resume under the new weights from prompt + tokens
     so far (KV cache rebuilt; every token keeps the version and logprob of the policy that produced
     it); `drop`: their tokens are discarded and the samples generated again under the new weights.
-abort_resume and drop need trainer.mode=async and, with cluster.mode=ray, rollout.tp=1."""
+    abort_resume and drop need trainer.mode=async and, with cluster.mode=ray, rollout.tp=1."""
     tp: int = 1
     """Tensor-parallel degree of one rollout engine: its model's heads, MLP (and expert) widths and
     vocabulary are split over `tp` ranks (GPUs), one all-reduce per attention and per MLP. Must divide
