@@ -12,6 +12,14 @@ steps, and the whole process; then the cache's size after the run.
     python benchmarks/bench_start.py                # one GPU: both runs (expected 3-4 minutes)
     python benchmarks/bench_start.py --tiny         # CPU smoke run of the script (CPU runs do not compile)
     python benchmarks/bench_start.py --cache DIR    # keep the cache in DIR (new or empty) to inspect it
+    python benchmarks/bench_start.py --profile DIR  # and a third, warm run of one step under cProfile:
+                                                    # DIR/warm.pstats, its top functions printed
+
+Every run also prints torch's own compile-time breakdown (Dynamo tracing, the backend compiler) and
+rlloom's INFO log lines (each decode graph's capture time) to its stderr. The runs share a Python
+bytecode cache (PYTHONPYCACHEPREFIX in the cache directory, PYTHONDONTWRITEBYTECODE dropped): an
+installed package has its bytecode compiled, but an environment without it (as on the benchmark
+machine) would otherwise compile torch's lazily imported sources again in every process (about 8 s).
 """
 
 from __future__ import annotations
@@ -38,6 +46,15 @@ MARK = "bench_start: "  # the child's result line on stdout
 def child(args: argparse.Namespace) -> None:
     """One run in this (fresh) process: build, then `args.steps` GRPO steps; prints one JSON line."""
     imports_s = seconds_since_process_start()
+    import logging
+
+    import torch._dynamo.utils
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+    logging.getLogger("rlloom").addHandler(handler)
+    logging.getLogger("rlloom").setLevel(logging.INFO)
+
     from rlloom.cluster.build import build_groups
     from rlloom.trainer.step import rl_step
 
@@ -49,6 +66,9 @@ def child(args: argparse.Namespace) -> None:
         ctx = e2e_context(cfg, groups, args)
         steps = [rl_step(ctx, step)["time/step_s"] for step in range(args.steps)]
         groups.close()
+    if torch._dynamo.config.caching_precompile:  # TORCH_CACHING_PRECOMPILE=1: torch's experimental
+        torch.compiler.save_cache_artifacts()  # Dynamo cache is written here, read by the next run
+    print(torch._dynamo.utils.compile_times(repr="str", aggregate=True), file=sys.stderr, flush=True)
     result = {
         "imports_s": imports_s,
         "build_s": build_s,
@@ -60,14 +80,23 @@ def child(args: argparse.Namespace) -> None:
     print(MARK + json.dumps(result), flush=True)
 
 
-def run_once(args: argparse.Namespace, model_dir: Path, cache: Path) -> dict[str, float]:
-    """One child process with the cache at `cache` (the user's TORCHINDUCTOR_/TRITON_ settings dropped)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+def run_once(
+    args: argparse.Namespace, model_dir: Path, cache: Path, profile: Path | None = None
+) -> dict[str, float]:
+    """One child process with the cache at `cache` (the user's TORCHINDUCTOR_, TRITON_ and
+    PYTHONDONTWRITEBYTECODE settings dropped); with `profile`, one step under cProfile, its
+    statistics written to that file."""
+    dropped = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "PYTHONDONTWRITEBYTECODE")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env.update(
         RLLOOM_COMPILE_CACHE=str(cache),
+        PYTHONPYCACHEPREFIX=str(cache / "pycache"),
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
     )
     argv = [sys.executable, __file__, *sys.argv[1:], "--child-model", str(model_dir)]
+    if profile is not None:
+        argv[1:1] = ["-m", "cProfile", "-o", str(profile)]
+        argv += ["--steps", "1"]
     try:
         out = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True, timeout=args.timeout_s)
     except subprocess.TimeoutExpired:
@@ -78,7 +107,7 @@ def run_once(args: argparse.Namespace, model_dir: Path, cache: Path) -> dict[str
     if out.returncode != 0 or not lines:
         sys.exit(f"bench_start: a run failed (exit {out.returncode}); its output is above")
     result = json.loads(lines[-1].removeprefix(MARK))
-    files = [f for f in cache.rglob("*") if f.is_file()]
+    files = [f for f in cache.rglob("*") if f.is_file() and "pycache" not in f.relative_to(cache).parts]
     result["cache_mb"] = sum(f.stat().st_size for f in files) / 2**20
     result["cache_files"] = len(files)
     return result
@@ -109,6 +138,9 @@ def main() -> None:
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="extra config override"
     )
+    parser.add_argument(
+        "--profile", default="", metavar="DIR", help="add a warm run of one step under cProfile, saved in DIR"
+    )
     parser.add_argument("--child-model", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tiny:
@@ -129,7 +161,21 @@ def main() -> None:
         for name in ("1 cold", "2 warm"):
             runs.append((name, run_once(args, model_dir, cache)))
             print(f"run {name}: {json.dumps(runs[-1][1])}", flush=True)
+        if args.profile:
+            stats = Path(args.profile) / "warm.pstats"
+            stats.parent.mkdir(parents=True, exist_ok=True)
+            runs.append(("3 warm, cProfile (1 step)", run_once(args, model_dir, cache, stats)))
+            print_profile(stats)
     print_table(runs, args)
+
+
+def print_profile(stats: Path, top: int = 40) -> None:
+    """The profiled run's functions with the most cumulative and the most own time."""
+    import pstats
+
+    for key in ("cumulative", "tottime"):
+        print(f"\n--- cProfile of the warm run, by {key} ---", flush=True)
+        pstats.Stats(str(stats)).sort_stats(key).print_stats(top)
 
 
 if __name__ == "__main__":

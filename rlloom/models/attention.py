@@ -20,9 +20,8 @@ class Attention(nn.Module):
     """GQA attention with optional q/k/v (and output) biases and optional QK-norm; with
     `args.fused_projections` q/k/v are one `FusedLinear` (wqkv)."""
 
-    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+    def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -52,5 +51,5 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(q, k, v, self.scale, layout, self.layer_idx)
+        out = attend(q, k, v, self.scale, layout)
         return self.wo(out.flatten(-2))

@@ -10,8 +10,8 @@
   branch_k] (see `rlloom.data.types`): prompt tokens attend causally within the prompt, a branch
   token to the whole prompt and causally to its own branch. Segments with at most one branch are
   plain causal sequences.
-- backend: q/k/v [N, H, D] handed to a pluggable `attn` object: `attn.attn(layer_idx, q, k, v,
-  scale) -> out`, k/v NOT repeated for GQA. Two backends use this hook: the rollout engine's paged
+- backend: q/k/v [N, H, D] handed to a pluggable `attn` object: `attn.attn(q, k, v, scale) -> out`,
+  called once per layer in layer order, k/v NOT repeated for GQA. Two backends use this hook: the rollout engine's paged
   KV cache, and context parallelism (`rlloom.parallel.cp.CPShard`: the stream is one rank's share
   of a packed micro-batch, and the hook attends to the keys of every cp rank).
 
@@ -58,9 +58,10 @@ class AttnBackend(Protocol):
     """Attention that knows the sequence structure the model does not: the rollout engine's (it owns
     the KV cache) or context parallelism's (the keys live on several ranks)."""
 
-    def attn(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-    ) -> torch.Tensor: ...
+    def attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Called once per decoder layer, in layer order, every forward: a backend that keeps state
+        per layer counts the calls (no layer index is passed, so none becomes a constant of a
+        compiled graph: see the rollout engine's attention.py)."""
 
 
 @dataclass(slots=True)
@@ -80,11 +81,11 @@ class AttnLayout:
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, layout: AttnLayout, layer_idx: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, layout: AttnLayout
 ) -> torch.Tensor:
     """Causal attention of q [.., Hq, Dqk] over k [.., Hkv, Dqk], v [.., Hkv, Dv] -> [.., Hq, Dv]."""
     if layout.kind == "backend":
-        return layout.backend.attn(layer_idx, q, k, v, scale)
+        return layout.backend.attn(q, k, v, scale)
     if layout.kind == "padded":
         return padded_attention(q, k, v, scale)
     if layout.kind == "tree":

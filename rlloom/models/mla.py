@@ -32,11 +32,10 @@ from rlloom.models.layers import RMSNorm, apply_rope, yarn_mscale
 class MLAttention(nn.Module):
     """Multi-head latent attention with optional query LoRA."""
 
-    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+    def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         assert args.mla is not None
         m = args.mla
-        self.layer_idx = layer_idx
         self.num_heads = args.num_heads
         self.nope_dim, self.rope_dim, self.v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
         self.kv_lora_rank = m.kv_lora_rank
@@ -75,7 +74,7 @@ class MLAttention(nn.Module):
         k_pe = apply_rope(k_pe.unsqueeze(-2), cos, sin, interleaved=self.interleaved)
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(*k_nope.shape[:-1], self.rope_dim)], dim=-1)
-        out = attend(q, k, v.contiguous(), self.scale, layout, self.layer_idx)
+        out = attend(q, k, v.contiguous(), self.scale, layout)
         return self.wo(out.flatten(-2))
 
     def _latent_attention(
@@ -99,5 +98,5 @@ class MLAttention(nn.Module):
         k_pe = apply_rope(k_pe.unsqueeze(-2), cos, sin, interleaved=self.interleaved)
         q = torch.cat([q_latent, q_pe], dim=-1)
         k = torch.cat([latent.unsqueeze(-2), k_pe], dim=-1)
-        out_latent = attend(q, k, latent.unsqueeze(-2), self.scale, layout, self.layer_idx)
+        out_latent = attend(q, k, latent.unsqueeze(-2), self.scale, layout)
         return self.wo(torch.einsum("nhr,hvr->nhv", out_latent, w_uv).flatten(-2))

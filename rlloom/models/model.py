@@ -9,7 +9,7 @@ Inputs (see docs/CONTRACTS.md):
 - packed: input_ids [N], position_ids [N], cu_seqlens [S + 1] -> logits [N, V]
 - shared-prompt packed: the same plus prefix_lens [S] and branch_lens [Z] (each segment a prompt
   followed by branches that attend to the prompt and to themselves; see `attention_ops`)
-- backend: input_ids [N], position_ids [N], attn=<object with .attn(layer, q, k, v, scale)>
+- backend: input_ids [N], position_ids [N], attn=<object with .attn(q, k, v, scale)>, called once per layer>
 
 Rotary tables are recomputed buffers: after materialising from the meta device call
 `init_buffers()`.
@@ -17,6 +17,7 @@ Rotary tables are recomputed buffers: after materialising from the meta device c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.attention = MLAttention(args, layer_idx) if args.mla is not None else Attention(args, layer_idx)
+        self.attention = MLAttention(args) if args.mla is not None else Attention(args)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         is_moe = args.moe is not None and layer_idx in args.moe.sparse_layers
         self.moe = MoE(args.hidden_size, args.moe) if is_moe else None
@@ -128,8 +129,10 @@ class CausalLM(nn.Module):
         tree: TreePlan | None = None,
         routes_NLK: torch.Tensor | None = None,
         replay_routes: bool = False,
+        layers: Sequence[nn.Module] | None = None,
     ) -> torch.Tensor:
-        """Final-normed hidden states [.., D] (no lm head); arguments as in `forward`, plus `tree`:
+        """Final-normed hidden states [.., D] (no lm head); arguments as in `forward`, plus `layers`:
+        the decoder layers to run instead of `self.layers` (the rollout's compiled ones), and `tree`:
         the shared-prompt structure as a `TreePlan` the caller built on the host, instead of
         prefix_lens/branch_lens (a wrapper such as FSDP would copy those tensors to the GPU, and
         reading them back there costs a host sync); and `routes_NLK` [N, MoE layers, K], the experts
@@ -140,7 +143,7 @@ class CausalLM(nn.Module):
         h = self.tok_embeddings(input_ids)
         cos, sin = self.rope(position_ids, h.dtype)
         moe_index = 0
-        for layer in self.layers:
+        for layer in self.layers if layers is None else layers:
             if layer.moe is not None and routes_NLK is not None:
                 h = layer(h, cos, sin, layout, routes_NLK[:, moe_index], replay_routes)
                 moe_index += 1

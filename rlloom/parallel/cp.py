@@ -226,9 +226,7 @@ class CPShard:
             self._varlen = varlen_runs(q_lens, k_lens, kv_index, self.device)
         return self._varlen
 
-    def attn(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-    ) -> torch.Tensor:
+    def attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """The attention backend hook: local q [n, Hq, Dqk], k [n, Hkv, Dqk], v [n, Hkv, Dv] ->
         [n, Hq, Dv] (n = local_len), the queries attending to every rank's keys (module docstring)."""
         dk = k.shape[-1]

@@ -84,13 +84,24 @@ def test_packed_kernel_equals_block_diagonal_masked_attention():
 
 
 class CachingBackend:
-    """Reference backend: per (layer, sequence) contiguous k/v; naive softmax attention."""
+    """Reference backend: per (layer, sequence) contiguous k/v; naive softmax attention. Called once
+    per layer in order, it counts the layers of a forward (set `new_lens` before each)."""
 
     def __init__(self) -> None:
         self.cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.new_lens: list[int] = []
+        self._new_lens: list[int] = []
+        self.layer = 0
 
-    def attn(self, layer_idx, q, k, v, scale):
+    @property
+    def new_lens(self) -> list[int]:
+        return self._new_lens
+
+    @new_lens.setter
+    def new_lens(self, lens: list[int]) -> None:
+        self._new_lens, self.layer = lens, 0
+
+    def attn(self, q, k, v, scale):
+        layer_idx, self.layer = self.layer, self.layer + 1
         outs, start = [], 0
         for seq, n in enumerate(self.new_lens):
             k_old, v_old = self.cache.get((layer_idx, seq), (k[:0], v[:0]))

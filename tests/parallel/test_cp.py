@@ -76,7 +76,7 @@ def attention_worker(kernel: str) -> None:
         gather_padded |= shard.local_len < shard.n
         model_padded |= shard.num_real < shard.local_len
         real = shard.index[: shard.num_real]
-        out = shard.attn(0, shard.take(q), shard.take(k), shard.take(v), 0.3)
+        out = shard.attn(shard.take(q), shard.take(k), shard.take(v), 0.3)
         assert out.isfinite().all()  # pads included
         torch.testing.assert_close(out[: shard.num_real], expected[real].detach(), **TOL)
         torch.testing.assert_close(shard.unshard(out), expected.detach(), **TOL)

@@ -23,9 +23,9 @@ from models_testutil import randomize_, run_in_triton_interpreter  # noqa: E402,
 VOCAB = 128
 
 
-def tiny_dense(seed: int = 0) -> Qwen3ForCausalLM:
+def tiny_dense(seed: int = 0, layers: int = 2) -> Qwen3ForCausalLM:
     cfg = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
         eos_token_id=None, bos_token_id=None, pad_token_id=None,
     )  # fmt: skip

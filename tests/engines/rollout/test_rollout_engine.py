@@ -264,16 +264,22 @@ def test_decode_graphs_record_moe_routes_like_eager_decode(tmp_path):
         assert got.routed_experts is not None and torch.equal(got.routed_experts, want.routed_experts)
 
 
-def test_compiled_decode_forward_is_one_graph_and_matches_eager(dense):
-    """The forward the GPU runner captures, compiled (fullgraph: any graph break fails), through the
-    same static buffers; a batch of one pads to two (size 1 would compile again)."""
+def test_compiled_decode_forward_traces_one_layer_and_matches_eager(tmp_path):
+    """The forward the GPU runner captures, its layers compiled, through the same static buffers, on
+    a model with more layers than Dynamo recompiles a function for (8): every layer reuses the one
+    traced layer (the layer index stays out of the graphs), so there are fewer graphs than layers
+    (the same number as with 2 layers); a batch of one pads to two (size 1 would compile again)."""
+    from torch._dynamo.utils import counters
+
     from rlloom.engines.rollout.native.model_runner import compile_decode_forward
 
     torch._dynamo.reset()
+    counters.clear()
+    path = save(tiny_dense(seed=3, layers=10), tmp_path / "deep")
     batch = prompts(3, max_len=12, seed=5)
     params = [SamplingParams(temperature=1.0, max_new_tokens=2 + 4 * i, seed=i) for i in range(3)]
-    reference = _engine(dense[1]).generate(batch, params)
-    engine = _engine(dense[1], max_num_seqs=4)
+    reference = _engine(path).generate(batch, params)
+    engine = _engine(path, max_num_seqs=4)
     runner = engine.runner
     runner.graphs = EagerGraphs(
         engine.model, runner.backend, max_num_seqs=4, max_blocks_per_seq=runner.max_blocks_per_seq,
@@ -281,6 +287,34 @@ def test_compiled_decode_forward_is_one_graph_and_matches_eager(dense):
     )  # fmt: skip
     _assert_same(engine.generate(batch, params), reference)
     assert {bs for bs, _ in runner.graphs.graphs} == {2, 4}
+    # Specialised per layer, the 9th layer would hit the recompile limit (a frame not ok) and run eagerly.
+    assert counters["frames"]["total"] == counters["frames"]["ok"], dict(counters["unimplemented"])
+    assert 0 < counters["stats"]["unique_graphs"] < 8, dict(counters["stats"])  # 6 at torch 2.13
+
+
+def test_compiled_decode_forward_in_one_graph_matches_eager(tmp_path):
+    """The one-graph decode forward (MoE models; here a dense one, since MoE's CPU expert loop is not
+    traceable: the GPU tests run MoE) is one graph (fullgraph: any graph break fails): the attention
+    call counts its layer while Dynamo traces it, so each layer's op gets its own index."""
+    from torch._dynamo.utils import counters
+
+    from rlloom.engines.rollout.native.model_runner import compile_decode_forward
+
+    torch._dynamo.reset()
+    counters.clear()
+    path = save(tiny_dense(seed=2, layers=3), tmp_path / "three")
+    batch = prompts(3, max_len=12, seed=6)
+    params = [SamplingParams(temperature=1.0, max_new_tokens=2 + 3 * i, seed=i) for i in range(3)]
+    reference = _engine(path).generate(batch, params)
+    engine = _engine(path, max_num_seqs=4)
+    runner = engine.runner
+    runner.graphs = EagerGraphs(
+        engine.model, runner.backend, max_num_seqs=4, max_blocks_per_seq=runner.max_blocks_per_seq,
+        scratch_block=runner.num_blocks, forward=compile_decode_forward(engine.model, one_graph=True),
+    )  # fmt: skip
+    _assert_same(engine.generate(batch, params), reference)
+    # One per batch size at most (the full static buffer and a view of it guard differently).
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
 
 
 def test_built_from_rollout_config(dense):

@@ -1,7 +1,8 @@
 """PagedAttention: the attention backend the model calls during rollout; it owns the paged KV cache.
 
 `CausalLM.hidden_states(input_ids_N, position_ids=..., attn=backend)` calls
-`backend.attn(layer, q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, Dv], scale)` for every layer. The
+`backend.attn(q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, Dv], scale)` for every layer, in order
+(the backend counts the calls since `prepare` to know the layer). The
 backend writes the new k/v into the cache at `slot_mapping`, gathers each sequence's keys and values
 (cached prefix included) through its block table, and runs one SDPA call for the whole batch with a
 causal mask per sequence. Prefill (many queries per sequence) and decode (one) take the same path.
@@ -16,13 +17,21 @@ token per sequence read the cache through the block table instead, each byte onc
 stores the new k/v itself (two fewer launches a layer). Both paths are graph-safe (no host syncs,
 no data-dependent shapes).
 
-The model reaches the backend through one custom op, `rlloom::paged_attention(q, k, v, handle,
-layer, scale)`: the op looks the backend up by its handle and runs `PagedAttention.run_layer`. To
-torch.compile the op is opaque (its fake returns an empty [N, Hq, Dv]), so the compiled decode
-forward (model_runner.py) traces the whole model in one graph while the cache writes and the Triton
-kernel stay outside Inductor; the KV cache is not an argument, so the compiler never copies it to
-functionalise its mutation (vLLM's attention op does the same). A runner keeps one handle across
-sleep/wake, so a re-allocated cache needs no recompilation.
+The model reaches the cache through one custom op, `rlloom::paged_attention(q, k, v, handle,
+layer, scale)`: the op looks the backend up by its handle and runs `PagedAttention.run_layer`; to
+torch.compile it is opaque (its fake returns an empty [N, Hq, Dv]), so the cache writes and the
+Triton kernel stay outside Inductor, and the KV cache is never a graph input that the compiler would
+copy to functionalise its mutation (vLLM's attention op does the same). A runner keeps one handle
+across sleep/wake, so a re-allocated cache needs no recompilation. The model passes no layer index:
+`attn` counts its calls since `prepare`. The compiled decode forward (model_runner.py) comes in two
+shapes:
+
+- the whole model in one graph (MoE models): Dynamo traces the counter, so each layer's op call
+  gets its index as a constant;
+- one graph per decoder layer, shared by all layers (dense models): the layers see the backend
+  through `PiecewiseAttention`, whose `attn` is a deliberate graph break (vLLM's piecewise
+  compilation splits at attention the same way); no index crosses it, so no index becomes a
+  constant of a traced frame, and Dynamo traces one layer instead of the whole model.
 
 Shape legend: N new tokens, S sequences, Q most new tokens of a sequence (1 in decode), K key slots
 gathered per sequence (a multiple of the block size), Hq/Hkv heads, G = Hq / Hkv, D/Dv head dims.
@@ -105,6 +114,8 @@ class PagedAttention:
         self.use_decode_kernel = use_decode_kernel
         self.values_in_keys = v_cache.untyped_storage().data_ptr() == k_cache.untyped_storage().data_ptr()
         self.context: AttnContext | None = None
+        self._layer = 0
+        """The layer the next `attn` call is for (calls since `prepare`)."""
         self._num_keys_S: torch.Tensor | None = None
         self._kv_slots_SK: torch.Tensor | None = None
         self._mask_S1QK: torch.Tensor | None = None
@@ -116,6 +127,7 @@ class PagedAttention:
     def prepare(self, context: AttnContext) -> None:
         """Set the context of the next forward and derive the per-batch gather index and mask."""
         self.context = context
+        self._layer = 0
         if self.use_decode_kernel and context.query_pos_SQ.shape[1] == 1:
             self._num_keys_S = context.query_pos_SQ[:, 0] + 1
             return
@@ -129,17 +141,25 @@ class PagedAttention:
         self._mask_S1QK = (key_pos_K[None, None, :] <= context.query_pos_SQ[:, :, None]).unsqueeze(1)
 
     def attn(
-        self, layer_idx: int, q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, scale: float
+        self, q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """-> [N, Hq, Dv]; also stores k/v of the new tokens in the cache (the model's entry point)."""
-        return paged_attention_op(q_NHD, k_NHD, v_NHD, self.handle, layer_idx, scale)
+        """-> [N, Hq, Dv] for the next layer of this forward; also stores k/v of the new tokens in
+        that layer's cache (the model's entry point)."""
+        layer = self._layer
+        if self.context is None or layer >= self.k_cache.shape[0]:
+            raise RuntimeError(
+                f"PagedAttention.attn: call {layer + 1} since prepare(), but the cache has "
+                f"{self.k_cache.shape[0]} layers: call prepare() before every forward"
+            )
+        self._layer += 1
+        return paged_attention_op(q_NHD, k_NHD, v_NHD, self.handle, layer, scale)
 
     def run_layer(
-        self, layer_idx: int, q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, scale: float
+        self, layer: int, q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, scale: float
     ) -> torch.Tensor:
         ctx = self.context
         assert ctx is not None
-        k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
+        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         k_NHD, v_NHD = k_NHD.to(k_cache.dtype), v_NHD.to(v_cache.dtype)
         if self._num_keys_S is not None:
             # One query per sequence: query_index and output_index are the identity here, and the
@@ -170,3 +190,14 @@ class PagedAttention:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         out = out.reshape(S, Hkv, Q, G, -1).permute(0, 2, 1, 3, 4).reshape(S * Q, Hq, -1)
         return out[ctx.output_index_N]
+
+
+class PiecewiseAttention:
+    """A backend seen through a graph break: per-layer compiled code calls it (module docstring)."""
+
+    def __init__(self, backend: PagedAttention) -> None:
+        self.backend = backend
+
+    @torch.compiler.disable
+    def attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.backend.attn(q, k, v, scale)

@@ -20,6 +20,8 @@ start a new DecodeGraphs after anything reallocates them (the engine's wake()).
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -30,6 +32,8 @@ from rlloom.devices import to_device
 from rlloom.engines.rollout.native.attention import AttnContext, PagedAttention
 from rlloom.engines.rollout.native.paged_decode import SharedPrefix, max_group_members
 from rlloom.engines.rollout.native.sequence import take_pending
+
+logger = logging.getLogger(__name__)
 
 # Columns of a decode step's host rows (built by `ModelRunner._decode_rows`, read by `run` below):
 # per sequence s its last token, that token's position and cache slot and the first key it reads
@@ -122,11 +126,13 @@ class DecodeGraphs:
         return hidden, routes
 
     def _capture(self, bs: int, num_blocks: int) -> None:
+        start = time.perf_counter()
         try:  # warm-up outside the graph: compilation, lazy kernel and cuBLAS set-up
             self._forward(bs, num_blocks)
         except Exception as err:  # noqa: BLE001 - e.g. an Inductor failure: the caller falls back
             raise GraphCaptureError(f"the decode forward (batch {bs}) failed before capture: {err}") from err
         torch.cuda.synchronize()
+        warm_s = time.perf_counter() - start
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
@@ -139,6 +145,10 @@ class DecodeGraphs:
             self.pool = graph.pool()
         self.graphs[(bs, num_blocks)] = graph
         torch.cuda.synchronize()
+        logger.info(
+            "decode graph (batch %d, %d blocks) captured in %.2f s (warm-up %.2f s: the first one compiles)",
+            bs, num_blocks, time.perf_counter() - start, warm_s,
+        )  # fmt: skip
 
     def fits(self, batch_size: int, width: int) -> bool:
         return batch_size <= self.batch_sizes[-1] and width <= self.block_buckets[-1]
