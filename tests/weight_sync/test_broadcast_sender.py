@@ -1,7 +1,9 @@
 """The broadcast sender in one process, its transport replaced: when a bucket cannot be sent, the
 sender still goes through every remaining bucket of the training engine (the other training ranks
 gather the weights with it) and then raises WeightSyncError; a sender that yields experts its
-owner-only layout gives another rank fails the sync (and passes when it yields only its own)."""
+owner-only layout gives another rank fails the sync (and passes when it yields only its own); the
+send plan belongs to its sync group and to one training layout; without a layout every rank exports
+full tensors."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import gc
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from rlloom.engines.train.native.weights import WeightLayout
 from rlloom.weight_sync import broadcast, wire
@@ -16,6 +19,7 @@ from rlloom.weight_sync.base import WeightSyncError
 from rlloom.weight_sync.broadcast import SyncGroup, SyncGroupSpec, owner_layout, send_weights
 from rlloom.weight_sync.group import Link
 from rlloom.weight_sync.reshard import RankLayout, TrainLayout, full_box, plan_reshard
+from tests.weight_sync.ep_phase import counting_all_gathers
 from tests.weight_sync.sync_helpers import TrainSide, expert_of
 
 
@@ -144,3 +148,11 @@ def test_without_a_layout_every_rank_exports_full_tensors_with_one_owner_only(mo
     experts = {n: expert_of(n) // 2 for n in shapes if expert_of(n) is not None}
     _send_owned(monkeypatch, _lone_sender(monkeypatch, shapes), side, experts)
     assert side.owned_only == [False, False, True]
+
+
+def test_counting_all_gathers_puts_all_gather_back_even_when_the_block_raises():
+    original = dist.all_gather
+    with pytest.raises(KeyError), counting_all_gathers() as calls:
+        assert dist.all_gather is not original
+        raise KeyError("a failed sync")
+    assert dist.all_gather is original and calls == [0]
