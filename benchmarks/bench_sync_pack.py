@@ -5,9 +5,12 @@ The training side holds fp32 weights of a Qwen3 shape (`--model`), the rollout s
 rollout engine in bf16 (fused q/k/v and gate/up, as in a run). One sender, one rollout rank; the
 transport is replaced: the sender's buckets are kept in memory and the receiver copies each into
 its own buffer (that copy stands in for the broadcast). Checksums off (sync.checksum=auto on GPU).
-Each row is the median of `--repeats` runs after one warm-up; GiB counts the bf16 bytes on the wire.
+Each row is the median of `--repeats` rounds (every stage once, in turn) after a warm-up one; GiB
+counts the bf16 bytes on the wire. CPU numbers only check the script and show proportions; the
+question (what the 4.4 ms/GiB outside NCCL is) is answered on the GPU (`--device cuda`).
 
-- `cat+cast (torch)`: torch.cat of the flattened fp32 tensors, then .to(bf16): the plain way to pack.
+- `cat+cast (torch)`: torch.cat of the flattened fp32 tensors, a bucket's worth at a time, then
+  .to(bf16): the plain way to pack.
 - `copy-cast (torch)`: each fp32 tensor copy_'d into one preallocated bf16 buffer (the cast fused
   into the copy): the floor of cast + pack.
 - `export`: the training engine's export, `named_weight_buckets(dtype=bf16)`: the cast, HF names.
@@ -22,7 +25,7 @@ Each row is the median of `--repeats` runs after one warm-up; GiB counts the bf1
   the floor of loading.
 
     python benchmarks/bench_sync_pack.py                    # CPU, Qwen3-0.6B shape (~8 GB of memory)
-    python benchmarks/bench_sync_pack.py --device cuda --model 8b
+    python benchmarks/bench_sync_pack.py --device cuda --model 8b   # ~100 GB of GPU memory (H200)
     python benchmarks/bench_sync_pack.py --smoke            # tiny shape on CPU, to check the script
 """
 
@@ -98,15 +101,18 @@ def _group(rank: int, device: torch.device) -> SyncGroup:
     return SyncGroup(spec=spec, rank=rank, device=device, links={(0, 0): Link(pg=None, local_rank=rank)})
 
 
-def _median_s(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    times = []
+def _medians(stages: dict[str, Callable[[], object]], device: torch.device, repeats: int) -> dict[str, float]:
+    """Median seconds of each stage over `repeats` rounds after a warm-up one; a round runs every
+    stage once, in order, so a slow spell of a shared machine hits them all alike."""
+    times: dict[str, list[float]] = {name: [] for name in stages}
     for _ in range(repeats + 1):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+        for name, fn in stages.items():
+            synchronize(device)
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t[1:]) for name, t in times.items()}
 
 
 def measure(cfg: dict, device: torch.device, bucket_bytes: int, repeats: int) -> list[tuple[str, float]]:
@@ -135,6 +141,12 @@ def measure(cfg: dict, device: torch.device, bucket_bytes: int, repeats: int) ->
     num_bytes = sum(b.numel() * b.element_size() for b in wire.buckets)
     flat = torch.empty(num_bytes // DTYPE.itemsize, dtype=DTYPE, device=device)
 
+    groups: list[list[torch.Tensor]] = [[]]  # the fp32 tensors in runs of at most a bucket (in bf16)
+    for p in params:
+        if groups[-1] and sum(q.numel() for q in groups[-1]) + p.numel() > bucket_bytes // DTYPE.itemsize:
+            groups.append([])
+        groups[-1].append(p)
+
     def copy_cast() -> None:
         offset = 0
         for p in params:
@@ -157,20 +169,21 @@ def measure(cfg: dict, device: torch.device, bucket_bytes: int, repeats: int) ->
         for _ in source.named_weights(bucket_bytes=bucket_bytes, dtype=DTYPE):
             pass
 
-    rows = [
-        (
-            "cat+cast (torch)",
-            _median_s(lambda: torch.cat([p.reshape(-1) for p in params]).to(DTYPE), device, repeats),
-        ),
-        ("copy-cast (torch)", _median_s(copy_cast, device, repeats)),
-        ("export", _median_s(export, device, repeats)),
-        ("send", _median_s(sync, device, repeats)),
-    ]
-    rows.append(("pack (send - export)", rows[3][1] - rows[2][1]))
-    rows.append(("copy (torch)", _median_s(copy, device, repeats)))
-    rows.append(("receive", _median_s(take, device, repeats)))
-    rows.append(("unpack (receive - copy)", rows[6][1] - rows[5][1]))
-    rows.append(("split+copy (torch)", _median_s(split_copy, device, repeats)))
+    stages = {
+        "cat+cast (torch)": lambda: [torch.cat([p.reshape(-1) for p in g]).to(DTYPE) for g in groups],
+        "copy-cast (torch)": copy_cast,
+        "export": export,
+        "send": sync,
+        "copy (torch)": copy,
+        "receive": take,
+        "split+copy (torch)": split_copy,
+    }
+    med = _medians(stages, device, repeats)
+    rows = [(name, med[name]) for name in ("cat+cast (torch)", "copy-cast (torch)", "export", "send")]
+    rows += [("pack (send - export)", med["send"] - med["export"])]
+    rows += [(name, med[name]) for name in ("copy (torch)", "receive")]
+    rows += [("unpack (receive - copy)", med["receive"] - med["copy (torch)"])]
+    rows += [("split+copy (torch)", med["split+copy (torch)"])]
     return rows + [("bytes", float(num_bytes))]
 
 
@@ -180,7 +193,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--smoke", action="store_true", help="a tiny shape on CPU, to check the script")
     parser.add_argument("--bucket-mb", type=int, default=256, help="sync.bucket_mb")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per row (after one warm-up)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (after one warm-up)")
     args = parser.parse_args()
     device = torch.device("cpu" if args.smoke else args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
