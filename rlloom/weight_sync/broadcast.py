@@ -32,12 +32,14 @@ joining s and the rollout ranks of tp rank r of every replica, from its own TCPS
    yields its tensors, at most 3 in flight per group; a rollout TP rank receives only its slices;
 4. then a trailer: "ok" or what went wrong on the sender, and the content checksums.
 
-Owner-only sending (`layout=owner_layout(...)`): every sender iterates `named_weights(owned_only=True)`,
-which gathers FSDP/TP shards (collectives, same order on every training rank) but never all-gathers
-routed experts over the expert-parallel ranks: each rank yields its own experts. `owner_layout` says so to the plan
-(`TrainLayout.owned`): an expert is sent only by a training rank of its EP rank (they share the
-work when the expert-FSDP gather leaves it on several), a dense tensor by one of all senders,
-balanced by bytes. A sender checks that it yields exactly the tensors the layout gives it.
+Owner-only sending (`layout=owner_layout(...)`): every sender iterates
+`named_weights(owned_only=True)`, which gathers FSDP/TP shards (collectives, same order on every
+training rank) but never all-gathers routed experts over the expert-parallel ranks: each rank
+yields its own experts. `owner_layout` says so to the plan (`TrainLayout.owned`): an expert is sent
+only by a training rank of its EP rank (they share the work when the expert-FSDP gather leaves it
+on several), a dense tensor by one of all senders, balanced by bytes. A sender checks that it
+yields exactly the tensors the layout gives it. Without a layout every rank yields full tensors
+(`named_weights(owned_only=False)`: routed experts all-gathered over EP).
 
 Failure: the receiver stages every bucket it receives (one extra copy of its slice of the weights,
 on its device, for the duration of the sync) and copies into the engine only after every sender's
@@ -185,7 +187,8 @@ class _Outbox:
         if self.unexpected:
             self.problems.append(
                 f"the training engine yielded {len(self.unexpected)} tensors that the training layout does "
-                f"not give this sender: {self.unexpected[:5]}"
+                f"not give this sender: {self.unexpected[:5]} (fix: pass the layout `owner_layout` builds "
+                "from this engine's weight_layouts(), or layout=None to send full tensors)"
             )
         missing = sorted(held - self.seen)
         if missing:

@@ -85,12 +85,8 @@ class SendPlan:
         dtype: torch.dtype | None,
     ) -> bool:
         """Whether this plan holds for a sync with these inputs (compared by value)."""
-        return (self.bucket_bytes, self.requested, self.hello, self.layout) == (
-            bucket_bytes,
-            dtype,
-            hello,
-            layout,
-        )
+        same_inputs = (self.bucket_bytes, self.requested, self.hello) == (bucket_bytes, dtype, hello)
+        return same_inputs and self.layout == layout
 
 
 @dataclass(kw_only=True, slots=True)
