@@ -19,7 +19,6 @@ one warm-up. Checksums are off on GPU unless `--checksum` (sync.checksum=auto).
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import sys
 import tempfile
@@ -31,6 +30,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_rollout import SHAPES  # noqa: E402  (the shapes live in one place)
+from ports import free_port  # noqa: E402
 
 from rlloom.engines.rollout.native import NativeEngine
 from rlloom.engines.train.native.weights import named_weight_buckets
@@ -116,11 +116,8 @@ def _broadcast_rank(rank: int, cfg: dict, port: int, args: argparse.Namespace, o
 
 def bench_broadcast(cfg: dict, args: argparse.Namespace) -> tuple[float, float]:
     """(GB per sync, median seconds of the slower rank) of the broadcast sync between 2 processes."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_broadcast_rank, args=(cfg, port, args, out), nprocs=2, join=True)
+        mp.spawn(_broadcast_rank, args=(cfg, free_port(), args, out), nprocs=2, join=True)
         sender, receiver = (Path(out, f"rank{r}.txt").read_text().split() for r in (0, 1))
     slower = [max(float(a), float(b)) for a, b in zip(sender[1:], receiver[1:])]
     return int(receiver[0]) / 1e9, statistics.median(slower)

@@ -7,8 +7,8 @@ only the bytes moved matter), and `--rollout-tp` ranks hold one native rollout e
 modes cast to bf16 on the way and reach the same rollout weights:
 - `owner-only`: what a run does (separate placement): every training rank sends, each only its own
   experts and a share of the dense tensors (`named_weights(owned_only=True)`, `owner_layout`).
-- `gather`: the previous protocol: every training rank all-gathers every expert over EP, rank 0
-  alone sends everything.
+- `gather`: the previous protocol: every training rank all-gathers every expert over EP (no
+  layout: `named_weights(owned_only=False)`), rank 0 alone sends everything.
 Each row is the median of `--repeats` syncs after one warm-up; a sync's time is the slowest rank's,
 from a common start (a barrier) until the rollout's weights are in place (devices synchronised).
 
@@ -20,8 +20,8 @@ from a common start (a barrier) until the rollout's weights are in place (device
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +29,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ports import free_port  # noqa: E402
 
 from rlloom.config.components import TrainEngineConfig
 from rlloom.engines.rollout.native import NativeEngine
@@ -62,20 +65,6 @@ def moe_config(args: argparse.Namespace) -> dict:
         num_experts_per_tok=8 if args.experts >= 8 else 2,
         max_position_embeddings=4096,
     ).to_dict()
-
-
-class Gathering:
-    """The training engine as the previous protocol used it: every expert all-gathered on every rank."""
-
-    def __init__(self, engine: NativeTrainEngine) -> None:
-        self.engine = engine
-
-    @property
-    def version(self) -> int:
-        return self.engine.version
-
-    def named_weights(self, *, bucket_bytes: int, dtype: torch.dtype | None = None, owned_only: bool = False):
-        return self.engine.named_weights(bucket_bytes=bucket_bytes, dtype=dtype)
 
 
 def _rank(rank: int, args: argparse.Namespace, ports: tuple[int, ...], out: str) -> None:
@@ -137,7 +126,7 @@ def _rank(rank: int, args: argparse.Namespace, ports: tuple[int, ...], out: str)
                     group, side, bucket_bytes=args.bucket_mb << 20, layout=layout
                 ).num_bytes
             else:
-                num_bytes = send_weights(group, Gathering(side), bucket_bytes=args.bucket_mb << 20).num_bytes
+                num_bytes = send_weights(group, side, bucket_bytes=args.bucket_mb << 20).num_bytes
             if gpu:
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
@@ -148,12 +137,6 @@ def _rank(rank: int, args: argparse.Namespace, ports: tuple[int, ...], out: str)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -178,7 +161,7 @@ def main() -> None:
         parser.error(f"needs {args.ep + args.rollout_tp} GPUs (ep + rollout-tp); run with --smoke on CPU")
     nprocs = args.ep + args.rollout_tp
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_rank, args=(args, (_free_port(), _free_port()), out), nprocs=nprocs, join=True)
+        mp.spawn(_rank, args=(args, (free_port(), free_port()), out), nprocs=nprocs, join=True)
         ranks = [Path(out, f"rank{r}.txt").read_text().splitlines() for r in range(nprocs)]
     title = "CPU smoke run" if args.smoke else torch.cuda.get_device_name()
     print(

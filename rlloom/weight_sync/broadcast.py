@@ -10,7 +10,8 @@ API (the workers call exactly these):
         # being tp rank i % tp of replica i // tp
     # once, on every training rank when all of them send (collective over the training world):
     layout = owner_layout(train_engine.weight_layouts(), train_engine.layout.ep_rank)
-    # each sync, on every training rank (non-senders pass group=None: FSDP gathers are collective):
+    # each sync, on every training rank (non-senders pass group=None: FSDP gathers are collective);
+    # layout=None instead: every rank yields full tensors (routed experts all-gathered over EP):
     report = send_weights(group, train_engine, bucket_bytes=cfg.sync.bucket_mb << 20,
                           dtype=None, checksum=checksum_enabled(cfg.sync.checksum, device),
                           layout=layout)          # -> SyncReport
@@ -24,18 +25,21 @@ joining s and the rollout ranks of tp rank r of every replica, from its own TCPS
 1. the first receiver of each tp rank broadcasts what that rank holds (names, full shapes, its
    slice of each, dtype: `checksum.rank_layout`) and every sender plans with
    `reshard.plan_reshard` (training layout: `layout`; default every sender holds every full
-   tensor) who sends which slice: every sender computes the same plan from the same data;
+   tensor) who sends which slice: every sender computes the same plan from the same data, and
+   keeps it on its `SyncGroup` (`group.plan`) for the next syncs while the inputs stay the same;
 2. the sender broadcasts a manifest: version, dtype, its buckets and their pieces (name, box);
 3. then each bucket as one flat buffer (at most `bucket_bytes`), filled as the training engine
    yields its tensors, at most 3 in flight per group; a rollout TP rank receives only its slices;
 4. then a trailer: "ok" or what went wrong on the sender, and the content checksums.
 
-Owner-only sending: every sender iterates `named_weights(owned_only=True)`, which gathers FSDP/TP
-shards (collectives, same order on every training rank) but never all-gathers routed experts over
-the expert-parallel ranks: each rank yields its own experts. `owner_layout` says so to the plan
-(`TrainLayout.owned`): an expert is sent only by a training rank of its EP rank (they share the
-work when the expert-FSDP gather leaves it on several), a dense tensor by one of all senders,
-balanced by bytes. A sender checks that it yields exactly the tensors the layout gives it.
+Owner-only sending (`layout=owner_layout(...)`): every sender iterates
+`named_weights(owned_only=True)`, which gathers FSDP/TP shards (collectives, same order on every
+training rank) but never all-gathers routed experts over the expert-parallel ranks: each rank
+yields its own experts. `owner_layout` says so to the plan (`TrainLayout.owned`): an expert is sent
+only by a training rank of its EP rank (they share the work when the expert-FSDP gather leaves it
+on several), a dense tensor by one of all senders, balanced by bytes. A sender checks that it
+yields exactly the tensors the layout gives it. Without a layout every rank yields full tensors
+(`named_weights(owned_only=False)`: routed experts all-gathered over EP).
 
 Failure: the receiver stages every bucket it receives (one extra copy of its slice of the weights,
 on its device, for the duration of the sync) and copies into the engine only after every sender's
@@ -63,6 +67,7 @@ from rlloom.weight_sync.checksum import (
 )
 from rlloom.weight_sync.group import (
     Link,
+    SendPlan,
     SyncGroup,
     SyncGroupSpec,
     exchange,
@@ -73,7 +78,6 @@ from rlloom.weight_sync.group import (
 from rlloom.weight_sync.reshard import (
     Box,
     Bucket,
-    ReshardPlan,
     RolloutLayout,
     TrainLayout,
     box_numel,
@@ -183,7 +187,8 @@ class _Outbox:
         if self.unexpected:
             self.problems.append(
                 f"the training engine yielded {len(self.unexpected)} tensors that the training layout does "
-                f"not give this sender: {self.unexpected[:5]}"
+                f"not give this sender: {self.unexpected[:5]} (fix: pass the layout `owner_layout` builds "
+                "from this engine's weight_layouts(), or layout=None to send full tensors)"
             )
         missing = sorted(held - self.seen)
         if missing:
@@ -204,13 +209,18 @@ def send_weights(
     layout: TrainLayout | None = None,
 ) -> SyncReport:
     """Send the source's current weights under `source.version` to every rollout rank. Every training
-    rank calls it (each iterates `source.named_weights(owned_only=True)`: FSDP gathers are
-    collective); a rank that sends nothing passes group=None. `dtype`: None = the rollout's weight
-    dtype. `layout`: what each sender holds, as its owner-only export yields it (`owner_layout`;
-    default: every sender holds every full tensor, the plan splits the sending between them).
+    rank calls it, with the same kind of `layout` (FSDP gathers are collective); a rank that sends
+    nothing passes group=None. `dtype`: None = the rollout's weight dtype. `layout`:
+    - None: every rank yields every full tensor (`named_weights(owned_only=False)`, which all-gathers
+      routed experts over the expert-parallel ranks) and the plan splits the sending between the
+      senders;
+    - `owner_layout(...)`: each rank yields only what it owns (`named_weights(owned_only=True)`, no
+      EP all-gather) and sends only that (what a run does under expert parallelism).
     Raises WeightSyncError when the sync failed (the rollout keeps its weights)."""
     start = time.perf_counter()
-    weights = functools.partial(source.named_weights, bucket_bytes=bucket_bytes, owned_only=True)
+    weights = functools.partial(
+        source.named_weights, bucket_bytes=bucket_bytes, owned_only=layout is not None
+    )
     if group is None:
         for _ in weights(dtype=dtype):
             pass
@@ -223,22 +233,18 @@ def send_weights(
     stream = None
     try:
         hello = tuple(exchange(links, [None] * len(links), root=1, what="the rollout layout", **io))
-        rollout, rollout_dtype = _rollout_layout(hello)
-        dtype = dtype or rollout_dtype
-        layout = layout or _replicated_layout(hello, group.spec.num_senders)
-        plan, held_by = _plan(layout, hello, max(1, bucket_bytes // dtype.itemsize))
-        held = held_by.get(group.rank, set())
-        routes = [plan.route(group.rank, r) for r in range(len(links))]
+        plan = _send_plan(group, layout, hello, bucket_bytes, dtype)
+        dtype, routes, held = plan.dtype, plan.routes, plan.held
         manifests = [encode_manifest(source.version, dtype, route) for route in routes]
         exchange(links, manifests, root=0, what="rollout ranks to take the manifest", **io)
         outbox = _Outbox(
-            routes, links, dtype=dtype, device=group.device, checksum=checksum, deadline=deadline
+            list(routes), links, dtype=dtype, device=group.device, checksum=checksum, deadline=deadline
         )
         # held in a name: were it collected mid-way, closing it would end the engine's iteration too
         stream = _reporting(weights(dtype=dtype), outbox.problems)
         for bucket in stream:
             for name, tensor in bucket:
-                outbox.put(name, tensor, rollout.shapes, held)
+                outbox.put(name, tensor, plan.shapes, held)
         outbox.finish(held)
         status = "; ".join(outbox.problems) or "ok"
         trailers = [json.dumps({"status": status, "checksums": c}).encode() for c in outbox.checksums]
@@ -288,39 +294,34 @@ def owner_layout(layouts: Mapping[str, WeightLayout], ep_rank: int) -> TrainLayo
     return TrainLayout.owned({n: w.shape for n, w in layouts.items()}, experts, ep_ranks)
 
 
-@functools.lru_cache(maxsize=4)
-def _rollout_layout(hello: tuple[bytes, ...]) -> tuple[RolloutLayout, torch.dtype]:
-    """The replica's layout from what each of its tp ranks said (kept: it is the same every sync)."""
+def _send_plan(
+    group: SyncGroup,
+    layout: TrainLayout | None,
+    hello: tuple[bytes, ...],
+    bucket_bytes: int,
+    dtype: torch.dtype | None,
+) -> SendPlan:
+    """The group's plan for a sync with these inputs: the one it keeps when they are the same as last
+    time (by value), else a new one, which the group then keeps. Raises ValueError when the layouts
+    disagree."""
+    if group.plan is not None and group.plan.fits(layout, hello, bucket_bytes, dtype):
+        return group.plan
     ranks = [decode_layout(h) for h in hello]
-    return RolloutLayout(ranks=tuple(rank for rank, _ in ranks)), ranks[0][1]
-
-
-@functools.lru_cache(maxsize=4)
-def _replicated_layout(hello: tuple[bytes, ...], num_senders: int) -> TrainLayout:
-    """Every sender holds every full tensor the rollout loads (a source without expert parallelism)."""
-    return TrainLayout.replicated(_rollout_layout(hello)[0].shapes, num_senders)
-
-
-_PLANS: dict[tuple[int, tuple[bytes, ...], int], tuple[TrainLayout, ReshardPlan, dict[int, set[str]]]] = {}
-
-
-def _plan(
-    layout: TrainLayout, hello: tuple[bytes, ...], bucket_numel: int
-) -> tuple[ReshardPlan, dict[int, set[str]]]:
-    """(the plan, the tensors `layout` gives each sender), kept for the last few layouts: a large MoE
-    has ~10^5 tensors and both are the same every sync. Raises ValueError when the layouts disagree."""
-    key = (id(layout), hello, bucket_numel)
-    hit = _PLANS.get(key)
-    if hit is None or hit[0] is not layout:
-        plan = plan_reshard(layout, _rollout_layout(hello)[0], bucket_numel=bucket_numel)
-        held: dict[int, set[str]] = {}
-        for name, owners in layout.owners.items():
-            for rank, _ in owners:
-                held.setdefault(rank, set()).add(name)
-        if len(_PLANS) >= 4:
-            _PLANS.pop(next(iter(_PLANS)))
-        hit = _PLANS[key] = (layout, plan, held)
-    return hit[1], hit[2]
+    rollout = RolloutLayout(ranks=tuple(rank for rank, _ in ranks))
+    wire_dtype = dtype or ranks[0][1]
+    train = layout or TrainLayout.replicated(rollout.shapes, group.spec.num_senders)
+    plan = plan_reshard(train, rollout, bucket_numel=max(1, bucket_bytes // wire_dtype.itemsize))
+    group.plan = SendPlan(
+        layout=layout,
+        hello=hello,
+        bucket_bytes=bucket_bytes,
+        requested=dtype,
+        dtype=wire_dtype,
+        shapes=rollout.shapes,
+        routes=tuple(plan.route(group.rank, r) for r in range(len(hello))),
+        held=frozenset(n for n, owners in train.owners.items() if any(r == group.rank for r, _ in owners)),
+    )
+    return group.plan
 
 
 def _reporting(weights: Iterator, problems: list[str]) -> Iterator:

@@ -18,6 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from rlloom.weight_sync.reshard import Bucket, TrainLayout
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SyncGroupSpec:
@@ -54,6 +56,39 @@ class Link:
     """This rank in the link's group: 0 is the sender, 1 the first receiver."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SendPlan:
+    """What a sender works out at its first sync from the layouts on both sides (`broadcast.py`),
+    kept on its `SyncGroup` while they stay the same: a large MoE has ~10^5 tensors."""
+
+    layout: TrainLayout | None
+    """The training layout the caller passed (None: every sender holds every full tensor)."""
+    hello: tuple[bytes, ...]
+    """What each rollout tp rank said it holds, as received."""
+    bucket_bytes: int
+    requested: torch.dtype | None
+    """The dtype the caller asked for (None: the rollout's)."""
+    dtype: torch.dtype
+    """The dtype on the wire."""
+    shapes: dict[str, tuple[int, ...]]
+    """Full shape of every tensor the rollout loads."""
+    routes: tuple[tuple[Bucket, ...], ...]
+    """This sender's buckets to each rollout tp rank, in order."""
+    held: frozenset[str]
+    """The tensors the training layout gives this sender."""
+
+    def fits(
+        self,
+        layout: TrainLayout | None,
+        hello: tuple[bytes, ...],
+        bucket_bytes: int,
+        dtype: torch.dtype | None,
+    ) -> bool:
+        """Whether this plan holds for a sync with these inputs (compared by value)."""
+        same_inputs = (self.bucket_bytes, self.requested, self.hello) == (bucket_bytes, dtype, hello)
+        return same_inputs and self.layout == layout
+
+
 @dataclass(kw_only=True, slots=True)
 class SyncGroup:
     """This rank's membership of the sync group (`join_sync_group` builds it)."""
@@ -65,6 +100,9 @@ class SyncGroup:
     """(sender, tp rank) -> the process group joining them, for the pairs this rank belongs to."""
     broken: bool = False
     """A sync failed in transport (timeout, lost peer): close the group and join a fresh one."""
+    plan: SendPlan | None = None
+    """A sender's plan of its last sync, reused while the layouts stay the same; it lives and dies
+    with the group (after a failure, a fresh group plans afresh)."""
 
     @property
     def is_sender(self) -> bool:
@@ -88,6 +126,7 @@ class SyncGroup:
         for link in self.links.values():
             link.pg.abort() if self.broken else link.pg.shutdown()
         self.links.clear()
+        self.plan = None
 
 
 def _new_pg(store: dist.Store, rank: int, size: int, device: torch.device, timeout: timedelta, name: str):

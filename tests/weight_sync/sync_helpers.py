@@ -1,36 +1,19 @@
 """Tiny training and rollout sides for weight-sync tests: a native model whose optimizer steps at a
 large learning rate (so every sync carries new values) as the source, and a native rollout engine
-(fused projections, as in a run) or a tensor-parallel stand-in as the sink; `expert_parallel_sync`:
-a Qwen3-MoE training engine on 2 expert-parallel ranks, both sending owner-only."""
+(fused projections, as in a run) or a tensor-parallel stand-in as the sink."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from transformers import DeepseekV3Config, Qwen3Config, Qwen3MoeConfig
 
-from rlloom.algorithms.losses import aggregate_loss_sum
-from rlloom.config.components import TrainEngineConfig
-from rlloom.data.types import RolloutBatch, Sample
 from rlloom.engines.rollout.native import NativeEngine
-from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.engines.train.native.weights import named_weight_buckets
 from rlloom.models import hf_named_tensors
 from rlloom.models.checkpoint import build_model
-from rlloom.parallel import ParallelDims
-from rlloom.weight_sync.broadcast import (
-    SyncGroupSpec,
-    join_sync_group,
-    owner_layout,
-    send_weights,
-)
-from rlloom.weight_sync.checksum import rank_layout
-from rlloom.weight_sync.receive import receive_weights
 
 VOCAB = 64
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, max_position_embeddings=128)
@@ -163,101 +146,3 @@ EXPERT = re.compile(r"\.experts\.(\d+)\.")
 def expert_of(name: str) -> int | None:
     m = EXPERT.search(name)
     return None if m is None else int(m.group(1))
-
-
-def _ep_engine() -> NativeTrainEngine:
-    """The tiny Qwen3-MoE (4 experts per layer) on 2 ranks with parallel.ep=2, after one AdamW step at
-    lr 3e-2 (every tensor moves): the same random model and batch on both ranks."""
-    torch.manual_seed(0)
-    model = build_model(hf_config("moe"), dtype=torch.float32, device="cpu")
-    with torch.no_grad():
-        for tensor in model.state_dict().values():
-            tensor.copy_(0.05 * torch.randn(tensor.shape))
-    engine = NativeTrainEngine(
-        TrainEngineConfig(lr=3e-2), model, parallel_dims=ParallelDims(world_size=2, ep=2)
-    )
-    gen = torch.Generator().manual_seed(1)
-    samples = [
-        Sample(prompt_ids=torch.randint(VOCAB, (5,), generator=gen).tolist(), response_ids=[3, 9, 4, 1])
-        for _ in range(4)
-    ]
-    batch = RolloutBatch(samples)
-    mask = batch.response_mask()
-
-    def loss(logp_bT, entropy_bT, rows):
-        return aggregate_loss_sum(-logp_bT, mask[rows], "seq-mean-token-sum"), {}
-
-    engine.train_step(batch, loss, loss_normalizer=float(len(samples)))
-    return engine
-
-
-def _counting_all_gathers() -> list[int]:
-    """Count `dist.all_gather` calls from now on (the export's EP all-gather uses it)."""
-    calls, original = [0], dist.all_gather
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return original(*args, **kwargs)
-
-    dist.all_gather = counted
-    return calls
-
-
-def _send(engine: NativeTrainEngine, spec: SyncGroupSpec, rank: int, layout, out: dict, key: str) -> None:
-    group = join_sync_group(spec, rank, torch.device("cpu"))
-    gathers = _counting_all_gathers()
-    report = send_weights(group, engine, bucket_bytes=8 << 10, checksum=True, layout=layout)
-    out[key] = {"bytes": report.num_bytes, "pieces": sorted(report.checksums), "all_gathers": gathers[0]}
-    group.close()
-
-
-def _receive(engine, spec: SyncGroupSpec, rank: int, folder: Path, key: str) -> None:
-    """Receive into `engine`; save what reached it (name -> tensor, as loaded) and the rank's boxes."""
-    group = join_sync_group(spec, rank, torch.device("cpu"))
-    loaded: dict[str, torch.Tensor] = {}
-    load = engine.update_weights
-
-    def recording(named, version):
-        named = list(named)
-        loaded.update((n, t.clone()) for n, t in named)
-        load(named, version)
-
-    engine.update_weights = recording
-    receive_weights(group, engine, checksum=True)
-    boxes = rank_layout(engine).boxes
-    torch.save({"loaded": loaded, "boxes": boxes, "version": engine.policy_version}, folder / f"{key}.pt")
-    group.close()
-
-
-def expert_parallel_sync(rank: int, ports: tuple[int, int], folder: Path) -> None:
-    """4 processes. Ranks 0, 1: `_ep_engine` in a gloo world of their own; both send owner-only
-    (`owner_layout`) into ranks 2, 3: first one replica of rollout.tp=2 (the tensor-parallel native
-    engine, in a gloo world of ranks 2 and 3), then two replicas of rollout.tp=1. Writes `ep_rank{rank}.json` and the
-    weights each side saw (`ep_full.pt`: the all-gathered export on rank 0, after the syncs)."""
-    train = rank < 2
-    world = folder / ("ep_train" if train else "ep_rollout")
-    dist.init_process_group("gloo", init_method=f"file://{world}", rank=rank % 2, world_size=2)
-    out: dict = {}
-    tp2 = SyncGroupSpec(host="127.0.0.1", port=ports[0], num_senders=2, num_receivers=2, rollout_tp=2)
-    tp1 = SyncGroupSpec(host="127.0.0.1", port=ports[1], num_senders=2, num_receivers=2, rollout_tp=1)
-    if train:
-        engine = _ep_engine()
-        out["owned_experts"] = sorted(
-            {expert_of(n) for b in engine.named_weights(owned_only=True) for n, _ in b} - {None}
-        )
-        layout = owner_layout(engine.weight_layouts(), engine.layout.ep_rank)
-        out["owners"] = {n: sorted({r for r, _ in o}) for n, o in layout.owners.items()}
-        out["shapes"] = {n: list(s) for n, s in layout.shapes.items()}
-        _send(engine, tp2, rank, layout, out, "tp2")
-        _send(engine, tp1, rank, layout, out, "tp1")
-        gathers = _counting_all_gathers()
-        full = {n: t.clone() for b in engine.named_weights() for n, t in b}
-        out["full_all_gathers"] = gathers[0]
-        if rank == 0:
-            torch.save(full, folder / "ep_full.pt")
-    else:
-        _receive(rollout_engine("moe", tp_group=dist.group.WORLD), tp2, rank, folder, f"ep_tp2_{rank}")
-        _receive(rollout_engine("moe"), tp1, rank, folder, f"ep_tp1_{rank}")
-    dist.barrier()
-    dist.destroy_process_group()
-    (folder / f"ep_rank{rank}.json").write_text(json.dumps(out))

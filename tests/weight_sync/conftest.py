@@ -1,0 +1,35 @@
+"""Fixtures shared by the broadcast tests (test_broadcast_*.py): the four processes of
+`broadcast_phases.worker` run once per session, whichever of those files asked first."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from procs import free_port, spawn
+
+from tests.weight_sync.broadcast_phases import NUM_PORTS, worker
+from tests.weight_sync.ep_phase import GATHERED, RECEIVED
+
+
+@pytest.fixture(scope="session")
+def broadcast_results(tmp_path_factory) -> list[dict]:
+    """What sync ranks 0, 1 (training) and 2 (rollout) of phases 1-3 wrote."""
+    folder = tmp_path_factory.mktemp("broadcast")
+    ports = tuple(free_port() for _ in range(NUM_PORTS))
+    spawn(worker, args=(ports, str(folder)), nprocs=4, join=True)
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(3)]
+
+
+@pytest.fixture(scope="session")
+def ep_results(broadcast_results) -> dict:
+    """The expert-parallel phase: what each rank wrote."""
+    folder = Path(broadcast_results[0]["folder"])
+    return {
+        "senders": [json.loads((folder / f"ep_rank{r}.json").read_text()) for r in (0, 1)],
+        "full": torch.load(folder / "ep_full.pt"),
+        "received": {k: torch.load(folder / f"ep_{k}.pt") for k in RECEIVED},
+        "gathered": {k: torch.load(folder / f"ep_{k}.pt") for k in GATHERED},
+    }
