@@ -5,13 +5,11 @@ through the rollout group: directly in one process (cluster.mode=inline), throug
 actor with Ray; this is the one place that knows how requests in flight cross a weight update.
 
 The callers only state what they want (`add`, `abort`, `resume`); the generation thread acts on it
-between two decode steps. At each step boundary the replica's rank 0 decides a `StepCommand` (which
-requests to admit, whether to resume the aborted samples, whether to abort), every rank of the
-replica applies the same command, then all take the same decode step. A replica of rollout.tp > 1
-ranks (one `EngineStream` per rank, the same calls on each) shares rank 0's command over `group`,
-a gloo group of its ranks, so they admit, abort and resume at the same step and their tensor-parallel
-collectives stay in lock-step (as nano-vllm's rank 0 drives its workers); at rollout.tp = 1 rank 0
-is the replica and nothing is sent. Around a weight update (`rollout.partial`), the caller:
+between two decode steps: the replica's rank 0 decides a `StepCommand` (admit, resume, abort), every
+rank applies it, then all take the same decode step. A replica of rollout.tp > 1 ranks (one stream
+per rank, the same calls on each) gets rank 0's command over `group`, a gloo group of its ranks, so
+its tensor-parallel collectives stay in lock-step (as nano-vllm's rank 0 drives its workers); at
+rollout.tp = 1 nothing is sent. Around a weight update (`rollout.partial`), the caller:
 - `abort()`s every request in flight at the next step boundary: each unfinished sample keeps its
   tokens, behaviour logprobs and per-token policy versions, and the thread ends (nothing in flight,
   the engine free for a weight update or `generate`); with nothing in flight it only waits for the
@@ -70,14 +68,6 @@ class StepCommand:
     abort: bool = False
     """Abort every request in flight; the thread then ends."""
 
-    def to_tensor(self) -> torch.Tensor:
-        return torch.tensor([self.admit, self.resume, int(self.abort)], dtype=torch.int64)
-
-    @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> StepCommand:
-        admit, resume, abort = t.tolist()
-        return cls(admit=admit, resume=resume, abort=bool(abort))
-
 
 @dataclass(kw_only=True, slots=True)
 class _Flight:
@@ -106,7 +96,7 @@ class EngineStream:
         self.finished: list[StreamResult] = []
         """Samples finished and not yet polled (rank 0 only)."""
         self.busy_s = 0.0
-        """Seconds spent in decode steps (the rollout's busy time)."""
+        """Seconds spent in decode steps."""
         self._queued: list[StreamRequest] = []
         """Requests added and not yet admitted, in the order rank 0 admits them."""
         self._resume: bool | None = None
@@ -122,7 +112,7 @@ class EngineStream:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._since: float | None = None
-        """When the thread's current step boundary and decode step began (None between them)."""
+        """When the thread's current step (boundary and decode) began; None between steps."""
         self._news = threading.Event()
         """Set when samples finish, or the thread stops or fails (what `poll` waits for)."""
 
@@ -156,7 +146,7 @@ class EngineStream:
             thread.join(self.timeout_s)
             if thread.is_alive():
                 raise TimeoutError(
-                    f"{self._who()}: the generation thread did not stop within {self.timeout_s} s"
+                    f"{self._who}: the generation thread did not stop within {self.timeout_s} s"
                 )
         with self._held():
             self._raise()
@@ -198,12 +188,10 @@ class EngineStream:
                 self._pause = False
                 self._cond.notify_all()
 
-    def _has_work(self) -> bool:
-        return bool(self._queued) or self._resume is not None or self.engine.has_unfinished()
-
     def _start(self) -> None:
         """Start the generation thread unless it runs (call holding the stream)."""
-        if self._thread is None and self._has_work():
+        waiting = self._queued or self._resume is not None or self.engine.has_unfinished()
+        if self._thread is None and waiting:
             self._thread = threading.Thread(target=self._generate, name="rollout-stream", daemon=True)
             self._thread.start()
 
@@ -241,9 +229,10 @@ class EngineStream:
         """Rank 0's command on every rank of the replica."""
         if self.group is None:
             return command
-        t = command.to_tensor()
+        t = torch.tensor([command.admit, command.resume, int(command.abort)], dtype=torch.int64)
         dist.broadcast(t, group=self.group, group_src=0)
-        return StepCommand.from_tensor(t)
+        admit, resume, abort = t.tolist()
+        return StepCommand(admit=admit, resume=resume, abort=bool(abort))
 
     def _apply(self, command: StepCommand) -> bool:
         """Resume, admit, abort as `command` says (call holding the stream); whether a decode step
@@ -293,10 +282,11 @@ class EngineStream:
         """A rank other than 0 waits for the call that brings what rank 0's command uses."""
         if not self._cond.wait_for(ready, timeout=self.timeout_s):
             raise RuntimeError(
-                f"{self._who()}: rank 0 of the replica acted on {what} that this rank was not given "
+                f"{self._who}: rank 0 of the replica acted on {what} that this rank was not given "
                 f"within {self.timeout_s} s: every rank of a replica must receive the same stream calls"
             )
 
+    @property
     def _who(self) -> str:
         return f"rollout stream (rank {self.rank} of its replica)"
 
@@ -304,7 +294,7 @@ class EngineStream:
         since = self._since
         if since is not None and time.monotonic() - since > self.timeout_s:
             raise TimeoutError(
-                f"{self._who()}: one decode step has not ended in {self.timeout_s} s "
+                f"{self._who}: one decode step has not ended in {self.timeout_s} s "
                 "(the replica's ranks are out of step, or one of them is gone)"
             )
 
