@@ -1,14 +1,16 @@
-"""The asynchronous modes on Ray actors (CPU), all through the one producer (rollout_stream.py):
-one_step_off (partial=finish) and partial=abort_resume with separate placement and a rollout replica
-of two tensor-parallel actors (rollout.tp=2: the next batch generates on the rollout actors while the
-step trains, both ranks following their rank 0's steps), partial=drop with colocated placement and a
-one-rank replica (the rollout generates in a thread of the training actor). One Ray start for the
-module."""
+"""The asynchronous modes on Ray actors (CPU), all through the one producer (rollout_stream.py) and
+a rollout replica of two tensor-parallel actors (rollout.tp=2, both ranks following their rank 0's
+steps): one_step_off (partial=finish) and partial=abort_resume with separate placement (the next
+batch generates on the rollout actors while the step trains), partial=drop with colocated placement
+(two training ranks; the rollout ranks generate in threads of the training actors). One Ray start
+for the module."""
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
-import torch
 from test_async_loop import ABORT_RESUME, FAST, check_versions_and_logprobs, spy_on_versions
 from test_trainer_loop import read_metrics, tiny_cfg
 
@@ -30,20 +32,6 @@ def ray_cluster():
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
-
-
-def _weights(slot_actor, role: str) -> tuple[int | None, dict[str, torch.Tensor]]:
-    """(rollout policy version or None, the Hugging Face-named weights) of a slot actor's `role` worker."""
-
-    def read(actor, role):
-        from rlloom.models.adapter import hf_named_tensors
-
-        worker = getattr(actor, role)
-        model = worker.engine.model
-        version = worker.engine.policy_version if role == "rollout" else None
-        return version, {k: v.detach().clone() for k, v in hf_named_tensors(model)}
-
-    return ray.get(slot_actor.__ray_call__.remote(read, role))
 
 
 def slow_rollout(monkeypatch, seconds: float) -> None:
@@ -74,16 +62,18 @@ def slow_rollout(monkeypatch, seconds: float) -> None:
 
 
 def _ray_weights_of(ctx):
-    """(rollout version, rollout weights, training weights). A tensor-parallel replica's ranks hold
-    shards: every rank must hold the training version, and the training weights stand for its weights
-    (the logprob check then shows that the replica computed under exactly them)."""
-    rollout, train = ctx.rollout_group, ctx.train_group
-    sent = _weights(train.actors.slots[train.slots[0]], "train")[1]
-    replica = rollout.replicas[0]
-    if len(replica) == 1:
-        version, held = _weights(rollout.actors.slots[replica[0]], "rollout")
-        return version, held, sent
-    versions = {ray.get(rollout.actors.slots[s].versions.remote())[1] for s in replica}
+    """(rollout version, its weights, training weights) for `spy_on_versions`. The training weights
+    come from a Hugging Face folder the training ranks write (gathered across data-parallel ranks).
+    The replica's tensor-parallel ranks hold shards: every rank must hold the training version, and
+    the training weights stand for the replica's (the logprob check then shows that it computed under
+    exactly them)."""
+    from safetensors.torch import load_file
+
+    rollout = ctx.rollout_group
+    with tempfile.TemporaryDirectory() as folder:
+        ctx.train_group.save_hf(folder).result()
+        sent = {k: v for f in sorted(Path(folder).glob("*.safetensors")) for k, v in load_file(f).items()}
+    versions = {ray.get(rollout.actors.slots[s].versions.remote())[1] for s in rollout.replicas[0]}
     assert len(versions) == 1, versions
     return versions.pop(), sent, sent
 
@@ -123,12 +113,21 @@ def test_abort_resume_on_separate_ray_actors(ray_cluster, tiny_checkpoint, tmp_p
 
 
 @pytest.mark.slow
-def test_partial_drop_on_a_colocated_ray_actor(ray_cluster, tiny_checkpoint, tmp_path, monkeypatch):
-    """partial=drop: the samples in flight restart under the new weights (synced in place inside the
-    actor), so every trained response comes from one policy version, within the staleness bound."""
+def test_partial_drop_on_colocated_ray_actors(ray_cluster, tiny_checkpoint, tmp_path, monkeypatch):
+    """partial=drop on two colocated actors (two data-parallel training ranks, one rollout replica of
+    two tensor-parallel ranks whose stream threads run beside training): the samples in flight
+    restart under the new weights (synced in place inside each actor), so every trained response
+    comes from one policy version, within the staleness bound."""
     seen = spy_on_versions(monkeypatch, _ray_weights_of)
     slow_rollout(monkeypatch, 0.05)
-    extra = [*ABORT_RESUME, "rollout.partial=drop", "cluster.mode=ray", "cluster.placement=colocated"]
+    extra = [
+        *ABORT_RESUME,
+        "rollout.partial=drop",
+        "cluster.mode=ray",
+        "cluster.num_workers=2",
+        "rollout.tp=2",
+        "cluster.timeout_s=60",
+    ]
     run(tiny_cfg(tiny_checkpoint, tmp_path / "r", *FAST, *extra))
     records = read_metrics(tmp_path / "r")
     assert [m["step"] for m in records] == [1, 2, 3]
