@@ -24,8 +24,9 @@ The producer: rollout_stream.py drives each rollout replica's step-level produce
 a background thread next to the engine, in this process with cluster.mode=inline, in each rollout
 actor with Ray, a rollout.tp > 1 replica's ranks following its rank 0's decision at every decode
 step); continuous batching runs every admitted job together, and all three `rollout.partial` modes
-work inline and on Ray, colocated or separate, at any rollout.tp. Real overlap on GPUs needs the rollout on its own GPUs (cluster.mode=ray,
-cluster.placement=separate); in one process, or colocated, the two share them.
+work inline and on Ray, colocated or separate, at any rollout.tp. Real overlap on GPUs needs the
+rollout on its own GPUs (cluster.mode=ray, cluster.placement=separate); in one process, or
+colocated, the two share them.
 With max_staleness=0, or one_step_off, the samples do not depend on thread timing; with
 async K >= 1 and abort_resume or drop, where a weight update falls in a response does.
 

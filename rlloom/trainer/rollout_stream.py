@@ -2,8 +2,9 @@
 `EngineStream` per rollout rank, workers/stream.py): each replica generates in a background thread of
 its own process (this one with cluster.mode=inline, each of its actors with Ray, the ranks of a
 rollout.tp > 1 replica in lock-step), kept in flight while the controller trains; every
-`rollout.partial` mode, every placement and every rollout.tp go through it. Continuous batching runs every admitted job together: when the oldest is
-complete, younger ones are part-generated. Jobs and groups: rollout_jobs.py.
+`rollout.partial` mode, every placement and every rollout.tp go through it. Continuous batching runs
+every admitted job together: when the oldest is complete, younger ones are part-generated. Jobs and
+groups: rollout_jobs.py.
 
 The controller admits jobs (their prompts go to the least loaded replica), polls the finished
 samples while it waits for a job, scores each prompt's group as it completes and draws dynamic
