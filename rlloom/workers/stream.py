@@ -127,7 +127,6 @@ class EngineStream:
         """The samples finished since the last poll, waiting up to `timeout_s` for the first one (at
         once on ranks other than 0, which report none); raises the thread's failure, or a hang."""
         self._news.wait(timeout_s if self.rank == 0 else 0)
-        self._check_progress()  # before taking the lock: a hung step holds it
         with self._held():
             self._news.clear()
             self._raise()
@@ -179,14 +178,21 @@ class EngineStream:
 
     @contextmanager
     def _held(self) -> Iterator[None]:
-        """Hold the stream between two decode steps (the generation thread waits meanwhile)."""
+        """Hold the stream between two decode steps (the generation thread waits meanwhile); raise
+        instead of waiting on a step that hangs."""
         self._pause = True
-        with self._cond:
-            try:
-                yield
-            finally:
-                self._pause = False
-                self._cond.notify_all()
+        try:
+            while not self._cond.acquire(timeout=0.5):
+                self._check_progress()
+        except BaseException:
+            self._pause = False
+            raise
+        try:
+            yield
+        finally:
+            self._pause = False
+            self._cond.notify_all()
+            self._cond.release()
 
     def _start(self) -> None:
         """Start the generation thread unless it runs (call holding the stream)."""
@@ -279,12 +285,15 @@ class EngineStream:
                 )
 
     def _wait_for(self, ready: Callable[[], bool], what: str) -> None:
-        """A rank other than 0 waits for the call that brings what rank 0's command uses."""
+        """A rank other than 0 waits for the call that brings what rank 0's command uses (timed
+        here, not by `poll`'s hang check)."""
+        self._since = None
         if not self._cond.wait_for(ready, timeout=self.timeout_s):
             raise RuntimeError(
                 f"{self._who}: rank 0 of the replica acted on {what} that this rank was not given "
                 f"within {self.timeout_s} s: every rank of a replica must receive the same stream calls"
             )
+        self._since = time.monotonic()
 
     @property
     def _who(self) -> str:

@@ -1,13 +1,16 @@
 """One schedule on an `EngineStream`, run by each rank of a tensor-parallel replica (gloo on CPU,
 spawned by test_workers_stream.py) and at tp = 1 in the test's own process: requests added, aborted
 after exactly `ABORT_AFTER` decode steps of rank 0, other weights loaded under version 1, the samples
-resumed. Rank 0 decides every step; the other ranks only make the same calls."""
+resumed. Rank 0 decides every step; the other ranks only make the same calls. Then the ranks go out
+of step on purpose (`out_of_step`): each must report it within the stream's timeout, not hang."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -91,14 +94,44 @@ def run_schedule(path, group: dist.ProcessGroup | None = None, control=None) -> 
     return [out[k] for k in sorted(out)] if stream.rank == 0 else None
 
 
+def out_of_step(rank: int, path, group: dist.ProcessGroup, out: str) -> None:
+    """Rank 1 is given one request fewer than rank 0: rank 1 names the missing call, rank 0's poll
+    reports its decode step that cannot end (the first error of each goes to `out`.rank)."""
+    short = 2.0
+    control = dist.new_group([0, 1], backend="gloo", timeout=timedelta(seconds=short))
+    engine = NativeEngine(
+        models.from_pretrained(path, fused_projections=True),
+        max_model_len=64,
+        num_blocks=64,
+        block_size=4,
+        tp_group=group,
+    )
+    stream = EngineStream(engine, group=control, timeout_s=short)
+    requests = [
+        StreamRequest(request_id=str(i), prompt_ids=p, sampling=PARAMS, prompt_index=i)
+        for i, p in enumerate(PROMPTS)
+    ]
+    stream.add(requests if rank == 0 else requests[:1])
+    error, deadline = "no error", time.monotonic() + 10 * short
+    while error == "no error" and time.monotonic() < deadline:
+        try:
+            stream.poll(0.1)
+        except Exception as e:  # noqa: BLE001 - what the test reads
+            error = f"{type(e).__name__}: {e}"
+    Path(f"{out}.{rank}").write_text(error)
+    while rank == 1 and not Path(f"{out}.0").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)  # rank 0 reports first (rank 1 leaving would end rank 0's step otherwise)
+
+
 def run_rank(rank: int, world: int, rendezvous: str, path: str, out: str) -> None:
-    """torch.multiprocessing.spawn target: the schedule at tp = world; rank 0 saves its samples to `out`."""
+    """torch.multiprocessing.spawn target: the schedule at tp = world (rank 0 saves its samples to
+    `out`), then `out_of_step` (each rank's error to `out`.rank). The process exits at once: a thread
+    of rank 0 stays in its collective."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
-    try:
-        control = dist.new_group(list(range(world)), backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
-        result = run_schedule(path, dist.group.WORLD, control)
-        if rank == 0:
-            torch.save(result, out)
-    finally:
-        dist.destroy_process_group()
+    control = dist.new_group(list(range(world)), backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
+    result = run_schedule(path, dist.group.WORLD, control)
+    if rank == 0:
+        torch.save(result, out)
+    out_of_step(rank, path, dist.group.WORLD, out)
+    os._exit(0)

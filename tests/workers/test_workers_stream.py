@@ -96,7 +96,8 @@ def test_drop_all_frees_the_engine(tiny_checkpoint):
 def test_tp2_replica_follows_rank_0(tiny_checkpoint, tmp_path):
     """rollout.tp = 2: both ranks admit, abort and resume at rank 0's steps and take the new weights
     between the same two steps, so the replica's samples equal the same schedule at tp = 1 (tokens,
-    per-token versions, logprobs within 1e-5). A rank out of step fails within the stream's timeout."""
+    per-token versions, logprobs within 1e-5). Ranks out of step report it within the stream's
+    timeout instead of hanging."""
     ranks = spawn(
         run_rank,
         args=(2, str(tmp_path / "rendezvous"), str(tiny_checkpoint), str(tmp_path / "out")),
@@ -115,3 +116,6 @@ def test_tp2_replica_follows_rank_0(tiny_checkpoint, tmp_path):
     worst = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g[3], w[3]))
     assert worst <= 1e-5, worst
     assert all(0 < v.count(0) < len(v) for *_, v in got)  # every sample resumed across the update
+    # out of step on purpose: rank 1 lacks a request that rank 0 admitted
+    assert "acted on 2 requests that this rank was not given" in (tmp_path / "out.1").read_text()
+    assert "one decode step has not ended in 2.0 s" in (tmp_path / "out.0").read_text()
