@@ -12,9 +12,8 @@ no reference model. Layouts on the same two GPUs:
 
 Goal: async >= 1.5x the best synchronous layout's step time. The table reports the median over the
 steps after `--warmup`: step time, generation and training seconds, the training group's idle
-fraction (1 - its busy stages / step time) and, where the controller measures it, the rollout's.
-With rollout.partial=finish on Ray (`generate` futures) the rollout's busy time is not measured
-(nan); with `--set rollout.partial=abort_resume` (or drop) the rollout actors measure it.
+fraction (1 - its busy stages / step time) and the rollout's (the asynchronous layouts: the rollout
+actors' decode time, in every rollout.partial mode; the synchronous ones: 1 - generation / step).
 
     python benchmarks/bench_async.py                     # 2 GPUs, Ray, all four layouts
     python benchmarks/bench_async.py --layouts async_k2  # some of them

@@ -105,8 +105,9 @@ class RolloutGroup(Protocol):
     num_replicas: int
 
     def stream_add(self, replica: int, requests: list[StreamRequest]) -> None:
-        """Queue requests on replica `replica`'s step-level producer (`workers/stream.py`), generated
-        in the background from now on (the asynchronous loop; one-rank replicas)."""
+        """Queue requests on replica `replica`'s step-level producer (`workers/stream.py`: one per
+        rank, the same calls on each, its rank 0 deciding the step each takes effect at), generated
+        in the background from now on (the asynchronous loop)."""
         ...
 
     def stream_poll(self, timeout_s: float) -> list[StreamResult]:
@@ -114,8 +115,9 @@ class RolloutGroup(Protocol):
         ...
 
     def stream_abort(self) -> int:
-        """Abort every request in flight between decode steps, keeping tokens, logprobs and versions;
-        returns their token count. The weights may change afterwards."""
+        """Abort every request in flight between decode steps (every rank of a replica at the same
+        step), keeping tokens, logprobs and versions; returns their token count. Returns once every
+        rank's producer is idle: the weights may change afterwards."""
         ...
 
     def stream_resume(self, keep: bool) -> int:

@@ -220,19 +220,24 @@ class RayRolloutGroup:
     def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> QueuedGeneration:
         return QueuedGeneration(self.actors, self.replicas, prompts, sampling, max_num_seqs=self.max_num_seqs)
 
-    # ---- the step-level producers (one-rank replicas: rank 0 is the replica) ----------------------
+    # ---- the step-level producers (every rank of a replica gets each call; its rank 0 speaks) -----
 
     @property
     def num_replicas(self) -> int:
         return len(self.replicas)
 
     def _streams(self, method: str, *args: Any) -> list[Any]:
-        heads = [r[0] for r in self.replicas]
-        return self.actors.wait(self.actors.call(heads, "on_rollout", method, *args), method, heads)
+        """`method(*args)` on every rollout rank; the results of each replica's rank 0."""
+        results = self.actors.wait(
+            self.actors.call(self.slots, "on_rollout", method, *args), method, self.slots
+        )
+        heads = {r[0] for r in self.replicas}
+        return [x for s, x in zip(self.slots, results) if s in heads]
 
     def stream_add(self, replica: int, requests: list[StreamRequest]) -> None:
-        head = self.replicas[replica][0]
-        self.actors.wait(self.actors.call([head], "on_rollout", "stream_add", requests), "generate", [head])
+        slots = self.replicas[replica]
+        refs = self.actors.call(slots, "on_rollout", "stream_add", ray.put(requests))
+        self.actors.wait(refs, "generate", slots)
 
     def stream_poll(self, timeout_s: float) -> list[StreamResult]:
         return [x for results in self._streams("stream_poll", timeout_s) for x in results]
@@ -249,7 +254,8 @@ class RayRolloutGroup:
     @property
     def stream_busy_s(self) -> float:
         """The replicas' mean busy time (their mean idle fraction follows from it)."""
-        busy = self._streams("stream_busy")
+        heads = [r[0] for r in self.replicas]
+        busy = self.actors.wait(self.actors.call(heads, "on_rollout", "stream_busy"), "stream_busy", heads)
         return sum(busy) / len(busy)
 
     def sleep(self) -> Refs:

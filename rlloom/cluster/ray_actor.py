@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import socket
+from datetime import timedelta
 from typing import Any
 
 import ray
@@ -47,16 +48,23 @@ def join_world(rank: int, world_size: int, master: tuple[str, int], device_type:
     init_distributed(device_type)
 
 
-def tp_group_of(rank: int, replicas: list[list[int]]) -> dist.ProcessGroup | None:
-    """This rank's replica group, made with `dist.new_group` over the current default world (every
-    rank of that world must call this, with the same `replicas`); None for one-rank replicas."""
+def replica_groups(
+    rank: int, replicas: list[list[int]], timeout_s: float
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """This rank's replica groups, made with `dist.new_group` over the current default world (every
+    rank of that world must call this, with the same `replicas`): the tensor-parallel group (the
+    world's backend) and a gloo group of the same ranks for the stream's per-step commands (a small
+    host tensor each step, never a device sync), whose collectives fail after `timeout_s`. (None,
+    None) for one-rank replicas."""
     if all(len(r) == 1 for r in replicas):
-        return None
-    mine = None
+        return None, None
+    tp = control = None
     for ranks in replicas:  # every rank creates every group, in the same order
         group = dist.new_group(ranks)
-        mine = group if rank in ranks else mine
-    return mine
+        gloo = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
+        if rank in ranks:
+            tp, control = group, gloo
+    return tp, control
 
 
 class SlotActor:
@@ -96,9 +104,18 @@ class SlotActor:
         device = resolve_device(self.cfg)
         if world is not None:
             join_world(rank, world[0], world[1], device.type)
-        tp_group = tp_group_of(rank, replicas) if dist.is_initialized() else None
+        tp_group, control_group = (
+            replica_groups(rank, replicas, self.cfg.cluster.timeout_s)
+            if dist.is_initialized()
+            else (None, None)
+        )
         self.rollout = RolloutWorker(
-            self.cfg, device=device, dtype=resolve_dtype(self.cfg, device), rank=rank, tp_group=tp_group
+            self.cfg,
+            device=device,
+            dtype=resolve_dtype(self.cfg, device),
+            rank=rank,
+            tp_group=tp_group,
+            control_group=control_group,
         )
 
     def on_train(self, method: str, *args: Any) -> Any:

@@ -164,7 +164,9 @@ class RolloutConfig:
     weights updated between decode steps, and they resume under the new weights from prompt + tokens
     so far (KV cache rebuilt; every token keeps the version and logprob of the policy that produced
     it); `drop`: their tokens are discarded and the samples generated again under the new weights.
-    abort_resume and drop need trainer.mode=async and, with cluster.mode=ray, rollout.tp=1."""
+    abort_resume and drop need trainer.mode=async. Every mode works at any rollout.tp, inline or on
+    Ray: the ranks of a replica abort, resume and take the new weights at the same decode step, as
+    the replica's rank 0 decides."""
     tp: int = 1
     """Tensor-parallel degree of one rollout engine: its model's heads, MLP (and expert) widths and
     vocabulary are split over `tp` ranks (GPUs), one all-reduce per attention and per MLP. Must divide
@@ -881,14 +883,6 @@ class RunConfig:
             "abort_resume and drop act on requests in flight across a weight update: they need "
             "trainer.mode=async",
             "set trainer.mode=async, or rollout.partial=finish",
-        )
-        _check(
-            self.rollout.partial == "finish" or self.cluster.mode == "inline" or self.rollout.tp == 1,
-            "rollout.partial",
-            self.rollout.partial,
-            "with cluster.mode=ray, abort_resume and drop run each replica's step-level API in its actor, "
-            f"which needs one-rank replicas (rollout.tp=1, not {self.rollout.tp})",
-            "set rollout.tp=1 (more replicas through cluster.rollout_workers), or rollout.partial=finish",
         )
         _check(
             not self.algorithm.decoupled_ppo or self.trainer.mode != "sync",

@@ -20,14 +20,13 @@ samples of version k - 1 (k >= 1). `async` admits K + 1 jobs; younger jobs are p
 the oldest completes and meet the weight update in flight. With max_staleness=0 only the job being
 trained is admitted: exactly the synchronous run.
 
-Producers: rollout_stream.py drives each rollout replica's step-level producer (workers/stream.py:
-a background thread next to the engine, in this process with cluster.mode=inline, in the rollout
-actor with Ray); continuous batching runs every admitted job together, and all three
-`rollout.partial` modes work, inline and on Ray (colocated or separate placement; on Ray
-abort_resume and drop need rollout.tp=1, checked at start-up). With Ray and partial=finish the
-rounds are the rollout group's `generate` futures instead (rollout_futures.py, any rollout.tp).
-Real overlap on GPUs needs the rollout on its own GPUs (cluster.mode=ray,
-cluster.placement=separate); in one process, or colocated, the two share them.
+The producer: rollout_stream.py drives each rollout replica's step-level producer (workers/stream.py:
+a background thread next to the engine, in this process with cluster.mode=inline, in each rollout
+actor with Ray, a rollout.tp > 1 replica's ranks following its rank 0's decision at every decode
+step); continuous batching runs every admitted job together, and all three `rollout.partial` modes
+work inline and on Ray, colocated or separate, at any rollout.tp. Real overlap on GPUs needs the
+rollout on its own GPUs (cluster.mode=ray, cluster.placement=separate); in one process, or
+colocated, the two share them.
 With max_staleness=0, or one_step_off, the samples do not depend on thread timing; with
 async K >= 1 and abort_resume or drop, where a weight update falls in a response does.
 
@@ -53,7 +52,6 @@ from rlloom.config.components import RunConfig
 from rlloom.data.types import Sample
 from rlloom.faults import maybe_fail
 from rlloom.trainer.rollout import RolloutResult
-from rlloom.trainer.rollout_futures import FutureStream
 from rlloom.trainer.rollout_stream import RolloutStream
 from rlloom.trainer.step import StepContext, rl_step
 
@@ -144,7 +142,7 @@ TRAIN_STAGES = ("old_logprobs", "ref_logprobs", "advantages", "train")
 class _StreamSync:
     """The weight sync the training half calls, applied between the stream's decode steps."""
 
-    def __init__(self, stream: RolloutStream | FutureStream, sync: Any) -> None:
+    def __init__(self, stream: RolloutStream, sync: Any) -> None:
         self.stream, self.inner = stream, sync
 
     def sync(self) -> dict[str, float]:
@@ -202,29 +200,30 @@ class AsyncLoop:
                 "async/tokens_discarded": float(stream.tokens_discarded - discarded_before),
             }
         )
-        busy_after = stream.busy_s
-        if busy_after is not None and busy_before is not None:  # not measured with generate futures
-            metrics["perf/rollout_idle_frac"] = max(0.0, 1 - (busy_after - busy_before) / total_s)
+        metrics["perf/rollout_idle_frac"] = max(0.0, 1 - (stream.busy_s - busy_before) / total_s)
         return metrics
 
 
 # ---- where the loop meets the groups -------------------------------------------------------------
 
 
-def _build_producer(ctx: StepContext) -> RolloutStream | FutureStream:
-    """The replicas' step-level producers (in this process, or in each rollout actor with Ray), which
-    every `rollout.partial` mode needs; with Ray and partial=finish, the rollout group's `generate`
-    futures (any rollout.tp, chunks spread over the replicas by load)."""
-    kwargs = dict(source=ctx.source, runner=ctx.runner, decode=ctx.decode, stop_token_ids=ctx.stop_token_ids)
-    if ctx.cfg.cluster.mode == "inline" or ctx.cfg.rollout.partial != "finish":
-        return RolloutStream(ctx.rollout_group, ctx.cfg, **kwargs)  # type: ignore[arg-type]
-    return FutureStream(ctx.rollout_group, ctx.cfg, **kwargs)  # type: ignore[arg-type]
+def _build_producer(ctx: StepContext) -> RolloutStream:
+    """The producer on the replicas' step-level producers (in this process, or in each rollout actor
+    with Ray)."""
+    return RolloutStream(
+        ctx.rollout_group,
+        ctx.cfg,
+        source=ctx.source,
+        runner=ctx.runner,
+        decode=ctx.decode,
+        stop_token_ids=ctx.stop_token_ids,
+    )
 
 
 def _train_version(ctx: StepContext) -> int:
     return ctx.train_group.version
 
 
-def _with_sync(ctx: StepContext, stream: RolloutStream | FutureStream) -> StepContext:
+def _with_sync(ctx: StepContext, stream: RolloutStream) -> StepContext:
     """`ctx` whose weight sync runs between the stream's decode steps (`RolloutStream.update_weights`)."""
     return dataclasses.replace(ctx, weight_sync=_StreamSync(stream, ctx.weight_sync.sync))

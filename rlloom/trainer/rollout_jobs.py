@@ -1,6 +1,5 @@
 """Jobs of the asynchronous loop: the prompts of one training batch and the scored groups they
-produced, shared by its two producers (rollout_stream.py on the replicas' step-level producers,
-rollout_futures.py on a rollout group's `generate` futures).
+produced (rollout_stream.py generates them on the replicas' step-level producers).
 
 A job draws its prompts from the prompt source with the seeds the synchronous step would use for
 that batch (`request_seed(seed, job index, round, position)`) and the same group ids, so a job

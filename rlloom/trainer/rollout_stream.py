@@ -1,8 +1,10 @@
 """The asynchronous loop's producer on the rollout group's step-level producers (`stream_*`, one
-`EngineStream` per replica, workers/stream.py): each replica generates in a background thread of its
-own process (this one with cluster.mode=inline, its actor with Ray), kept in flight while the
-controller trains. Continuous batching runs every admitted job together: when the oldest is
-complete, younger ones are part-generated. Jobs and groups: rollout_jobs.py.
+`EngineStream` per rollout rank, workers/stream.py): each replica generates in a background thread of
+its own process (this one with cluster.mode=inline, each of its actors with Ray, the ranks of a
+rollout.tp > 1 replica in lock-step), kept in flight while the controller trains; every
+`rollout.partial` mode, every placement and every rollout.tp go through it. Continuous batching runs
+every admitted job together: when the oldest is complete, younger ones are part-generated. Jobs and
+groups: rollout_jobs.py.
 
 The controller admits jobs (their prompts go to the least loaded replica), polls the finished
 samples while it waits for a job, scores each prompt's group as it completes and draws dynamic
@@ -154,15 +156,16 @@ class RolloutStream:
     def update_weights(self, sync: Callable[[], dict[str, float]]) -> dict[str, float]:
         """Apply `sync` (which moves the new weights into the replicas) between two decode steps,
         treating the requests in flight as `rollout.partial` says; return the sync's metrics and
-        async/tokens_interrupted (tokens of aborted requests, resumed or discarded)."""
+        async/tokens_interrupted (tokens of aborted requests, resumed or discarded). Every rank of
+        every replica is idle while the weights change (`stream_abort` returns then)."""
         mode = self.cfg.rollout.partial
         if mode == "finish":
-            self.wait_until(lambda: not self.requests)
-            return {**sync(), "async/tokens_interrupted": 0.0}
+            self.wait_until(lambda: not self.requests)  # nothing is left to abort
         self._send()
         interrupted = self.group.stream_abort()
         metrics = dict(sync())
-        self.tokens_discarded += self.group.stream_resume(keep=mode == "abort_resume")
+        if mode != "finish":
+            self.tokens_discarded += self.group.stream_resume(keep=mode == "abort_resume")
         metrics["async/tokens_interrupted"] = float(interrupted)
         return metrics
 

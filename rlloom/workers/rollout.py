@@ -4,7 +4,9 @@ of the replica's results are the replica's.
 
 The worker holds the weights under a policy version: `update_weights` copies the synced tensors in
 place (CUDA graphs stay valid) and later completions carry that version. The asynchronous loop's
-requests in flight go through `stream_*` (its `EngineStream`, stream.py; one-rank replicas only).
+requests in flight go through `stream_*` (its `EngineStream`, stream.py): every rank of a replica
+gets the same `stream_*` calls, its rank 0 decides at which decode step each takes effect (shared
+over `control_group`) and reports the finished samples.
 """
 
 from __future__ import annotations
@@ -32,13 +34,16 @@ class RolloutWorker:
         dtype: torch.dtype,
         rank: int = 0,
         tp_group: dist.ProcessGroup | None = None,
+        control_group: dist.ProcessGroup | None = None,
     ) -> None:
+        """`tp_group`: the replica's tensor-parallel group (None at rollout.tp = 1); `control_group`:
+        a gloo group of the same ranks for the stream's per-step commands."""
         self.rank = rank
         """Rank among all rollout ranks of the run (for fault injection and error reports)."""
         self.engine = build_rollout_engine(cfg, device=device, dtype=dtype, tp_group=tp_group)
         self.version = 0
         """Policy version of the weights held (the last `update_weights`)."""
-        self.stream = EngineStream(self.engine)
+        self.stream = EngineStream(self.engine, group=control_group, timeout_s=cfg.cluster.timeout_s)
         """The step-level producer of the asynchronous loop (idle unless `stream_add` is called)."""
 
     def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> list[Completion]:

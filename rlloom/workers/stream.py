@@ -4,26 +4,34 @@ flight while the controller trains. The asynchronous loop (trainer/rollout_strea
 through the rollout group: directly in one process (cluster.mode=inline), through each rollout
 actor with Ray; this is the one place that knows how requests in flight cross a weight update.
 
-Each decode step runs under the stream's lock; the callers take the lock only between two steps
-(adding requests, aborting them, polling), so generation overlaps training. Around a weight update
-(`rollout.partial`), the caller:
-- `abort()`s every request in flight between two decode steps: each unfinished sample keeps its
-  tokens, behaviour logprobs and per-token policy versions (the thread stops, nothing is in flight);
+The callers only state what they want (`add`, `abort`, `resume`); the generation thread acts on it
+between two decode steps: the replica's rank 0 decides a `StepCommand` (admit, resume, abort), every
+rank applies it, then all take the same decode step. A replica of rollout.tp > 1 ranks (one stream
+per rank, the same calls on each) gets rank 0's command over `group`, a gloo group of its ranks, so
+its tensor-parallel collectives stay in lock-step (as nano-vllm's rank 0 drives its workers); at
+rollout.tp = 1 nothing is sent. Around a weight update (`rollout.partial`), the caller:
+- `abort()`s every request in flight at the next step boundary: each unfinished sample keeps its
+  tokens, behaviour logprobs and per-token policy versions, and the thread ends (nothing in flight,
+  the engine free for a weight update or `generate`); with nothing in flight it only waits for the
+  thread to end (partial=finish: every rank is idle before the weights change);
 - moves the new weights into the engine (any sync: in place, broadcast);
 - `resume(keep=True)`: each sample continues from prompt + its tokens so far, the KV cache rebuilt
   by a prefill under the new weights (abort_resume), or `resume(keep=False)`: its tokens are
   discarded and it starts again under the new weights (drop).
-A finished sample comes out of `poll()` with the version of each of its tokens.
+A finished sample comes out of rank 0's `poll()` with the version of each of its tokens.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from rlloom.engines.rollout import Completion, SamplingParams
 
@@ -48,6 +56,19 @@ class StreamResult:
     """The policy version of each of its tokens (older ones first when it resumed across updates)."""
 
 
+@dataclass(frozen=True, slots=True)
+class StepCommand:
+    """What every rank of a replica does at one step boundary, as its rank 0 decided: resume, then
+    admit, then abort."""
+
+    admit: int = 0
+    """The first `admit` queued requests enter the engine."""
+    resume: int = 0
+    """0: nothing; 1: the aborted samples resume from their tokens; 2: they start again."""
+    abort: bool = False
+    """Abort every request in flight; the thread then ends."""
+
+
 @dataclass(kw_only=True, slots=True)
 class _Flight:
     """A request in flight: how many samples are still out, and the tokens of aborted ones."""
@@ -59,15 +80,29 @@ class _Flight:
 
 
 class EngineStream:
-    """The step-level producer on one in-process rollout engine."""
+    """The step-level producer on one in-process rollout engine (or one rank of a replica's)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(
+        self, engine: Any, *, group: dist.ProcessGroup | None = None, timeout_s: float = 600.0
+    ) -> None:
         self.engine = engine
+        self.group = group
+        """The replica's ranks (gloo), rank 0 first; None for a one-rank replica."""
+        self.rank = 0 if group is None else dist.get_rank(group)
+        """Rank in the replica: rank 0 decides each step and reports the samples."""
+        self.timeout_s = timeout_s
+        """Longest step boundary plus decode step before `poll` reports a hang (cluster.timeout_s)."""
         self.flights: dict[str, _Flight] = {}
         self.finished: list[StreamResult] = []
-        """Samples finished and not yet polled."""
+        """Samples finished and not yet polled (rank 0 only)."""
         self.busy_s = 0.0
-        """Seconds spent in decode steps (the rollout's busy time)."""
+        """Seconds spent in decode steps."""
+        self._queued: list[StreamRequest] = []
+        """Requests added and not yet admitted, in the order rank 0 admits them."""
+        self._resume: bool | None = None
+        """A resume asked for and not yet done: keep the tokens (True) or start again (False)."""
+        self._abort = False
+        """Rank 0: an abort asked for and not yet done."""
         self._aborting = False
         """True while the completions of our own abort come out (not a rejected request)."""
         self._cond = threading.Condition()
@@ -76,23 +111,22 @@ class EngineStream:
         """A caller wants the stream: the generation thread waits before its next step."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._since: float | None = None
+        """When the thread's current step (boundary and decode) began; None between steps."""
         self._news = threading.Event()
         """Set when samples finish, or the thread stops or fails (what `poll` waits for)."""
 
     def add(self, requests: list[StreamRequest]) -> None:
-        """Queue the requests and (re)start the generation thread."""
+        """Queue the requests (admitted at the next step boundary) and (re)start the thread."""
         with self._held():
             self._raise()
-            for r in requests:
-                self.flights[r.request_id] = _Flight(request=r, left=max(r.sampling.n, 1))
-                self.engine.add_request(
-                    r.prompt_ids, r.sampling, request_id=r.request_id, prompt_index=r.prompt_index
-                )
+            self._queued += requests
             self._start()
 
     def poll(self, timeout_s: float) -> list[StreamResult]:
-        """The samples finished since the last poll, waiting up to `timeout_s` for the first one."""
-        self._news.wait(timeout_s)
+        """The samples finished since the last poll, waiting up to `timeout_s` for the first one (at
+        once on ranks other than 0, which report none); raises the thread's failure, or a hang."""
+        self._news.wait(timeout_s if self.rank == 0 else 0)
         with self._held():
             self._news.clear()
             self._raise()
@@ -100,48 +134,34 @@ class EngineStream:
         return out
 
     def abort(self) -> int:
-        """Abort every request in flight between two decode steps, keeping each unfinished sample's
-        tokens, logprobs and versions; return their token count. Nothing is in flight afterwards and
-        the generation thread has ended (the engine is free for a weight update or `generate`)."""
+        """Abort every request in flight at the next step boundary (rank 0 decides it for the
+        replica), keeping each unfinished sample's tokens, logprobs and versions; wait until the
+        thread has ended and return their token count (0 when nothing was in flight)."""
         with self._held():
             self._raise()
-            thread, interrupted = self._thread, 0
-            if self.flights:
-                self._aborting = True
-                try:
-                    self.engine.abort(list(self.flights))
-                    self._record(self.engine.step())  # nothing else is scheduled: only the aborted come out
-                finally:
-                    self._aborting = False
-                interrupted = sum(len(p[0]) for f in self.flights.values() for p in f.partial.values())
+            thread = self._thread
+            self._abort = thread is not None and self.rank == 0
         if thread is not None:
-            thread.join()  # it sees nothing in flight and ends
-        return interrupted
+            thread.join(self.timeout_s)
+            if thread.is_alive():
+                raise TimeoutError(
+                    f"{self._who}: the generation thread did not stop within {self.timeout_s} s"
+                )
+        with self._held():
+            self._raise()
+            return sum(len(p[0]) for f in self.flights.values() for p in f.partial.values())
 
     def resume(self, keep: bool) -> int:
         """Continue every aborted sample under the engine's current weights: from its tokens so far
         (`keep`) or from scratch; return the tokens discarded (0 with `keep`)."""
-        discarded = 0
         with self._held():
             self._raise()
-            for request_id, flight in self.flights.items():
-                r = flight.request
-                for j, (tokens, logprobs, versions) in sorted(flight.partial.items()):
-                    if not keep:
-                        discarded += len(tokens)
-                        tokens, logprobs, versions = [], [], []
-                        flight.partial[j] = (tokens, logprobs, versions)
-                    self.engine.resume_request(
-                        r.prompt_ids,
-                        r.sampling,
-                        output_ids=tokens,
-                        logprobs=logprobs,
-                        request_id=request_id,
-                        prompt_index=r.prompt_index,
-                        sample_index=j,
-                    )
+            partial = [p for f in self.flights.values() for p in f.partial.values()]
+            if not partial:
+                return 0
+            self._resume = keep
             self._start()
-        return discarded
+        return 0 if keep else sum(len(p[0]) for p in partial)
 
     def drop_all(self) -> int:
         """Abort and forget every request and every unpolled sample; return the tokens discarded."""
@@ -150,44 +170,142 @@ class EngineStream:
             discarded += sum(len(s.completion.token_ids) for s in self.finished)
             self.flights.clear()
             self.finished.clear()
+            self._queued.clear()
+            self._resume = None
         return discarded
 
     # ---- the generation thread -------------------------------------------------------------------
 
     @contextmanager
     def _held(self) -> Iterator[None]:
-        """Hold the stream between two decode steps (the generation thread waits meanwhile)."""
+        """Hold the stream between two decode steps (the generation thread waits meanwhile); raise
+        instead of waiting on a step that hangs."""
         self._pause = True
-        with self._cond:
-            try:
-                yield
-            finally:
-                self._pause = False
-                self._cond.notify_all()
+        try:
+            while not self._cond.acquire(timeout=0.5):
+                self._check_progress()
+        except BaseException:
+            self._pause = False
+            raise
+        try:
+            yield
+        finally:
+            self._pause = False
+            self._cond.notify_all()
+            self._cond.release()
 
     def _start(self) -> None:
         """Start the generation thread unless it runs (call holding the stream)."""
-        if self._thread is None and self.engine.has_unfinished():
+        waiting = self._queued or self._resume is not None or self.engine.has_unfinished()
+        if self._thread is None and waiting:
             self._thread = threading.Thread(target=self._generate, name="rollout-stream", daemon=True)
             self._thread.start()
 
     def _generate(self) -> None:
-        """One decode step at a time under the lock until nothing is in flight."""
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: not self._pause)
-                try:
-                    if not self.engine.has_unfinished():
-                        self._thread = None
+        """Each step: rank 0's command, shared with the replica's ranks and applied by each, then one
+        decode step; until nothing is in flight or waiting (or an abort)."""
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda: not self._pause)
+                    self._since = time.monotonic()
+                    command = self._decide() if self.rank == 0 else StepCommand()
+                command = self._share(command)  # outside the lock: the callers still get in
+                with self._cond:
+                    self._cond.wait_for(lambda: not self._pause)
+                    if self._apply(command):
+                        start = time.perf_counter()
+                        self._record(self.engine.step())
+                        self.busy_s += time.perf_counter() - start
+                    elif not (self._queued or self._resume is not None):
+                        self._thread, self._since, self._abort = None, None, False
                         self._news.set()
                         return
-                    start = time.perf_counter()
-                    self._record(self.engine.step())
-                    self.busy_s += time.perf_counter() - start
-                except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-                    self._error, self._thread = e, None
-                    self._news.set()
-                    return
+                    self._since = None
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            self._error, self._thread, self._since = e, None, None
+            self._news.set()
+
+    def _decide(self) -> StepCommand:
+        """Rank 0: everything asked for so far."""
+        resume = 0 if self._resume is None else 1 if self._resume else 2
+        return StepCommand(admit=len(self._queued), resume=resume, abort=self._abort)
+
+    def _share(self, command: StepCommand) -> StepCommand:
+        """Rank 0's command on every rank of the replica."""
+        if self.group is None:
+            return command
+        t = torch.tensor([command.admit, command.resume, int(command.abort)], dtype=torch.int64)
+        dist.broadcast(t, group=self.group, group_src=0)
+        admit, resume, abort = t.tolist()
+        return StepCommand(admit=admit, resume=resume, abort=bool(abort))
+
+    def _apply(self, command: StepCommand) -> bool:
+        """Resume, admit, abort as `command` says (call holding the stream); whether a decode step
+        follows (False: nothing in flight, or aborted)."""
+        if command.resume:
+            self._wait_for(lambda: self._resume is not None, "a resume")
+            self._resume_all(keep=command.resume == 1)
+            self._resume = None
+        if command.admit:
+            self._wait_for(lambda: len(self._queued) >= command.admit, f"{command.admit} requests")
+            admitted, self._queued = self._queued[: command.admit], self._queued[command.admit :]
+            for r in admitted:
+                self.flights[r.request_id] = _Flight(request=r, left=max(r.sampling.n, 1))
+                self.engine.add_request(
+                    r.prompt_ids, r.sampling, request_id=r.request_id, prompt_index=r.prompt_index
+                )
+        if not command.abort:
+            return self.engine.has_unfinished()
+        self._abort = False
+        if self.flights:
+            self._aborting = True
+            try:
+                self.engine.abort(list(self.flights))
+                self._record(self.engine.step())  # nothing else is scheduled: only the aborted come out
+            finally:
+                self._aborting = False
+        return False
+
+    def _resume_all(self, keep: bool) -> None:
+        for request_id, flight in self.flights.items():
+            r = flight.request
+            for j, (tokens, logprobs, versions) in sorted(flight.partial.items()):
+                if not keep:
+                    tokens, logprobs, versions = [], [], []
+                    flight.partial[j] = (tokens, logprobs, versions)
+                self.engine.resume_request(
+                    r.prompt_ids,
+                    r.sampling,
+                    output_ids=tokens,
+                    logprobs=logprobs,
+                    request_id=request_id,
+                    prompt_index=r.prompt_index,
+                    sample_index=j,
+                )
+
+    def _wait_for(self, ready: Callable[[], bool], what: str) -> None:
+        """A rank other than 0 waits for the call that brings what rank 0's command uses (timed
+        here, not by `poll`'s hang check)."""
+        self._since = None
+        if not self._cond.wait_for(ready, timeout=self.timeout_s):
+            raise RuntimeError(
+                f"{self._who}: rank 0 of the replica acted on {what} that this rank was not given "
+                f"within {self.timeout_s} s: every rank of a replica must receive the same stream calls"
+            )
+        self._since = time.monotonic()
+
+    @property
+    def _who(self) -> str:
+        return f"rollout stream (rank {self.rank} of its replica)"
+
+    def _check_progress(self) -> None:
+        since = self._since
+        if since is not None and time.monotonic() - since > self.timeout_s:
+            raise TimeoutError(
+                f"{self._who}: one decode step has not ended in {self.timeout_s} s "
+                "(the replica's ranks are out of step, or one of them is gone)"
+            )
 
     def _raise(self) -> None:
         if self._error is not None:
@@ -201,11 +319,12 @@ class EngineStream:
                 flight.partial[c.sample_index] = _merge(flight, c)  # resumed or restarted by `resume`
                 continue
             _, _, before = flight.partial.pop(c.sample_index, ([], [], []))
-            self.finished.append(StreamResult(completion=c, versions=_versions(before, c)))
+            if self.rank == 0:
+                self.finished.append(StreamResult(completion=c, versions=_versions(before, c)))
             flight.left -= 1
             if flight.left == 0:
                 del self.flights[c.request_id]
-        if completions:
+        if completions and self.rank == 0:
             self._news.set()
 
 

@@ -1,12 +1,16 @@
-"""The asynchronous modes on Ray actors (CPU): one_step_off and partial=abort_resume with separate
-placement (1 training + 1 rollout actor: the next batch generates on the rollout actor while the step
-trains), partial=drop with colocated placement (the rollout generates in a thread of the training
-actor). One Ray start for the module."""
+"""The asynchronous modes on Ray actors (CPU), all through the one producer (rollout_stream.py) and
+a rollout replica of two tensor-parallel actors (rollout.tp=2, both ranks following their rank 0's
+steps): one_step_off (partial=finish) and partial=abort_resume with separate placement (the next
+batch generates on the rollout actors while the step trains), partial=drop with colocated placement
+(two training ranks; the rollout ranks generate in threads of the training actors). One Ray start
+for the module."""
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
-import torch
 from test_async_loop import ABORT_RESUME, FAST, check_versions_and_logprobs, spy_on_versions
 from test_trainer_loop import read_metrics, tiny_cfg
 
@@ -14,7 +18,13 @@ ray = pytest.importorskip("ray", reason="needs the ray extra: pip install 'rlloo
 
 from rlloom.trainer.run import run  # noqa: E402
 
-SEPARATE = ["cluster.mode=ray", "cluster.placement=separate", "cluster.rollout_workers=1"]
+SEPARATE_TP2 = [
+    "cluster.mode=ray",
+    "cluster.placement=separate",
+    "cluster.rollout_workers=2",
+    "rollout.tp=2",
+    "cluster.timeout_s=60",  # a replica's ranks out of step fail the run within a minute
+]
 
 
 @pytest.fixture(scope="module")
@@ -22,20 +32,6 @@ def ray_cluster():
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
-
-
-def _weights(slot_actor, role: str) -> tuple[int | None, dict[str, torch.Tensor]]:
-    """(rollout policy version or None, the Hugging Face-named weights) of a slot actor's `role` worker."""
-
-    def read(actor, role):
-        from rlloom.models.adapter import hf_named_tensors
-
-        worker = getattr(actor, role)
-        model = worker.engine.model
-        version = worker.engine.policy_version if role == "rollout" else None
-        return version, {k: v.detach().clone() for k, v in hf_named_tensors(model)}
-
-    return ray.get(slot_actor.__ray_call__.remote(read, role))
 
 
 def slow_rollout(monkeypatch, seconds: float) -> None:
@@ -66,37 +62,50 @@ def slow_rollout(monkeypatch, seconds: float) -> None:
 
 
 def _ray_weights_of(ctx):
-    rollout, train = ctx.rollout_group, ctx.train_group
-    version, held = _weights(rollout.actors.slots[rollout.replicas[0][0]], "rollout")
-    return version, held, _weights(train.actors.slots[train.slots[0]], "train")[1]
+    """(rollout version, its weights, training weights) for `spy_on_versions`. The training weights
+    come from a Hugging Face folder the training ranks write (gathered across data-parallel ranks).
+    The replica's tensor-parallel ranks hold shards: every rank must hold the training version, and
+    the training weights stand for the replica's (the logprob check then shows that it computed under
+    exactly them)."""
+    from safetensors.torch import load_file
+
+    rollout = ctx.rollout_group
+    with tempfile.TemporaryDirectory() as folder:
+        ctx.train_group.save_hf(folder).result()
+        sent = {k: v for f in sorted(Path(folder).glob("*.safetensors")) for k, v in load_file(f).items()}
+    versions = {ray.get(rollout.actors.slots[s].versions.remote())[1] for s in rollout.replicas[0]}
+    assert len(versions) == 1, versions
+    return versions.pop(), sent, sent
 
 
 @pytest.mark.slow  # a Ray start: 30-90 s on 2 cores
 def test_one_step_off_on_separate_ray_actors(ray_cluster, tiny_checkpoint, tmp_path):
-    cfg = tiny_cfg(
-        tiny_checkpoint,
-        tmp_path / "r",
-        *FAST,
-        *SEPARATE,
-        "trainer.total_steps=3",
-        "trainer.mode=one_step_off",
-    )
-    run(cfg)
-    records = read_metrics(tmp_path / "r")
+    """partial=finish on a tensor-parallel replica gives exactly the one-process run."""
+    common = [*FAST, "trainer.total_steps=3", "trainer.mode=one_step_off"]
+    run(tiny_cfg(tiny_checkpoint, tmp_path / "inline", *common))
+    run(tiny_cfg(tiny_checkpoint, tmp_path / "r", *common, *SEPARATE_TP2))
+    inline, records = read_metrics(tmp_path / "inline"), read_metrics(tmp_path / "r")
     assert [m["step"] for m in records] == [1, 2, 3]
-    for k, m in enumerate(records):
-        assert m["async/version_min"] == m["async/version_max"] == max(k - 1, 0), (k, m)
-        gap = m["is/mean_abs_logp_diff"]  # the behaviour policy is older than the trained one
+    for k, (a, b) in enumerate(zip(inline, records)):
+        assert a.keys() == b.keys(), a.keys() ^ b.keys()
+        # The same tokens and rewards; tp=2 logprobs agree with tp=1 within 1e-5 (the vocabulary-
+        # parallel log-softmax adds in another order), which the importance weights carry into the
+        # loss (3e-5 relative by step 3). The sync metrics count the transport's pieces.
+        for key in [key for key in a if not key.startswith("sync/")]:
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (k, key)
+        assert b["async/version_min"] == b["async/version_max"] == max(k - 1, 0), (k, b)
+        gap = b["is/mean_abs_logp_diff"]  # the behaviour policy is older than the trained one
         assert (gap > 1e-3) if k else (gap < 1e-4), (k, gap)
 
 
 @pytest.mark.slow
 def test_abort_resume_on_separate_ray_actors(ray_cluster, tiny_checkpoint, tmp_path, monkeypatch):
-    """The rollout actor's requests in flight are aborted at the weight update (a broadcast into its
-    process), and resumed under the new weights: each token keeps its version and behaviour logprob."""
+    """The tensor-parallel replica's requests in flight are aborted at the weight update (both ranks
+    at the step their rank 0 chose; a broadcast into their processes), and resumed under the new
+    weights: each token keeps its version and behaviour logprob (the producing policy's forward)."""
     seen = spy_on_versions(monkeypatch, _ray_weights_of)
     slow_rollout(monkeypatch, 0.05)
-    run(tiny_cfg(tiny_checkpoint, tmp_path / "r", *FAST, *ABORT_RESUME, *SEPARATE))
+    run(tiny_cfg(tiny_checkpoint, tmp_path / "r", *FAST, *ABORT_RESUME, *SEPARATE_TP2))
     records = read_metrics(tmp_path / "r")
     assert [m["step"] for m in records] == [1, 2, 3]
     assert sum(m["async/tokens_interrupted"] for m in records) > 0
@@ -104,12 +113,21 @@ def test_abort_resume_on_separate_ray_actors(ray_cluster, tiny_checkpoint, tmp_p
 
 
 @pytest.mark.slow
-def test_partial_drop_on_a_colocated_ray_actor(ray_cluster, tiny_checkpoint, tmp_path, monkeypatch):
-    """partial=drop: the samples in flight restart under the new weights (synced in place inside the
-    actor), so every trained response comes from one policy version, within the staleness bound."""
+def test_partial_drop_on_colocated_ray_actors(ray_cluster, tiny_checkpoint, tmp_path, monkeypatch):
+    """partial=drop on two colocated actors (two data-parallel training ranks, one rollout replica of
+    two tensor-parallel ranks whose stream threads run beside training): the samples in flight
+    restart under the new weights (synced in place inside each actor), so every trained response
+    comes from one policy version, within the staleness bound."""
     seen = spy_on_versions(monkeypatch, _ray_weights_of)
     slow_rollout(monkeypatch, 0.05)
-    extra = [*ABORT_RESUME, "rollout.partial=drop", "cluster.mode=ray", "cluster.placement=colocated"]
+    extra = [
+        *ABORT_RESUME,
+        "rollout.partial=drop",
+        "cluster.mode=ray",
+        "cluster.num_workers=2",
+        "rollout.tp=2",
+        "cluster.timeout_s=60",
+    ]
     run(tiny_cfg(tiny_checkpoint, tmp_path / "r", *FAST, *extra))
     records = read_metrics(tmp_path / "r")
     assert [m["step"] for m in records] == [1, 2, 3]

@@ -1,6 +1,7 @@
 """`EngineStream` (workers/stream.py) on the tiny checkpoint: samples aborted mid-response while the
 generation thread runs, then resumed (or restarted), end exactly as an uninterrupted `generate`
-(seeded sampling, same weights), with each token's policy version."""
+(seeded sampling, same weights), with each token's policy version; and a replica of two
+tensor-parallel ranks (stream_ranks.py) follows its rank 0's steps."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import time
 
 import pytest
 import torch
+from procs import spawn
+from stream_ranks import TIMEOUT_S, run_rank, run_schedule
 
 import rlloom.models as models
 from rlloom.engines.rollout.native import NativeEngine, SamplingParams
@@ -88,3 +91,31 @@ def test_drop_all_frees_the_engine(tiny_checkpoint):
     stream.resume(keep=True)
     assert stream.drop_all() >= interrupted and not stream.flights and not stream.finished
     assert len(stream.engine.generate(PROMPTS, PARAMS)) == 4  # nothing of the stream is left in the engine
+
+
+def test_tp2_replica_follows_rank_0(tiny_checkpoint, tmp_path):
+    """rollout.tp = 2: both ranks admit, abort and resume at rank 0's steps and take the new weights
+    between the same two steps, so the replica's samples equal the same schedule at tp = 1 (tokens,
+    per-token versions, logprobs within 1e-5). Ranks out of step report it within the stream's
+    timeout instead of hanging."""
+    ranks = spawn(
+        run_rank,
+        args=(2, str(tmp_path / "rendezvous"), str(tiny_checkpoint), str(tmp_path / "out")),
+        nprocs=2,
+        join=False,
+    )
+    want = run_schedule(tiny_checkpoint)  # tp = 1, while the ranks run
+    deadline = time.monotonic() + 4 * TIMEOUT_S
+    while not ranks.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ranks.processes:
+                p.kill()
+            pytest.fail("the tensor-parallel ranks hang")
+    got = torch.load(tmp_path / "out", weights_only=False)
+    assert [g[:3] + g[4:] for g in got] == [w[:3] + w[4:] for w in want]
+    worst = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g[3], w[3]))
+    assert worst <= 1e-5, worst
+    assert all(0 < v.count(0) < len(v) for *_, v in got)  # every sample resumed across the update
+    # out of step on purpose: rank 1 lacks a request that rank 0 admitted
+    assert "acted on 2 requests that this rank was not given" in (tmp_path / "out.1").read_text()
+    assert "one decode step has not ended in 2.0 s" in (tmp_path / "out.0").read_text()
