@@ -578,13 +578,13 @@ class ParallelConfig:
             f"tensor parallelism (parallel.tp={self.tp}) always runs with sequence parallelism here",
             "set parallel.sequence_parallel=true",
         )
-        others = {"tp": self.tp, "cp": self.cp, "ep": self.ep}
+        others = {"cp": self.cp, "ep": self.ep}
         _check(
             self.pp == 1 or all(v == 1 for v in others.values()),
             "parallel.pp",
             self.pp,
-            "pipeline parallelism composes with data parallelism (FSDP) only in this version, not with "
-            + ", ".join(f"parallel.{k}={v}" for k, v in others.items() if v > 1),
+            "pipeline parallelism composes with data parallelism (FSDP) and parallel.tp in this version, "
+            "not with " + ", ".join(f"parallel.{k}={v}" for k, v in others.items() if v > 1),
             "set parallel.pp=1 or the other degrees to 1",
         )
         _check(
@@ -857,6 +857,15 @@ class RunConfig:
             f"sample: data.max_prompt_length + rollout.max_new_tokens = {self.data.max_prompt_length} + "
             f"{self.rollout.max_new_tokens} = {longest}",
             f"set train.max_tokens_per_micro_batch={longest} or more (or lower those)",
+        )
+        tp, budget = self.parallel.tp, self.train.max_tokens_per_micro_batch
+        _check(
+            self.parallel.pp == 1 or budget % tp == 0,
+            "train.max_tokens_per_micro_batch",
+            budget,
+            f"parallel.pp={self.parallel.pp} with parallel.tp={tp} splits every micro-batch, padded to this "
+            f"budget, into tp equal token shards, so it must be a multiple of {tp}",
+            f"set train.max_tokens_per_micro_batch={-(-budget // tp) * tp}",
         )
         if self.data.task in ("jsonl", "parquet"):
             _check(

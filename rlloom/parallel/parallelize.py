@@ -17,8 +17,9 @@ Without `dims` (one process, no process group, fp32) only steps 3 and 4 apply.
 
 Pipeline parallelism (`parallelize_pp`, pp > 1) comes before all of these: the model is cut into
 this rank's stage modules first (`pp.apply_pp`), then each stage module is a model of its own to
-steps 3-5 (FSDP2 with its stage module as the root, never resharding after forward: each
-micro-batch would gather the layers again). PP with TP, EP or CP is refused for now.
+steps 1 and 3-5 (the TP plans skip the parts a stage lacks: the embedding lives on the first stage,
+the final norm and head on the last; FSDP2 takes the stage module as its root and never reshards
+after forward: each micro-batch would gather the layers again). PP with EP or CP is refused for now.
 """
 
 from __future__ import annotations
@@ -99,18 +100,15 @@ def parallelize_pp(
     compile_layers: bool = False,
     chunk_tokens: int = 1024,
 ) -> tuple[list[nn.Module], Pipeline]:
-    """Cut `model` into this pp rank's stage modules (PP first), then AC, compile and FSDP2 over
-    dp_shard on each; returns the FSDP-wrapped stage modules and the `Pipeline` that runs them."""
+    """Cut `model` into this pp rank's stage modules (PP first), then TP/SP (tp > 1), AC, compile
+    and FSDP2 over dp_shard on each; returns the FSDP-wrapped stage modules and the `Pipeline` that
+    runs them. Under TP the stages exchange each TP rank's token shard (`pp.py`)."""
     dims.check_model(model.args)
-    others = {"tp": dims.tp, "ep": dims.ep, "cp": dims.cp}
-    if any(v > 1 for v in others.values()):
-        raise ValueError(
-            f"parallel.pp={dims.pp} with {', '.join(f'parallel.{k}={v}' for k, v in others.items() if v > 1)} "
-            "is not supported yet (pipeline parallelism composes with FSDP only here). Fix: set "
-            "parallel.tp=parallel.ep=parallel.cp=1 with parallel.pp > 1, or parallel.pp=1."
-        )
+    check_pp_composes(dims)
 
     def parallelize_stage(stage: nn.Module) -> nn.Module:
+        if dims.tp > 1:
+            apply_tp(stage.model, dims.tp_mesh())
         apply_ac(stage.model, ac_mode, ac_every_k)
         if compile_layers:
             apply_compile(stage.model)
@@ -135,4 +133,16 @@ def parallelize_pp(
         last_stage_layers=last_stage_layers,
         chunk_tokens=chunk_tokens,
         parallelize_stage=parallelize_stage,
+        tp=dims.tp,
     )
+
+
+def check_pp_composes(dims: ParallelDims) -> None:
+    """ValueError naming the degrees pipeline parallelism does not compose with here."""
+    others = {"ep": dims.ep, "cp": dims.cp}
+    if dims.pp > 1 and any(v > 1 for v in others.values()):
+        raise ValueError(
+            f"parallel.pp={dims.pp} with {', '.join(f'parallel.{k}={v}' for k, v in others.items() if v > 1)} "
+            "is not supported yet (pipeline parallelism composes with FSDP and TP here). Fix: set "
+            "parallel.ep=parallel.cp=1 with parallel.pp > 1, or parallel.pp=1."
+        )

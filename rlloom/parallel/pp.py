@@ -31,14 +31,19 @@ broadcast over the pp group. Weight sync: `Pipeline.full_weights()` gives every 
 model under the CausalLM's names (for the Hugging Face adapter). Checkpoints use the whole model's
 names, so a pp=2 -> pp=1 resume needs no renaming (a tied embedding is held twice and written once).
 Not built: MoE balance terms (per-stage aux loss and bias updates; the engine refuses them), the
-engine's `moe/route_mismatch_frac` metric under PP (not reported), and PP with TP/EP/CP in the engine
-(refused at start-up).
+engine's `moe/route_mismatch_frac` metric under PP (not reported), and PP with EP/CP (refused at
+start-up).
 
-TP/EP/AC/compile go inside `parallelize_stage` (each stage module is a model of its own to them);
-AC and FSDP2 are tested here. With TP + sequence parallelism the activations between stages are
-token-sharded DTensors: the stages' static shapes below would then be DTensor metadata (or
-PipelineStage's dynamic inference), and the budget a multiple of tp. FSDP must not reshard after
-forward under PP (each micro-batch would gather the layers again).
+TP/AC/compile go inside `parallelize_stage` (each stage module is a model of its own to them).
+PP x TP (with sequence parallelism): between blocks the residual stream is sharded over tokens, so
+each TP rank sends its own token shard, a plain [1, budget / tp, D] tensor, to the same TP rank of
+the next stage (the pp group joins ranks of one TP coordinate), as torchtitan does. Gathering the
+shards before each send instead would move tp times the bytes and add an all-gather plus a
+re-slice per boundary for nothing: the next stage's first norm wants the shard again. So the
+budget must be a multiple of tp (`check_budget`); the last stage gathers the final-normed shards
+and runs the vocabulary-parallel head (`vocab_parallel.py`), every TP rank getting the same
+[1, 2, budget] output and loss. FSDP must not reshard after forward under PP (each micro-batch
+would gather the layers again).
 Tied embeddings: the last stage holds the embedding as its head and `Pipeline.clip_grad_norm_`
 sums the two gradients. Shared-prompt micro-batches and MoE routes (compared, or replayed) pass
 through as in `CausalLM.hidden_states`.
@@ -71,6 +76,7 @@ from rlloom.parallel.pp_stages import (
     PipeMicroBatch,
     StageFeed,
     StageModel,
+    check_budget,
     check_pp,
     pad_to_budget,
     rank_stages,
@@ -106,6 +112,7 @@ class Pipeline:
         hidden_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        tp: int = 1,
     ) -> None:
         self.group = pp_mesh.get_group()
         self.pp = pp_mesh.size()
@@ -114,7 +121,8 @@ class Pipeline:
         self.modules = modules
         self.feed = StageFeed()
         self.stages = []
-        hidden = torch.empty(1, budget, hidden_size, dtype=dtype, device="meta", requires_grad=True)
+        # Between stages: this rank's token shard of the residual stream (budget / tp tokens under TP).
+        hidden = torch.empty(1, budget // tp, hidden_size, dtype=dtype, device="meta", requires_grad=True)
         for module, s in zip(modules, stage_ids, strict=True):
             module.register_forward_pre_hook(_mb_to_int, prepend=True, with_kwargs=True)
             stage_module(module).feed = self.feed
@@ -318,15 +326,18 @@ def apply_pp(
     last_stage_layers: int = 0,
     chunk_tokens: int = 1024,
     parallelize_stage: Callable[[PipelineStageModule], nn.Module] | None = None,
+    tp: int = 1,
 ) -> tuple[list[nn.Module], Pipeline]:
     """Cut the native CausalLM `model` into this pp rank's stage modules, parallelise each with
     `parallelize_stage` (TP, AC, FSDP...; default: moved to `device`) and return them with the runner.
 
     `budget`: tokens of every micro-batch (train.max_tokens_per_micro_batch); `dtype`: the compute
     dtype of the activations sent between stages. The modules `model` held outside this rank's
-    stages are no longer referenced by what is returned.
+    stages are no longer referenced by what is returned. `tp`: the tensor-parallel degree
+    `parallelize_stage` applies (stages then exchange token shards of budget / tp tokens).
     """
     check_pp(model.args, pp_mesh.size(), schedule, virtual_stages)
+    check_budget(budget, tp)
     num_stages = pp_mesh.size() * virtual_stages
     ranges = split_layers(
         model.args.num_layers,
@@ -356,5 +367,6 @@ def apply_pp(
         hidden_size=model.args.hidden_size,
         device=device,
         dtype=dtype,
+        tp=tp,
     )
     return modules, pipe

@@ -21,10 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from rlloom.models.args import ModelArgs
 from rlloom.models.attention_ops import AttnLayout, TreePlan
 from rlloom.models.logprobs import token_logprobs
+from rlloom.parallel.vocab_parallel import vocab_parallel_token_logprobs
 
 SCHEDULE_NAMES = ("1f1b", "interleaved", "zero_bubble")
 
@@ -235,7 +237,8 @@ class PipelineStageModule(nn.Module):
                 h = layer(h, cos, sin, batch.layout)
         if not self.is_last:
             # Not a view: zero-bubble schedules detach a stage's outputs in place after the input backward.
-            return h.unsqueeze(0).clone()
+            # Under TP this is the rank's token shard [1, P/tp, D] (a plain tensor: the residual stream).
+            return _local(h).unsqueeze(0).clone()
         return self._head(self.model.norm(h), batch)
 
     def _head(self, hidden_PD: torch.Tensor, batch: PaddedMicroBatch) -> torch.Tensor:
@@ -243,20 +246,32 @@ class PipelineStageModule(nn.Module):
         num_selected = positions_K.numel()
         if num_selected == 0:  # one position, kept connected to every parameter with weight 0
             positions_K, targets_K = positions_K.new_zeros(1), targets_K.new_zeros(1)
-        logp_K, entropy_K = token_logprobs(
-            hidden_PD[positions_K],
-            self.model.lm_head_weight,
-            targets_K,
-            temperature=self.feed.temperature,
-            chunk_tokens=self.chunk_tokens,
-            with_entropy=self.feed.with_entropy,
-            fused=self.fused_head,
-        )
+        weight_VD = self.model.lm_head_weight
+        head = dict(temperature=self.feed.temperature, chunk_tokens=self.chunk_tokens)
+        if isinstance(weight_VD, DTensor):  # TP: gather the token shards, vocabulary-parallel head
+            if isinstance(hidden_PD, DTensor):
+                hidden_PD = hidden_PD.redistribute(hidden_PD.device_mesh, [Replicate()]).to_local()
+            logp_K, entropy_K = vocab_parallel_token_logprobs(
+                hidden_PD[positions_K], weight_VD, targets_K, with_entropy=self.feed.with_entropy, **head
+            )
+        else:
+            logp_K, entropy_K = token_logprobs(
+                hidden_PD[positions_K],
+                weight_VD,
+                targets_K,
+                with_entropy=self.feed.with_entropy,
+                fused=self.fused_head,
+                **head,
+            )
         if entropy_K is None:
             entropy_K = torch.zeros_like(logp_K)
         out_12P = hidden_PD.new_zeros(1, 2, hidden_PD.shape[0], dtype=torch.float32)
         out_12P[0, :, : logp_K.numel()] = torch.stack([logp_K, entropy_K]) * (1.0 if num_selected else 0.0)
         return out_12P
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def check_pp(args: ModelArgs, pp: int, schedule: str, virtual_stages: int) -> None:
@@ -276,4 +291,14 @@ def check_pp(args: ModelArgs, pp: int, schedule: str, virtual_stages: int) -> No
         raise ValueError(
             f"parallel.pp={pp} x parallel.pp_virtual_stages={virtual_stages} = {pp * virtual_stages} stages, but the "
             f"model has {args.num_layers} layers (rule: at least one per stage). Fix: lower them."
+        )
+
+
+def check_budget(budget: int, tp: int) -> None:
+    """ValueError unless the micro-batch token budget splits into tp equal token shards."""
+    if budget < 1 or budget % tp:
+        raise ValueError(
+            f"train.max_tokens_per_micro_batch={budget} is invalid with parallel.pp > 1 and parallel.tp={tp}: "
+            f"every micro-batch is padded to this budget and split into tp equal token shards, so it must be "
+            f"a positive multiple of {tp}. Fix: set it to {max(tp, -(-budget // tp) * tp)}."
         )

@@ -1,0 +1,108 @@
+"""Pipeline parallelism composed with tensor parallelism: the training engine at pp=2 x tp=2 on 4
+gloo processes equals the one-process engine in fp32 (tiny dense Qwen3 with tied embeddings: the
+last stage's vocabulary-parallel head is the embedding's copy): logprobs and entropies, every
+gradient, the losses and grad norms of two steps whose batches differ in token count, and the
+weights `named_weights` gives (full tensors on every rank). A checkpoint saved at pp=2 x tp=2
+resumes in one process (pp=1, tp=1) and continues as the uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engines" / "train"))
+from parallel_helpers import run_gloo, tiny_model  # noqa: E402
+from test_pp_engine import KEYS, TOL, cfg, run, step  # noqa: E402
+from test_train_parallel_gloo import full_weights  # noqa: E402
+
+from rlloom.config import load_config  # noqa: E402
+from rlloom.config.components import ConfigError, ParallelConfig  # noqa: E402
+from rlloom.engines.train.native import NativeTrainEngine  # noqa: E402
+from rlloom.parallel import ParallelDims  # noqa: E402
+
+WEIGHT_TOL = dict(atol=1e-3, rtol=0)
+"""After two Adam steps at lr 3e-2: TP sums in another order, and Adam's division by sqrt(v) turns
+the last bits of a gradient element near 0 into up to ~lr x 1e-2 of its weight (2e-4 seen); a wrong
+gradient moves a weight by ~lr a step."""
+
+
+def compare_weights(got: dict, expected: dict, what: str) -> None:
+    assert got.keys() == expected.keys(), what
+    for name, t in expected.items():
+        torch.testing.assert_close(
+            got[name], t, **WEIGHT_TOL, msg=lambda m, n=name: f"{what} weight {n}: {m}"
+        )
+
+
+def check(got: dict, expected: dict, what: str) -> None:
+    """`test_pp_engine.run`'s results against one process's (its weights at WEIGHT_TOL)."""
+    torch.testing.assert_close(got["logp"], expected["logp"], **TOL, msg=lambda m: f"{what} logp: {m}")
+    torch.testing.assert_close(
+        got["entropy"], expected["entropy"], **TOL, msg=lambda m: f"{what} entropy: {m}"
+    )
+    assert 0 < len(got["grads"]) < len(expected["grads"])  # this rank's stages only
+    for name, grad in got["grads"].items():
+        torch.testing.assert_close(
+            grad, expected["grads"][name], **TOL, msg=lambda m, n=name: f"{what} grad {n}: {m}"
+        )
+    for i, (a, b) in enumerate(zip(got["metrics"], expected["metrics"], strict=True)):
+        for k in KEYS:
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (what, i, k, a[k], b[k])
+    compare_weights(got["weights"], expected["weights"], what)
+
+
+def engine_for(family: str, **degrees: int) -> NativeTrainEngine:
+    model = tiny_model(family)
+    if not degrees:
+        return NativeTrainEngine(cfg(), model)
+    return NativeTrainEngine(
+        cfg(),
+        model,
+        parallel_dims=ParallelDims(world_size=4, **degrees),
+        pipeline=ParallelConfig(**degrees),
+    )
+
+
+def worker(rank: int, expected: dict, tmp: str) -> None:
+    torch.manual_seed(0)
+    engine = engine_for("qwen3", pp=2, tp=2)
+    assert (engine.dp_size, engine.layout.tp) == (1, 2)
+    check(run(engine), expected["qwen3"], "pp=2 x tp=2")
+    engine.save(os.path.join(tmp, "pp2tp2"))
+
+
+@pytest.mark.slow
+def test_pp_composes_with_tp_and_checkpoints_cross_layout(tmp_path):
+    expected = {}
+    engine = engine_for("qwen3")
+    expected["qwen3"] = run(engine)
+    step(engine, 2)
+    step3 = full_weights(engine)
+    run_gloo(worker, 4, expected, str(tmp_path))
+    # pp=2 x tp=2 -> one process: step 3 after the resume gives the uninterrupted run's weights.
+    single = engine_for("qwen3")
+    single.load(str(tmp_path / "pp2tp2"))
+    assert single.version == 2
+    step(single, 2)
+    compare_weights(full_weights(single), step3, "pp=2 x tp=2 -> one process")
+
+
+def test_pp_with_tp_needs_a_budget_that_splits_into_tp_shards():
+    with pytest.raises(
+        ConfigError,
+        match=r"train.max_tokens_per_micro_batch=265 is invalid: parallel.pp=2 with parallel.tp=2 .*=266",
+    ):
+        load_config(
+            "arithmetic_smoke",
+            [
+                "cluster.mode=ray",
+                "cluster.num_workers=4",
+                "parallel.pp=2",
+                "parallel.tp=2",
+                "train.max_tokens_per_micro_batch=265",
+            ],
+        )
