@@ -578,14 +578,13 @@ class ParallelConfig:
             f"tensor parallelism (parallel.tp={self.tp}) always runs with sequence parallelism here",
             "set parallel.sequence_parallel=true",
         )
-        others = {"cp": self.cp, "ep": self.ep}
         _check(
-            self.pp == 1 or all(v == 1 for v in others.values()),
+            self.pp == 1 or self.cp == 1,
             "parallel.pp",
             self.pp,
-            "pipeline parallelism composes with data parallelism (FSDP) and parallel.tp in this version, "
-            "not with " + ", ".join(f"parallel.{k}={v}" for k, v in others.items() if v > 1),
-            "set parallel.pp=1 or the other degrees to 1",
+            "pipeline parallelism composes with data (FSDP), tensor and expert parallelism in this version, "
+            f"not with parallel.cp={self.cp}",
+            "set parallel.pp=1 or parallel.cp=1",
         )
         _check(
             self.pp_schedule != "1f1b" or self.pp_virtual_stages == 1,

@@ -108,7 +108,9 @@ def parallelize_pp(
 
     def parallelize_stage(stage: nn.Module) -> nn.Module:
         if dims.tp > 1:
-            apply_tp(stage.model, dims.tp_mesh())
+            apply_tp(stage.model, dims.tp_mesh(), experts_parallel=dims.ep > 1)
+        if dims.ep > 1:
+            apply_ep(stage.model, dims.ep_mesh())
         apply_ac(stage.model, ac_mode, ac_every_k)
         if compile_layers:
             apply_compile(stage.model)
@@ -119,6 +121,7 @@ def parallelize_pp(
             reduce_dtype=reduce_dtype,
             reshard_after_forward=False,
             layers_of=stage.model,
+            expert_mesh=dims.efsdp_mesh() if dims.ep > 1 else None,
         )
 
     return apply_pp(
@@ -134,15 +137,16 @@ def parallelize_pp(
         chunk_tokens=chunk_tokens,
         parallelize_stage=parallelize_stage,
         tp=dims.tp,
+        ep_group=dims.ep_mesh().get_group() if dims.ep > 1 else None,
     )
 
 
 def check_pp_composes(dims: ParallelDims) -> None:
     """ValueError naming the degrees pipeline parallelism does not compose with here."""
-    others = {"ep": dims.ep, "cp": dims.cp}
+    others = {"cp": dims.cp}
     if dims.pp > 1 and any(v > 1 for v in others.values()):
         raise ValueError(
             f"parallel.pp={dims.pp} with {', '.join(f'parallel.{k}={v}' for k, v in others.items() if v > 1)} "
-            "is not supported yet (pipeline parallelism composes with FSDP and TP here). Fix: set "
-            "parallel.ep=parallel.cp=1 with parallel.pp > 1, or parallel.pp=1."
+            "is not supported yet (pipeline parallelism composes with FSDP, TP and EP here). Fix: set "
+            "parallel.cp=1 with parallel.pp > 1, or parallel.pp=1."
         )

@@ -69,6 +69,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
+from rlloom.models.moe import GroupedExperts
 from rlloom.parallel.grad_norm import grad_norm
 from rlloom.parallel.pp_stages import (
     SCHEDULE_NAMES,
@@ -113,8 +114,11 @@ class Pipeline:
         device: torch.device,
         dtype: torch.dtype,
         tp: int = 1,
+        ep_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.group = pp_mesh.get_group()
+        self.ep_group = ep_group
+        """Expert parallelism: the ranks of this stage that split the routed experts, else None."""
         self.pp = pp_mesh.size()
         self.schedule_name, self.budget, self.device, self.dtype = schedule, budget, device, dtype
         self.num_stages = num_stages
@@ -225,13 +229,28 @@ class Pipeline:
                 work.wait()
             mine += theirs
         counted = [p for p in params if not (p is tied and not self.has_first)]
-        sq = grad_norm(counted).square() if counted else torch.zeros((), device=self.device)
+        experts = self._expert_params() if self.ep_group is not None else []
+        sq = (
+            grad_norm(counted, ep_params=experts, ep_group=self.ep_group).square()
+            if counted
+            else torch.zeros((), device=self.device)
+        )
         dist.all_reduce(sq, group=self.group)
         norm = sq.sqrt()
         if max_norm > 0 and params and bool(torch.isfinite(norm)):
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_([_local(p.grad) for p in params], coef)
         return norm
+
+    def _expert_params(self) -> list[nn.Parameter]:
+        """This rank's routed-expert parameters (split over the EP ranks outside any DTensor)."""
+        return [
+            p
+            for module in self.modules
+            for sub in module.modules()
+            if isinstance(sub, GroupedExperts) and hasattr(sub, "ep_range")
+            for p in sub.parameters()
+        ]
 
     def _tied_weight(self) -> nn.Parameter | None:
         """This rank's copy of a tied embedding (first or last stage), None if untied or neither."""
@@ -327,6 +346,7 @@ def apply_pp(
     chunk_tokens: int = 1024,
     parallelize_stage: Callable[[PipelineStageModule], nn.Module] | None = None,
     tp: int = 1,
+    ep_group: dist.ProcessGroup | None = None,
 ) -> tuple[list[nn.Module], Pipeline]:
     """Cut the native CausalLM `model` into this pp rank's stage modules, parallelise each with
     `parallelize_stage` (TP, AC, FSDP...; default: moved to `device`) and return them with the runner.
@@ -334,7 +354,8 @@ def apply_pp(
     `budget`: tokens of every micro-batch (train.max_tokens_per_micro_batch); `dtype`: the compute
     dtype of the activations sent between stages. The modules `model` held outside this rank's
     stages are no longer referenced by what is returned. `tp`: the tensor-parallel degree
-    `parallelize_stage` applies (stages then exchange token shards of budget / tp tokens).
+    `parallelize_stage` applies (stages then exchange token shards of budget / tp tokens);
+    `ep_group`: the EP ranks of this stage when `parallelize_stage` splits the experts (`ep.apply_ep`).
     """
     check_pp(model.args, pp_mesh.size(), schedule, virtual_stages)
     check_budget(budget, tp)
@@ -368,5 +389,6 @@ def apply_pp(
         device=device,
         dtype=dtype,
         tp=tp,
+        ep_group=ep_group,
     )
     return modules, pipe

@@ -3,7 +3,10 @@ gloo processes equals the one-process engine in fp32 (tiny dense Qwen3 with tied
 last stage's vocabulary-parallel head is the embedding's copy): logprobs and entropies, every
 gradient, the losses and grad norms of two steps whose batches differ in token count, and the
 weights `named_weights` gives (full tensors on every rank). A checkpoint saved at pp=2 x tp=2
-resumes in one process (pp=1, tp=1) and continues as the uninterrupted run."""
+resumes in one process (pp=1, tp=1) and continues as the uninterrupted run. In the same process
+group, pp=2 x ep=2 (the 4 ranks: 2 stages x 2 data-parallel ranks that split the experts) on a tiny
+Mixtral (every layer MoE, so both stages exchange tokens between their EP ranks) equals one process
+the same way."""
 
 from __future__ import annotations
 
@@ -73,11 +76,14 @@ def worker(rank: int, expected: dict, tmp: str) -> None:
     assert (engine.dp_size, engine.layout.tp) == (1, 2)
     check(run(engine), expected["qwen3"], "pp=2 x tp=2")
     engine.save(os.path.join(tmp, "pp2tp2"))
+    engine = engine_for("mixtral", pp=2, ep=2)  # every layer MoE: experts split on both stages
+    assert (engine.dp_size, engine.layout.ep) == (2, 2)
+    check(run(engine), expected["mixtral"], "pp=2 x ep=2")
 
 
 @pytest.mark.slow
-def test_pp_composes_with_tp_and_checkpoints_cross_layout(tmp_path):
-    expected = {}
+def test_pp_composes_with_tp_and_ep_and_checkpoints_cross_layout(tmp_path):
+    expected = {"mixtral": run(engine_for("mixtral"))}
     engine = engine_for("qwen3")
     expected["qwen3"] = run(engine)
     step(engine, 2)

@@ -2,7 +2,8 @@
 (parallel.pp=2) gives the one-process run's per-step metrics within rel 1e-4: 1F1B with an uneven
 split (1 + 3 layers; even splits and every schedule run in test_pp.py) and the interleaved schedule
 with 2 virtual stages per rank, on a 4-layer tiny Qwen3 with tied embeddings (the last stage holds
-the embedding as its head). The learning rate (3e-2) is large enough that a wrong gradient changes
+the embedding as its head); and pp=2 x tp=2 on 4 workers (the stages tensor-parallel, the last
+one's head vocabulary-parallel). The learning rate (3e-2) is large enough that a wrong gradient changes
 the samples; the KL term runs the frozen reference through the same pipeline. The layouts share one
 Ray start."""
 
@@ -21,8 +22,14 @@ from rlloom.cli import main  # noqa: E402
 
 SKIP = ("time/", "perf/", "sync/ms", "memory/")
 LAYOUTS = {
-    "uneven": ["parallel.pp=2", "parallel.pp_first_stage_layers=1"],
-    "interleaved": ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2"],
+    "uneven": ["cluster.num_workers=2", "parallel.pp=2", "parallel.pp_first_stage_layers=1"],
+    "interleaved": [
+        "cluster.num_workers=2",
+        "parallel.pp=2",
+        "parallel.pp_schedule=interleaved",
+        "parallel.pp_virtual_stages=2",
+    ],
+    "pp2_tp2": ["cluster.num_workers=4", "parallel.pp=2", "parallel.tp=2"],
 }
 
 
@@ -61,12 +68,10 @@ def test_pipeline_parallel_ray_runs_match_one_process(four_layer_checkpoint, tmp
     assert [r["step"] for r in expected] == [1, 2]
     # The policy moves: step 2's samples come from the weights step 1 trained.
     assert expected[0]["train/grad_norm"] > 0 and expected[0]["reward/mean"] != expected[1]["reward/mean"]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)  # one start for every layout
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)  # one start for every layout
     try:
         for name, layout in LAYOUTS.items():
-            got = train(
-                four_layer_checkpoint, tmp_path / name, "cluster.mode=ray", "cluster.num_workers=2", *layout
-            )
+            got = train(four_layer_checkpoint, tmp_path / name, "cluster.mode=ray", *layout)
             assert [r["step"] for r in got] == [1, 2], name
             for want, row in zip(expected, got):
                 assert want.keys() == row.keys(), name

@@ -170,6 +170,9 @@ class NativeTrainEngine:
     def _build_pipeline(self, frozen: bool) -> None:
         """Cut the model into this rank's stages (`parallelize_pp`); `self.module` becomes a view of
         them under the PolicyHead's names and `self.model` its CausalLM-like part."""
+        balancing = self.cfg.moe_aux_loss_coef > 0 or self.cfg.moe_bias_update_rate > 0
+        if self.moe_balance is not None and not balancing:
+            self.moe_balance = None  # nothing to balance; the moe/load_* metrics are not reported under PP
         if self.moe_balance is not None:
             raise ValueError(
                 f"train.moe_aux_loss_coef={self.cfg.moe_aux_loss_coef} / train.moe_bias_update_rate="
