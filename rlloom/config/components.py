@@ -578,13 +578,14 @@ class ParallelConfig:
             f"tensor parallelism (parallel.tp={self.tp}) always runs with sequence parallelism here",
             "set parallel.sequence_parallel=true",
         )
+        others = {k: v for k, v in (("tp", self.tp), ("ep", self.ep), ("cp", self.cp)) if v > 1}
         _check(
-            self.pp == 1 or self.cp == 1,
+            self.pp == 1 or len(others) <= 1,
             "parallel.pp",
             self.pp,
-            "pipeline parallelism composes with data (FSDP), tensor and expert parallelism in this version, "
-            f"not with parallel.cp={self.cp}",
-            "set parallel.pp=1 or parallel.cp=1",
+            "pipeline parallelism composes with data parallelism (FSDP) and ONE of tp, ep, cp in this "
+            f"version, not with {' and '.join(f'parallel.{k}={v}' for k, v in others.items())}",
+            "set parallel.pp=1 or keep only one of them > 1",
         )
         _check(
             self.pp_schedule != "1f1b" or self.pp_virtual_stages == 1,
@@ -857,14 +858,15 @@ class RunConfig:
             f"{self.rollout.max_new_tokens} = {longest}",
             f"set train.max_tokens_per_micro_batch={longest} or more (or lower those)",
         )
-        tp, budget = self.parallel.tp, self.train.max_tokens_per_micro_batch
+        shares, budget = self.parallel.cp * self.parallel.tp, self.train.max_tokens_per_micro_batch
         _check(
-            self.parallel.pp == 1 or budget % tp == 0,
+            self.parallel.pp == 1 or budget % shares == 0,
             "train.max_tokens_per_micro_batch",
             budget,
-            f"parallel.pp={self.parallel.pp} with parallel.tp={tp} splits every micro-batch, padded to this "
-            f"budget, into tp equal token shards, so it must be a multiple of {tp}",
-            f"set train.max_tokens_per_micro_batch={-(-budget // tp) * tp}",
+            f"parallel.pp={self.parallel.pp} splits every micro-batch, padded to this budget, into "
+            f"parallel.cp x parallel.tp = {self.parallel.cp} x {self.parallel.tp} equal token shares, so it must "
+            f"be a multiple of {shares}",
+            f"set train.max_tokens_per_micro_batch={-(-budget // shares) * shares}",
         )
         if self.data.task in ("jsonl", "parquet"):
             _check(

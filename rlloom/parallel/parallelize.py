@@ -138,15 +138,16 @@ def parallelize_pp(
         parallelize_stage=parallelize_stage,
         tp=dims.tp,
         ep_group=dims.ep_mesh().get_group() if dims.ep > 1 else None,
+        cp_group=dims.cp_mesh().get_group() if dims.cp > 1 else None,
     )
 
 
 def check_pp_composes(dims: ParallelDims) -> None:
     """ValueError naming the degrees pipeline parallelism does not compose with here."""
-    others = {"cp": dims.cp}
-    if dims.pp > 1 and any(v > 1 for v in others.values()):
+    others = {k: v for k, v in (("tp", dims.tp), ("ep", dims.ep), ("cp", dims.cp)) if v > 1}
+    if dims.pp > 1 and len(others) > 1:
         raise ValueError(
-            f"parallel.pp={dims.pp} with {', '.join(f'parallel.{k}={v}' for k, v in others.items() if v > 1)} "
-            "is not supported yet (pipeline parallelism composes with FSDP, TP and EP here). Fix: set "
-            "parallel.cp=1 with parallel.pp > 1, or parallel.pp=1."
+            f"parallel.pp={dims.pp} with {' and '.join(f'parallel.{k}={v}' for k, v in others.items())} is not "
+            "supported yet (pipeline parallelism composes with FSDP and one of tp, ep, cp at a time here). "
+            "Fix: keep one of them > 1 with parallel.pp > 1, or set parallel.pp=1."
         )

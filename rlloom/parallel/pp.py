@@ -115,8 +115,12 @@ class Pipeline:
         dtype: torch.dtype,
         tp: int = 1,
         ep_group: dist.ProcessGroup | None = None,
+        cp_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.group = pp_mesh.get_group()
+        self.cp_group = cp_group
+        """Context parallelism: the ranks of this stage that split each micro-batch, else None."""
+        cp = dist.get_world_size(cp_group) if cp_group is not None else 1
         self.ep_group = ep_group
         """Expert parallelism: the ranks of this stage that split the routed experts, else None."""
         self.pp = pp_mesh.size()
@@ -125,14 +129,15 @@ class Pipeline:
         self.modules = modules
         self.feed = StageFeed()
         self.stages = []
-        # Between stages: this rank's token shard of the residual stream (budget / tp tokens under TP).
-        hidden = torch.empty(1, budget // tp, hidden_size, dtype=dtype, device="meta", requires_grad=True)
+        # Between stages: this rank's share of the residual stream (budget / (cp x tp) tokens).
+        local = budget // (cp * tp)
+        hidden = torch.empty(1, local, hidden_size, dtype=dtype, device="meta", requires_grad=True)
         for module, s in zip(modules, stage_ids, strict=True):
             module.register_forward_pre_hook(_mb_to_int, prepend=True, with_kwargs=True)
             stage_module(module).feed = self.feed
             # Static shapes: no metadata exchange with real data, and the same shapes every step.
             first, last = s == 0, s == num_stages - 1
-            inputs = torch.empty(1, budget, dtype=torch.int64, device="meta") if first else hidden
+            inputs = torch.empty(1, budget // cp, dtype=torch.int64, device="meta") if first else hidden
             outputs = torch.empty(1, 2, budget, dtype=torch.float32, device="meta") if last else hidden
             self.stages.append(
                 PipelineStage(
@@ -173,8 +178,9 @@ class Pipeline:
 
     def _run(self, mbs: list[PipeMicroBatch | None], train: bool, losses: list | None) -> torch.Tensor | None:
         n = self.num_micro_batches(len(mbs))
-        padded = [pad_to_budget(mb, self.budget, self.device) for mb in mbs]
-        self.feed.micro_batches = padded + [pad_to_budget(None, self.budget, self.device)] * (n - len(mbs))
+        padded = [pad_to_budget(mb, self.budget, self.device, self.cp_group) for mb in mbs]
+        filler = pad_to_budget(None, self.budget, self.device, self.cp_group)
+        self.feed.micro_batches = padded + [filler] * (n - len(mbs))
         schedule = self._get_schedule(n, train)
         index_M = torch.arange(n)
         args = (torch.cat([p.input_ids_1P for p in self.feed.micro_batches]),) if self.has_first else ()
@@ -347,6 +353,7 @@ def apply_pp(
     parallelize_stage: Callable[[PipelineStageModule], nn.Module] | None = None,
     tp: int = 1,
     ep_group: dist.ProcessGroup | None = None,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> tuple[list[nn.Module], Pipeline]:
     """Cut the native CausalLM `model` into this pp rank's stage modules, parallelise each with
     `parallelize_stage` (TP, AC, FSDP...; default: moved to `device`) and return them with the runner.
@@ -355,10 +362,11 @@ def apply_pp(
     dtype of the activations sent between stages. The modules `model` held outside this rank's
     stages are no longer referenced by what is returned. `tp`: the tensor-parallel degree
     `parallelize_stage` applies (stages then exchange token shards of budget / tp tokens);
-    `ep_group`: the EP ranks of this stage when `parallelize_stage` splits the experts (`ep.apply_ep`).
+    `ep_group`: the EP ranks of this stage when `parallelize_stage` splits the experts (`ep.apply_ep`);
+    `cp_group`: the CP ranks of this stage (each runs budget / cp tokens of every micro-batch).
     """
     check_pp(model.args, pp_mesh.size(), schedule, virtual_stages)
-    check_budget(budget, tp)
+    check_budget(budget, tp * (dist.get_world_size(cp_group) if cp_group is not None else 1))
     num_stages = pp_mesh.size() * virtual_stages
     ranges = split_layers(
         model.args.num_layers,
@@ -390,5 +398,6 @@ def apply_pp(
         dtype=dtype,
         tp=tp,
         ep_group=ep_group,
+        cp_group=cp_group,
     )
     return modules, pipe

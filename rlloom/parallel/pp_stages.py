@@ -20,12 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from rlloom.models.args import ModelArgs
 from rlloom.models.attention_ops import AttnLayout, TreePlan
 from rlloom.models.logprobs import token_logprobs
+from rlloom.parallel.cp import CPShard, check_cp_layout, fixed_shares
 from rlloom.parallel.vocab_parallel import vocab_parallel_token_logprobs
 
 SCHEDULE_NAMES = ("1f1b", "interleaved", "zero_bubble")
@@ -156,10 +158,22 @@ class PaddedMicroBatch:
     targets_K: torch.Tensor
     routes_PLK: torch.Tensor | None
     real: bool
+    cp: CPShard | None = None
+    """Context parallelism: this rank's share of the padded stream (budget / cp tokens); the ids,
+    positions and routes above are then this rank's rows, the attention is the shard's, and
+    positions_K/targets_K stay the whole micro-batch's."""
+    mine_K: torch.Tensor | None = None
+    """Under CP: [K] bool, the selected positions this rank holds."""
+    local_K: torch.Tensor | None = None
+    """Under CP: [K] where in this rank's tokens each selected position is (meaningful where mine_K)."""
 
 
-def pad_to_budget(mb: PipeMicroBatch | None, budget: int, device: torch.device) -> PaddedMicroBatch:
-    """`mb` padded with a segment of its own up to `budget` tokens; None gives an all-padding filler."""
+def pad_to_budget(
+    mb: PipeMicroBatch | None, budget: int, device: torch.device, cp_group: dist.ProcessGroup | None = None
+) -> PaddedMicroBatch:
+    """`mb` padded with a segment of its own up to `budget` tokens; None gives an all-padding filler.
+    With `cp_group` (context parallelism) the padded stream is cut into equal shares
+    (`cp.fixed_shares`) and this rank keeps its own."""
     if mb is None:
         empty = torch.zeros(0, dtype=torch.int64)
         mb = PipeMicroBatch(empty, empty, torch.zeros(1, dtype=torch.int32), 0, empty, empty)
@@ -189,14 +203,32 @@ def pad_to_budget(mb: PipeMicroBatch | None, budget: int, device: torch.device) 
             layout = AttnLayout(
                 kind="tree", cu_seqlens=layout.cu_seqlens, max_seqlen=layout.max_seqlen, tree=tree
             )
+    if cp_group is None:
+        return PaddedMicroBatch(
+            ids.view(1, budget).to(device),
+            pos.to(device),
+            layout,
+            mb.positions_K.to(device),
+            mb.targets_K.to(device),
+            None if routes is None else routes.to(device),
+            real=n > 0,
+        )
+    check_cp_layout(dist.get_world_size(cp_group), prefix is not None)
+    lens = (cu[1:] - cu[:-1]).tolist()
+    shares = fixed_shares(lens, dist.get_world_size(cp_group), padded=pad > 0)
+    shard = CPShard(cu, group=cp_group, device=device, shares=shares)
+    mine_K, local_K = shard.localize(mb.positions_K.cpu())
     return PaddedMicroBatch(
-        ids.view(1, budget).to(device),
-        pos.to(device),
-        layout,
+        shard.take(ids).view(1, -1).to(device),
+        shard.take(pos).to(device),
+        AttnLayout(kind="backend", backend=shard),
         mb.positions_K.to(device),
         mb.targets_K.to(device),
-        None if routes is None else routes.to(device),
+        None if routes is None else shard.take(routes).to(device),
         real=n > 0,
+        cp=shard,
+        mine_K=mine_K.to(device),
+        local_K=local_K.to(device),
     )
 
 
@@ -243,6 +275,9 @@ class PipelineStageModule(nn.Module):
 
     def _head(self, hidden_PD: torch.Tensor, batch: PaddedMicroBatch) -> torch.Tensor:
         positions_K, targets_K = batch.positions_K, batch.targets_K
+        total = positions_K.numel()
+        if batch.cp is not None:  # this rank's selected positions, in its own tokens
+            positions_K, targets_K = batch.local_K[batch.mine_K], targets_K[batch.mine_K]
         num_selected = positions_K.numel()
         if num_selected == 0:  # one position, kept connected to every parameter with weight 0
             positions_K, targets_K = positions_K.new_zeros(1), targets_K.new_zeros(1)
@@ -265,9 +300,19 @@ class PipelineStageModule(nn.Module):
             )
         if entropy_K is None:
             entropy_K = torch.zeros_like(logp_K)
-        out_12P = hidden_PD.new_zeros(1, 2, hidden_PD.shape[0], dtype=torch.float32)
-        out_12P[0, :, : logp_K.numel()] = torch.stack([logp_K, entropy_K]) * (1.0 if num_selected else 0.0)
+        values_2K = torch.stack([logp_K, entropy_K]) * (1.0 if num_selected else 0.0)
+        if batch.cp is not None:  # every cp rank gets the whole micro-batch's (backward: its own)
+            keep = values_2K.sum() * 0.0  # connected to every parameter even with nothing selected here
+            mine_K = batch.mine_K
+            values_2K = batch.cp.gather_selected(values_2K[:, :num_selected].T, mine_K).T + keep
+        out_12P = hidden_PD.new_zeros(1, 2, self.budget_of(hidden_PD, batch), dtype=torch.float32)
+        out_12P[0, :, :total] = values_2K
         return out_12P
+
+    @staticmethod
+    def budget_of(hidden_PD: torch.Tensor, batch: PaddedMicroBatch) -> int:
+        """Tokens of the whole padded micro-batch (under CP this rank holds budget / cp of them)."""
+        return hidden_PD.shape[0] if batch.cp is None else batch.cp.num_tokens
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -294,11 +339,11 @@ def check_pp(args: ModelArgs, pp: int, schedule: str, virtual_stages: int) -> No
         )
 
 
-def check_budget(budget: int, tp: int) -> None:
-    """ValueError unless the micro-batch token budget splits into tp equal token shards."""
-    if budget < 1 or budget % tp:
+def check_budget(budget: int, shares: int) -> None:
+    """ValueError unless the micro-batch token budget splits into `shares` (cp x tp) equal token shares."""
+    if budget < 1 or budget % shares:
         raise ValueError(
-            f"train.max_tokens_per_micro_batch={budget} is invalid with parallel.pp > 1 and parallel.tp={tp}: "
-            f"every micro-batch is padded to this budget and split into tp equal token shards, so it must be "
-            f"a positive multiple of {tp}. Fix: set it to {max(tp, -(-budget // tp) * tp)}."
+            f"train.max_tokens_per_micro_batch={budget} is invalid with parallel.pp > 1: every micro-batch is "
+            f"padded to this budget and split into parallel.cp x parallel.tp = {shares} equal token shares, so it "
+            f"must be a positive multiple of {shares}. Fix: set it to {max(shares, -(-budget // shares) * shares)}."
         )

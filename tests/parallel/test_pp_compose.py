@@ -6,7 +6,8 @@ weights `named_weights` gives (full tensors on every rank). A checkpoint saved a
 resumes in one process (pp=1, tp=1) and continues as the uninterrupted run. In the same process
 group, pp=2 x ep=2 (the 4 ranks: 2 stages x 2 data-parallel ranks that split the experts) on a tiny
 Mixtral (every layer MoE, so both stages exchange tokens between their EP ranks) equals one process
-the same way."""
+the same way, and so does pp=2 x cp=2 (each micro-batch cut into two equal shares of the padded
+budget, `cp.fixed_shares`; the last stage gathers the selected logprobs over the cp ranks)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from rlloom.config import load_config  # noqa: E402
 from rlloom.config.components import ConfigError, ParallelConfig  # noqa: E402
 from rlloom.engines.train.native import NativeTrainEngine  # noqa: E402
 from rlloom.parallel import ParallelDims  # noqa: E402
+from rlloom.parallel.cp import balance_chunks, fixed_shares  # noqa: E402
 
 WEIGHT_TOL = dict(atol=1e-3, rtol=0)
 """After two Adam steps at lr 3e-2: TP sums in another order, and Adam's division by sqrt(v) turns
@@ -63,7 +65,7 @@ def engine_for(family: str, **degrees: int) -> NativeTrainEngine:
     if not degrees:
         return NativeTrainEngine(cfg(), model)
     return NativeTrainEngine(
-        cfg(),
+        cfg(share_prompts=degrees.get("cp", 1) == 1),  # CP splits plain packed documents only
         model,
         parallel_dims=ParallelDims(world_size=4, **degrees),
         pipeline=ParallelConfig(**degrees),
@@ -79,10 +81,13 @@ def worker(rank: int, expected: dict, tmp: str) -> None:
     engine = engine_for("mixtral", pp=2, ep=2)  # every layer MoE: experts split on both stages
     assert (engine.dp_size, engine.layout.ep) == (2, 2)
     check(run(engine), expected["mixtral"], "pp=2 x ep=2")
+    engine = engine_for("qwen3", pp=2, cp=2)
+    assert (engine.dp_size, engine.layout.cp) == (1, 2)
+    check(run(engine), expected["qwen3"], "pp=2 x cp=2")
 
 
 @pytest.mark.slow
-def test_pp_composes_with_tp_and_ep_and_checkpoints_cross_layout(tmp_path):
+def test_pp_composes_with_tp_ep_cp_and_checkpoints_cross_layout(tmp_path):
     expected = {"mixtral": run(engine_for("mixtral"))}
     engine = engine_for("qwen3")
     expected["qwen3"] = run(engine)
@@ -100,7 +105,7 @@ def test_pp_composes_with_tp_and_ep_and_checkpoints_cross_layout(tmp_path):
 def test_pp_with_tp_needs_a_budget_that_splits_into_tp_shards():
     with pytest.raises(
         ConfigError,
-        match=r"train.max_tokens_per_micro_batch=265 is invalid: parallel.pp=2 with parallel.tp=2 .*=266",
+        match=r"train.max_tokens_per_micro_batch=265 is invalid: parallel.pp=2 .* = 1 x 2 equal .*=266",
     ):
         load_config(
             "arithmetic_smoke",
@@ -112,3 +117,24 @@ def test_pp_with_tp_needs_a_budget_that_splits_into_tp_shards():
                 "train.max_tokens_per_micro_batch=265",
             ],
         )
+
+
+def _tokens(shares: list, seq_lens: list[int]) -> list[list[int]]:
+    starts = [sum(seq_lens[:s]) for s in range(len(seq_lens))]
+    return [[starts[c.doc] + p for c in share for p in range(c.start, c.end)] for share in shares]
+
+
+def test_fixed_shares_give_every_cp_rank_the_same_token_count():
+    # Balanced: the real documents as balance_chunks cuts them, the padding (last) fills each share.
+    lens = [9, 14, 3, 14]  # 26 real tokens + 14 padding = 40 = 2 x 20
+    shares = fixed_shares(lens, 2, padded=True)
+    assert shares[:-1] and [c for c in shares[0] if c.doc < 3] == balance_chunks(lens[:-1], 2)[0]
+    tokens = _tokens(shares, lens)
+    assert [len(t) for t in tokens] == [20, 20] and sorted(tokens[0] + tokens[1]) == list(range(40))
+    # Many short documents in a full budget: a balanced share would not fit, contiguous halves instead.
+    lens = [3, 1, 3, 1, 2]  # 8 real tokens, 2 padding: balanced shares of 2 and 6 tokens, over 5
+    assert [sum(c.end - c.start for c in share) for share in balance_chunks(lens[:-1], 2)] == [2, 6]
+    shares = fixed_shares(lens, 2, padded=True)
+    assert _tokens(shares, lens) == [list(range(5)), list(range(5, 10))]
+    with pytest.raises(ValueError, match=r"33 tokens does not split into parallel.cp=2 .*multiple of 2"):
+        fixed_shares([30, 3], 2, padded=True)
