@@ -23,6 +23,8 @@ ring-flash-attn's llama3 functions) with Megatron-LM's load balancing by chunk p
      mask). MLA's narrower V is zero-padded to the q/k width. The runs are tested on CPU against a
      stand-in of the kernel; the kernel itself needs a GPU run.
 4. `gather_selected`: the logprobs of the whole micro-batch on every cp rank, differentiable.
+5. Under pipeline parallelism the shares must have one fixed size: `fixed_shares` cuts the padded
+   micro-batch into cp shares of exactly budget / cp tokens (`pp_stages.pad_to_budget`).
 
 Padding: the ranks' token counts differ by a few (at most 2 per document). The model runs on each
 rank's own tokens only; the K/V all-gather pads the shorter blocks with zero rows (collectives need

@@ -17,9 +17,12 @@ Without `dims` (one process, no process group, fp32) only steps 3 and 4 apply.
 
 Pipeline parallelism (`parallelize_pp`, pp > 1) comes before all of these: the model is cut into
 this rank's stage modules first (`pp.apply_pp`), then each stage module is a model of its own to
-steps 1 and 3-5 (the TP plans skip the parts a stage lacks: the embedding lives on the first stage,
-the final norm and head on the last; FSDP2 takes the stage module as its root and never reshards
-after forward: each micro-batch would gather the layers again). PP with EP or CP is refused for now.
+steps 1-5 (the TP plans skip the parts a stage lacks: the embedding lives on the first stage,
+the final norm and head on the last; EP splits the experts of the stage's MoE layers over the
+stage's EP ranks; FSDP2 takes the stage module as its root and never reshards after forward: each
+micro-batch would gather the layers again). CP cuts each padded micro-batch into equal shares
+(`pp_stages.pad_to_budget`). PP composes with FSDP and one of TP, EP, CP at a time; two of them
+together with PP are refused (`check_pp_composes`): untested, they need 8 processes.
 """
 
 from __future__ import annotations
@@ -100,9 +103,9 @@ def parallelize_pp(
     compile_layers: bool = False,
     chunk_tokens: int = 1024,
 ) -> tuple[list[nn.Module], Pipeline]:
-    """Cut `model` into this pp rank's stage modules (PP first), then TP/SP (tp > 1), AC, compile
-    and FSDP2 over dp_shard on each; returns the FSDP-wrapped stage modules and the `Pipeline` that
-    runs them. Under TP the stages exchange each TP rank's token shard (`pp.py`)."""
+    """Cut `model` into this pp rank's stage modules (PP first), then TP/SP (tp > 1), EP (ep > 1),
+    AC, compile and FSDP2 over dp_shard x cp on each; returns the FSDP-wrapped stage modules and the
+    `Pipeline` that runs them. Under TP (CP) the stages exchange each TP (CP) rank's token share (`pp.py`)."""
     dims.check_model(model.args)
     check_pp_composes(dims)
 

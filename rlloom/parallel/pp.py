@@ -31,10 +31,10 @@ broadcast over the pp group. Weight sync: `Pipeline.full_weights()` gives every 
 model under the CausalLM's names (for the Hugging Face adapter). Checkpoints use the whole model's
 names, so a pp=2 -> pp=1 resume needs no renaming (a tied embedding is held twice and written once).
 Not built: MoE balance terms (per-stage aux loss and bias updates; the engine refuses them), the
-engine's `moe/route_mismatch_frac` metric under PP (not reported), and PP with EP/CP (refused at
-start-up).
+engine's `moe/route_mismatch_frac` and `moe/load_*` metrics under PP (not reported), and PP with
+two of TP, EP, CP at once (refused at start-up; untested, it needs 8 processes).
 
-TP/AC/compile go inside `parallelize_stage` (each stage module is a model of its own to them).
+TP/EP/AC/compile go inside `parallelize_stage` (each stage module is a model of its own to them).
 PP x TP (with sequence parallelism): between blocks the residual stream is sharded over tokens, so
 each TP rank sends its own token shard, a plain [1, budget / tp, D] tensor, to the same TP rank of
 the next stage (the pp group joins ranks of one TP coordinate), as torchtitan does. Gathering the
@@ -42,8 +42,14 @@ shards before each send instead would move tp times the bytes and add an all-gat
 re-slice per boundary for nothing: the next stage's first norm wants the shard again. So the
 budget must be a multiple of tp (`check_budget`); the last stage gathers the final-normed shards
 and runs the vocabulary-parallel head (`vocab_parallel.py`), every TP rank getting the same
-[1, 2, budget] output and loss. FSDP must not reshard after forward under PP (each micro-batch
-would gather the layers again).
+[1, 2, budget] output and loss.
+PP x EP: each stage's EP ranks (data-parallel ranks of that stage) run the same schedule, so their
+all-to-alls pair up micro-batch by micro-batch; `clip_grad_norm_` sums the expert squares over EP.
+PP x CP: every padded micro-batch is cut into cp equal shares (`cp.fixed_shares`: the documents
+balanced by attention cost, the padding filling each share), so a stage sends [1, budget / cp, D];
+the last stage gathers the selected logprobs over its cp ranks (`CPShard.gather_selected`), every
+cp rank computing the same loss, its backward covering its own tokens.
+FSDP must not reshard after forward under PP (each micro-batch would gather the layers again).
 Tied embeddings: the last stage holds the embedding as its head and `Pipeline.clip_grad_norm_`
 sums the two gradients. Shared-prompt micro-batches and MoE routes (compared, or replayed) pass
 through as in `CausalLM.hidden_states`.

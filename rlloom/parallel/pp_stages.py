@@ -10,7 +10,8 @@ CausalLM, and micro-batches padded to one token budget (the runner is `pp.py`).
   the last the final norm and the logprob head) under the whole model's parameter names
   (`model.layers.7...`, as the engine's PolicyHead), so checkpoints and optimizers see one model.
 - `pad_to_budget`: pipelining fixes activation shapes when it first runs, so every micro-batch is
-  the packed stream plus one padding segment (attending only to itself) up to the budget.
+  the packed stream plus one padding segment (attending only to itself) up to the budget; under
+  context parallelism each cp rank keeps an equal share of it (budget / cp tokens, `cp.fixed_shares`).
 
 Shape legend: N tokens of a micro-batch, P the token budget, K selected positions, D hidden size.
 """
@@ -163,9 +164,11 @@ class PaddedMicroBatch:
     positions and routes above are then this rank's rows, the attention is the shard's, and
     positions_K/targets_K stay the whole micro-batch's."""
     mine_K: torch.Tensor | None = None
-    """Under CP: [K] bool, the selected positions this rank holds."""
-    local_K: torch.Tensor | None = None
-    """Under CP: [K] where in this rank's tokens each selected position is (meaningful where mine_K)."""
+    """Under CP: [K] bool, the selected positions this rank holds (k of them)."""
+    local_k: torch.Tensor | None = None
+    """Under CP: [k] those positions in this rank's tokens (selected on the host: no device sync)."""
+    local_targets_k: torch.Tensor | None = None
+    """Under CP: [k] their target tokens."""
 
 
 def pad_to_budget(
@@ -218,6 +221,7 @@ def pad_to_budget(
     shares = fixed_shares(lens, dist.get_world_size(cp_group), padded=pad > 0)
     shard = CPShard(cu, group=cp_group, device=device, shares=shares)
     mine_K, local_K = shard.localize(mb.positions_K.cpu())
+    targets_K = mb.targets_K.cpu()
     return PaddedMicroBatch(
         shard.take(ids).view(1, -1).to(device),
         shard.take(pos).to(device),
@@ -228,7 +232,8 @@ def pad_to_budget(
         real=n > 0,
         cp=shard,
         mine_K=mine_K.to(device),
-        local_K=local_K.to(device),
+        local_k=local_K[mine_K].to(device),
+        local_targets_k=targets_K[mine_K].to(device),
     )
 
 
@@ -277,7 +282,7 @@ class PipelineStageModule(nn.Module):
         positions_K, targets_K = batch.positions_K, batch.targets_K
         total = positions_K.numel()
         if batch.cp is not None:  # this rank's selected positions, in its own tokens
-            positions_K, targets_K = batch.local_K[batch.mine_K], targets_K[batch.mine_K]
+            positions_K, targets_K = batch.local_k, batch.local_targets_k
         num_selected = positions_K.numel()
         if num_selected == 0:  # one position, kept connected to every parameter with weight 0
             positions_K, targets_K = positions_K.new_zeros(1), targets_K.new_zeros(1)
@@ -303,8 +308,7 @@ class PipelineStageModule(nn.Module):
         values_2K = torch.stack([logp_K, entropy_K]) * (1.0 if num_selected else 0.0)
         if batch.cp is not None:  # every cp rank gets the whole micro-batch's (backward: its own)
             keep = values_2K.sum() * 0.0  # connected to every parameter even with nothing selected here
-            mine_K = batch.mine_K
-            values_2K = batch.cp.gather_selected(values_2K[:, :num_selected].T, mine_K).T + keep
+            values_2K = batch.cp.gather_selected(values_2K[:, :num_selected].T, batch.mine_K).T + keep
         out_12P = hidden_PD.new_zeros(1, 2, self.budget_of(hidden_PD, batch), dtype=torch.float32)
         out_12P[0, :, :total] = values_2K
         return out_12P
