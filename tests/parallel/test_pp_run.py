@@ -3,7 +3,8 @@
 split (1 + 3 layers; even splits and every schedule run in test_pp.py) and the interleaved schedule
 with 2 virtual stages per rank, on a 4-layer tiny Qwen3 with tied embeddings (the last stage holds
 the embedding as its head); and pp=2 x tp=2 on 4 workers (the stages tensor-parallel, the last
-one's head vocabulary-parallel). The learning rate (3e-2) is large enough that a wrong gradient changes
+one's head vocabulary-parallel). Each layout's final Hugging Face export (full tensors gathered
+from every stage and TP shard) holds the one-process run's weights. The learning rate (3e-2) is large enough that a wrong gradient changes
 the samples; the KL term runs the frozen reference through the same pipeline. The layouts share one
 Ray start."""
 
@@ -13,6 +14,8 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 ray = pytest.importorskip("ray", reason="needs the ray extra: pip install 'rlloom[ray]'")
 
@@ -36,6 +39,12 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def four_layer_checkpoint(tmp_path_factory) -> Path:
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny4") / "ckpt", layers=4)
+
+
+def hf_export(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The tensors of the run's last Hugging Face export (written by every rank from `named_weights`)."""
+    (folder,) = sorted((run_dir / "hf").iterdir())[-1:]
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def train(ckpt: Path, run_dir: Path, *extra: str) -> list[dict]:
@@ -65,6 +74,7 @@ def train(ckpt: Path, run_dir: Path, *extra: str) -> list[dict]:
 @pytest.mark.slow
 def test_pipeline_parallel_ray_runs_match_one_process(four_layer_checkpoint, tmp_path):
     expected = train(four_layer_checkpoint, tmp_path / "one")
+    expected_hf = hf_export(tmp_path / "one")
     assert [r["step"] for r in expected] == [1, 2]
     # The policy moves: step 2's samples come from the weights step 1 trained.
     assert expected[0]["train/grad_norm"] > 0 and expected[0]["reward/mean"] != expected[1]["reward/mean"]
@@ -77,5 +87,13 @@ def test_pipeline_parallel_ray_runs_match_one_process(four_layer_checkpoint, tmp
                 assert want.keys() == row.keys(), name
                 for k in want:
                     assert row[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), (name, row["step"], k)
+            # The final export holds full tensors (every stage's, TP shards gathered): the one-process
+            # weights within what two Adam steps at lr 3e-2 turn rounding into (a wrong one moves ~lr).
+            exported = hf_export(tmp_path / name)
+            assert exported.keys() == expected_hf.keys(), name
+            for k, t in expected_hf.items():
+                torch.testing.assert_close(
+                    exported[k], t, atol=1e-3, rtol=0, msg=lambda m, k=k, n=name: f"{n} {k}: {m}"
+                )
     finally:
         ray.shutdown()
