@@ -24,7 +24,7 @@ ring-flash-attn's llama3 functions) with Megatron-LM's load balancing by chunk p
      stand-in of the kernel; the kernel itself needs a GPU run.
 4. `gather_selected`: the logprobs of the whole micro-batch on every cp rank, differentiable.
 5. Under pipeline parallelism the shares must have one fixed size: `fixed_shares` cuts the padded
-   micro-batch into cp shares of exactly budget / cp tokens (`pp_stages.pad_to_budget`).
+   micro-batch into cp shares of exactly budget / cp tokens (`pp_batches.pad_to_budget`).
 
 Padding: the ranks' token counts differ by a few (at most 2 per document). The model runs on each
 rank's own tokens only; the K/V all-gather pads the shorter blocks with zero rows (collectives need
@@ -114,7 +114,7 @@ def balance_chunks(seq_lens: Sequence[int], cp: int) -> list[list[Chunk]]:
 
 def fixed_shares(seq_lens: Sequence[int], cp: int, *, padded: bool) -> list[list[Chunk]]:
     """Per cp rank, chunks of exactly sum(seq_lens) / cp tokens (pipeline parallelism: the shapes a
-    stage sends never change). `padded`: the last document is the padding `pp_stages.pad_to_budget`
+    stage sends never change). `padded`: the last document is the padding `pp_batches.pad_to_budget`
     appends. The real documents are balanced as `balance_chunks` does and the padding fills each
     rank up to its share, in rank order; should a balanced share not fit (many short documents in a
     full budget), the stream is cut into cp contiguous pieces instead (exact, not cost-balanced)."""

@@ -21,7 +21,7 @@ steps 1-5 (the TP plans skip the parts a stage lacks: the embedding lives on the
 the final norm and head on the last; EP splits the experts of the stage's MoE layers over the
 stage's EP ranks; FSDP2 takes the stage module as its root and never reshards after forward: each
 micro-batch would gather the layers again). CP cuts each padded micro-batch into equal shares
-(`pp_stages.pad_to_budget`). PP composes with FSDP and one of TP, EP, CP at a time; two of them
+(`pp_batches.pad_to_budget`). PP composes with FSDP and one of TP, EP, CP at a time; two of them
 together with PP are refused (`check_pp_composes`): untested, they need 8 processes.
 """
 

@@ -77,15 +77,12 @@ from torch.distributed.tensor import DTensor
 
 from rlloom.models.moe import GroupedExperts
 from rlloom.parallel.grad_norm import grad_norm
+from rlloom.parallel.pp_batches import PipeMicroBatch, StageFeed, check_budget, pad_to_budget
 from rlloom.parallel.pp_stages import (
     SCHEDULE_NAMES,
     PipelineStageModule,
-    PipeMicroBatch,
-    StageFeed,
     StageModel,
-    check_budget,
     check_pp,
-    pad_to_budget,
     rank_stages,
     split_layers,
 )

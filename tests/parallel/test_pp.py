@@ -24,7 +24,8 @@ from rlloom.models.logprobs import token_logprobs
 from rlloom.models.model import CausalLM
 from rlloom.parallel import ParallelDims, apply_ac, apply_fsdp, grad_norm
 from rlloom.parallel.pp import apply_pp, model_name
-from rlloom.parallel.pp_stages import PipeMicroBatch, check_pp, pad_to_budget, rank_stages, split_layers
+from rlloom.parallel.pp_batches import PipeMicroBatch, pad_to_budget
+from rlloom.parallel.pp_stages import check_pp, rank_stages, split_layers
 
 BUDGET = 32
 NUM_LAYERS = 6

@@ -23,7 +23,7 @@ from torch import nn
 
 from rlloom.data.types import RolloutBatch
 from rlloom.parallel.pp import Pipeline, stage_module
-from rlloom.parallel.pp_stages import PipeMicroBatch
+from rlloom.parallel.pp_batches import PipeMicroBatch
 
 PARTS = ("tok_embeddings", "layers", "norm", "output")
 
