@@ -541,7 +541,7 @@ class ParallelConfig:
     """Tensor-parallel degree: attention heads, MLP width and the vocabulary split over tp ranks.
     Data parallelism is what the degrees leave: cluster.num_workers = pp x dp x cp x tp."""
     pp: int = 1
-    """Pipeline-parallel degree (decoder layers split into pp stages)."""
+    """Pipeline-parallel degree (decoder layers split into pp stages); composes with tp, ep and cp."""
     cp: int = 1
     """Context-parallel degree: each packed micro-batch split over cp ranks, every document cut into
     2 x cp chunks balanced by attention cost (rlloom.parallel.cp). Needs train.share_prompts=false."""
@@ -577,15 +577,6 @@ class ParallelConfig:
             self.sequence_parallel,
             f"tensor parallelism (parallel.tp={self.tp}) always runs with sequence parallelism here",
             "set parallel.sequence_parallel=true",
-        )
-        others = {k: v for k, v in (("tp", self.tp), ("ep", self.ep), ("cp", self.cp)) if v > 1}
-        _check(
-            self.pp == 1 or len(others) <= 1,
-            "parallel.pp",
-            self.pp,
-            "pipeline parallelism composes with data parallelism (FSDP) and ONE of tp, ep, cp in this "
-            f"version, not with {' and '.join(f'parallel.{k}={v}' for k, v in others.items())}",
-            "set parallel.pp=1 or keep only one of them > 1",
         )
         _check(
             self.pp_schedule != "1f1b" or self.pp_virtual_stages == 1,

@@ -21,8 +21,7 @@ steps 1-5 (the TP plans skip the parts a stage lacks: the embedding lives on the
 the final norm and head on the last; EP splits the experts of the stage's MoE layers over the
 stage's EP ranks; FSDP2 takes the stage module as its root and never reshards after forward: each
 micro-batch would gather the layers again). CP cuts each padded micro-batch into equal shares
-(`pp_batches.pad_to_budget`). PP composes with FSDP and one of TP, EP, CP at a time; two of them
-together with PP are refused (`check_pp_composes`): untested, they need 8 processes.
+(`pp_batches.pad_to_budget`). PP composes with FSDP, TP, EP and CP, alone or together.
 """
 
 from __future__ import annotations
@@ -107,7 +106,6 @@ def parallelize_pp(
     AC, compile and FSDP2 over dp_shard x cp on each; returns the FSDP-wrapped stage modules and the
     `Pipeline` that runs them. Under TP (CP) the stages exchange each TP (CP) rank's token share (`pp.py`)."""
     dims.check_model(model.args)
-    check_pp_composes(dims)
 
     def parallelize_stage(stage: nn.Module) -> nn.Module:
         if dims.tp > 1:
@@ -143,14 +141,3 @@ def parallelize_pp(
         ep_group=dims.ep_mesh().get_group() if dims.ep > 1 else None,
         cp_group=dims.cp_mesh().get_group() if dims.cp > 1 else None,
     )
-
-
-def check_pp_composes(dims: ParallelDims) -> None:
-    """ValueError naming the degrees pipeline parallelism does not compose with here."""
-    others = {k: v for k, v in (("tp", dims.tp), ("ep", dims.ep), ("cp", dims.cp)) if v > 1}
-    if dims.pp > 1 and len(others) > 1:
-        raise ValueError(
-            f"parallel.pp={dims.pp} with {' and '.join(f'parallel.{k}={v}' for k, v in others.items())} is not "
-            "supported yet (pipeline parallelism composes with FSDP and one of tp, ep, cp at a time here). "
-            "Fix: keep one of them > 1 with parallel.pp > 1, or set parallel.pp=1."
-        )

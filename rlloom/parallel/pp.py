@@ -30,9 +30,8 @@ through `rlloom.parallel.parallelize.parallelize_pp` and `rlloom.engines.train.n
 broadcast over the pp group. Weight sync: `Pipeline.full_weights()` gives every rank the whole
 model under the CausalLM's names (for the Hugging Face adapter). Checkpoints use the whole model's
 names, so a pp=2 -> pp=1 resume needs no renaming (a tied embedding is held twice and written once).
-Not built: MoE balance terms (per-stage aux loss and bias updates; the engine refuses them), the
-engine's `moe/route_mismatch_frac` and `moe/load_*` metrics under PP (not reported), and PP with
-two of TP, EP, CP at once (refused at start-up; untested, it needs 8 processes).
+Not built: MoE balance terms (per-stage aux loss and bias updates; the engine refuses them) and the
+engine's `moe/route_mismatch_frac` and `moe/load_*` metrics under PP (not reported).
 
 TP/EP/AC/compile go inside `parallelize_stage` (each stage module is a model of its own to them).
 PP x TP (with sequence parallelism): between blocks the residual stream is sharded over tokens, so
@@ -49,6 +48,8 @@ PP x CP: every padded micro-batch is cut into cp equal shares (`cp.fixed_shares`
 balanced by attention cost, the padding filling each share), so a stage sends [1, budget / cp, D];
 the last stage gathers the selected logprobs over its cp ranks (`CPShard.gather_selected`), every
 cp rank computing the same loss, its backward covering its own tokens.
+These compose: with TP and CP together a stage sends [1, budget / (cp x tp), D] (each CP share
+split over the TP ranks), and EP borrows its ranks from the stage's dp x cp x tp.
 FSDP must not reshard after forward under PP (each micro-batch would gather the layers again).
 Tied embeddings: the last stage holds the embedding as its head and `Pipeline.clip_grad_norm_`
 sums the two gradients. Shared-prompt micro-batches and MoE routes (compared, or replayed) pass

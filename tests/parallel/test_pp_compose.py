@@ -7,7 +7,9 @@ resumes in one process (pp=1, tp=1) and continues as the uninterrupted run. In t
 group, pp=2 x ep=2 (the 4 ranks: 2 stages x 2 data-parallel ranks that split the experts) on a tiny
 Mixtral (every layer MoE, so both stages exchange tokens between their EP ranks) equals one process
 the same way, and so does pp=2 x cp=2 (each micro-batch cut into two equal shares of the padded
-budget, `cp.fixed_shares`; the last stage gathers the selected logprobs over the cp ranks)."""
+budget, `cp.fixed_shares`; the last stage gathers the selected logprobs over the cp ranks). On 8
+processes, pp=2 x cp=2 x tp=2 with ep=2 over the cp x tp ranks of a stage (Mixtral: stages send
+[1, budget / (cp x tp), D], each TP rank routes its token shard) equals one process too."""
 
 from __future__ import annotations
 
@@ -60,14 +62,14 @@ def check(got: dict, expected: dict, what: str) -> None:
     compare_weights(got["weights"], expected["weights"], what)
 
 
-def engine_for(family: str, **degrees: int) -> NativeTrainEngine:
+def engine_for(family: str, world: int = 4, **degrees: int) -> NativeTrainEngine:
     model = tiny_model(family)
     if not degrees:
         return NativeTrainEngine(cfg(), model)
     return NativeTrainEngine(
         cfg(share_prompts=degrees.get("cp", 1) == 1),  # CP splits plain packed documents only
         model,
-        parallel_dims=ParallelDims(world_size=4, **degrees),
+        parallel_dims=ParallelDims(world_size=world, **degrees),
         pipeline=ParallelConfig(**degrees),
     )
 
@@ -86,6 +88,13 @@ def worker(rank: int, expected: dict, tmp: str) -> None:
     check(run(engine), expected["qwen3"], "pp=2 x cp=2")
 
 
+def worker_8(rank: int, expected: dict) -> None:
+    torch.manual_seed(0)
+    engine = engine_for("mixtral", world=8, pp=2, tp=2, cp=2, ep=2)
+    assert (engine.dp_size, engine.layout.ep, engine.layout.tokens_split_over_tp) == (1, 2, True)
+    check(run(engine), expected["mixtral"], "pp=2 x cp=2 x tp=2, ep=2")
+
+
 @pytest.mark.slow
 def test_pp_composes_with_tp_ep_cp_and_checkpoints_cross_layout(tmp_path):
     expected = {"mixtral": run(engine_for("mixtral"))}
@@ -94,6 +103,8 @@ def test_pp_composes_with_tp_ep_cp_and_checkpoints_cross_layout(tmp_path):
     step(engine, 2)
     step3 = full_weights(engine)
     run_gloo(worker, 4, expected, str(tmp_path))
+    # Everything at once (8 processes: more than the 4 of the other tests, about 10 s on 2 cores).
+    run_gloo(worker_8, 8, expected)
     # pp=2 x tp=2 -> one process: step 3 after the resume gives the uninterrupted run's weights.
     single = engine_for("qwen3")
     single.load(str(tmp_path / "pp2tp2"))
