@@ -272,11 +272,12 @@ class Pipeline:
 
     @torch.no_grad()
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name in the whole CausalLM, full tensor) of every parameter, in the model's order, on every
-        pp rank (weight sync): each stage's rank gathers its shards and broadcasts them over the pp
-        group. A tied embedding comes once. Collective: every rank must consume the generator."""
+        """(name in the whole CausalLM, full tensor) of every tensor of its state dict (parameters and
+        persistent buffers such as DeepSeek-V3's expert bias), in the model's order, on every pp rank
+        (weight sync, Hugging Face export): each stage's rank gathers its shards and broadcasts them
+        over the pp group. A tied embedding comes once. Collective: every rank must consume the generator."""
         mine = {
-            s: [(model_name(n), p) for n, p in m.named_parameters()]
+            s: [(model_name(n), p) for n, p in m.state_dict().items()]
             for s, m in zip(self.stage_ids, self.modules)
         }
         shapes = [(s, [(n, tuple(p.shape), p.dtype) for n, p in params]) for s, params in mine.items()]
