@@ -125,7 +125,7 @@ def parallelize_pp(
             expert_mesh=dims.efsdp_mesh() if dims.ep > 1 else None,
         )
 
-    return apply_pp(
+    stages, pipe = apply_pp(
         model,
         dims.pp_mesh(),
         schedule=schedule,
@@ -141,3 +141,5 @@ def parallelize_pp(
         ep_group=dims.ep_mesh().get_group() if dims.ep > 1 else None,
         cp_group=dims.cp_mesh().get_group() if dims.cp > 1 else None,
     )
+    pipe.feed.tp_rank = dims.tp_mesh().get_local_rank()  # the token shard its MoE layers route
+    return stages, pipe

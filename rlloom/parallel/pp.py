@@ -30,8 +30,10 @@ through `rlloom.parallel.parallelize.parallelize_pp` and `rlloom.engines.train.n
 broadcast over the pp group. Weight sync: `Pipeline.full_weights()` gives every rank the whole
 model under the CausalLM's names (for the Hugging Face adapter). Checkpoints use the whole model's
 names, so a pp=2 -> pp=1 resume needs no renaming (a tied embedding is held twice and written once).
-Not built: MoE balance terms (per-stage aux loss and bias updates; the engine refuses them) and the
-engine's `moe/route_mismatch_frac` and `moe/load_*` metrics under PP (not reported).
+MoE under PP: with `StageFeed.moe_loads` set, each stage adds its MoE layers' expert loads of the
+real tokens (the padding's subtracted) per forward; the engine turns them into its load metrics and
+DeepSeek-V3's bias update. Not built: the MoE auxiliary loss (each stage would add a term to a loss
+only the last stage computes; the engine refuses it) and the `moe/route_mismatch_frac` metric.
 
 TP/EP/AC/compile go inside `parallelize_stage` (each stage module is a model of its own to them).
 PP x TP (with sequence parallelism): between blocks the residual stream is sharded over tokens, so

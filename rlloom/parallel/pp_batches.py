@@ -61,6 +61,9 @@ class PaddedMicroBatch:
     """Under CP: [k] those positions in this rank's tokens (selected on the host: no device sync)."""
     local_targets_k: torch.Tensor | None = None
     """Under CP: [k] their target tokens."""
+    padding_L: torch.Tensor | None = None
+    """[L] bool over the rows this rank runs (the budget, or its CP share): the padding's, which the
+    MoE loads must not count."""
 
 
 def pad_to_budget(
@@ -107,6 +110,7 @@ def pad_to_budget(
             mb.targets_K.to(device),
             None if routes is None else routes.to(device),
             real=n > 0,
+            padding_L=(torch.arange(budget) >= n).to(device),
         )
     check_cp_layout(dist.get_world_size(cp_group), prefix is not None)
     lens = (cu[1:] - cu[:-1]).tolist()
@@ -126,6 +130,7 @@ def pad_to_budget(
         mine_K=mine_K.to(device),
         local_k=local_K[mine_K].to(device),
         local_targets_k=targets_K[mine_K].to(device),
+        padding_L=(shard.take(torch.arange(budget)) >= n).to(device),
     )
 
 
@@ -138,6 +143,11 @@ class StageFeed:
     with_entropy: bool = False
     replay_routes: bool = False
     """MoE: use the micro-batches' routes (routing replay) instead of only comparing them."""
+    moe_loads: dict[str, torch.Tensor] | None = None
+    """When a dict: each stage adds, per MoE layer key, the [E] real tokens its forwards routed to
+    each expert (the training engine's MoE load metrics and bias update); None: not recorded."""
+    tp_rank: int = 0
+    """This rank's TP index: which token shard its MoE layers route when each TP rank routes its own."""
 
 
 def check_budget(budget: int, shares: int) -> None:

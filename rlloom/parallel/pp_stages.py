@@ -145,11 +145,28 @@ class PipelineStageModule(nn.Module):
                 h = layer(h, cos, sin, batch.layout, batch.routes_PLK[:, moe_index], self.feed.replay_routes)
             else:
                 h = layer(h, cos, sin, batch.layout)
+        if self.feed.moe_loads is not None:
+            self._record_loads(batch)
         if not self.is_last:
             # Not a view: zero-bubble schedules detach a stage's outputs in place after the input backward.
             # Under TP this is the rank's token shard [1, P/tp, D] (a plain tensor: the residual stream).
             return _local(h).unsqueeze(0).clone()
         return self._head(self.model.norm(h), batch)
+
+    def _record_loads(self, batch: PaddedMicroBatch) -> None:
+        """Add each MoE layer's expert loads of this forward, less the padding's, to the feed (no
+        host sync). Read right after the stage's forward: a recompute under activation
+        checkpointing (in backward) overwrites the layers' last counts, and counts nothing here."""
+        loads = self.feed.moe_loads
+        for key in self.model.moe_index:
+            moe = self.model.layers[key].moe  # checkpoint/compile wrappers pass attributes through
+            experts_TK, counts_E = moe.last_experts_TK, moe.last_token_counts
+            padding_T = batch.padding_L
+            if padding_T.shape[0] != experts_TK.shape[0]:  # each TP rank routed its own token shard
+                padding_T = padding_T.view(-1, experts_TK.shape[0])[self.feed.tp_rank]
+            weight_TK = padding_T[:, None].expand_as(experts_TK).to(counts_E.dtype)
+            padded_E = torch.zeros_like(counts_E).index_add_(0, experts_TK.flatten(), weight_TK.flatten())
+            loads[key] = counts_E - padded_E + loads.get(key, 0)
 
     def _head(self, hidden_PD: torch.Tensor, batch: PaddedMicroBatch) -> torch.Tensor:
         positions_K, targets_K = batch.positions_K, batch.targets_K

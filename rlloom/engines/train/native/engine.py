@@ -17,7 +17,8 @@ One call of `train_step` is one optimizer step over a global batch:
 Under pipeline parallelism (parallel.pp > 1; pipeline.py) the same plan runs through the stages
 of a `rlloom.parallel.pp.Pipeline`: every micro-batch is padded to the token budget, the loss of
 each runs on the last stage's rank, whose metrics every pp rank returns, and the grad norm is taken
-once per step over the pp ranks.
+once per step over the pp ranks. MoE loads are counted by the stages (real tokens only) and their
+metrics merged over the pp ranks; the MoE auxiliary loss is refused.
 
 Every rank receives the same global batch and computes the same plan from it, so no plan is sent.
 Ranks with fewer micro-batches run zero-weight copies of their smallest sample, so every rank issues
@@ -54,7 +55,7 @@ from rlloom.engines.train.native.lr_schedule import lr_at
 from rlloom.engines.train.native.microbatch import plan_rank, shared_prompt_units
 from rlloom.engines.train.native.moe_balance import MoEBalance
 from rlloom.engines.train.native.optimizer import EngineOptimizer
-from rlloom.engines.train.native.pipeline import PipeBatch, from_last_stage, stage_view
+from rlloom.engines.train.native.pipeline import PipeBatch, from_last_stage, merge_moe_metrics, stage_view
 from rlloom.engines.train.native.policy import PolicyHead, run_micro_batch
 from rlloom.engines.train.native.step_guard import (
     adamw_would_be_finite,
@@ -170,15 +171,14 @@ class NativeTrainEngine:
     def _build_pipeline(self, frozen: bool) -> None:
         """Cut the model into this rank's stages (`parallelize_pp`); `self.module` becomes a view of
         them under the PolicyHead's names and `self.model` its CausalLM-like part."""
-        balancing = self.cfg.moe_aux_loss_coef > 0 or self.cfg.moe_bias_update_rate > 0
-        if self.moe_balance is not None and not balancing:
-            self.moe_balance = None  # nothing to balance; the moe/load_* metrics are not reported under PP
-        if self.moe_balance is not None:
+        if self.moe_balance is not None and self.cfg.moe_aux_loss_coef > 0:
             raise ValueError(
-                f"train.moe_aux_loss_coef={self.cfg.moe_aux_loss_coef} / train.moe_bias_update_rate="
-                f"{self.cfg.moe_bias_update_rate}: MoE load balancing is not built for pipeline parallelism "
-                f"(parallel.pp={self.dims.pp}). Fix: set both to 0, or parallel.pp=1."
+                f"train.moe_aux_loss_coef={self.cfg.moe_aux_loss_coef}: the MoE auxiliary loss is not built for "
+                f"pipeline parallelism (parallel.pp={self.dims.pp}; the bias update, train.moe_bias_update_rate, "
+                "is). Fix: set train.moe_aux_loss_coef=0, or parallel.pp=1."
             )
+        self._moe_model = self.moe_balance is not None
+        """The whole model has MoE layers: every pp rank joins the load metrics' exchange."""
         par = self.pipeline_settings
         modules, self.pipe = parallelize_pp(
             self.model,
@@ -198,6 +198,10 @@ class NativeTrainEngine:
         self._stage_modules = modules
         self.module = stage_view(modules, self.model)
         self.model = self.module.model  # the layers of other stages are freed with the whole model
+        if self.moe_balance is not None:  # this rank's MoE layers (None when its stages have none)
+            self.moe_balance = MoEBalance.build(
+                self.model, aux_loss_coef=0.0, bias_update_rate=self.cfg.moe_bias_update_rate
+            )
 
     def _set_mode(self, train: bool) -> None:
         for module in self._stage_modules or [self.module]:
@@ -423,14 +427,21 @@ class NativeTrainEngine:
             )
             return loss_sum.reshape(()) / loss_normalizer
 
-        with deferred_finite_checks():
-            self.pipe.forward_backward(
-                pb.micro_batches,
-                pipe_loss,
-                temperature=temperature,
-                with_entropy=with_entropy,
-                replay_routes=routing_replay,
-            )
+        balance = self.moe_balance
+        self.pipe.feed.moe_loads = {} if balance is not None else None
+        try:
+            with deferred_finite_checks():
+                self.pipe.forward_backward(
+                    pb.micro_batches,
+                    pipe_loss,
+                    temperature=temperature,
+                    with_entropy=with_entropy,
+                    replay_routes=routing_replay,
+                )
+            if balance is not None:  # the real tokens this rank's stages routed (padding not counted)
+                balance.add_loads(torch.stack([self.pipe.feed.moe_loads[str(i)] for i in balance.layers]))
+        finally:
+            self.pipe.feed.moe_loads = None
         acc = MetricsAccumulator()
         acc.add_all(records)
         acc.add({"train/num_micro_batches": Max(len(micro_batches))})
@@ -584,6 +595,8 @@ class NativeTrainEngine:
                 group=self.layout.moe_count_group,
                 comm_device=self._comm_device if self.layout.world_size > 1 else self.device,
             )
+        if self.pipe is not None and self._moe_model:  # each pp rank holds some MoE layers
+            metrics = merge_moe_metrics(self.pipe, metrics, self.moe_balance)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
