@@ -31,9 +31,10 @@ broadcast over the pp group. Weight sync: `Pipeline.full_weights()` gives every 
 model under the CausalLM's names (for the Hugging Face adapter). Checkpoints use the whole model's
 names, so a pp=2 -> pp=1 resume needs no renaming (a tied embedding is held twice and written once).
 MoE under PP: with `StageFeed.moe_loads` set, each stage adds its MoE layers' expert loads of the
-real tokens (the padding's subtracted) per forward; the engine turns them into its load metrics and
-DeepSeek-V3's bias update. Not built: the MoE auxiliary loss (each stage would add a term to a loss
-only the last stage computes; the engine refuses it) and the `moe/route_mismatch_frac` metric.
+real tokens (the padding's subtracted) per forward, and with `StageFeed.route_counts_M2` their
+route-mismatch counts per micro-batch; the engine turns them into its load metrics, DeepSeek-V3's
+bias update and moe/route_mismatch_frac. Not built: the MoE auxiliary loss (each stage would add a
+term to a loss only the last stage computes; the engine refuses it).
 
 TP/EP/AC/compile go inside `parallelize_stage` (each stage module is a model of its own to them).
 PP x TP (with sequence parallelism): between blocks the residual stream is sharded over tokens, so

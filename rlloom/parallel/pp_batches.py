@@ -146,6 +146,9 @@ class StageFeed:
     moe_loads: dict[str, torch.Tensor] | None = None
     """When a dict: each stage adds, per MoE layer key, the [E] real tokens its forwards routed to
     each expert (the training engine's MoE load metrics and bias update); None: not recorded."""
+    route_counts_M2: torch.Tensor | None = None
+    """When a tensor [M, 2]: each stage adds, per micro-batch, its MoE layers' (differing, compared)
+    token counts against the rollout's routes (`MoE.last_route_mismatch`); None: not recorded."""
     tp_rank: int = 0
     """This rank's TP index: which token shard its MoE layers route when each TP rank routes its own."""
 

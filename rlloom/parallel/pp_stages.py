@@ -147,6 +147,9 @@ class PipelineStageModule(nn.Module):
                 h = layer(h, cos, sin, batch.layout)
         if self.feed.moe_loads is not None:
             self._record_loads(batch)
+        if self.feed.route_counts_M2 is not None and batch.routes_PLK is not None:
+            for key in self.model.moe_index:
+                self.feed.route_counts_M2[mb] += self.model.layers[key].moe.last_route_mismatch
         if not self.is_last:
             # Not a view: zero-bubble schedules detach a stage's outputs in place after the input backward.
             # Under TP this is the rank's token shard [1, P/tp, D] (a plain tensor: the residual stream).

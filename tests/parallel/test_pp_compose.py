@@ -5,14 +5,17 @@ gradient, the losses and grad norms of two steps whose batches differ in token c
 weights `named_weights` gives (full tensors on every rank). A checkpoint saved at pp=2 x tp=2
 resumes in one process (pp=1, tp=1) and continues as the uninterrupted run. In the same process
 group, pp=2 x ep=2 (the 4 ranks: 2 stages x 2 data-parallel ranks that split the experts) on a tiny
-Mixtral (every layer MoE, so both stages exchange tokens between their EP ranks) equals one process
-the same way, and so does pp=2 x cp=2 (each micro-batch cut into two equal shares of the padded
+Mixtral (every layer MoE, so both stages exchange tokens between their EP ranks; rollout routes
+replayed, then compared: moe/route_mismatch_frac and the expert-load metrics must match too) equals
+one process the same way, as does pp=2 x dp=2 on a tiny DeepSeek-V3 whose correction bias is
+updated from the loads, and so does pp=2 x cp=2 (each micro-batch cut into two equal shares of the padded
 budget, `cp.fixed_shares`; the last stage gathers the selected logprobs over the cp ranks). On 8
 processes, pp=2 x cp=2 x tp=2 with ep=2 over the cp x tp ranks of a stage (Mixtral: stages send
 [1, budget / (cp x tp), D], each TP rank routes its token shard) equals one process too."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -23,10 +26,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engines" / "train"))
 from parallel_helpers import run_gloo, tiny_model  # noqa: E402
 from test_pp_engine import KEYS, TOL, cfg, run, step  # noqa: E402
-from test_train_parallel_gloo import full_weights  # noqa: E402
+from test_train_parallel_gloo import MODE, batches, full_grads, full_weights  # noqa: E402
+from train_engine_helpers import PolicyLoss  # noqa: E402
 
+from rlloom.algorithms.losses import loss_normalizer  # noqa: E402
 from rlloom.config import load_config  # noqa: E402
 from rlloom.config.components import ConfigError, ParallelConfig  # noqa: E402
+from rlloom.data.types import RolloutBatch  # noqa: E402
 from rlloom.engines.train.native import NativeTrainEngine  # noqa: E402
 from rlloom.parallel import ParallelDims  # noqa: E402
 from rlloom.parallel.cp import balance_chunks, fixed_shares  # noqa: E402
@@ -45,6 +51,45 @@ def compare_weights(got: dict, expected: dict, what: str) -> None:
         )
 
 
+def routed(batch: RolloutBatch) -> RolloutBatch:
+    """`batch` with rollout routes for both MoE layers of the tiny Mixtral (test_train_parallel_gloo's
+    routes, skewed so that some experts get no token, the second layer's shifted by one expert)."""
+    samples = []
+    for s in batch.samples:
+        routes = s.routed_experts.long()
+        samples.append(
+            dataclasses.replace(
+                s, routed_experts=torch.cat([routes, (routes + 1) % 4], dim=1).to(torch.uint8)
+            )
+        )
+    return RolloutBatch(samples)
+
+
+def run_routed(engine: NativeTrainEngine) -> dict:
+    """`test_pp_engine.run` on batches with rollout routes: logprobs and the first step with the
+    routes replayed, the second comparing them (moe/route_mismatch_frac)."""
+    data = [routed(b) for b in batches(True)]
+    logp, entropy = engine.forward_logprobs(data[0], with_entropy=True, routing_replay=True)
+    normalizer = loss_normalizer(data[0].response_mask(), MODE)
+    loss = PolicyLoss(data[0], MODE)
+    engine.forward_backward(data[0], loss, loss_normalizer=normalizer, with_entropy=True, routing_replay=True)
+    if engine.pipe is not None:
+        engine.pipe.clip_grad_norm_(0.0)
+    grads = full_grads(engine)
+    steps = []
+    for i, replay in enumerate((True, False)):
+        loss, normalizer = PolicyLoss(data[i], MODE), loss_normalizer(data[i].response_mask(), MODE)
+        steps.append(
+            engine.train_step(
+                data[i], loss, loss_normalizer=normalizer, with_entropy=True, routing_replay=replay
+            )
+        )
+    keys = (*KEYS, "moe/route_mismatch_frac")
+    metrics = [{k: m[k] for k in keys} for m in steps]
+    out = {"last": steps[-1], "logp": logp, "entropy": entropy, "grads": grads, "metrics": metrics}
+    return out | {"weights": full_weights(engine)}
+
+
 def check(got: dict, expected: dict, what: str) -> None:
     """`test_pp_engine.run`'s results against one process's (its weights at WEIGHT_TOL)."""
     torch.testing.assert_close(got["logp"], expected["logp"], **TOL, msg=lambda m: f"{what} logp: {m}")
@@ -57,7 +102,8 @@ def check(got: dict, expected: dict, what: str) -> None:
             grad, expected["grads"][name], **TOL, msg=lambda m, n=name: f"{what} grad {n}: {m}"
         )
     for i, (a, b) in enumerate(zip(got["metrics"], expected["metrics"], strict=True)):
-        for k in KEYS:
+        assert a.keys() == b.keys(), what
+        for k in b:
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (what, i, k, a[k], b[k])
     moe = {k: v for k, v in expected["last"].items() if k.startswith("moe/")}
     assert moe.keys() == {k for k in got["last"] if k.startswith("moe/")}, what
@@ -70,10 +116,14 @@ def engine_for(family: str, world: int = 4, **degrees: int) -> NativeTrainEngine
     model = tiny_model(family)
     # DeepSeek-V3's correction bias moves with the loads (a wrong count moves it the wrong way).
     changes = {"moe_bias_update_rate": 0.05} if family == "deepseek_v3" else {}
+    # Mixtral runs with routes: without shared prompts every recorded route is compared once, so
+    # moe/route_mismatch_frac is a ratio of sums, whatever the micro-batch split (it differs with dp).
+    # CP splits plain packed documents only.
+    share_prompts = family != "mixtral" and degrees.get("cp", 1) == 1
     if not degrees:
-        return NativeTrainEngine(cfg(**changes), model)
+        return NativeTrainEngine(cfg(share_prompts=share_prompts, **changes), model)
     return NativeTrainEngine(
-        cfg(share_prompts=degrees.get("cp", 1) == 1, **changes),  # CP splits plain packed documents only
+        cfg(share_prompts=share_prompts, **changes),
         model,
         parallel_dims=ParallelDims(world_size=world, **degrees),
         pipeline=ParallelConfig(**degrees),
@@ -88,7 +138,7 @@ def worker(rank: int, expected: dict, tmp: str) -> None:
     engine.save(os.path.join(tmp, "pp2tp2"))
     engine = engine_for("mixtral", pp=2, ep=2)  # every layer MoE: experts split on both stages
     assert (engine.dp_size, engine.layout.ep) == (2, 2)
-    check(run(engine), expected["mixtral"], "pp=2 x ep=2")
+    check(run_routed(engine), expected["mixtral"], "pp=2 x ep=2")
     engine = engine_for("deepseek_v3", pp=2)  # the MoE layer on stage 1 only; its bias updated
     check(run(engine), expected["deepseek_v3"], "pp=2 x dp=2, bias update")
     engine = engine_for("qwen3", pp=2, cp=2)
@@ -100,12 +150,12 @@ def worker_8(rank: int, expected: dict) -> None:
     torch.manual_seed(0)
     engine = engine_for("mixtral", world=8, pp=2, tp=2, cp=2, ep=2)
     assert (engine.dp_size, engine.layout.ep, engine.layout.tokens_split_over_tp) == (1, 2, True)
-    check(run(engine), expected["mixtral"], "pp=2 x cp=2 x tp=2, ep=2")
+    check(run_routed(engine), expected["mixtral"], "pp=2 x cp=2 x tp=2, ep=2")
 
 
 @pytest.mark.slow
 def test_pp_composes_with_tp_ep_cp_and_checkpoints_cross_layout(tmp_path):
-    expected = {family: run(engine_for(family)) for family in ("mixtral", "deepseek_v3")}
+    expected = {"mixtral": run_routed(engine_for("mixtral")), "deepseek_v3": run(engine_for("deepseek_v3"))}
     engine = engine_for("qwen3")
     expected["qwen3"] = run(engine)
     step(engine, 2)

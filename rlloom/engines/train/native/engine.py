@@ -17,8 +17,8 @@ One call of `train_step` is one optimizer step over a global batch:
 Under pipeline parallelism (parallel.pp > 1; pipeline.py) the same plan runs through the stages
 of a `rlloom.parallel.pp.Pipeline`: every micro-batch is padded to the token budget, the loss of
 each runs on the last stage's rank, whose metrics every pp rank returns, and the grad norm is taken
-once per step over the pp ranks. MoE loads are counted by the stages (real tokens only) and their
-metrics merged over the pp ranks; the MoE auxiliary loss is refused.
+once per step over the pp ranks. MoE loads and route mismatches are counted by the stages (real
+tokens only) and merged over the pp ranks; the MoE auxiliary loss is refused.
 
 Every rank receives the same global batch and computes the same plan from it, so no plan is sent.
 Ranks with fewer micro-batches run zero-weight copies of their smallest sample, so every rank issues
@@ -53,7 +53,7 @@ from rlloom.engines.train.native.flops import active_body_params, step_flops
 from rlloom.engines.train.native.layout import EngineLayout
 from rlloom.engines.train.native.lr_schedule import lr_at
 from rlloom.engines.train.native.microbatch import plan_rank, shared_prompt_units
-from rlloom.engines.train.native.moe_balance import MoEBalance
+from rlloom.engines.train.native.moe_balance import MoEBalance, moe_layers_of
 from rlloom.engines.train.native.optimizer import EngineOptimizer
 from rlloom.engines.train.native.pipeline import PipeBatch, from_last_stage, merge_moe_metrics, stage_view
 from rlloom.engines.train.native.policy import PolicyHead, run_micro_batch
@@ -179,6 +179,8 @@ class NativeTrainEngine:
             )
         self._moe_model = self.moe_balance is not None
         """The whole model has MoE layers: every pp rank joins the load metrics' exchange."""
+        self._num_moe_layers = len(moe_layers_of(self.model))
+        """MoE layers of the whole model (each pp rank holds some)."""
         par = self.pipeline_settings
         modules, self.pipe = parallelize_pp(
             self.model,
@@ -429,6 +431,10 @@ class NativeTrainEngine:
 
         balance = self.moe_balance
         self.pipe.feed.moe_loads = {} if balance is not None else None
+        with_routes = self._num_moe_layers > 0 and batch.samples[0].routed_experts is not None
+        if with_routes:
+            m = self.pipe.num_micro_batches(len(micro_batches))
+            self.pipe.feed.route_counts_M2 = torch.zeros(m, 2, device=self.device)
         try:
             with deferred_finite_checks():
                 self.pipe.forward_backward(
@@ -440,8 +446,10 @@ class NativeTrainEngine:
                 )
             if balance is not None:  # the real tokens this rank's stages routed (padding not counted)
                 balance.add_loads(torch.stack([self.pipe.feed.moe_loads[str(i)] for i in balance.layers]))
+            if with_routes:
+                records += self._pipe_route_metrics(batch, pb, self.pipe.feed.route_counts_M2)
         finally:
-            self.pipe.feed.moe_loads = None
+            self.pipe.feed.moe_loads = self.pipe.feed.route_counts_M2 = None
         acc = MetricsAccumulator()
         acc.add_all(records)
         acc.add({"train/num_micro_batches": Max(len(micro_batches))})
@@ -450,6 +458,25 @@ class NativeTrainEngine:
         acc.add({"perf/pp_budget_fill": Mean(sum(pb.num_tokens) / slots, weight=slots)})
         metrics = reduce_across_ranks(acc, self.dp_group)
         return from_last_stage(self.pipe, metrics)
+
+    def _pipe_route_metrics(
+        self, batch: RolloutBatch, pb: PipeBatch, counts_M2: torch.Tensor
+    ) -> list[dict[str, Metric]]:
+        """`moe/route_mismatch_frac` per micro-batch as `_route_metrics` gives it, from the counts each
+        pp rank's stages recorded (summed over the pp ranks, and the TP/CP ranks that split tokens)."""
+        counts_M2 = counts_M2.to(self._comm_device)
+        groups = [self.pipe.group]
+        groups += [self.layout.tp_group] if self.layout.tokens_split_over_tp else []
+        groups += [self.layout.cp_group] if self.layout.cp > 1 else []
+        for group in groups:
+            dist.all_reduce(counts_M2, group=group)
+        out = []
+        for rows, (differ, compared) in zip(pb.rows, counts_M2.tolist()):
+            if rows is None:
+                continue
+            weight = sum(len(batch.samples[i].routed_experts) for i in rows) * self._num_moe_layers
+            out.append({"moe/route_mismatch_frac": Mean(differ / max(compared, 1.0), weight=weight)})
+        return out
 
     def _pipe_logprobs(
         self,
