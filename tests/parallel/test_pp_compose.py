@@ -3,7 +3,8 @@ gloo processes equals the one-process engine in fp32 (tiny dense Qwen3 with tied
 last stage's vocabulary-parallel head is the embedding's copy): logprobs and entropies, every
 gradient, the losses and grad norms of two steps whose batches differ in token count, and the
 weights `named_weights` gives (full tensors on every rank). A checkpoint saved at pp=2 x tp=2
-resumes in one process (pp=1, tp=1) and continues as the uninterrupted run. In the same process
+resumes in one process (pp=1, tp=1) and continues as the uninterrupted run (so does one saved at
+pp=2 x ep=2). In the same process
 group, pp=2 x ep=2 (the 4 ranks: 2 stages x 2 data-parallel ranks that split the experts) on a tiny
 Mixtral (every layer MoE, so both stages exchange tokens between their EP ranks; rollout routes
 replayed, then compared: moe/route_mismatch_frac and the expert-load metrics must match too) equals
@@ -65,6 +66,14 @@ def routed(batch: RolloutBatch) -> RolloutBatch:
     return RolloutBatch(samples)
 
 
+def step_routed(engine: NativeTrainEngine, i: int, replay: bool = False) -> dict[str, float]:
+    batch = routed(batches(True)[i])
+    loss, normalizer = PolicyLoss(batch, MODE), loss_normalizer(batch.response_mask(), MODE)
+    return engine.train_step(
+        batch, loss, loss_normalizer=normalizer, with_entropy=True, routing_replay=replay
+    )
+
+
 def run_routed(engine: NativeTrainEngine) -> dict:
     """`test_pp_engine.run` on batches with rollout routes: logprobs and the first step with the
     routes replayed, the second comparing them (moe/route_mismatch_frac)."""
@@ -76,14 +85,7 @@ def run_routed(engine: NativeTrainEngine) -> dict:
     if engine.pipe is not None:
         engine.pipe.clip_grad_norm_(0.0)
     grads = full_grads(engine)
-    steps = []
-    for i, replay in enumerate((True, False)):
-        loss, normalizer = PolicyLoss(data[i], MODE), loss_normalizer(data[i].response_mask(), MODE)
-        steps.append(
-            engine.train_step(
-                data[i], loss, loss_normalizer=normalizer, with_entropy=True, routing_replay=replay
-            )
-        )
+    steps = [step_routed(engine, 0, replay=True), step_routed(engine, 1)]
     keys = (*KEYS, "moe/route_mismatch_frac")
     metrics = [{k: m[k] for k in keys} for m in steps]
     out = {"last": steps[-1], "logp": logp, "entropy": entropy, "grads": grads, "metrics": metrics}
@@ -139,6 +141,7 @@ def worker(rank: int, expected: dict, tmp: str) -> None:
     engine = engine_for("mixtral", pp=2, ep=2)  # every layer MoE: experts split on both stages
     assert (engine.dp_size, engine.layout.ep) == (2, 2)
     check(run_routed(engine), expected["mixtral"], "pp=2 x ep=2")
+    engine.save(os.path.join(tmp, "pp2ep2"))
     engine = engine_for("deepseek_v3", pp=2)  # the MoE layer on stage 1 only; its bias updated
     check(run(engine), expected["deepseek_v3"], "pp=2 x dp=2, bias update")
     engine = engine_for("qwen3", pp=2, cp=2)
@@ -155,11 +158,15 @@ def worker_8(rank: int, expected: dict) -> None:
 
 @pytest.mark.slow
 def test_pp_composes_with_tp_ep_cp_and_checkpoints_cross_layout(tmp_path):
-    expected = {"mixtral": run_routed(engine_for("mixtral")), "deepseek_v3": run(engine_for("deepseek_v3"))}
+    expected = {"deepseek_v3": run(engine_for("deepseek_v3"))}
     engine = engine_for("qwen3")
     expected["qwen3"] = run(engine)
     step(engine, 2)
     step3 = full_weights(engine)
+    engine = engine_for("mixtral")
+    expected["mixtral"] = run_routed(engine)
+    step_routed(engine, 2)
+    moe_step3 = full_weights(engine)
     run_gloo(worker, 4, expected, str(tmp_path))
     # Everything at once (8 processes: more than the 4 of the other tests, about 10 s on 2 cores).
     run_gloo(worker_8, 8, expected)
@@ -169,6 +176,12 @@ def test_pp_composes_with_tp_ep_cp_and_checkpoints_cross_layout(tmp_path):
     assert single.version == 2
     step(single, 2)
     compare_weights(full_weights(single), step3, "pp=2 x tp=2 -> one process")
+    # pp=2 x ep=2 -> one process: the experts each EP rank of each stage held, placed whole.
+    single = engine_for("mixtral")
+    single.load(str(tmp_path / "pp2ep2"))
+    assert single.version == 2
+    step_routed(single, 2)
+    compare_weights(full_weights(single), moe_step3, "pp=2 x ep=2 -> one process")
 
 
 def test_pp_with_tp_needs_a_budget_that_splits_into_tp_shards():
