@@ -173,7 +173,6 @@ class PipelineStageModule(nn.Module):
 
     def _head(self, hidden_PD: torch.Tensor, batch: PaddedMicroBatch) -> torch.Tensor:
         positions_K, targets_K = batch.positions_K, batch.targets_K
-        total = positions_K.numel()
         if batch.cp is not None:  # this rank's selected positions, in its own tokens
             positions_K, targets_K = batch.local_k, batch.local_targets_k
         num_selected = positions_K.numel()
@@ -202,14 +201,10 @@ class PipelineStageModule(nn.Module):
         if batch.cp is not None:  # every cp rank gets the whole micro-batch's (backward: its own)
             keep = values_2K.sum() * 0.0  # connected to every parameter even with nothing selected here
             values_2K = batch.cp.gather_selected(values_2K[:, :num_selected].T, batch.mine_K).T + keep
-        out_12P = hidden_PD.new_zeros(1, 2, self.budget_of(hidden_PD, batch), dtype=torch.float32)
-        out_12P[0, :, :total] = values_2K
+        budget = hidden_PD.shape[0] if batch.cp is None else batch.cp.num_tokens  # CP: a 1/cp share here
+        out_12P = hidden_PD.new_zeros(1, 2, budget, dtype=torch.float32)
+        out_12P[0, :, : values_2K.shape[1]] = values_2K  # [:1] with nothing selected and no CP: weight 0
         return out_12P
-
-    @staticmethod
-    def budget_of(hidden_PD: torch.Tensor, batch: PaddedMicroBatch) -> int:
-        """Tokens of the whole padded micro-batch (under CP this rank holds budget / cp of them)."""
-        return hidden_PD.shape[0] if batch.cp is None else batch.cp.num_tokens
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
