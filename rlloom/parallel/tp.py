@@ -212,9 +212,9 @@ def layer_plan(args: ModelArgs, layer_idx: int, experts_parallel: bool = False) 
     return plan
 
 
-def root_plan(args: ModelArgs, model: nn.Module | None = None) -> dict[str, ParallelStyle]:
-    """Embedding (vocabulary-sharded, output on token shards), final norm and lm head weight; with
-    `model`, only the parts it holds (a pipeline stage has the embedding, the norm and head, or none)."""
+def root_plan(args: ModelArgs, model: nn.Module) -> dict[str, ParallelStyle]:
+    """Embedding (vocabulary-sharded, output on token shards), final norm and lm head weight, those
+    of them `model` holds (a pipeline stage has the embedding, the norm and head, or none)."""
     plan: dict[str, ParallelStyle] = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=TOKENS),
         "norm": SequenceParallel(sequence_dim=0),
@@ -222,8 +222,6 @@ def root_plan(args: ModelArgs, model: nn.Module | None = None) -> dict[str, Para
     if not args.tie_word_embeddings:
         # Only the [V, D] weight's vocabulary sharding matters: the head reads the weight directly.
         plan["output"] = ColwiseParallel()
-    if model is None:
-        return plan
     return {name: style for name, style in plan.items() if getattr(model, name, None) is not None}
 
 
