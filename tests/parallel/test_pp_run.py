@@ -3,8 +3,9 @@
 split (1 + 3 layers; even splits and every schedule run in test_pp.py) and the interleaved schedule
 with 2 virtual stages per rank, on a 4-layer tiny Qwen3 with tied embeddings (the last stage holds
 the embedding as its head); and pp=2 x tp=2 on 4 workers (the stages tensor-parallel, the last
-one's head vocabulary-parallel); and a 4-layer tiny Qwen3-MoE at pp=2 x ep=2 on 4 workers, the
-rollout's routes replayed (its MoE load and route-mismatch metrics match too). Each layout's final
+one's head vocabulary-parallel); and a 4-layer tiny Qwen3-MoE at pp=2 x ep=2 on 4 workers with a
+rollout worker of its own (owner-only weight sync), the rollout's routes replayed (its MoE load and
+route-mismatch metrics match too). Each layout's final
 Hugging Face export (full tensors gathered from every stage, TP shard and EP rank) holds the
 one-process run's weights. The learning rate (3e-2) is large enough that a wrong gradient changes
 the samples; the KL term runs the frozen reference through the same pipeline. The layouts share one
@@ -87,15 +88,18 @@ def test_pipeline_parallel_ray_runs_match_one_process(
     assert [r["step"] for r in expected] == [1, 2]
     # The policy moves: step 2's samples come from the weights step 1 trained.
     assert expected[0]["train/grad_norm"] > 0 and expected[0]["reward/mean"] != expected[1]["reward/mean"]
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)  # one start for every layout
+    ray.init(num_cpus=5, include_dashboard=False, log_to_driver=True)  # one start for every layout
     try:
         for name, layout in LAYOUTS.items():
             got = train(four_layer_checkpoint, tmp_path / name, "cluster.mode=ray", *layout)
             compare(name, got, expected, tmp_path / name, expected_hf)
-        # MoE: pp=2 x ep=2 (dp=2: the micro-batch count per rank differs), routes replayed.
+        # MoE: pp=2 x ep=2 (dp=2: the micro-batch count per rank differs), routes replayed, with a
+        # rollout worker of its own: each training rank sends what it owns (every stage's dense
+        # tensors, its EP rank's experts), as `weight_layouts` describes them.
         moe = ["algorithm.routing_replay=rollout", "train.share_prompts=false"]
         expected = train(four_layer_moe_checkpoint, tmp_path / "moe_one", *moe)
         layout = ["cluster.mode=ray", "cluster.num_workers=4", "parallel.pp=2", "parallel.ep=2"]
+        layout += ["cluster.placement=separate", "cluster.rollout_workers=1"]
         got = train(four_layer_moe_checkpoint, tmp_path / "pp2_ep2", *moe, *layout)
         assert {"moe/load_max_over_mean", "moe/route_mismatch_frac"} <= got[-1].keys()
         compare("pp2_ep2", got, expected, tmp_path / "pp2_ep2", hf_export(tmp_path / "moe_one"))

@@ -55,7 +55,13 @@ from rlloom.engines.train.native.lr_schedule import lr_at
 from rlloom.engines.train.native.microbatch import plan_rank, shared_prompt_units
 from rlloom.engines.train.native.moe_balance import MoEBalance, moe_layers_of
 from rlloom.engines.train.native.optimizer import EngineOptimizer
-from rlloom.engines.train.native.pipeline import PipeBatch, from_last_stage, merge_moe_metrics, stage_view
+from rlloom.engines.train.native.pipeline import (
+    PipeBatch,
+    from_last_stage,
+    merge_moe_metrics,
+    pipeline_weight_layouts,
+    stage_view,
+)
 from rlloom.engines.train.native.policy import PolicyHead, run_micro_batch
 from rlloom.engines.train.native.step_guard import (
     adamw_would_be_finite,
@@ -680,8 +686,13 @@ class NativeTrainEngine:
     def weight_layouts(self) -> dict[str, WeightLayout]:
         """For each Hugging Face name `named_weights` yields, where it lives on this rank (native
         parameter, full shape, expert index and EP owner, DTensor mesh dimensions and placements);
-        no data moves. This rank's EP rank is `layout.ep_rank`."""
-        return weight_layouts(self.model, ep=self.layout.ep)
+        no data moves. This rank's EP rank is `layout.ep_rank`. Under pipeline parallelism
+        `named_weights` gives every rank every stage's tensors, so this describes them all: each
+        stage's as its own ranks hold it (an expert's EP rank is the same on every pp rank), in the
+        order `named_weights` yields them (collective over the pp group)."""
+        if self.pipe is None:
+            return weight_layouts(self.model, ep=self.layout.ep)
+        return pipeline_weight_layouts(self.pipe, ep=self.layout.ep)
 
     # ---- checkpoint and memory --------------------------------------------------------------
 
