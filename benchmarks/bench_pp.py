@@ -36,7 +36,8 @@ from rlloom.models.args import ModelArgs
 from rlloom.models.model import CausalLM
 from rlloom.parallel import ParallelDims, apply_ac, apply_fsdp, init_distributed
 from rlloom.parallel.pp import apply_pp
-from rlloom.parallel.pp_stages import PipeMicroBatch, pad_to_budget, split_layers
+from rlloom.parallel.pp_batches import PipeMicroBatch, pad_to_budget
+from rlloom.parallel.pp_stages import split_layers
 
 DSV3_4L = json.loads((Path(__file__).parents[1] / "tests/plan/configs/deepseek-v3/config.json").read_text())
 DSV3_4L |= {"num_hidden_layers": 4, "n_routed_experts": 32, "n_group": 4, "topk_group": 2}  # 32 experts: fits

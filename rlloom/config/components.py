@@ -543,7 +543,7 @@ class ParallelConfig:
     """Tensor-parallel degree: attention heads, MLP width and the vocabulary split over tp ranks.
     Data parallelism is what the degrees leave: cluster.num_workers = pp x dp x cp x tp."""
     pp: int = 1
-    """Pipeline-parallel degree (decoder layers split into pp stages)."""
+    """Pipeline-parallel degree (decoder layers split into pp stages); composes with tp, ep and cp."""
     cp: int = 1
     """Context-parallel degree: each packed micro-batch split over cp ranks, every document cut into
     2 x cp chunks balanced by attention cost (rlloom.parallel.cp). Needs train.share_prompts=false."""
@@ -579,15 +579,6 @@ class ParallelConfig:
             self.sequence_parallel,
             f"tensor parallelism (parallel.tp={self.tp}) always runs with sequence parallelism here",
             "set parallel.sequence_parallel=true",
-        )
-        others = {"tp": self.tp, "cp": self.cp, "ep": self.ep}
-        _check(
-            self.pp == 1 or all(v == 1 for v in others.values()),
-            "parallel.pp",
-            self.pp,
-            "pipeline parallelism composes with data parallelism (FSDP) only in this version, not with "
-            + ", ".join(f"parallel.{k}={v}" for k, v in others.items() if v > 1),
-            "set parallel.pp=1 or the other degrees to 1",
         )
         _check(
             self.pp_schedule != "1f1b" or self.pp_virtual_stages == 1,
@@ -859,6 +850,16 @@ class RunConfig:
             f"sample: data.max_prompt_length + rollout.max_new_tokens = {self.data.max_prompt_length} + "
             f"{self.rollout.max_new_tokens} = {longest}",
             f"set train.max_tokens_per_micro_batch={longest} or more (or lower those)",
+        )
+        shares, budget = self.parallel.cp * self.parallel.tp, self.train.max_tokens_per_micro_batch
+        _check(
+            self.parallel.pp == 1 or budget % shares == 0,
+            "train.max_tokens_per_micro_batch",
+            budget,
+            f"parallel.pp={self.parallel.pp} splits every micro-batch, padded to this budget, into "
+            f"parallel.cp x parallel.tp = {self.parallel.cp} x {self.parallel.tp} equal token shares, so it must "
+            f"be a multiple of {shares}",
+            f"set train.max_tokens_per_micro_batch={-(-budget // shares) * shares}",
         )
         if self.data.task in ("jsonl", "parquet"):
             _check(

@@ -23,6 +23,8 @@ ring-flash-attn's llama3 functions) with Megatron-LM's load balancing by chunk p
      mask). MLA's narrower V is zero-padded to the q/k width. The runs are tested on CPU against a
      stand-in of the kernel; the kernel itself needs a GPU run.
 4. `gather_selected`: the logprobs of the whole micro-batch on every cp rank, differentiable.
+5. Under pipeline parallelism the shares must have one fixed size: `fixed_shares` cuts the padded
+   micro-batch into cp shares of exactly budget / cp tokens (`pp_batches.pad_to_budget`).
 
 Padding: the ranks' token counts differ by a few (at most 2 per document). The model runs on each
 rank's own tokens only; the K/V all-gather pads the shorter blocks with zero rows (collectives need
@@ -110,6 +112,41 @@ def balance_chunks(seq_lens: Sequence[int], cp: int) -> list[list[Chunk]]:
     return shares
 
 
+def fixed_shares(seq_lens: Sequence[int], cp: int, *, padded: bool) -> list[list[Chunk]]:
+    """Per cp rank, chunks of exactly sum(seq_lens) / cp tokens (pipeline parallelism: the shapes a
+    stage sends never change). `padded`: the last document is the padding `pp_batches.pad_to_budget`
+    appends. The real documents are balanced as `balance_chunks` does and the padding fills each
+    rank up to its share, in rank order; should a balanced share not fit (many short documents in a
+    full budget), the stream is cut into cp contiguous pieces instead (exact, not cost-balanced)."""
+    total = sum(seq_lens)
+    if total % cp:
+        raise ValueError(
+            f"a pipeline micro-batch of {total} tokens does not split into parallel.cp={cp} equal shares. "
+            f"Fix: set train.max_tokens_per_micro_batch to a multiple of {cp}."
+        )
+    per_rank = total // cp
+    docs = list(seq_lens[:-1]) if padded else list(seq_lens)
+    shares = balance_chunks(docs, cp)
+    counts = [sum(c.end - c.start for c in share) for share in shares]
+    if max(counts) <= per_rank:
+        start = 0
+        for share, count in zip(shares, counts):
+            if count < per_rank:  # only when padded: the real tokens alone fill every share otherwise
+                share.append(Chunk(len(docs), start, start + per_rank - count))
+                start += per_rank - count
+        return shares
+    bounds = [0]
+    for length in seq_lens:
+        bounds.append(bounds[-1] + length)
+    shares = [[] for _ in range(cp)]
+    for r, share in enumerate(shares):
+        lo, hi = r * per_rank, (r + 1) * per_rank
+        for s, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if max(a, lo) < min(b, hi):
+                share.append(Chunk(s, max(a, lo) - a, min(b, hi) - a))
+    return shares
+
+
 def check_cp_layout(cp: int, share_prompts: bool) -> None:
     """ValueError when the settings ask for a layout CP does not run: the shared-prompt packing."""
     if cp > 1 and share_prompts:
@@ -126,7 +163,7 @@ class CPShard:
     cu_seqlens [S + 1]: the full stream's documents (read on the host). group: the cp process group
     (default: the world). pad_multiple: the local stream is padded to a multiple of it (pass the TP
     degree: sequence parallelism splits it over the TP ranks). device: where the model's index
-    tensors go.
+    tensors go. shares: each rank's chunks (default `balance_chunks`; pipelines pass `fixed_shares`).
     """
 
     def __init__(
@@ -136,6 +173,7 @@ class CPShard:
         group: dist.ProcessGroup | None = None,
         device: torch.device | str = "cpu",
         pad_multiple: int = 1,
+        shares: list[list[Chunk]] | None = None,
     ) -> None:
         self.group = group
         self.cp = dist.get_world_size(group)
@@ -145,7 +183,7 @@ class CPShard:
         self.cu = cu
         self.num_tokens = cu[-1]
         lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
-        self.shares = balance_chunks(lens, self.cp)
+        self.shares = shares if shares is not None else balance_chunks(lens, self.cp)
         counts = [sum(c.end - c.start for c in share) for share in self.shares]
         self.num_real = counts[self.rank]
         """Stream tokens this rank holds."""

@@ -17,8 +17,11 @@ Without `dims` (one process, no process group, fp32) only steps 3 and 4 apply.
 
 Pipeline parallelism (`parallelize_pp`, pp > 1) comes before all of these: the model is cut into
 this rank's stage modules first (`pp.apply_pp`), then each stage module is a model of its own to
-steps 3-5 (FSDP2 with its stage module as the root, never resharding after forward: each
-micro-batch would gather the layers again). PP with TP, EP or CP is refused for now.
+steps 1-5 (the TP plans skip the parts a stage lacks: the embedding lives on the first stage,
+the final norm and head on the last; EP splits the experts of the stage's MoE layers over the
+stage's EP ranks; FSDP2 takes the stage module as its root and never reshards after forward: each
+micro-batch would gather the layers again). CP cuts each padded micro-batch into equal shares
+(`pp_batches.pad_to_budget`). PP composes with FSDP, TP, EP and CP, alone or together.
 """
 
 from __future__ import annotations
@@ -99,18 +102,16 @@ def parallelize_pp(
     compile_layers: bool = False,
     chunk_tokens: int = 1024,
 ) -> tuple[list[nn.Module], Pipeline]:
-    """Cut `model` into this pp rank's stage modules (PP first), then AC, compile and FSDP2 over
-    dp_shard on each; returns the FSDP-wrapped stage modules and the `Pipeline` that runs them."""
+    """Cut `model` into this pp rank's stage modules (PP first), then TP/SP (tp > 1), EP (ep > 1),
+    AC, compile and FSDP2 over dp_shard x cp on each; returns the FSDP-wrapped stage modules and the
+    `Pipeline` that runs them. Under TP (CP) the stages exchange each TP (CP) rank's token share (`pp.py`)."""
     dims.check_model(model.args)
-    others = {"tp": dims.tp, "ep": dims.ep, "cp": dims.cp}
-    if any(v > 1 for v in others.values()):
-        raise ValueError(
-            f"parallel.pp={dims.pp} with {', '.join(f'parallel.{k}={v}' for k, v in others.items() if v > 1)} "
-            "is not supported yet (pipeline parallelism composes with FSDP only here). Fix: set "
-            "parallel.tp=parallel.ep=parallel.cp=1 with parallel.pp > 1, or parallel.pp=1."
-        )
 
     def parallelize_stage(stage: nn.Module) -> nn.Module:
+        if dims.tp > 1:
+            apply_tp(stage.model, dims.tp_mesh(), experts_parallel=dims.ep > 1)
+        if dims.ep > 1:
+            apply_ep(stage.model, dims.ep_mesh())
         apply_ac(stage.model, ac_mode, ac_every_k)
         if compile_layers:
             apply_compile(stage.model)
@@ -121,9 +122,10 @@ def parallelize_pp(
             reduce_dtype=reduce_dtype,
             reshard_after_forward=False,
             layers_of=stage.model,
+            expert_mesh=dims.efsdp_mesh() if dims.ep > 1 else None,
         )
 
-    return apply_pp(
+    stages, pipe = apply_pp(
         model,
         dims.pp_mesh(),
         schedule=schedule,
@@ -135,4 +137,9 @@ def parallelize_pp(
         last_stage_layers=last_stage_layers,
         chunk_tokens=chunk_tokens,
         parallelize_stage=parallelize_stage,
+        tp=dims.tp,
+        ep_group=dims.ep_mesh().get_group() if dims.ep > 1 else None,
+        cp_group=dims.cp_mesh().get_group() if dims.cp > 1 else None,
     )
+    pipe.feed.tp_rank = dims.tp_mesh().get_local_rank()  # the token shard its MoE layers route
+    return stages, pipe

@@ -30,15 +30,30 @@ through `rlloom.parallel.parallelize.parallelize_pp` and `rlloom.engines.train.n
 broadcast over the pp group. Weight sync: `Pipeline.full_weights()` gives every rank the whole
 model under the CausalLM's names (for the Hugging Face adapter). Checkpoints use the whole model's
 names, so a pp=2 -> pp=1 resume needs no renaming (a tied embedding is held twice and written once).
-Not built: MoE balance terms (per-stage aux loss and bias updates; the engine refuses them), the
-engine's `moe/route_mismatch_frac` metric under PP (not reported), and PP with TP/EP/CP in the engine
-(refused at start-up).
+MoE under PP: with `StageFeed.moe_loads` set, each stage adds its MoE layers' expert loads of the
+real tokens (the padding's subtracted) per forward, and with `StageFeed.route_counts_M2` their
+route-mismatch counts per micro-batch; the engine turns them into its load metrics, DeepSeek-V3's
+bias update and moe/route_mismatch_frac. Not built: the MoE auxiliary loss (each stage would add a
+term to a loss only the last stage computes; the engine refuses it).
 
-TP/EP/AC/compile go inside `parallelize_stage` (each stage module is a model of its own to them);
-AC and FSDP2 are tested here. With TP + sequence parallelism the activations between stages are
-token-sharded DTensors: the stages' static shapes below would then be DTensor metadata (or
-PipelineStage's dynamic inference), and the budget a multiple of tp. FSDP must not reshard after
-forward under PP (each micro-batch would gather the layers again).
+TP/EP/AC/compile go inside `parallelize_stage` (each stage module is a model of its own to them).
+PP x TP (with sequence parallelism): between blocks the residual stream is sharded over tokens, so
+each TP rank sends its own token shard, a plain [1, budget / tp, D] tensor, to the same TP rank of
+the next stage (the pp group joins ranks of one TP coordinate), as torchtitan does. Gathering the
+shards before each send instead would move tp times the bytes and add an all-gather plus a
+re-slice per boundary for nothing: the next stage's first norm wants the shard again. So the
+budget must be a multiple of tp (`check_budget`); the last stage gathers the final-normed shards
+and runs the vocabulary-parallel head (`vocab_parallel.py`), every TP rank getting the same
+[1, 2, budget] output and loss.
+PP x EP: each stage's EP ranks (data-parallel ranks of that stage) run the same schedule, so their
+all-to-alls pair up micro-batch by micro-batch; `clip_grad_norm_` sums the expert squares over EP.
+PP x CP: every padded micro-batch is cut into cp equal shares (`cp.fixed_shares`: the documents
+balanced by attention cost, the padding filling each share), so a stage sends [1, budget / cp, D];
+the last stage gathers the selected logprobs over its cp ranks (`CPShard.gather_selected`), every
+cp rank computing the same loss, its backward covering its own tokens.
+These compose: with TP and CP together a stage sends [1, budget / (cp x tp), D] (each CP share
+split over the TP ranks), and EP borrows its ranks from the stage's dp x cp x tp.
+FSDP must not reshard after forward under PP (each micro-batch would gather the layers again).
 Tied embeddings: the last stage holds the embedding as its head and `Pipeline.clip_grad_norm_`
 sums the two gradients. Shared-prompt micro-batches and MoE routes (compared, or replayed) pass
 through as in `CausalLM.hidden_states`.
@@ -64,15 +79,14 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
+from rlloom.models.moe import GroupedExperts
 from rlloom.parallel.grad_norm import grad_norm
+from rlloom.parallel.pp_batches import PipeMicroBatch, StageFeed, check_budget, pad_to_budget
 from rlloom.parallel.pp_stages import (
     SCHEDULE_NAMES,
     PipelineStageModule,
-    PipeMicroBatch,
-    StageFeed,
     StageModel,
     check_pp,
-    pad_to_budget,
     rank_stages,
     split_layers,
 )
@@ -106,21 +120,31 @@ class Pipeline:
         hidden_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        tp: int = 1,
+        ep_group: dist.ProcessGroup | None = None,
+        cp_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.group = pp_mesh.get_group()
+        self.cp_group = cp_group
+        """Context parallelism: the ranks of this stage that split each micro-batch, else None."""
+        cp = dist.get_world_size(cp_group) if cp_group is not None else 1
+        self.ep_group = ep_group
+        """Expert parallelism: the ranks of this stage that split the routed experts, else None."""
         self.pp = pp_mesh.size()
         self.schedule_name, self.budget, self.device, self.dtype = schedule, budget, device, dtype
         self.num_stages = num_stages
         self.modules = modules
         self.feed = StageFeed()
         self.stages = []
-        hidden = torch.empty(1, budget, hidden_size, dtype=dtype, device="meta", requires_grad=True)
+        # Between stages: this rank's share of the residual stream (budget / (cp x tp) tokens).
+        local = budget // (cp * tp)
+        hidden = torch.empty(1, local, hidden_size, dtype=dtype, device="meta", requires_grad=True)
         for module, s in zip(modules, stage_ids, strict=True):
             module.register_forward_pre_hook(_mb_to_int, prepend=True, with_kwargs=True)
             stage_module(module).feed = self.feed
             # Static shapes: no metadata exchange with real data, and the same shapes every step.
             first, last = s == 0, s == num_stages - 1
-            inputs = torch.empty(1, budget, dtype=torch.int64, device="meta") if first else hidden
+            inputs = torch.empty(1, budget // cp, dtype=torch.int64, device="meta") if first else hidden
             outputs = torch.empty(1, 2, budget, dtype=torch.float32, device="meta") if last else hidden
             self.stages.append(
                 PipelineStage(
@@ -161,8 +185,9 @@ class Pipeline:
 
     def _run(self, mbs: list[PipeMicroBatch | None], train: bool, losses: list | None) -> torch.Tensor | None:
         n = self.num_micro_batches(len(mbs))
-        padded = [pad_to_budget(mb, self.budget, self.device) for mb in mbs]
-        self.feed.micro_batches = padded + [pad_to_budget(None, self.budget, self.device)] * (n - len(mbs))
+        padded = [pad_to_budget(mb, self.budget, self.device, self.cp_group) for mb in mbs]
+        filler = pad_to_budget(None, self.budget, self.device, self.cp_group)
+        self.feed.micro_batches = padded + [filler] * (n - len(mbs))
         schedule = self._get_schedule(n, train)
         index_M = torch.arange(n)
         args = (torch.cat([p.input_ids_1P for p in self.feed.micro_batches]),) if self.has_first else ()
@@ -217,13 +242,28 @@ class Pipeline:
                 work.wait()
             mine += theirs
         counted = [p for p in params if not (p is tied and not self.has_first)]
-        sq = grad_norm(counted).square() if counted else torch.zeros((), device=self.device)
+        experts = self._expert_params() if self.ep_group is not None else []
+        sq = (
+            grad_norm(counted, ep_params=experts, ep_group=self.ep_group).square()
+            if counted
+            else torch.zeros((), device=self.device)
+        )
         dist.all_reduce(sq, group=self.group)
         norm = sq.sqrt()
         if max_norm > 0 and params and bool(torch.isfinite(norm)):
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_([_local(p.grad) for p in params], coef)
         return norm
+
+    def _expert_params(self) -> list[nn.Parameter]:
+        """This rank's routed-expert parameters (split over the EP ranks outside any DTensor)."""
+        return [
+            p
+            for module in self.modules
+            for sub in module.modules()
+            if isinstance(sub, GroupedExperts) and hasattr(sub, "ep_range")
+            for p in sub.parameters()
+        ]
 
     def _tied_weight(self) -> nn.Parameter | None:
         """This rank's copy of a tied embedding (first or last stage), None if untied or neither."""
@@ -235,11 +275,12 @@ class Pipeline:
 
     @torch.no_grad()
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name in the whole CausalLM, full tensor) of every parameter, in the model's order, on every
-        pp rank (weight sync): each stage's rank gathers its shards and broadcasts them over the pp
-        group. A tied embedding comes once. Collective: every rank must consume the generator."""
+        """(name in the whole CausalLM, full tensor) of every tensor of its state dict (parameters and
+        persistent buffers such as DeepSeek-V3's expert bias), in the model's order, on every pp rank
+        (weight sync, Hugging Face export): each stage's rank gathers its shards and broadcasts them
+        over the pp group. A tied embedding comes once. Collective: every rank must consume the generator."""
         mine = {
-            s: [(model_name(n), p) for n, p in m.named_parameters()]
+            s: [(model_name(n), p) for n, p in m.state_dict().items()]
             for s, m in zip(self.stage_ids, self.modules)
         }
         shapes = [(s, [(n, tuple(p.shape), p.dtype) for n, p in params]) for s, params in mine.items()]
@@ -318,15 +359,22 @@ def apply_pp(
     last_stage_layers: int = 0,
     chunk_tokens: int = 1024,
     parallelize_stage: Callable[[PipelineStageModule], nn.Module] | None = None,
+    tp: int = 1,
+    ep_group: dist.ProcessGroup | None = None,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> tuple[list[nn.Module], Pipeline]:
     """Cut the native CausalLM `model` into this pp rank's stage modules, parallelise each with
     `parallelize_stage` (TP, AC, FSDP...; default: moved to `device`) and return them with the runner.
 
     `budget`: tokens of every micro-batch (train.max_tokens_per_micro_batch); `dtype`: the compute
     dtype of the activations sent between stages. The modules `model` held outside this rank's
-    stages are no longer referenced by what is returned.
+    stages are no longer referenced by what is returned. `tp`: the tensor-parallel degree
+    `parallelize_stage` applies (stages then exchange token shards of budget / tp tokens);
+    `ep_group`: the EP ranks of this stage when `parallelize_stage` splits the experts (`ep.apply_ep`);
+    `cp_group`: the CP ranks of this stage (each runs budget / cp tokens of every micro-batch).
     """
     check_pp(model.args, pp_mesh.size(), schedule, virtual_stages)
+    check_budget(budget, tp * (dist.get_world_size(cp_group) if cp_group is not None else 1))
     num_stages = pp_mesh.size() * virtual_stages
     ranges = split_layers(
         model.args.num_layers,
@@ -356,5 +404,8 @@ def apply_pp(
         hidden_size=model.args.hidden_size,
         device=device,
         dtype=dtype,
+        tp=tp,
+        ep_group=ep_group,
+        cp_group=cp_group,
     )
     return modules, pipe

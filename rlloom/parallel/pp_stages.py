@@ -1,5 +1,5 @@
-"""Pipeline stages: which decoder layers each stage holds, the stage modules cut from the native
-CausalLM, and micro-batches padded to one token budget (the runner is `pp.py`).
+"""Pipeline stages: which decoder layers each stage holds and the stage modules cut from the native
+CausalLM (their micro-batches are `pp_batches.py`'s, the runner is `pp.py`).
 
 - `split_layers` assigns contiguous decoder layers to the pp x virtual_stages stages; the first and
   last stage may be given a fixed size (`parallel.pp_first_stage_layers`/`pp_last_stage_layers`,
@@ -9,22 +9,21 @@ CausalLM, and micro-batches padded to one token budget (the runner is `pp.py`).
 - `PipelineStageModule` is one stage: the CausalLM modules it holds (the first stage the embedding,
   the last the final norm and the logprob head) under the whole model's parameter names
   (`model.layers.7...`, as the engine's PolicyHead), so checkpoints and optimizers see one model.
-- `pad_to_budget`: pipelining fixes activation shapes when it first runs, so every micro-batch is
-  the packed stream plus one padding segment (attending only to itself) up to the budget.
+- The micro-batches the stages run, padded to one token budget, are `pp_batches.py`'s.
 
 Shape legend: N tokens of a micro-batch, P the token budget, K selected positions, D hidden size.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from rlloom.models.args import ModelArgs
-from rlloom.models.attention_ops import AttnLayout, TreePlan
 from rlloom.models.logprobs import token_logprobs
+from rlloom.parallel.pp_batches import PaddedMicroBatch, StageFeed
+from rlloom.parallel.vocab_parallel import vocab_parallel_token_logprobs
 
 SCHEDULE_NAMES = ("1f1b", "interleaved", "zero_bubble")
 
@@ -122,93 +121,6 @@ class StageModel(nn.Module):
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
 
-@dataclass
-class PipeMicroBatch:
-    """One micro-batch as the caller packed it (unpadded; CPU or device tensors)."""
-
-    input_ids_N: torch.Tensor
-    position_ids_N: torch.Tensor
-    cu_seqlens: torch.Tensor
-    """[S + 1] int32."""
-    max_seqlen: int
-    positions_K: torch.Tensor
-    """[K] int64 positions whose next token is scored."""
-    targets_K: torch.Tensor
-    """[K] int64 the scored tokens."""
-    prefix_lens_S: torch.Tensor | None = None
-    """Shared-prompt layout (as `PackedTensors`): [S] prompt length opening each segment, or None."""
-    branch_lens_Z: torch.Tensor | None = None
-    """Shared-prompt layout: [Z] non-empty branch lengths in stream order, or None."""
-    routes_NLK: torch.Tensor | None = None
-    """[N, MoE layers, K] experts the rollout chose per position (-1 = none), or None."""
-
-
-@dataclass
-class PaddedMicroBatch:
-    """A micro-batch padded to the budget, on the device: one padding segment after the real tokens."""
-
-    input_ids_1P: torch.Tensor
-    position_ids_P: torch.Tensor
-    layout: AttnLayout
-    positions_K: torch.Tensor
-    targets_K: torch.Tensor
-    routes_PLK: torch.Tensor | None
-    real: bool
-
-
-def pad_to_budget(mb: PipeMicroBatch | None, budget: int, device: torch.device) -> PaddedMicroBatch:
-    """`mb` padded with a segment of its own up to `budget` tokens; None gives an all-padding filler."""
-    if mb is None:
-        empty = torch.zeros(0, dtype=torch.int64)
-        mb = PipeMicroBatch(empty, empty, torch.zeros(1, dtype=torch.int32), 0, empty, empty)
-    n = mb.input_ids_N.numel()
-    if n > budget:
-        raise ValueError(
-            f"a micro-batch has {n} tokens but train.max_tokens_per_micro_batch={budget}; under pipeline "
-            "parallelism every micro-batch is padded to that budget, so no sample may exceed it. Fix: raise "
-            f"train.max_tokens_per_micro_batch to at least {n} (the longest prompt + response)."
-        )
-    pad = budget - n
-    ids = torch.cat([mb.input_ids_N.cpu(), torch.zeros(pad, dtype=torch.int64)])
-    pos = torch.cat([mb.position_ids_N.cpu(), torch.arange(pad)])
-    cu = mb.cu_seqlens.cpu().to(torch.int32)
-    prefix = mb.prefix_lens_S
-    routes = mb.routes_NLK
-    if pad:  # the padding segment: a causal sequence of its own (a prompt without branches)
-        cu = torch.cat([cu, torch.tensor([budget], dtype=torch.int32)])
-        prefix = None if prefix is None else torch.cat([prefix.cpu(), prefix.new_tensor([pad]).cpu()])
-        routes = (
-            None if routes is None else torch.cat([routes, routes.new_full((pad, *routes.shape[1:]), -1)])
-        )
-    layout = AttnLayout(kind="packed", cu_seqlens=cu.to(device), max_seqlen=max(mb.max_seqlen, pad))
-    if prefix is not None and mb.branch_lens_Z is not None:
-        tree = TreePlan(cu, prefix, mb.branch_lens_Z.cpu(), device)  # built on the host: no syncs
-        if tree.has_branches:
-            layout = AttnLayout(
-                kind="tree", cu_seqlens=layout.cu_seqlens, max_seqlen=layout.max_seqlen, tree=tree
-            )
-    return PaddedMicroBatch(
-        ids.view(1, budget).to(device),
-        pos.to(device),
-        layout,
-        mb.positions_K.to(device),
-        mb.targets_K.to(device),
-        None if routes is None else routes.to(device),
-        real=n > 0,
-    )
-
-
-@dataclass
-class StageFeed:
-    """What the stages of one schedule step read: the padded micro-batches and the head's settings."""
-
-    micro_batches: list[PaddedMicroBatch] = field(default_factory=list)
-    temperature: float = 1.0
-    with_entropy: bool = False
-    replay_routes: bool = False
-    """MoE: use the micro-batches' routes (routing replay) instead of only comparing them."""
-
-
 class PipelineStageModule(nn.Module):
     """One stage: forward(x, mb) with x the token ids [1, P] (first stage) or hidden states [1, P, D];
     returns hidden states [1, P, D], or on the last stage [1, 2, P] fp32: logprobs then entropies
@@ -233,30 +145,70 @@ class PipelineStageModule(nn.Module):
                 h = layer(h, cos, sin, batch.layout, batch.routes_PLK[:, moe_index], self.feed.replay_routes)
             else:
                 h = layer(h, cos, sin, batch.layout)
+        if self.feed.moe_loads is not None:
+            self._record_loads(batch)
+        if self.feed.route_counts_M2 is not None and batch.routes_PLK is not None:
+            for key in self.model.moe_index:
+                self.feed.route_counts_M2[mb] += self.model.layers[key].moe.last_route_mismatch
         if not self.is_last:
             # Not a view: zero-bubble schedules detach a stage's outputs in place after the input backward.
-            return h.unsqueeze(0).clone()
+            # Under TP this is the rank's token shard [1, P/tp, D] (a plain tensor: the residual stream).
+            return _local(h).unsqueeze(0).clone()
         return self._head(self.model.norm(h), batch)
+
+    def _record_loads(self, batch: PaddedMicroBatch) -> None:
+        """Add each MoE layer's expert loads of this forward, less the padding's, to the feed (no
+        host sync). Read right after the stage's forward: a recompute under activation
+        checkpointing (in backward) overwrites the layers' last counts, and counts nothing here."""
+        loads = self.feed.moe_loads
+        for key in self.model.moe_index:
+            moe = self.model.layers[key].moe  # checkpoint/compile wrappers pass attributes through
+            experts_TK, counts_E = moe.last_experts_TK, moe.last_token_counts
+            padding_T = batch.padding_L
+            if padding_T.shape[0] != experts_TK.shape[0]:  # each TP rank routed its own token shard
+                padding_T = padding_T.view(-1, experts_TK.shape[0])[self.feed.tp_rank]
+            weight_TK = padding_T[:, None].expand_as(experts_TK).to(counts_E.dtype)
+            padded_E = torch.zeros_like(counts_E).index_add_(0, experts_TK.flatten(), weight_TK.flatten())
+            loads[key] = counts_E - padded_E + loads.get(key, 0)
 
     def _head(self, hidden_PD: torch.Tensor, batch: PaddedMicroBatch) -> torch.Tensor:
         positions_K, targets_K = batch.positions_K, batch.targets_K
+        if batch.cp is not None:  # this rank's selected positions, in its own tokens
+            positions_K, targets_K = batch.local_k, batch.local_targets_k
         num_selected = positions_K.numel()
         if num_selected == 0:  # one position, kept connected to every parameter with weight 0
             positions_K, targets_K = positions_K.new_zeros(1), targets_K.new_zeros(1)
-        logp_K, entropy_K = token_logprobs(
-            hidden_PD[positions_K],
-            self.model.lm_head_weight,
-            targets_K,
-            temperature=self.feed.temperature,
-            chunk_tokens=self.chunk_tokens,
-            with_entropy=self.feed.with_entropy,
-            fused=self.fused_head,
-        )
+        weight_VD = self.model.lm_head_weight
+        head = dict(temperature=self.feed.temperature, chunk_tokens=self.chunk_tokens)
+        if isinstance(weight_VD, DTensor):  # TP: gather the token shards, vocabulary-parallel head
+            if isinstance(hidden_PD, DTensor):
+                hidden_PD = hidden_PD.redistribute(hidden_PD.device_mesh, [Replicate()]).to_local()
+            logp_K, entropy_K = vocab_parallel_token_logprobs(
+                hidden_PD[positions_K], weight_VD, targets_K, with_entropy=self.feed.with_entropy, **head
+            )
+        else:
+            logp_K, entropy_K = token_logprobs(
+                hidden_PD[positions_K],
+                weight_VD,
+                targets_K,
+                with_entropy=self.feed.with_entropy,
+                fused=self.fused_head,
+                **head,
+            )
         if entropy_K is None:
             entropy_K = torch.zeros_like(logp_K)
-        out_12P = hidden_PD.new_zeros(1, 2, hidden_PD.shape[0], dtype=torch.float32)
-        out_12P[0, :, : logp_K.numel()] = torch.stack([logp_K, entropy_K]) * (1.0 if num_selected else 0.0)
+        values_2K = torch.stack([logp_K, entropy_K]) * (1.0 if num_selected else 0.0)
+        if batch.cp is not None:  # every cp rank gets the whole micro-batch's (backward: its own)
+            keep = values_2K.sum() * 0.0  # connected to every parameter even with nothing selected here
+            values_2K = batch.cp.gather_selected(values_2K[:, :num_selected].T, batch.mine_K).T + keep
+        budget = hidden_PD.shape[0] if batch.cp is None else batch.cp.num_tokens  # CP: a 1/cp share here
+        out_12P = hidden_PD.new_zeros(1, 2, budget, dtype=torch.float32)
+        out_12P[0, :, : values_2K.shape[1]] = values_2K  # [:1] with nothing selected and no CP: weight 0
         return out_12P
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def check_pp(args: ModelArgs, pp: int, schedule: str, virtual_stages: int) -> None:

@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from rlloom.models.args import ModelArgs
+from rlloom.parallel.layers import decoder_layers, layer_items
 
 TOKENS = Shard(0)
 """Sequence-parallel placement of the packed [N, D] stream."""
@@ -211,8 +212,9 @@ def layer_plan(args: ModelArgs, layer_idx: int, experts_parallel: bool = False) 
     return plan
 
 
-def root_plan(args: ModelArgs) -> dict[str, ParallelStyle]:
-    """Embedding (vocabulary-sharded, output on token shards), final norm and lm head weight."""
+def root_plan(args: ModelArgs, model: nn.Module) -> dict[str, ParallelStyle]:
+    """Embedding (vocabulary-sharded, output on token shards), final norm and lm head weight, those
+    of them `model` holds (a pipeline stage has the embedding, the norm and head, or none)."""
     plan: dict[str, ParallelStyle] = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=TOKENS),
         "norm": SequenceParallel(sequence_dim=0),
@@ -220,11 +222,13 @@ def root_plan(args: ModelArgs) -> dict[str, ParallelStyle]:
     if not args.tie_word_embeddings:
         # Only the [V, D] weight's vocabulary sharding matters: the head reads the weight directly.
         plan["output"] = ColwiseParallel()
-    return plan
+    return {name: style for name, style in plan.items() if getattr(model, name, None) is not None}
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, experts_parallel: bool = False) -> nn.Module:
-    """Tensor-parallelise a native `CausalLM` over the 1-D `tp_mesh` in place; returns it.
+    """Tensor-parallelise a native `CausalLM` (or a pipeline stage's `StageModel`: layers in a
+    ModuleDict keyed by their index in the whole model, parts it lacks None) over the 1-D `tp_mesh`
+    in place; returns it.
 
     The parameters become DTensors (sharded or replicated over `tp_mesh`); the MoE layers keep
     plain replicated parameters. `model.hidden_states` then returns token shards (a DTensor
@@ -244,9 +248,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, experts_parallel: bool = 
             raise ValueError(
                 f"apply_tp: tp={tp} does not divide {name}={value}. Fix: use a tp that divides it."
             )
-    parallelize_module(model, tp_mesh, root_plan(args))
-    for i, layer in enumerate(model.layers):
-        parallelize_module(layer, tp_mesh, layer_plan(args, i, experts_parallel))
+    parallelize_module(model, tp_mesh, root_plan(args, model))
+    for key, layer in layer_items(decoder_layers(model)):  # a stage's ModuleDict keys: global indices
+        parallelize_module(layer, tp_mesh, layer_plan(args, int(key), experts_parallel))
         if experts_parallel and layer.moe is not None:
             _sum_grads_over(layer.moe, tp_mesh.get_group(), skip=layer.moe.experts)
         attention = layer.attention
@@ -256,8 +260,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, experts_parallel: bool = 
     for param in model.parameters():
         if isinstance(param, DTensor) and param.requires_grad:  # a frozen reference has no gradients
             param.register_post_accumulate_grad_hook(_grad_like_param)
-    # On the embedding: `forward` and `hidden_states` both start there.
-    model.tok_embeddings.register_forward_pre_hook(partial(_check_divisible, tp=tp))
+    # On the embedding: `forward` and `hidden_states` both start there (a pipeline's middle and
+    # last stages have none: the pipeline's budget is checked against tp when it is built).
+    if model.tok_embeddings is not None:
+        model.tok_embeddings.register_forward_pre_hook(partial(_check_divisible, tp=tp))
     return model
 
 

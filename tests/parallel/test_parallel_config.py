@@ -25,9 +25,17 @@ RAY = ["cluster.mode=ray"]
             r"parallel.ep=3 is invalid: must divide dp x cp x tp = 2 x 1 x 2 = 4.*Fix: use a parallel.ep that divides 4",
         ),
         (
-            ["cluster.num_workers=4", "parallel.pp=2", "parallel.tp=2"],
-            r"parallel.pp=2 is invalid: pipeline parallelism composes with data parallelism \(FSDP\) only in "
-            r"this version, not with parallel.tp=2. Fix: set parallel.pp=1 or the other degrees to 1\.$",
+            [
+                "cluster.num_workers=8",
+                "parallel.pp=2",
+                "parallel.tp=2",
+                "parallel.cp=2",
+                "train.share_prompts=false",
+                "train.max_tokens_per_micro_batch=4098",
+            ],
+            r"train.max_tokens_per_micro_batch=4098 is invalid: parallel.pp=2 splits every micro-batch, padded to "
+            r"this budget, into parallel.cp x parallel.tp = 2 x 2 equal token shares, so it must be a multiple of "
+            r"4. Fix: set train.max_tokens_per_micro_batch=4100\.$",
         ),
         (
             ["cluster.num_workers=2", "parallel.cp=2"],
@@ -53,6 +61,7 @@ def test_degrees_are_checked_against_the_model(tiny_checkpoint, tiny_moe_checkpo
         check_parallel(cfg, model_hf_config(cfg.model.path))
 
     check(tiny_checkpoint, "cluster.num_workers=4", "parallel.tp=2")  # tp=2 x dp=2 fits
+    check(tiny_checkpoint, "cluster.num_workers=4", "parallel.pp=2", "parallel.tp=2")  # pp=2 x tp=2 fits
     check(tiny_moe_checkpoint, "cluster.num_workers=4", "parallel.ep=4")
     with pytest.raises(
         ConfigError, match=r"parallel.tp=4 does not divide the model's num_key_value_heads=2 .*world=4"

@@ -24,7 +24,8 @@ from rlloom.models.logprobs import token_logprobs
 from rlloom.models.model import CausalLM
 from rlloom.parallel import ParallelDims, apply_ac, apply_fsdp, grad_norm
 from rlloom.parallel.pp import apply_pp, model_name
-from rlloom.parallel.pp_stages import PipeMicroBatch, check_pp, pad_to_budget, rank_stages, split_layers
+from rlloom.parallel.pp_batches import PipeMicroBatch, pad_to_budget
+from rlloom.parallel.pp_stages import check_pp, rank_stages, split_layers
 
 BUDGET = 32
 NUM_LAYERS = 6
@@ -255,10 +256,11 @@ def _check_schedule(
         for (logp, entropy), (exp_logp, exp_entropy) in zip(logps, expected_logps, strict=True):
             torch.testing.assert_close(logp, exp_logp, atol=1e-5, rtol=1e-5, msg=schedule)
             torch.testing.assert_close(entropy, exp_entropy, atol=1e-5, rtol=1e-5, msg=schedule)
-    weights = list(pipe.full_weights())  # every rank gets the whole model, in its order, once
-    assert [name for name, _ in weights] == list(ref_params), schedule
+    weights = list(pipe.full_weights())  # every rank gets the whole model (buffers too), in its order, once
+    ref_state = ref.state_dict()
+    assert [name for name, _ in weights] == list(ref_state), schedule
     for name, tensor in weights:
-        torch.testing.assert_close(tensor, ref_params[name].detach(), atol=0, rtol=0, msg=name)
+        torch.testing.assert_close(tensor, ref_state[name], atol=0, rtol=0, msg=name)
 
 
 def pp_worker(rank: int, layouts: list[tuple]) -> None:

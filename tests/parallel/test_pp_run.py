@@ -2,7 +2,12 @@
 (parallel.pp=2) gives the one-process run's per-step metrics within rel 1e-4: 1F1B with an uneven
 split (1 + 3 layers; even splits and every schedule run in test_pp.py) and the interleaved schedule
 with 2 virtual stages per rank, on a 4-layer tiny Qwen3 with tied embeddings (the last stage holds
-the embedding as its head). The learning rate (3e-2) is large enough that a wrong gradient changes
+the embedding as its head); and pp=2 x tp=2 on 4 workers (the stages tensor-parallel, the last
+one's head vocabulary-parallel); and a 4-layer tiny Qwen3-MoE at pp=2 x ep=2 on 4 workers with a
+rollout worker of its own (owner-only weight sync), the rollout's routes replayed (its MoE load and
+route-mismatch metrics match too). Each layout's final
+Hugging Face export (full tensors gathered from every stage, TP shard and EP rank) holds the
+one-process run's weights. The learning rate (3e-2) is large enough that a wrong gradient changes
 the samples; the KL term runs the frozen reference through the same pipeline. The layouts share one
 Ray start."""
 
@@ -12,6 +17,8 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 ray = pytest.importorskip("ray", reason="needs the ray extra: pip install 'rlloom[ray]'")
 
@@ -21,14 +28,31 @@ from rlloom.cli import main  # noqa: E402
 
 SKIP = ("time/", "perf/", "sync/ms", "memory/")
 LAYOUTS = {
-    "uneven": ["parallel.pp=2", "parallel.pp_first_stage_layers=1"],
-    "interleaved": ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2"],
+    "uneven": ["cluster.num_workers=2", "parallel.pp=2", "parallel.pp_first_stage_layers=1"],
+    "interleaved": [
+        "cluster.num_workers=2",
+        "parallel.pp=2",
+        "parallel.pp_schedule=interleaved",
+        "parallel.pp_virtual_stages=2",
+    ],
+    "pp2_tp2": ["cluster.num_workers=4", "parallel.pp=2", "parallel.tp=2"],
 }
 
 
 @pytest.fixture(scope="module")
 def four_layer_checkpoint(tmp_path_factory) -> Path:
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny4") / "ckpt", layers=4)
+
+
+@pytest.fixture(scope="module")
+def four_layer_moe_checkpoint(tmp_path_factory) -> Path:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny4moe") / "ckpt", layers=4, moe=True)
+
+
+def hf_export(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The tensors of the run's last Hugging Face export (written by every rank from `named_weights`)."""
+    (folder,) = sorted((run_dir / "hf").iterdir())[-1:]
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def train(ckpt: Path, run_dir: Path, *extra: str) -> list[dict]:
@@ -56,21 +80,42 @@ def train(ckpt: Path, run_dir: Path, *extra: str) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_pipeline_parallel_ray_runs_match_one_process(four_layer_checkpoint, tmp_path):
+def test_pipeline_parallel_ray_runs_match_one_process(
+    four_layer_checkpoint, four_layer_moe_checkpoint, tmp_path
+):
     expected = train(four_layer_checkpoint, tmp_path / "one")
+    expected_hf = hf_export(tmp_path / "one")
     assert [r["step"] for r in expected] == [1, 2]
     # The policy moves: step 2's samples come from the weights step 1 trained.
     assert expected[0]["train/grad_norm"] > 0 and expected[0]["reward/mean"] != expected[1]["reward/mean"]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)  # one start for every layout
+    ray.init(num_cpus=5, include_dashboard=False, log_to_driver=True)  # one start for every layout
     try:
         for name, layout in LAYOUTS.items():
-            got = train(
-                four_layer_checkpoint, tmp_path / name, "cluster.mode=ray", "cluster.num_workers=2", *layout
-            )
-            assert [r["step"] for r in got] == [1, 2], name
-            for want, row in zip(expected, got):
-                assert want.keys() == row.keys(), name
-                for k in want:
-                    assert row[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), (name, row["step"], k)
+            got = train(four_layer_checkpoint, tmp_path / name, "cluster.mode=ray", *layout)
+            compare(name, got, expected, tmp_path / name, expected_hf)
+        # MoE: pp=2 x ep=2 (dp=2: the micro-batch count per rank differs), routes replayed, with a
+        # rollout worker of its own: each training rank sends what it owns (every stage's dense
+        # tensors, its EP rank's experts), as `weight_layouts` describes them.
+        moe = ["algorithm.routing_replay=rollout", "train.share_prompts=false"]
+        expected = train(four_layer_moe_checkpoint, tmp_path / "moe_one", *moe)
+        layout = ["cluster.mode=ray", "cluster.num_workers=4", "parallel.pp=2", "parallel.ep=2"]
+        layout += ["cluster.placement=separate", "cluster.rollout_workers=1"]
+        got = train(four_layer_moe_checkpoint, tmp_path / "pp2_ep2", *moe, *layout)
+        assert {"moe/load_max_over_mean", "moe/route_mismatch_frac"} <= got[-1].keys()
+        compare("pp2_ep2", got, expected, tmp_path / "pp2_ep2", hf_export(tmp_path / "moe_one"))
     finally:
         ray.shutdown()
+
+
+def compare(name: str, got: list[dict], expected: list[dict], run_dir: Path, expected_hf: dict) -> None:
+    assert [r["step"] for r in got] == [1, 2], name
+    for want, row in zip(expected, got):
+        assert want.keys() == row.keys(), name
+        for k in want.keys() - {"train/num_micro_batches"}:
+            assert row[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), (name, row["step"], k)
+    # The final export holds full tensors (every stage's, TP shards and EP experts gathered): the
+    # one-process weights within what two Adam steps at lr 3e-2 turn rounding into (a wrong one moves ~lr).
+    exported = hf_export(run_dir)
+    assert exported.keys() == expected_hf.keys(), name
+    for k, t in expected_hf.items():
+        torch.testing.assert_close(exported[k], t, atol=1e-3, rtol=0, msg=lambda m, k=k: f"{name} {k}: {m}")

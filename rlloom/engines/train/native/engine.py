@@ -17,7 +17,8 @@ One call of `train_step` is one optimizer step over a global batch:
 Under pipeline parallelism (parallel.pp > 1; pipeline.py) the same plan runs through the stages
 of a `rlloom.parallel.pp.Pipeline`: every micro-batch is padded to the token budget, the loss of
 each runs on the last stage's rank, whose metrics every pp rank returns, and the grad norm is taken
-once per step over the pp ranks.
+once per step over the pp ranks. MoE loads and route mismatches are counted by the stages (real
+tokens only) and merged over the pp ranks; the MoE auxiliary loss is refused.
 
 Every rank receives the same global batch and computes the same plan from it, so no plan is sent.
 Ranks with fewer micro-batches run zero-weight copies of their smallest sample, so every rank issues
@@ -52,9 +53,15 @@ from rlloom.engines.train.native.flops import active_body_params, step_flops
 from rlloom.engines.train.native.layout import EngineLayout
 from rlloom.engines.train.native.lr_schedule import lr_at
 from rlloom.engines.train.native.microbatch import plan_rank, shared_prompt_units
-from rlloom.engines.train.native.moe_balance import MoEBalance
+from rlloom.engines.train.native.moe_balance import MoEBalance, moe_layers_of
 from rlloom.engines.train.native.optimizer import EngineOptimizer
-from rlloom.engines.train.native.pipeline import PipeBatch, from_last_stage, stage_view
+from rlloom.engines.train.native.pipeline import (
+    PipeBatch,
+    from_last_stage,
+    merge_moe_metrics,
+    pipeline_weight_layouts,
+    stage_view,
+)
 from rlloom.engines.train.native.policy import PolicyHead, run_micro_batch
 from rlloom.engines.train.native.step_guard import (
     adamw_would_be_finite,
@@ -170,12 +177,16 @@ class NativeTrainEngine:
     def _build_pipeline(self, frozen: bool) -> None:
         """Cut the model into this rank's stages (`parallelize_pp`); `self.module` becomes a view of
         them under the PolicyHead's names and `self.model` its CausalLM-like part."""
-        if self.moe_balance is not None:
+        if self.moe_balance is not None and self.cfg.moe_aux_loss_coef > 0:
             raise ValueError(
-                f"train.moe_aux_loss_coef={self.cfg.moe_aux_loss_coef} / train.moe_bias_update_rate="
-                f"{self.cfg.moe_bias_update_rate}: MoE load balancing is not built for pipeline parallelism "
-                f"(parallel.pp={self.dims.pp}). Fix: set both to 0, or parallel.pp=1."
+                f"train.moe_aux_loss_coef={self.cfg.moe_aux_loss_coef}: the MoE auxiliary loss is not built for "
+                f"pipeline parallelism (parallel.pp={self.dims.pp}; the bias update, train.moe_bias_update_rate, "
+                "is). Fix: set train.moe_aux_loss_coef=0, or parallel.pp=1."
             )
+        self._moe_model = self.moe_balance is not None
+        """The whole model has MoE layers: every pp rank joins the load metrics' exchange."""
+        self._num_moe_layers = len(moe_layers_of(self.model))
+        """MoE layers of the whole model (each pp rank holds some)."""
         par = self.pipeline_settings
         modules, self.pipe = parallelize_pp(
             self.model,
@@ -195,6 +206,10 @@ class NativeTrainEngine:
         self._stage_modules = modules
         self.module = stage_view(modules, self.model)
         self.model = self.module.model  # the layers of other stages are freed with the whole model
+        if self.moe_balance is not None:  # this rank's MoE layers (None when its stages have none)
+            self.moe_balance = MoEBalance.build(
+                self.model, aux_loss_coef=0.0, bias_update_rate=self.cfg.moe_bias_update_rate
+            )
 
     def _set_mode(self, train: bool) -> None:
         for module in self._stage_modules or [self.module]:
@@ -420,14 +435,27 @@ class NativeTrainEngine:
             )
             return loss_sum.reshape(()) / loss_normalizer
 
-        with deferred_finite_checks():
-            self.pipe.forward_backward(
-                pb.micro_batches,
-                pipe_loss,
-                temperature=temperature,
-                with_entropy=with_entropy,
-                replay_routes=routing_replay,
-            )
+        balance = self.moe_balance
+        self.pipe.feed.moe_loads = {} if balance is not None else None
+        with_routes = self._num_moe_layers > 0 and batch.samples[0].routed_experts is not None
+        if with_routes:
+            m = self.pipe.num_micro_batches(len(micro_batches))
+            self.pipe.feed.route_counts_M2 = torch.zeros(m, 2, device=self.device)
+        try:
+            with deferred_finite_checks():
+                self.pipe.forward_backward(
+                    pb.micro_batches,
+                    pipe_loss,
+                    temperature=temperature,
+                    with_entropy=with_entropy,
+                    replay_routes=routing_replay,
+                )
+            if balance is not None:  # the real tokens this rank's stages routed (padding not counted)
+                balance.add_loads(torch.stack([self.pipe.feed.moe_loads[str(i)] for i in balance.layers]))
+            if with_routes:
+                records += self._pipe_route_metrics(batch, pb, self.pipe.feed.route_counts_M2)
+        finally:
+            self.pipe.feed.moe_loads = self.pipe.feed.route_counts_M2 = None
         acc = MetricsAccumulator()
         acc.add_all(records)
         acc.add({"train/num_micro_batches": Max(len(micro_batches))})
@@ -436,6 +464,25 @@ class NativeTrainEngine:
         acc.add({"perf/pp_budget_fill": Mean(sum(pb.num_tokens) / slots, weight=slots)})
         metrics = reduce_across_ranks(acc, self.dp_group)
         return from_last_stage(self.pipe, metrics)
+
+    def _pipe_route_metrics(
+        self, batch: RolloutBatch, pb: PipeBatch, counts_M2: torch.Tensor
+    ) -> list[dict[str, Metric]]:
+        """`moe/route_mismatch_frac` per micro-batch as `_route_metrics` gives it, from the counts each
+        pp rank's stages recorded (summed over the pp ranks, and the TP/CP ranks that split tokens)."""
+        counts_M2 = counts_M2.to(self._comm_device)
+        groups = [self.pipe.group]
+        groups += [self.layout.tp_group] if self.layout.tokens_split_over_tp else []
+        groups += [self.layout.cp_group] if self.layout.cp > 1 else []
+        for group in groups:
+            dist.all_reduce(counts_M2, group=group)
+        out = []
+        for rows, (differ, compared) in zip(pb.rows, counts_M2.tolist()):
+            if rows is None:
+                continue
+            weight = sum(len(batch.samples[i].routed_experts) for i in rows) * self._num_moe_layers
+            out.append({"moe/route_mismatch_frac": Mean(differ / max(compared, 1.0), weight=weight)})
+        return out
 
     def _pipe_logprobs(
         self,
@@ -581,6 +628,8 @@ class NativeTrainEngine:
                 group=self.layout.moe_count_group,
                 comm_device=self._comm_device if self.layout.world_size > 1 else self.device,
             )
+        if self.pipe is not None and self._moe_model:  # each pp rank holds some MoE layers
+            metrics = merge_moe_metrics(self.pipe, metrics, self.moe_balance)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
@@ -637,8 +686,13 @@ class NativeTrainEngine:
     def weight_layouts(self) -> dict[str, WeightLayout]:
         """For each Hugging Face name `named_weights` yields, where it lives on this rank (native
         parameter, full shape, expert index and EP owner, DTensor mesh dimensions and placements);
-        no data moves. This rank's EP rank is `layout.ep_rank`."""
-        return weight_layouts(self.model, ep=self.layout.ep)
+        no data moves. This rank's EP rank is `layout.ep_rank`. Under pipeline parallelism
+        `named_weights` gives every rank every stage's tensors, so this describes them all: each
+        stage's as its own ranks hold it (an expert's EP rank is the same on every pp rank), in the
+        order `named_weights` yields them (collective over the pp group)."""
+        if self.pipe is None:
+            return weight_layouts(self.model, ep=self.layout.ep)
+        return pipeline_weight_layouts(self.pipe, ep=self.layout.ep)
 
     # ---- checkpoint and memory --------------------------------------------------------------
 

@@ -23,9 +23,20 @@ from torch import nn
 from rlloom.observability.metrics import Metric, Sum
 
 
+def moe_layers_of(model: nn.Module) -> dict[int, nn.Module]:
+    """Layer index -> MoE module of a CausalLM, or of a pipeline rank's stages (`layers` a ModuleDict
+    keyed by the whole model's layer indices; see `pipeline.stage_view`)."""
+    if hasattr(model, "moe_layers"):
+        return model.moe_layers()
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleDict):
+        return {}
+    return {int(k): layer.moe for k, layer in layers.items() if getattr(layer, "moe", None) is not None}
+
+
 class MoEBalance:
     def __init__(self, model: nn.Module, *, aux_loss_coef: float, bias_update_rate: float) -> None:
-        self.layers = model.moe_layers()
+        self.layers = moe_layers_of(model)
         self.aux_loss_coef = aux_loss_coef
         self.bias_update_rate = bias_update_rate
         for moe in self.layers.values():
@@ -34,7 +45,7 @@ class MoEBalance:
 
     @classmethod
     def build(cls, model: nn.Module, *, aux_loss_coef: float, bias_update_rate: float) -> MoEBalance | None:
-        has_moe = hasattr(model, "moe_layers") and bool(model.moe_layers())
+        has_moe = bool(moe_layers_of(model))
         return cls(model, aux_loss_coef=aux_loss_coef, bias_update_rate=bias_update_rate) if has_moe else None
 
     def aux_term(self, token_share: float) -> tuple[torch.Tensor | None, dict[str, Metric]]:
@@ -59,8 +70,19 @@ class MoEBalance:
                     counts_E.dtype
                 )
             counts.append(counts_E)
-        counts_LE = torch.stack(counts)
+        self.add_loads(torch.stack(counts))
+
+    def add_loads(self, counts_LE: torch.Tensor) -> None:
+        """Add [MoE layers, E] token counts (in `self.layers`' order) to the step's loads."""
         self._loads_LE = counts_LE if self._loads_LE is None else self._loads_LE + counts_LE
+
+    def bias_abs_sum(self) -> tuple[float, int]:
+        """(sum of |correction bias|, number of bias entries) of these layers: pipeline ranks each
+        hold some layers, and the engine combines theirs into moe/bias_abs_mean."""
+        biases = [
+            moe.router.expert_bias for moe in self.layers.values() if moe.router.expert_bias is not None
+        ]
+        return float(sum(b.abs().sum() for b in biases)), sum(b.numel() for b in biases)
 
     @torch.no_grad()
     def finish(self, *, applied: bool, group: dist.ProcessGroup | None, comm_device: torch.device) -> dict:

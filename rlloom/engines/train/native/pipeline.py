@@ -8,6 +8,8 @@
 - `PipeBatch`: the engine's micro-batches (sample indices, None = filler) as the Pipeline's
   `PipeMicroBatch`es, with each one's response mask to spread the K selected logprobs to [b, T].
 - `from_last_stage`: metrics computed on the last stage's rank, the same on every pp rank.
+- `pipeline_weight_layouts`: the weight layouts of every stage (what `named_weights` yields).
+- `merge_moe_metrics`: the MoE load metrics of every pp rank's layers, the same on every pp rank.
 
 Shape legend: K selected positions, b samples of a micro-batch, T response tokens.
 """
@@ -22,8 +24,10 @@ import torch.distributed as dist
 from torch import nn
 
 from rlloom.data.types import RolloutBatch
+from rlloom.engines.train.native.moe_balance import MoEBalance
+from rlloom.engines.train.native.weights import WeightLayout, weight_layouts
 from rlloom.parallel.pp import Pipeline, stage_module
-from rlloom.parallel.pp_stages import PipeMicroBatch
+from rlloom.parallel.pp_batches import PipeMicroBatch
 
 PARTS = ("tok_embeddings", "layers", "norm", "output")
 
@@ -108,6 +112,39 @@ class PipeBatch:
         flat_K = mask_bT.flatten().nonzero().squeeze(1).to(values_K.device)
         zeros = torch.zeros(mask_bT.numel(), dtype=torch.float32, device=values_K.device)
         return zeros.index_put((flat_K,), values_K.float()).view(mask_bT.shape)
+
+
+def merge_moe_metrics(
+    pipe: Pipeline, metrics: dict[str, float], balance: MoEBalance | None
+) -> dict[str, float]:
+    """`metrics` with the MoE load metrics of every pp rank's layers (each rank's `MoEBalance.finish`
+    covers its own): the per-layer ratios united, their max, and the mean |bias| over all layers."""
+    mine = {k: v for k, v in metrics.items() if k.startswith("moe/layer")}
+    bias = balance.bias_abs_sum() if balance is not None and "moe/bias_abs_mean" in metrics else (0.0, 0)
+    everyone: list[Any] = [None] * pipe.pp
+    dist.all_gather_object(everyone, (mine, bias), group=pipe.group)
+    layers = {k: v for ratios, _ in everyone for k, v in ratios.items()}
+    out = dict(metrics) | layers
+    if layers:
+        out["moe/load_max_over_mean"] = max(layers.values())
+    total, count = (sum(x) for x in zip(*(b for _, b in everyone), strict=True))
+    if count:
+        out["moe/bias_abs_mean"] = total / count
+    return out
+
+
+def pipeline_weight_layouts(pipe: Pipeline, *, ep: int) -> dict[str, WeightLayout]:
+    """`weights.weight_layouts` of every stage of the pipeline, in stage order (as
+    `Pipeline.full_weights` yields them; a tied embedding once, as the first stage holds it), on
+    every rank of the pp group (collective)."""
+    mine = [(s, weight_layouts(stage_module(m).model, ep=ep)) for s, m in zip(pipe.stage_ids, pipe.modules)]
+    everyone: list[Any] = [None] * pipe.pp
+    dist.all_gather_object(everyone, mine, group=pipe.group)
+    out: dict[str, WeightLayout] = {}
+    for _, layouts in sorted((item for held in everyone for item in held), key=lambda item: item[0]):
+        for name, layout in layouts.items():
+            out.setdefault(name, layout)
+    return out
 
 
 def from_last_stage(pipe: Pipeline, value: Any) -> Any:
