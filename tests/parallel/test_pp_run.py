@@ -1,9 +1,9 @@
 """The whole RL run through the `rlloom train` CLI with 2 Ray workers and pipeline parallelism
-(parallel.pp=2) gives the one-process run's per-step metrics within rel 1e-4: 1F1B with an uneven
-split (1 + 3 layers; even splits and every schedule run in test_pp.py) and the interleaved schedule
-with 2 virtual stages per rank, on a 4-layer tiny Qwen3 with tied embeddings (the last stage holds
-the embedding as its head); and pp=2 x tp=2 on 4 workers (the stages tensor-parallel, the last
-one's head vocabulary-parallel); and a 4-layer tiny Qwen3-MoE at pp=2 x ep=2 on 4 workers with a
+(parallel.pp=2) gives the one-process run's per-step metrics within rel 1e-4: the interleaved
+schedule with 2 virtual stages per rank on 2 workers, and 1F1B at pp=2 x tp=2 on 4 workers with an
+uneven split (1 + 3 layers; the stages tensor-parallel, the last one's head vocabulary-parallel;
+even splits and every schedule run in test_pp.py), on a 4-layer tiny Qwen3 with tied embeddings
+(the last stage holds the embedding as its head); and a 4-layer tiny Qwen3-MoE at pp=2 x ep=2 on 4 workers with a
 rollout worker of its own (owner-only weight sync), the rollout's routes replayed (its MoE load and
 route-mismatch metrics match too). Each layout's final
 Hugging Face export (full tensors gathered from every stage, TP shard and EP rank) holds the
@@ -28,14 +28,18 @@ from rlloom.cli import main  # noqa: E402
 
 SKIP = ("time/", "perf/", "sync/ms", "memory/")
 LAYOUTS = {
-    "uneven": ["cluster.num_workers=2", "parallel.pp=2", "parallel.pp_first_stage_layers=1"],
     "interleaved": [
         "cluster.num_workers=2",
         "parallel.pp=2",
         "parallel.pp_schedule=interleaved",
         "parallel.pp_virtual_stages=2",
     ],
-    "pp2_tp2": ["cluster.num_workers=4", "parallel.pp=2", "parallel.tp=2"],
+    "pp2_tp2_uneven": [
+        "cluster.num_workers=4",
+        "parallel.pp=2",
+        "parallel.tp=2",
+        "parallel.pp_first_stage_layers=1",
+    ],
 }
 
 

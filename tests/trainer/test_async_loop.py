@@ -171,6 +171,17 @@ def test_abort_resume_keeps_each_tokens_version_and_logprob(tiny_checkpoint, tmp
         held = {k: v.clone() for k, v in hf_named_tensors(engine.model)}
         return engine.policy_version, held, dict(hf_named_tensors(ctx.train_group.worker.engine.model))
 
+    import time
+
+    from rlloom.engines.rollout.native.engine import NativeEngine
+
+    real_step = NativeEngine.step
+
+    def slow_step(engine):  # a job is then still generating when its update arrives, on any machine
+        time.sleep(0.02)
+        return real_step(engine)
+
+    monkeypatch.setattr(NativeEngine, "step", slow_step)
     seen = spy_on_versions(monkeypatch, weights_of)
     run(tiny_cfg(tiny_checkpoint, tmp_path / "r", *FAST, *ABORT_RESUME))
     records = read_metrics(tmp_path / "r")
