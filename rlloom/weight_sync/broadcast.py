@@ -282,8 +282,8 @@ def owner_layout(layouts: Mapping[str, WeightLayout], ep_rank: int) -> TrainLayo
     every rank under expert parallelism), `ep_rank` this rank's EP rank, gathered from every rank
     over the default process group. Collective over the training world under expert parallelism:
     every training rank calls it, once, and keeps it. None without expert parallelism: every sender
-    then holds every tensor (`send_weights`' default; it covers pipeline parallelism too, whose
-    export gives every rank every stage while `layouts` describes only its own)."""
+    then holds every tensor (`send_weights`' default). Under pipeline parallelism `layouts` covers
+    every stage (the export gives every rank every stage's tensors)."""
     if all(w.ep_rank is None for w in layouts.values()):
         return None
     ep_ranks: list[int] = [ep_rank]
