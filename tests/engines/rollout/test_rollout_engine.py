@@ -313,6 +313,16 @@ def test_compiled_decode_forward_in_one_graph_matches_eager(tmp_path):
         scratch_block=runner.num_blocks, forward=compile_decode_forward(engine.model, one_graph=True),
     )  # fmt: skip
     _assert_same(engine.generate(batch, params), reference)
+    # Sleep/wake re-allocates the cache behind the same handle: the traced op still finds it.
+    graphs, forward = counters["stats"]["unique_graphs"], runner.graphs.forward
+    engine.sleep()
+    engine.wake()
+    runner.graphs = EagerGraphs(
+        engine.model, runner.backend, max_num_seqs=4, max_blocks_per_seq=runner.max_blocks_per_seq,
+        scratch_block=runner.num_blocks, forward=forward,
+    )  # fmt: skip
+    _assert_same(engine.generate(batch, params), reference)
+    assert counters["stats"]["unique_graphs"] == graphs, "woken up, the decode forward compiled again"
     # One per batch size at most (the full static buffer and a view of it guard differently).
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
 

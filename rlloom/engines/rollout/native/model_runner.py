@@ -144,7 +144,9 @@ class ModelRunner:
         use_kernel = self.device.type == "cuda" and decode_kernel_works(
             self.device, self.dtype, a.num_heads, kv.num_heads, kv.key_dim, kv.value_dim
         )
-        self.backend = PagedAttention(k_cache, v_cache, self.block_size, use_decode_kernel=use_kernel)
+        self.backend = PagedAttention(
+            k_cache, v_cache, self.block_size, use_decode_kernel=use_kernel, handle=self._handle
+        )
         if self.use_graphs:
             self.graphs = self._new_graphs()
 
