@@ -229,18 +229,24 @@ class EagerGraphs(DecodeGraphs):
         self.graphs[(bs, num_blocks)] = SimpleNamespace(replay=replay)
 
 
+def _eager_graphs(engine: NativeEngine, max_num_seqs: int, **kwargs) -> EagerGraphs:
+    """EagerGraphs over `engine`'s runner, installed as its graphs (kwargs: DecodeGraphs' options)."""
+    runner = engine.runner
+    runner.graphs = EagerGraphs(
+        engine.model, runner.backend, max_num_seqs=max_num_seqs, max_blocks_per_seq=runner.max_blocks_per_seq,
+        scratch_block=runner.num_blocks, **kwargs,
+    )  # fmt: skip
+    return runner.graphs
+
+
 def test_decode_graph_buffers_padding_and_buckets(dense):
     batch = sorted(prompts(6, max_len=20, seed=11), key=len)  # the longest prompt runs longest
     params = [SamplingParams(n=2, temperature=1.0, max_new_tokens=3 + 3 * i, seed=i) for i in range(6)]
     reference = _engine(dense[1]).generate(batch, params)
     engine = _engine(dense[1], max_num_seqs=12)
-    runner = engine.runner
-    runner.graphs = EagerGraphs(
-        engine.model, runner.backend, max_num_seqs=12, max_blocks_per_seq=runner.max_blocks_per_seq,
-        scratch_block=runner.num_blocks, bucket_tokens=16,
-    )  # fmt: skip
+    graphs = _eager_graphs(engine, 12, bucket_tokens=16)
     _assert_same(engine.generate(batch, params), reference)
-    used = sorted(runner.graphs.graphs)
+    used = sorted(graphs.graphs)
     assert {bs for bs, _ in used} >= {2, 4, 8, 12} and len({nb for _, nb in used}) >= 2, used
 
 
@@ -252,14 +258,10 @@ def test_decode_graphs_record_moe_routes_like_eager_decode(tmp_path):
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3)
     reference = _engine(path).generate(batch, params)
     engine = _engine(path, max_num_seqs=12)
-    runner = engine.runner
-    runner.graphs = EagerGraphs(
-        engine.model, runner.backend, max_num_seqs=12, max_blocks_per_seq=runner.max_blocks_per_seq,
-        scratch_block=runner.num_blocks, route_dtype=runner.route_dtype,
-    )  # fmt: skip
+    graphs = _eager_graphs(engine, 12, route_dtype=engine.runner.route_dtype)
     out = engine.generate(batch, params)
     _assert_same(out, reference)
-    assert runner.graphs.graphs
+    assert graphs.graphs
     for got, want in zip(out, reference):
         assert got.routed_experts is not None and torch.equal(got.routed_experts, want.routed_experts)
 
@@ -280,13 +282,9 @@ def test_compiled_decode_forward_traces_one_layer_and_matches_eager(tmp_path):
     params = [SamplingParams(temperature=1.0, max_new_tokens=2 + 4 * i, seed=i) for i in range(3)]
     reference = _engine(path).generate(batch, params)
     engine = _engine(path, max_num_seqs=4)
-    runner = engine.runner
-    runner.graphs = EagerGraphs(
-        engine.model, runner.backend, max_num_seqs=4, max_blocks_per_seq=runner.max_blocks_per_seq,
-        scratch_block=runner.num_blocks, forward=compile_decode_forward(engine.model),
-    )  # fmt: skip
+    graphs = _eager_graphs(engine, 4, forward=compile_decode_forward(engine.model))
     _assert_same(engine.generate(batch, params), reference)
-    assert {bs for bs, _ in runner.graphs.graphs} == {2, 4}
+    assert {bs for bs, _ in graphs.graphs} == {2, 4}
     # Specialised per layer, the 9th layer would hit the recompile limit (a frame not ok) and run eagerly.
     assert counters["frames"]["total"] == counters["frames"]["ok"], dict(counters["unimplemented"])
     assert 0 < counters["stats"]["unique_graphs"] < 8, dict(counters["stats"])  # 6 at torch 2.13
@@ -307,22 +305,15 @@ def test_compiled_decode_forward_in_one_graph_matches_eager(tmp_path):
     params = [SamplingParams(temperature=1.0, max_new_tokens=2 + 3 * i, seed=i) for i in range(3)]
     reference = _engine(path).generate(batch, params)
     engine = _engine(path, max_num_seqs=4)
-    runner = engine.runner
-    runner.graphs = EagerGraphs(
-        engine.model, runner.backend, max_num_seqs=4, max_blocks_per_seq=runner.max_blocks_per_seq,
-        scratch_block=runner.num_blocks, forward=compile_decode_forward(engine.model, one_graph=True),
-    )  # fmt: skip
+    graphs = _eager_graphs(engine, 4, forward=compile_decode_forward(engine.model, one_graph=True))
     _assert_same(engine.generate(batch, params), reference)
     # Sleep/wake re-allocates the cache behind the same handle: the traced op still finds it.
-    graphs, forward = counters["stats"]["unique_graphs"], runner.graphs.forward
+    compiled, forward = counters["stats"]["unique_graphs"], graphs.forward
     engine.sleep()
     engine.wake()
-    runner.graphs = EagerGraphs(
-        engine.model, runner.backend, max_num_seqs=4, max_blocks_per_seq=runner.max_blocks_per_seq,
-        scratch_block=runner.num_blocks, forward=forward,
-    )  # fmt: skip
+    _eager_graphs(engine, 4, forward=forward)
     _assert_same(engine.generate(batch, params), reference)
-    assert counters["stats"]["unique_graphs"] == graphs, "woken up, the decode forward compiled again"
+    assert counters["stats"]["unique_graphs"] == compiled, "woken up, the decode forward compiled again"
     # One per batch size at most (the full static buffer and a view of it guard differently).
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
 
