@@ -66,8 +66,6 @@ def child(args: argparse.Namespace) -> None:
         ctx = e2e_context(cfg, groups, args)
         steps = [rl_step(ctx, step)["time/step_s"] for step in range(args.steps)]
         groups.close()
-    if torch._dynamo.config.caching_precompile:  # TORCH_CACHING_PRECOMPILE=1: torch's experimental
-        torch.compiler.save_cache_artifacts()  # Dynamo cache is written here, read by the next run
     print(torch._dynamo.utils.compile_times(repr="str", aggregate=True), file=sys.stderr, flush=True)
     result = {
         "imports_s": imports_s,

@@ -9,7 +9,7 @@ Inputs (see docs/CONTRACTS.md):
 - packed: input_ids [N], position_ids [N], cu_seqlens [S + 1] -> logits [N, V]
 - shared-prompt packed: the same plus prefix_lens [S] and branch_lens [Z] (each segment a prompt
   followed by branches that attend to the prompt and to themselves; see `attention_ops`)
-- backend: input_ids [N], position_ids [N], attn=<object with .attn(q, k, v, scale)>, called once per layer>
+- backend: input_ids [N], position_ids [N], attn=<object with .attn(q, k, v, scale), called once per layer>
 
 Rotary tables are recomputed buffers: after materialising from the meta device call
 `init_buffers()`.
