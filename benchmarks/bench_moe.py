@@ -7,8 +7,9 @@ GPU (default): random bf16 weights of Qwen3-30B-A3B's width with 8 of its 48 lay
     batch of 128 x 8 routed tokens reaches every expert, and every cached key/value), and whether the
     decode ran as compiled CUDA graphs; transformers' `generate` on the same prompts;
   - train: one optimizer step over 4 micro-batches of <= 4096 packed tokens (fp32 master weights,
-    bf16 compute, activation checkpointing off): tokens/s, MFU on active parameters, peak memory;
-    transformers' forward + backward over the same number of tokens as 4 x 4096 sequences.
+    bf16 compute, activation checkpointing off), and the same batch as one micro-batch of <= 16384:
+    tokens/s, MFU on active parameters, peak memory; transformers' forward + backward over the same
+    number of tokens as 4 x 4096 sequences, one at a time and as one batch.
   - start: seconds from engine construction to the first generated token (compilation included).
 With `--model deepseek_v3`: DeepSeek-V3's width with 2 layers (1 dense + 1 MoE of 256 experts, MLA
 with the latent KV cache), rollout 64 x 128 -> 128 against transformers, and the KV-cache capacity
@@ -230,13 +231,54 @@ def bench_train(
     profile: bool = False,
     gather_once: bool = False,
 ):
+    """The same packed batch through rlloom's train_step as `micro_batches` micro-batches of <=
+    `budget` tokens and as one micro-batch; transformers' forward+backward per sequence and as one
+    batch."""
     device = next(hf.parameters()).device
     batch = make_batch(budget // 16, budget, budget, micro_batches, config["vocab_size"], seed=0)
+    for mb_budget in (budget, budget * micro_batches):
+        train_row(
+            config,
+            hf,
+            table,
+            batch,
+            mb_budget,
+            profile=profile and mb_budget == budget,
+            gather_once=gather_once,
+        )
+    free(device)
+
+    # transformers: forward + backward of the bf16 model over micro_batches x budget tokens
+    hf.train()
+    ids = torch.randint(0, config["vocab_size"], (micro_batches, budget), device=device)
+    hf_flops = step_flops(build_model(config, dtype=torch.float32, device="meta"), [budget] * micro_batches,
+                          micro_batches * budget, body_params=engine_body_params(config))  # fmt: skip
+    for rows in (1, micro_batches):
+        name = f"fwd+bwd {micro_batches} x {budget}" + (" in one batch" if rows > 1 else "")
+        try:
+            secs = time_hf_train(hf, ids, rows, device)
+        except torch.OutOfMemoryError:
+            row(table, name, "transformers (bf16, no optimizer)", {"tokens": ids.numel(), "s": float("nan")},
+                "out of memory")  # fmt: skip
+            free(device)
+            continue
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+        row(table, name, "transformers (bf16, no optimizer)", {"tokens": ids.numel(), "s": secs},
+            f"MFU(active) {hf_flops / (secs * H100_BF16_PEAK_FLOPS):.3f}, peak {peak:.1f} GiB")  # fmt: skip
+        free(device)
+    hf.eval()
+
+
+def train_row(
+    config: dict, hf: torch.nn.Module, table: list, batch, mb_budget: int, *, profile: bool, gather_once: bool
+) -> None:
+    """rlloom's train_step (fp32 master weights, AdamW) with micro-batches of <= mb_budget tokens."""
+    device = next(hf.parameters()).device
     model = native_from(hf, config, torch.float32)
     engine = NativeTrainEngine(
         TrainEngineConfig(
             lr=1e-6,
-            max_tokens_per_micro_batch=budget,
+            max_tokens_per_micro_batch=mb_budget,
             compile=device.type == "cuda",
             gather_once_per_step=gather_once,
         ),
@@ -256,38 +298,35 @@ def bench_train(
     seq_lens = [s.num_tokens for s in batch.samples]
     flops = step_flops(engine.model, seq_lens, int(mask.sum()), body_params=engine._body_params)
     peak = metrics[-1].get("memory/peak_allocated_gib", float("nan"))
-    r = {"tokens": batch.num_tokens, "s": seconds}
-    name = f"train {micro_batches} x <= {budget} packed{', gather once' if gather_once else ''}"
-    row(table, name, "rlloom train_step", r,
+    num_mb = len(engine._plan(batch)[0])
+    name = f"train {num_mb} x <= {mb_budget} packed{', gather once' if gather_once else ''}"
+    row(table, name, "rlloom train_step", {"tokens": batch.num_tokens, "s": seconds},
         f"MFU(active) {flops / (seconds * H100_BF16_PEAK_FLOPS):.3f}, peak {peak:.1f} GiB (fp32 master + Adam)")  # fmt: skip
     if profile:
         print_profile(engine, batch, loss_fn, normalizer, device)
     del engine, model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    free(device)
 
-    # transformers: forward + backward of the bf16 model over micro_batches x budget tokens
-    hf.train()
-    ids = torch.randint(0, config["vocab_size"], (micro_batches, budget), device=device)
+
+def time_hf_train(hf: torch.nn.Module, ids: torch.Tensor, rows: int, device: torch.device) -> float:
+    """Seconds of forward + backward over `ids` in chunks of `rows` sequences (mean of 2 after 1)."""
     times = []
     for i in range(3):
         torch.cuda.synchronize() if device.type == "cuda" else None
         start = time.perf_counter()
-        for mb in range(micro_batches):
-            hf(input_ids=ids[mb : mb + 1], labels=ids[mb : mb + 1]).loss.backward()
+        for lo in range(0, len(ids), rows):
+            hf(input_ids=ids[lo : lo + rows], labels=ids[lo : lo + rows]).loss.backward()
         torch.cuda.synchronize() if device.type == "cuda" else None
         if i:
             times.append(time.perf_counter() - start)
     hf.zero_grad(set_to_none=True)
-    hf.eval()
-    secs = sum(times) / len(times)
-    hf_flops = step_flops(build_model(config, dtype=torch.float32, device="meta"), [budget] * micro_batches,
-                          micro_batches * budget, body_params=engine_body_params(config))  # fmt: skip
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-    row(table, f"fwd+bwd {micro_batches} x {budget}", "transformers (bf16, no optimizer)",
-        {"tokens": micro_batches * budget, "s": secs},
-        f"MFU(active) {hf_flops / (secs * H100_BF16_PEAK_FLOPS):.3f}, peak {peak:.1f} GiB")  # fmt: skip
+    return sum(times) / len(times)
+
+
+def free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def engine_body_params(config: dict) -> float:

@@ -11,6 +11,10 @@ Routing (always in fp32):
 Experts are stored stacked, w1 (gate) [E, I, D], w2 (down) [E, D, I], w3 (up) [E, I, D]. The
 token-expert pairs are sorted by expert so each expert reads one contiguous slice: on CUDA with
 bf16 one `torch._grouped_mm` per projection, elsewhere a loop over experts (never over tokens).
+Tokens go to and come back from that order by gathers only (`DispatchRows`, `PermuteRows`: the
+backward of each is a gather too), and a token's K expert outputs are summed with their weights
+in one reduction: no atomic scatter-adds, so the result is deterministic, and on an H200 the
+combine at 16k tokens took 2 ms per layer as a bf16 `index_add`.
 The CUDA path never reads a device value on the host (counts by scatter-add, offsets by cumsum on
 the device), so the rollout engine captures MoE decode steps in CUDA graphs with the compiled
 forward; `bincount` would sync (its output size depends on the data) and break both.
@@ -128,17 +132,14 @@ class GroupedExperts(nn.Module):
         K = experts_TK.shape[1]
         flat_experts = experts_TK.flatten()
         order = torch.argsort(flat_experts, stable=True)
-        token_of = order // K
         counts_E = torch.zeros(self.w1.shape[0], dtype=torch.int64, device=flat_experts.device)
         counts_E.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
-        xs = x_TD[token_of]
+        xs = dispatch_rows(x_TD, order, K)
         if xs.is_cuda and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
             ys = self._grouped_mm(xs, counts_E)
         else:
             ys = self._loop(xs, counts_E)
-        ys = ys * weights_TK.flatten()[order].unsqueeze(-1).to(ys.dtype)
-        out = torch.zeros_like(x_TD).index_add_(0, token_of, ys)
-        return out, counts_E
+        return combine_rows(ys, order, weights_TK), counts_E
 
     def _loop(self, xs: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         ys = torch.empty_like(xs)
@@ -156,6 +157,59 @@ class GroupedExperts(nn.Module):
         gate = torch._grouped_mm(xs, self.w1.transpose(-2, -1), offs=offsets)
         up = torch._grouped_mm(xs, self.w3.transpose(-2, -1), offs=offsets)
         return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offsets)
+
+
+def dispatch_rows(x_TD: torch.Tensor, order: torch.Tensor, K: int) -> torch.Tensor:
+    """[T, D] -> [T*K, D]: token t's row at every position j with order[j] // K == t, where `order`
+    sorts the T*K token-expert pairs (pair p = t*K + k) by expert."""
+    return DispatchRows.apply(x_TD, order, K)
+
+
+def combine_rows(y_PD: torch.Tensor, order: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    """[T*K, D] outputs in `order` (as `dispatch_rows` sent them) -> [T, D]: each token's K outputs
+    weighted by `weights_TK` (fp32, cast to y's dtype) and summed in one reduction."""
+    T, K = weights_TK.shape
+    y_TKD = PermuteRows.apply(y_PD, inverse_permutation(order), order).view(T, K, y_PD.shape[-1])
+    return (y_TKD * weights_TK.unsqueeze(-1).to(y_PD.dtype)).sum(dim=1)
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """inv with inv[order[j]] = j (a scatter of unique indices: deterministic, no host sync)."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+
+
+class DispatchRows(torch.autograd.Function):
+    """x_TD -> x_TD[order // K]: each token's row once per chosen expert, in expert order.
+
+    The backward sums each token's K row gradients through the inverse permutation (a gather and a
+    sum over K), where autograd's index backward would scatter-add into x's rows."""
+
+    @staticmethod
+    def forward(ctx, x_TD: torch.Tensor, order: torch.Tensor, K: int) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(order)
+        ctx.K = K
+        return x_TD[order // K]
+
+    @staticmethod
+    def backward(ctx, grad_xs: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: ANN001
+        (order,) = ctx.saved_tensors
+        grad_TKD = grad_xs[inverse_permutation(order)].view(len(order) // ctx.K, ctx.K, grad_xs.shape[-1])
+        return grad_TKD.sum(dim=1), None, None
+
+
+class PermuteRows(torch.autograd.Function):
+    """x -> x[index] for a permutation `index` with inverse `inverse`; the backward is the gather
+    grad[inverse] (autograd's would be an accumulating scatter)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(inverse)
+        return x[index]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: ANN001
+        (inverse,) = ctx.saved_tensors
+        return grad[inverse], None, None
 
 
 class MoE(nn.Module):

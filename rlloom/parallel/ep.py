@@ -30,24 +30,23 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlloom.models.moe import GroupedExperts
+from rlloom.models.moe import GroupedExperts, combine_rows, dispatch_rows
 
 
 @dataclass(slots=True)
 class Dispatch:
     """How one forward's tokens were sent, kept for the combine."""
 
-    token_of_P: torch.Tensor
-    """[P] token index of each sent pair, in send order (P = T x K)."""
-    weight_P: torch.Tensor
-    """[P] routing weight of each sent pair, fp32."""
+    order_P: torch.Tensor
+    """[P] the token-expert pairs (pair t*K + k) in send order, sorted by expert (P = T x K)."""
+    weights_TK: torch.Tensor
+    """[T, K] routing weights, fp32."""
     send_counts: list[int]
     """Pairs sent to each EP rank."""
     recv_counts: list[int]
     """Tokens received from each EP rank."""
     counts_E: torch.Tensor
     """[E] this rank's tokens per global expert (the one-process layer's token counts)."""
-    num_tokens: int
 
 
 def _exchange_counts(counts_E: torch.Tensor, ep: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -70,22 +69,20 @@ def dispatch(
     K = experts_TK.shape[1]
     flat_P = experts_TK.flatten()
     order_P = torch.argsort(flat_P, stable=True)
-    token_of_P = order_P // K
     counts_E = torch.bincount(flat_P, minlength=num_experts)
     recv_ER = _exchange_counts(counts_E, ep, group)  # counts first: the receive sizes
     send_counts = counts_E.view(ep, -1).sum(dim=1).tolist()
     recv_counts = recv_ER.sum(dim=1).tolist()
-    x_R = all_to_all_single_autograd(x_TD[token_of_P], recv_counts, send_counts, group)
+    x_R = all_to_all_single_autograd(dispatch_rows(x_TD, order_P, K), recv_counts, send_counts, group)
     local_R = torch.repeat_interleave(
         torch.arange(num_experts // ep, device=x_TD.device).repeat(ep), recv_ER.flatten()
     )
     record = Dispatch(
-        token_of_P=token_of_P,
-        weight_P=weights_TK.flatten()[order_P],
+        order_P=order_P,
+        weights_TK=weights_TK,
         send_counts=send_counts,
         recv_counts=recv_counts,
         counts_E=counts_E,
-        num_tokens=x_TD.shape[0],
     )
     return x_R, local_R, record
 
@@ -94,9 +91,7 @@ def combine(y_RD: torch.Tensor, record: Dispatch, group: dist.ProcessGroup) -> t
     """Return each received token's expert output to its sender and sum it into its token with the
     routing weight -> [T, D]."""
     y_PD = all_to_all_single_autograd(y_RD, record.send_counts, record.recv_counts, group)
-    y_PD = y_PD * record.weight_P.unsqueeze(-1).to(y_PD.dtype)
-    out = y_PD.new_zeros(record.num_tokens, y_PD.shape[-1])
-    return out.index_add(0, record.token_of_P, y_PD)
+    return combine_rows(y_PD, record.order_P, record.weights_TK)
 
 
 class _ExpertParallel:

@@ -1,0 +1,131 @@
+"""The optimizer-step guard (step_guard.py) answers exactly whether the fused AdamW step leaves
+every parameter finite, and ordinary steps are certified by the cheap bound, not the trial."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+from rlloom.engines.train.native import step_guard
+from rlloom.engines.train.native.step_guard import _update_is_bounded, adamw_would_be_finite
+
+FMAX = torch.finfo(torch.float32).max
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA fused AdamW needs a GPU"),
+    ),
+]
+
+
+def make_optim(
+    *,
+    lr: float,
+    wd: float,
+    eps: float,
+    betas: tuple[float, float],
+    p_scale: float,
+    g_scale: float,
+    warm: bool,
+    device: str = "cpu",
+) -> torch.optim.AdamW:
+    torch.manual_seed(0)
+    shapes = [(3, 4), (5,), (2,)]  # the last gets no gradient: not stepped, not checked
+    params = [
+        torch.nn.Parameter((torch.randn(s) * (p_scale if i < 2 else 1.0)).to(device))
+        for i, s in enumerate(shapes)
+    ]
+    optim = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=True)
+    if warm:  # a first, ordinary step gives the optimizer its state
+        for p in params[:2]:
+            p.grad = torch.randn_like(p)
+        optim.step()
+    for p in params[:2]:
+        p.grad = torch.randn_like(p) * g_scale
+    params[2].grad = None
+    optim.param_groups[0].update(lr=lr, weight_decay=wd, eps=eps, betas=betas)
+    return optim
+
+
+def step_is_finite(optim: torch.optim.AdamW) -> bool:
+    """Run the real step on a copy (parameters, gradients, state; deepcopy drops the gradients)."""
+    trial = copy.deepcopy(optim)
+    for p, q in zip(optim.param_groups[0]["params"], trial.param_groups[0]["params"], strict=True):
+        q.grad = None if p.grad is None else p.grad.clone()
+    trial.step()
+    stepped = [q for q in trial.param_groups[0]["params"] if q.grad is not None]
+    assert stepped and all(trial.state[q] for q in stepped)  # it did step
+    return all(bool(torch.isfinite(q).all()) for q in stepped)
+
+
+CASES = list(
+    itertools.product(
+        [1e-3, 1e30, 1e39],  # lr (1e39 is inf in fp32)
+        [0.0, 0.1, 1e36],  # weight decay
+        [1e-8, 0.0],  # eps
+        [(0.9, 0.999), (0.0, 0.0), (1.0, 0.999)],  # betas
+        [1.0, 1e38],  # parameter scale
+        [1.0, 0.0, 1e20],  # gradient scale (0: m = v = 0; 1e20: g*g overflows)
+        [False, True],  # optimizer state present
+    )
+)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_guard_equals_the_real_step_and_the_bound_is_sufficient(device):
+    agree = bounded = trials = 0
+    for lr, wd, eps, betas, p_scale, g_scale, warm in CASES:
+        optim = make_optim(
+            lr=lr, wd=wd, eps=eps, betas=betas, p_scale=p_scale, g_scale=g_scale, warm=warm, device=device
+        )
+        before = copy.deepcopy([p.detach() for p in optim.param_groups[0]["params"]])
+        finite = step_is_finite(optim)
+        case = (lr, wd, eps, betas, p_scale, g_scale, warm)
+        assert bool(adamw_would_be_finite(optim)) == finite, case
+        if _update_is_bounded(optim, optim.param_groups[0]):
+            bounded += 1
+            assert finite, case  # the bound only ever certifies steps that are finite
+        else:
+            trials += 1
+        after = [p.detach() for p in optim.param_groups[0]["params"]]
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), case  # the guard changed nothing
+        agree += 1
+    # Both paths are exercised, and both outcomes occur.
+    assert bounded >= 20 and trials >= 20, (bounded, trials)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_finite_optimizer_state_is_caught(device):
+    # On CUDA this also checks that the inf-norm reduction propagates NaN.
+    optim = make_optim(
+        lr=1e-3, wd=0.1, eps=1e-8, betas=(0.9, 0.999), p_scale=1.0, g_scale=1.0, warm=True, device=device
+    )
+    state = optim.state[optim.param_groups[0]["params"][0]]
+    state["exp_avg"][0, 0] = float("nan")
+    assert not _update_is_bounded(optim, optim.param_groups[0])
+    assert not bool(adamw_would_be_finite(optim)) and not step_is_finite(optim)
+
+
+def test_ordinary_steps_skip_the_trial(monkeypatch):
+    calls = []
+    real_trial = step_guard._trial
+    monkeypatch.setattr(step_guard, "_trial", lambda *a: calls.append(1) or real_trial(*a))
+    for warm in (False, True):
+        optim = make_optim(lr=1e-3, wd=0.1, eps=1e-8, betas=(0.9, 0.999), p_scale=1.0, g_scale=1.0, warm=warm)
+        assert bool(adamw_would_be_finite(optim))
+    assert calls == []
+    optim = make_optim(lr=1e39, wd=0.1, eps=1e-8, betas=(0.9, 0.999), p_scale=1.0, g_scale=1.0, warm=True)
+    assert not bool(adamw_would_be_finite(optim)) and calls == [1]
+
+
+@pytest.mark.parametrize("scale", [FMAX / 4, 3e37])
+def test_large_but_finite_weights_near_the_limit(scale):
+    # Parameters whose size alone is over BOUND_LIMIT: the trial decides, and the step is finite.
+    optim = make_optim(lr=1e-3, wd=0.0, eps=1e-8, betas=(0.9, 0.999), p_scale=1.0, g_scale=1.0, warm=True)
+    with torch.no_grad():
+        optim.param_groups[0]["params"][0].fill_(scale)
+    assert bool(adamw_would_be_finite(optim)) == step_is_finite(optim) is True
