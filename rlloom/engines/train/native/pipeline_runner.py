@@ -69,17 +69,16 @@ class PipelineRunner:
         reshard_after_forward: bool,
     ) -> PipelineRunner:
         """Cut `module.model` into this rank's stages (`parallelize_pp`, with the pipeline settings of
-        `pipeline`). `sharded` and `reshard_after_forward` are
-        unused (the arguments are `MicroBatchRunner.build`'s): the stages are always FSDP-sharded."""
+        `pipeline`). `sharded` and `reshard_after_forward` are unused (the arguments are
+        `MicroBatchRunner.build`'s): the stages are always FSDP-sharded."""
         model = module.model
-        moe_balance = (
-            None
-            if frozen
-            else MoEBalance.build(
+        moe_balance = None
+        if not frozen:  # the whole model's, then this rank's stages' (below)
+            moe_balance = MoEBalance.build(
                 model, aux_loss_coef=cfg.moe_aux_loss_coef, bias_update_rate=cfg.moe_bias_update_rate
             )
-        )  # the whole model's
-        if moe_balance is not None and cfg.moe_aux_loss_coef > 0:
+        moe_model = moe_balance is not None
+        if moe_model and cfg.moe_aux_loss_coef > 0:
             raise ValueError(
                 f"train.moe_aux_loss_coef={cfg.moe_aux_loss_coef}: the MoE auxiliary loss is not built for "
                 f"pipeline parallelism (parallel.pp={dims.pp}; the bias update, train.moe_bias_update_rate, "
@@ -112,7 +111,7 @@ class PipelineRunner:
             module=view,
             model=view.model,
             moe_balance=moe_balance,
-            moe_model=moe_balance is not None,
+            moe_model=moe_model,
             num_moe_layers=num_moe_layers,
             device=device,
             layout=layout,

@@ -68,13 +68,11 @@ class MicroBatchRunner:
     ) -> MicroBatchRunner:
         """Parallelise `module` (the PolicyHead over the model) in place in the layout of `dims`
         (`pipeline`: unused, the settings of `PipelineRunner.build`, which takes the same arguments)."""
-        moe_balance = (
-            None
-            if frozen
-            else MoEBalance.build(
+        moe_balance = None
+        if not frozen:  # before expert parallelism splits the experts
+            moe_balance = MoEBalance.build(
                 module.model, aux_loss_coef=cfg.moe_aux_loss_coef, bias_update_rate=cfg.moe_bias_update_rate
             )
-        )  # before expert parallelism splits the experts
         parallelize(
             module.model,
             dims,
