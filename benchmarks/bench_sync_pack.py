@@ -45,7 +45,7 @@ from bench_rollout import SHAPES  # noqa: E402
 from bench_weight_sync import TINY, ModelSource, rollout_engine, synchronize  # noqa: E402
 
 from rlloom.models import hf_named_tensors
-from rlloom.weight_sync import broadcast, receive
+from rlloom.weight_sync import broadcast, outbox, receive
 from rlloom.weight_sync.broadcast import SyncGroup, SyncGroupSpec, send_weights
 from rlloom.weight_sync.checksum import rank_layout
 from rlloom.weight_sync.group import Link
@@ -67,8 +67,9 @@ class Wire:
 
     def install(self) -> None:
         """Put this wire in place of the sync group's transport, on both sides."""
-        for module, side in ((broadcast, self._send), (receive, self._receive)):
-            module.exchange, module.post_broadcast = side
+        broadcast.exchange, outbox.post_broadcast = self._send
+        receive.exchange, receive.post_broadcast = self._receive
+        for module in (broadcast, outbox, receive):
             module.wait_all = lambda works, deadline, what: None
 
     @property

@@ -19,7 +19,7 @@ import torch
 from rlloom.data.types import PolicyUpdate, RolloutBatch
 from rlloom.engines.rollout import Completion, SamplingParams
 from rlloom.observability.metrics import Metric
-from rlloom.workers.stream import StreamRequest, StreamResult
+from rlloom.workers.flights import StreamRequest, StreamResult
 
 T_co = TypeVar("T_co", covariant=True)
 T = TypeVar("T")

@@ -14,8 +14,8 @@ from rlloom.engines.rollout import Completion, SamplingParams
 from rlloom.observability.metrics import Metric
 from rlloom.weight_sync.base import checksum_enabled
 from rlloom.weight_sync.inplace import sync_inplace
+from rlloom.workers.flights import StreamRequest, StreamResult
 from rlloom.workers.rollout import RolloutWorker
-from rlloom.workers.stream import StreamRequest, StreamResult
 from rlloom.workers.train import TrainWorker
 
 

@@ -25,7 +25,7 @@ from rlloom.cluster.ray_generate import QueuedGeneration
 from rlloom.config.components import RunConfig
 from rlloom.data.types import PolicyUpdate, RolloutBatch
 from rlloom.engines.rollout import SamplingParams
-from rlloom.workers.stream import StreamRequest, StreamResult
+from rlloom.workers.flights import StreamRequest, StreamResult
 
 try:
     import ray

@@ -30,7 +30,7 @@ from rlloom.data.source import PromptSource
 from rlloom.data.types import Sample
 from rlloom.rewards.runner import RewardRunner
 from rlloom.trainer.rollout_jobs import ROUND_STRIDE, Job, add_group, group_id, make_sample, round_sampling
-from rlloom.workers.stream import StreamRequest, StreamResult
+from rlloom.workers.flights import StreamRequest, StreamResult
 
 POLL_S = 0.2
 """Longest wait of one poll for finished samples (it returns at the first one)."""

@@ -26,10 +26,12 @@ joining s and the rollout ranks of tp rank r of every replica, from its own TCPS
    slice of each, dtype: `checksum.rank_layout`) and every sender plans with
    `reshard.plan_reshard` (training layout: `layout`; default every sender holds every full
    tensor) who sends which slice: every sender computes the same plan from the same data, and
-   keeps it on its `SyncGroup` (`group.plan`) for the next syncs while the inputs stay the same;
+   keeps it on its `SyncGroup` (`group.plan`) for the next syncs while the inputs stay the same
+   (`outbox.send_plan`);
 2. the sender broadcasts a manifest: version, dtype, its buckets and their pieces (name, box);
 3. then each bucket as one flat buffer (at most `bucket_bytes`), filled as the training engine
-   yields its tensors, at most 3 in flight per group; a rollout TP rank receives only its slices;
+   yields its tensors, at most 3 in flight per group (`outbox.Outbox`); a rollout TP rank receives
+   only its slices;
 4. then a trailer: "ok" or what went wrong on the sender, and the content checksums.
 
 Owner-only sending (`layout=owner_layout(...)`): every sender iterates
@@ -61,30 +63,10 @@ import torch.distributed as dist
 
 from rlloom.engines.train.native.weights import WeightLayout
 from rlloom.weight_sync.base import SyncReport, WeightSource, WeightSyncError
-from rlloom.weight_sync.checksum import (
-    digest,
-    piece_key,
-)
-from rlloom.weight_sync.group import (
-    Link,
-    SendPlan,
-    SyncGroup,
-    SyncGroupSpec,
-    exchange,
-    join_sync_group,
-    post_broadcast,
-    wait_all,
-)
-from rlloom.weight_sync.reshard import (
-    Box,
-    Bucket,
-    RolloutLayout,
-    TrainLayout,
-    box_numel,
-    box_shape,
-    plan_reshard,
-)
-from rlloom.weight_sync.wire import decode_layout, encode_manifest
+from rlloom.weight_sync.group import SyncGroup, SyncGroupSpec, exchange, join_sync_group, wait_all
+from rlloom.weight_sync.outbox import Outbox, send_plan
+from rlloom.weight_sync.reshard import TrainLayout
+from rlloom.weight_sync.wire import encode_manifest
 
 __all__ = [
     "SyncGroup",
@@ -93,110 +75,6 @@ __all__ = [
     "owner_layout",
     "send_weights",
 ]
-
-_MAX_IN_FLIGHT = 3
-
-
-# ---- sending ---------------------------------------------------------------------------------
-
-
-class _Outbox:
-    """The sender's buckets: filled as tensors arrive, each broadcast once complete (in plan order)."""
-
-    def __init__(
-        self,
-        routes: list[tuple[Bucket, ...]],
-        links: list[Link],
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        checksum: bool,
-        deadline: float,
-    ) -> None:
-        self.routes, self.links, self.dtype, self.device = routes, links, dtype, device
-        self.checksum, self.deadline = checksum, deadline
-        self.slots: dict[str, list[tuple[int, int, int, Box]]] = {}
-        self.remaining: dict[tuple[int, int], int] = {}
-        for r, route in enumerate(routes):
-            for b, bucket in enumerate(route):
-                offset = 0
-                for piece in bucket.pieces:
-                    self.slots.setdefault(piece.name, []).append((r, b, offset, piece.box))
-                    offset += piece.numel
-                self.remaining[(r, b)] = len(bucket.pieces)
-        self.buffers: dict[tuple[int, int], torch.Tensor] = {}
-        self.next = [0] * len(routes)
-        self.in_flight: list[list[dist.Work]] = [[] for _ in routes]
-        self.checksums: list[dict[str, str]] = [{} for _ in routes]
-        self.seen: set[str] = set()
-        self.unexpected: list[str] = []
-        """Tensors yielded that the training layout does not give this sender."""
-        self.problems: list[str] = []
-        self.num_bytes = self.num_pieces = 0
-
-    def _buffer(self, r: int, b: int) -> torch.Tensor:
-        if (r, b) not in self.buffers:
-            numel = self.routes[r][b].numel
-            self.buffers[(r, b)] = torch.zeros(numel, dtype=self.dtype, device=self.device)
-        return self.buffers[(r, b)]
-
-    def put(
-        self, name: str, tensor: torch.Tensor, shapes: dict[str, tuple[int, ...]], held: set[str]
-    ) -> None:
-        if name in self.seen:
-            self.problems.append(f"the training engine yielded {name!r} twice")
-            return
-        self.seen.add(name)
-        if name not in shapes:
-            self.problems.append(
-                f"the training engine yielded {name!r}, which the rollout model does not have"
-            )
-            return
-        if name not in held:
-            self.unexpected.append(name)
-            return
-        if tuple(tensor.shape) != tuple(shapes[name]):
-            self.problems.append(
-                f"{name!r} has shape {list(tensor.shape)} in training, {list(shapes[name])} in the rollout"
-            )
-            return
-        for r, b, offset, box in self.slots.get(name, []):
-            view = self._buffer(r, b).narrow(0, offset, box_numel(box)).view(box_shape(box))
-            view.copy_(tensor[tuple(slice(start, stop) for start, stop in box)])
-            if self.checksum:
-                self.checksums[r][piece_key(name, box)] = digest(view)
-            self.remaining[(r, b)] -= 1
-            self._flush(r)
-
-    def _flush(self, r: int) -> None:
-        route = self.routes[r]
-        while self.next[r] < len(route) and self.remaining[(r, self.next[r])] == 0:
-            buf = self._buffer(r, self.next[r])
-            self.in_flight[r].append(post_broadcast(self.links[r], buf, root=0))
-            self.num_bytes += buf.numel() * buf.element_size()
-            self.num_pieces += len(route[self.next[r]].pieces)
-            del self.buffers[(r, self.next[r])]  # the work keeps it alive until sent
-            self.next[r] += 1
-            if len(self.in_flight[r]) > _MAX_IN_FLIGHT:
-                wait_all([self.in_flight[r].pop(0)], self.deadline, "a rollout rank to take a bucket")
-
-    def finish(self, held: set[str]) -> None:
-        """Send what is left (buckets with tensors the engine never yielded go out as zeros, so the
-        receivers' streams stay in step; the trailer says the sync failed). `held`: the tensors the
-        training layout gives this sender, all of which the engine must have yielded."""
-        if self.unexpected:
-            self.problems.append(
-                f"the training engine yielded {len(self.unexpected)} tensors that the training layout does "
-                f"not give this sender: {self.unexpected[:5]} (fix: pass the layout `owner_layout` builds "
-                "from this engine's weight_layouts(), or layout=None to send full tensors)"
-            )
-        missing = sorted(held - self.seen)
-        if missing:
-            self.problems.append(f"the training engine did not yield {len(missing)} tensors: {missing[:5]}")
-        for key in self.remaining:
-            self.remaining[key] = 0
-        for r in range(len(self.routes)):
-            self._flush(r)
 
 
 def send_weights(
@@ -233,11 +111,11 @@ def send_weights(
     stream = None
     try:
         hello = tuple(exchange(links, [None] * len(links), root=1, what="the rollout layout", **io))
-        plan = _send_plan(group, layout, hello, bucket_bytes, dtype)
+        plan = send_plan(group, layout, hello, bucket_bytes, dtype)
         dtype, routes, held = plan.dtype, plan.routes, plan.held
         manifests = [encode_manifest(source.version, dtype, route) for route in routes]
         exchange(links, manifests, root=0, what="rollout ranks to take the manifest", **io)
-        outbox = _Outbox(
+        outbox = Outbox(
             list(routes), links, dtype=dtype, device=group.device, checksum=checksum, deadline=deadline
         )
         # held in a name: were it collected mid-way, closing it would end the engine's iteration too
@@ -292,36 +170,6 @@ def owner_layout(layouts: Mapping[str, WeightLayout], ep_rank: int) -> TrainLayo
         dist.all_gather_object(ep_ranks, ep_rank)
     experts = {n: w.ep_rank for n, w in layouts.items() if w.ep_rank is not None}
     return TrainLayout.owned({n: w.shape for n, w in layouts.items()}, experts, ep_ranks)
-
-
-def _send_plan(
-    group: SyncGroup,
-    layout: TrainLayout | None,
-    hello: tuple[bytes, ...],
-    bucket_bytes: int,
-    dtype: torch.dtype | None,
-) -> SendPlan:
-    """The group's plan for a sync with these inputs: the one it keeps when they are the same as last
-    time (by value), else a new one, which the group then keeps. Raises ValueError when the layouts
-    disagree."""
-    if group.plan is not None and group.plan.fits(layout, hello, bucket_bytes, dtype):
-        return group.plan
-    ranks = [decode_layout(h) for h in hello]
-    rollout = RolloutLayout(ranks=tuple(rank for rank, _ in ranks))
-    wire_dtype = dtype or ranks[0][1]
-    train = layout or TrainLayout.replicated(rollout.shapes, group.spec.num_senders)
-    plan = plan_reshard(train, rollout, bucket_numel=max(1, bucket_bytes // wire_dtype.itemsize))
-    group.plan = SendPlan(
-        layout=layout,
-        hello=hello,
-        bucket_bytes=bucket_bytes,
-        requested=dtype,
-        dtype=wire_dtype,
-        shapes=rollout.shapes,
-        routes=tuple(plan.route(group.rank, r) for r in range(len(hello))),
-        held=frozenset(n for n, owners in train.owners.items() if any(r == group.rank for r, _ in owners)),
-    )
-    return group.plan
 
 
 def _reporting(weights: Iterator, problems: list[str]) -> Iterator:

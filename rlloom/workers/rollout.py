@@ -20,7 +20,8 @@ from rlloom.config.components import RunConfig
 from rlloom.engines.rollout import Completion, SamplingParams
 from rlloom.engines.rollout.build import build_rollout_engine
 from rlloom.faults import maybe_fail
-from rlloom.workers.stream import EngineStream, StreamRequest, StreamResult
+from rlloom.workers.flights import StreamRequest, StreamResult
+from rlloom.workers.stream import EngineStream
 
 
 class RolloutWorker:

@@ -27,33 +27,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rlloom.engines.rollout import Completion, SamplingParams
-
-
-@dataclass(kw_only=True, slots=True)
-class StreamRequest:
-    """One prompt to generate `sampling.n` samples of."""
-
-    request_id: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    prompt_index: int
-    """The engine's prompt index (the prompt's position in its round)."""
-
-
-@dataclass(kw_only=True, slots=True)
-class StreamResult:
-    """One finished sample (or a rejected one: `completion.error` set)."""
-
-    completion: Completion
-    versions: list[int]
-    """The policy version of each of its tokens (older ones first when it resumed across updates)."""
+from rlloom.engines.rollout import Completion
+from rlloom.workers.flights import Flight, StreamRequest, StreamResult, partial_tokens, record, resume_all
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,16 +50,6 @@ class StepCommand:
     """Abort every request in flight; the thread then ends."""
 
 
-@dataclass(kw_only=True, slots=True)
-class _Flight:
-    """A request in flight: how many samples are still out, and the tokens of aborted ones."""
-
-    request: StreamRequest
-    left: int
-    partial: dict[int, tuple[list[int], list[float], list[int]]] = field(default_factory=dict)
-    """sample index -> (tokens, logprobs, token versions) kept from an abort."""
-
-
 class EngineStream:
     """The step-level producer on one in-process rollout engine (or one rank of a replica's)."""
 
@@ -92,7 +63,8 @@ class EngineStream:
         """Rank in the replica: rank 0 decides each step and reports the samples."""
         self.timeout_s = timeout_s
         """Longest step boundary plus decode step before `poll` reports a hang (cluster.timeout_s)."""
-        self.flights: dict[str, _Flight] = {}
+        self.flights: dict[str, Flight] = {}
+        """Requests in flight (flights.py)."""
         self.finished: list[StreamResult] = []
         """Samples finished and not yet polled (rank 0 only)."""
         self.busy_s = 0.0
@@ -149,7 +121,7 @@ class EngineStream:
                 )
         with self._held():
             self._raise()
-            return sum(len(p[0]) for f in self.flights.values() for p in f.partial.values())
+            return partial_tokens(self.flights)
 
     def resume(self, keep: bool) -> int:
         """Continue every aborted sample under the engine's current weights: from its tokens so far
@@ -245,13 +217,13 @@ class EngineStream:
         follows (False: nothing in flight, or aborted)."""
         if command.resume:
             self._wait_for(lambda: self._resume is not None, "a resume")
-            self._resume_all(keep=command.resume == 1)
+            resume_all(self.engine, self.flights, keep=command.resume == 1)
             self._resume = None
         if command.admit:
             self._wait_for(lambda: len(self._queued) >= command.admit, f"{command.admit} requests")
             admitted, self._queued = self._queued[: command.admit], self._queued[command.admit :]
             for r in admitted:
-                self.flights[r.request_id] = _Flight(request=r, left=max(r.sampling.n, 1))
+                self.flights[r.request_id] = Flight(request=r, left=max(r.sampling.n, 1))
                 self.engine.add_request(
                     r.prompt_ids, r.sampling, request_id=r.request_id, prompt_index=r.prompt_index
                 )
@@ -266,23 +238,6 @@ class EngineStream:
             finally:
                 self._aborting = False
         return False
-
-    def _resume_all(self, keep: bool) -> None:
-        for request_id, flight in self.flights.items():
-            r = flight.request
-            for j, (tokens, logprobs, versions) in sorted(flight.partial.items()):
-                if not keep:
-                    tokens, logprobs, versions = [], [], []
-                    flight.partial[j] = (tokens, logprobs, versions)
-                self.engine.resume_request(
-                    r.prompt_ids,
-                    r.sampling,
-                    output_ids=tokens,
-                    logprobs=logprobs,
-                    request_id=request_id,
-                    prompt_index=r.prompt_index,
-                    sample_index=j,
-                )
 
     def _wait_for(self, ready: Callable[[], bool], what: str) -> None:
         """A rank other than 0 waits for the call that brings what rank 0's command uses (timed
@@ -313,28 +268,8 @@ class EngineStream:
             raise error
 
     def _record(self, completions: list[Completion]) -> None:
-        for c in completions:
-            flight = self.flights[c.request_id]
-            if c.finish_reason == "abort" and self._aborting:
-                flight.partial[c.sample_index] = _merge(flight, c)  # resumed or restarted by `resume`
-                continue
-            _, _, before = flight.partial.pop(c.sample_index, ([], [], []))
-            if self.rank == 0:
-                self.finished.append(StreamResult(completion=c, versions=_versions(before, c)))
-            flight.left -= 1
-            if flight.left == 0:
-                del self.flights[c.request_id]
+        finished = record(self.flights, completions, aborting=self._aborting)
+        if self.rank == 0:
+            self.finished += finished
         if completions and self.rank == 0:
             self._news.set()
-
-
-def _versions(before: list[int], c: Completion) -> list[int]:
-    """Per-token versions of a completion that resumed from `len(before)` tokens of known versions
-    (the completion repeats those tokens; the ones after carry its own version)."""
-    return before + [c.policy_version] * (len(c.token_ids) - len(before))
-
-
-def _merge(flight: _Flight, c: Completion) -> tuple[list[int], list[float], list[int]]:
-    """An aborted sample's tokens, logprobs and per-token versions so far."""
-    _, _, versions = flight.partial.pop(c.sample_index, ([], [], []))
-    return list(c.token_ids), list(c.logprobs), _versions(versions, c)

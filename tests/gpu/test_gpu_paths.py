@@ -280,7 +280,7 @@ def test_train_micro_batch_loop_never_syncs_with_the_host(tmp_path, monkeypatch)
     from rlloom.data.types import RolloutBatch, Sample
     from rlloom.devices import to_device
     from rlloom.engines.train.native import NativeTrainEngine
-    from rlloom.engines.train.native import engine as engine_module
+    from rlloom.engines.train.native import runner as runner_module
 
     folder = _hf_folder("dense", tmp_path)
     gen = torch.Generator().manual_seed(2)
@@ -308,7 +308,7 @@ def test_train_micro_batch_loop_never_syncs_with_the_host(tmp_path, monkeypatch)
             yield
             torch.cuda.set_sync_debug_mode("default")
 
-    monkeypatch.setattr(engine_module, "deferred_finite_checks", checks_then_allow_sync)
+    monkeypatch.setattr(runner_module, "deferred_finite_checks", checks_then_allow_sync)
     torch.cuda.set_sync_debug_mode("error")
     try:
         m = engine.forward_backward(batch, loss_fn, loss_normalizer=norm)

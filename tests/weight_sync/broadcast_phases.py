@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from rlloom.engines.rollout.native import NativeEngine, SamplingParams
-from rlloom.weight_sync import broadcast
+from rlloom.weight_sync import outbox
 from rlloom.weight_sync.base import WeightSyncError
 from rlloom.weight_sync.broadcast import SyncGroupSpec, join_sync_group, send_weights
 from rlloom.weight_sync.receive import receive_weights
@@ -98,10 +98,10 @@ def _failures(group, rank: int, out: dict) -> None:
     if group.is_sender:
         side.step()
     if rank == 1:
-        broadcast.post_broadcast = _flip_bucket_bytes(original := broadcast.post_broadcast)
+        outbox.post_broadcast = _flip_bucket_bytes(original := outbox.post_broadcast)
     check("checksum", _sync(group, side, rank))
     if rank == 1:
-        broadcast.post_broadcast = original
+        outbox.post_broadcast = original
     if group.is_sender:
         side.skip = {"model.layers.1.mlp.down_proj.weight"}
     check("missing", _sync(group, side, rank))

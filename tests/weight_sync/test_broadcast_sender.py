@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from rlloom.engines.train.native.weights import WeightLayout
-from rlloom.weight_sync import broadcast, wire
+from rlloom.weight_sync import broadcast, outbox, wire
 from rlloom.weight_sync.base import WeightSyncError
 from rlloom.weight_sync.broadcast import SyncGroup, SyncGroupSpec, owner_layout, send_weights
 from rlloom.weight_sync.group import Link
@@ -48,7 +48,7 @@ def test_a_lost_rollout_rank_still_lets_the_sender_go_through_every_bucket(monke
         raise RuntimeError("Connection closed by peer")
 
     monkeypatch.setattr(broadcast, "exchange", exchange)
-    monkeypatch.setattr(broadcast, "post_broadcast", lost)
+    monkeypatch.setattr(outbox, "post_broadcast", lost)
     spec = SyncGroupSpec(host="127.0.0.1", port=0, num_senders=1, num_receivers=1)
     group = SyncGroup(
         spec=spec, rank=0, device=torch.device("cpu"), links={(0, 0): Link(pg=None, local_rank=0)}
@@ -67,8 +67,9 @@ def _lone_sender(monkeypatch, shapes: dict) -> SyncGroup:
     monkeypatch.setattr(
         broadcast, "exchange", lambda links, payloads, *, root, **kw: [hello] if root == 1 else payloads
     )
-    monkeypatch.setattr(broadcast, "post_broadcast", lambda link, tensor, root: None)
-    monkeypatch.setattr(broadcast, "wait_all", lambda works, deadline, what: None)
+    monkeypatch.setattr(outbox, "post_broadcast", lambda link, tensor, root: None)
+    for module in (broadcast, outbox):
+        monkeypatch.setattr(module, "wait_all", lambda works, deadline, what: None)
     spec = SyncGroupSpec(host="127.0.0.1", port=0, num_senders=2, num_receivers=1)
     return SyncGroup(
         spec=spec, rank=0, device=torch.device("cpu"), links={(0, 0): Link(pg=None, local_rank=0)}
@@ -114,7 +115,7 @@ def test_two_layouts_in_one_process_never_share_a_plan(monkeypatch):
     low = {n: expert_of(n) // 2 for n in shapes if expert_of(n) is not None}  # experts 0, 1 on EP rank 0
     high = {n: 1 - ep_rank for n, ep_rank in low.items()}  # experts 2, 3 on EP rank 0
     plans = []
-    monkeypatch.setattr(broadcast, "plan_reshard", lambda *a, **k: plans.append(1) or plan_reshard(*a, **k))
+    monkeypatch.setattr(outbox, "plan_reshard", lambda *a, **k: plans.append(1) or plan_reshard(*a, **k))
     group = _lone_sender(monkeypatch, shapes)
     assert _experts_sent(_send_owned(monkeypatch, group, side, low)) == {0, 1}
     # the first layout is gone (its id free for reuse); a new one on the same group gets its own plan

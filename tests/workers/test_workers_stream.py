@@ -16,7 +16,8 @@ from stream_ranks import TIMEOUT_S, run_rank, run_schedule
 import rlloom.models as models
 from rlloom.engines.rollout.native import NativeEngine, SamplingParams
 from rlloom.models.adapter import hf_named_tensors
-from rlloom.workers.stream import EngineStream, StreamRequest
+from rlloom.workers.flights import StreamRequest
+from rlloom.workers.stream import EngineStream
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 3]]
 PARAMS = SamplingParams(n=2, temperature=1.0, max_new_tokens=14, seed=3, ignore_eos=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from rlloom.parallel.dims import ParallelDims
@@ -26,6 +27,8 @@ class EngineLayout:
     tp: int = 1
     """Tensor-parallel degree: packed streams are padded to a multiple of it."""
     tp_group: dist.ProcessGroup | None = None
+    tp_rank: int = 0
+    """This rank's place in its TP group (which token shard it routes when `tokens_split_over_tp`)."""
     cp: int = 1
     """Context-parallel degree: the cp ranks of one dp rank run the same micro-batches, each on its
     share of every packed stream (`rlloom.parallel.cp`)."""
@@ -43,6 +46,10 @@ class EngineLayout:
     tokens_split_over_tp: bool = False
     """Each TP rank routes its own token shard through the MoE layers (ep > 1 and tp > 1)."""
 
+    def comm_device(self, device: torch.device) -> torch.device:
+        """Where the tensors of this layout's collectives live: `device` under NCCL, else the CPU."""
+        return device if dist.get_backend(self.world_group) == "nccl" else torch.device("cpu")
+
     @classmethod
     def of(cls, dims: ParallelDims | None) -> EngineLayout:
         if dims is None:
@@ -55,6 +62,7 @@ class EngineLayout:
             dp_size=dp.size(),
             tp=dims.tp,
             tp_group=dims.tp_mesh().get_group(),
+            tp_rank=dims.tp_mesh().get_local_rank(),
             cp=dims.cp,
             cp_group=dims.cp_mesh().get_group(),
             ep=dims.ep,

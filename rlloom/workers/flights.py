@@ -1,0 +1,98 @@
+"""The requests of an `EngineStream` (stream.py) and what it keeps of those in flight: how many
+samples of each are still out, and the tokens, behaviour logprobs and per-token policy versions
+that an abort left of each unfinished sample, for it to resume from (or start again) under new
+weights. Plain bookkeeping over a dict of `Flight`s: the stream holds the dict and its lock."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlloom.engines.rollout import Completion, SamplingParams
+
+
+@dataclass(kw_only=True, slots=True)
+class StreamRequest:
+    """One prompt to generate `sampling.n` samples of."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    prompt_index: int
+    """The engine's prompt index (the prompt's position in its round)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class StreamResult:
+    """One finished sample (or a rejected one: `completion.error` set)."""
+
+    completion: Completion
+    versions: list[int]
+    """The policy version of each of its tokens (older ones first when it resumed across updates)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Flight:
+    """A request in flight: how many samples are still out, and the tokens of aborted ones."""
+
+    request: StreamRequest
+    left: int
+    partial: dict[int, tuple[list[int], list[float], list[int]]] = field(default_factory=dict)
+    """sample index -> (tokens, logprobs, token versions) kept from an abort."""
+
+
+def partial_tokens(flights: dict[str, Flight]) -> int:
+    """Tokens the aborted samples of `flights` hold."""
+    return sum(len(p[0]) for f in flights.values() for p in f.partial.values())
+
+
+def record(
+    flights: dict[str, Flight], completions: list[Completion], *, aborting: bool
+) -> list[StreamResult]:
+    """Book a decode step's `completions` into `flights` and return the finished samples. While
+    `aborting` (the completions of the stream's own abort), an aborted sample keeps its tokens so
+    far for `resume_all`; otherwise an abort is a rejected request and comes out like a finished one."""
+    finished = []
+    for c in completions:
+        flight = flights[c.request_id]
+        if c.finish_reason == "abort" and aborting:
+            flight.partial[c.sample_index] = _merge(flight, c)  # resumed or restarted by `resume`
+            continue
+        _, _, before = flight.partial.pop(c.sample_index, ([], [], []))
+        finished.append(StreamResult(completion=c, versions=_versions(before, c)))
+        flight.left -= 1
+        if flight.left == 0:
+            del flights[c.request_id]
+    return finished
+
+
+def resume_all(engine: Any, flights: dict[str, Flight], *, keep: bool) -> None:
+    """Put every aborted sample of `flights` back into `engine`: from its tokens so far (`keep`),
+    or from scratch (its tokens discarded)."""
+    for request_id, flight in flights.items():
+        r = flight.request
+        for j, (tokens, logprobs, versions) in sorted(flight.partial.items()):
+            if not keep:
+                tokens, logprobs, versions = [], [], []
+                flight.partial[j] = (tokens, logprobs, versions)
+            engine.resume_request(
+                r.prompt_ids,
+                r.sampling,
+                output_ids=tokens,
+                logprobs=logprobs,
+                request_id=request_id,
+                prompt_index=r.prompt_index,
+                sample_index=j,
+            )
+
+
+def _versions(before: list[int], c: Completion) -> list[int]:
+    """Per-token versions of a completion that resumed from `len(before)` tokens of known versions
+    (the completion repeats those tokens; the ones after carry its own version)."""
+    return before + [c.policy_version] * (len(c.token_ids) - len(before))
+
+
+def _merge(flight: Flight, c: Completion) -> tuple[list[int], list[float], list[int]]:
+    """An aborted sample's tokens, logprobs and per-token versions so far."""
+    _, _, versions = flight.partial.pop(c.sample_index, ([], [], []))
+    return list(c.token_ids), list(c.logprobs), _versions(versions, c)
