@@ -40,6 +40,7 @@ from rlloom.config.components import TrainEngineConfig
 from rlloom.engines.rollout.native import NativeEngine, SamplingParams
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.engines.train.native.flops import step_flops
+from rlloom.engines.train.native.plan import plan_batch
 from rlloom.models import load_hf_tensors
 from rlloom.models.checkpoint import build_model
 from rlloom.observability.mfu import H100_BF16_PEAK_FLOPS
@@ -298,7 +299,7 @@ def train_row(
     seq_lens = [s.num_tokens for s in batch.samples]
     flops = step_flops(engine.model, seq_lens, int(mask.sum()), body_params=engine._body_params)
     peak = metrics[-1].get("memory/peak_allocated_gib", float("nan"))
-    num_mb = len(engine._plan(batch)[0])
+    num_mb = len(plan_batch(batch, engine.cfg, engine.layout, engine.device)[0])
     name = f"train {num_mb} x <= {mb_budget} packed{', gather once' if gather_once else ''}"
     row(table, name, "rlloom train_step", {"tokens": batch.num_tokens, "s": seconds},
         f"MFU(active) {flops / (seconds * H100_BF16_PEAK_FLOPS):.3f}, peak {peak:.1f} GiB (fp32 master + Adam)")  # fmt: skip

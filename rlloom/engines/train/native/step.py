@@ -1,7 +1,7 @@
 """The optimizer step after the gradients of a global batch, and the step's performance metrics.
 
 global grad norm, clip, AdamW: skipped when the loss or the norm is not finite (the engine's
-decision), or when a trial of the update finds that a new parameter would not be finite
+decision), or when the step guard finds that a new parameter would not be finite
 (`step_if_finite`, step_guard.py); a skipped step changes nothing.
 """
 
@@ -39,8 +39,8 @@ def clip_grads(
 
 def step_if_finite(optimizer: EngineOptimizer, lr: float, layout: EngineLayout, device: torch.device) -> bool:
     """Apply the optimizer step only if every new parameter would be finite on every rank
-    (step_guard.py: a trial of the same update, slice by slice); otherwise change nothing and
-    return False."""
+    (step_guard.py: a bound on the update, else a trial of it slice by slice); otherwise change
+    nothing and return False."""
     optimizer.set_lr(lr)
     optimizer.stage_grads()
     flags = [adamw_would_be_finite(optim) for optim in optimizer.optimizers]
