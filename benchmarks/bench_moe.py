@@ -7,8 +7,9 @@ GPU (default): random bf16 weights of Qwen3-30B-A3B's width with 8 of its 48 lay
     batch of 128 x 8 routed tokens reaches every expert, and every cached key/value), and whether the
     decode ran as compiled CUDA graphs; transformers' `generate` on the same prompts;
   - train: one optimizer step over 4 micro-batches of <= 4096 packed tokens (fp32 master weights,
-    bf16 compute, activation checkpointing off), and the same batch as one micro-batch of <= 16384:
-    tokens/s, MFU on active parameters, peak memory; transformers' forward + backward over the same
+    bf16 compute, activation checkpointing off), the same batch as one micro-batch of <= 16384, and
+    a 4x larger batch as 4 micro-batches of <= 16384 gathered once per step (`--gather-once`'s
+    setting): tokens/s, MFU on active parameters, peak memory; transformers' forward + backward over the same
     number of tokens as 4 x 4096 sequences, one at a time and as one batch.
   - start: seconds from engine construction to the first generated token (compilation included).
 With `--model deepseek_v3`: DeepSeek-V3's width with 2 layers (1 dense + 1 MoE of 256 experts, MLA
@@ -25,6 +26,7 @@ with the latent KV cache), rollout 64 x 128 -> 128 against transformers, and the
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -155,8 +157,10 @@ def checkpoint_tensors(hf: torch.nn.Module):
             yield name, t
 
 
-def native_from(hf: torch.nn.Module, config: dict, dtype: torch.dtype, **kw: object) -> torch.nn.Module:
-    device = next(hf.parameters()).device
+def native_from(
+    hf: torch.nn.Module, config: dict, dtype: torch.dtype, device: torch.device | None = None, **kw: object
+) -> torch.nn.Module:
+    device = device or next(hf.parameters()).device
     native = build_model(config, dtype=dtype, device=device, **kw)
     load_hf_tensors(native, checkpoint_tensors(hf))
     return native.eval()
@@ -238,16 +242,20 @@ def bench_train(
     device = next(hf.parameters()).device
     batch = make_batch(budget // 16, budget, budget, micro_batches, config["vocab_size"], seed=0)
     for mb_budget in (budget, budget * micro_batches):
-        train_row(
-            config,
-            hf,
-            table,
-            batch,
-            mb_budget,
-            profile=profile and mb_budget == budget,
-            gather_once=gather_once,
-        )
+        on = profile and mb_budget == budget
+        train_row(config, hf, table, batch, mb_budget, profile=on, gather_once=gather_once)
+    # An RL-sized step: micro_batches micro-batches of the large budget, gathered once per step.
+    big_budget = budget * micro_batches
+    big = make_batch(budget // 16, budget, big_budget, micro_batches, config["vocab_size"], seed=0)
+    hf.to("cpu")  # the bf16 transformers model (11 GB at this width) makes room for the larger step
     free(device)
+    try:
+        train_row(config, hf, table, big, big_budget, profile=False, gather_once=True, device=device)
+    except torch.OutOfMemoryError:
+        row(table, f"train {micro_batches} x <= {big_budget} packed, gather once", "rlloom train_step",
+            {"tokens": big.num_tokens, "s": float("nan")}, "out of memory")  # fmt: skip
+    free(device)
+    hf.to(device)
 
     # transformers: forward + backward of the bf16 model over micro_batches x budget tokens
     hf.train()
@@ -271,11 +279,20 @@ def bench_train(
 
 
 def train_row(
-    config: dict, hf: torch.nn.Module, table: list, batch, mb_budget: int, *, profile: bool, gather_once: bool
+    config: dict,
+    hf: torch.nn.Module,
+    table: list,
+    batch,
+    mb_budget: int,
+    *,
+    profile: bool,
+    gather_once: bool,
+    device: torch.device | None = None,
 ) -> None:
-    """rlloom's train_step (fp32 master weights, AdamW) with micro-batches of <= mb_budget tokens."""
-    device = next(hf.parameters()).device
-    model = native_from(hf, config, torch.float32)
+    """rlloom's train_step (fp32 master weights, AdamW) with micro-batches of <= mb_budget tokens, on
+    `device` (default: the transformers model's), with the transformers model's weights."""
+    device = device or next(hf.parameters()).device
+    model = native_from(hf, config, torch.float32, device)
     engine = NativeTrainEngine(
         TrainEngineConfig(
             lr=1e-6,
@@ -325,6 +342,7 @@ def time_hf_train(hf: torch.nn.Module, ids: torch.Tensor, rows: int, device: tor
 
 
 def free(device: torch.device) -> None:
+    gc.collect()  # an out-of-memory error's frames hold the engine until collected
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
