@@ -193,9 +193,10 @@ def bench_rollout(
     )  # fmt: skip
     engine.generate(prompts[:2], SamplingParams(max_new_tokens=2, ignore_eos=True))
     first_token_s = time.perf_counter() - start
-    engine.generate(
-        prompts[:8], SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True)
-    )  # warm-up
+    # Warm-up at the full batch, so the timed pass replays CUDA graphs captured for every batch size
+    # it meets instead of capturing them (an RL run generates many times; the first token's time is
+    # reported apart).
+    engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True))
     bandwidth = copy_bandwidth(device)
     r = run_engine(engine, prompts, SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True))
     bound = decode_bound_s(engine, prompts_n, prompt_len, new, bandwidth)

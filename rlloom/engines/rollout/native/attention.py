@@ -23,15 +23,11 @@ torch.compile it is opaque (its fake returns an empty [N, Hq, Dv]), so the cache
 Triton kernel stay outside Inductor, and the KV cache is never a graph input that the compiler would
 copy to functionalise its mutation (vLLM's attention op does the same). A runner keeps one handle
 across sleep/wake, so a re-allocated cache needs no recompilation. The model passes no layer index:
-`attn` counts its calls since `prepare`. The compiled decode forward (model_runner.py) comes in two
-shapes:
-
-- the whole model in one graph (MoE models): Dynamo traces the counter, so each layer's op call
-  gets its index as a constant;
-- one graph per decoder layer, shared by all layers (dense models): the layers see the backend
-  through `PiecewiseAttention`, whose `attn` is a deliberate graph break (vLLM's piecewise
-  compilation splits at attention the same way); no index crosses it, so no index becomes a
-  constant of a traced frame, and Dynamo traces one layer instead of the whole model.
+`attn` counts its calls since `prepare`. The compiled decode forward (model_runner.py) is one graph
+per decoder layer, shared by all layers: the layers see the backend through `PiecewiseAttention`,
+whose `attn` is a deliberate graph break (vLLM's piecewise compilation splits at attention the same
+way); no index crosses it, so no index becomes a constant of a traced frame, and Dynamo traces one
+layer instead of the whole model.
 
 Shape legend: N new tokens, S sequences, Q most new tokens of a sequence (1 in decode), K key slots
 gathered per sequence (a multiple of the block size), Hq/Hkv heads, G = Hq / Hkv, D/Dv head dims.

@@ -7,11 +7,10 @@
   known-answer check (paged_decode.py); elsewhere it runs eagerly through the torch path. With
   `compile` (CUDA graphs only) the captured forward runs `torch.compile`d decoder layers with a
   dynamic batch size: Inductor fuses the small per-layer kernels (RMSNorms, RoPE, SwiGLU, residual
-  adds; about 45 launches a layer eagerly) that otherwise cost a third of a decode step. Dense
-  models compile one layer at a time, split at the attention call, so Dynamo traces one layer, not
-  the whole model (a fraction of the start-up time); MoE models compile the whole model in one graph
-  (`compile_decode_forward`). If the compiled forward fails to compile or capture, the runner logs
-  it and captures the plain one.
+  adds; about 45 launches a layer eagerly) that otherwise cost a third of a decode step. Every
+  model compiles one layer at a time, split at the attention call, so Dynamo traces one layer, not
+  the whole model (`compile_decode_forward`). If the compiled forward fails to compile or capture,
+  the runner logs it and captures the plain one.
 
 Only the last position of each sequence goes through the lm head, so prefill never builds [N, V]
 logits. Logits are computed as the model's own forward does (hidden @ lm_head_weight.T in the model
@@ -65,23 +64,16 @@ def kv_bytes_per_block(a: ModelArgs, block_size: int, dtype: torch.dtype) -> int
     return a.num_layers * block_size * a.kv_cache.values_per_token * dtype.itemsize
 
 
-def compile_decode_forward(model: CausalLM, one_graph: bool | None = None) -> Callable[..., torch.Tensor]:
-    """`model.hidden_states` compiled for the CUDA graphs to capture, with a dynamic token count, in
-    one of two shapes (attention.py):
-
-    - dense models: every decoder layer compiled on its own, split at the attention call, so the
-      layers share one traced layer. Dynamo traces one layer instead of the whole model: a second
-      run of Qwen3-0.6B's shape reaches its first token in 17 s instead of 38 s, and its decode is
-      as fast (docs/benchmarks.md);
-    - MoE models: the whole model in one graph (fullgraph: a graph break is an error). Split per
-      layer, the Qwen3-30B-A3B-width decode measured 17% slower (18.3k against 22.1k tok/s, cause not
-      yet profiled), so MoE keeps the longer compilation.
-
-    `one_graph` overrides the choice (None: by the model). The compiled code is cached on disk
-    (`rlloom.compile_cache`) for later runs of the same shapes."""
+def compile_decode_forward(model: CausalLM) -> Callable[..., torch.Tensor]:
+    """`model.hidden_states` compiled for the CUDA graphs to capture, with a dynamic token count:
+    every decoder layer compiled on its own, split at the attention call (attention.py), so the
+    layers share one traced layer (two for DeepSeek-V3's dense and MoE layers). Against the whole
+    model in one graph (the earlier way, measured on one H200, docs/benchmarks.md): Qwen3-0.6B's
+    second run reaches its first token in 17 s instead of 38 s and decodes as fast; the
+    Qwen3-30B-A3B width compiles in 5.8 s instead of 16.3 s and decodes at 23.6k instead of 15.4k
+    tok/s after a full-batch warm-up (the whole-model graph recompiled during the run). The compiled
+    code is cached on disk (`rlloom.compile_cache`) for later runs of the same shapes."""
     enable_compile_cache()
-    if one_graph if one_graph is not None else bool(model.moe_layers()):
-        return torch.compile(model.hidden_states, dynamic=True, fullgraph=True)
     layers = [torch.compile(layer, dynamic=True) for layer in model.layers]
 
     def forward(input_ids: torch.Tensor, *, position_ids: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
