@@ -71,7 +71,7 @@ def compile_decode_forward(model: CausalLM) -> Callable[..., torch.Tensor]:
     model in one graph (the earlier way, measured on one H200, docs/benchmarks.md): Qwen3-0.6B's
     second run reaches its first token in 17 s instead of 38 s and decodes as fast; the
     Qwen3-30B-A3B width compiles in 5.8 s instead of 16.3 s and decodes at 23.6k instead of 15.4k
-    tok/s after a full-batch warm-up (the whole-model graph recompiled during the run). The compiled
+    tok/s after a full-batch warm-up (the whole-model graph stalled mid-run). The compiled
     code is cached on disk (`rlloom.compile_cache`) for later runs of the same shapes."""
     enable_compile_cache()
     layers = [torch.compile(layer, dynamic=True) for layer in model.layers]
