@@ -1,12 +1,12 @@
 """The MoE auxiliary load-balancing loss under pipeline parallelism (train.moe_aux_loss_coef=0.5):
-on 2 gloo processes, pp=2 with 1F1B and with the interleaved schedule (2 virtual stages per rank)
-equals the one-process engine in fp32 on a tiny 4-layer Qwen3-MoE whose layers 0, 1 and 3 are
-MoE (each pp rank holds some; one interleaved stage holds none) and whose routers are skewed, so
-the balancing loss is above 1.1 and its gradient moves the routers: every gradient of the first
-forward-backward (the aux loss's included), the loss and moe/aux_loss of two steps (summed over
-the pp ranks' layers; the padding to the token budget and the filler micro-batches not counted),
-and the weights after them. The loss over the real rows of a padded stream equals the Switch loss
-of those rows alone."""
+on 2 gloo processes, pp=2 with 1F1B, with the interleaved schedule (2 virtual stages per rank) and
+with zero-bubble plus activation checkpointing equals the one-process engine in fp32 on a tiny
+4-layer Qwen3-MoE whose layers 0, 1 and 3 are MoE (each pp rank holds some; one interleaved stage
+holds none) and whose routers are skewed, so the balancing loss is above 1.1 and its gradient
+moves the routers: every gradient of the first forward-backward (the aux loss's included), the
+loss, grad norm and moe/aux_loss of two steps (summed over the pp ranks' layers; the padding to the
+token budget and the filler micro-batches not counted), and the weights after them. The loss over
+the real rows of a padded stream equals the Switch loss of those rows alone."""
 
 from __future__ import annotations
 
@@ -55,16 +55,21 @@ def skewed_moe() -> CausalLM:
     return model
 
 
-def cfg(coef: float = COEF) -> TrainEngineConfig:
+def cfg(coef: float = COEF, **changes) -> TrainEngineConfig:
     # lr 3e-3 with Adam: each weight moves ~lr a step, so a wrong aux gradient shows at 1e-5;
     # budget 80 >= the longest sample (71 tokens), so the padding differs between micro-batches.
     return TrainEngineConfig(
-        lr=3e-3, weight_decay=0.1, grad_clip=0.5, max_tokens_per_micro_batch=80, moe_aux_loss_coef=coef
+        lr=3e-3,
+        weight_decay=0.1,
+        grad_clip=0.5,
+        max_tokens_per_micro_batch=80,
+        moe_aux_loss_coef=coef,
+        **changes,
     )
 
 
-def engine_for(pp: int, **par) -> NativeTrainEngine:
-    config = cfg()
+def engine_for(pp: int, ac: str = "off", **par) -> NativeTrainEngine:
+    config = cfg(activation_checkpointing=ac)
     if pp == 1:
         return NativeTrainEngine(config, skewed_moe())
     dims = ParallelDims(world_size=pp, pp=pp)
@@ -101,6 +106,9 @@ def worker(rank: int, expected: dict) -> None:
     check(run(engine_for(2)), expected, "pp=2 1f1b")
     torch.manual_seed(0)
     check(run(engine_for(2, pp_schedule="interleaved", pp_virtual_stages=2)), expected, "pp=2 interleaved")
+    torch.manual_seed(0)
+    zero_bubble = engine_for(2, ac="full", pp_schedule="zero_bubble", pp_virtual_stages=2)
+    check(run(zero_bubble), expected, "pp=2 zero_bubble, activation checkpointing")
 
 
 def test_pp_aux_loss_equals_one_process_with_1f1b_and_interleaved():

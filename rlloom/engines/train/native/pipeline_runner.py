@@ -209,10 +209,8 @@ class PipelineRunner:
                 balance.add_loads(torch.stack([feed.moe_loads[str(i)] for i in balance.layers]))
             if with_routes:
                 records += self._route_metrics(batch, pb, feed.route_counts_M2)
-            if feed.aux_loss_sum is not None:  # every pp rank's layers' part (0 without MoE layers)
-                aux = feed.aux_loss_sum.to(self.layout.comm_device(self.device))
-                dist.all_reduce(aux, group=self.pipe.group)
-                records.append({"moe/aux_loss": Sum(aux.to(self.device))})
+            if feed.aux_loss_sum is not None:
+                records.append({"moe/aux_loss": Sum(self._summed_over_token_shares(feed.aux_loss_sum))})
         finally:
             feed.moe_loads = feed.route_counts_M2 = feed.aux_loss_sum = None
         acc = MetricsAccumulator()
@@ -238,12 +236,7 @@ class PipelineRunner:
         """`moe/route_mismatch_frac` per micro-batch as `MicroBatchRunner` gives it, from the counts
         each pp rank's stages recorded (summed over the pp ranks, and the TP/CP ranks that split
         tokens)."""
-        counts_M2 = counts_M2.to(self.layout.comm_device(self.device))
-        groups = [self.pipe.group]
-        groups += [self.layout.tp_group] if self.layout.tokens_split_over_tp else []
-        groups += [self.layout.cp_group] if self.layout.cp > 1 else []
-        for group in groups:
-            dist.all_reduce(counts_M2, group=group)
+        counts_M2 = self._summed_over_token_shares(counts_M2)
         out = []
         for rows, (differ, compared) in zip(pb.rows, counts_M2.tolist()):
             if rows is None:
@@ -251,3 +244,15 @@ class PipelineRunner:
             weight = sum(len(batch.samples[i].routed_experts) for i in rows) * self.num_moe_layers
             out.append({"moe/route_mismatch_frac": Mean(differ / max(compared, 1.0), weight=weight)})
         return out
+
+    def _summed_over_token_shares(self, value: torch.Tensor) -> torch.Tensor:
+        """`value`, a sum over what this rank's MoE layers routed, summed over the ranks that route
+        the rest of this dp rank's micro-batches: the pp ranks' layers (0 from a rank without MoE
+        layers), and the TP/CP ranks that split the tokens."""
+        value = value.to(self.layout.comm_device(self.device))
+        groups = [self.pipe.group]
+        groups += [self.layout.tp_group] if self.layout.tokens_split_over_tp else []
+        groups += [self.layout.cp_group] if self.layout.cp > 1 else []
+        for group in groups:
+            dist.all_reduce(value, group=group)
+        return value.to(self.device)
