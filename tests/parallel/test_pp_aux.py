@@ -81,7 +81,7 @@ def run(engine: NativeTrainEngine) -> dict:
     normalizer = loss_normalizer(data[0].response_mask(), MODE)
     engine.forward_backward(data[0], PolicyLoss(data[0], MODE), loss_normalizer=normalizer)
     grads = full_grads(engine)
-    steps = [step(engine, 0), step(engine, 1)]
+    steps = [step(engine, 1), step(engine, 2)]  # the second: one micro-batch and a filler under pp=2
     metrics = [{k: m[k] for k in KEYS} for m in steps]
     return {"grads": grads, "metrics": metrics, "weights": full_weights(engine)}
 
