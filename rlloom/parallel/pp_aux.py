@@ -11,7 +11,10 @@ scale remains). Summed over the stages and micro-batches the gradients are the o
 The stages run micro-batches padded to one token budget: the padding rows must not count, so
 each layer's loss is recomputed over the real rows (`real_rows_aux_loss`) from the router's scores
 (`RouterScores` keeps them during the stage's own forward, not during a recompute of activation
-checkpointing in backward).
+checkpointing in backward). Where ranks split a micro-batch's tokens (CP, or TP ranks that each
+route their shard), the expert fractions f are summed over them first, as Megatron-LM does over its
+sequence-partition group: each rank's term is then E x sum_e f_e x (its rows' part of P_e), and the
+terms add up to the whole micro-batch's loss, gradients included (no approximation).
 
 Shape legend: T tokens a layer routed, E experts, K experts per token.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from rlloom.models.moe import load_balancing_loss
@@ -41,20 +45,28 @@ class AttachAuxLoss(torch.autograd.Function):
 
 
 def real_rows_aux_loss(
-    scores_TE: torch.Tensor, experts_TK: torch.Tensor, real_T: torch.Tensor
-) -> torch.Tensor:
-    """`moe.load_balancing_loss` over the rows `real_T` marks (no host sync).
+    scores_TE: torch.Tensor,
+    experts_TK: torch.Tensor,
+    real_T: torch.Tensor,
+    groups: tuple[dist.ProcessGroup, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`moe.load_balancing_loss` over the rows `real_T` marks, their number n) without a host sync.
 
     With the other rows' scores zeroed, their routing probabilities become 0 and the counts only
     include the real rows'; `load_balancing_loss` divides f and P by all T rows, so its value is
-    (n / T)^2 times the real rows' loss, n the number of real rows."""
+    (n / T)^2 times the real rows' loss. With `groups` (the ranks holding the micro-batch's other
+    rows) the counts and n are summed over them: the loss is this rank's part of the whole rows'
+    (the parts add up to it) and n the whole micro-batch's real rows."""
     weight_T = real_T.to(scores_TE.dtype)
     weight_TK = weight_T[:, None].expand_as(experts_TK)
     counts_E = torch.zeros(scores_TE.shape[1], dtype=scores_TE.dtype, device=scores_TE.device)
     counts_E = counts_E.index_add(0, experts_TK.flatten(), weight_TK.flatten())
-    T = scores_TE.shape[0]
-    loss = load_balancing_loss(scores_TE * weight_T[:, None], counts_E, experts_TK.shape[1])
-    return loss * (T / weight_T.sum().clamp(min=1.0)) ** 2
+    for group in groups:
+        dist.all_reduce(counts_E, group=group)
+    T, K = scores_TE.shape[0], experts_TK.shape[1]
+    n = counts_E.sum() / K
+    loss = load_balancing_loss(scores_TE * weight_T[:, None], counts_E, K)
+    return loss * (T / n.clamp(min=1.0)) ** 2, n
 
 
 class RouterScores:

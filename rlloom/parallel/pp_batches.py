@@ -160,6 +160,9 @@ class StageFeed:
     share and the mean over layers, as the one-process engine weighs each layer's loss."""
     aux_loss_coef: float = 0.0
     """train.moe_aux_loss_coef: the factor between that weighted loss and what is back-propagated."""
+    token_groups: tuple[dist.ProcessGroup, ...] = ()
+    """The groups of ranks that split each micro-batch's tokens between their MoE layers (CP, and
+    TP when each TP rank routes its own shard): the auxiliary loss sums its expert counts over them."""
 
 
 def check_budget(budget: int, shares: int) -> None:

@@ -185,7 +185,8 @@ class PipelineStageModule(nn.Module):
             scores_TE = self.router_scores.take(key)
             real_T = ~self._padding_rows(batch, scores_TE.shape[0])
             experts_TK = self.model.layers[key].moe.last_experts_TK
-            term = term + real_rows_aux_loss(scores_TE, experts_TK, real_T) * real_T.sum()
+            loss, n = real_rows_aux_loss(scores_TE, experts_TK, real_T, self.feed.token_groups)
+            term = term + loss * n
         term = term * self.feed.aux_token_weight
         self.feed.aux_loss_sum += term.detach()
         return term * self.feed.aux_loss_coef

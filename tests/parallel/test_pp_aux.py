@@ -130,7 +130,8 @@ def test_real_rows_aux_loss_is_the_switch_loss_of_the_real_rows():
     scores_TE = torch.rand(10, 4, generator=g).softmax(dim=-1).requires_grad_()
     experts_TK = torch.randint(0, 4, (10, 2), generator=g)
     real_T = torch.tensor([True] * 3 + [False] * 2 + [True] * 4 + [False])
-    got = real_rows_aux_loss(scores_TE, experts_TK, real_T)
+    got, n = real_rows_aux_loss(scores_TE, experts_TK, real_T)
+    assert n == 7
     counts_E = torch.bincount(experts_TK[real_T].flatten(), minlength=4)
     expected = load_balancing_loss(scores_TE[real_T], counts_E, 2)
     torch.testing.assert_close(got, expected)

@@ -103,6 +103,7 @@ class PipelineRunner:
                 view.model, aux_loss_coef=0.0, bias_update_rate=cfg.moe_bias_update_rate
             )
         pipe.feed.aux_loss_coef = cfg.moe_aux_loss_coef if moe_model else 0.0
+        pipe.feed.token_groups = token_groups(layout)
         return cls(
             pipe=pipe,
             modules=modules,
@@ -250,9 +251,13 @@ class PipelineRunner:
         the rest of this dp rank's micro-batches: the pp ranks' layers (0 from a rank without MoE
         layers), and the TP/CP ranks that split the tokens."""
         value = value.to(self.layout.comm_device(self.device))
-        groups = [self.pipe.group]
-        groups += [self.layout.tp_group] if self.layout.tokens_split_over_tp else []
-        groups += [self.layout.cp_group] if self.layout.cp > 1 else []
-        for group in groups:
+        for group in (self.pipe.group, *token_groups(self.layout)):
             dist.all_reduce(value, group=group)
         return value.to(self.device)
+
+
+def token_groups(layout: EngineLayout) -> tuple[dist.ProcessGroup, ...]:
+    """The groups of ranks that split a micro-batch's tokens between their MoE layers: the TP ranks
+    when each routes its own shard, the CP ranks."""
+    groups = (layout.tp_group,) if layout.tokens_split_over_tp else ()
+    return groups + ((layout.cp_group,) if layout.cp > 1 else ())
