@@ -6,7 +6,8 @@ holds none) and whose routers are skewed, so the balancing loss is above 1.1 and
 moves the routers: every gradient of the first forward-backward (the aux loss's included), the
 loss, grad norm and moe/aux_loss of two steps (summed over the pp ranks' layers; the padding to the
 token budget and the filler micro-batches not counted), and the weights after them. The loss over
-the real rows of a padded stream equals the Switch loss of those rows alone."""
+the real rows of a padded stream equals the Switch loss of those rows alone. On 4 processes,
+pp=2 x cp=2 equals one process without CP the same way (the cp ranks sum their expert counts)."""
 
 from __future__ import annotations
 
@@ -68,12 +69,13 @@ def cfg(coef: float = COEF, **changes) -> TrainEngineConfig:
     )
 
 
-def engine_for(pp: int, ac: str = "off", **par) -> NativeTrainEngine:
-    config = cfg(activation_checkpointing=ac)
+def engine_for(pp: int, ac: str = "off", cp: int = 1, **par) -> NativeTrainEngine:
+    config = cfg(activation_checkpointing=ac, share_prompts=cp == 1)  # CP splits plain documents only
     if pp == 1:
         return NativeTrainEngine(config, skewed_moe())
-    dims = ParallelDims(world_size=pp, pp=pp)
-    return NativeTrainEngine(config, skewed_moe(), parallel_dims=dims, pipeline=ParallelConfig(pp=pp, **par))
+    dims = ParallelDims(world_size=pp * cp, pp=pp, cp=cp)
+    layout = ParallelConfig(pp=pp, cp=cp, **par)
+    return NativeTrainEngine(config, skewed_moe(), parallel_dims=dims, pipeline=layout)
 
 
 def run(engine: NativeTrainEngine) -> dict:
@@ -139,3 +141,16 @@ def test_real_rows_aux_loss_is_the_switch_loss_of_the_real_rows():
     (expected_grad,) = torch.autograd.grad(expected, scores_TE)
     torch.testing.assert_close(grad, expected_grad)
     assert grad[~real_T].abs().sum() == 0
+
+
+def worker_cp(rank: int, expected: dict) -> None:
+    torch.manual_seed(0)
+    check(run(engine_for(2, cp=2)), expected, "pp=2 x cp=2")
+
+
+@pytest.mark.slow
+def test_pp_aux_loss_under_cp_equals_one_process_without_cp():
+    """pp=2 x cp=2 (4 processes): the cp ranks sum their expert counts, so each one's term is its
+    part of the whole micro-batch's loss and the sum is exact (pp=1 under CP approximates it)."""
+    expected = run(NativeTrainEngine(cfg(share_prompts=False), skewed_moe()))
+    run_gloo(worker_cp, 4, expected)
