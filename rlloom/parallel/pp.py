@@ -33,8 +33,10 @@ names, so a pp=2 -> pp=1 resume needs no renaming (a tied embedding is held twic
 MoE under PP: with `StageFeed.moe_loads` set, each stage adds its MoE layers' expert loads of the
 real tokens (the padding's subtracted) per forward, and with `StageFeed.route_counts_M2` their
 route-mismatch counts per micro-batch; the engine turns them into its load metrics, DeepSeek-V3's
-bias update and moe/route_mismatch_frac. Not built: the MoE auxiliary loss (each stage would add a
-term to a loss only the last stage computes; the engine refuses it).
+bias update and moe/route_mismatch_frac. With `StageFeed.aux_loss_sum` set (train.moe_aux_loss_coef
+> 0), each stage back-propagates its MoE layers' auxiliary loss (real tokens only) through its own
+output, as Megatron-LM's MoEAuxLossAutoScaler does (`pp_aux.py`): the last stage's loss does not
+hold it.
 
 TP/EP/AC/compile go inside `parallelize_stage` (each stage module is a model of its own to them).
 PP x TP (with sequence parallelism): between blocks the residual stream is sharded over tokens, so

@@ -151,6 +151,18 @@ class StageFeed:
     token counts against the rollout's routes (`MoE.last_route_mismatch`); None: not recorded."""
     tp_rank: int = 0
     """This rank's TP index: which token shard its MoE layers route when each TP rank routes its own."""
+    aux_loss_sum: torch.Tensor | None = None
+    """When a tensor (a scalar): the MoE auxiliary loss is on (`pp_aux.py`); each stage adds, per
+    real micro-batch, sum over its MoE layers of (the layer's loss over the real tokens) x (those
+    tokens) x `aux_token_weight`: this rank's layers' part of moe/aux_loss. None: off."""
+    aux_token_weight: float = 0.0
+    """1 / (the whole model's MoE layers x the tokens of the global batch): a micro-batch's token
+    share and the mean over layers, as the one-process engine weighs each layer's loss."""
+    aux_loss_coef: float = 0.0
+    """train.moe_aux_loss_coef: the factor between that weighted loss and what is back-propagated."""
+    token_groups: tuple[dist.ProcessGroup, ...] = ()
+    """The groups of ranks that split each micro-batch's tokens between their MoE layers (CP, and
+    TP when each TP rank routes its own shard): the auxiliary loss sums its expert counts over them."""
 
 
 def check_budget(budget: int, shares: int) -> None:

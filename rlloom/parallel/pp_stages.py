@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from rlloom.models.args import ModelArgs
 from rlloom.models.logprobs import token_logprobs
+from rlloom.parallel.pp_aux import AttachAuxLoss, RouterScores, real_rows_aux_loss
 from rlloom.parallel.pp_batches import PaddedMicroBatch, StageFeed
 from rlloom.parallel.vocab_parallel import vocab_parallel_token_logprobs
 
@@ -134,17 +135,26 @@ class PipelineStageModule(nn.Module):
         self.is_first, self.is_last = is_first, is_last
         self.chunk_tokens, self.fused_head = chunk_tokens, fused_head
         self.feed = StageFeed()
+        self.router_scores = RouterScores({key: model.layers[key].moe for key in model.moe_index})
+        """The MoE auxiliary loss's routing scores, kept during this stage's forward when it is on."""
 
     def forward(self, x: torch.Tensor, mb: int) -> torch.Tensor:
         batch = self.feed.micro_batches[mb]
         h = self.model.tok_embeddings(x[0]) if self.is_first else x[0]
         cos, sin = self.model.rope(batch.position_ids_P, h.dtype)
-        for key, layer in self.model.layers.items():
-            moe_index = self.model.moe_index.get(key)
-            if moe_index is not None and batch.routes_PLK is not None:
-                h = layer(h, cos, sin, batch.layout, batch.routes_PLK[:, moe_index], self.feed.replay_routes)
-            else:
-                h = layer(h, cos, sin, batch.layout)
+        with_aux = self.feed.aux_loss_sum is not None and batch.real and bool(self.model.moe_index)
+        self.router_scores.active = with_aux
+        try:
+            for key, layer in self.model.layers.items():
+                moe_index = self.model.moe_index.get(key)
+                if moe_index is not None and batch.routes_PLK is not None:
+                    routes = batch.routes_PLK[:, moe_index]
+                    h = layer(h, cos, sin, batch.layout, routes, self.feed.replay_routes)
+                else:
+                    h = layer(h, cos, sin, batch.layout)
+        finally:
+            self.router_scores.active = False
+        aux = self._aux_loss(batch) if with_aux else None
         if self.feed.moe_loads is not None:
             self._record_loads(batch)
         if self.feed.route_counts_M2 is not None and batch.routes_PLK is not None:
@@ -153,8 +163,33 @@ class PipelineStageModule(nn.Module):
         if not self.is_last:
             # Not a view: zero-bubble schedules detach a stage's outputs in place after the input backward.
             # Under TP this is the rank's token shard [1, P/tp, D] (a plain tensor: the residual stream).
-            return _local(h).unsqueeze(0).clone()
-        return self._head(self.model.norm(h), batch)
+            h = _local(h)
+            return (h if aux is None else AttachAuxLoss.apply(h, aux)).unsqueeze(0).clone()
+        out_12P = self._head(self.model.norm(h), batch)
+        return out_12P if aux is None else AttachAuxLoss.apply(out_12P, aux).clone()
+
+    def _padding_rows(self, batch: PaddedMicroBatch, num_rows: int) -> torch.Tensor:
+        """[num_rows] bool: which rows an MoE layer of this stage routed are padding."""
+        padding_T = batch.padding_L
+        if padding_T.shape[0] != num_rows:  # each TP rank routed its own token shard
+            padding_T = padding_T.view(-1, num_rows)[self.feed.tp_rank]
+        return padding_T
+
+    def _aux_loss(self, batch: PaddedMicroBatch) -> torch.Tensor:
+        """coef x sum over this stage's MoE layers of (the layer's balancing loss over the real
+        tokens) x (those tokens) x `feed.aux_token_weight`: its part of the one-process engine's
+        coef x token share x mean over layers (`pp_aux.py`); adds it, detached and without the
+        coefficient, to `feed.aux_loss_sum`."""
+        term = torch.zeros((), device=batch.padding_L.device)
+        for key in self.model.moe_index:
+            scores_TE = self.router_scores.take(key)
+            real_T = ~self._padding_rows(batch, scores_TE.shape[0])
+            experts_TK = self.model.layers[key].moe.last_experts_TK
+            loss, n = real_rows_aux_loss(scores_TE, experts_TK, real_T, self.feed.token_groups)
+            term = term + loss * n
+        term = term * self.feed.aux_token_weight
+        self.feed.aux_loss_sum += term.detach()
+        return term * self.feed.aux_loss_coef
 
     def _record_loads(self, batch: PaddedMicroBatch) -> None:
         """Add each MoE layer's expert loads of this forward, less the padding's, to the feed (no
@@ -164,9 +199,7 @@ class PipelineStageModule(nn.Module):
         for key in self.model.moe_index:
             moe = self.model.layers[key].moe  # checkpoint/compile wrappers pass attributes through
             experts_TK, counts_E = moe.last_experts_TK, moe.last_token_counts
-            padding_T = batch.padding_L
-            if padding_T.shape[0] != experts_TK.shape[0]:  # each TP rank routed its own token shard
-                padding_T = padding_T.view(-1, experts_TK.shape[0])[self.feed.tp_rank]
+            padding_T = self._padding_rows(batch, experts_TK.shape[0])
             weight_TK = padding_T[:, None].expand_as(experts_TK).to(counts_E.dtype)
             padded_E = torch.zeros_like(counts_E).index_add_(0, experts_TK.flatten(), weight_TK.flatten())
             loads[key] = counts_E - padded_E + loads.get(key, 0)

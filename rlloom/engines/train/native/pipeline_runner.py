@@ -4,7 +4,8 @@
 
 Every micro-batch is padded to the token budget; the loss of each runs on the last stage's rank,
 whose metrics every pp rank returns. MoE loads and route mismatches are counted by the stages (real
-tokens only) and merged over the pp ranks; the MoE auxiliary loss is refused.
+tokens only) and merged over the pp ranks; so is the MoE auxiliary loss (moe/aux_loss), which each
+stage back-propagates for its own layers (`rlloom.parallel.pp_aux`).
 
 Shape legend: B samples of the global batch, K selected positions, M pipeline micro-batches.
 """
@@ -24,6 +25,7 @@ from rlloom.engines.train.base import LossFn
 from rlloom.engines.train.native.layout import EngineLayout
 from rlloom.engines.train.native.moe_balance import MoEBalance, moe_layers_of
 from rlloom.engines.train.native.pipeline import PipeBatch, from_last_stage, merge_moe_metrics, stage_view
+from rlloom.engines.train.native.plan import computed_tokens
 from rlloom.engines.train.native.policy import PolicyHead
 from rlloom.engines.train.native.runner import check_loss_sum, moe_step_metrics, weighted
 from rlloom.observability.metrics import Max, Mean, Metric, MetricsAccumulator, Sum, reduce_across_ranks
@@ -51,7 +53,7 @@ class PipelineRunner:
     """MoE layers of the whole model (each pp rank holds some)."""
     device: torch.device
     layout: EngineLayout
-    share_prompts: bool
+    cfg: TrainEngineConfig
 
     @classmethod
     def build(
@@ -78,12 +80,6 @@ class PipelineRunner:
                 model, aux_loss_coef=cfg.moe_aux_loss_coef, bias_update_rate=cfg.moe_bias_update_rate
             )
         moe_model = moe_balance is not None
-        if moe_model and cfg.moe_aux_loss_coef > 0:
-            raise ValueError(
-                f"train.moe_aux_loss_coef={cfg.moe_aux_loss_coef}: the MoE auxiliary loss is not built for "
-                f"pipeline parallelism (parallel.pp={dims.pp}; the bias update, train.moe_bias_update_rate, "
-                "is). Fix: set train.moe_aux_loss_coef=0, or parallel.pp=1."
-            )
         num_moe_layers = len(moe_layers_of(model))
         modules, pipe = parallelize_pp(
             model,
@@ -102,9 +98,12 @@ class PipelineRunner:
         )
         view = stage_view(modules, model)  # the layers of other stages are freed with the whole model
         if moe_balance is not None:  # this rank's MoE layers (None when its stages have none)
+            # The stages compute the auxiliary loss themselves (real tokens only), not the layers.
             moe_balance = MoEBalance.build(
                 view.model, aux_loss_coef=0.0, bias_update_rate=cfg.moe_bias_update_rate
             )
+        pipe.feed.aux_loss_coef = cfg.moe_aux_loss_coef if moe_model else 0.0
+        pipe.feed.token_groups = token_groups(layout)
         return cls(
             pipe=pipe,
             modules=modules,
@@ -115,7 +114,7 @@ class PipelineRunner:
             num_moe_layers=num_moe_layers,
             device=device,
             layout=layout,
-            share_prompts=cfg.share_prompts,
+            cfg=cfg,
         )
 
     def logprobs(
@@ -133,7 +132,7 @@ class PipelineRunner:
         logp_BT = torch.zeros(len(batch), batch.T, dtype=torch.float32, device=self.device)
         entropy_BT = torch.zeros_like(logp_BT) if with_entropy else None
         pb = PipeBatch.of(
-            batch, micro_batches, share_prompts=self.share_prompts, replay_routes=routing_replay
+            batch, micro_batches, share_prompts=self.cfg.share_prompts, replay_routes=routing_replay
         )
         out = self.pipe.forward_logprobs(
             pb.micro_batches,
@@ -165,7 +164,7 @@ class PipelineRunner:
         """`loss_fn` runs on the last stage's rank, whose metrics (reduced over its dp ranks) every pp
         rank returns."""
         pb = PipeBatch.of(
-            batch, micro_batches, share_prompts=self.share_prompts, replay_routes=routing_replay
+            batch, micro_batches, share_prompts=self.cfg.share_prompts, replay_routes=routing_replay
         )
         records: list[dict[str, Metric]] = []
 
@@ -189,11 +188,15 @@ class PipelineRunner:
             return loss_sum.reshape(()) / loss_normalizer
 
         balance = self.moe_balance
-        self.pipe.feed.moe_loads = {} if balance is not None else None
+        feed = self.pipe.feed
+        feed.moe_loads = {} if balance is not None else None
+        if feed.aux_loss_coef > 0:  # each stage adds its layers' share (pp_aux.py)
+            feed.aux_token_weight = 1.0 / (self.num_moe_layers * computed_tokens(batch, self.cfg))
+            feed.aux_loss_sum = torch.zeros((), device=self.device)
         with_routes = self.num_moe_layers > 0 and batch.samples[0].routed_experts is not None
         if with_routes:
             m = self.pipe.num_micro_batches(len(micro_batches))
-            self.pipe.feed.route_counts_M2 = torch.zeros(m, 2, device=self.device)
+            feed.route_counts_M2 = torch.zeros(m, 2, device=self.device)
         try:
             with deferred_finite_checks():
                 self.pipe.forward_backward(
@@ -204,11 +207,13 @@ class PipelineRunner:
                     replay_routes=routing_replay,
                 )
             if balance is not None:  # the real tokens this rank's stages routed (padding not counted)
-                balance.add_loads(torch.stack([self.pipe.feed.moe_loads[str(i)] for i in balance.layers]))
+                balance.add_loads(torch.stack([feed.moe_loads[str(i)] for i in balance.layers]))
             if with_routes:
-                records += self._route_metrics(batch, pb, self.pipe.feed.route_counts_M2)
+                records += self._route_metrics(batch, pb, feed.route_counts_M2)
+            if feed.aux_loss_sum is not None:
+                records.append({"moe/aux_loss": Sum(self._summed_over_token_shares(feed.aux_loss_sum))})
         finally:
-            self.pipe.feed.moe_loads = self.pipe.feed.route_counts_M2 = None
+            feed.moe_loads = feed.route_counts_M2 = feed.aux_loss_sum = None
         acc = MetricsAccumulator()
         acc.add_all(records)
         acc.add({"train/num_micro_batches": Max(len(micro_batches))})
@@ -232,12 +237,7 @@ class PipelineRunner:
         """`moe/route_mismatch_frac` per micro-batch as `MicroBatchRunner` gives it, from the counts
         each pp rank's stages recorded (summed over the pp ranks, and the TP/CP ranks that split
         tokens)."""
-        counts_M2 = counts_M2.to(self.layout.comm_device(self.device))
-        groups = [self.pipe.group]
-        groups += [self.layout.tp_group] if self.layout.tokens_split_over_tp else []
-        groups += [self.layout.cp_group] if self.layout.cp > 1 else []
-        for group in groups:
-            dist.all_reduce(counts_M2, group=group)
+        counts_M2 = self._summed_over_token_shares(counts_M2)
         out = []
         for rows, (differ, compared) in zip(pb.rows, counts_M2.tolist()):
             if rows is None:
@@ -245,3 +245,19 @@ class PipelineRunner:
             weight = sum(len(batch.samples[i].routed_experts) for i in rows) * self.num_moe_layers
             out.append({"moe/route_mismatch_frac": Mean(differ / max(compared, 1.0), weight=weight)})
         return out
+
+    def _summed_over_token_shares(self, value: torch.Tensor) -> torch.Tensor:
+        """`value`, a sum over what this rank's MoE layers routed, summed over the ranks that route
+        the rest of this dp rank's micro-batches: the pp ranks' layers (0 from a rank without MoE
+        layers), and the TP/CP ranks that split the tokens."""
+        value = value.to(self.layout.comm_device(self.device))
+        for group in (self.pipe.group, *token_groups(self.layout)):
+            dist.all_reduce(value, group=group)
+        return value.to(self.device)
+
+
+def token_groups(layout: EngineLayout) -> tuple[dist.ProcessGroup, ...]:
+    """The groups of ranks that split a micro-batch's tokens between their MoE layers: the TP ranks
+    when each routes its own shard, the CP ranks."""
+    groups = (layout.tp_group,) if layout.tokens_split_over_tp else ()
+    return groups + ((layout.cp_group,) if layout.cp > 1 else ())

@@ -1,0 +1,89 @@
+"""The MoE auxiliary load-balancing loss under pipeline parallelism (train.moe_aux_loss_coef > 0).
+
+Only the last stage computes the policy loss, so the balancing loss of an earlier stage's MoE
+layers cannot be added to it. As Megatron-LM's `MoEAuxLossAutoScaler` does, each stage ties its
+layers' term to its output with `AttachAuxLoss`: the identity in forward; in backward it passes the
+output's gradient through and also back-propagates the term (gradient 1: the term is already
+scaled as the one-process engine scales it, coef x the micro-batch's token share x the mean over
+the whole model's MoE layers, and the policy loss is divided by the global normaliser, so no loss
+scale remains). Summed over the stages and micro-batches the gradients are the one-process run's.
+
+The stages run micro-batches padded to one token budget: the padding rows must not count, so
+each layer's loss is recomputed over the real rows (`real_rows_aux_loss`) from the router's scores
+(`RouterScores` keeps them during the stage's own forward, not during a recompute of activation
+checkpointing in backward). Where ranks split a micro-batch's tokens (CP, or TP ranks that each
+route their shard), the expert fractions f are summed over them first, as Megatron-LM does over its
+sequence-partition group: each rank's term is then E x sum_e f_e x (its rows' part of P_e), and the
+terms add up to the whole micro-batch's loss, gradients included (no approximation).
+
+Shape legend: T tokens a layer routed, E experts, K experts per token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlloom.models.moe import load_balancing_loss
+
+
+class AttachAuxLoss(torch.autograd.Function):
+    """y = x in forward; backward gives x the gradient of y and `aux` (a scalar) the gradient 1."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (aux,) = ctx.saved_tensors
+        return grad, torch.ones_like(aux)
+
+
+def real_rows_aux_loss(
+    scores_TE: torch.Tensor,
+    experts_TK: torch.Tensor,
+    real_T: torch.Tensor,
+    groups: tuple[dist.ProcessGroup, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`moe.load_balancing_loss` over the rows `real_T` marks, their number n) without a host sync.
+
+    With the other rows' scores zeroed, their routing probabilities become 0 and the counts only
+    include the real rows'; `load_balancing_loss` divides f and P by all T rows, so its value is
+    (n / T)^2 times the real rows' loss. With `groups` (the ranks holding the micro-batch's other
+    rows) the counts and n are summed over them: the loss is this rank's part of the whole rows'
+    (the parts add up to it) and n the whole micro-batch's real rows."""
+    weight_T = real_T.to(scores_TE.dtype)
+    weight_TK = weight_T[:, None].expand_as(experts_TK)
+    counts_E = torch.zeros(scores_TE.shape[1], dtype=scores_TE.dtype, device=scores_TE.device)
+    counts_E = counts_E.index_add(0, experts_TK.flatten(), weight_TK.flatten())
+    for group in groups:
+        dist.all_reduce(counts_E, group=group)
+    T, K = scores_TE.shape[0], experts_TK.shape[1]
+    n = counts_E.sum() / K
+    loss = load_balancing_loss(scores_TE * weight_T[:, None], counts_E, K)
+    return loss * (T / n.clamp(min=1.0)) ** 2, n
+
+
+class RouterScores:
+    """Keeps the routing scores [T, E] (with their graph) of some MoE layers while `active`."""
+
+    def __init__(self, moes: dict[str, nn.Module]) -> None:
+        self.active = False
+        self.scores: dict[str, torch.Tensor] = {}
+        for key, moe in moes.items():
+            moe.router.register_forward_hook(self._keeper(key))
+
+    def _keeper(self, key: str):
+        def keep(module: nn.Module, args: tuple, out: tuple) -> None:
+            if self.active:
+                self.scores[key] = out[3]  # Router.forward: (weights_TK, experts_TK, own_TK, scores_TE)
+
+        return keep
+
+    def take(self, key: str) -> torch.Tensor:
+        return self.scores.pop(key)
