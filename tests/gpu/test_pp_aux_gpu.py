@@ -39,7 +39,7 @@ def stage_grads(ac: str, compiled: bool, device: str = "cuda") -> tuple[dict[str
         is_last=True,
         chunk_tokens=1024,
         fused_head=False,
-    )
+    ).to(device)
     apply_ac(stage.model, ac)
     if compiled:
         apply_compile(stage.model)
