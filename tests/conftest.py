@@ -75,3 +75,21 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_moe") / "ckpt", moe=True)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray instance for every Ray test of the session (each start costs 5-10 s of CPU on
+    two cores, and five modules need one). Five CPUs: the largest layout (4 training + 1 rollout
+    slots); a run joins it instead of starting its own. The Ray tests run last (see below), so the
+    instance does not idle beside the rest of the suite."""
+    ray = pytest.importorskip("ray", reason="needs the ray extra: pip install 'rlloom[ray]'")
+    ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that use `ray_cluster` run after all others (in their collected order), so one Ray
+    start serves them all and is shut down when they end."""
+    items.sort(key=lambda item: "ray_cluster" in getattr(item, "fixturenames", ()))

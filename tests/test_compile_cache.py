@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+import torch
+from procs import spawn
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir as torch_default_cache_dir
 
 from rlloom.compile_cache import cache_env
-
-ROOT = Path(__file__).parents[1]
 
 
 def test_default_directory_is_under_the_user_cache_not_tmp():
@@ -38,38 +36,41 @@ def test_rlloom_setting_overrides_the_default_and_torch_settings_win():
     assert cache_env({**ours, "TRITON_CACHE_DIR": "/tri"})["TRITON_CACHE_DIR"] == "/tri"
 
 
-_CHILD = """
-import json, torch
-from rlloom.compile_cache import enable_compile_cache
-from rlloom.parallel.compile import apply_compile
-from torch._dynamo.utils import counters
-from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-class Layer(torch.nn.Module):
-    def forward(self, x):
+class _Layer(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sin(x) * 2 + 1
 
-class Model(torch.nn.Module):
-    def __init__(self):
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
         super().__init__()
-        self.layers = torch.nn.ModuleList([Layer()])
-
-model = Model()
-apply_compile(model)  # the training compile, which sets the cache up first
-model.layers[0](torch.randn(8))
-print(json.dumps({"dir": cache_dir(), "again": str(enable_compile_cache()),
-                  "hit": counters["inductor"]["fxgraph_cache_hit"]}))
-"""
+        self.layers = torch.nn.ModuleList([_Layer()])
 
 
-def test_a_second_process_loads_what_the_first_compiled(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "TRITON_"))}
-    env.update(RLLOOM_COMPILE_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+def _compile_once(rank: int, out: str) -> None:
+    """A fresh process (forked from the test's fork server, which imported torch but never compiled):
+    the training compile, which sets the cache up first, then what it found."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    from rlloom.compile_cache import enable_compile_cache
+    from rlloom.parallel.compile import apply_compile
+
+    model = _Model()
+    apply_compile(model)
+    model.layers[0](torch.randn(8))
+    found = {"dir": cache_dir(), "again": str(enable_compile_cache())}
+    Path(out).write_text(json.dumps(found | {"hit": counters["inductor"]["fxgraph_cache_hit"]}))
+
+
+def test_a_second_process_loads_what_the_first_compiled(tmp_path, monkeypatch):
+    for name in [k for k in os.environ if k.startswith(("TORCHINDUCTOR_", "TRITON_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("RLLOOM_COMPILE_CACHE", str(tmp_path / "cache"))
     runs = []
-    for _ in range(2):
-        out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr[-2000:]
-        runs.append(json.loads(out.stdout.splitlines()[-1]))
+    for i in range(2):  # one process after the other
+        spawn(_compile_once, args=(str(tmp_path / f"run{i}.json"),), nprocs=1)
+        runs.append(json.loads((tmp_path / f"run{i}.json").read_text()))
     assert runs[0]["dir"] == runs[0]["again"] == str(tmp_path / "cache")
     assert (runs[0]["hit"], runs[1]["hit"]) == (0, 1)
     assert any((tmp_path / "cache" / "fxgraph").rglob("*"))

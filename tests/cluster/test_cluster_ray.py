@@ -1,7 +1,8 @@
-"""Ray groups on CPU (gloo): every placement reproduces the one-process run, and a rollout actor
-killed mid-generation stops the run cleanly and `trainer.resume=auto` finishes it.
+"""Ray groups on CPU (gloo): every placement reproduces the one-process run; under separate
+placement a rollout actor killed mid-generation stops the run cleanly and `trainer.resume=auto`
+finishes it as the one-process run.
 
-One Ray instance serves the whole module (each start costs 20-40 s on two cores); the runs join it.
+The session's one Ray instance (conftest's `ray_cluster`) serves the runs; they join it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from rlloom.config import load_config  # noqa: E402
 from rlloom.trainer.checkpoint import checkpoint_dir, checkpoint_model_tensors  # noqa: E402
 from rlloom.trainer.run import run  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("ray_cluster")
 SKIP = ("time/", "perf/", "sync/ms", "memory/")
 STEPS = 2
 CHANGING = [  # a learning rate that changes the samples, a reward that varies, two optimizer steps a step
@@ -30,13 +32,6 @@ CHANGING = [  # a learning rate that changes the samples, a reward that varies, 
     "trainer.num_mini_batches=2",
     "algorithm.kl_coef=0.1",
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def cfg_for(ckpt: Path, run_dir: Path, *extra: str):
@@ -80,27 +75,35 @@ def assert_same_run(a: Path, b: Path) -> None:
         )
 
 
-def test_every_placement_matches_one_process(tiny_checkpoint, tmp_path):
-    run(cfg_for(tiny_checkpoint, tmp_path / "inline"))
-    rewards = [r["reward/mean"] for r in metrics(tmp_path / "inline")[1:]]
+@pytest.fixture(scope="module")
+def inline(tiny_checkpoint, tmp_path_factory) -> Path:
+    """The one-process run every placement is compared with."""
+    run_dir = tmp_path_factory.mktemp("inline")
+    run(cfg_for(tiny_checkpoint, run_dir))
+    rewards = [r["reward/mean"] for r in metrics(run_dir)[1:]]
     assert len(set(rewards)) > 1, "the samples should change from step to step"
-    # One training worker and one rollout worker (separate 1 + 1) run in test_async_ray.py and below.
-    layouts = {
-        "separate_2_1": ["cluster.placement=separate", "cluster.num_workers=2", "cluster.rollout_workers=1"],
-        # Engines of 4 sequences: the 4 prompts go out in 4 chunks to whichever replica is free;
-        # the rollout sleeps during training and wakes for the sync.
-        "colocated_2": ["cluster.num_workers=2", "rollout.max_num_seqs=4", "rollout.sleep_during_train=true"],
-    }
-    for name, extra in layouts.items():
-        run(cfg_for(tiny_checkpoint, tmp_path / name, "cluster.mode=ray", *extra))
-        assert_same_run(tmp_path / "inline", tmp_path / name)
+    return run_dir
 
 
-def test_killed_rollout_actor_is_reported_and_resume_finishes(tiny_checkpoint, tmp_path, monkeypatch):
+def test_colocated_placement_matches_one_process(tiny_checkpoint, inline, tmp_path):
+    # Engines of 4 sequences: the 4 prompts go out in 4 chunks to whichever replica is free; the
+    # rollout sleeps during training and wakes for the sync. (Separate placement: the next test.)
+    extra = ["cluster.num_workers=2", "rollout.max_num_seqs=4", "rollout.sleep_during_train=true"]
+    run(cfg_for(tiny_checkpoint, tmp_path, "cluster.mode=ray", *extra))
+    assert_same_run(inline, tmp_path)
+
+
+def test_killed_rollout_actor_is_reported_and_resume_matches_one_process(
+    tiny_checkpoint, inline, tmp_path, monkeypatch
+):
+    """Separate placement (2 training + 1 rollout workers; 1 + 1 runs in test_async_ray.py): a
+    rollout actor killed in step 2 fails the run cleanly, and `trainer.resume=auto` finishes it with
+    the one-process run's metrics and weights."""
     run_dir = tmp_path / "crash"
     args = (
         "cluster.mode=ray",
         "cluster.placement=separate",
+        "cluster.num_workers=2",
         "cluster.rollout_workers=1",
         "cluster.timeout_s=60",
         "trainer.save_every=1",
@@ -115,4 +118,4 @@ def test_killed_rollout_actor_is_reported_and_resume_finishes(tiny_checkpoint, t
     monkeypatch.delenv("RLLOOM_FAULT")
     result = run(cfg_for(tiny_checkpoint, run_dir, *args, "trainer.resume=auto"))
     assert result.steps == STEPS
-    assert [r["step"] for r in metrics(run_dir)] == list(range(STEPS + 1))
+    assert_same_run(inline, run_dir)  # the steps [0, 1, 2], each as in the one-process run

@@ -17,6 +17,8 @@ from test_parallel_ray import cfg_for, metrics  # noqa: E402
 
 from rlloom.trainer.run import run  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("ray_cluster")  # the session's one Ray instance
+
 SETTINGS = (
     "train.share_prompts=false",
     "reward.name=resume_reward:digit_share",

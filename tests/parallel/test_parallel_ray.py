@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="needs the ray extra: pip install 'rlloom[ray]'")
+pytest.importorskip("ray", reason="needs the ray extra: pip install 'rlloom[ray]'")
 
 from rlloom.config import load_config  # noqa: E402
 from rlloom.trainer.run import run  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("ray_cluster")  # the session's one Ray instance
 SKIP = ("time/", "perf/", "sync/ms", "memory/")
 
 
@@ -45,14 +46,6 @@ def cfg_for(ckpt: Path, run_dir: Path, *extra: str):
 def metrics(run_dir: Path) -> list[dict]:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if not k.startswith(SKIP)} for r in rows]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    """One Ray instance for the module's runs (each start costs 20-40 s on two cores)."""
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

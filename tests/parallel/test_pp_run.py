@@ -1,15 +1,15 @@
-"""The whole RL run through the `rlloom train` CLI with 2 Ray workers and pipeline parallelism
-(parallel.pp=2) gives the one-process run's per-step metrics within rel 1e-4: the interleaved
-schedule with 2 virtual stages per rank on 2 workers, and 1F1B at pp=2 x tp=2 on 4 workers with an
-uneven split (1 + 3 layers; the stages tensor-parallel, the last one's head vocabulary-parallel;
-even splits and every schedule run in test_pp.py), on a 4-layer tiny Qwen3 with tied embeddings
-(the last stage holds the embedding as its head); and a 4-layer tiny Qwen3-MoE at pp=2 x ep=2 on 4 workers with a
-rollout worker of its own (owner-only weight sync), the rollout's routes replayed (its MoE load and
-route-mismatch metrics match too). Each layout's final
+"""The whole RL run through the `rlloom train` CLI with Ray workers and pipeline parallelism
+(parallel.pp=2) gives the one-process run's per-step metrics within rel 1e-4: 1F1B at pp=2 x tp=2 on
+4 workers with an uneven split (1 + 3 layers; the stages tensor-parallel, the last one's head
+vocabulary-parallel; even splits and every schedule run in test_pp.py), on a 4-layer tiny Qwen3 with
+tied embeddings (the last stage holds the embedding as its head); and the interleaved schedule (2
+virtual stages per rank: each rank holds two layers that are not neighbours) on a 4-layer tiny
+Qwen3-MoE at pp=2 x ep=2 on 4 workers with a rollout worker of its own (owner-only weight sync), the
+rollout's routes replayed (its MoE load and route-mismatch metrics match too). Each layout's final
 Hugging Face export (full tensors gathered from every stage, TP shard and EP rank) holds the
 one-process run's weights. The learning rate (3e-2) is large enough that a wrong gradient changes
-the samples; the KL term runs the frozen reference through the same pipeline. The layouts share one
-Ray start."""
+the samples; the KL term runs the frozen reference through the same pipeline. The layouts join the
+session's one Ray instance."""
 
 from __future__ import annotations
 
@@ -20,27 +20,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-ray = pytest.importorskip("ray", reason="needs the ray extra: pip install 'rlloom[ray]'")
+pytest.importorskip("ray", reason="needs the ray extra: pip install 'rlloom[ray]'")
 
 from conftest import build_tiny_checkpoint  # noqa: E402
 
 from rlloom.cli import main  # noqa: E402
 
 SKIP = ("time/", "perf/", "sync/ms", "memory/")
-LAYOUTS = {
-    "interleaved": [
-        "cluster.num_workers=2",
-        "parallel.pp=2",
-        "parallel.pp_schedule=interleaved",
-        "parallel.pp_virtual_stages=2",
-    ],
-    "pp2_tp2_uneven": [
-        "cluster.num_workers=4",
-        "parallel.pp=2",
-        "parallel.tp=2",
-        "parallel.pp_first_stage_layers=1",
-    ],
-}
+PP2_TP2_UNEVEN = [
+    "cluster.num_workers=4",
+    "parallel.pp=2",
+    "parallel.tp=2",
+    "parallel.pp_first_stage_layers=1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -85,30 +77,26 @@ def train(ckpt: Path, run_dir: Path, *extra: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_pipeline_parallel_ray_runs_match_one_process(
-    four_layer_checkpoint, four_layer_moe_checkpoint, tmp_path
+    ray_cluster, four_layer_checkpoint, four_layer_moe_checkpoint, tmp_path
 ):
     expected = train(four_layer_checkpoint, tmp_path / "one")
     expected_hf = hf_export(tmp_path / "one")
     assert [r["step"] for r in expected] == [1, 2]
     # The policy moves: step 2's samples come from the weights step 1 trained.
     assert expected[0]["train/grad_norm"] > 0 and expected[0]["reward/mean"] != expected[1]["reward/mean"]
-    ray.init(num_cpus=5, include_dashboard=False, log_to_driver=True)  # one start for every layout
-    try:
-        for name, layout in LAYOUTS.items():
-            got = train(four_layer_checkpoint, tmp_path / name, "cluster.mode=ray", *layout)
-            compare(name, got, expected, tmp_path / name, expected_hf)
-        # MoE: pp=2 x ep=2 (dp=2: the micro-batch count per rank differs), routes replayed, with a
-        # rollout worker of its own: each training rank sends what it owns (every stage's dense
-        # tensors, its EP rank's experts), as `weight_layouts` describes them.
-        moe = ["algorithm.routing_replay=rollout", "train.share_prompts=false"]
-        expected = train(four_layer_moe_checkpoint, tmp_path / "moe_one", *moe)
-        layout = ["cluster.mode=ray", "cluster.num_workers=4", "parallel.pp=2", "parallel.ep=2"]
-        layout += ["cluster.placement=separate", "cluster.rollout_workers=1"]
-        got = train(four_layer_moe_checkpoint, tmp_path / "pp2_ep2", *moe, *layout)
-        assert {"moe/load_max_over_mean", "moe/route_mismatch_frac"} <= got[-1].keys()
-        compare("pp2_ep2", got, expected, tmp_path / "pp2_ep2", hf_export(tmp_path / "moe_one"))
-    finally:
-        ray.shutdown()
+    got = train(four_layer_checkpoint, tmp_path / "pp2_tp2", "cluster.mode=ray", *PP2_TP2_UNEVEN)
+    compare("pp2_tp2_uneven", got, expected, tmp_path / "pp2_tp2", expected_hf)
+    # MoE: pp=2 x ep=2 (dp=2: the micro-batch count per rank differs) under the interleaved schedule,
+    # routes replayed, with a rollout worker of its own: each training rank sends what it owns (its
+    # two stages' dense tensors, its EP rank's experts), as `weight_layouts` describes them.
+    moe = ["algorithm.routing_replay=rollout", "train.share_prompts=false"]
+    expected = train(four_layer_moe_checkpoint, tmp_path / "moe_one", *moe)
+    layout = ["cluster.mode=ray", "cluster.num_workers=4", "parallel.pp=2", "parallel.ep=2"]
+    layout += ["parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2"]
+    layout += ["cluster.placement=separate", "cluster.rollout_workers=1"]
+    got = train(four_layer_moe_checkpoint, tmp_path / "pp2_ep2", *moe, *layout)
+    assert {"moe/load_max_over_mean", "moe/route_mismatch_frac"} <= got[-1].keys()
+    compare("pp2_ep2_interleaved", got, expected, tmp_path / "pp2_ep2", hf_export(tmp_path / "moe_one"))
 
 
 def compare(name: str, got: list[dict], expected: list[dict], run_dir: Path, expected_hf: dict) -> None:

@@ -3,7 +3,7 @@ a rollout replica of two tensor-parallel actors (rollout.tp=2, both ranks follow
 steps): one_step_off (partial=finish) and partial=abort_resume with separate placement (the next
 batch generates on the rollout actors while the step trains), partial=drop with colocated placement
 (two training ranks; the rollout ranks generate in threads of the training actors). One Ray start
-for the module."""
+for the session (conftest's `ray_cluster`)."""
 
 from __future__ import annotations
 
@@ -25,13 +25,6 @@ SEPARATE_TP2 = [
     "rollout.tp=2",
     "cluster.timeout_s=60",  # a replica's ranks out of step fail the run within a minute
 ]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def slow_rollout(monkeypatch, seconds: float) -> None:
