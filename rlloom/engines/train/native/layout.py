@@ -53,6 +53,16 @@ class EngineLayout:
         groups = (self.tp_group,) if self.tokens_split_over_tp else ()
         return groups + ((self.cp_group,) if self.cp > 1 else ())
 
+    def summed_over_token_groups(self, value: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """`value` (a sum over what this rank's MoE layers routed) summed over `token_groups()`, on
+        `device`."""
+        groups = self.token_groups()
+        if groups:
+            value = value.to(self.comm_device(device))
+        for group in groups:
+            dist.all_reduce(value, group=group)
+        return value.to(device)
+
     def comm_device(self, device: torch.device) -> torch.device:
         """Where the tensors of this layout's collectives live: `device` under NCCL, else the CPU."""
         return device if dist.get_backend(self.world_group) == "nccl" else torch.device("cpu")

@@ -247,6 +247,5 @@ class PipelineRunner:
         the rest of this dp rank's micro-batches: the pp ranks' layers (0 from a rank without MoE
         layers), and the TP/CP ranks that split the tokens."""
         value = value.to(self.layout.comm_device(self.device))
-        for group in (self.pipe.group, *self.layout.token_groups()):
-            dist.all_reduce(value, group=group)
-        return value.to(self.device)
+        dist.all_reduce(value, group=self.pipe.group)
+        return self.layout.summed_over_token_groups(value, self.device)

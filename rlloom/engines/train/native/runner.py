@@ -195,9 +195,8 @@ class MicroBatchRunner:
                     }
                 )
         if aux_parts:  # the parts of the ranks that split the tokens add up to the micro-batches' loss
-            records.append(
-                {"moe/aux_loss": Sum(self._summed_over_token_shares(torch.stack(aux_parts).sum()))}
-            )
+            aux_loss = self.layout.summed_over_token_groups(torch.stack(aux_parts).sum(), self.device)
+            records.append({"moe/aux_loss": Sum(aux_loss)})
         acc = MetricsAccumulator()
         acc.add_all(records)
         acc.add({"train/num_micro_batches": Max(len(micro_batches))})
@@ -236,17 +235,6 @@ class MicroBatchRunner:
         total = torch.tensor([count], dtype=torch.float64, device=self.layout.comm_device(self.device))
         dist.all_reduce(total, group=self.layout.cp_group)
         return int(total.item())
-
-    def _summed_over_token_shares(self, value: torch.Tensor) -> torch.Tensor:
-        """`value` (a sum over what this rank's MoE layers routed) summed over the ranks that split
-        the micro-batches' tokens (`EngineLayout.token_groups`)."""
-        groups = self.layout.token_groups()
-        if not groups:
-            return value
-        value = value.to(self.layout.comm_device(self.device))
-        for group in groups:
-            dist.all_reduce(value, group=group)
-        return value.to(self.device)
 
     def _real_rows(self, num_tokens: int, num_rows: int) -> torch.Tensor:
         """[num_rows] bool: which of the rows this rank's MoE layers routed are real tokens (the
