@@ -49,10 +49,10 @@ and FSDP's gradient sum over dp_shard x cp (`apply_fsdp` divides by 1) adds the 
 Metrics computed from the logprobs are whole on every cp rank and are reduced over dp as before;
 what each rank computed on its own tokens is summed over dp x cp (`ParallelDims.loss_mesh()`): the
 MoE loads (bias update, load metrics) and the route-mismatch counts. The MoE auxiliary loss
-(train.moe_aux_loss_coef > 0, off in RL) is each share's own, weighted by 1/cp: balance losses do
-not add over token subsets, so that term is an approximation under CP at pp=1 (under PP the
-stages sum the expert counts over the cp ranks first and are exact: `pp_aux.py`). The
-shared-prompt layout is refused (`check_cp_layout`, and the config at start-up).
+(train.moe_aux_loss_coef > 0, off in RL) does not add over token subsets: each cp rank sums the
+expert counts over the cp ranks first, so its term is its part of the whole micro-batch's loss
+and the parts (gradients and moe/aux_loss, summed over dp x cp) are exact, at pp=1 as under PP
+(`pp_aux.py`). The shared-prompt layout is refused (`check_cp_layout`, and the config at start-up).
 
 Shape legend: N tokens of the full stream, S documents, n tokens per rank (the longest local
 stream), H heads, D head channels, K selected positions.

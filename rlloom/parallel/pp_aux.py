@@ -1,26 +1,31 @@
-"""The MoE auxiliary load-balancing loss under pipeline parallelism (train.moe_aux_loss_coef > 0).
+"""The MoE auxiliary load-balancing loss over real rows and split tokens (train.moe_aux_loss_coef > 0),
+shared by the engine at pp=1 (`moe_balance.MoEBalance`) and the pipeline stages (`pp_stages`).
 
-Only the last stage computes the policy loss, so the balancing loss of an earlier stage's MoE
-layers cannot be added to it. As Megatron-LM's `MoEAuxLossAutoScaler` does, each stage ties its
-layers' term to its output with `AttachAuxLoss`: the identity in forward; in backward it passes the
-output's gradient through and also back-propagates the term (gradient 1: the term is already
-scaled as the one-process engine scales it, coef x the micro-batch's token share x the mean over
-the whole model's MoE layers, and the policy loss is divided by the global normaliser, so no loss
-scale remains). Summed over the stages and micro-batches the gradients are the one-process run's.
-
-The stages run micro-batches padded to one token budget: the padding rows must not count, so
-each layer's loss is recomputed over the real rows (`real_rows_aux_loss`) from the router's scores
-(`RouterScores` keeps them during the stage's own forward, not during a recompute of activation
-checkpointing in backward). Where ranks split a micro-batch's tokens (CP, or TP ranks that each
-route their shard), the expert fractions f are summed over them first, as Megatron-LM does over its
+`layers_aux_loss` is the one way both compute it: per MoE layer, the balancing loss of the rows the
+layer routed that are real (not padding), from the router's scores (`RouterScores` keeps them
+during a forward, not during a recompute of activation checkpointing in backward), times those
+rows' number n. Where ranks split a micro-batch's tokens (CP, or TP ranks that each route their
+shard), the expert fractions f are summed over them first, as Megatron-LM does over its
 sequence-partition group: each rank's term is then E x sum_e f_e x (its rows' part of P_e), and the
-terms add up to the whole micro-batch's loss, gradients included (no approximation).
+terms add up to the whole micro-batch's loss, gradients included (no approximation; the gradient
+sum over those ranks, FSDP's over cp or `apply_tp`'s over the TP ranks' router, adds the parts).
+
+Under pipeline parallelism only the last stage computes the policy loss, so the balancing loss of
+an earlier stage's MoE layers cannot be added to it. As Megatron-LM's `MoEAuxLossAutoScaler` does,
+each stage ties its layers' term to its output with `AttachAuxLoss`: the identity in forward; in
+backward it passes the output's gradient through and also back-propagates the term (gradient 1:
+the term is already scaled as at pp=1, coef x the micro-batch's token share x the mean over the
+whole model's MoE layers, and the policy loss is divided by the global normaliser, so no loss scale
+remains). Summed over the stages and micro-batches the gradients are the one-process run's. The
+stages run micro-batches padded to one token budget; at pp=1 the only padding is the few tokens
+that pad a stream to a multiple of tp (the zero-weight filler micro-batches add no term).
 
 Shape legend: T tokens a layer routed, E experts, K experts per token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import torch
@@ -69,21 +74,39 @@ def real_rows_aux_loss(
     return loss * (T / n.clamp(min=1.0)) ** 2, n
 
 
+def layers_aux_loss(
+    scores: RouterScores,
+    moes: Mapping[Hashable, nn.Module],
+    real_rows: Callable[[int], torch.Tensor],
+    groups: tuple[dist.ProcessGroup, ...] = (),
+) -> torch.Tensor:
+    """sum over the MoE layers `moes` (keyed as in `scores`) of (the layer's balancing loss over its
+    real rows, this rank's part when `groups` split the tokens) x (the micro-batch's real rows):
+    `real_rows(T)` marks, of the T rows a layer routed in the last forward, those that count. At
+    least one layer."""
+    terms = []
+    for key, moe in moes.items():
+        scores_TE = scores.take(key)
+        loss, n = real_rows_aux_loss(scores_TE, moe.last_experts_TK, real_rows(scores_TE.shape[0]), groups)
+        terms.append(loss * n)
+    return torch.stack(terms).sum()
+
+
 class RouterScores:
     """Keeps the routing scores [T, E] (with their graph) of some MoE layers while `active`."""
 
-    def __init__(self, moes: dict[str, nn.Module]) -> None:
+    def __init__(self, moes: Mapping[Hashable, nn.Module]) -> None:
         self.active = False
-        self.scores: dict[str, torch.Tensor] = {}
+        self.scores: dict[Hashable, torch.Tensor] = {}
         for key, moe in moes.items():
             moe.router.register_forward_hook(self._keeper(key))
 
-    def _keeper(self, key: str):
+    def _keeper(self, key: Hashable):
         def keep(module: nn.Module, args: tuple, out: tuple) -> None:
             if self.active:
                 self.scores[key] = out[3]  # Router.forward: (weights_TK, experts_TK, own_TK, scores_TE)
 
         return keep
 
-    def take(self, key: str) -> torch.Tensor:
+    def take(self, key: Hashable) -> torch.Tensor:
         return self.scores.pop(key)

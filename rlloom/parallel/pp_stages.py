@@ -16,13 +16,15 @@ Shape legend: N tokens of a micro-batch, P the token budget, K selected position
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from rlloom.models.args import ModelArgs
 from rlloom.models.logprobs import token_logprobs
-from rlloom.parallel.pp_aux import AttachAuxLoss, RouterScores, real_rows_aux_loss
+from rlloom.parallel.pp_aux import AttachAuxLoss, RouterScores, layers_aux_loss
 from rlloom.parallel.pp_batches import PaddedMicroBatch, StageFeed
 from rlloom.parallel.vocab_parallel import vocab_parallel_token_logprobs
 
@@ -175,18 +177,17 @@ class PipelineStageModule(nn.Module):
             padding_T = padding_T.view(-1, num_rows)[self.feed.tp_rank]
         return padding_T
 
+    def _real_rows(self, batch: PaddedMicroBatch, num_rows: int) -> torch.Tensor:
+        return ~self._padding_rows(batch, num_rows)
+
     def _aux_loss(self, batch: PaddedMicroBatch) -> torch.Tensor:
         """coef x sum over this stage's MoE layers of (the layer's balancing loss over the real
         tokens) x (those tokens) x `feed.aux_token_weight`: its part of the one-process engine's
         coef x token share x mean over layers (`pp_aux.py`); adds it, detached and without the
         coefficient, to `feed.aux_loss_sum`."""
-        term = torch.zeros((), device=batch.padding_L.device)
-        for key in self.model.moe_index:
-            scores_TE = self.router_scores.take(key)
-            real_T = ~self._padding_rows(batch, scores_TE.shape[0])
-            experts_TK = self.model.layers[key].moe.last_experts_TK
-            loss, n = real_rows_aux_loss(scores_TE, experts_TK, real_T, self.feed.token_groups)
-            term = term + loss * n
+        moes = {key: self.model.layers[key].moe for key in self.model.moe_index}
+        real_rows = functools.partial(self._real_rows, batch)
+        term = layers_aux_loss(self.router_scores, moes, real_rows, self.feed.token_groups)
         term = term * self.feed.aux_token_weight
         self.feed.aux_loss_sum += term.detach()
         return term * self.feed.aux_loss_coef

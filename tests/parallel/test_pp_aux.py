@@ -151,6 +151,6 @@ def worker_cp(rank: int, expected: dict) -> None:
 @pytest.mark.slow
 def test_pp_aux_loss_under_cp_equals_one_process_without_cp():
     """pp=2 x cp=2 (4 processes): the cp ranks sum their expert counts, so each one's term is its
-    part of the whole micro-batch's loss and the sum is exact (pp=1 under CP approximates it)."""
+    part of the whole micro-batch's loss and the sum is exact (pp=1 too: test_moe_aux_split.py)."""
     expected = run(NativeTrainEngine(cfg(share_prompts=False), skewed_moe()))
     run_gloo(worker_cp, 4, expected)

@@ -46,6 +46,23 @@ class EngineLayout:
     tokens_split_over_tp: bool = False
     """Each TP rank routes its own token shard through the MoE layers (ep > 1 and tp > 1)."""
 
+    def token_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """The groups of ranks that split a micro-batch's tokens between their MoE layers: the TP
+        ranks when each routes its own shard, the CP ranks (the MoE auxiliary loss sums its expert
+        counts over them, and moe/aux_loss its parts)."""
+        groups = (self.tp_group,) if self.tokens_split_over_tp else ()
+        return groups + ((self.cp_group,) if self.cp > 1 else ())
+
+    def summed_over_token_groups(self, value: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """`value` (a sum over what this rank's MoE layers routed) summed over `token_groups()`, on
+        `device`."""
+        groups = self.token_groups()
+        if groups:
+            value = value.to(self.comm_device(device))
+        for group in groups:
+            dist.all_reduce(value, group=group)
+        return value.to(device)
+
     def comm_device(self, device: torch.device) -> torch.device:
         """Where the tensors of this layout's collectives live: `device` under NCCL, else the CPU."""
         return device if dist.get_backend(self.world_group) == "nccl" else torch.device("cpu")

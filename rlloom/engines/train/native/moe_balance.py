@@ -1,13 +1,20 @@
 """MoE router balancing during training: the auxiliary loss, the correction-bias update, load metrics.
 
-One `MoEBalance` per engine (None for dense models). Per micro-batch the engine adds `aux_term` to
-the loss and calls `accumulate`; after the optimizer step, `finish` reduces the step's expert loads
-over the data-parallel ranks, moves DeepSeek-V3's correction bias when asked to, and returns metrics:
+One `MoEBalance` per engine (None for dense models). At pp=1 the engine runs each micro-batch's
+forward `recording` the routers' scores, adds `coef x aux_term(...)` to the loss and calls
+`accumulate`; after the optimizer step, `finish` reduces the step's expert loads over the
+data-parallel ranks, moves DeepSeek-V3's correction bias when asked to, and returns metrics:
 
     moe/aux_loss                       token-weighted mean of the layers' balancing loss (1.0 = even)
     moe/load_max_over_mean             the worst layer's busiest expert over the mean load
     moe/layer<i>_load_max_over_mean    the same per MoE layer
     moe/bias_abs_mean                  mean |correction bias| (with a bias update)
+
+The auxiliary loss is computed as the pipeline stages compute it (`rlloom.parallel.pp_aux`, one
+function for both): over the real rows (the padding to a multiple of tp not counted), and where
+ranks split a micro-batch's tokens (CP, TP ranks that each route their shard) from the expert counts
+summed over them, so each rank's term is its part of the whole micro-batch's loss: the parts (and
+moe/aux_loss's, summed over those ranks) add up to the one-process run's.
 
 The bias update follows DeepSeek-V3 (arXiv:2412.19437, section 2.1.2): b_e += rate * sign(mean load
 - load_e), from the step's token counts, identically on every rank (the counts are all-reduced), so
@@ -16,11 +23,14 @@ the replicated bias buffers stay equal. It runs only for applied steps, like the
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlloom.observability.metrics import Metric, Sum
+from rlloom.parallel.pp_aux import RouterScores, layers_aux_loss
 
 
 def moe_layers_of(model: nn.Module) -> dict[int, nn.Module]:
@@ -39,8 +49,7 @@ class MoEBalance:
         self.layers = moe_layers_of(model)
         self.aux_loss_coef = aux_loss_coef
         self.bias_update_rate = bias_update_rate
-        for moe in self.layers.values():
-            moe.collect_aux_loss = aux_loss_coef > 0
+        self._scores = RouterScores(self.layers) if aux_loss_coef > 0 else None
         self._loads_LE: torch.Tensor | None = None
 
     @classmethod
@@ -48,15 +57,33 @@ class MoEBalance:
         has_moe = bool(moe_layers_of(model))
         return cls(model, aux_loss_coef=aux_loss_coef, bias_update_rate=bias_update_rate) if has_moe else None
 
-    def aux_term(self, token_share: float) -> tuple[torch.Tensor | None, dict[str, Metric]]:
-        """coef x the mean over layers of the last forward's aux loss, weighted by this micro-batch's
-        share of the global batch's tokens (None when the coefficient is 0)."""
-        if self.aux_loss_coef <= 0:
-            return None, {}
-        losses = [moe.last_aux_loss for moe in self.layers.values()]
-        assert all(x is not None for x in losses), "collect_aux_loss is on but a layer kept no aux loss"
-        aux = torch.stack(losses).mean()
-        return self.aux_loss_coef * token_share * aux, {"moe/aux_loss": Sum(aux.detach() * token_share)}
+    @contextlib.contextmanager
+    def recording(self, on: bool = True) -> Iterator[None]:
+        """Keep the routers' scores of the forward run inside (for `aux_term`) when the auxiliary
+        loss is on and `on` (a real micro-batch)."""
+        if self._scores is None or not on:
+            yield
+            return
+        self._scores.active = True
+        try:
+            yield
+        finally:
+            self._scores.active = False
+
+    def aux_term(
+        self,
+        real_rows: Callable[[int], torch.Tensor],
+        groups: tuple[dist.ProcessGroup, ...],
+        token_weight: float,
+    ) -> torch.Tensor | None:
+        """The mean over layers of the recorded forward's balancing loss (over `real_rows`, the
+        whole micro-batch's when `groups` split its tokens: this rank's part of it) x the
+        micro-batch's real tokens x `token_weight` (1 / the global batch's tokens): this micro-batch's
+        part of moe/aux_loss, to multiply by the coefficient. None when the coefficient is 0."""
+        if self._scores is None:
+            return None
+        term = layers_aux_loss(self._scores, self.layers, real_rows, groups)
+        return term * (token_weight / len(self.layers))
 
     def accumulate(self, padding_tokens: int = 0) -> None:
         """Add the last forward's per-layer token counts to the step's loads (no host sync), less

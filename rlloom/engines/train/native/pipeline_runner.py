@@ -74,13 +74,8 @@ class PipelineRunner:
         `pipeline`). `sharded` and `reshard_after_forward` are unused (the arguments are
         `MicroBatchRunner.build`'s): the stages are always FSDP-sharded."""
         model = module.model
-        moe_balance = None
-        if not frozen:  # the whole model's, then this rank's stages' (below)
-            moe_balance = MoEBalance.build(
-                model, aux_loss_coef=cfg.moe_aux_loss_coef, bias_update_rate=cfg.moe_bias_update_rate
-            )
-        moe_model = moe_balance is not None
         num_moe_layers = len(moe_layers_of(model))
+        moe_model = not frozen and num_moe_layers > 0
         modules, pipe = parallelize_pp(
             model,
             dims,
@@ -97,13 +92,14 @@ class PipelineRunner:
             chunk_tokens=cfg.logprob_chunk_tokens,
         )
         view = stage_view(modules, model)  # the layers of other stages are freed with the whole model
-        if moe_balance is not None:  # this rank's MoE layers (None when its stages have none)
-            # The stages compute the auxiliary loss themselves (real tokens only), not the layers.
+        moe_balance = None
+        if moe_model:  # this rank's MoE layers (None when its stages have none)
+            # The stages compute the auxiliary loss themselves (`pp_stages`), not the balance.
             moe_balance = MoEBalance.build(
                 view.model, aux_loss_coef=0.0, bias_update_rate=cfg.moe_bias_update_rate
             )
         pipe.feed.aux_loss_coef = cfg.moe_aux_loss_coef if moe_model else 0.0
-        pipe.feed.token_groups = token_groups(layout)
+        pipe.feed.token_groups = layout.token_groups()
         return cls(
             pipe=pipe,
             modules=modules,
@@ -251,13 +247,5 @@ class PipelineRunner:
         the rest of this dp rank's micro-batches: the pp ranks' layers (0 from a rank without MoE
         layers), and the TP/CP ranks that split the tokens."""
         value = value.to(self.layout.comm_device(self.device))
-        for group in (self.pipe.group, *token_groups(self.layout)):
-            dist.all_reduce(value, group=group)
-        return value.to(self.device)
-
-
-def token_groups(layout: EngineLayout) -> tuple[dist.ProcessGroup, ...]:
-    """The groups of ranks that split a micro-batch's tokens between their MoE layers: the TP ranks
-    when each routes its own shard, the CP ranks."""
-    groups = (layout.tp_group,) if layout.tokens_split_over_tp else ()
-    return groups + ((layout.cp_group,) if layout.cp > 1 else ())
+        dist.all_reduce(value, group=self.pipe.group)
+        return self.layout.summed_over_token_groups(value, self.device)

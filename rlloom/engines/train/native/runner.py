@@ -14,6 +14,7 @@ Shape legend: B samples of the global batch, b of a micro-batch, T response toke
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -159,12 +160,15 @@ class MicroBatchRunner:
         balance = self.moe_balance
         total_tokens = computed_tokens(batch, self.cfg) if balance is not None else 1
         computed_here = 0  # tokens this rank's forward passes ran on (its share of each stream under CP)
+        aux_parts: list[torch.Tensor] = []  # this rank's parts of moe/aux_loss
         with deferred_finite_checks(), self._gathered_until_last(keep_gathered) as set_last:
             for i, mb in enumerate(micro_batches):
                 set_last(i == len(micro_batches) - 1)
-                logp_bT, entropy_bT, num_tokens, num_response = self.run(
-                    batch, mb or [filler], temperature, with_entropy, routing_replay
-                )
+                recording = balance.recording(mb is not None) if balance else contextlib.nullcontext()
+                with recording:
+                    logp_bT, entropy_bT, num_tokens, num_response = self.run(
+                        batch, mb or [filler], temperature, with_entropy, routing_replay
+                    )
                 if mb is None:
                     # Zero-weight filler: same collectives as a real micro-batch, no contribution.
                     (logp_bT.sum() * 0.0).backward()
@@ -173,10 +177,11 @@ class MicroBatchRunner:
                 check_loss_sum(loss_sum)
                 loss = loss_sum.reshape(()) / loss_normalizer
                 if balance is not None:
-                    # Under CP each rank's aux loss is its share's (the routing of its tokens).
-                    aux, aux_metrics = balance.aux_term(num_tokens / total_tokens)
-                    loss = loss if aux is None else loss + aux
-                    records.append(aux_metrics)
+                    real_rows = functools.partial(self._real_rows, num_tokens)
+                    aux = balance.aux_term(real_rows, self.layout.token_groups(), 1.0 / total_tokens)
+                    if aux is not None:  # this rank's part of the whole micro-batch's (moe_balance.py)
+                        loss = loss + balance.aux_loss_coef * aux
+                        aux_parts.append(aux.detach())
                     balance.accumulate(self._padding_routed_here(num_tokens))
                 loss.backward()
                 computed_here += num_tokens
@@ -189,6 +194,9 @@ class MicroBatchRunner:
                         "train/response_tokens": Sum(num_response),
                     }
                 )
+        if aux_parts:  # the parts of the ranks that split the tokens add up to the micro-batches' loss
+            aux_loss = self.layout.summed_over_token_groups(torch.stack(aux_parts).sum(), self.device)
+            records.append({"moe/aux_loss": Sum(aux_loss)})
         acc = MetricsAccumulator()
         acc.add_all(records)
         acc.add({"train/num_micro_batches": Max(len(micro_batches))})
@@ -227,6 +235,12 @@ class MicroBatchRunner:
         total = torch.tensor([count], dtype=torch.float64, device=self.layout.comm_device(self.device))
         dist.all_reduce(total, group=self.layout.cp_group)
         return int(total.item())
+
+    def _real_rows(self, num_tokens: int, num_rows: int) -> torch.Tensor:
+        """[num_rows] bool: which of the rows this rank's MoE layers routed are real tokens (the
+        last `_padding_routed_here` are padding)."""
+        real = num_rows - self._padding_routed_here(num_tokens)
+        return torch.arange(num_rows, device=self.device) < real
 
     def _padding_routed_here(self, num_tokens: int) -> int:
         """How many of the padding tokens (tp - 1 at most, at the end of the stream; under CP of this
