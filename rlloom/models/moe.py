@@ -21,11 +21,12 @@ forward; `bincount` would sync (its output size depends on the data) and break b
 
 Load balancing for RL (both off by default, as verl, slime and NeMo-RL run RL):
 - auxiliary loss (Switch Transformer, Fedus et al. 2021; Qwen3-MoE and Mixtral's
-  `router_aux_loss_coef`): with `collect_aux_loss` set, each MoE layer keeps
-  `last_aux_loss` = E * sum_e f_e * P_e of its last forward, f_e the fraction of the T*K token-expert
-  picks that went to expert e, P_e the mean routing probability of e (softmax; for sigmoid routing
-  the scores normalised per token). Per layer, where transformers pools the tokens of all layers
-  into one f and P; the training engine averages the layers and weights micro-batches by tokens.
+  `router_aux_loss_coef`): `load_balancing_loss` = E * sum_e f_e * P_e of one layer's forward, f_e
+  the fraction of the T*K token-expert picks that went to expert e, P_e the mean routing
+  probability of e (softmax; for sigmoid routing the scores normalised per token). Per layer, where
+  transformers pools the tokens of all layers into one f and P; the training engine takes the
+  router's scores by a hook and averages the layers (parallel/pp_aux.py: over the real rows, with
+  the counts summed over the ranks that split the tokens).
 - correction-bias update (DeepSeek-V3's auxiliary-loss-free balancing): the engine moves
   `expert_bias` by +rate for under-loaded and -rate for over-loaded experts after each step.
 
@@ -222,9 +223,6 @@ class MoE(nn.Module):
         shared = args.num_shared_experts * args.intermediate_size
         self.shared_experts = SwiGLU(dim, shared) if shared else None
         self.last_token_counts: torch.Tensor | None = None
-        self.collect_aux_loss = False
-        """Set by the training engine when train.moe_aux_loss_coef > 0."""
-        self.last_aux_loss: torch.Tensor | None = None
         self.last_experts_TK: torch.Tensor | None = None
         """Experts used per token in the last forward (the rollout engine records them)."""
         self.last_route_mismatch: torch.Tensor | None = None
@@ -242,8 +240,6 @@ class MoE(nn.Module):
         self.last_experts_TK = experts_TK.detach()
         if routes_TK is not None:
             self.last_route_mismatch = route_mismatch(own_TK, routes_TK)
-        if self.collect_aux_loss:
-            self.last_aux_loss = load_balancing_loss(scores_TE, counts_E, experts_TK.shape[1])
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)
         return out_TD.view_as(x)

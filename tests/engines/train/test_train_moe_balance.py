@@ -86,10 +86,17 @@ def test_aux_loss_gradient_equals_the_hand_computed_one():
     engine = NativeTrainEngine(cfg, model)
     metrics = engine.forward_backward(b, zero_policy_loss, loss_normalizer=1.0)
     packed = b.packed()
+    layer_losses = []  # each layer's loss from its router's output, independent of the engine's path
+
+    def keep_loss(_router, _inputs, out):
+        _weights_TK, experts_TK, _own_TK, scores_TE = out
+        counts_E = torch.bincount(experts_TK.flatten(), minlength=scores_TE.shape[1])
+        layer_losses.append(load_balancing_loss(scores_TE, counts_E, experts_TK.shape[1]))
+
     for moe in reference.moe_layers().values():
-        moe.collect_aux_loss = True
+        moe.router.register_forward_hook(keep_loss)
     reference(packed.input_ids_N, position_ids=packed.position_ids_N, cu_seqlens=packed.cu_seqlens)
-    aux = torch.stack([m.last_aux_loss for m in reference.moe_layers().values()]).mean()
+    aux = torch.stack(layer_losses).mean()
     (coef * aux).backward()
     assert metrics["moe/aux_loss"] == pytest.approx(float(aux.detach()), rel=1e-5)
     for i, moe in engine.model.moe_layers().items():
