@@ -68,4 +68,6 @@ def test_counted_activations_are_what_a_fused_layer_saves(cfg):
     eager = saved_elements(cfg, 2, 128) - saved_elements(cfg, 1, 128)  # one layer, per token
     counted = model_costs(ModelArgs.from_hf_config(cfg | {"num_hidden_layers": 2})).layers[1].act_none
     assert 0.6 * eager <= counted <= eager
-    assert counted * EAGER_ACTIVATION_FACTOR == pytest.approx(eager, rel=0.2)
+    # The planner's eager estimate never falls short of what eager saves and over-predicts by at most
+    # 30% (the MoE layers' gathers keep less in eager than the one factor assumes; see phases.py).
+    assert eager <= counted * EAGER_ACTIVATION_FACTOR <= 1.3 * eager

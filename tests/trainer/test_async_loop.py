@@ -171,17 +171,7 @@ def test_abort_resume_keeps_each_tokens_version_and_logprob(tiny_checkpoint, tmp
         held = {k: v.clone() for k, v in hf_named_tensors(engine.model)}
         return engine.policy_version, held, dict(hf_named_tensors(ctx.train_group.worker.engine.model))
 
-    import time
-
-    from rlloom.engines.rollout.native.engine import NativeEngine
-
-    real_step = NativeEngine.step
-
-    def slow_step(engine):  # a job is then still generating when its update arrives, on any machine
-        time.sleep(0.02)
-        return real_step(engine)
-
-    monkeypatch.setattr(NativeEngine, "step", slow_step)
+    slow_decode(monkeypatch)
     seen = spy_on_versions(monkeypatch, weights_of)
     run(tiny_cfg(tiny_checkpoint, tmp_path / "r", *FAST, *ABORT_RESUME))
     records = read_metrics(tmp_path / "r")
@@ -240,6 +230,22 @@ def test_kill_during_async_run_then_resume(tiny_checkpoint, tmp_path, monkeypatc
         assert m["async/samples_dropped"] == 0
 
 
+def slow_decode(monkeypatch) -> None:
+    """Each rollout engine step sleeps 20 ms first: a job is then still generating when its weight
+    update arrives, on any machine (on a fast one every response may finish before it)."""
+    import time
+
+    from rlloom.engines.rollout.native.engine import NativeEngine
+
+    real_step = NativeEngine.step
+
+    def slow_step(engine):
+        time.sleep(0.02)
+        return real_step(engine)
+
+    monkeypatch.setattr(NativeEngine, "step", slow_step)
+
+
 def test_partial_drop_with_dynamic_sampling(tiny_checkpoint, tmp_path, monkeypatch):
     """partial=drop restarts the samples in flight under the new weights: every trained response
     comes from one policy version; dynamic sampling's extra rounds run through the queue and only
@@ -254,6 +260,7 @@ def test_partial_drop_with_dynamic_sampling(tiny_checkpoint, tmp_path, monkeypat
         return real_step(ctx, step, rollout=rollout)
 
     monkeypatch.setattr(loop_mod, "rl_step", spy_step)
+    slow_decode(monkeypatch)
     extra = [
         *DYNAMIC,
         "trainer.mode=async",
