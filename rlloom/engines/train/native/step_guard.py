@@ -57,14 +57,15 @@ def adamw_would_be_finite(optim: torch.optim.Optimizer) -> torch.Tensor:
     ]
     if not flags:
         return torch.tensor(True)
-    return torch.stack([f.cpu() for f in flags]).all()
+    return torch.stack(flags).all()
 
 
-def _max_abs(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """max |x| over every element of `tensors` (this rank's shards; NaN if any is NaN), 0-d fp32."""
+def _max_abs(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """max |x| over every element of `tensors` (this rank's shards; NaN if any is NaN), 0-d fp32 on
+    `device` (0 when there are none)."""
     tensors = [_local(t).detach() for t in tensors if t.numel()]
     if not tensors:
-        return torch.zeros(())
+        return torch.zeros((), device=device)
     norms = torch._foreach_norm(tensors, ord=float("inf"))
     return torch.stack([n.float() for n in norms]).max()
 
@@ -86,15 +87,16 @@ def _update_is_bounded(optim: torch.optim.Optimizer, group: dict[str, Any]) -> b
         return False
     params = [p for p in group["params"] if p.grad is not None]
     states = [optim.state.get(p, {}) for p in params]
+    device = _local(params[0].detach()).device
     maxima = torch.stack(
         [
-            _max_abs(params).cpu(),
-            _max_abs([p.grad for p in params]).cpu(),
-            _max_abs([s["exp_avg"] for s in states if s]).cpu(),
-            _max_abs([s["exp_avg_sq"] for s in states if s]).cpu(),
+            _max_abs(params, device),
+            _max_abs([p.grad for p in params], device),
+            _max_abs([s["exp_avg"] for s in states if s], device),
+            _max_abs([s["exp_avg_sq"] for s in states if s], device),
         ]
     )
-    P, G, M, V = maxima.double().tolist()  # the host read
+    P, G, M, V = maxima.double().tolist()  # the one host read
     step_size = lr / (1.0 - beta1)
     m1 = beta1 * M + (1.0 - beta1) * G
     v1 = beta2 * V + (1.0 - beta2) * G * G
@@ -115,32 +117,33 @@ def _trial(optim: torch.optim.Optimizer, group: dict[str, Any]) -> torch.Tensor:
     flags = []
     beta1, beta2 = group["betas"]
     for p in group["params"]:
-        if p.grad is not None:
-            state: dict[str, Any] = optim.state.get(p, {})
-            param, grad = _local(p.detach()).reshape(-1), _local(p.grad).reshape(-1)
-            m = _local(state["exp_avg"]).reshape(-1) if state else None
-            v = _local(state["exp_avg_sq"]).reshape(-1) if state else None
-            step = state["step"] if state else torch.zeros((), dtype=torch.float32, device=param.device)
-            for lo in range(0, param.numel(), TRIAL_CHUNK):
-                hi = min(lo + TRIAL_CHUNK, param.numel())
-                trial = param[lo:hi].clone()
-                adamw(
-                    [trial],
-                    [grad[lo:hi]],
-                    [m[lo:hi].clone() if m is not None else torch.zeros_like(trial)],
-                    [v[lo:hi].clone() if v is not None else torch.zeros_like(trial)],
-                    [],
-                    [step.clone()],
-                    fused=True,
-                    amsgrad=False,
-                    beta1=beta1,
-                    beta2=beta2,
-                    lr=group["lr"],
-                    weight_decay=group["weight_decay"],
-                    eps=group["eps"],
-                    maximize=False,
-                )
-                flags.append(torch.isfinite(trial).all())
+        if p.grad is None:
+            continue
+        state: dict[str, Any] = optim.state.get(p, {})
+        param, grad = _local(p.detach()).reshape(-1), _local(p.grad).reshape(-1)
+        m = _local(state["exp_avg"]).reshape(-1) if state else None
+        v = _local(state["exp_avg_sq"]).reshape(-1) if state else None
+        step = state["step"] if state else torch.zeros((), dtype=torch.float32, device=param.device)
+        for lo in range(0, param.numel(), TRIAL_CHUNK):
+            hi = min(lo + TRIAL_CHUNK, param.numel())
+            trial = param[lo:hi].clone()
+            adamw(
+                [trial],
+                [grad[lo:hi]],
+                [m[lo:hi].clone() if m is not None else torch.zeros_like(trial)],
+                [v[lo:hi].clone() if v is not None else torch.zeros_like(trial)],
+                [],
+                [step.clone()],
+                fused=True,
+                amsgrad=False,
+                beta1=beta1,
+                beta2=beta2,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=False,
+            )
+            flags.append(torch.isfinite(trial).all())
     return torch.stack(flags).all()
 
 
