@@ -135,12 +135,13 @@ class GroupedExperts(nn.Module):
         order = torch.argsort(flat_experts, stable=True)
         counts_E = torch.zeros(self.w1.shape[0], dtype=torch.int64, device=flat_experts.device)
         counts_E.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
-        xs = dispatch_rows(x_TD, order, K)
+        inverse = inverse_permutation(order)
+        xs = dispatch_rows(x_TD, order, inverse, K)
         if xs.is_cuda and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
             ys = self._grouped_mm(xs, counts_E)
         else:
             ys = self._loop(xs, counts_E)
-        return combine_rows(ys, order, weights_TK), counts_E
+        return combine_rows(ys, order, inverse, weights_TK), counts_E
 
     def _loop(self, xs: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         ys = torch.empty_like(xs)
@@ -160,17 +161,20 @@ class GroupedExperts(nn.Module):
         return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offsets)
 
 
-def dispatch_rows(x_TD: torch.Tensor, order: torch.Tensor, K: int) -> torch.Tensor:
+def dispatch_rows(x_TD: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, K: int) -> torch.Tensor:
     """[T, D] -> [T*K, D]: token t's row at every position j with order[j] // K == t, where `order`
-    sorts the T*K token-expert pairs (pair p = t*K + k) by expert."""
-    return DispatchRows.apply(x_TD, order, K)
+    sorts the T*K token-expert pairs (pair p = t*K + k) by expert; `inverse` is
+    `inverse_permutation(order)` (computed once per layer for this and `combine_rows`)."""
+    return DispatchRows.apply(x_TD, order, inverse, K)
 
 
-def combine_rows(y_PD: torch.Tensor, order: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+def combine_rows(
+    y_PD: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, weights_TK: torch.Tensor
+) -> torch.Tensor:
     """[T*K, D] outputs in `order` (as `dispatch_rows` sent them) -> [T, D]: each token's K outputs
     weighted by `weights_TK` (fp32, cast to y's dtype) and summed in one reduction."""
     T, K = weights_TK.shape
-    y_TKD = PermuteRows.apply(y_PD, inverse_permutation(order), order).view(T, K, y_PD.shape[-1])
+    y_TKD = PermuteRows.apply(y_PD, inverse, order).view(T, K, y_PD.shape[-1])
     return (y_TKD * weights_TK.unsqueeze(-1).to(y_PD.dtype)).sum(dim=1)
 
 
@@ -186,16 +190,16 @@ class DispatchRows(torch.autograd.Function):
     sum over K), where autograd's index backward would scatter-add into x's rows."""
 
     @staticmethod
-    def forward(ctx, x_TD: torch.Tensor, order: torch.Tensor, K: int) -> torch.Tensor:  # noqa: ANN001
-        ctx.save_for_backward(order)
+    def forward(ctx, x_TD: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, K: int) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(inverse)
         ctx.K = K
         return x_TD[order // K]
 
     @staticmethod
-    def backward(ctx, grad_xs: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: ANN001
-        (order,) = ctx.saved_tensors
-        grad_TKD = grad_xs[inverse_permutation(order)].view(len(order) // ctx.K, ctx.K, grad_xs.shape[-1])
-        return grad_TKD.sum(dim=1), None, None
+    def backward(ctx, grad_xs: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # noqa: ANN001
+        (inverse,) = ctx.saved_tensors
+        grad_TKD = grad_xs[inverse].view(len(inverse) // ctx.K, ctx.K, grad_xs.shape[-1])
+        return grad_TKD.sum(dim=1), None, None, None
 
 
 class PermuteRows(torch.autograd.Function):

@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlloom.models.moe import GroupedExperts, combine_rows, dispatch_rows
+from rlloom.models.moe import GroupedExperts, combine_rows, dispatch_rows, inverse_permutation
 
 
 @dataclass(slots=True)
@@ -39,6 +39,8 @@ class Dispatch:
 
     order_P: torch.Tensor
     """[P] the token-expert pairs (pair t*K + k) in send order, sorted by expert (P = T x K)."""
+    inverse_P: torch.Tensor
+    """[P] `inverse_permutation(order_P)`."""
     weights_TK: torch.Tensor
     """[T, K] routing weights, fp32."""
     send_counts: list[int]
@@ -69,16 +71,20 @@ def dispatch(
     K = experts_TK.shape[1]
     flat_P = experts_TK.flatten()
     order_P = torch.argsort(flat_P, stable=True)
+    inverse_P = inverse_permutation(order_P)
     counts_E = torch.bincount(flat_P, minlength=num_experts)
     recv_ER = _exchange_counts(counts_E, ep, group)  # counts first: the receive sizes
     send_counts = counts_E.view(ep, -1).sum(dim=1).tolist()
     recv_counts = recv_ER.sum(dim=1).tolist()
-    x_R = all_to_all_single_autograd(dispatch_rows(x_TD, order_P, K), recv_counts, send_counts, group)
+    x_R = all_to_all_single_autograd(
+        dispatch_rows(x_TD, order_P, inverse_P, K), recv_counts, send_counts, group
+    )
     local_R = torch.repeat_interleave(
         torch.arange(num_experts // ep, device=x_TD.device).repeat(ep), recv_ER.flatten()
     )
     record = Dispatch(
         order_P=order_P,
+        inverse_P=inverse_P,
         weights_TK=weights_TK,
         send_counts=send_counts,
         recv_counts=recv_counts,
@@ -91,7 +97,7 @@ def combine(y_RD: torch.Tensor, record: Dispatch, group: dist.ProcessGroup) -> t
     """Return each received token's expert output to its sender and sum it into its token with the
     routing weight -> [T, D]."""
     y_PD = all_to_all_single_autograd(y_RD, record.send_counts, record.recv_counts, group)
-    return combine_rows(y_PD, record.order_P, record.weights_TK)
+    return combine_rows(y_PD, record.order_P, record.inverse_P, record.weights_TK)
 
 
 class _ExpertParallel:
