@@ -14,13 +14,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engines" / "train"))
 from parallel_helpers import run_gloo  # noqa: E402
-from test_pp_aux import KEYS, cfg, run, skewed_moe  # noqa: E402
-from test_pp_engine import TOL  # noqa: E402
+from test_pp_aux import cfg, run, skewed_moe  # noqa: E402
+from test_pp_aux import check as check_against  # noqa: E402
 
 from rlloom.engines.train.native import NativeTrainEngine  # noqa: E402
 from rlloom.parallel import ParallelDims  # noqa: E402
@@ -31,18 +30,8 @@ WEIGHT_TOL = dict(atol=1e-4, rtol=0)
 
 
 def check(got: dict, expected: dict, what: str) -> None:
-    assert got["grads"].keys() == expected["grads"].keys()
-    for name, grad in expected["grads"].items():
-        torch.testing.assert_close(
-            got["grads"][name], grad, **TOL, msg=lambda m, n=name: f"{what} grad {n}: {m}"
-        )
-    for i, (a, b) in enumerate(zip(got["metrics"], expected["metrics"], strict=True)):
-        for k in KEYS:
-            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (what, i, k, a[k], b[k])
-    for name, t in expected["weights"].items():
-        torch.testing.assert_close(
-            got["weights"][name], t, **WEIGHT_TOL, msg=lambda m, n=name: f"{what} weight {n}: {m}"
-        )
+    """Every rank holds every layer at pp=1: all gradients compared."""
+    check_against(got, expected, what, whole_model=True, weight_tol=WEIGHT_TOL)
 
 
 def engine(dims: ParallelDims | None) -> NativeTrainEngine:

@@ -88,8 +88,15 @@ def run(engine: NativeTrainEngine) -> dict:
     return {"grads": grads, "metrics": metrics, "weights": full_weights(engine)}
 
 
-def check(got: dict, expected: dict, what: str) -> None:
-    assert 0 < len(got["grads"]) < len(expected["grads"])  # this rank's stages only
+def check(
+    got: dict, expected: dict, what: str, *, whole_model: bool = False, weight_tol: dict = WEIGHT_TOL
+) -> None:
+    """`got`'s gradients (this rank's stages only, or with `whole_model` every one), the metrics of
+    every step and the full weights against the one-process run's."""
+    if whole_model:
+        assert got["grads"].keys() == expected["grads"].keys()
+    else:
+        assert 0 < len(got["grads"]) < len(expected["grads"])  # this rank's stages only
     for name, grad in got["grads"].items():
         torch.testing.assert_close(
             grad, expected["grads"][name], **TOL, msg=lambda m, n=name: f"{what} grad {n}: {m}"
@@ -99,7 +106,7 @@ def check(got: dict, expected: dict, what: str) -> None:
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (what, i, k, a[k], b[k])
     for name, t in expected["weights"].items():
         torch.testing.assert_close(
-            got["weights"][name], t, **WEIGHT_TOL, msg=lambda m, n=name: f"{what} weight {n}: {m}"
+            got["weights"][name], t, **weight_tol, msg=lambda m, n=name: f"{what} weight {n}: {m}"
         )
 
 
