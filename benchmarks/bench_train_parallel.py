@@ -2,13 +2,15 @@
 
 Launched with torchrun, one process per GPU; the layout is `--tp` / `--ep` (data parallelism is what
 the world size leaves). Random weights built from a config (no downloads), fp32 master weights,
-bf16 compute, activation checkpointing full, packed sequences of `--seq-len` tokens (one per
+bf16 compute, activation checkpointing full (`--ac off` turns it off), packed sequences of `--seq-len` tokens (one per
 micro-batch), `--micro-batches` per data-parallel rank. One warm-up step, then `--steps` timed.
 Reported (rank 0): layout, model shape, tokens/s (global and per GPU), MFU on active parameters
 (routed experts count top_k / num_experts; over every GPU of the layout, 989 TFLOP/s each), peak
 GPU memory (max over ranks) beside `rlloom.plan.memory.estimate`'s prediction for the same layout
 and workload (no rollout engine; 3/4 of each sequence is response), and peak host RSS (max over
-ranks). `--append FILE` adds the row as a JSON line; `--table FILE` prints every row of that file
+ranks), and the first step's gradient norm: every launch starts from the same weights, so launches
+of the same global batch (`--micro-batches` x data-parallel ranks) must agree on it whatever the
+layout (within bf16 noise on GPU), a correctness check in the same table. `--append FILE` adds the row as a JSON line; `--table FILE` prints every row of that file
 as one table.
 
 Shapes: `30b-a3b-8l` (Qwen3-30B-A3B width, 8 of 48 layers, 128 experts), `30b-a3b-24l` (24 layers,
@@ -22,8 +24,11 @@ model must fit one GPU once (the 24-layer MoE does: ~62 GB).
         --optimizer-offload-fraction 0.5 --append rows.jsonl
     torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --shape 8b --tp 2 --append rows.jsonl
     torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --shape 8b --append rows.jsonl   # dp=2
+    torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --shape 8b --cp 2 --seq-len 65536 \\
+        --micro-batches 1 --append rows.jsonl   # one 64k-token sequence cut over 2 GPUs
     python benchmarks/bench_train_parallel.py --table rows.jsonl
     torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --smoke --tp 2   # CPU, gloo, tiny
+    torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --smoke --cp 2
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import json
 import os
 import random
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -70,7 +76,7 @@ TINY_MOE = QWEN3_30B_A3B_8L | {
 }
 COLUMNS = (
     "layout", "gpus", "shape", "tokens", "tok/s", "tok/s/GPU", "MFU(active)", "GPU GiB", "predicted GiB",
-    "host GiB",
+    "host GiB", "grad norm 0",
 )  # fmt: skip
 
 
@@ -100,10 +106,12 @@ def packed_batch(num_samples: int, seq_len: int, vocab: int) -> RolloutBatch:
 
 def predicted_gib(config: dict, dims: ParallelDims, args: argparse.Namespace, seq_len: int) -> float:
     """The memory model's training peak per GPU for this launch's layout and workload."""
-    layout = Layout(tp=dims.tp, ep=dims.ep, dp=dims.dp_size, offload_fraction=args.optimizer_offload_fraction)
+    layout = Layout(
+        tp=dims.tp, cp=dims.cp, ep=dims.ep, dp=dims.dp_size, offload_fraction=args.optimizer_offload_fraction
+    )
     work = Workload(
         max_tokens_per_gpu=seq_len,
-        recompute="full",
+        recompute="full" if args.ac == "full" else "none",
         response_fraction=0.75,
         micro_batches=args.micro_batches,
         compiled=not args.eager,
@@ -128,17 +136,25 @@ def run(args: argparse.Namespace) -> dict:
             "intermediate_size": 128,
         }
     seq_len = 64 if args.smoke else args.seq_len
-    dims = ParallelDims(world_size=world, tp=args.tp, ep=args.ep)
+    dims = ParallelDims(world_size=world, tp=args.tp, cp=args.cp, ep=args.ep)
     offload = args.optimizer_offload_fraction > 0
     cfg = TrainEngineConfig(
         lr=1e-6,
         max_tokens_per_micro_batch=seq_len,
-        activation_checkpointing="full",
+        activation_checkpointing=args.ac,
+        share_prompts=False,  # every sample has its own prompt; CP needs plain packed documents
         compile=not args.eager,
         optimizer_offload=offload,
         optimizer_offload_fraction=args.optimizer_offload_fraction if offload else 1.0,
     )
+    start = time.perf_counter()
+
+    def progress(what: str) -> None:  # rank 0, to stderr: where a slow or stuck launch is
+        if rank == 0:
+            print(f"[{time.perf_counter() - start:7.1f} s] {what}", file=sys.stderr, flush=True)
+
     engine = NativeTrainEngine(cfg, random_model(config, device), device=device, parallel_dims=dims)
+    progress("engine built")
     batch = packed_batch(args.micro_batches * dims.dp_size, seq_len, config["vocab_size"])
     mask = batch.response_mask()
     adv_B = torch.randn(len(batch), generator=torch.Generator().manual_seed(1))
@@ -148,9 +164,15 @@ def run(args: argparse.Namespace) -> dict:
         return aggregate_loss_sum(-adv * logp_bT, mask[rows].to(logp_bT.device), "token-mean"), {}
 
     normalizer = loss_normalizer(mask, "token-mean")
-    timed = [engine.train_step(batch, loss_fn, loss_normalizer=normalizer) for _ in range(args.steps + 1)][1:]
+    steps = []
+    for i in range(args.steps + 1):
+        steps.append(engine.train_step(batch, loss_fn, loss_normalizer=normalizer))
+        progress(f"step {i}{' (warm-up)' if i == 0 else ''}: {steps[-1]['time/train_step_s']:.2f} s")
+    timed = steps[1:]
     seconds = sum(m["time/train_step_s"] for m in timed) / len(timed)
     layout = ", ".join(f"{k}={v}" for k, v in dims.degrees().items() if v > 1) or "1 GPU"
+    if args.ac != "full":
+        layout += f", AC {args.ac}"
     if offload:
         layout += f", CPU Adam {args.optimizer_offload_fraction:g}"
     row = {
@@ -164,6 +186,9 @@ def run(args: argparse.Namespace) -> dict:
         "GPU GiB": timed[-1].get("memory/peak_allocated_gib", float("nan")),
         "predicted GiB": predicted_gib(config, dims, args, seq_len),
         "host GiB": timed[-1].get("memory/peak_rss_gib", float("nan")),
+        # the first step's gradient norm (same weights everywhere): launches of one global batch
+        # (micro-batches x data-parallel ranks) must agree whatever the layout, within bf16 noise
+        "grad norm 0": steps[0]["train/grad_norm"],
     }
     if rank == 0:
         print_table([row])
@@ -173,7 +198,7 @@ def run(args: argparse.Namespace) -> dict:
     return row
 
 
-WIDTHS = {"layout": -34, "shape": -20, "gpus": 5, "predicted GiB": 14}
+WIDTHS = {"layout": -34, "shape": -20, "gpus": 5, "predicted GiB": 14, "grad norm 0": 12}
 
 
 def print_table(rows: list[dict]) -> None:
@@ -185,7 +210,7 @@ def print_table(rows: list[dict]) -> None:
     for r in rows:
         texts = {
             c: f"{r[c]:.3f}"
-            if c == "MFU(active)"
+            if c in ("MFU(active)", "grad norm 0")
             else f"{r[c]:.1f}"
             if isinstance(r.get(c), float)
             else str(r.get(c, "-"))  # rows appended before a column existed
@@ -201,6 +226,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="30b-a3b-8l")
     parser.add_argument("--tp", type=int, default=1, help="parallel.tp")
     parser.add_argument("--ep", type=int, default=1, help="parallel.ep")
+    parser.add_argument("--cp", type=int, default=1, help="parallel.cp (each packed sequence cut over cp ranks)")
     parser.add_argument(
         "--seq-len", type=int, default=4096, help="tokens per packed sequence (= micro-batch)"
     )
@@ -209,6 +235,7 @@ def main() -> None:
     parser.add_argument(
         "--optimizer-offload-fraction", type=float, default=0.0, help="CPU Adam for this fraction (0 = off)"
     )
+    parser.add_argument("--ac", choices=["full", "off"], default="full", help="activation checkpointing")
     parser.add_argument("--eager", action="store_true", help="no torch.compile of the decoder layers")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU (gloo): checks the script")
     parser.add_argument("--append", default="", help="append the row as a JSON line to this file")
