@@ -26,7 +26,6 @@ from torch.distributed.tensor import DTensor
 
 from rlloom.config.components import TrainEngineConfig
 
-
 log = logging.getLogger(__name__)
 
 
