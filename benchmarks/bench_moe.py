@@ -157,6 +157,26 @@ def checkpoint_tensors(hf: torch.nn.Module):
             yield name, t
 
 
+def write_random_checkpoint(path: Path, config: dict) -> Path:
+    """Random bf16 weights of `config` as a Hugging Face checkpoint folder (config.json and one
+    model.safetensors) without initialising a model: transformers' model, built on the meta device,
+    gives the tensors' names and shapes in the checkpoint layout (one tensor per expert), each filled
+    with N(0, 0.02) (norm weights with 1), seeded. Seconds at Qwen3-30B-A3B's width with 8 layers."""
+    from safetensors.torch import save_file
+
+    hf = hf_model(config, torch.device("meta"), torch.bfloat16)
+    hf.config.dtype = torch.bfloat16
+    torch.manual_seed(0)
+    tensors = {}
+    for name, t in checkpoint_tensors(hf):
+        empty = torch.empty(t.shape, dtype=torch.bfloat16)
+        tensors[name] = empty.fill_(1.0) if name.endswith("norm.weight") else empty.normal_(0.0, 0.02)
+    path.mkdir(parents=True, exist_ok=True)
+    hf.config.save_pretrained(path)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
 def native_from(
     hf: torch.nn.Module, config: dict, dtype: torch.dtype, device: torch.device | None = None, **kw: object
 ) -> torch.nn.Module:
