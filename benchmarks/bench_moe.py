@@ -161,8 +161,9 @@ def write_random_checkpoint(path: Path, config: dict) -> Path:
     """Random bf16 weights of `config` as a Hugging Face checkpoint folder (config.json and one
     model.safetensors) without initialising a model: transformers' model, built on the meta device,
     gives the tensors' names and shapes in the checkpoint layout (one tensor per expert); norm weights
-    are 1, the others stretches of one seeded N(0, 0.02) pool (random_fill). Qwen3-30B-A3B's width with
-    8 layers (5.6B parameters): seconds, where drawing every value would take minutes on CPU."""
+    are 1, the others stretches of one seeded N(0, 0.02) pool (random_fill). On a 2-core CPU, per 1.2B
+    parameters: 4.5 s to fill (drawing every value: 12 s), 12 s to save; the 8-layer Qwen3-30B-A3B
+    width has 5.6B (11 GB)."""
     from safetensors.torch import save_file
 
     hf = hf_model(config, torch.device("meta"), torch.bfloat16)

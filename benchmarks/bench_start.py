@@ -10,10 +10,11 @@ steps, and the whole process; then the cache's size after the run. Workloads:
   - dense (default): the bench_e2e workload (T1: random Qwen3-0.6B weights, 64 prompts x 8 samples,
     128 prompt tokens, 512 new tokens; see bench_e2e.py);
   - `--moe`: random bf16 weights of Qwen3-30B-A3B's width with 8 of its 48 layers (bench_moe's
-    QWEN3_30B_A3B_8L: 128 experts, 8 per token; 5.6B parameters, an 11 GB checkpoint written in
-    seconds without initialising a model), 32 prompts x 8 samples, 128 prompt tokens, 256 new tokens,
-    an 8 GB KV cache, micro-batches of <= 16384 tokens not gathered once (the 98,304 tokens of a step
-    in 6): sized for one H200 (fp32 master weights and AdamW of 5.6B parameters: about 90 GB).
+    QWEN3_30B_A3B_8L: 128 experts, 8 per token; 5.6B parameters, an 11 GB checkpoint written by
+    bench_moe.write_random_checkpoint without initialising a model, before and outside the timed runs),
+    32 prompts x 8 samples, 128 prompt tokens, 256 new tokens, an 8 GB KV cache, micro-batches of
+    <= 16384 tokens not gathered once (the 98,304 tokens of a step in 6): sized for one H200 (fp32
+    master weights, gradients and AdamW of 5.6B parameters: about 90 GB; bf16 rollout weights: 11 GB).
 Both use the bench_e2e run config (e2e_config) and its parity reward; only the checkpoint and the
 sizes differ.
 
