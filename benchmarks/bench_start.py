@@ -13,7 +13,7 @@ steps, and the whole process; then the cache's size after the run. Workloads:
     QWEN3_30B_A3B_8L: 128 experts, 8 per token; 5.6B parameters, an 11 GB checkpoint written by
     bench_moe.write_random_checkpoint without initialising a model, before and outside the timed runs),
     32 prompts x 8 samples, 128 prompt tokens, 256 new tokens, an 8 GB KV cache, micro-batches of
-    <= 16384 tokens not gathered once (the 98,304 tokens of a step in 6): sized for one H200 (fp32
+    <= 16384 tokens not gathered once (a step's 98,304 tokens in 6 or more): sized for one H200 (fp32
     master weights, gradients and AdamW of 5.6B parameters: about 90 GB; bf16 rollout weights: 11 GB).
 Both use the bench_e2e run config (e2e_config) and its parity reward; only the checkpoint and the
 sizes differ.
