@@ -226,9 +226,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="30b-a3b-8l")
     parser.add_argument("--tp", type=int, default=1, help="parallel.tp")
     parser.add_argument("--ep", type=int, default=1, help="parallel.ep")
-    parser.add_argument(
-        "--cp", type=int, default=1, help="parallel.cp (each packed sequence cut over cp ranks)"
-    )
+    parser.add_argument("--cp", type=int, default=1, help="parallel.cp (each packed sequence cut over cp ranks)")
     parser.add_argument(
         "--seq-len", type=int, default=4096, help="tokens per packed sequence (= micro-batch)"
     )
