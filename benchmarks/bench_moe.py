@@ -157,6 +157,43 @@ def checkpoint_tensors(hf: torch.nn.Module):
             yield name, t
 
 
+def write_random_checkpoint(path: Path, config: dict) -> Path:
+    """Random bf16 weights of `config` as a Hugging Face checkpoint folder (config.json and one
+    model.safetensors) without initialising a model: transformers' model, built on the meta device,
+    gives the tensors' names and shapes in the checkpoint layout (one tensor per expert); norm weights
+    are 1, the others stretches of one seeded N(0, 0.02) pool (random_fill). On a 2-core CPU, per 1.2B
+    parameters: 4.5 s to fill (drawing every value: 12 s), 12 s to save; the 8-layer Qwen3-30B-A3B
+    width has 5.6B (11 GB)."""
+    from safetensors.torch import save_file
+
+    hf = hf_model(config, torch.device("meta"), torch.bfloat16)
+    hf.config.dtype = torch.bfloat16
+    torch.manual_seed(0)
+    pool = torch.empty(1 << 24, dtype=torch.bfloat16).normal_(0.0, 0.02)
+    tensors = {
+        name: torch.ones(t.shape, dtype=torch.bfloat16)
+        if name.endswith("norm.weight")
+        else random_fill(t.shape, pool)
+        for name, t in checkpoint_tensors(hf)
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    hf.config.save_pretrained(path)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def random_fill(shape: torch.Size, pool: torch.Tensor) -> torch.Tensor:
+    """A new tensor of `shape` made of stretches (at most half the pool each) of `pool` copied from
+    random offsets: distinct for every tensor and expert, at the cost of a copy."""
+    out = torch.empty(shape.numel(), dtype=pool.dtype)
+    step = pool.numel() // 2
+    for start in range(0, out.numel(), step):
+        length = min(step, out.numel() - start)
+        offset = int(torch.randint(pool.numel() - length + 1, ()))
+        out[start : start + length] = pool[offset : offset + length]
+    return out.view(shape)
+
+
 def native_from(
     hf: torch.nn.Module, config: dict, dtype: torch.dtype, device: torch.device | None = None, **kw: object
 ) -> torch.nn.Module:

@@ -1,16 +1,27 @@
 """Fast start (issue 17): the time to the first generated token and the first step, cold and warm cache.
 
-Runs the bench_e2e workload (T1: random Qwen3-0.6B weights, 64 prompts x 8 samples, 128 prompt tokens,
-512 new tokens; see bench_e2e.py) twice, each in a fresh process, with one compile cache directory
+Runs an RL workload twice, each in a fresh process, with one compile cache directory
 (`RLLOOM_COMPILE_CACHE`, rlloom/compile_cache.py) that starts empty: run 1 compiles everything (cold),
 run 2 finds Inductor's, AOTAutograd's, the autotuner's and Triton's entries on disk (warm). Dynamo's
 tracing and the CUDA-graph capture run in both. Per run, in seconds: imports (process start to the
 benchmark's first line), model build (training and rollout engines), first generated token (from
 process start), first step (the warm-up step, compilation included), the median of the later (steady)
-steps, and the whole process; then the cache's size after the run.
+steps, and the whole process; then the cache's size after the run. Workloads:
+  - dense (default): the bench_e2e workload (T1: random Qwen3-0.6B weights, 64 prompts x 8 samples,
+    128 prompt tokens, 512 new tokens; see bench_e2e.py);
+  - `--moe`: random bf16 weights of Qwen3-30B-A3B's width with 8 of its 48 layers (bench_moe's
+    QWEN3_30B_A3B_8L: 128 experts, 8 per token; 5.6B parameters, an 11 GB checkpoint written by
+    bench_moe.write_random_checkpoint without initialising a model, before and outside the timed runs),
+    32 prompts x 8 samples, 128 prompt tokens, 256 new tokens, an 8 GB KV cache, micro-batches of
+    <= 16384 tokens not gathered once (a step's 98,304 tokens in 6 or more): sized for one H200 (fp32
+    master weights, gradients and AdamW of 5.6B parameters: about 90 GB; bf16 rollout weights: 11 GB).
+Both use the bench_e2e run config (e2e_config) and its parity reward; only the checkpoint and the
+sizes differ.
 
     python benchmarks/bench_start.py                # one GPU: both runs (expected 3-4 minutes)
+    python benchmarks/bench_start.py --moe          # the MoE job on one H200 (not an 80 GB GPU)
     python benchmarks/bench_start.py --tiny         # CPU smoke run of the script (CPU runs do not compile)
+    python benchmarks/bench_start.py --moe --tiny   # the same with a tiny Qwen3-MoE (8 experts, 2 per token)
     python benchmarks/bench_start.py --cache DIR    # keep the cache in DIR (new or empty) to inspect it
     python benchmarks/bench_start.py --profile DIR  # and a third, warm run of one step under cProfile:
                                                     # DIR/warm.pstats, its top functions printed
@@ -41,6 +52,9 @@ from rlloom.observability.startup import first_token_s, seconds_since_process_st
 
 ROOT = Path(__file__).parents[1]
 MARK = "bench_start: "  # the child's result line on stdout
+# --moe: the workload's sizes (defaults of the shape options; --tiny still shrinks them) and settings.
+MOE_SHAPE = dict(prompts=32, samples=8, prompt_tokens=128, new_tokens=256, kv_gb=8.0)
+MOE_SETTINGS = ["train.max_tokens_per_micro_batch=16384", "train.gather_once_per_step=false"]
 
 
 def child(args: argparse.Namespace) -> None:
@@ -59,7 +73,8 @@ def child(args: argparse.Namespace) -> None:
     from rlloom.trainer.step import rl_step
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = e2e_config(args, Path(args.model), Path(tmp) / "run", args.set)
+        settings = (MOE_SETTINGS if args.moe else []) + args.set
+        cfg = e2e_config(args, Path(args.model), Path(tmp) / "run", settings)
         start = time.perf_counter()
         groups = build_groups(cfg)
         build_s = time.perf_counter() - start
@@ -112,8 +127,10 @@ def run_once(
 
 
 def print_table(runs: list[tuple[str, dict[str, float]]], args: argparse.Namespace) -> None:
+    model = {(False, False): "Qwen3-0.6B", (False, True): "tiny", (True, False): "Qwen3-30B-A3B width, 8 layers",
+             (True, True): "tiny Qwen3-MoE"}[args.moe, args.tiny]  # fmt: skip
     shape = f"{args.prompts} prompts x {args.samples}, {args.prompt_tokens}+{args.new_tokens} tokens"
-    print(f"\n| run ({'tiny' if args.tiny else 'Qwen3-0.6B'}, {shape}) | imports s | model build s | "
+    print(f"\n| run ({model}, {shape}) | imports s | model build s | "
           "first token s (from process start) | first step s (warm-up) | steady step s | process s | "
           "cache MB (files) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
@@ -139,7 +156,12 @@ def main() -> None:
     parser.add_argument(
         "--profile", default="", metavar="DIR", help="add a warm run of one step under cProfile, saved in DIR"
     )
+    parser.add_argument(
+        "--moe", action="store_true", help="the MoE job (Qwen3-30B-A3B's width, 8 layers; see above)"
+    )
     parser.add_argument("--child-model", default="", help=argparse.SUPPRESS)
+    if parser.parse_known_args()[0].moe:
+        parser.set_defaults(**MOE_SHAPE)
     args = parser.parse_args()
     if args.tiny:
         tiny_shape(args)
@@ -152,7 +174,7 @@ def main() -> None:
             f"bench_start: --cache {args.cache} is not empty; run 1 must start cold. Fix: name a new directory."
         )
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_random_qwen3(Path(tmp) / "model", tiny=args.tiny)
+        model_dir = write_model(Path(tmp) / "model", args)
         cache = Path(args.cache) if args.cache else Path(tmp) / "compile-cache"
         cache.mkdir(parents=True, exist_ok=True)
         runs = []
@@ -165,6 +187,15 @@ def main() -> None:
             runs.append(("3 warm, cProfile (1 step)", run_once(args, model_dir, cache, stats)))
             print_profile(stats)
     print_table(runs, args)
+
+
+def write_model(path: Path, args: argparse.Namespace) -> Path:
+    """The run's random checkpoint: dense Qwen3 (bench_e2e) or, with --moe, Qwen3-MoE (bench_moe)."""
+    if not args.moe:
+        return write_random_qwen3(path, tiny=args.tiny)
+    from bench_moe import QWEN3_30B_A3B_8L, TINY, write_random_checkpoint
+
+    return write_random_checkpoint(path, TINY if args.tiny else QWEN3_30B_A3B_8L)
 
 
 def print_profile(stats: Path, top: int = 40) -> None:
