@@ -87,7 +87,7 @@ def _rank(rank: int, args: argparse.Namespace, ports: tuple[int, ...], out: str)
         model = build_model(cfg, dtype=torch.float32, device=device)
         dims = ParallelDims(world_size=args.ep, ep=args.ep)
         side = NativeTrainEngine(TrainEngineConfig(compile=False), model, device=device, parallel_dims=dims)
-        layout = owner_layout(side.weight_layouts(), side.layout.ep_rank)
+        layout = owner_layout(side.weight_layouts(), side.layout.ep_rank, side.layout.tp_rank)
     else:
         dtype = torch.bfloat16 if gpu else torch.float32
         model = build_model(cfg, dtype=dtype, device=device, fused_projections=True)

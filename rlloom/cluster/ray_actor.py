@@ -160,7 +160,7 @@ class SlotActor:
         """Separate placement, training ranks: what each sender owns (`owner_layout`), built at the
         first sync (collective over the training world)."""
         assert self.train is not None
-        return owner_layout(self.train.weight_layouts(), self.train.ep_rank)
+        return owner_layout(self.train.weight_layouts(), self.train.ep_rank, self.train.tp_rank)
 
     def receive_weights(self) -> int:
         """Separate placement, every rollout rank: take this rank's slices and load them; returns the

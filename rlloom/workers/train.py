@@ -108,13 +108,19 @@ class TrainWorker:
         return self.engine.named_weights(bucket_bytes=bucket_bytes, dtype=dtype, owned_only=owned_only)
 
     def weight_layouts(self) -> dict[str, WeightLayout]:
-        """Per Hugging Face name: full shape and, for a routed expert, the EP rank that holds it."""
+        """Per Hugging Face name: full shape, for a routed expert the EP rank that holds it, for a
+        tensor-parallel tensor its TP shard dim."""
         return self.engine.weight_layouts()
 
     @property
     def ep_rank(self) -> int:
         """This rank's expert-parallel rank (0 without expert parallelism)."""
         return self.engine.layout.ep_rank
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's tensor-parallel rank (0 without tensor parallelism)."""
+        return self.engine.layout.tp_rank
 
     def offload(self) -> None:
         """Move the policy's parameters, gradients and optimizer state to the host."""
