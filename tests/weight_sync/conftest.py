@@ -39,10 +39,12 @@ def ep_results(broadcast_results) -> dict:
 @pytest.fixture(scope="session")
 def tp_results(broadcast_results) -> dict:
     """The tensor-parallel phase, per model kind: what each sender wrote (`senders`), each sender's
-    owner-only and full exports (`exports`), what each rollout rank received per sync (`received`)."""
+    owner-only and full exports (`exports`), what each rollout rank received per sync (`received`);
+    and `fsdp_tp`: each of the 4 ranks' check of its FSDP x TP export."""
     folder = Path(broadcast_results[0]["folder"])
     senders = [json.loads((folder / f"tp_rank{r}.json").read_text()) for r in (0, 1)]
-    return {
+    fsdp_tp = [json.loads((folder / f"tp_rank{r}.json").read_text())["fsdp_tp"] for r in range(4)]
+    return {"fsdp_tp": fsdp_tp} | {
         kind: {
             "senders": [s[kind] for s in senders],
             "exports": [torch.load(folder / f"tp_{kind}_export_{r}.pt") for r in (0, 1)],

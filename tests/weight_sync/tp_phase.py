@@ -2,7 +2,8 @@
 expert-parallel one, on all four processes): a tiny model trained on 2 ranks with parallel.tp=2
 (the dense Qwen3 with tied embeddings, then the Qwen3-MoE: untied head, experts replicated over TP)
 sends owner-only (`owner_layout`: each rank its TP shards) into one replica of rollout.tp=2, then
-into two replicas of rollout.tp=1."""
+into two replicas of rollout.tp=1. Then all four train the Qwen3-MoE with FSDP 2 x tp=2 and check
+that each rank's owner-only export is the box of the full export that `owner_layout` gives it."""
 
 from __future__ import annotations
 
@@ -88,4 +89,22 @@ def tensor_parallel_sync(rank: int, ports: tuple[int, ...], folder: Path) -> Non
             receive(rollout_engine(kind), specs[1], rank, folder, f"tp_{kind}_tp1_{rank}")
     dist.barrier()
     dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{folder / 'tp_fsdp'}", rank=rank, world_size=4)
+    out["fsdp_tp"] = _fsdp_tp_export(rank)
+    dist.destroy_process_group()
     (folder / f"tp_rank{rank}.json").write_text(json.dumps(out))
+
+
+def _fsdp_tp_export(rank: int) -> dict:
+    """FSDP 2 x tp=2 on 4 ranks (a TP shard is FSDP-sharded on top: the owner-only export gathers it
+    over FSDP only): the names whose owner-only tensor differs from its box of the full export."""
+    engine = trained_engine("moe", ParallelDims(world_size=4, tp=2))
+    owned = {n: t.clone() for b in engine.named_weights(owned_only=True) for n, t in b}
+    full = {n: t.clone() for b in engine.named_weights() for n, t in b}
+    layout = owner_layout(engine.weight_layouts(), engine.layout.ep_rank, engine.layout.tp_rank)
+    boxes = {n: next(b for r, b in o if r == rank) for n, o in layout.owners.items()}
+    wrong = [
+        n for n, box in boxes.items() if not torch.equal(owned[n], full[n][tuple(slice(*r) for r in box)])
+    ]
+    split = sorted(n for n, box in boxes.items() if tuple(box) != tuple((0, d) for d in full[n].shape))
+    return {"tp_rank": engine.layout.tp_rank, "wrong": wrong, "split": split, "names": sorted(owned)}
