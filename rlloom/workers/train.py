@@ -103,8 +103,9 @@ class TrainWorker:
         self, *, bucket_bytes: int, dtype: torch.dtype | None = None, owned_only: bool = False
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The weight source of the sync: buckets of (Hugging Face name, full tensor). Every rank must
-        consume the generator (it gathers the shards). `owned_only`: this rank's routed experts only,
-        without the all-gather over the expert-parallel ranks (the broadcast sync)."""
+        consume the generator (it gathers the shards). `owned_only`: this rank's routed experts only
+        and its TP shard of each tensor-parallel tensor, without an all-gather over the expert- or
+        tensor-parallel ranks (the broadcast sync)."""
         return self.engine.named_weights(bucket_bytes=bucket_bytes, dtype=dtype, owned_only=owned_only)
 
     def weight_layouts(self) -> dict[str, WeightLayout]:
