@@ -47,8 +47,9 @@ leaves it on several: data-parallel replicas), a tensor replicated over TP (norm
 one of all senders, balanced by bytes. A rollout rank then receives each of its slices from the
 training ranks whose shards overlap it (a rollout.tp=1 rank from every tp rank, a rollout tp rank
 matching the training tp from its peer alone). A sender checks that it yields exactly the tensors
-the layout gives it, each in the shape of its box. Under pipeline parallelism the export gathers
-TP shards whole (`Pipeline.full_weights`) and the layout says so. Without a layout every rank
+the layout gives it, each in the shape of its box. Under pipeline parallelism every rank yields
+every stage's tensors, each stage's TP shards as its tp rank holds them (`Pipeline.full_weights`
+broadcasts them over the pp group, whose ranks share a tp rank). Without a layout every rank
 yields full tensors (`named_weights(owned_only=False)`: experts all-gathered over EP, TP shards
 over TP).
 
@@ -170,8 +171,8 @@ def owner_layout(layouts: Mapping[str, WeightLayout], ep_rank: int, tp_rank: int
     from every rank over the default process group. Collective over the training world under expert
     or tensor parallelism: every training rank calls it, once, and keeps it. None without either:
     every sender then holds every tensor (`send_weights`' default). Under pipeline parallelism
-    `layouts` covers every stage (the export gives every rank every stage's tensors, TP shards
-    gathered whole)."""
+    `layouts` covers every stage (the export gives every rank every stage's tensors, TP shards of
+    its own tp rank)."""
     experts = {n: w.ep_rank for n, w in layouts.items() if w.ep_rank is not None}
     tp_shards = {n: w.tp_shard for n, w in layouts.items() if w.tp_shard is not None}
     if not experts and not tp_shards:

@@ -40,11 +40,11 @@ def ep_results(broadcast_results) -> dict:
 def tp_results(broadcast_results) -> dict:
     """The tensor-parallel phase, per model kind: what each sender wrote (`senders`), each sender's
     owner-only and full exports (`exports`), what each rollout rank received per sync (`received`);
-    and `fsdp_tp`: each of the 4 ranks' check of its FSDP x TP export."""
+    and `fsdp_tp`, `pp_tp`: each of the 4 ranks' check of its FSDP x TP and PP x TP exports."""
     folder = Path(broadcast_results[0]["folder"])
     senders = [json.loads((folder / f"tp_rank{r}.json").read_text()) for r in (0, 1)]
-    fsdp_tp = [json.loads((folder / f"tp_rank{r}.json").read_text())["fsdp_tp"] for r in range(4)]
-    return {"fsdp_tp": fsdp_tp} | {
+    four = [json.loads((folder / f"tp_rank{r}.json").read_text()) for r in range(4)]
+    return {"fsdp_tp": [r["fsdp_tp"] for r in four], "pp_tp": [r["pp_tp"] for r in four]} | {
         kind: {
             "senders": [s[kind] for s in senders],
             "exports": [torch.load(folder / f"tp_{kind}_export_{r}.pt") for r in (0, 1)],

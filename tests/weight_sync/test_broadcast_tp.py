@@ -3,7 +3,8 @@ dense Qwen3 (tied embeddings) and the Qwen3-MoE send owner-only into one replica
 then into two of rollout.tp=1. Each rollout rank's weights equal its slice of the full training
 weights; each sender yields and sends only its own TP shard of the tensor-parallel tensors, and no
 all-gather runs (none over TP: the FSDP degree is 1 here) during those syncs. Under FSDP 2 x tp=2
-(4 ranks) each rank's owner-only export is the box of the full tensors its layout gives it."""
+(4 ranks), and under pp=2 x tp=2, each rank's owner-only export is the box of the full tensors its
+layout gives it."""
 
 from __future__ import annotations
 
@@ -79,10 +80,11 @@ def test_each_tp_sender_yields_and_sends_only_its_tp_shards_without_an_all_gathe
         assert sum(sent) == wanted and max(sent) < 0.7 * wanted, (sync, sent)
 
 
-def test_under_fsdp_and_tp_each_rank_yields_the_box_its_layout_gives_it(tp_results):
-    ranks = tp_results["fsdp_tp"]
+@pytest.mark.parametrize("layout", ["fsdp_tp", "pp_tp"])
+def test_under_fsdp_or_pp_and_tp_each_rank_yields_the_box_its_layout_gives_it(tp_results, layout):
+    ranks = tp_results[layout]
     assert [r["tp_rank"] for r in ranks] == [0, 1, 0, 1]
     for r in ranks:
         assert r["wrong"] == [] and r["names"] == ranks[0]["names"]
         expected = sorted(n for n in r["names"] if tp_dim(n) is not None)
-        assert r["split"] == expected and "lm_head.weight" in expected
+        assert r["split"] == expected and ("lm_head.weight" in expected) == (layout == "fsdp_tp")

@@ -2,8 +2,9 @@
 expert-parallel one, on all four processes): a tiny model trained on 2 ranks with parallel.tp=2
 (the dense Qwen3 with tied embeddings, then the Qwen3-MoE: untied head, experts replicated over TP)
 sends owner-only (`owner_layout`: each rank its TP shards) into one replica of rollout.tp=2, then
-into two replicas of rollout.tp=1. Then all four train the Qwen3-MoE with FSDP 2 x tp=2 and check
-that each rank's owner-only export is the box of the full export that `owner_layout` gives it."""
+into two replicas of rollout.tp=1. Then all four hold the Qwen3-MoE with FSDP 2 x tp=2, and the dense
+Qwen3 with pp=2 x tp=2, and check that each rank's owner-only export is the box of the full export
+that `owner_layout` gives it."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
+from rlloom.config.components import ParallelConfig, TrainEngineConfig
+from rlloom.engines.train.native import NativeTrainEngine
+from rlloom.models.checkpoint import build_model
 from rlloom.parallel import ParallelDims
 from rlloom.weight_sync.broadcast import SyncGroupSpec, join_sync_group, owner_layout, send_weights
 from tests.weight_sync.ep_phase import receive, trained_engine
-from tests.weight_sync.sync_helpers import rollout_engine
+from tests.weight_sync.sync_helpers import hf_config, rollout_engine
 
 KINDS = ("dense", "moe")
 SYNCS = ("tp2", "tp1")
@@ -91,6 +95,7 @@ def tensor_parallel_sync(rank: int, ports: tuple[int, ...], folder: Path) -> Non
     dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"file://{folder / 'tp_fsdp'}", rank=rank, world_size=4)
     out["fsdp_tp"] = _fsdp_tp_export(rank)
+    out["pp_tp"] = _pp_tp_export(rank)
     dist.destroy_process_group()
     (folder / f"tp_rank{rank}.json").write_text(json.dumps(out))
 
@@ -98,7 +103,29 @@ def tensor_parallel_sync(rank: int, ports: tuple[int, ...], folder: Path) -> Non
 def _fsdp_tp_export(rank: int) -> dict:
     """FSDP 2 x tp=2 on 4 ranks (a TP shard is FSDP-sharded on top: the owner-only export gathers it
     over FSDP only): the names whose owner-only tensor differs from its box of the full export."""
-    engine = trained_engine("moe", ParallelDims(world_size=4, tp=2))
+    return _export_check(trained_engine("moe", ParallelDims(world_size=4, tp=2)), rank)
+
+
+def _pp_tp_export(rank: int) -> dict:
+    """pp=2 x tp=2 on 4 ranks (the dense Qwen3, untrained): each stage's rank broadcasts its TP shards
+    over the pp group, whose ranks share its tp rank."""
+    torch.manual_seed(0)
+    model = build_model(hf_config("dense"), dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            tensor.copy_(0.05 * torch.randn(tensor.shape))
+    engine = NativeTrainEngine(
+        TrainEngineConfig(lr=3e-2, max_tokens_per_micro_batch=80),
+        model,
+        parallel_dims=ParallelDims(world_size=4, pp=2, tp=2),
+        pipeline=ParallelConfig(pp=2, tp=2),
+    )
+    return _export_check(engine, rank)
+
+
+def _export_check(engine: NativeTrainEngine, rank: int) -> dict:
+    """The names whose owner-only tensor differs from the box of the full export `owner_layout` gives
+    this rank, and those whose box is not the whole tensor."""
     owned = {n: t.clone() for b in engine.named_weights(owned_only=True) for n, t in b}
     full = {n: t.clone() for b in engine.named_weights() for n, t in b}
     layout = owner_layout(engine.weight_layouts(), engine.layout.ep_rank, engine.layout.tp_rank)

@@ -298,7 +298,7 @@ class NativeTrainEngine:
             bucket_bytes=bucket_bytes,
             dtype=dtype,
             ep_group=self.layout.ep_group,
-            tensors=self.pipe.full_weights() if self.pipe is not None else None,
+            tensors=self.pipe.full_weights(tp_local_shards=owned_only) if self.pipe is not None else None,
             owned_only=owned_only,
         )
 

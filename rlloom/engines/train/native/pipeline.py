@@ -16,7 +16,7 @@ Shape legend: K selected positions, b samples of a micro-batch, T response token
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -136,12 +136,9 @@ def merge_moe_metrics(
 def pipeline_weight_layouts(pipe: Pipeline, *, ep: int) -> dict[str, WeightLayout]:
     """`weights.weight_layouts` of every stage of the pipeline, in stage order (as
     `Pipeline.full_weights` yields them; a tied embedding once, as the first stage holds it), on
-    every rank of the pp group (collective). `full_weights` gathers tensor-parallel shards whole,
-    so no layout has a `tp_shard` (the owner-only export keeps only the experts local under PP)."""
-    mine = [
-        (s, {n: replace(w, tp_shard=None) for n, w in weight_layouts(stage_module(m).model, ep=ep).items()})
-        for s, m in zip(pipe.stage_ids, pipe.modules)
-    ]
+    every rank of the pp group (collective; a stage's TP shards are those of this rank's tp rank:
+    the pp group's ranks share it)."""
+    mine = [(s, weight_layouts(stage_module(m).model, ep=ep)) for s, m in zip(pipe.stage_ids, pipe.modules)]
     everyone: list[Any] = [None] * pipe.pp
     dist.all_gather_object(everyone, mine, group=pipe.group)
     out: dict[str, WeightLayout] = {}

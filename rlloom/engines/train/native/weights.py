@@ -7,8 +7,10 @@ rank sends what it holds) nothing is gathered over the EP or TP ranks:
 - each rank yields only its own routed experts, under their global Hugging Face names;
 - a tensor-parallel shard (a DTensor with Shard(d) on the "tp" mesh dim: column-parallel q/k/v,
   gate/up, the vocabulary-parallel embedding and head on dim 0, row-parallel o/down on dim 1) is
-  gathered over its other mesh dims only (FSDP) and yielded as this rank's TP shard, under the
-  tensor's Hugging Face name: `torch.chunk(full, tp, d)[tp_rank]` (`tp_shard` says which);
+  gathered over its other mesh dims only (FSDP; `parallel.tp.tp_local`) and yielded as this rank's
+  TP shard, under the tensor's Hugging Face name: `torch.chunk(full, tp, d)[tp_rank]` (`tp_shard`
+  says which); under pipeline parallelism `Pipeline.full_weights(tp_local_shards=True)` broadcasts
+  each stage's TP shards over the pp group (whose ranks share a tp rank);
 - every other tensor (replicated over TP: norms, biases of row-parallel projections, MLA's q_a/kv_a,
   routers) whole, gathered over FSDP.
 The FSDP gathers still run, in the same order on every rank. A TP shard is one box of one Hugging
@@ -29,10 +31,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement
 
 from rlloom.engines.train.native.checkpoint import EXPERTS
 from rlloom.models.adapter import StateDictAdapter
+from rlloom.parallel.tp import tp_local, tp_shard_of
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
@@ -67,17 +70,6 @@ class WeightLayout:
     tp_shard: tuple[int, int] | None = None
     """(dim d, tp) when `named_weights(owned_only=True)` yields only this rank's tensor-parallel shard
     of it: `torch.chunk(full, tp, d)[tp_rank]`; None: it yields the tensor whole."""
-
-
-def tp_shard_of(tensor: torch.Tensor) -> tuple[int, int] | None:
-    """(dim, tp) when `tensor` is a DTensor sharded over a "tp" mesh dim (Shard(dim) there), else None."""
-    if not isinstance(tensor, DTensor) or "tp" not in (tensor.device_mesh.mesh_dim_names or ()):
-        return None
-    index = tensor.device_mesh.mesh_dim_names.index("tp")
-    placement = tensor.placements[index]
-    if type(placement) is not Shard:  # Replicate; never a strided (FSDP-style) shard on "tp"
-        return None
-    return placement.dim, tensor.device_mesh.size(index)
 
 
 def weight_layouts(model: nn.Module, ep: int = 1) -> dict[str, WeightLayout]:
@@ -123,9 +115,7 @@ def _gathered(
     block of the stack and the global index of its first expert); with `owned_only` a TP-sharded
     tensor is gathered over its other mesh dims only and stays this rank's TP shard."""
     if owned_only and tp_shard_of(tensor) is not None:
-        tp_dim = tensor.device_mesh.mesh_dim_names.index("tp")
-        others = [p if d == tp_dim else Replicate() for d, p in enumerate(tensor.placements)]
-        return tensor.redistribute(tensor.device_mesh, others, async_op=False).to_local().detach(), 0
+        return tp_local(tensor), 0
     full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
     if ep_group is None or EXPERTS not in f".{native_name}":
         return full, 0
@@ -150,8 +140,9 @@ def named_weight_buckets(
 
     A bucket holds at most `bucket_bytes` (a larger tensor comes alone). Tensors are cast to `dtype`
     when given (e.g. bf16 for a bf16 rollout engine) and stay on the model's device. `tensors`:
-    (native name, full tensor) to export instead of `model.state_dict()` (pipeline parallelism:
-    `Pipeline.full_weights()`, every stage's weights on every pp rank). `owned_only`: no all-gather
+    (native name, tensor) to export instead of `model.state_dict()` (pipeline parallelism:
+    `Pipeline.full_weights(tp_local_shards=owned_only)`, every stage's weights on every pp rank).
+    `owned_only`: no all-gather
     over the EP or TP ranks; this rank's routed experts only, and its shard of each TP-sharded
     tensor (see the module docstring).
     """
