@@ -28,7 +28,8 @@ through `rlloom.parallel.parallelize.parallelize_pp` and `rlloom.engines.train.n
 
 `loss_fn` runs on the last stage's rank only: metrics it returns must be reduced there and
 broadcast over the pp group. Weight sync: `Pipeline.full_weights()` gives every rank the whole
-model under the CausalLM's names (for the Hugging Face adapter). Checkpoints use the whole model's
+model under the CausalLM's names (for the Hugging Face adapter); with `tp_local_shards` each
+tensor-parallel tensor as the rank's TP shard (the owner-only sync). Checkpoints use the whole model's
 names, so a pp=2 -> pp=1 resume needs no renaming (a tied embedding is held twice and written once).
 MoE under PP: with `StageFeed.moe_loads` set, each stage adds its MoE layers' expert loads of the
 real tokens (the padding's subtracted) per forward, and with `StageFeed.route_counts_M2` their
