@@ -93,7 +93,7 @@ from rlloom.parallel.pp_stages import (
     rank_stages,
     split_layers,
 )
-from rlloom.parallel.tp import tp_local, tp_local_shape, tp_shard_of
+from rlloom.parallel.tp_shard import tp_local, tp_local_shape, tp_shard_of
 
 SCHEDULES = dict(
     zip(SCHEDULE_NAMES, (Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble), strict=True)

@@ -21,9 +21,7 @@ Families:
   a partial sum over the TP ranks' heads: the kv_a output all-reduces that slice of its gradient.
 
 `apply_tp(model, tp_mesh)` distributes the parameters in place and sets each attention module's
-head counts to its local heads. `tp_shard_of` / `tp_local` / `tp_local_shape`: a parameter's TP
-shard (dim, tp), and this rank's shard gathered over the other mesh dims only (the owner-only
-weight export). Only the training form of the model is supported (separate
+head counts to its local heads. Only the training form of the model is supported (separate
 projections, `fused_projections=False`).
 """
 
@@ -267,31 +265,6 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, experts_parallel: bool = 
     if model.tok_embeddings is not None:
         model.tok_embeddings.register_forward_pre_hook(partial(_check_divisible, tp=tp))
     return model
-
-
-def tp_shard_of(tensor: torch.Tensor) -> tuple[int, int] | None:
-    """(dim, tp) when `tensor` is a DTensor sharded over a "tp" mesh dim (Shard(dim) there), else None."""
-    if not isinstance(tensor, DTensor) or "tp" not in (tensor.device_mesh.mesh_dim_names or ()):
-        return None
-    index = tensor.device_mesh.mesh_dim_names.index("tp")
-    if type(tensor.placements[index]) is not Shard:  # Replicate; never a strided (FSDP-style) shard
-        return None
-    return tensor.placements[index].dim, tensor.device_mesh.size(index)
-
-
-def tp_local(tensor: DTensor) -> torch.Tensor:
-    """This rank's tensor-parallel shard of a TP-sharded `tensor` (`tp_shard_of` is not None): gathered
-    over its other mesh dims only (FSDP; collective over them), `torch.chunk(full, tp, dim)[tp_rank]`."""
-    tp_dim = tensor.device_mesh.mesh_dim_names.index("tp")
-    others = [p if d == tp_dim else Replicate() for d, p in enumerate(tensor.placements)]
-    return tensor.redistribute(tensor.device_mesh, others, async_op=False).to_local().detach()
-
-
-def tp_local_shape(tensor: DTensor) -> tuple[int, ...]:
-    """The shape `tp_local(tensor)` returns, without moving data."""
-    dim, tp = tp_shard_of(tensor)
-    full = torch.empty(tensor.shape, device="meta")
-    return tuple(full.chunk(tp, dim)[tensor.device_mesh.get_local_rank("tp")].shape)
 
 
 def _check_divisible(_embedding: nn.Module, args: tuple, *, tp: int) -> None:

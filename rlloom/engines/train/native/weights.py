@@ -7,7 +7,7 @@ rank sends what it holds) nothing is gathered over the EP or TP ranks:
 - each rank yields only its own routed experts, under their global Hugging Face names;
 - a tensor-parallel shard (a DTensor with Shard(d) on the "tp" mesh dim: column-parallel q/k/v,
   gate/up, the vocabulary-parallel embedding and head on dim 0, row-parallel o/down on dim 1) is
-  gathered over its other mesh dims only (FSDP; `parallel.tp.tp_local`) and yielded as this rank's
+  gathered over its other mesh dims only (FSDP; `parallel.tp_shard.tp_local`) and yielded as this rank's
   TP shard, under the tensor's Hugging Face name: `torch.chunk(full, tp, d)[tp_rank]` (`tp_shard`
   says which); under pipeline parallelism `Pipeline.full_weights(tp_local_shards=True)` broadcasts
   each stage's TP shards over the pp group (whose ranks share a tp rank);
@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Placement
 
 from rlloom.engines.train.native.checkpoint import EXPERTS
 from rlloom.models.adapter import StateDictAdapter
-from rlloom.parallel.tp import tp_local, tp_shard_of
+from rlloom.parallel.tp_shard import tp_local, tp_shard_of
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
