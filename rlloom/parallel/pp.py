@@ -284,7 +284,7 @@ class Pipeline:
         (weight sync, Hugging Face export): each stage's rank gathers its shards and broadcasts them
         over the pp group. A tied embedding comes once. Collective: every rank must consume the generator.
         `tp_local_shards`: a tensor-parallel tensor is gathered over FSDP only and comes as this rank's
-        TP shard (`tp.tp_local`; the pp group's ranks share their tp rank), the owner-only weight sync."""
+        TP shard (`tp_shard.tp_local`; the pp group's ranks share their tp rank), the owner-only weight sync."""
         mine = {
             s: [(model_name(n), p) for n, p in m.state_dict().items()]
             for s, m in zip(self.stage_ids, self.modules)

@@ -142,9 +142,8 @@ def named_weight_buckets(
     when given (e.g. bf16 for a bf16 rollout engine) and stay on the model's device. `tensors`:
     (native name, tensor) to export instead of `model.state_dict()` (pipeline parallelism:
     `Pipeline.full_weights(tp_local_shards=owned_only)`, every stage's weights on every pp rank).
-    `owned_only`: no all-gather
-    over the EP or TP ranks; this rank's routed experts only, and its shard of each TP-sharded
-    tensor (see the module docstring).
+    `owned_only`: no all-gather over the EP or TP ranks; this rank's routed experts only, and its
+    shard of each TP-sharded tensor (see the module docstring).
     """
     if bucket_bytes < 1:
         raise ValueError(
