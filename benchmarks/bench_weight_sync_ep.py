@@ -1,19 +1,22 @@
-"""Broadcast weight sync of an expert-parallel MoE: owner-only sending against gather-then-send (one
-table: mode, GB, ms, ms/GB).
+"""Broadcast weight sync of an expert- or tensor-parallel MoE: owner-only sending against
+gather-then-send (one table: mode, GB, ms, ms/GB).
 
-`--ep` training ranks hold a Qwen3-MoE shape (`--layers`, `--experts`, ...; default 3.1B parameters,
-2.4B of them in experts, 6.2 GB in bf16) in a NativeTrainEngine with parallel.ep = `--ep` (fp32 master weights, uninitialised:
-only the bytes moved matter), and `--rollout-tp` ranks hold one native rollout engine in bf16. Both
-modes cast to bf16 on the way and reach the same rollout weights:
+max(`--ep`, `--tp`) training ranks hold a Qwen3-MoE shape (`--layers`, `--experts`, ...; default 3.1B
+parameters, 2.4B of them in experts, 6.2 GB in bf16) in a NativeTrainEngine with parallel.ep = `--ep`
+and parallel.tp = `--tp` (fp32 master weights, uninitialised: only the bytes moved matter), and
+`--rollout-tp` ranks hold one native rollout engine in bf16. Both modes cast to bf16 on the way and
+reach the same rollout weights:
 - `owner-only`: what a run does (separate placement): every training rank sends, each only its own
-  experts and a share of the dense tensors (`named_weights(owned_only=True)`, `owner_layout`).
-- `gather`: the previous protocol: every training rank all-gathers every expert over EP (no
-  layout: `named_weights(owned_only=False)`), rank 0 alone sends everything.
+  experts, its TP shards and a share of the other tensors (`named_weights(owned_only=True)`,
+  `owner_layout`).
+- `gather`: the previous protocol: every training rank all-gathers every expert over EP and every
+  TP shard over TP (no layout: `named_weights(owned_only=False)`), rank 0 alone sends everything.
 Each row is the median of `--repeats` syncs after one warm-up; a sync's time is the slowest rank's,
 from a common start (a barrier) until the rollout's weights are in place (devices synchronised).
 
-    python benchmarks/bench_weight_sync_ep.py                   # GPU: ep + rollout_tp GPUs (3 by default)
+    python benchmarks/bench_weight_sync_ep.py                   # GPU: max(ep, tp) + rollout_tp GPUs (3 by default)
     python benchmarks/bench_weight_sync_ep.py --ep 4 --rollout-tp 2 --experts 128
+    python benchmarks/bench_weight_sync_ep.py --ep 1 --tp 2 --rollout-tp 2   # TP shards only
     python benchmarks/bench_weight_sync_ep.py --smoke           # tiny shape on CPU (gloo), to check the script
 """
 
@@ -68,15 +71,16 @@ def moe_config(args: argparse.Namespace) -> dict:
 
 
 def _rank(rank: int, args: argparse.Namespace, ports: tuple[int, ...], out: str) -> None:
-    """Training ranks 0..ep-1 (a world of their own), rollout ranks ep.. (a world of their own when
-    rollout_tp > 1); both sync groups (one per mode) are joined once."""
+    """Training ranks 0..n-1 (n = max(ep, tp), a world of their own), rollout ranks n.. (a world of
+    their own when rollout_tp > 1); both sync groups (one per mode) are joined once."""
     torch.set_num_threads(1)
     gpu = not args.smoke
     device = torch.device(f"cuda:{rank}") if gpu else torch.device("cpu")
     if gpu:
         torch.cuda.set_device(device)
-    train = rank < args.ep
-    size, local = (args.ep, rank) if train else (args.rollout_tp, rank - args.ep)
+    senders = max(args.ep, args.tp)
+    train = rank < senders
+    size, local = (senders, rank) if train else (args.rollout_tp, rank - senders)
     world = Path(out, "train" if train else "rollout")
     if train or size > 1:
         dist.init_process_group(
@@ -85,9 +89,9 @@ def _rank(rank: int, args: argparse.Namespace, ports: tuple[int, ...], out: str)
     cfg = moe_config(args)
     if train:
         model = build_model(cfg, dtype=torch.float32, device=device)
-        dims = ParallelDims(world_size=args.ep, ep=args.ep)
+        dims = ParallelDims(world_size=senders, ep=args.ep, tp=args.tp)
         side = NativeTrainEngine(TrainEngineConfig(compile=False), model, device=device, parallel_dims=dims)
-        layout = owner_layout(side.weight_layouts(), side.layout.ep_rank)
+        layout = owner_layout(side.weight_layouts(), side.layout.ep_rank, side.layout.tp_rank)
     else:
         dtype = torch.bfloat16 if gpu else torch.float32
         model = build_model(cfg, dtype=dtype, device=device, fused_projections=True)
@@ -97,7 +101,7 @@ def _rank(rank: int, args: argparse.Namespace, ports: tuple[int, ...], out: str)
         )
     specs = {
         "owner-only": SyncGroupSpec(
-            host="127.0.0.1", port=ports[0], num_senders=args.ep, num_receivers=args.rollout_tp,
+            host="127.0.0.1", port=ports[0], num_senders=senders, num_receivers=args.rollout_tp,
             rollout_tp=args.rollout_tp, timeout_s=900,
         ),
         "gather": SyncGroupSpec(
@@ -144,7 +148,8 @@ def main() -> None:
     parser.add_argument(
         "--smoke", action="store_true", help="a tiny shape on CPU (gloo), to check the script"
     )
-    parser.add_argument("--ep", type=int, default=2, help="training ranks = parallel.ep")
+    parser.add_argument("--ep", type=int, default=2, help="parallel.ep (training ranks: max(ep, tp))")
+    parser.add_argument("--tp", type=int, default=1, help="parallel.tp (training ranks: max(ep, tp))")
     parser.add_argument("--rollout-tp", type=int, default=1, help="rollout ranks (one replica, rollout.tp)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--experts", type=int, default=64)
@@ -157,21 +162,22 @@ def main() -> None:
     if args.smoke:
         args.layers, args.experts, args.hidden, args.moe_intermediate, args.vocab = 2, 4, 32, 16, 64
         args.bucket_mb, args.repeats = 1, 2
-    elif torch.cuda.device_count() < args.ep + args.rollout_tp:
-        parser.error(f"needs {args.ep + args.rollout_tp} GPUs (ep + rollout-tp); run with --smoke on CPU")
-    nprocs = args.ep + args.rollout_tp
+    senders = max(args.ep, args.tp)
+    nprocs = senders + args.rollout_tp
+    if not args.smoke and torch.cuda.device_count() < nprocs:
+        parser.error(f"needs {nprocs} GPUs (max(ep, tp) + rollout-tp); run with --smoke on CPU")
     with tempfile.TemporaryDirectory() as out:
         mp.spawn(_rank, args=(args, (free_port(), free_port()), out), nprocs=nprocs, join=True)
         ranks = [Path(out, f"rank{r}.txt").read_text().splitlines() for r in range(nprocs)]
     title = "CPU smoke run" if args.smoke else torch.cuda.get_device_name()
     print(
         f"weight sync of a Qwen3-MoE shape ({args.layers} layers, {args.experts} experts, hidden {args.hidden}), "
-        f"ep={args.ep} -> rollout.tp={args.rollout_tp}, {title}, bucket {args.bucket_mb} MiB"
+        f"ep={args.ep} tp={args.tp} -> rollout.tp={args.rollout_tp}, {title}, bucket {args.bucket_mb} MiB"
     )
     print(f"{'mode':<11} {'GB':>8} {'ms':>9} {'ms/GB':>8}")
     for i, mode in enumerate(MODES):
         rows = [r[i].split() for r in ranks]
-        gb = sum(int(r[1]) for r in rows[: args.ep]) / 1e9  # bytes the senders sent
+        gb = sum(int(r[1]) for r in rows[:senders]) / 1e9  # bytes the senders sent
         slowest = [max(float(r[k]) for r in rows) for k in range(2, len(rows[0]))]
         ms = statistics.median(slowest) * 1e3
         print(f"{mode:<11} {gb:>8.3f} {ms:>9.2f} {ms / gb:>8.2f}")

@@ -143,8 +143,9 @@ class SlotActor:
         self.sync_group = join_sync_group(spec, rank, device)
 
     def send_weights(self) -> dict[str, float]:
-        """Separate placement, every training rank: gather the dense weights (collective) and send
-        what the plan gives this rank of what it owns (its routed experts, a share of the rest)."""
+        """Separate placement, every training rank: gather the weights over FSDP (collective) and send
+        what the plan gives this rank of what it owns (its routed experts, its TP shards, a share of
+        the rest)."""
         assert self.train is not None
         report = send_weights(
             self.sync_group,
@@ -160,7 +161,7 @@ class SlotActor:
         """Separate placement, training ranks: what each sender owns (`owner_layout`), built at the
         first sync (collective over the training world)."""
         assert self.train is not None
-        return owner_layout(self.train.weight_layouts(), self.train.ep_rank)
+        return owner_layout(self.train.weight_layouts(), self.train.ep_rank, self.train.tp_rank)
 
     def receive_weights(self) -> int:
         """Separate placement, every rollout rank: take this rank's slices and load them; returns the

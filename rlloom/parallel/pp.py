@@ -28,7 +28,8 @@ through `rlloom.parallel.parallelize.parallelize_pp` and `rlloom.engines.train.n
 
 `loss_fn` runs on the last stage's rank only: metrics it returns must be reduced there and
 broadcast over the pp group. Weight sync: `Pipeline.full_weights()` gives every rank the whole
-model under the CausalLM's names (for the Hugging Face adapter). Checkpoints use the whole model's
+model under the CausalLM's names (for the Hugging Face adapter); with `tp_local_shards` each
+tensor-parallel tensor as the rank's TP shard (the owner-only sync). Checkpoints use the whole model's
 names, so a pp=2 -> pp=1 resume needs no renaming (a tied embedding is held twice and written once).
 MoE under PP: with `StageFeed.moe_loads` set, each stage adds its MoE layers' expert loads of the
 real tokens (the padding's subtracted) per forward, and with `StageFeed.route_counts_M2` their
@@ -92,6 +93,7 @@ from rlloom.parallel.pp_stages import (
     rank_stages,
     split_layers,
 )
+from rlloom.parallel.tp_shard import tp_local, tp_local_shape, tp_shard_of
 
 SCHEDULES = dict(
     zip(SCHEDULE_NAMES, (Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble), strict=True)
@@ -276,16 +278,25 @@ class Pipeline:
         return None
 
     @torch.no_grad()
-    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_weights(self, *, tp_local_shards: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(name in the whole CausalLM, full tensor) of every tensor of its state dict (parameters and
         persistent buffers such as DeepSeek-V3's expert bias), in the model's order, on every pp rank
         (weight sync, Hugging Face export): each stage's rank gathers its shards and broadcasts them
-        over the pp group. A tied embedding comes once. Collective: every rank must consume the generator."""
+        over the pp group. A tied embedding comes once. Collective: every rank must consume the generator.
+        `tp_local_shards`: a tensor-parallel tensor is gathered over FSDP only and comes as this rank's
+        TP shard (`tp_shard.tp_local`; the pp group's ranks share their tp rank), the owner-only weight sync."""
         mine = {
             s: [(model_name(n), p) for n, p in m.state_dict().items()]
             for s, m in zip(self.stage_ids, self.modules)
         }
-        shapes = [(s, [(n, tuple(p.shape), p.dtype) for n, p in params]) for s, params in mine.items()]
+
+        def local(p: torch.Tensor) -> bool:
+            return tp_local_shards and tp_shard_of(p) is not None
+
+        shapes = [
+            (s, [(n, tp_local_shape(p) if local(p) else tuple(p.shape), p.dtype) for n, p in params])
+            for s, params in mine.items()
+        ]
         everyone: list[list] = [[] for _ in range(self.pp)]
         dist.all_gather_object(everyone, shapes, group=self.group)
         seen: set[str] = set()
@@ -298,9 +309,14 @@ class Pipeline:
                 seen.add(name)
                 if s in mine:
                     param = mine[s][i][1]
-                    tensor = (
-                        (param.full_tensor() if isinstance(param, DTensor) else param).detach().contiguous()
-                    )
+                    if local(param):
+                        tensor = tp_local(param).contiguous()
+                    else:
+                        tensor = (
+                            (param.full_tensor() if isinstance(param, DTensor) else param)
+                            .detach()
+                            .contiguous()
+                        )
                 else:
                     tensor = torch.empty(shape, dtype=dtype, device=self.device)
                 dist.broadcast(tensor, src=dist.get_global_rank(self.group, owner), group=self.group)

@@ -18,8 +18,9 @@ class WeightSource(Protocol):
     def named_weights(
         self, *, bucket_bytes: int, dtype: torch.dtype | None = None, owned_only: bool = False
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Buckets of (Hugging Face name, full tensor); `owned_only`: only the tensors this rank holds
-        without an all-gather over the expert-parallel ranks (the broadcast sync's senders)."""
+        """Buckets of (Hugging Face name, full tensor); `owned_only`: only what this rank holds without
+        an all-gather over the expert- or tensor-parallel ranks (its routed experts, its TP shard of a
+        tensor-parallel tensor; the broadcast sync's senders, with `broadcast.owner_layout`)."""
         ...
 
 

@@ -9,7 +9,8 @@ API (the workers call exactly these):
         # ranks 0..S-1: the training ranks that send; S..S+R-1: the rollout ranks, rollout rank i
         # being tp rank i % tp of replica i // tp
     # once, on every training rank when all of them send (collective over the training world):
-    layout = owner_layout(train_engine.weight_layouts(), train_engine.layout.ep_rank)
+    layout = owner_layout(train_engine.weight_layouts(), train_engine.layout.ep_rank,
+                          train_engine.layout.tp_rank)
     # each sync, on every training rank (non-senders pass group=None: FSDP gathers are collective);
     # layout=None instead: every rank yields full tensors (routed experts all-gathered over EP):
     report = send_weights(group, train_engine, bucket_bytes=cfg.sync.bucket_mb << 20,
@@ -34,14 +35,23 @@ joining s and the rollout ranks of tp rank r of every replica, from its own TCPS
    only its slices;
 4. then a trailer: "ok" or what went wrong on the sender, and the content checksums.
 
-Owner-only sending (`layout=owner_layout(...)`): every sender iterates
-`named_weights(owned_only=True)`, which gathers FSDP/TP shards (collectives, same order on every
-training rank) but never all-gathers routed experts over the expert-parallel ranks: each rank
-yields its own experts. `owner_layout` says so to the plan (`TrainLayout.owned`): an expert is sent
-only by a training rank of its EP rank (they share the work when the expert-FSDP gather leaves it
-on several), a dense tensor by one of all senders, balanced by bytes. A sender checks that it
-yields exactly the tensors the layout gives it. Without a layout every rank yields full tensors
-(`named_weights(owned_only=False)`: routed experts all-gathered over EP).
+Owner-only sending (`layout=owner_layout(...)`, under expert or tensor parallelism): every sender
+iterates `named_weights(owned_only=True)`, which gathers FSDP shards (collectives, same order on
+every training rank) but never all-gathers over the expert- or tensor-parallel ranks: each rank
+yields its own routed experts, and its own TP shard of each tensor-parallel tensor (column-parallel
+q/k/v and gate/up, vocabulary-parallel embedding and head, row-parallel o/down) under the tensor's
+Hugging Face name. `owner_layout` says so to the plan (`TrainLayout.owned`): an expert is sent only
+by a training rank of its EP rank, each TP shard's box (the chunk of the full tensor along its TP
+dim for that tp rank) only by a rank of that tp rank (they share the work when the FSDP gather
+leaves it on several: data-parallel replicas), a tensor replicated over TP (norms, routers, ...) by
+one of all senders, balanced by bytes. A rollout rank then receives each of its slices from the
+training ranks whose shards overlap it (a rollout.tp=1 rank from every tp rank, a rollout tp rank
+matching the training tp from its peer alone). A sender checks that it yields exactly the tensors
+the layout gives it, each in the shape of its box. Under pipeline parallelism every rank yields
+every stage's tensors, each stage's TP shards as its tp rank holds them (`Pipeline.full_weights`
+broadcasts them over the pp group, whose ranks share a tp rank). Without a layout every rank
+yields full tensors (`named_weights(owned_only=False)`: experts all-gathered over EP, TP shards
+over TP).
 
 Failure: the receiver stages every bucket it receives (one extra copy of its slice of the weights,
 on its device, for the duration of the sync) and copies into the engine only after every sender's
@@ -90,10 +100,10 @@ def send_weights(
     rank calls it, with the same kind of `layout` (FSDP gathers are collective); a rank that sends
     nothing passes group=None. `dtype`: None = the rollout's weight dtype. `layout`:
     - None: every rank yields every full tensor (`named_weights(owned_only=False)`, which all-gathers
-      routed experts over the expert-parallel ranks) and the plan splits the sending between the
-      senders;
+      routed experts over the expert-parallel ranks and TP shards over the TP ranks) and the plan
+      splits the sending between the senders;
     - `owner_layout(...)`: each rank yields only what it owns (`named_weights(owned_only=True)`, no
-      EP all-gather) and sends only that (what a run does under expert parallelism).
+      EP or TP all-gather) and sends only that (what a run does under expert or tensor parallelism).
     Raises WeightSyncError when the sync failed (the rollout keeps its weights)."""
     start = time.perf_counter()
     weights = functools.partial(
@@ -154,22 +164,30 @@ def send_weights(
     )
 
 
-def owner_layout(layouts: Mapping[str, WeightLayout], ep_rank: int) -> TrainLayout | None:
+def owner_layout(layouts: Mapping[str, WeightLayout], ep_rank: int, tp_rank: int) -> TrainLayout | None:
     """The senders' layout when every training rank sends (sync rank s = training rank s) what its
     `named_weights(owned_only=True)` yields: `layouts` is the engine's `weight_layouts()` (the same on
-    every rank under expert parallelism), `ep_rank` this rank's EP rank, gathered from every rank
-    over the default process group. Collective over the training world under expert parallelism:
-    every training rank calls it, once, and keeps it. None without expert parallelism: every sender
-    then holds every tensor (`send_weights`' default). Under pipeline parallelism `layouts` covers
-    every stage (the export gives every rank every stage's tensors)."""
-    if all(w.ep_rank is None for w in layouts.values()):
-        return None
-    ep_ranks: list[int] = [ep_rank]
-    if dist.is_initialized():
-        ep_ranks = [0] * dist.get_world_size()
-        dist.all_gather_object(ep_ranks, ep_rank)
+    every rank but for the placements), `ep_rank` and `tp_rank` this rank's EP and TP ranks, gathered
+    from every rank over the default process group. Collective over the training world under expert
+    or tensor parallelism: every training rank calls it, once, and keeps it. None without either:
+    every sender then holds every tensor (`send_weights`' default). Under pipeline parallelism
+    `layouts` covers every stage (the export gives every rank every stage's tensors, TP shards of
+    its own tp rank)."""
     experts = {n: w.ep_rank for n, w in layouts.items() if w.ep_rank is not None}
-    return TrainLayout.owned({n: w.shape for n, w in layouts.items()}, experts, ep_ranks)
+    tp_shards = {n: w.tp_shard for n, w in layouts.items() if w.tp_shard is not None}
+    if not experts and not tp_shards:
+        return None
+    ranks: list[tuple[int, int]] = [(ep_rank, tp_rank)]
+    if dist.is_initialized():
+        ranks = [(0, 0)] * dist.get_world_size()
+        dist.all_gather_object(ranks, (ep_rank, tp_rank))
+    return TrainLayout.owned(
+        {n: w.shape for n, w in layouts.items()},
+        experts,
+        [e for e, _ in ranks],
+        tp_shards=tp_shards,
+        sender_tp_ranks=[t for _, t in ranks],
+    )
 
 
 def _reporting(weights: Iterator, problems: list[str]) -> Iterator:

@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from rlloom.weight_sync.reshard import Bucket, TrainLayout
+from rlloom.weight_sync.reshard import Box, Bucket, TrainLayout
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -74,8 +74,9 @@ class SendPlan:
     """Full shape of every tensor the rollout loads."""
     routes: tuple[tuple[Bucket, ...], ...]
     """This sender's buckets to each rollout tp rank, in order."""
-    held: frozenset[str]
-    """The tensors the training layout gives this sender."""
+    held: dict[str, Box]
+    """The tensors the training layout gives this sender, each with the box of it that it holds (what
+    the training engine yields under that name: the full tensor, or e.g. a tensor-parallel shard)."""
 
     def fits(
         self,

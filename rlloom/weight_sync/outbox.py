@@ -18,6 +18,7 @@ from rlloom.weight_sync.reshard import (
     box_numel,
     box_shape,
     plan_reshard,
+    relative,
 )
 from rlloom.weight_sync.wire import decode_layout
 
@@ -50,7 +51,7 @@ def send_plan(
         dtype=wire_dtype,
         shapes=rollout.shapes,
         routes=tuple(plan.route(group.rank, r) for r in range(len(hello))),
-        held=frozenset(n for n, owners in train.owners.items() if any(r == group.rank for r, _ in owners)),
+        held={n: box for n, owners in train.owners.items() for r, box in owners if r == group.rank},
     )
     return group.plan
 
@@ -96,8 +97,10 @@ class Outbox:
         return self.buffers[(r, b)]
 
     def put(
-        self, name: str, tensor: torch.Tensor, shapes: dict[str, tuple[int, ...]], held: set[str]
+        self, name: str, tensor: torch.Tensor, shapes: dict[str, tuple[int, ...]], held: dict[str, Box]
     ) -> None:
+        """Copy this sender's pieces of `name` out of `tensor` (its box `held[name]` of the full
+        tensor, of full shape `shapes[name]`) into their buckets; broadcast the buckets now complete."""
         if name in self.seen:
             self.problems.append(f"the training engine yielded {name!r} twice")
             return
@@ -110,14 +113,16 @@ class Outbox:
         if name not in held:
             self.unexpected.append(name)
             return
-        if tuple(tensor.shape) != tuple(shapes[name]):
+        within = held[name]
+        if tuple(tensor.shape) != box_shape(within):
             self.problems.append(
-                f"{name!r} has shape {list(tensor.shape)} in training, {list(shapes[name])} in the rollout"
+                f"{name!r} has shape {list(tensor.shape)} in training, but the training layout gives this "
+                f"sender its box {list(within)} of the rollout's {list(shapes[name])}"
             )
             return
         for r, b, offset, box in self.slots.get(name, []):
             view = self._buffer(r, b).narrow(0, offset, box_numel(box)).view(box_shape(box))
-            view.copy_(tensor[tuple(slice(start, stop) for start, stop in box)])
+            view.copy_(tensor[tuple(slice(start, stop) for start, stop in relative(box, within))])
             if self.checksum:
                 self.checksums[r][piece_key(name, box)] = digest(view)
             self.remaining[(r, b)] -= 1
@@ -135,7 +140,7 @@ class Outbox:
             if len(self.in_flight[r]) > MAX_IN_FLIGHT:
                 wait_all([self.in_flight[r].pop(0)], self.deadline, "a rollout rank to take a bucket")
 
-    def finish(self, held: set[str]) -> None:
+    def finish(self, held: dict[str, Box]) -> None:
         """Send what is left (buckets with tensors the engine never yielded go out as zeros, so the
         receivers' streams stay in step; the trailer says the sync failed). `held`: the tensors the
         training layout gives this sender, all of which the engine must have yielded."""
@@ -145,7 +150,7 @@ class Outbox:
                 f"not give this sender: {self.unexpected[:5]} (fix: pass the layout `owner_layout` builds "
                 "from this engine's weight_layouts(), or layout=None to send full tensors)"
             )
-        missing = sorted(held - self.seen)
+        missing = sorted(set(held) - self.seen)
         if missing:
             self.problems.append(f"the training engine did not yield {len(missing)} tensors: {missing[:5]}")
         for key in self.remaining:

@@ -8,8 +8,9 @@ Both layouts describe slices as boxes (a [start, stop) range per dim) of the FUL
   along the split dim, an expert's tensor is held whole by its EP rank (and FSDP-sharded over what EP
   leaves). Identical boxes on several ranks are replicas (data parallel, or a full tensor gathered
   on every rank): the plan picks one of them to send, balancing bytes. `TrainLayout.owned` is what
-  the training engine's owner-only export gives: dense tensors gathered whole on every sender, each
-  routed expert whole on the senders of its EP rank only (never all-gathered over EP).
+  the training engine's owner-only export gives: a tensor-parallel shard on every sender of its tp
+  rank (its box along the TP shard dim), each routed expert whole on the senders of its EP rank
+  only (never all-gathered over EP or TP), every other tensor whole on every sender.
 - `RolloutLayout`: one replica of `tp` ranks, each stating its box of every tensor it holds (a
   `RankLayout`; the engine's `weight_shard_slices()`): column-parallel projections (q/k/v,
   gate/up) split dim 0, row-parallel ones (o, down) dim 1, the vocabulary-parallel embedding and
@@ -88,12 +89,25 @@ class TrainLayout:
         shapes: dict[str, tuple[int, ...]],
         expert_ep_ranks: Mapping[str, int],
         sender_ep_ranks: Sequence[int],
+        tp_shards: Mapping[str, tuple[int, int]] | None = None,
+        sender_tp_ranks: Sequence[int] | None = None,
     ) -> TrainLayout:
         """What the senders hold when each yields `named_weights(owned_only=True)`: a routed expert
         (`expert_ep_ranks[name]`: the EP rank holding it) whole on every sender of that EP rank (the
-        replicas its expert-FSDP gather leaves), every other tensor whole on every sender.
-        `sender_ep_ranks[s]`: the EP rank of sender s. Raises ValueError when no sender holds an
-        expert's EP rank (the senders must be every training rank of an expert-parallel layout)."""
+        replicas its expert-FSDP gather leaves); a tensor-parallel tensor (`tp_shards[name]` = (dim,
+        tp)) as `torch.chunk(full, tp, dim)[t]` on every sender of tp rank t (the replicas its FSDP
+        gather leaves); every other tensor whole on every sender. `sender_ep_ranks[s]` and
+        `sender_tp_ranks[s]` (default all 0): the EP and TP ranks of sender s. Raises ValueError
+        when no sender holds an expert's EP rank or a TP shard (the senders must be every training
+        rank)."""
+        tp_shards = tp_shards or {}
+        tp_ranks = tuple(sender_tp_ranks) if sender_tp_ranks is not None else (0,) * len(sender_ep_ranks)
+        missing = {t for _, tp in tp_shards.values() for t in range(tp)} - set(tp_ranks)
+        if missing:
+            raise ValueError(
+                f"owner-only weight sync: the senders hold tp ranks {sorted(set(tp_ranks))}, none holds tp "
+                f"ranks {sorted(missing)} of the tensor-parallel tensors. Fix: make every training rank a sender."
+            )
         everyone = tuple(range(len(sender_ep_ranks)))
         by_ep: dict[int, tuple[int, ...]] = {}
         for sender, ep_rank in enumerate(sender_ep_ranks):
@@ -107,7 +121,11 @@ class TrainLayout:
                     f"owner-only weight sync: expert tensor {name!r} lives on EP rank {ep_rank}, but the "
                     f"senders hold EP ranks {sorted(by_ep)}. Fix: make every training rank a sender."
                 )
-            owners[name] = tuple((r, full_box(shape)) for r in ranks)
+            shard = tp_shards.get(name)
+            owners[name] = tuple(
+                (r, full_box(shape) if shard is None else chunk_box(shape, shard[0], tp_ranks[r], shard[1]))
+                for r in ranks
+            )
         return cls(shapes=dict(shapes), owners=owners)
 
     @classmethod

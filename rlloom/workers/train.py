@@ -103,18 +103,25 @@ class TrainWorker:
         self, *, bucket_bytes: int, dtype: torch.dtype | None = None, owned_only: bool = False
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The weight source of the sync: buckets of (Hugging Face name, full tensor). Every rank must
-        consume the generator (it gathers the shards). `owned_only`: this rank's routed experts only,
-        without the all-gather over the expert-parallel ranks (the broadcast sync)."""
+        consume the generator (it gathers the shards). `owned_only`: this rank's routed experts only
+        and its TP shard of each tensor-parallel tensor, without an all-gather over the expert- or
+        tensor-parallel ranks (the broadcast sync)."""
         return self.engine.named_weights(bucket_bytes=bucket_bytes, dtype=dtype, owned_only=owned_only)
 
     def weight_layouts(self) -> dict[str, WeightLayout]:
-        """Per Hugging Face name: full shape and, for a routed expert, the EP rank that holds it."""
+        """Per Hugging Face name: full shape, for a routed expert the EP rank that holds it, for a
+        tensor-parallel tensor its TP shard dim."""
         return self.engine.weight_layouts()
 
     @property
     def ep_rank(self) -> int:
         """This rank's expert-parallel rank (0 without expert parallelism)."""
         return self.engine.layout.ep_rank
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's tensor-parallel rank (0 without tensor parallelism)."""
+        return self.engine.layout.tp_rank
 
     def offload(self) -> None:
         """Move the policy's parameters, gradients and optimizer state to the host."""

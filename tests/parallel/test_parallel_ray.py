@@ -3,8 +3,9 @@ training layout gives the one-process run's per-step metrics (loss, grad norm, r
 within rel 1e-4. The learning rate (3e-2) is large enough that a wrong gradient changes the weights,
 hence the later samples; the random tiny model earns no reward, so an entropy bonus gives the
 gradient. The KL term runs the frozen reference in the same layout, and the MoE routes of the
-rollout are replayed under expert parallelism; with a rollout pool of its own (separate placement)
-both expert-parallel ranks send the experts they own to the rollout (owner-only weight sync)."""
+rollout are replayed under expert parallelism; with a rollout pool of its own (separate placement,
+tp=2 x ep=2) both ranks send the rollout what they own (owner-only weight sync): their experts and
+their tensor-parallel shards."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from rlloom.config import load_config  # noqa: E402
 from rlloom.trainer.run import run  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")  # the session's one Ray instance
-SKIP = ("time/", "perf/", "sync/ms", "memory/")
+SKIP = ("time/", "perf/", "sync/ms", "memory/", "sync/num_tensors")  # owner-only: a TP shard is a piece
 
 
 def cfg_for(ckpt: Path, run_dir: Path, *extra: str):
@@ -60,8 +61,9 @@ def one_process(tiny_moe_checkpoint, tmp_path_factory) -> list[dict]:
     [
         "parallel.tp=2",
         "parallel.ep=2",
-        # a rollout pool of its own: both expert-parallel ranks send the experts they own
-        "parallel.ep=2 cluster.placement=separate cluster.rollout_workers=1",
+        # a rollout pool of its own: both ranks send what they own (owner-only weight sync): their
+        # expert-parallel rank's experts and their tensor-parallel shards of attention and the head
+        "parallel.tp=2 parallel.ep=2 cluster.placement=separate cluster.rollout_workers=1",
     ],
 )
 def test_two_ray_workers_in_a_parallel_layout_match_one_process(

@@ -1,8 +1,8 @@
 """The broadcast tests' phases, run in four processes spawned once per session (the `broadcast`
 fixture in conftest.py spawns `worker`; each rank writes what it saw to `rank{r}.json`):
 
-0. expert parallelism, on all four (`ep_phase.expert_parallel_sync`);
-   then, on the first three:
+0. expert parallelism, on all four (`ep_phase.expert_parallel_sync`), then tensor parallelism
+   (`tp_phase.tensor_parallel_sync`); then, on the first three:
 1. two training ranks (replicas: the plan splits the sending between them) -> one native rollout
    engine, for a dense model with tied embeddings, Qwen3-MoE and DeepSeek-V3 (MLA): after the 1st
    and the 10th sync (the trainer steps at a large learning rate in between) every rollout tensor
@@ -33,9 +33,10 @@ from rlloom.weight_sync.receive import receive_weights
 from rlloom.weight_sync.reshard import RolloutLayout, chunk_box
 from tests.weight_sync.ep_phase import expert_parallel_sync
 from tests.weight_sync.sync_helpers import ShardSink, TrainSide, rollout_engine, rollout_weights, shard_dims
+from tests.weight_sync.tp_phase import tensor_parallel_sync
 
-NUM_PORTS = 6
-"""Ports `worker` takes: 3 for phases 1-3, 3 for the expert-parallel phase."""
+NUM_PORTS = 10
+"""Ports `worker` takes: 3 for phases 1-3, 3 for the expert-parallel phase, 4 for the tensor-parallel one."""
 KINDS = ("dense", "moe", "mla")
 TP_ENGINE = "tp_group" in inspect.signature(NativeEngine.__init__).parameters
 PROMPTS = [[5, 9, 12, 30, 7], [40, 41, 3]]
@@ -184,7 +185,8 @@ def _tensor_parallel_engine(group, train: TrainSide, out: dict) -> None:
 
 def worker(rank: int, ports: tuple[int, ...], folder: str) -> None:
     torch.set_num_threads(1)
-    expert_parallel_sync(rank, ports[3:], Path(folder))
+    expert_parallel_sync(rank, ports[3:6], Path(folder))
+    tensor_parallel_sync(rank, ports[6:], Path(folder))
     if rank == 3:  # the second rollout rank of the expert-parallel phase only
         return
     out: dict = {"dir": Path(folder)}

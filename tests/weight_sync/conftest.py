@@ -12,6 +12,7 @@ from procs import free_port, spawn
 
 from tests.weight_sync.broadcast_phases import NUM_PORTS, worker
 from tests.weight_sync.ep_phase import GATHERED, RECEIVED
+from tests.weight_sync.tp_phase import KINDS, SYNCS
 
 
 @pytest.fixture(scope="session")
@@ -32,4 +33,26 @@ def ep_results(broadcast_results) -> dict:
         "full": torch.load(folder / "ep_full.pt"),
         "received": {k: torch.load(folder / f"ep_{k}.pt") for k in RECEIVED},
         "gathered": {k: torch.load(folder / f"ep_{k}.pt") for k in GATHERED},
+    }
+
+
+@pytest.fixture(scope="session")
+def tp_results(broadcast_results) -> dict:
+    """The tensor-parallel phase, per model kind: what each sender wrote (`senders`), each sender's
+    owner-only and full exports (`exports`), what each rollout rank received per sync (`received`);
+    and `fsdp_tp`, `pp_tp`: each of the 4 ranks' check of its FSDP x TP and PP x TP exports."""
+    folder = Path(broadcast_results[0]["folder"])
+    senders = [json.loads((folder / f"tp_rank{r}.json").read_text()) for r in (0, 1)]
+    four = [json.loads((folder / f"tp_rank{r}.json").read_text()) for r in range(4)]
+    return {"fsdp_tp": [r["fsdp_tp"] for r in four], "pp_tp": [r["pp_tp"] for r in four]} | {
+        kind: {
+            "senders": [s[kind] for s in senders],
+            "exports": [torch.load(folder / f"tp_{kind}_export_{r}.pt") for r in (0, 1)],
+            "received": {
+                f"{sync}_{r}": torch.load(folder / f"tp_{kind}_{sync}_{r}.pt")
+                for sync in SYNCS
+                for r in (2, 3)
+            },
+        }
+        for kind in KINDS
     }

@@ -30,17 +30,16 @@ GATHERED = ("gathered_2", "gathered_3")
 """The sync without a training layout, on the two tp=1 replicas."""
 
 
-def _ep_engine() -> NativeTrainEngine:
-    """The tiny Qwen3-MoE (4 experts per layer) on 2 ranks with parallel.ep=2, after one AdamW step at
-    lr 3e-2 (every tensor moves): the same random model and batch on both ranks."""
+def trained_engine(kind: str, dims: ParallelDims) -> NativeTrainEngine:
+    """A tiny model (`sync_helpers.hf_config(kind)`; "moe": Qwen3-MoE with 4 experts per layer) in the
+    parallel layout `dims`, after one AdamW step at lr 3e-2 (every tensor moves): the same random
+    model and batch on every rank."""
     torch.manual_seed(0)
-    model = build_model(hf_config("moe"), dtype=torch.float32, device="cpu")
+    model = build_model(hf_config(kind), dtype=torch.float32, device="cpu")
     with torch.no_grad():
         for tensor in model.state_dict().values():
             tensor.copy_(0.05 * torch.randn(tensor.shape))
-    engine = NativeTrainEngine(
-        TrainEngineConfig(lr=3e-2), model, parallel_dims=ParallelDims(world_size=2, ep=2)
-    )
+    engine = NativeTrainEngine(TrainEngineConfig(lr=3e-2), model, parallel_dims=dims)
     gen = torch.Generator().manual_seed(1)
     samples = [
         Sample(prompt_ids=torch.randint(VOCAB, (5,), generator=gen).tolist(), response_ids=[3, 9, 4, 1])
@@ -81,7 +80,7 @@ def _send(engine: NativeTrainEngine, spec: SyncGroupSpec, rank: int, layout, out
     group.close()
 
 
-def _receive(engine, spec: SyncGroupSpec, rank: int, folder: Path, key: str) -> None:
+def receive(engine, spec: SyncGroupSpec, rank: int, folder: Path, key: str) -> None:
     """Receive into `engine`; save what reached it (name -> tensor, as loaded) and the rank's boxes."""
     group = join_sync_group(spec, rank, torch.device("cpu"))
     loaded: dict[str, torch.Tensor] = {}
@@ -100,7 +99,7 @@ def _receive(engine, spec: SyncGroupSpec, rank: int, folder: Path, key: str) -> 
 
 
 def expert_parallel_sync(rank: int, ports: tuple[int, int, int], folder: Path) -> None:
-    """4 processes. Ranks 0, 1: `_ep_engine` in a gloo world of their own; both send owner-only
+    """4 processes. Ranks 0, 1: `trained_engine` (parallel.ep=2) in a gloo world of their own; both send owner-only
     (`owner_layout`) into ranks 2, 3: first one replica of rollout.tp=2 (the tensor-parallel native
     engine, in a gloo world of ranks 2 and 3), then two replicas of rollout.tp=1; then both send
     without a layout (full tensors) into two replicas of rollout.tp=1. Writes `ep_rank{rank}.json`
@@ -114,11 +113,11 @@ def expert_parallel_sync(rank: int, ports: tuple[int, int, int], folder: Path) -
         for port, tp in zip(ports, (2, 1, 1), strict=True)
     )
     if train:
-        engine = _ep_engine()
+        engine = trained_engine("moe", ParallelDims(world_size=2, ep=2))
         out["owned_experts"] = sorted(
             {expert_of(n) for b in engine.named_weights(owned_only=True) for n, _ in b} - {None}
         )
-        layout = owner_layout(engine.weight_layouts(), engine.layout.ep_rank)
+        layout = owner_layout(engine.weight_layouts(), engine.layout.ep_rank, engine.layout.tp_rank)
         out["owners"] = {n: sorted({r for r, _ in o}) for n, o in layout.owners.items()}
         out["shapes"] = {n: list(s) for n, s in layout.shapes.items()}
         _send(engine, tp2, rank, layout, out, "tp2")
@@ -130,9 +129,9 @@ def expert_parallel_sync(rank: int, ports: tuple[int, int, int], folder: Path) -
         if rank == 0:
             torch.save(full, folder / "ep_full.pt")
     else:
-        _receive(rollout_engine("moe", tp_group=dist.group.WORLD), tp2, rank, folder, f"ep_tp2_{rank}")
-        _receive(rollout_engine("moe"), tp1, rank, folder, f"ep_tp1_{rank}")
-        _receive(rollout_engine("moe"), full_tp1, rank, folder, f"ep_gathered_{rank}")
+        receive(rollout_engine("moe", tp_group=dist.group.WORLD), tp2, rank, folder, f"ep_tp2_{rank}")
+        receive(rollout_engine("moe"), tp1, rank, folder, f"ep_tp1_{rank}")
+        receive(rollout_engine("moe"), full_tp1, rank, folder, f"ep_gathered_{rank}")
     dist.barrier()
     dist.destroy_process_group()
     (folder / f"ep_rank{rank}.json").write_text(json.dumps(out))

@@ -93,9 +93,9 @@ def test_a_sender_yielding_experts_its_layout_gives_another_rank_fails_the_sync(
     assert report.num_bytes > 0 and sent <= {0, 1}
 
 
-def test_owner_layout_is_none_without_expert_parallelism():
+def test_owner_layout_is_none_without_expert_or_tensor_parallelism():
     layouts = {"w": WeightLayout("w", (2, 2), None, None, (), ())}
-    assert owner_layout(layouts, 0) is None
+    assert owner_layout(layouts, 0, 0) is None
 
 
 def _experts_sent(report) -> set[int]:

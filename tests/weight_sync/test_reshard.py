@@ -12,6 +12,7 @@ from rlloom.weight_sync.reshard import (
     RolloutLayout,
     TrainLayout,
     chunk_box,
+    full_box,
     intersect,
     plan_reshard,
 )
@@ -189,3 +190,38 @@ def test_owner_only_layout_refuses_an_ep_rank_no_sender_holds():
     expert_ep = {n: int(n.split(".")[1]) // 2 for n in shapes if n.startswith("experts.")}
     with pytest.raises(ValueError, match="lives on EP rank 1, but the senders hold EP ranks \\[0\\].*Fix:"):
         TrainLayout.owned(shapes, expert_ep, (0,))
+
+
+def test_owner_only_layout_under_tp2_gives_each_sender_its_tp_shard_and_sends_it_from_there():
+    """4 senders: tp=2 x 2 FSDP replicas (tp ranks 0, 1, 0, 1), no expert parallelism. The
+    column-parallel q, row-parallel o and vocabulary-parallel embedding are held as their tp rank's
+    chunk (replicated over the two senders of it); the norm, router and experts whole everywhere."""
+    shapes = moe_shapes()
+    tp_shards = {"embed": (0, 2), "q_proj": (0, 2), "o_proj": (1, 2)}
+    tp_ranks = (0, 1, 0, 1)
+    train = TrainLayout.owned(shapes, {}, (0, 0, 0, 0), tp_shards=tp_shards, sender_tp_ranks=tp_ranks)
+    assert train.owners["q_proj"] == tuple((s, ((4 * t, 4 * t + 4), (0, D))) for s, t in enumerate(tp_ranks))
+    assert train.owners["o_proj"] == tuple((s, ((0, D), (4 * t, 4 * t + 4))) for s, t in enumerate(tp_ranks))
+    assert train.owners["embed"] == tuple((s, ((5 * t, 5 * t + 5), (0, D))) for s, t in enumerate(tp_ranks))
+    for name in set(shapes) - set(tp_shards):
+        assert train.owners[name] == tuple((s, full_box(shapes[name])) for s in range(4))
+    for rollout in (RolloutLayout.split(shapes, 1), tp2_rollout(shapes)):
+        plan = plan_reshard(train, rollout, bucket_numel=24)
+        for (name, rank), count in coverage(plan, shapes, rollout.tp).items():
+            expected = torch.zeros_like(count)
+            expected[tuple(slice(a, b) for a, b in rollout.box(name, rank))] = 1
+            assert torch.equal(count, expected), (name, rank)
+        for bucket in plan.buckets:
+            for piece in bucket.pieces:
+                held = dict(train.owners[piece.name])[bucket.sender]
+                assert intersect(piece.box, held) == piece.box  # sent only by a sender that holds it
+                if piece.name in tp_shards and rollout.tp == 2:  # same split: each rank from its peers
+                    assert tp_ranks[bucket.sender] == bucket.tp_rank
+        sent = [plan.sent_numel(s) for s in range(4)]
+        assert min(sent) > 0.15 * sum(sent), sent  # the replicas of each tp rank share the work
+
+
+def test_owner_only_layout_refuses_a_tp_rank_no_sender_holds():
+    shapes = moe_shapes()
+    with pytest.raises(ValueError, match="senders hold tp ranks \\[0\\], none holds tp ranks \\[1\\].*Fix:"):
+        TrainLayout.owned(shapes, {}, (0,), tp_shards={"q_proj": (0, 2)}, sender_tp_ranks=(0,))

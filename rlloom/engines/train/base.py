@@ -51,7 +51,8 @@ class TrainEngine(Protocol):
         self, *, bucket_bytes: int = 1 << 29, dtype: torch.dtype | None = None, owned_only: bool = False
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Buckets of (Hugging Face name, full tensor) for weight sync. `owned_only`: only what this
-        rank holds without gathering over the expert-parallel ranks (its own routed experts)."""
+        rank holds without gathering over the expert- or tensor-parallel ranks (its own routed
+        experts, its TP shard of each tensor-parallel tensor, as `weight_layouts` describes)."""
         ...
 
     def save(self, path: str) -> None: ...

@@ -288,8 +288,9 @@ class NativeTrainEngine:
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Buckets of (Hugging Face name, full tensor) for weight sync; version is `self.version`.
 
-        Gathers shards: every rank must consume the generator. `owned_only`: routed experts are not
-        all-gathered over the EP ranks, this rank yields only its own (`weights.named_weight_buckets`).
+        Gathers shards: every rank must consume the generator. `owned_only`: nothing is gathered over
+        the EP or TP ranks, this rank yields only its own routed experts and its TP shard of each
+        tensor-parallel tensor (`weights.named_weight_buckets`).
         See `weights.tensor_checksum`.
         """
         return named_weight_buckets(
@@ -297,13 +298,14 @@ class NativeTrainEngine:
             bucket_bytes=bucket_bytes,
             dtype=dtype,
             ep_group=self.layout.ep_group,
-            tensors=self.pipe.full_weights() if self.pipe is not None else None,
+            tensors=self.pipe.full_weights(tp_local_shards=owned_only) if self.pipe is not None else None,
             owned_only=owned_only,
         )
 
     def weight_layouts(self) -> dict[str, WeightLayout]:
         """For each Hugging Face name `named_weights` yields, where it lives on this rank (native
-        parameter, full shape, expert index and EP owner, DTensor mesh dimensions and placements);
+        parameter, full shape, expert index and EP owner, DTensor mesh dimensions and placements,
+        the TP shard `named_weights(owned_only=True)` yields);
         no data moves. This rank's EP rank is `layout.ep_rank`. Under pipeline parallelism
         `named_weights` gives every rank every stage's tensors, so this describes them all: each
         stage's as its own ranks hold it (an expert's EP rank is the same on every pp rank), in the

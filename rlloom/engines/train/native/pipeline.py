@@ -136,7 +136,8 @@ def merge_moe_metrics(
 def pipeline_weight_layouts(pipe: Pipeline, *, ep: int) -> dict[str, WeightLayout]:
     """`weights.weight_layouts` of every stage of the pipeline, in stage order (as
     `Pipeline.full_weights` yields them; a tied embedding once, as the first stage holds it), on
-    every rank of the pp group (collective)."""
+    every rank of the pp group (collective; a stage's TP shards are those of this rank's tp rank:
+    the pp group's ranks share it)."""
     mine = [(s, weight_layouts(stage_module(m).model, ep=ep)) for s, m in zip(pipe.stage_ids, pipe.modules)]
     everyone: list[Any] = [None] * pipe.pp
     dist.all_gather_object(everyone, mine, group=pipe.group)

@@ -3,10 +3,23 @@
 Sharded (FSDP, TP) parameters are gathered with `DTensor.full_tensor()`, and expert-parallel expert
 weights with an all-gather over the EP ranks: collectives, so every rank must iterate the generator
 to the end in the same order. With `owned_only` (the broadcast weight sync, where every training
-rank sends what it holds) the EP all-gather is left out: each rank yields only its own routed
-experts, under their global Hugging Face names, and every dense tensor; the FSDP/TP gathers still
-run, in the same order on every rank. `weight_layouts` describes where each Hugging Face tensor
-lives in the training layout (shape, expert index, owning EP rank) without moving any data.
+rank sends what it holds) nothing is gathered over the EP or TP ranks:
+- each rank yields only its own routed experts, under their global Hugging Face names;
+- a tensor-parallel shard (a DTensor with Shard(d) on the "tp" mesh dim: column-parallel q/k/v,
+  gate/up, the vocabulary-parallel embedding and head on dim 0, row-parallel o/down on dim 1) is
+  gathered over its other mesh dims only (FSDP; `parallel.tp_shard.tp_local`) and yielded as this rank's
+  TP shard, under the tensor's Hugging Face name: `torch.chunk(full, tp, d)[tp_rank]` (`tp_shard`
+  says which); under pipeline parallelism `Pipeline.full_weights(tp_local_shards=True)` broadcasts
+  each stage's TP shards over the pp group (whose ranks share a tp rank);
+- every other tensor (replicated over TP: norms, biases of row-parallel projections, MLA's q_a/kv_a,
+  routers) whole, gathered over FSDP.
+The FSDP gathers still run, in the same order on every rank. A TP shard is one box of one Hugging
+Face tensor because training keeps one native tensor per Hugging Face tensor (separate q/k/v and
+gate/up projections: `apply_tp` refuses fused ones; the adapter renames, never transposes or
+splits them); a stacked expert tensor, which would split into several, is never TP-sharded (the
+MoE layer's parameters stay replicated over TP). `weight_layouts` describes where each Hugging
+Face tensor lives in the training layout (shape, expert index, owning EP rank, TP shard) without
+moving any data.
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ from torch.distributed.tensor import DTensor, Placement
 
 from rlloom.engines.train.native.checkpoint import EXPERTS
 from rlloom.models.adapter import StateDictAdapter
+from rlloom.parallel.tp_shard import tp_local, tp_shard_of
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
@@ -53,6 +67,9 @@ class WeightLayout:
     placements: tuple[Placement, ...]
     """Its placements on those dimensions (Shard(0) over "fsdp" and Shard(d) / Replicate over "tp",
     ...); an expert's are those of its EP rank's [E / ep, ...] block."""
+    tp_shard: tuple[int, int] | None = None
+    """(dim d, tp) when `named_weights(owned_only=True)` yields only this rank's tensor-parallel shard
+    of it: `torch.chunk(full, tp, d)[tp_rank]`; None: it yields the tensor whole."""
 
 
 def weight_layouts(model: nn.Module, ep: int = 1) -> dict[str, WeightLayout]:
@@ -68,7 +85,15 @@ def weight_layouts(model: nn.Module, ep: int = 1) -> dict[str, WeightLayout]:
         meta = torch.empty(
             (tensor.shape[0] * split, *tensor.shape[1:]) if tensor.dim() else (), device="meta"
         )
-        for index, (hf_name, part) in enumerate(adapter.to_hf(native_name, meta)):
+        parts = list(adapter.to_hf(native_name, meta))
+        tp_shard = tp_shard_of(tensor)
+        if tp_shard is not None and len(parts) != 1:
+            raise ValueError(
+                f"weight_layouts: {native_name} is tensor-parallel and maps to {len(parts)} Hugging Face "
+                "tensors; an owner-only export yields one TP shard per tensor. Fix: keep the model's "
+                "stacked experts replicated over TP (tp.py's MoE plan)."
+            )
+        for index, (hf_name, part) in enumerate(parts):
             is_expert = EXPERTS in f".{native_name}"
             out[hf_name] = WeightLayout(
                 native_name=native_name,
@@ -77,6 +102,7 @@ def weight_layouts(model: nn.Module, ep: int = 1) -> dict[str, WeightLayout]:
                 ep_rank=index // tensor.shape[0] if is_expert and ep > 1 else None,
                 mesh_dim_names=mesh_dims,
                 placements=placements,
+                tp_shard=tp_shard,
             )
     return out
 
@@ -86,7 +112,10 @@ def _gathered(
 ) -> tuple[torch.Tensor, int]:
     """(the tensor gathered over its FSDP/TP shards, index of its first expert): routed experts under
     expert parallelism are all-gathered over the EP ranks too, unless `owned_only` (then this rank's
-    block of the stack and the global index of its first expert)."""
+    block of the stack and the global index of its first expert); with `owned_only` a TP-sharded
+    tensor is gathered over its other mesh dims only and stays this rank's TP shard."""
+    if owned_only and tp_shard_of(tensor) is not None:
+        return tp_local(tensor), 0
     full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
     if ep_group is None or EXPERTS not in f".{native_name}":
         return full, 0
@@ -106,14 +135,15 @@ def named_weight_buckets(
     tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
     owned_only: bool = False,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Buckets of (hf_name, full tensor) of `model` (a native CausalLM, possibly FSDP/TP-sharded; with
+    """Buckets of (hf_name, tensor) of `model` (a native CausalLM, possibly FSDP/TP-sharded; with
     `ep_group` its routed experts split over those EP ranks).
 
     A bucket holds at most `bucket_bytes` (a larger tensor comes alone). Tensors are cast to `dtype`
     when given (e.g. bf16 for a bf16 rollout engine) and stay on the model's device. `tensors`:
-    (native name, full tensor) to export instead of `model.state_dict()` (pipeline parallelism:
-    `Pipeline.full_weights()`, every stage's weights on every pp rank). `owned_only`: no all-gather
-    over the EP ranks; this rank's routed experts only (see the module docstring).
+    (native name, tensor) to export instead of `model.state_dict()` (pipeline parallelism:
+    `Pipeline.full_weights(tp_local_shards=owned_only)`, every stage's weights on every pp rank).
+    `owned_only`: no all-gather over the EP or TP ranks; this rank's routed experts only, and its
+    shard of each TP-sharded tensor (see the module docstring).
     """
     if bucket_bytes < 1:
         raise ValueError(
