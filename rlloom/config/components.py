@@ -555,7 +555,7 @@ class ParallelConfig:
     adds run on a 1/tp share). The engine always runs it with tp > 1: false is refused."""
     pp_schedule: Literal["1f1b", "interleaved", "zero_bubble"] = "1f1b"
     """Pipeline schedule with pp > 1: 1F1B, interleaved 1F1B (pp_virtual_stages per rank), or a
-    zero-bubble variant."""
+    zero-bubble variant (needs torch >= 2.13: older pipelining fails on rlloom's logprob head)."""
     pp_virtual_stages: int = 1
     """Stages per pipeline rank for the interleaved schedule (1 = one stage per rank)."""
     pp_first_stage_layers: int = 0

@@ -69,6 +69,7 @@ import torch.nn.functional as F
 
 from rlloom.devices import to_device
 from rlloom.models.attention_ops import VarlenRuns, varlen_causal, varlen_runs
+from rlloom.parallel.distributed import all_gather_tensor, reduce_scatter_tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +235,7 @@ class CPShard:
     def unshard(self, y_n: torch.Tensor) -> torch.Tensor:
         """The full stream [N, ...] of every rank's local rows [local_len, ...] (forward only, e.g. tests)."""
         gathered = y_n.new_empty((self.cp * self.n, *y_n.shape[1:]))
-        dist.all_gather_into_tensor(gathered, self._pad_rows(y_n), group=self.group)
+        all_gather_tensor(gathered, self._pad_rows(y_n), group=self.group)
         return gathered[to_device(self.slot_of, y_n.device)]
 
     def mask(self) -> torch.Tensor:
@@ -319,14 +320,14 @@ class _AllGatherTokens(torch.autograd.Function):
         ctx.group = group
         world = dist.get_world_size(group)
         out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        all_gather_tensor(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
         world = dist.get_world_size(ctx.group)
         out = grad.new_empty((grad.shape[0] // world, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
+        reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
         return out, None
 
 

@@ -9,6 +9,11 @@ import os
 import torch
 import torch.distributed as dist
 
+# Tensor-to-tensor collectives under both spellings: torch 2.13 renamed them (`*_single`) and
+# deprecates the old names, which torch 2.11 (the GPU machines' version) has alone.
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def default_backend(device_type: str) -> str:
     """nccl for CUDA, gloo for CPU."""

@@ -245,11 +245,29 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+ZERO_BUBBLE_MIN_TORCH = (2, 13)
+"""torch 2.11 and 2.12's zero-bubble weight backward fails (`_input_metadata` is invalid) when a stage's
+graph holds a custom autograd function, as rlloom's logprob head is: seen with both wheels on the CPU."""
+
+
+def zero_bubble_supported(torch_version: str) -> bool:
+    """Whether this torch's zero-bubble schedule runs rlloom's stages (`torch.__version__`, e.g. "2.13.0+cpu")."""
+    major, minor = (int(part) for part in torch_version.split("+")[0].split(".")[:2])
+    return (major, minor) >= ZERO_BUBBLE_MIN_TORCH
+
+
 def check_pp(args: ModelArgs, pp: int, schedule: str, virtual_stages: int) -> None:
     """ValueError naming the first pipeline setting the model or the schedule cannot take."""
     if schedule not in SCHEDULE_NAMES:
         raise ValueError(
             f"parallel.pp_schedule={schedule!r} is invalid: must be one of {', '.join(SCHEDULE_NAMES)}. Fix: pick one."
+        )
+    if schedule == "zero_bubble" and not zero_bubble_supported(torch.__version__):
+        need = ".".join(map(str, ZERO_BUBBLE_MIN_TORCH))
+        raise ValueError(
+            f"parallel.pp_schedule=zero_bubble needs torch >= {need}, but torch is {torch.__version__} (its "
+            "zero-bubble weight backward fails on custom autograd functions such as rlloom's logprob head). "
+            f"Fix: use parallel.pp_schedule=1f1b or interleaved, or install torch >= {need}."
         )
     if virtual_stages < 1:
         raise ValueError(f"parallel.pp_virtual_stages={virtual_stages} is invalid: must be >= 1. Fix: use 1.")

@@ -133,7 +133,12 @@ def model_worker(kernel: str, families: list[str]) -> None:
             grad = _summed(param.grad if param.grad is not None else torch.zeros_like(param))
             ref_grad = ref_params[name].grad
             ref_grad = ref_grad if ref_grad is not None else torch.zeros_like(param)
-            torch.testing.assert_close(grad, ref_grad, **TOL, msg=f"{msg} {name}")
+            # atol scaled to the tensor: wv's gradient reaches 33, where fp32 summation order alone
+            # (torch 2.11 against 2.13) moves an element by 1.1e-5
+            scale = max(1.0, ref_grad.abs().max().item())
+            torch.testing.assert_close(
+                grad, ref_grad, atol=TOL["atol"] * scale, rtol=TOL["rtol"], msg=f"{msg} {name}"
+            )
 
 
 def cp_worker(rank: int, families: list[str]) -> None:

@@ -25,7 +25,7 @@ from rlloom.models.model import CausalLM
 from rlloom.parallel import ParallelDims, apply_ac, apply_fsdp, grad_norm
 from rlloom.parallel.pp import apply_pp, model_name
 from rlloom.parallel.pp_batches import PipeMicroBatch, pad_to_budget
-from rlloom.parallel.pp_stages import check_pp, rank_stages, split_layers
+from rlloom.parallel.pp_stages import check_pp, rank_stages, split_layers, zero_bubble_supported
 
 BUDGET = 32
 NUM_LAYERS = 6
@@ -79,6 +79,17 @@ def test_check_pp_refuses_bad_settings():
         check_pp(args, 2, "gpipe", 1)
     with pytest.raises(ValueError, match="pp_virtual_stages=2"):
         check_pp(args, 2, "1f1b", 2)
+
+
+def test_zero_bubble_needs_torch_2_13(monkeypatch):
+    """torch 2.11 and 2.12 (the GPU machines' 2.11 included) fail in the zero-bubble weight backward
+    on a stage holding the logprob head; the schedule is refused there before anything runs."""
+    assert not zero_bubble_supported("2.11.0+cu130") and not zero_bubble_supported("2.12.1")
+    assert zero_bubble_supported("2.13.0+cpu") and zero_bubble_supported("3.0.0")
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    with pytest.raises(ValueError, match=r"pp_schedule=zero_bubble needs torch >= 2.13.*Fix: use"):
+        check_pp(_args(), 2, "zero_bubble", 2)
+    check_pp(_args(), 2, "interleaved", 2)  # the other schedules run on it
 
 
 def _args(family: str = "llama"):
@@ -280,6 +291,8 @@ def test_pp_matches_one_process_every_schedule():
         ("qwen3", "1f1b", 1, 0, 4, "fsdp"),  # tied embeddings: the last stage's head is a copy
         ("deepseek_v3", "1f1b", 1, 2, 0, ""),  # MLA + MoE layers on both stages, routes replayed
     ]
+    if not zero_bubble_supported(torch.__version__):  # refused before torch 2.13 (check_pp)
+        layouts = [layout for layout in layouts if layout[1] != "zero_bubble"]
     run_gloo(pp_worker, 2, layouts)
 
 

@@ -31,6 +31,7 @@ from rlloom.models.model import CausalLM  # noqa: E402
 from rlloom.models.moe import load_balancing_loss  # noqa: E402
 from rlloom.parallel import ParallelDims  # noqa: E402
 from rlloom.parallel.pp_aux import real_rows_aux_loss  # noqa: E402
+from rlloom.parallel.pp_stages import zero_bubble_supported  # noqa: E402
 
 COEF = 0.5
 KEYS = ("train/loss", "train/grad_norm", "moe/aux_loss")
@@ -115,9 +116,10 @@ def worker(rank: int, expected: dict) -> None:
     check(run(engine_for(2)), expected, "pp=2 1f1b")
     torch.manual_seed(0)
     check(run(engine_for(2, pp_schedule="interleaved", pp_virtual_stages=2)), expected, "pp=2 interleaved")
-    torch.manual_seed(0)
-    zero_bubble = engine_for(2, ac="full", pp_schedule="zero_bubble", pp_virtual_stages=2)
-    check(run(zero_bubble), expected, "pp=2 zero_bubble, activation checkpointing")
+    if zero_bubble_supported(torch.__version__):  # refused before torch 2.13 (pp_stages.check_pp)
+        torch.manual_seed(0)
+        zero_bubble = engine_for(2, ac="full", pp_schedule="zero_bubble", pp_virtual_stages=2)
+        check(run(zero_bubble), expected, "pp=2 zero_bubble, activation checkpointing")
 
 
 def test_pp_aux_loss_equals_one_process_with_1f1b_and_interleaved():
