@@ -74,13 +74,17 @@ def dispatch(
     inverse_P = inverse_permutation(order_P)
     counts_E = torch.bincount(flat_P, minlength=num_experts)
     recv_ER = _exchange_counts(counts_E, ep, group)  # counts first: the receive sizes
-    send_counts = counts_E.view(ep, -1).sum(dim=1).tolist()
-    recv_counts = recv_ER.sum(dim=1).tolist()
+    # One host read for both split lists (the collective needs them on the host; each read waits for
+    # the device), and the receive size given to repeat_interleave so it need not read it again.
+    counts = torch.cat([counts_E.view(ep, -1).sum(dim=1), recv_ER.sum(dim=1)]).tolist()
+    send_counts, recv_counts = counts[:ep], counts[ep:]
     x_R = all_to_all_single_autograd(
         dispatch_rows(x_TD, order_P, inverse_P, K), recv_counts, send_counts, group
     )
     local_R = torch.repeat_interleave(
-        torch.arange(num_experts // ep, device=x_TD.device).repeat(ep), recv_ER.flatten()
+        torch.arange(num_experts // ep, device=x_TD.device).repeat(ep),
+        recv_ER.flatten(),
+        output_size=sum(recv_counts),
     )
     record = Dispatch(
         order_P=order_P,
