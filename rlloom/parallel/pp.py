@@ -93,7 +93,7 @@ from rlloom.parallel.pp_stages import (
     rank_stages,
     split_layers,
 )
-from rlloom.parallel.tp_shard import tp_local, tp_local_shape, tp_shard_of
+from rlloom.parallel.tp_shard import exported, tp_local_shape, tp_shard_of
 
 SCHEDULES = dict(
     zip(SCHEDULE_NAMES, (Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble), strict=True)
@@ -309,14 +309,7 @@ class Pipeline:
                 seen.add(name)
                 if s in mine:
                     param = mine[s][i][1]
-                    if local(param):
-                        tensor = tp_local(param).contiguous()
-                    else:
-                        tensor = (
-                            (param.full_tensor() if isinstance(param, DTensor) else param)
-                            .detach()
-                            .contiguous()
-                        )
+                    tensor = exported(param, tp_local_shards).contiguous()
                 else:
                     tensor = torch.empty(shape, dtype=dtype, device=self.device)
                 dist.broadcast(tensor, src=dist.get_global_rank(self.group, owner), group=self.group)

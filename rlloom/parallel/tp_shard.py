@@ -1,8 +1,9 @@
 """A tensor-parallel parameter's shard, for the owner-only weight export (`Pipeline.full_weights`,
 `engines.train.native.weights`): which dim the "tp" mesh dim shards (`tp_shard_of`), and this
 rank's TP shard gathered over the parameter's other mesh dims only, e.g. FSDP (`tp_local`, a
-collective over those dims; `tp_local_shape` without moving data). A DTensor's Shard(d) cuts as
-torch.chunk does, so the shard is `torch.chunk(full, tp, d)[tp_rank]`.
+collective over those dims; `tp_local_shape` without moving data), and the one choice both exports
+make between that shard and the full tensor (`exported`). A DTensor's Shard(d) cuts as torch.chunk
+does, so the shard is `torch.chunk(full, tp, d)[tp_rank]`.
 """
 
 from __future__ import annotations
@@ -34,3 +35,11 @@ def tp_local_shape(tensor: DTensor) -> tuple[int, ...]:
     dim, tp = tp_shard_of(tensor)
     full = torch.empty(tensor.shape, device="meta")
     return tuple(full.chunk(tp, dim)[tensor.device_mesh.get_local_rank("tp")].shape)
+
+
+def exported(tensor: torch.Tensor, tp_local_shards: bool) -> torch.Tensor:
+    """`tensor` as a weight export yields it: with `tp_local_shards` a TP-sharded tensor as this rank's
+    TP shard (`tp_local`), anything else whole (`full_tensor()` of a DTensor: a collective)."""
+    if tp_local_shards and tp_shard_of(tensor) is not None:
+        return tp_local(tensor)
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()

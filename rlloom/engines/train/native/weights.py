@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Placement
 
 from rlloom.engines.train.native.checkpoint import EXPERTS
 from rlloom.models.adapter import StateDictAdapter
-from rlloom.parallel.tp_shard import tp_local, tp_shard_of
+from rlloom.parallel.tp_shard import exported, tp_shard_of
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
@@ -114,9 +114,7 @@ def _gathered(
     expert parallelism are all-gathered over the EP ranks too, unless `owned_only` (then this rank's
     block of the stack and the global index of its first expert); with `owned_only` a TP-sharded
     tensor is gathered over its other mesh dims only and stays this rank's TP shard."""
-    if owned_only and tp_shard_of(tensor) is not None:
-        return tp_local(tensor), 0
-    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+    full = exported(tensor, tp_local_shards=owned_only)  # stacked experts are never TP-sharded
     if ep_group is None or EXPERTS not in f".{native_name}":
         return full, 0
     if owned_only:
