@@ -1,17 +1,18 @@
-"""Training-engine throughput in a parallel layout (TP/SP, EP, FSDP), one row per launch.
+"""Training-engine throughput in a parallel layout (TP/SP, EP, CP, FSDP), one row per launch.
 
-Launched with torchrun, one process per GPU; the layout is `--tp` / `--ep` (data parallelism is what
-the world size leaves). Random weights built from a config (no downloads), fp32 master weights,
-bf16 compute, activation checkpointing full (`--ac off` turns it off), packed sequences of `--seq-len` tokens (one per
-micro-batch), `--micro-batches` per data-parallel rank. One warm-up step, then `--steps` timed.
-Reported (rank 0): layout, model shape, tokens/s (global and per GPU), MFU on active parameters
-(routed experts count top_k / num_experts; over every GPU of the layout, 989 TFLOP/s each), peak
-GPU memory (max over ranks) beside `rlloom.plan.memory.estimate`'s prediction for the same layout
-and workload (no rollout engine; 3/4 of each sequence is response), and peak host RSS (max over
-ranks), and the first step's gradient norm: every launch starts from the same weights, so launches
-of the same global batch (`--micro-batches` x data-parallel ranks) must agree on it whatever the
-layout (within bf16 noise on GPU), a correctness check in the same table. `--append FILE` adds the row as a JSON line; `--table FILE` prints every row of that file
-as one table.
+Launched with torchrun, one process per GPU; the layout is `--tp` / `--ep` / `--cp` (data
+parallelism is what the world size leaves). Random weights built from a config (no downloads), fp32
+master weights, bf16 compute, activation checkpointing full (`--ac off` turns it off), packed
+sequences of `--seq-len` tokens (one per micro-batch), `--micro-batches` per data-parallel rank.
+One warm-up step, then `--steps` timed. Reported (rank 0): layout, model shape, tokens/s (global and
+per GPU), MFU on active parameters (routed experts count top_k / num_experts; over every GPU of the
+layout, 989 TFLOP/s each), peak GPU memory (max over ranks) beside `rlloom.plan.memory.estimate`'s
+prediction for the same layout and workload (no rollout engine; 3/4 of each sequence is response),
+peak host RSS (max over ranks), and the first step's gradient norm: every launch starts from the
+same weights, so launches of the same global batch (`--micro-batches` x data-parallel ranks) must
+agree on it whatever the layout (within bf16 noise on GPU), a correctness check in the same table.
+`--append FILE` adds the row as a JSON line; `--table FILE` prints every row of that file as one
+table.
 
 Shapes: `30b-a3b-8l` (Qwen3-30B-A3B width, 8 of 48 layers, 128 experts), `30b-a3b-24l` (24 layers,
 ~15.5B parameters: fp32 master + Adam do not fit one H200; use --optimizer-offload-fraction),
