@@ -25,7 +25,8 @@ Shape legend: T tokens a layer routed, E experts, K experts per token.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping
+import contextlib
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -107,6 +108,15 @@ class RouterScores:
                 self.scores[key] = out[3]  # Router.forward: (weights_TK, experts_TK, own_TK, scores_TE)
 
         return keep
+
+    @contextlib.contextmanager
+    def recording(self, on: bool = True) -> Iterator[None]:
+        """Keep the scores of the forward run inside when `on` (and only then)."""
+        self.active = on
+        try:
+            yield
+        finally:
+            self.active = False
 
     def take(self, key: Hashable) -> torch.Tensor:
         return self.scores.pop(key)

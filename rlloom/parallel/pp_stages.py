@@ -145,8 +145,7 @@ class PipelineStageModule(nn.Module):
         h = self.model.tok_embeddings(x[0]) if self.is_first else x[0]
         cos, sin = self.model.rope(batch.position_ids_P, h.dtype)
         with_aux = self.feed.aux_loss_sum is not None and batch.real and bool(self.model.moe_index)
-        self.router_scores.active = with_aux
-        try:
+        with self.router_scores.recording(with_aux):
             for key, layer in self.model.layers.items():
                 moe_index = self.model.moe_index.get(key)
                 if moe_index is not None and batch.routes_PLK is not None:
@@ -154,8 +153,6 @@ class PipelineStageModule(nn.Module):
                     h = layer(h, cos, sin, batch.layout, routes, self.feed.replay_routes)
                 else:
                     h = layer(h, cos, sin, batch.layout)
-        finally:
-            self.router_scores.active = False
         aux = self._aux_loss(batch) if with_aux else None
         if self.feed.moe_loads is not None:
             self._record_loads(batch)

@@ -61,14 +61,11 @@ class MoEBalance:
     def recording(self, on: bool = True) -> Iterator[None]:
         """Keep the routers' scores of the forward run inside (for `aux_term`) when the auxiliary
         loss is on and `on` (a real micro-batch)."""
-        if self._scores is None or not on:
+        if self._scores is None:
             yield
             return
-        self._scores.active = True
-        try:
+        with self._scores.recording(on):
             yield
-        finally:
-            self._scores.active = False
 
     def aux_term(
         self,
