@@ -79,7 +79,12 @@ def child(args: argparse.Namespace) -> None:
         groups = build_groups(cfg)
         build_s = time.perf_counter() - start
         ctx = e2e_context(cfg, groups, args)
-        steps = [rl_step(ctx, step)["time/step_s"] for step in range(args.steps)]
+        steps = []
+        for step in range(args.steps):
+            metrics = rl_step(ctx, step)
+            steps.append(metrics["time/step_s"])
+            times = ", ".join(f"{k.removeprefix('time/')} {v:.1f}" for k, v in metrics.items() if k.startswith("time/"))
+            print(f"bench_start: step {step} at {seconds_since_process_start():.1f} s: {times}", file=sys.stderr, flush=True)
         groups.close()
     print(torch._dynamo.utils.compile_times(repr="str", aggregate=True), file=sys.stderr, flush=True)
     result = {

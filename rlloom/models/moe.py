@@ -251,7 +251,12 @@ class MoE(nn.Module):
 
 def route_mismatch(own_TK: torch.Tensor, routes_TK: torch.Tensor) -> torch.Tensor:
     """[2] float: tokens whose chosen expert set differs from the recorded one, and tokens with a
-    recorded route (rows of -1 are not counted)."""
+    recorded route (rows of -1 are not counted). A row holds K distinct experts, so the sets differ
+    exactly when one of the token's own experts is missing from its record: a [T, K, K] comparison,
+    not a sort. With a sort of each row here, the compile of the first training step of
+    `bench_start.py --moe` (an H200) did not finish in 250 s, in each of three runs; with this
+    comparison it takes about 30 s (docs/benchmarks.md)."""
     valid_T = (routes_TK >= 0).all(dim=-1)
-    differ_T = (own_TK.sort(dim=-1).values != routes_TK.sort(dim=-1).values).any(dim=-1) & valid_T
+    missing_TK = ~(own_TK.unsqueeze(-1) == routes_TK.unsqueeze(-2)).any(dim=-1)
+    differ_T = missing_TK.any(dim=-1) & valid_T
     return torch.stack([differ_T.sum(), valid_T.sum()]).float()

@@ -52,3 +52,24 @@ def test_inverse_permutation():
     order = torch.randperm(50)
     inv = inverse_permutation(order)
     assert torch.equal(order[inv], torch.arange(50)) and torch.equal(inv[order], torch.arange(50))
+
+
+def test_route_mismatch_equals_set_comparison():
+    """Counts tokens whose expert set differs from the record (order within a row ignored, rows of
+    -1 not compared), against a loop over Python sets."""
+    from rlloom.models.moe import route_mismatch
+
+    gen = torch.Generator().manual_seed(0)
+    T, K, E = 200, 4, 8
+    own = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    routes = own.clone()
+    for t in range(T):  # a third kept (reordered), a third with one expert swapped, a third unrecorded
+        if t % 3 == 0:
+            routes[t] = routes[t][torch.randperm(K, generator=gen)]
+        elif t % 3 == 1:
+            routes[t, t % K] = next(e for e in range(E) if e not in own[t].tolist())
+        else:
+            routes[t] = -1
+    want_differ = sum(set(own[t].tolist()) != set(routes[t].tolist()) and t % 3 != 2 for t in range(T))
+    want_valid = sum(t % 3 != 2 for t in range(T))
+    assert route_mismatch(own, routes).tolist() == [float(want_differ), float(want_valid)]
