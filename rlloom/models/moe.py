@@ -11,10 +11,11 @@ Routing (always in fp32):
 Experts are stored stacked, w1 (gate) [E, I, D], w2 (down) [E, D, I], w3 (up) [E, I, D]. The
 token-expert pairs are sorted by expert so each expert reads one contiguous slice: on CUDA with
 bf16 one `torch._grouped_mm` per projection, elsewhere a loop over experts (never over tokens).
-Tokens go to and come back from that order by gathers only (`DispatchRows`, `PermuteRows`: the
+Tokens go to and come back from that order by gathers only (`DispatchRows`, `CombineRows`: the
 backward of each is a gather too), and a token's K expert outputs are summed with their weights
-in one reduction: no atomic scatter-adds, so the result is deterministic, and on an H200 the
-combine at 16k tokens took 2 ms per layer as a bf16 `index_add`.
+in fp32 in one pass (`gather_sum`, a Triton kernel on CUDA): no atomic scatter-adds, so the result
+is deterministic, and on an H200 the combine at 16k tokens took 2 ms per layer as a bf16
+`index_add`.
 The CUDA path never reads a device value on the host (counts by scatter-add, offsets by cumsum on
 the device), so the rollout engine captures MoE decode steps in CUDA graphs with the compiled
 forward; `bincount` would sync (its output size depends on the data) and break both.
@@ -141,7 +142,7 @@ class GroupedExperts(nn.Module):
             ys = self._grouped_mm(xs, counts_E)
         else:
             ys = self._loop(xs, counts_E)
-        return combine_rows(ys, order, inverse, weights_TK), counts_E
+        return combine_rows(ys, inverse, weights_TK), counts_E
 
     def _loop(self, xs: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         ys = torch.empty_like(xs)
@@ -168,14 +169,10 @@ def dispatch_rows(x_TD: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor
     return DispatchRows.apply(x_TD, order, inverse, K)
 
 
-def combine_rows(
-    y_PD: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, weights_TK: torch.Tensor
-) -> torch.Tensor:
-    """[T*K, D] outputs in `order` (as `dispatch_rows` sent them) -> [T, D]: each token's K outputs
-    weighted by `weights_TK` (fp32, cast to y's dtype) and summed in one reduction."""
-    T, K = weights_TK.shape
-    y_TKD = PermuteRows.apply(y_PD, inverse, order).view(T, K, y_PD.shape[-1])
-    return (y_TKD * weights_TK.unsqueeze(-1).to(y_PD.dtype)).sum(dim=1)
+def combine_rows(y_PD: torch.Tensor, inverse: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    """[T*K, D] outputs in expert order (as `dispatch_rows` sent them) -> [T, D]: each token's K
+    outputs weighted by `weights_TK` and summed in fp32, in one pass (`gather_sum`)."""
+    return CombineRows.apply(y_PD, inverse.view(weights_TK.shape), weights_TK)
 
 
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
@@ -183,11 +180,96 @@ def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
 
 
+def _gather_sum_torch(
+    src_PD: torch.Tensor, index_TK: torch.Tensor, weight_TK: torch.Tensor | None
+) -> torch.Tensor:
+    T, K = index_TK.shape
+    acc = torch.promote_types(src_PD.dtype, torch.float32)
+    rows_TKD = src_PD[index_TK.flatten()].view(T, K, src_PD.shape[-1]).to(acc)
+    if weight_TK is not None:
+        rows_TKD = rows_TKD * weight_TK.to(acc).unsqueeze(-1)
+    return rows_TKD.sum(dim=1).to(src_PD.dtype)
+
+
+def _combine_grad_torch(
+    grad_TD: torch.Tensor, src_PD: torch.Tensor, index_TK: torch.Tensor, weight_TK: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    T, K = index_TK.shape
+    D = src_PD.shape[-1]
+    acc = torch.promote_types(src_PD.dtype, torch.float32)
+    flat = index_TK.flatten()
+    g_T1D = grad_TD.to(acc).unsqueeze(1)
+    grad_weight_TK = (src_PD[flat].view(T, K, D).to(acc) * g_T1D).sum(dim=-1).to(weight_TK.dtype)
+    grad_src_PD = torch.empty_like(src_PD)
+    grad_src_PD[flat] = (weight_TK.to(acc).unsqueeze(-1) * g_T1D).to(src_PD.dtype).view(T * K, D)
+    return grad_src_PD, grad_weight_TK
+
+
+def _triton_ok(t: torch.Tensor) -> bool:
+    """The Triton kernels take fp32, bf16 and fp16 (fp64 goes to the torch code)."""
+    return t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+@torch.library.custom_op("rlloom::moe_gather_sum", mutates_args=())
+def gather_sum(src_PD: torch.Tensor, index_TK: torch.Tensor, weight_TK: torch.Tensor | None) -> torch.Tensor:
+    """[T, D] in src's dtype: out[t] = sum_k w[t, k] * src[index[t, k]] (w = 1 without weights),
+    summed in fp32 (or wider). The combine's forward and the dispatch's backward; on CUDA a Triton
+    kernel (`moe_kernels.py`) that reads each row once, this torch code elsewhere."""
+    return _gather_sum_torch(src_PD, index_TK, weight_TK)
+
+
+@gather_sum.register_kernel("cuda")
+def _gather_sum_cuda(
+    src_PD: torch.Tensor, index_TK: torch.Tensor, weight_TK: torch.Tensor | None
+) -> torch.Tensor:
+    if not _triton_ok(src_PD):
+        return _gather_sum_torch(src_PD, index_TK, weight_TK)
+    from rlloom.models import moe_kernels
+
+    return moe_kernels.gather_sum(src_PD, index_TK, weight_TK)
+
+
+@gather_sum.register_fake
+def _gather_sum_fake(
+    src_PD: torch.Tensor, index_TK: torch.Tensor, weight_TK: torch.Tensor | None
+) -> torch.Tensor:
+    return src_PD.new_empty(index_TK.shape[0], src_PD.shape[-1])
+
+
+@torch.library.custom_op("rlloom::moe_combine_grad", mutates_args=())
+def combine_grad(
+    grad_TD: torch.Tensor, src_PD: torch.Tensor, index_TK: torch.Tensor, weight_TK: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward of `gather_sum` with weights, for an `index_TK` holding every row of src once:
+    (grad_src [P, D] with grad_src[index[t, k]] = w[t, k] * g[t], in src's dtype; grad_weight [T, K]
+    = <g[t], src[index[t, k]]> summed in fp32 (or wider), in the weights' dtype). A Triton kernel
+    on CUDA."""
+    return _combine_grad_torch(grad_TD, src_PD, index_TK, weight_TK)
+
+
+@combine_grad.register_kernel("cuda")
+def _combine_grad_cuda(
+    grad_TD: torch.Tensor, src_PD: torch.Tensor, index_TK: torch.Tensor, weight_TK: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (_triton_ok(src_PD) and _triton_ok(weight_TK)):
+        return _combine_grad_torch(grad_TD, src_PD, index_TK, weight_TK)
+    from rlloom.models import moe_kernels
+
+    return moe_kernels.combine_grad(grad_TD, src_PD, index_TK, weight_TK)
+
+
+@combine_grad.register_fake
+def _combine_grad_fake(
+    grad_TD: torch.Tensor, src_PD: torch.Tensor, index_TK: torch.Tensor, weight_TK: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(src_PD), torch.empty_like(weight_TK)
+
+
 class DispatchRows(torch.autograd.Function):
     """x_TD -> x_TD[order // K]: each token's row once per chosen expert, in expert order.
 
-    The backward sums each token's K row gradients through the inverse permutation (a gather and a
-    sum over K), where autograd's index backward would scatter-add into x's rows."""
+    The backward sums each token's K row gradients through the inverse permutation (`gather_sum`),
+    where autograd's index backward would scatter-add into x's rows."""
 
     @staticmethod
     def forward(ctx, x_TD: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, K: int) -> torch.Tensor:  # noqa: ANN001
@@ -198,23 +280,23 @@ class DispatchRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_xs: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # noqa: ANN001
         (inverse,) = ctx.saved_tensors
-        grad_TKD = grad_xs[inverse].view(len(inverse) // ctx.K, ctx.K, grad_xs.shape[-1])
-        return grad_TKD.sum(dim=1), None, None, None
+        return gather_sum(grad_xs, inverse.view(-1, ctx.K), None), None, None, None
 
 
-class PermuteRows(torch.autograd.Function):
-    """x -> x[index] for a permutation `index` with inverse `inverse`; the backward is the gather
-    grad[inverse] (autograd's would be an accumulating scatter)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        ctx.save_for_backward(inverse)
-        return x[index]
+class CombineRows(torch.autograd.Function):
+    """(y_PD in expert order, inverse [T, K], weights_TK) -> sum_k weights[t, k] * y[inverse[t, k]];
+    both the forward and the backward read each row once (`gather_sum`, `combine_grad`)."""
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: ANN001
-        (inverse,) = ctx.saved_tensors
-        return grad[inverse], None, None
+    def forward(ctx, y_PD: torch.Tensor, inverse_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(y_PD, inverse_TK, weights_TK)
+        return gather_sum(y_PD, inverse_TK, weights_TK)
+
+    @staticmethod
+    def backward(ctx, grad_TD: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor]:  # noqa: ANN001
+        y_PD, inverse_TK, weights_TK = ctx.saved_tensors
+        grad_y_PD, grad_weights_TK = combine_grad(grad_TD, y_PD, inverse_TK, weights_TK)
+        return grad_y_PD, None, grad_weights_TK
 
 
 class MoE(nn.Module):

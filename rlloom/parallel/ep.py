@@ -101,7 +101,7 @@ def combine(y_RD: torch.Tensor, record: Dispatch, group: dist.ProcessGroup) -> t
     """Return each received token's expert output to its sender and sum it into its token with the
     routing weight -> [T, D]."""
     y_PD = all_to_all_single_autograd(y_RD, record.send_counts, record.recv_counts, group)
-    return combine_rows(y_PD, record.order_P, record.inverse_P, record.weights_TK)
+    return combine_rows(y_PD, record.inverse_P, record.weights_TK)
 
 
 class _ExpertParallel:

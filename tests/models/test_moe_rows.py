@@ -21,9 +21,7 @@ def naive(x_TD, experts_TK, weights_TK, f):
 def fast(x_TD, experts_TK, weights_TK, f):
     order = torch.argsort(experts_TK.flatten(), stable=True)
     inverse = inverse_permutation(order)
-    return combine_rows(
-        f(dispatch_rows(x_TD, order, inverse, experts_TK.shape[1])), order, inverse, weights_TK
-    )
+    return combine_rows(f(dispatch_rows(x_TD, order, inverse, experts_TK.shape[1])), inverse, weights_TK)
 
 
 @pytest.mark.parametrize("T,K,E", [(7, 2, 4), (1, 3, 8), (0, 2, 4), (33, 8, 16)])
