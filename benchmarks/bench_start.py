@@ -83,8 +83,14 @@ def child(args: argparse.Namespace) -> None:
         for step in range(args.steps):
             metrics = rl_step(ctx, step)
             steps.append(metrics["time/step_s"])
-            times = ", ".join(f"{k.removeprefix('time/')} {v:.1f}" for k, v in metrics.items() if k.startswith("time/"))
-            print(f"bench_start: step {step} at {seconds_since_process_start():.1f} s: {times}", file=sys.stderr, flush=True)
+            times = ", ".join(
+                f"{k.removeprefix('time/')} {v:.1f}" for k, v in metrics.items() if k.startswith("time/")
+            )
+            print(
+                f"bench_start: step {step} at {seconds_since_process_start():.1f} s: {times}",
+                file=sys.stderr,
+                flush=True,
+            )
         groups.close()
     print(torch._dynamo.utils.compile_times(repr="str", aggregate=True), file=sys.stderr, flush=True)
     result = {
