@@ -37,9 +37,14 @@ def tp_local_shape(tensor: DTensor) -> tuple[int, ...]:
     return tuple(full.chunk(tp, dim)[tensor.device_mesh.get_local_rank("tp")].shape)
 
 
-def exported(tensor: torch.Tensor, tp_local_shards: bool) -> torch.Tensor:
+def exported(tensor: torch.Tensor, tp_local_shards: bool, dtype: torch.dtype | None = None) -> torch.Tensor:
     """`tensor` as a weight export yields it: with `tp_local_shards` a TP-sharded tensor as this rank's
-    TP shard (`tp_local`), anything else whole (`full_tensor()` of a DTensor: a collective)."""
+    TP shard (`tp_local`), anything else whole (`full_tensor()` of a DTensor: a collective). With
+    `dtype` the cast comes first, a DTensor's on its local shard, so the gathers move the cast bytes
+    (half of fp32's for bf16) and the cast reads only this rank's shard; casting and gathering
+    commute exactly."""
+    if dtype is not None:
+        tensor = tensor.to(dtype)
     if tp_local_shards and tp_shard_of(tensor) is not None:
         return tp_local(tensor)
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()

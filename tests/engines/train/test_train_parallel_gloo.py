@@ -108,6 +108,11 @@ def run_layout(family: str, dims: ParallelDims | None) -> tuple[NativeTrainEngin
         "metrics": [{k: m[k] for k in m if k in keys or k.startswith("moe/")} for m in metrics],
         "weights": full_weights(engine),
     }
+    # A bf16 export casts each shard before gathering it: the same bits as casting the full tensor.
+    bf16 = {name: t.clone() for bucket in engine.named_weights(dtype=torch.bfloat16) for name, t in bucket}
+    assert bf16.keys() == out["weights"].keys()
+    for name, weight in out["weights"].items():
+        assert bf16[name].dtype == torch.bfloat16 and torch.equal(bf16[name], weight.to(torch.bfloat16)), name
     return engine, out
 
 

@@ -108,13 +108,18 @@ def weight_layouts(model: nn.Module, ep: int = 1) -> dict[str, WeightLayout]:
 
 
 def _gathered(
-    native_name: str, tensor: torch.Tensor, ep_group: dist.ProcessGroup | None, owned_only: bool
+    native_name: str,
+    tensor: torch.Tensor,
+    ep_group: dist.ProcessGroup | None,
+    owned_only: bool,
+    dtype: torch.dtype | None,
 ) -> tuple[torch.Tensor, int]:
-    """(the tensor gathered over its FSDP/TP shards, index of its first expert): routed experts under
-    expert parallelism are all-gathered over the EP ranks too, unless `owned_only` (then this rank's
-    block of the stack and the global index of its first expert); with `owned_only` a TP-sharded
-    tensor is gathered over its other mesh dims only and stays this rank's TP shard."""
-    full = exported(tensor, tp_local_shards=owned_only)  # stacked experts are never TP-sharded
+    """(the tensor gathered over its FSDP/TP shards, index of its first expert), cast to `dtype`
+    before any gather: routed experts under expert parallelism are all-gathered over the EP ranks
+    too, unless `owned_only` (then this rank's block of the stack and the global index of its first
+    expert); with `owned_only` a TP-sharded tensor is gathered over its other mesh dims only and
+    stays this rank's TP shard."""
+    full = exported(tensor, tp_local_shards=owned_only, dtype=dtype)  # stacked experts are never TP-sharded
     if ep_group is None or EXPERTS not in f".{native_name}":
         return full, 0
     if owned_only:
@@ -137,7 +142,8 @@ def named_weight_buckets(
     `ep_group` its routed experts split over those EP ranks).
 
     A bucket holds at most `bucket_bytes` (a larger tensor comes alone). Tensors are cast to `dtype`
-    when given (e.g. bf16 for a bf16 rollout engine) and stay on the model's device. `tensors`:
+    when given (e.g. bf16 for a bf16 rollout engine; on their shards, before the gathers) and stay on
+    the model's device. `tensors`:
     (native name, tensor) to export instead of `model.state_dict()` (pipeline parallelism:
     `Pipeline.full_weights(tp_local_shards=owned_only)`, every stage's weights on every pp rank).
     `owned_only`: no all-gather over the EP or TP ranks; this rank's routed experts only, and its
@@ -151,9 +157,7 @@ def named_weight_buckets(
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for native_name, tensor in tensors if tensors is not None else model.state_dict().items():
-        full, first_expert = _gathered(native_name, tensor, ep_group, owned_only)
-        if dtype is not None:
-            full = full.to(dtype)
+        full, first_expert = _gathered(native_name, tensor, ep_group, owned_only, dtype)
         for hf_name, part in adapter.to_hf(native_name, full, first_expert=first_expert):
             nbytes = part.numel() * part.element_size()
             if bucket and size + nbytes > bucket_bytes:
