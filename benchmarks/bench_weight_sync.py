@@ -60,9 +60,16 @@ class ModelSource:
                 p.normal_(0, 0.02)
         self.version = 0
 
-    def named_weights(self, *, bucket_bytes: int, dtype: torch.dtype | None = None, owned_only: bool = False):
+    def named_weights(
+        self,
+        *,
+        bucket_bytes: int,
+        dtype: torch.dtype | None = None,
+        owned_only: bool = False,
+        lazy_cast: bool = False,
+    ):
         self.version += 1
-        return named_weight_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype)
+        return named_weight_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype, lazy_cast=lazy_cast)
 
 
 def rollout_engine(cfg: dict, device: torch.device, dtype: torch.dtype) -> NativeEngine:

@@ -16,11 +16,18 @@ class WeightSource(Protocol):
     version: int
 
     def named_weights(
-        self, *, bucket_bytes: int, dtype: torch.dtype | None = None, owned_only: bool = False
+        self,
+        *,
+        bucket_bytes: int,
+        dtype: torch.dtype | None = None,
+        owned_only: bool = False,
+        lazy_cast: bool = False,
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Buckets of (Hugging Face name, full tensor); `owned_only`: only what this rank holds without
         an all-gather over the expert- or tensor-parallel ranks (its routed experts, its TP shard of a
-        tensor-parallel tensor; the broadcast sync's senders, with `broadcast.owner_layout`)."""
+        tensor-parallel tensor; the broadcast sync's senders, with `broadcast.owner_layout`).
+        `lazy_cast`: a tensor that no gather moves (one rank's, or one process's) comes in its own
+        dtype, for a caller whose copy casts it (the weight syncs): one pass instead of a cast and a copy."""
         ...
 
 

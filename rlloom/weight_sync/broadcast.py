@@ -106,8 +106,9 @@ def send_weights(
       EP or TP all-gather) and sends only that (what a run does under expert or tensor parallelism).
     Raises WeightSyncError when the sync failed (the rollout keeps its weights)."""
     start = time.perf_counter()
+    # lazy_cast: the outbox's copy into a bucket casts what no gather moved (one pass, not two)
     weights = functools.partial(
-        source.named_weights, bucket_bytes=bucket_bytes, owned_only=layout is not None
+        source.named_weights, bucket_bytes=bucket_bytes, owned_only=layout is not None, lazy_cast=True
     )
     if group is None:
         for _ in weights(dtype=dtype):

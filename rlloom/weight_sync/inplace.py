@@ -7,8 +7,9 @@ tensor exactly once, at its full shape: `checksum.check_names`); only then are t
 the rollout engine, so a sync that fails on the way (the training engine raised, a tensor is
 missing or misshapen) leaves the rollout on its previous weights and version. The cost: what the
 training engine yields is held together for the duration of the sync: one copy of the weights in
-the rollout dtype when they are cast or gathered from FSDP shards (on top of the rollout's own
-copy), nothing for unsharded tensors already in that dtype (views of the training weights).
+the rollout dtype when they are gathered from FSDP shards (on top of the rollout's own copy),
+nothing for tensors no gather moves (`lazy_cast`: views of the training weights, in their dtype,
+cast by the copy into the rollout).
 
 With `checksum` (sync.checksum), every tensor sent is compared bit for bit after the copy with what
 the rollout model holds (read back under the same names, on the device: no hashing is needed when
@@ -43,7 +44,7 @@ def sync_inplace(
     version = source.version
     staged: list[tuple[str, torch.Tensor]] = []
     try:
-        for bucket in source.named_weights(bucket_bytes=bucket_bytes, dtype=dtype):
+        for bucket in source.named_weights(bucket_bytes=bucket_bytes, dtype=dtype, lazy_cast=True):
             staged.extend(bucket)
     except Exception as exc:
         raise _failed(version, sink, f"the training engine raised {type(exc).__name__}: {exc}") from exc
@@ -57,7 +58,7 @@ def sync_inplace(
     return SyncReport(
         version=version,
         num_tensors=len(staged),
-        num_bytes=sum(t.numel() * t.element_size() for _, t in staged),
+        num_bytes=sum(t.numel() * (dtype or t.dtype).itemsize for _, t in staged),
         seconds=time.perf_counter() - start,
     )
 
@@ -69,7 +70,7 @@ def _compare_after_copy(
     (a tensor-parallel engine's slices are left out)."""
     whole = {n for n, box in layout.boxes.items() if box == full_box(layout.shapes[n])}
     held = {name: t for name, t in hf_named_tensors(sink.model) if name in whole}  # type: ignore[attr-defined]
-    bad = [name for name, t in staged if name in held and not same_bits(t, held[name])]
+    bad = [name for name, t in staged if name in held and not same_bits(t.to(held[name].dtype), held[name])]
     if bad:
         raise WeightSyncError(
             f"weight sync of version {version} copied wrong values into the rollout engine "

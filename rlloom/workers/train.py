@@ -100,13 +100,20 @@ class TrainWorker:
         return update_metrics(values)
 
     def named_weights(
-        self, *, bucket_bytes: int, dtype: torch.dtype | None = None, owned_only: bool = False
+        self,
+        *,
+        bucket_bytes: int,
+        dtype: torch.dtype | None = None,
+        owned_only: bool = False,
+        lazy_cast: bool = False,
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The weight source of the sync: buckets of (Hugging Face name, full tensor). Every rank must
         consume the generator (it gathers the shards). `owned_only`: this rank's routed experts only
         and its TP shard of each tensor-parallel tensor, without an all-gather over the expert- or
         tensor-parallel ranks (the broadcast sync)."""
-        return self.engine.named_weights(bucket_bytes=bucket_bytes, dtype=dtype, owned_only=owned_only)
+        return self.engine.named_weights(
+            bucket_bytes=bucket_bytes, dtype=dtype, owned_only=owned_only, lazy_cast=lazy_cast
+        )
 
     def weight_layouts(self) -> dict[str, WeightLayout]:
         """Per Hugging Face name: full shape, for a routed expert the EP rank that holds it, for a

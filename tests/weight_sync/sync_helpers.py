@@ -85,19 +85,27 @@ class TrainSide:
         self.version += 1
 
     def named_weights(
-        self, *, bucket_bytes: int, dtype: torch.dtype | None = None, owned_only: bool = False
+        self,
+        *,
+        bucket_bytes: int,
+        dtype: torch.dtype | None = None,
+        owned_only: bool = False,
+        lazy_cast: bool = False,
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        for bucket in named_weight_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype):
+        buckets = named_weight_buckets(
+            self.model, bucket_bytes=bucket_bytes, dtype=dtype, lazy_cast=lazy_cast
+        )
+        for bucket in buckets:
             yield [(n, t) for n, t in bucket if n not in self.skip]
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {n: t.clone() for b in named_weight_buckets(self.model, bucket_bytes=1 << 30) for n, t in b}
 
 
-def rollout_engine(kind: str, tp_group: object = None) -> NativeEngine:
+def rollout_engine(kind: str, tp_group: object = None, dtype: torch.dtype = torch.float32) -> NativeEngine:
     """A native rollout engine (fused q/k/v and gate/up) with zero weights until the first sync; with
     `tp_group`, this rank of a tensor-parallel one."""
-    model = build_model(hf_config(kind), dtype=torch.float32, device="cpu", fused_projections=True)
+    model = build_model(hf_config(kind), dtype=dtype, device="cpu", fused_projections=True)
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()

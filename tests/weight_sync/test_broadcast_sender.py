@@ -28,8 +28,12 @@ class CountingSide(TrainSide):
         super().__init__("dense")
         self.buckets = self.total = 0
 
-    def named_weights(self, *, bucket_bytes: int, dtype: torch.dtype | None = None, owned_only: bool = False):
-        for bucket in super().named_weights(bucket_bytes=bucket_bytes, dtype=dtype, owned_only=owned_only):
+    def named_weights(
+        self, *, bucket_bytes: int, dtype: torch.dtype | None = None, owned_only: bool = False, **kw
+    ):
+        for bucket in super().named_weights(
+            bucket_bytes=bucket_bytes, dtype=dtype, owned_only=owned_only, **kw
+        ):
             self.buckets += 1
             yield bucket
 
@@ -136,9 +140,11 @@ class OwnedOnlyRecorder(TrainSide):
         super().__init__("moe")
         self.owned_only: list[bool] = []
 
-    def named_weights(self, *, bucket_bytes: int, dtype: torch.dtype | None = None, owned_only: bool = False):
+    def named_weights(
+        self, *, bucket_bytes: int, dtype: torch.dtype | None = None, owned_only: bool = False, **kw
+    ):
         self.owned_only.append(owned_only)
-        return super().named_weights(bucket_bytes=bucket_bytes, dtype=dtype, owned_only=owned_only)
+        return super().named_weights(bucket_bytes=bucket_bytes, dtype=dtype, owned_only=owned_only, **kw)
 
 
 def test_without_a_layout_every_rank_exports_full_tensors_with_one_owner_only(monkeypatch):

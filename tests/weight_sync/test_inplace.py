@@ -115,3 +115,16 @@ def test_same_bits_compares_bytes():
     assert same_bits(a, a.clone()) and same_bits(torch.tensor(3), torch.tensor(3))
     assert not same_bits(a, torch.tensor([1.0, float("nan"), 0.0]))  # -0.0 and 0.0 differ in bits
     assert not same_bits(a, a.double()) and not same_bits(a, a[:2])
+
+
+def test_fp32_training_into_bf16_rollout_casts_in_the_copy():
+    """A bf16 rollout from fp32 training weights: the export yields the unsharded fp32 tensors
+    uncast (`lazy_cast`) and the copy into the rollout casts them, bit for bit what a cast gives;
+    the report counts the bf16 bytes that moved."""
+    train, engine = TrainSide("moe"), rollout_engine("moe", dtype=torch.bfloat16)
+    train.step()
+    report = sync_inplace(train, engine, bucket_bytes=4 << 10, dtype=torch.bfloat16, checksum=True)
+    want = {n: t.to(torch.bfloat16) for n, t in train.weights().items()}
+    got = rollout_weights(engine)
+    assert all(t.dtype == torch.bfloat16 for t in got.values()) and _equal(got, want)
+    assert report.num_bytes == sum(t.numel() * 2 for t in want.values())

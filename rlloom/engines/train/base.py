@@ -48,11 +48,18 @@ class TrainEngine(Protocol):
         ...
 
     def named_weights(
-        self, *, bucket_bytes: int = 1 << 29, dtype: torch.dtype | None = None, owned_only: bool = False
+        self,
+        *,
+        bucket_bytes: int = 1 << 29,
+        dtype: torch.dtype | None = None,
+        owned_only: bool = False,
+        lazy_cast: bool = False,
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Buckets of (Hugging Face name, full tensor) for weight sync. `owned_only`: only what this
         rank holds without gathering over the expert- or tensor-parallel ranks (its own routed
-        experts, its TP shard of each tensor-parallel tensor, as `weight_layouts` describes)."""
+        experts, its TP shard of each tensor-parallel tensor, as `weight_layouts` describes).
+        `lazy_cast`: a tensor that no gather moves (one rank's, or one process's) comes in its own
+        dtype, for a caller whose copy casts it (the weight syncs): one pass instead of a cast and a copy."""
         ...
 
     def save(self, path: str) -> None: ...

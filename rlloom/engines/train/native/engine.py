@@ -284,19 +284,27 @@ class NativeTrainEngine:
         return metrics
 
     def named_weights(
-        self, *, bucket_bytes: int = 1 << 29, dtype: torch.dtype | None = None, owned_only: bool = False
+        self,
+        *,
+        bucket_bytes: int = 1 << 29,
+        dtype: torch.dtype | None = None,
+        owned_only: bool = False,
+        lazy_cast: bool = False,
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Buckets of (Hugging Face name, full tensor) for weight sync; version is `self.version`.
 
         Gathers shards: every rank must consume the generator. `owned_only`: nothing is gathered over
         the EP or TP ranks, this rank yields only its own routed experts and its TP shard of each
         tensor-parallel tensor (`weights.named_weight_buckets`).
+        `lazy_cast`: a tensor that no gather moves (one rank's, or one process's) comes in its own
+        dtype, for a caller whose copy casts it (the weight syncs): one pass instead of a cast and a copy.
         See `weights.tensor_checksum`.
         """
         return named_weight_buckets(
             self.model,
             bucket_bytes=bucket_bytes,
             dtype=dtype,
+            lazy_cast=lazy_cast,
             ep_group=self.layout.ep_group,
             tensors=self.pipe.full_weights(tp_local_shards=owned_only) if self.pipe is not None else None,
             owned_only=owned_only,

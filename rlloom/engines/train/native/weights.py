@@ -129,6 +129,16 @@ def _gathered(
     return torch.cat(blocks), 0
 
 
+def _gathers(
+    native_name: str, tensor: torch.Tensor, ep_group: dist.ProcessGroup | None, owned_only: bool
+) -> bool:
+    """Whether `_gathered` moves this tensor between ranks (a DTensor over several ranks, or routed
+    experts all-gathered over EP)."""
+    if isinstance(tensor, DTensor) and tensor.device_mesh.size() > 1:
+        return True
+    return ep_group is not None and not owned_only and EXPERTS in f".{native_name}"
+
+
 def named_weight_buckets(
     model: nn.Module,
     *,
@@ -137,6 +147,7 @@ def named_weight_buckets(
     ep_group: dist.ProcessGroup | None = None,
     tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
     owned_only: bool = False,
+    lazy_cast: bool = False,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets of (hf_name, tensor) of `model` (a native CausalLM, possibly FSDP/TP-sharded; with
     `ep_group` its routed experts split over those EP ranks).
@@ -147,7 +158,10 @@ def named_weight_buckets(
     (native name, tensor) to export instead of `model.state_dict()` (pipeline parallelism:
     `Pipeline.full_weights(tp_local_shards=owned_only)`, every stage's weights on every pp rank).
     `owned_only`: no all-gather over the EP or TP ranks; this rank's routed experts only, and its
-    shard of each TP-sharded tensor (see the module docstring).
+    shard of each TP-sharded tensor (see the module docstring). `lazy_cast`: a tensor that no gather
+    moves (not sharded over several ranks, not an expert to all-gather) is yielded in its own dtype,
+    a view of the parameter, for a caller that copies it into `dtype` anyway (the weight syncs: one
+    pass instead of a cast and then a copy); buckets are still sized in `dtype`.
     """
     if bucket_bytes < 1:
         raise ValueError(
@@ -157,9 +171,10 @@ def named_weight_buckets(
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for native_name, tensor in tensors if tensors is not None else model.state_dict().items():
-        full, first_expert = _gathered(native_name, tensor, ep_group, owned_only, dtype)
+        cast = None if lazy_cast and not _gathers(native_name, tensor, ep_group, owned_only) else dtype
+        full, first_expert = _gathered(native_name, tensor, ep_group, owned_only, cast)
         for hf_name, part in adapter.to_hf(native_name, full, first_expert=first_expert):
-            nbytes = part.numel() * part.element_size()
+            nbytes = part.numel() * (dtype or part.dtype).itemsize
             if bucket and size + nbytes > bucket_bytes:
                 yield bucket
                 bucket, size = [], 0
