@@ -129,3 +129,20 @@ def test_large_but_finite_weights_near_the_limit(scale):
     with torch.no_grad():
         optim.param_groups[0]["params"][0].fill_(scale)
     assert bool(adamw_would_be_finite(optim)) == step_is_finite(optim) is True
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_max_abs_equals_the_largest_magnitude(device):
+    """The bound's maxima (aminmax on the CPU, an inf-norm on CUDA) against a plain max(|x|): the
+    extreme may be negative, an inf counts, a NaN anywhere makes it NaN; empty tensors are skipped."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(37, 5, generator=g), torch.randn(300, generator=g), torch.empty(0)]
+    ts[1][17] = -40.0  # the largest magnitude, negative
+    cases = [ts, [*ts, torch.tensor([-float("inf"), 1.0])], [*ts, torch.tensor([float("nan"), 1.0])]]
+    for tensors in cases:
+        want = torch.cat([t.flatten() for t in tensors]).abs().max()
+        got = step_guard._max_abs([t.to(device) for t in tensors], torch.device(device))
+        assert got.device.type == device
+        assert torch.equal(got.cpu(), want) or (want.isnan() and got.isnan())

@@ -62,12 +62,17 @@ def adamw_would_be_finite(optim: torch.optim.Optimizer) -> torch.Tensor:
 
 def _max_abs(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """max |x| over every element of `tensors` (this rank's shards; NaN if any is NaN), 0-d fp32 on
-    `device` (0 when there are none)."""
+    `device` (0 when there are none). On CUDA one multi-tensor inf-norm; on the CPU, whose foreach
+    inf-norm is a slow scalar loop (~2.5 GB/s on 2 cores, 9x a fused CPU AdamW step), each tensor's
+    `aminmax` (vectorised, multi-threaded: ~10x faster)."""
     tensors = [_local(t).detach() for t in tensors if t.numel()]
     if not tensors:
         return torch.zeros((), device=device)
-    norms = torch._foreach_norm(tensors, ord=float("inf"))
-    return torch.stack([n.float() for n in norms]).max()
+    if tensors[0].device.type == "cuda":
+        norms = torch._foreach_norm(tensors, ord=float("inf"))
+    else:
+        norms = [torch.stack(torch.aminmax(t)).abs().max() for t in tensors]  # NaN stays NaN
+    return torch.stack([n.float() for n in norms]).max().to(device)
 
 
 def _update_is_bounded(optim: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
