@@ -113,30 +113,27 @@ def _gathered(
     ep_group: dist.ProcessGroup | None,
     owned_only: bool,
     dtype: torch.dtype | None,
+    lazy_cast: bool,
 ) -> tuple[torch.Tensor, int]:
     """(the tensor gathered over its FSDP/TP shards, index of its first expert), cast to `dtype`
     before any gather: routed experts under expert parallelism are all-gathered over the EP ranks
     too, unless `owned_only` (then this rank's block of the stack and the global index of its first
     expert); with `owned_only` a TP-sharded tensor is gathered over its other mesh dims only and
-    stays this rank's TP shard."""
-    full = exported(tensor, tp_local_shards=owned_only, dtype=dtype)  # stacked experts are never TP-sharded
-    if ep_group is None or EXPERTS not in f".{native_name}":
+    stays this rank's TP shard. With `lazy_cast` a tensor that nothing moves between ranks stays
+    uncast (`named_weight_buckets`)."""
+    expert_gather = ep_group is not None and EXPERTS in f".{native_name}"
+    moves = (isinstance(tensor, DTensor) and tensor.device_mesh.size() > 1) or (
+        expert_gather and not owned_only
+    )
+    cast = dtype if moves or not lazy_cast else None
+    full = exported(tensor, tp_local_shards=owned_only, dtype=cast)  # stacked experts are never TP-sharded
+    if not expert_gather:
         return full, 0
     if owned_only:
         return full, dist.get_rank(ep_group) * full.shape[0]
     blocks = [torch.empty_like(full) for _ in range(dist.get_world_size(ep_group))]
     dist.all_gather(blocks, full.contiguous(), group=ep_group)
     return torch.cat(blocks), 0
-
-
-def _gathers(
-    native_name: str, tensor: torch.Tensor, ep_group: dist.ProcessGroup | None, owned_only: bool
-) -> bool:
-    """Whether `_gathered` moves this tensor between ranks (a DTensor over several ranks, or routed
-    experts all-gathered over EP)."""
-    if isinstance(tensor, DTensor) and tensor.device_mesh.size() > 1:
-        return True
-    return ep_group is not None and not owned_only and EXPERTS in f".{native_name}"
 
 
 def named_weight_buckets(
@@ -171,8 +168,7 @@ def named_weight_buckets(
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for native_name, tensor in tensors if tensors is not None else model.state_dict().items():
-        cast = None if lazy_cast and not _gathers(native_name, tensor, ep_group, owned_only) else dtype
-        full, first_expert = _gathered(native_name, tensor, ep_group, owned_only, cast)
+        full, first_expert = _gathered(native_name, tensor, ep_group, owned_only, dtype, lazy_cast)
         for hf_name, part in adapter.to_hf(native_name, full, first_expert=first_expert):
             nbytes = part.numel() * (dtype or part.dtype).itemsize
             if bucket and size + nbytes > bucket_bytes:
