@@ -8,8 +8,8 @@ GPU (default): random bf16 weights of Qwen3-30B-A3B's width with 8 of its 48 lay
     decode ran as compiled CUDA graphs; transformers' `generate` on the same prompts;
   - train: one optimizer step over 4 micro-batches of <= 4096 packed tokens (fp32 master weights,
     bf16 compute, activation checkpointing off), the same batch as one micro-batch of <= 16384, and
-    a 4x larger batch as 4 micro-batches of <= 16384 gathered once per step (`--gather-once`'s
-    setting): tokens/s, MFU on active parameters, peak memory; transformers' forward + backward over the same
+    a 4x larger batch as 4 micro-batches of <= 16384 (one GPU: no FSDP, bf16 copies of the fp32
+    masters, rlloom/parallel/mixed_precision.py): tokens/s, MFU on active parameters, peak memory; transformers' forward + backward over the same
     number of tokens as 4 x 4096 sequences, one at a time and as one batch.
   - start: seconds from engine construction to the first generated token (compilation included).
 With `--model deepseek_v3`: DeepSeek-V3's width with 2 layers (1 dense + 1 MoE of 256 experts, MLA
@@ -272,7 +272,6 @@ def bench_train(
     budget: int,
     micro_batches: int,
     profile: bool = False,
-    gather_once: bool = False,
 ):
     """The same packed batch through rlloom's train_step as `micro_batches` micro-batches of <=
     `budget` tokens and as one micro-batch; transformers' forward+backward per sequence and as one
@@ -281,16 +280,16 @@ def bench_train(
     batch = make_batch(budget // 16, budget, budget, micro_batches, config["vocab_size"], seed=0)
     for mb_budget in (budget, budget * micro_batches):
         on = profile and mb_budget == budget
-        train_row(config, hf, table, batch, mb_budget, profile=on, gather_once=gather_once)
+        train_row(config, hf, table, batch, mb_budget, profile=on)
     # An RL-sized step: micro_batches micro-batches of the large budget, gathered once per step.
     big_budget = budget * micro_batches
     big = make_batch(budget // 16, budget, big_budget, micro_batches, config["vocab_size"], seed=0)
     hf.to("cpu")  # the bf16 transformers model (11 GB at this width) makes room for the larger step
     free(device)
     try:
-        train_row(config, hf, table, big, big_budget, profile=False, gather_once=True, device=device)
+        train_row(config, hf, table, big, big_budget, profile=False, device=device)
     except torch.OutOfMemoryError:
-        row(table, f"train {micro_batches} x <= {big_budget} packed, gather once", "rlloom train_step",
+        row(table, f"train {micro_batches} x <= {big_budget} packed", "rlloom train_step",
             {"tokens": big.num_tokens, "s": float("nan")}, "out of memory")  # fmt: skip
     free(device)
     hf.to(device)
@@ -324,7 +323,6 @@ def train_row(
     mb_budget: int,
     *,
     profile: bool,
-    gather_once: bool,
     device: torch.device | None = None,
 ) -> None:
     """rlloom's train_step (fp32 master weights, AdamW) with micro-batches of <= mb_budget tokens, on
@@ -336,7 +334,6 @@ def train_row(
             lr=1e-6,
             max_tokens_per_micro_batch=mb_budget,
             compile=device.type == "cuda",
-            gather_once_per_step=gather_once,
         ),
         model,
         device=device,
@@ -355,7 +352,7 @@ def train_row(
     flops = step_flops(engine.model, seq_lens, int(mask.sum()), body_params=engine._body_params)
     peak = metrics[-1].get("memory/peak_allocated_gib", float("nan"))
     num_mb = len(plan_batch(batch, engine.cfg, engine.layout, engine.device)[0])
-    name = f"train {num_mb} x <= {mb_budget} packed{', gather once' if gather_once else ''}"
+    name = f"train {num_mb} x <= {mb_budget} packed"
     row(table, name, "rlloom train_step", {"tokens": batch.num_tokens, "s": seconds},
         f"MFU(active) {flops / (seconds * H100_BF16_PEAK_FLOPS):.3f}, peak {peak:.1f} GiB (fp32 master + Adam)")  # fmt: skip
     if profile:
@@ -400,7 +397,6 @@ def main() -> None:
     parser.add_argument("--model", choices=["qwen3_moe", "deepseek_v3"], default="qwen3_moe")
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--skip-rollout", action="store_true")
-    parser.add_argument("--gather-once", action="store_true", help="train.gather_once_per_step")
     parser.add_argument(
         "--profile", action="store_true", help="also print the top operators of one train step"
     )
@@ -437,7 +433,7 @@ def main() -> None:
     if not args.skip_rollout:
         bench_rollout(config, hf, table, **shape)
     if not args.skip_train:
-        bench_train(config, hf, table, **train_shape, profile=args.profile, gather_once=args.gather_once)
+        bench_train(config, hf, table, **train_shape, profile=args.profile)
     title = torch.cuda.get_device_name() if device.type == "cuda" else "CPU smoke run"
     width = "DeepSeek-V3" if deepseek else "Qwen3-30B-A3B"
     print_table(f"bench_moe ({title}, {width} width, {config['num_hidden_layers']} layers, {dtype})", table)

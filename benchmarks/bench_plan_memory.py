@@ -2,9 +2,8 @@
 
 For each case: random weights of a dense Qwen3 shape or of Qwen3-30B-A3B's MoE width with 4 or 8
 of its 48 layers (`qwen3-30b-a3b-4l`, `-8l`: benchmarks/bench_moe.py's config), rlloom's training
-engine on one GPU (FSDP2, fp32 master weights, bf16 compute, the default torch.compile of the
-decoder layers), a batch of
-1024-token sequences (a quarter prompt) that fills exactly MICRO_BATCHES micro-batches of TOKENS
+engine on one GPU (no FSDP: fp32 master weights, bf16 compute on their copies, the default
+torch.compile of the decoder layers), a batch of 1024-token sequences (a quarter prompt) that fills exactly MICRO_BATCHES micro-batches of TOKENS
 tokens (default 1; from 2 on, backward runs beside the accumulated gradients), and two optimizer
 steps, each case in a fresh process; the measured peak is torch.cuda.max_memory_allocated of the
 second step (AdamW moments exist by then). The prediction is `rlloom.plan.memory.estimate` for the

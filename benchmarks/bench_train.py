@@ -2,7 +2,7 @@
 
 GPU (default): random weights of Qwen3-1.7B's shape (28 layers, hidden 2048, intermediate 6144,
 16 heads, 8 KV heads, head dim 128, vocab 151936, tied embeddings) with fp32 master weights and
-bf16 compute (FSDP2 on one GPU). The batch is sequences of lengths uniform in 256..4096 (fixed
+bf16 compute (one GPU: bf16 copies, no FSDP). The batch is sequences of lengths uniform in 256..4096 (fixed
 seed, a quarter prompt, the rest response), packed into micro-batches of at most 16k tokens until
 four micro-batches are full. Reported per pass: tokens/s, MFU (model FLOPs over 989 TFLOP/s, see
 rlloom.observability.mfu) and peak allocated memory; the first step is a warm-up and not timed.

@@ -455,7 +455,8 @@ class TrainEngineConfig:
     once, after the last micro-batch (accumulating them unsharded in fp32), instead of around every
     micro-batch. Saves per-micro-batch copies, casts and collectives; costs a full compute-dtype
     copy of the parameters plus a full fp32 gradient on every rank for the whole step. Worth it for
-    models that fit on one GPU several times over (e.g. 0.6B-4B), not for sharding large ones."""
+    models that fit on one GPU several times over (e.g. 0.6B-4B), not for sharding large ones. One
+    GPU runs without FSDP and already works this way (rlloom/parallel/mixed_precision.py)."""
     activation_checkpointing: Literal["off", "full", "every_k"] = "off"
     """Recompute activations in backward for all layers, or every k-th layer."""
     ac_every_k: int = 2

@@ -12,6 +12,7 @@ against an H200's allocator trace: docs/plan.md lists what was alive at each mea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import astuple, dataclass
 
 from rlloom.engines.train.native.step_guard import TRIAL_CHUNK
@@ -79,7 +80,7 @@ def stage_memory(
     head_gpu = costs.vocab_size * costs.hidden_size / layout.tp if is_last else 0.0
     earlier = 4 * per_gpu if work.micro_batches > 1 else 0.0  # gradients of the earlier micro-batches
 
-    shards = 4 * per_gpu  # fp32 parameter shards: the master weights FSDP2 gathers from
+    shards = 4 * per_gpu  # fp32 parameter shards: the master weights FSDP2 gathers from (all on one GPU)
     optimizer = 8 * (1 - layout.offload_fraction) * per_gpu
     gathered_root = 2 * root_gpu  # bf16, gathered for the whole forward and backward
 
@@ -116,7 +117,63 @@ def stage_memory(
         `input / divide_factor`; from the second micro-batch on the output exists before it is added."""
         return 4 * unit * (2 if fsdp == 1 else 1) + (4 * unit / fsdp if work.micro_batches > 1 else 0.0)
 
-    phases = {
+    if layout.world == 1:
+        phases = _one_device_phases(
+            shards, earlier, optimizer, activations, working, per_gpu=per_gpu, layer=layer,
+            head_gpu=head_gpu, tied=costs.tied,
+        )  # fmt: skip
+    else:
+        phases = _fsdp_phases(
+            shards, earlier, optimizer, activations, working, comm, per_gpu=per_gpu, layer=layer,
+            gathered_root=gathered_root, root_gpu=root_gpu, head_gpu=head_gpu, reduce_extra=reduce_extra,
+        )  # fmt: skip
+    # the optimizer step: every fp32 gradient, and the engine's trial of the update on one slice of
+    # at most TRIAL_CHUNK elements (parameter, two moments, the isfinite flags: 13 bytes an element;
+    # engines/train/native/step_guard.py) before it applies the step
+    fsdp_vh = costs.vocab_size * costs.hidden_size / shard if root else 0.0
+    largest = max(fsdp_vh, layer / 3 / fsdp)  # a layer's largest matrix: about a third of it
+    phases["step"] = Breakdown(
+        shards,
+        4 * per_gpu,
+        optimizer,
+        0.0,
+        13 * min(TRIAL_CHUNK, largest) + (NCCL_BUFFERS_GB * GB if layout.world > 1 else 0.0),
+    )
+    if is_last:
+        # the logprob head's backward, before any layer's: every saved activation, the final norm's
+        # fp32 input and bf16 output, the fp32 weight-gradient accumulator, and as buffers the
+        # selected hidden states and their gradient and the [chunk, V] bf16 logits and gradients
+        selected = work.response_fraction * seq
+        chunks = _head_chunk_tokens(selected, work.logprob_chunk_tokens)
+        phases["head"] = Breakdown(
+            shards + (2 * per_gpu if layout.world == 1 else gathered_root),
+            earlier + 4 * head_gpu,
+            optimizer,
+            activations + (4 + 2) * t * costs.hidden_size,
+            comm + 2 * 2 * selected * costs.hidden_size + 2 * chunks * costs.vocab_size / layout.tp,
+        )
+    phase = max(phases, key=lambda name: phases[name].total)
+    bd = phases[phase]
+    return Breakdown(*(x / GB for x in astuple(bd))), phase, per_gpu
+
+
+def _fsdp_phases(
+    shards: float,
+    earlier: float,
+    optimizer: float,
+    activations: float,
+    working: float,
+    comm: float,
+    *,
+    per_gpu: float,
+    layer: float,
+    gathered_root: float,
+    root_gpu: float,
+    head_gpu: float,
+    reduce_extra: Callable[[float], float],
+) -> dict[str, Breakdown]:
+    """The backward's phases under FSDP2 (more than one GPU): layers gathered one at a time."""
+    return {
         # a decoder layer's backward: it and the prefetched next layer gathered in bf16, its bf16
         # gradients, the previous layer's reduce input (kept until this layer reduces), the head's
         # bf16 weight gradient (reduced with the root at the end), recomputed activations and grads
@@ -141,34 +198,37 @@ def stage_memory(
             4 * per_gpu + reduce_extra(root_gpu),
             optimizer,
             0.0,
-            NCCL_BUFFERS_GB * GB if layout.world > 1 else 0.0,
+            NCCL_BUFFERS_GB * GB,
         ),
     }
-    # the optimizer step: every fp32 gradient, and the engine's trial of the update on one slice of
-    # at most TRIAL_CHUNK elements (parameter, two moments, the isfinite flags: 13 bytes an element;
-    # engines/train/native/step_guard.py) before it applies the step
-    fsdp_vh = costs.vocab_size * costs.hidden_size / shard if root else 0.0
-    largest = max(fsdp_vh, layer / 3 / fsdp)  # a layer's largest matrix: about a third of it
-    phases["step"] = Breakdown(
-        shards,
-        4 * per_gpu,
-        optimizer,
-        0.0,
-        13 * min(TRIAL_CHUNK, largest) + (NCCL_BUFFERS_GB * GB if layout.world > 1 else 0.0),
-    )
-    if is_last:
-        # the logprob head's backward, before any layer's: every saved activation, the final norm's
-        # fp32 input and bf16 output, the fp32 weight-gradient accumulator, and as buffers the
-        # selected hidden states and their gradient and the [chunk, V] bf16 logits and gradients
-        selected = work.response_fraction * seq
-        chunks = _head_chunk_tokens(selected, work.logprob_chunk_tokens)
-        phases["head"] = Breakdown(
-            shards + gathered_root,
-            earlier + 4 * head_gpu,
-            optimizer,
-            activations + (4 + 2) * t * costs.hidden_size,
-            comm + 2 * 2 * selected * costs.hidden_size + 2 * chunks * costs.vocab_size / layout.tp,
-        )
-    phase = max(phases, key=lambda name: phases[name].total)
-    bd = phases[phase]
-    return Breakdown(*(x / GB for x in astuple(bd))), phase, per_gpu
+
+
+def _one_device_phases(
+    shards: float,
+    earlier: float,
+    optimizer: float,
+    activations: float,
+    working: float,
+    *,
+    per_gpu: float,
+    layer: float,
+    head_gpu: float,
+    tied: bool,
+) -> dict[str, Breakdown]:
+    """The backward's phases on one GPU, which runs without FSDP (parallel/mixed_precision.py): a bf16
+    copy of every parameter for the whole forward and backward, each bf16 gradient added into the
+    fp32 ones as soon as autograd has it. A tied head's bf16 gradient waits in autograd for the
+    embedding's part until the end of backward; an untied head's is in fp32 from the start."""
+    copies = 2 * per_gpu
+    waiting = 2 * head_gpu if tied else 0.0
+    if earlier:  # the fp32 gradients exist (earlier micro-batches): a layer adds its bf16 ones into them
+        layer_grads = earlier + waiting + 2 * layer
+    else:  # the first layer's bf16 gradients and their fp32 casts, the head's gradient
+        layer_grads = (waiting or 4 * head_gpu) + (2 + 4) * layer
+    return {
+        # the first layer's backward: its gradients, recomputed activations
+        "layers": Breakdown(shards + copies, layer_grads, optimizer, activations + working, 0.0),
+        # the end of backward: every fp32 gradient but the embedding's, whose bf16 one (and a tied
+        # head's) autograd still holds
+        "backward end": Breakdown(shards + copies, 4 * per_gpu + waiting + 2 * head_gpu, optimizer, 0.0, 0.0),
+    }

@@ -68,10 +68,11 @@ class NativeTrainEngine:
 
     `model`: a native CausalLM (fp32 weights on CPU or `device`). `dtype`: compute dtype (default
     bf16 on CUDA, fp32 on CPU). With more than one rank (an initialised process group, or torchrun
-    variables WORLD_SIZE/RANK/MASTER_ADDR/MASTER_PORT), a compute dtype other than fp32, or
-    `parallel_dims`, the model is parallelised in that layout (`pipeline`: the pipeline settings of
-    the `parallel` section, used when parallel_dims.pp > 1) (default: FSDP2 over every rank; a
-    one-rank process group is started when none exists). `total_steps`: optimizer steps of the run,
+    variables WORLD_SIZE/RANK/MASTER_ADDR/MASTER_PORT) or `parallel_dims`, the model is parallelised
+    in that layout (`pipeline`: the pipeline settings of the `parallel` section, used when
+    parallel_dims.pp > 1) (default: FSDP2 over every rank). One process without `parallel_dims`
+    keeps its fp32 masters unsharded and runs forward and backward on compute-dtype copies
+    (`rlloom.parallel.mixed_precision`). `total_steps`: optimizer steps of the run,
     needed by the linear and cosine LR schedules. `frozen`: a forward-only reference (`build_reference`).
     """
 
@@ -100,7 +101,9 @@ class NativeTrainEngine:
         world_size = (
             dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         )
-        self.sharded = world_size > 1 or self.compute_dtype != torch.float32 or parallel_dims is not None
+        # One device computes below fp32 on compute copies of its fp32 masters, without FSDP
+        # (parallel/mixed_precision.py); FSDP2 shards, casts and reduces across ranks.
+        self.sharded = world_size > 1 or parallel_dims is not None
 
         # Trained parameters are the fp32 master weights; a frozen reference keeps the compute dtype.
         self.model = model.to(self.compute_dtype).requires_grad_(False) if frozen else model.float()

@@ -35,6 +35,7 @@ from rlloom.engines.train.native.policy import PolicyHead, run_micro_batch
 from rlloom.observability.metrics import Max, Mean, Metric, MetricsAccumulator, Min, Sum, reduce_across_ranks
 from rlloom.parallel import ParallelDims
 from rlloom.parallel.layers import decoder_layers, layer_items
+from rlloom.parallel.mixed_precision import ComputeCopies
 from rlloom.parallel.parallelize import parallelize
 
 
@@ -51,6 +52,8 @@ class MicroBatchRunner:
     """The model is FSDP-wrapped (its root unit stays gathered after a forward)."""
     reshard_after_forward: bool
     moe_balance: MoEBalance | None
+    copies: ComputeCopies | None
+    """One device in a compute dtype below the fp32 masters: the stand-ins forward and backward run on."""
 
     @classmethod
     def build(
@@ -85,9 +88,13 @@ class MicroBatchRunner:
             reshard_after_forward=reshard_after_forward,
             root=module,
         )
+        copies = None
         if not sharded:
             module.to(device)
-        return cls(module, module.model, device, layout, cfg, sharded, reshard_after_forward, moe_balance)
+            copies = ComputeCopies(module, param_dtype)
+        return cls(
+            module, module.model, device, layout, cfg, sharded, reshard_after_forward, moe_balance, copies
+        )
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -127,16 +134,17 @@ class MicroBatchRunner:
         """logp_BT (entropy_BT) on the device: this dp rank's rows filled, 0 elsewhere."""
         logp_BT = torch.zeros(len(batch), batch.T, dtype=torch.float32, device=self.device)
         entropy_BT = torch.zeros_like(logp_BT) if with_entropy else None
-        for mb in micro_batches:
-            logp_bT, entropy_bT, _, _ = self.run(
-                batch, mb or [filler], temperature, with_entropy, routing_replay
-            )
-            if mb is None:
-                continue
-            rows = to_device(torch.tensor(mb), self.device)
-            logp_BT[rows] = logp_bT
-            if entropy_BT is not None:
-                entropy_BT[rows] = entropy_bT
+        with self.computing():
+            for mb in micro_batches:
+                logp_bT, entropy_bT, _, _ = self.run(
+                    batch, mb or [filler], temperature, with_entropy, routing_replay
+                )
+                if mb is None:
+                    continue
+                rows = to_device(torch.tensor(mb), self.device)
+                logp_BT[rows] = logp_bT
+                if entropy_BT is not None:
+                    entropy_BT[rows] = entropy_bT
         if self.sharded:
             self.module.reshard()  # the root unit stays gathered after a forward (see apply_fsdp)
         return logp_BT, entropy_BT
@@ -161,7 +169,7 @@ class MicroBatchRunner:
         total_tokens = computed_tokens(batch, self.cfg) if balance is not None else 1
         computed_here = 0  # tokens this rank's forward passes ran on (its share of each stream under CP)
         aux_parts: list[torch.Tensor] = []  # this rank's parts of moe/aux_loss
-        with deferred_finite_checks(), self._gathered_until_last(keep_gathered) as set_last:
+        with deferred_finite_checks(), self.computing(), self._gathered_until_last(keep_gathered) as set_last:
             for i, mb in enumerate(micro_batches):
                 set_last(i == len(micro_batches) - 1)
                 recording = balance.recording(mb is not None) if balance else contextlib.nullcontext()
@@ -206,6 +214,11 @@ class MicroBatchRunner:
     def finish_moe(self, metrics: dict[str, float], *, applied: bool) -> dict[str, float]:
         """`metrics` with the MoE balance's end of step (`moe_step_metrics`)."""
         return metrics | moe_step_metrics(self.moe_balance, self.layout, self.device, applied=applied)
+
+    def computing(self) -> contextlib.AbstractContextManager:
+        """Forward and backward passes run inside: on one device below fp32, on the compute copies
+        (`parallel.mixed_precision`); otherwise FSDP casts, and nothing is needed."""
+        return self.copies.computing() if self.copies is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def _gathered_until_last(self, enabled: bool) -> Iterator[Callable[[bool], None]]:
