@@ -35,6 +35,13 @@ def apply_fsdp(
     `ParallelDims.efsdp_mesh()`) first, as a unit of their own. Returns `model`, now an FSDPModule.
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # The experts' inputs include the fp32 routing weights, which the combine saves for backward:
+    # FSDP's cast of forward inputs would make them bf16 in the forward but not in an activation
+    # checkpoint's recompute (FSDP skips its pre-forward there), a CheckpointError on GPUs (ep=2,
+    # activation_checkpointing=full). The tokens arrive in the compute dtype already.
+    experts_policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
+    )
     layers = decoder_layers(layers_of if layers_of is not None else model)
     for _, layer in layer_items(layers):
         moe = getattr(layer, "moe", None)
@@ -44,7 +51,7 @@ def apply_fsdp(
             fully_shard(
                 moe.experts,
                 mesh=expert_mesh,
-                mp_policy=mp_policy,
+                mp_policy=experts_policy,
                 reshard_after_forward=reshard_after_forward,
             )
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
