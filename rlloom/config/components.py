@@ -456,7 +456,8 @@ class TrainEngineConfig:
     micro-batch. Saves per-micro-batch copies, casts and collectives; costs a full compute-dtype
     copy of the parameters plus a full fp32 gradient on every rank for the whole step. Worth it for
     models that fit on one GPU several times over (e.g. 0.6B-4B), not for sharding large ones. One
-    GPU runs without FSDP and already works this way (rlloom/parallel/mixed_precision.py)."""
+    GPU without optimizer offload runs without FSDP and already works this way
+    (rlloom/parallel/mixed_precision.py)."""
     activation_checkpointing: Literal["off", "full", "every_k"] = "off"
     """Recompute activations in backward for all layers, or every k-th layer."""
     ac_every_k: int = 2
@@ -465,7 +466,8 @@ class TrainEngineConfig:
     """torch.compile each decoder layer on CUDA (fuses norms, RoPE and SwiGLU: 1.37x faster train step
     on an H200; the first steps pay the compile time). CPU runs stay eager: compiling takes minutes."""
     optimizer_offload: bool = False
-    """Run the AdamW step on CPU with its state in CPU memory (CPU Adam)."""
+    """Run the AdamW step on CPU with its state in CPU memory (CPU Adam). On one GPU it also keeps
+    FSDP's bf16 copies one layer at a time (2 bytes a parameter less at the peak, a slower step)."""
     optimizer_offload_fraction: float = 1.0
     """Fraction of parameters whose optimizer state is offloaded when optimizer_offload is on."""
     logprob_chunk_tokens: int = 4096

@@ -6,7 +6,8 @@ rollout's share. It models rlloom's training engine: FSDP2 keeps fp32 parameter 
 master weights) and fp32 gradient shards, gathers bf16 copies one layer at a time (plus one
 prefetched) and keeps the root (embedding, head) gathered for the step; AdamW moments sit on the
 GPU except for the offloaded fraction, whose master copy, moments and pinned gradient staging
-live in host memory (CPU Adam). Units: GB means 2**30 bytes throughout.
+live in host memory (CPU Adam). One GPU without optimizer offload runs without FSDP: whole fp32
+masters and a bf16 copy of every parameter while it computes (phases.py). Units: GB means 2**30 bytes throughout.
 """
 
 from __future__ import annotations

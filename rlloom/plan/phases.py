@@ -5,7 +5,8 @@ each of which can be the step's peak: "head" (the logprob head's backward runs f
 activation is still saved), "layers" (a decoder layer's backward: gathered layers, recomputed
 activations), "layer reduce" (that layer's gradient reduce) and "reduce" (the end of backward, when
 every fp32 gradient exists and the root unit's gradients are reduced), and "step" (the optimizer
-step with the engine's trial of the update on one slice). Between them memory moves
+step with the engine's trial of the update on one slice); on one GPU without optimizer offload,
+which runs without FSDP, "layers" and "backward end" (every fp32 gradient) instead of the reduces. Between them memory moves
 linearly (a layer's gradients appear as its activations go), so the peak is at one of them. Checked
 against an H200's allocator trace: docs/plan.md lists what was alive at each measured peak.
 """
@@ -117,7 +118,7 @@ def stage_memory(
         `input / divide_factor`; from the second micro-batch on the output exists before it is added."""
         return 4 * unit * (2 if fsdp == 1 else 1) + (4 * unit / fsdp if work.micro_batches > 1 else 0.0)
 
-    if layout.world == 1:
+    if layout.world == 1 and not layout.offload_fraction:  # the engine's rule (NativeTrainEngine)
         phases = _one_device_phases(
             shards, earlier, optimizer, activations, working, per_gpu=per_gpu, layer=layer,
             head_gpu=head_gpu, tied=costs.tied,
@@ -126,6 +127,7 @@ def stage_memory(
         phases = _fsdp_phases(
             shards, earlier, optimizer, activations, working, comm, per_gpu=per_gpu, layer=layer,
             gathered_root=gathered_root, root_gpu=root_gpu, head_gpu=head_gpu, reduce_extra=reduce_extra,
+            nccl=NCCL_BUFFERS_GB * GB if layout.world > 1 else 0.0,
         )  # fmt: skip
     # the optimizer step: every fp32 gradient, and the engine's trial of the update on one slice of
     # at most TRIAL_CHUNK elements (parameter, two moments, the isfinite flags: 13 bytes an element;
@@ -146,7 +148,7 @@ def stage_memory(
         selected = work.response_fraction * seq
         chunks = _head_chunk_tokens(selected, work.logprob_chunk_tokens)
         phases["head"] = Breakdown(
-            shards + (2 * per_gpu if layout.world == 1 else gathered_root),
+            shards + (2 * per_gpu if layout.world == 1 and not layout.offload_fraction else gathered_root),
             earlier + 4 * head_gpu,
             optimizer,
             activations + (4 + 2) * t * costs.hidden_size,
@@ -171,8 +173,10 @@ def _fsdp_phases(
     root_gpu: float,
     head_gpu: float,
     reduce_extra: Callable[[float], float],
+    nccl: float,
 ) -> dict[str, Breakdown]:
-    """The backward's phases under FSDP2 (more than one GPU): layers gathered one at a time."""
+    """The backward's phases under FSDP2 (several GPUs, or one with optimizer offload): layers
+    gathered one at a time."""
     return {
         # a decoder layer's backward: it and the prefetched next layer gathered in bf16, its bf16
         # gradients, the previous layer's reduce input (kept until this layer reduces), the head's
@@ -198,7 +202,7 @@ def _fsdp_phases(
             4 * per_gpu + reduce_extra(root_gpu),
             optimizer,
             0.0,
-            NCCL_BUFFERS_GB * GB,
+            nccl,
         ),
     }
 
@@ -215,7 +219,8 @@ def _one_device_phases(
     head_gpu: float,
     tied: bool,
 ) -> dict[str, Breakdown]:
-    """The backward's phases on one GPU, which runs without FSDP (parallel/mixed_precision.py): a bf16
+    """The backward's phases on one GPU without optimizer offload, which runs without FSDP
+    (parallel/mixed_precision.py): a bf16
     copy of every parameter for the whole forward and backward, each bf16 gradient added into the
     fp32 ones as soon as autograd has it. A tied head's bf16 gradient waits in autograd for the
     embedding's part until the end of backward; an untied head's is in fp32 from the start."""

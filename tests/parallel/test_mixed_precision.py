@@ -1,10 +1,12 @@
 """One device below fp32 without FSDP (`parallel.mixed_precision`): compute copies stand in for the
 fp32 masters inside `computing()`, their gradients accumulate into the masters' fp32 `.grad`, and an
-engine built this way trains bit for bit like FSDP2 at world size 1 (which it replaces there)."""
+engine built this way trains bit for bit like FSDP2 at world size 1 (which it replaces there, unless
+the optimizer is offloaded)."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -99,6 +101,10 @@ def fsdp_worker(rank: int, ckpt: str, expected: dict) -> None:
     from rlloom.parallel import ParallelDims
 
     try:
+        # A run that offloads its optimizer saves GPU memory: FSDP2 on its one rank (one layer's
+        # bf16 copies at a time), not the copies of the whole model.
+        offloading = dataclasses.replace(_cfg(False), optimizer_offload=True, optimizer_offload_fraction=0.5)
+        assert NativeTrainEngine(offloading, _load(ckpt), dtype=torch.bfloat16).sharded
         for gather_once in (False, True):
             engine = NativeTrainEngine(
                 _cfg(gather_once), _load(ckpt), dtype=torch.bfloat16,

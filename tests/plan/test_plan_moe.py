@@ -5,7 +5,8 @@ GEMMs, run on CPU); and the benchmark's tiny MoE case through the training engin
 
 Hand counts: h = 2048, 32 query / 4 KV heads of d = 128 with QK-norm, E = 128 experts of width
 f = 768, K = 8 per token, V = 151936, untied head. On one GPU (ep = 1) a decoder layer, experts
-included, is L. One GPU runs without FSDP (a bf16 copy of every parameter while it computes).
+included, is L. One GPU runs without FSDP (a bf16 copy of every parameter while it computes) unless
+it offloads its optimizer (then FSDP2 on one rank, a decoder layer with its experts one unit).
 """
 
 from __future__ import annotations
@@ -129,23 +130,44 @@ def test_one_micro_batch_peaks_at_the_end_of_backward():
 
 def test_two_micro_batches_peak_at_the_head():
     # masters and copies, the first micro-batch's fp32 gradients, the head's fp32 weight-gradient
-    # accumulator, half the moments, the four layers' inputs kept by full checkpointing, the final
+    # accumulator, the moments, the four layers' inputs kept by full checkpointing, the final
     # norm's fp32 input and bf16 output, the selected hidden states and their gradient, the logits chunks
     t, selected = 8192, 0.75 * 8192
-    est = predicted(t, "full", 0.5, 2)
+    est = predicted(t, "full", 0.0, 2)
     assert est.peak_phase == "head"
     chunks = _head_chunk_tokens(selected, Workload(max_tokens_per_gpu=t).logprob_chunk_tokens)
-    want = 6 * P + 4 * P + 4 * V * h + 4 * P + 2 * t * 4 * h + 6 * t * h + 4 * selected * h + 2 * chunks * V
+    want = 6 * P + 4 * P + 4 * V * h + 8 * P + 2 * t * 4 * h + 6 * t * h + 4 * selected * h + 2 * chunks * V
     assert est.gpu_memory_gb == pytest.approx(want / GB)
 
 
 def test_without_checkpointing_the_moe_activations_set_the_layer_peak():
     # masters and copies, the head's fp32 gradient, the layer's bf16 gradients and their fp32 casts,
-    # half the moments, all four layers' saved activations and gradient temporaries (half a layer's)
+    # the moments, all four layers' saved activations and gradient temporaries (half a layer's)
+    t = 16384
+    est = predicted(t, "none", 0.0, 1)
+    assert est.peak_phase == "layers"
+    want = 6 * P + 4 * V * h + 6 * LAYER + 8 * P + 2 * t * ACT * (4 + 0.5)
+    assert est.gpu_memory_gb == pytest.approx(want / GB)
+
+
+def test_with_offload_two_micro_batches_peak_at_the_moe_layer_reduce():
+    # optimizer offload keeps FSDP2 on one GPU: shards, gathered bf16 root, the prefetched layer,
+    # the first micro-batch's fp32 gradients, the head's bf16 gradient, the layer's reduce (input,
+    # single-rank divide, output before the add), half the moments, and the four layers' inputs
+    est = predicted(8192, "full", 0.5, 2)
+    assert est.peak_phase == "layer reduce"
+    want = 4 * P + 2 * ROOT + 2 * LAYER + 4 * P + 2 * V * h + 12 * LAYER + 4 * P + 2 * 8192 * 4 * h
+    assert est.gpu_memory_gb == pytest.approx(want / GB)
+
+
+def test_with_offload_without_checkpointing_the_layer_peaks():
+    # FSDP2 on one GPU: all four layers' saved activations, the layer in backward and the prefetched
+    # one in bf16 with its bf16 gradient and the previous layer's fp32 reduce input, gradient
+    # temporaries (half a layer's activations), the head's bf16 gradient
     t = 16384
     est = predicted(t, "none", 0.5, 1)
     assert est.peak_phase == "layers"
-    want = 6 * P + 4 * V * h + 6 * LAYER + 4 * P + 2 * t * ACT * (4 + 0.5)
+    want = 4 * P + 2 * ROOT + 4 * LAYER + 6 * LAYER + 2 * V * h + 4 * P + 2 * t * ACT * (4 + 0.5)
     assert est.gpu_memory_gb == pytest.approx(want / GB)
 
 

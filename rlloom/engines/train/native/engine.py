@@ -72,7 +72,8 @@ class NativeTrainEngine:
     in that layout (`pipeline`: the pipeline settings of the `parallel` section, used when
     parallel_dims.pp > 1) (default: FSDP2 over every rank). One process without `parallel_dims`
     keeps its fp32 masters unsharded and runs forward and backward on compute-dtype copies
-    (`rlloom.parallel.mixed_precision`). `total_steps`: optimizer steps of the run,
+    (`rlloom.parallel.mixed_precision`), unless it offloads its optimizer (then FSDP2 on one rank,
+    which holds the compute-dtype copies one layer at a time). `total_steps`: optimizer steps of the run,
     needed by the linear and cosine LR schedules. `frozen`: a forward-only reference (`build_reference`).
     """
 
@@ -101,9 +102,12 @@ class NativeTrainEngine:
         world_size = (
             dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         )
-        # One device computes below fp32 on compute copies of its fp32 masters, without FSDP
-        # (parallel/mixed_precision.py); FSDP2 shards, casts and reduces across ranks.
-        self.sharded = world_size > 1 or parallel_dims is not None
+        # One device computes below fp32 on bf16 copies of its whole fp32 model, without FSDP
+        # (parallel/mixed_precision.py: faster); FSDP2 shards, casts and reduces across ranks, and on
+        # one device too when the run offloads its optimizer to save GPU memory (FSDP's copies are
+        # one layer at a time: 2 bytes a parameter less at the peak).
+        lean = cfg.optimizer_offload and not frozen and self.compute_dtype != torch.float32
+        self.sharded = world_size > 1 or parallel_dims is not None or lean
 
         # Trained parameters are the fp32 master weights; a frozen reference keeps the compute dtype.
         self.model = model.to(self.compute_dtype).requires_grad_(False) if frozen else model.float()
