@@ -105,6 +105,15 @@ def fsdp_worker(rank: int, ckpt: str, expected: dict) -> None:
         # bf16 copies at a time), not the copies of the whole model.
         offloading = dataclasses.replace(_cfg(False), optimizer_offload=True, optimizer_offload_fraction=0.5)
         assert NativeTrainEngine(offloading, _load(ckpt), dtype=torch.bfloat16).sharded
+        # A frozen reference (weights in bf16, no masters): the same logprobs unsharded and under FSDP.
+        reference = NativeTrainEngine(
+            _cfg(False),
+            _load(ckpt),
+            dtype=torch.bfloat16,
+            parallel_dims=ParallelDims(world_size=1),
+            frozen=True,
+        )
+        assert torch.equal(reference.forward_logprobs(make_batch(4, seed=9))[0], expected["reference_logp"])
         for gather_once in (False, True):
             engine = NativeTrainEngine(
                 _cfg(gather_once), _load(ckpt), dtype=torch.bfloat16,
@@ -124,10 +133,16 @@ def fsdp_worker(rank: int, ckpt: str, expected: dict) -> None:
 def test_one_device_bf16_trains_like_fsdp_at_world_size_one(tiny_moe_checkpoint):
     # A tiny Qwen3-MoE in bf16 on the CPU, three steps of several micro-batches: the unsharded engine
     # on compute copies and FSDP2 on one rank (per micro-batch, and gathered once per step) give the
-    # same losses, logprobs and fp32 weights bit for bit.
+    # same losses, logprobs and fp32 weights bit for bit; a frozen bf16 reference the same logprobs.
     torch.manual_seed(0)
     engine = NativeTrainEngine(_cfg(False), _load(str(tiny_moe_checkpoint)), dtype=torch.bfloat16)
     assert not engine.sharded and not dist.is_initialized()
     losses, logp, weights = _run(engine)
     assert all(t.dtype == torch.float32 for t in weights.values())
-    spawn(fsdp_worker, args=(str(tiny_moe_checkpoint), {"losses": losses, "logp": logp, "weights": weights}))
+    reference = NativeTrainEngine(
+        _cfg(False), _load(str(tiny_moe_checkpoint)), dtype=torch.bfloat16, frozen=True
+    )
+    assert not reference.sharded
+    expected = {"losses": losses, "logp": logp, "weights": weights}
+    expected["reference_logp"] = reference.forward_logprobs(make_batch(4, seed=9))[0]
+    spawn(fsdp_worker, args=(str(tiny_moe_checkpoint), expected))
