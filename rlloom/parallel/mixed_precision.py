@@ -5,7 +5,9 @@ forward and reduces the gradients in fp32 (fsdp.py). One device has nothing to s
 FSDP at world size 1 still moves every gradient through its reduce (a concatenation, a copy, the
 copy into the sharded gradient) and accumulates micro-batches with torch's mixed-dtype add, which
 runs at about half the memory bandwidth: about 150 ms of a 1.1 s step of a 5.6B-parameter MoE on one
-H200 (docs/benchmarks.md). So one device runs without FSDP:
+H200 (docs/benchmarks.md). So one device runs without FSDP (unless the run offloads its optimizer
+to save GPU memory: then FSDP's copies, one layer at a time, are worth its slower step; the rule is
+`NativeTrainEngine`'s):
 
 - the module keeps its fp32 master parameters (the optimizer, clipping, the step guard, checkpoints
   and weight export see them, with fp32 gradients, as in the one-process fp32 path);

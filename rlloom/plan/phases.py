@@ -118,7 +118,10 @@ def stage_memory(
         `input / divide_factor`; from the second micro-batch on the output exists before it is added."""
         return 4 * unit * (2 if fsdp == 1 else 1) + (4 * unit / fsdp if work.micro_batches > 1 else 0.0)
 
-    if layout.world == 1 and not layout.offload_fraction:  # the engine's rule (NativeTrainEngine)
+    # One GPU without optimizer offload runs without FSDP (NativeTrainEngine's rule): a bf16 copy of
+    # every parameter while it computes, instead of FSDP's gathered root and layers.
+    copies = layout.world == 1 and not layout.offload_fraction
+    if copies:
         phases = _one_device_phases(
             shards, earlier, optimizer, activations, working, per_gpu=per_gpu, layer=layer,
             head_gpu=head_gpu, tied=costs.tied,
@@ -148,7 +151,7 @@ def stage_memory(
         selected = work.response_fraction * seq
         chunks = _head_chunk_tokens(selected, work.logprob_chunk_tokens)
         phases["head"] = Breakdown(
-            shards + (2 * per_gpu if layout.world == 1 and not layout.offload_fraction else gathered_root),
+            shards + (2 * per_gpu if copies else gathered_root),
             earlier + 4 * head_gpu,
             optimizer,
             activations + (4 + 2) * t * costs.hidden_size,
