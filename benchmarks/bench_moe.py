@@ -354,7 +354,8 @@ def train_row(
     num_mb = len(plan_batch(batch, engine.cfg, engine.layout, engine.device)[0])
     name = f"train {num_mb} x <= {mb_budget} packed"
     row(table, name, "rlloom train_step", {"tokens": batch.num_tokens, "s": seconds},
-        f"MFU(active) {flops / (seconds * H100_BF16_PEAK_FLOPS):.3f}, peak {peak:.1f} GiB (fp32 master + Adam)")  # fmt: skip
+        f"MFU(active) {flops / (seconds * H100_BF16_PEAK_FLOPS):.3f}, peak {peak:.1f} GiB (fp32 master + Adam), "
+        f"grad norm {metrics[-1]['train/grad_norm']:.3g}")  # fmt: skip
     if profile:
         print_profile(engine, batch, loss_fn, normalizer, device)
     del engine, model

@@ -166,6 +166,7 @@ def main() -> None:
 
 def print_profile(engine: NativeTrainEngine, batch: RolloutBatch, loss_fn, normalizer: float, device) -> None:
     """Where one train step's device time goes: the top kernels, and the device-busy fraction."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -187,6 +188,16 @@ def print_profile(engine: NativeTrainEngine, batch: RolloutBatch, loss_fn, norma
     for e in sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:15]:
         secs = getattr(e, attr) / 1e6
         print(f"{e.key[:69]:<70}{secs:>10.3f}{secs / max(busy, 1e-9):>8.1%}{e.count:>8}")
+    if device.type != "cuda":
+        return
+    # Kernels, Triton and Inductor ones included (no aten operator carries their time).
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    kbusy = sum(e.self_device_time_total for e in kernels) / 1e6
+    print(f"\nkernels: {kbusy:.3f} s on the device ({kbusy / wall:.0%} of the wall time)")
+    print(f"{'kernel':<70}{'seconds':>10}{'share':>8}{'calls':>8}")
+    for e in sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:25]:
+        secs = e.self_device_time_total / 1e6
+        print(f"{e.key[:69]:<70}{secs:>10.3f}{secs / max(kbusy, 1e-9):>8.1%}{e.count:>8}")
 
 
 if __name__ == "__main__":

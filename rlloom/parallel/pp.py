@@ -83,7 +83,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from rlloom.models.moe import GroupedExperts
-from rlloom.parallel.grad_norm import grad_norm
+from rlloom.parallel.grad_norm import grad_norm, scale_to_max_norm_
 from rlloom.parallel.pp_batches import PipeMicroBatch, StageFeed, check_budget, pad_to_budget
 from rlloom.parallel.pp_stages import (
     SCHEDULE_NAMES,
@@ -254,9 +254,7 @@ class Pipeline:
         )
         dist.all_reduce(sq, group=self.group)
         norm = sq.sqrt()
-        if max_norm > 0 and params and bool(torch.isfinite(norm)):
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_([_local(p.grad) for p in params], coef)
+        scale_to_max_norm_([_local(p.grad) for p in params], norm, max_norm)
         return norm
 
     def _expert_params(self) -> list[nn.Parameter]:

@@ -157,3 +157,17 @@ def test_clip_grad_norm_matches_torch():
     before = a.bias.grad.clone()
     assert not torch.isfinite(clip_grad_norm_(a.parameters(), 0.1))
     assert torch.equal(a.bias.grad, before)  # a non-finite norm leaves gradients alone
+
+
+def test_clipping_under_max_norm_makes_no_pass(monkeypatch):
+    torch.manual_seed(0)
+    a = nn.Linear(5, 3)
+    (a(torch.randn(4, 5)) ** 2).sum().backward()
+    before = [p.grad.clone() for p in a.parameters()]
+    calls = []
+    real = torch._foreach_mul_
+    monkeypatch.setattr(torch, "_foreach_mul_", lambda *x, **k: calls.append(1) or real(*x, **k))
+    norm = clip_grad_norm_(a.parameters(), 1e6)
+    assert calls == [] and all(torch.equal(p.grad, b) for p, b in zip(a.parameters(), before))
+    clip_grad_norm_(a.parameters(), norm.item() / 2)
+    assert calls == [1]

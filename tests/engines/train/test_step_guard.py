@@ -146,3 +146,83 @@ def test_max_abs_equals_the_largest_magnitude(device):
         got = step_guard._max_abs([t.to(device) for t in tensors], torch.device(device))
         assert got.device.type == device
         assert torch.equal(got.cpu(), want) or (want.isnan() and got.isnan())
+
+
+def _true_maxima(optim: torch.optim.AdamW) -> tuple[float, float, float]:
+    params = [p for p in optim.param_groups[0]["params"] if p.grad is not None]
+    states = [optim.state[p] for p in params]
+    return (
+        max(p.detach().abs().max().item() for p in params),
+        max(s["exp_avg"].abs().max().item() for s in states),
+        max(s["exp_avg_sq"].max().item() for s in states),
+    )
+
+
+def test_carried_bounds_skip_the_reads_and_stay_above_the_truth(monkeypatch):
+    # Steps large enough to move the weights (lr 0.05, growing gradients): after the first step the
+    # guard certifies each step from the bounds it carried, reading nothing, and those bounds stay
+    # at or above the true maxima; reading starts again after `forget`, after a change of the
+    # parameters with a gradient, and when the carried bounds no longer certify a step.
+    reads = []
+    real = step_guard._group_maxima
+    monkeypatch.setattr(step_guard, "_group_maxima", lambda *a, **k: reads.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(6, 4), (7,)]]
+    optim = torch.optim.AdamW(params, lr=0.05, weight_decay=0.1, fused=True)
+    guard = step_guard.StepGuard()
+
+    def guarded_step(scale: float) -> bool:
+        for p in params:
+            p.grad = torch.randn_like(p) * scale
+        norm = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in params])).item()
+        ok = bool(guard.would_be_finite(optim, grad_max=norm * step_guard.SLACK))
+        if ok:
+            optim.step()
+        guard.settle(ok)
+        return ok
+
+    for i in range(8):
+        assert guarded_step(1.5**i)
+        carried = guard._carried[(id(optim), 0)][1]
+        assert all(b >= t for b, t in zip(carried, _true_maxima(optim), strict=True)), (i, carried)
+    assert reads == [1]
+    guard.forget()
+    assert guarded_step(1.0) and reads == [1, 1]
+    params[1].requires_grad_(False)  # a parameter leaves the step: its bound must not be assumed
+    params[1].grad = None
+    p0 = params[0]
+    p0.grad = torch.randn_like(p0)
+    assert bool(guard.would_be_finite(optim, grad_max=p0.grad.norm().item())) and reads == [1, 1, 1]
+    guard.settle(False)
+    optim.param_groups[0]["lr"] = 1e39  # the carried bounds fail: read, then the trial refuses
+    assert not bool(guard.would_be_finite(optim, grad_max=p0.grad.norm().item())) and reads == [1, 1, 1, 1]
+    guard.settle(False)
+    assert (id(optim), 0) in guard._carried  # a step not applied keeps the bounds it had
+
+
+def test_engine_reads_the_maxima_once_and_again_after_a_load(monkeypatch, tmp_path):
+    from train_engine_helpers import PolicyLoss, load_tiny, make_batch, make_tiny_checkpoint
+
+    from rlloom.algorithms.losses import loss_normalizer
+    from rlloom.config.components import TrainEngineConfig
+    from rlloom.engines.train.native import NativeTrainEngine
+
+    reads = []
+    real = step_guard._group_maxima
+    monkeypatch.setattr(step_guard, "_group_maxima", lambda *a, **k: reads.append(1) or real(*a, **k))
+    engine = NativeTrainEngine(TrainEngineConfig(lr=1e-3), load_tiny(make_tiny_checkpoint(tmp_path / "m")))
+    batch = make_batch(6, seed=4)
+    norm = loss_normalizer(batch.response_mask(), "token-mean")
+    groups = len(engine.optimizer.device_optim.param_groups)
+    for _ in range(3):
+        assert (
+            engine.train_step(batch, PolicyLoss(batch, "token-mean"), loss_normalizer=norm)[
+                "train/skipped_step"
+            ]
+            == 0
+        )
+    assert len(reads) == groups  # the first step only
+    engine.save(str(tmp_path / "ckpt"))
+    engine.load(str(tmp_path / "ckpt"))
+    engine.train_step(batch, PolicyLoss(batch, "token-mean"), loss_normalizer=norm)
+    assert len(reads) == 2 * groups

@@ -54,7 +54,7 @@ from rlloom.engines.train.native.plan import plan_batch
 from rlloom.engines.train.native.policy import PolicyHead
 from rlloom.engines.train.native.runner import MicroBatchRunner
 from rlloom.engines.train.native.state import load_state, move_state, save_state
-from rlloom.engines.train.native.step import clip_grads, perf_metrics, step_if_finite
+from rlloom.engines.train.native.step import clip_grads, grad_max_after_clip, perf_metrics, step_if_finite
 from rlloom.engines.train.native.weights import WeightLayout, named_weight_buckets, weight_layouts
 from rlloom.models import from_pretrained
 from rlloom.observability.memory import reset_peak_memory
@@ -267,7 +267,10 @@ class NativeTrainEngine:
             ep_group=self.layout.ep_group,
         )
         finite = math.isfinite(grad_norm) and math.isfinite(metrics.get("train/loss", 0.0))
-        skip = not (finite and step_if_finite(self.optimizer, lr, self.layout, self.device))
+        grad_max = grad_max_after_clip(grad_norm, self.cfg.grad_clip)
+        skip = not (
+            finite and step_if_finite(self.optimizer, lr, self.layout, self.device, grad_max=grad_max)
+        )
         if skip:  # never applied: no update, no version bump, and so never saved
             self.num_skipped_steps += 1
         else:

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from rlloom.config.components import TrainEngineConfig
+from rlloom.engines.train.native.step_guard import StepGuard
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,8 @@ class EngineOptimizer:
         self.params = [p for _, p in named_params]
         self.device_optim = _adamw(on_device, cfg)
         self.cpu_optim = _adamw([m for _, _, m in self.offloaded], cfg)
+        self.guard = StepGuard()
+        """Certifies each step finite before it is applied (step.py), carrying its bounds."""
         if cfg.optimizer_offload:  # every rank takes this branch, so the collective inside is safe
             _raise_cpu_threads()
 

@@ -49,6 +49,7 @@ def load_state(
         experts=(layout.ep_rank, layout.ep),
     )
     optimizer.load_offloaded_state_dict(extra)
+    optimizer.guard.forget()  # parameters and moments were written: the guard reads them again
     return state
 
 

@@ -15,7 +15,7 @@ from rlloom.data.types import RolloutBatch
 from rlloom.engines.train.native.flops import step_flops
 from rlloom.engines.train.native.layout import EngineLayout
 from rlloom.engines.train.native.optimizer import EngineOptimizer
-from rlloom.engines.train.native.step_guard import adamw_would_be_finite, all_true
+from rlloom.engines.train.native.step_guard import SLACK, all_true
 from rlloom.observability.memory import memory_metrics
 from rlloom.observability.metrics import MetricsAccumulator, Min, reduce_across_ranks
 from rlloom.observability.mfu import H100_BF16_PEAK_FLOPS
@@ -37,17 +37,27 @@ def clip_grads(
     return float(clip_grad_norm_(optimizer.params, max_norm, ep_params=expert_params, ep_group=ep_group))
 
 
-def step_if_finite(optimizer: EngineOptimizer, lr: float, layout: EngineLayout, device: torch.device) -> bool:
+def grad_max_after_clip(norm: float, max_norm: float) -> float:
+    """A bound on every |gradient| after `clip_grads`: the global 2-norm (never below the largest
+    element), clipped to `max_norm` when that is set, with SLACK for the scale's rounding."""
+    return (min(norm, max_norm) if max_norm > 0 else norm) * SLACK
+
+
+def step_if_finite(
+    optimizer: EngineOptimizer, lr: float, layout: EngineLayout, device: torch.device, *, grad_max: float
+) -> bool:
     """Apply the optimizer step only if every new parameter would be finite on every rank
     (step_guard.py: a bound on the update, else a trial of it slice by slice); otherwise change
-    nothing and return False."""
+    nothing and return False. `grad_max` bounds every |gradient| (`grad_max_after_clip`)."""
     optimizer.set_lr(lr)
     optimizer.stage_grads()
-    flags = [adamw_would_be_finite(optim) for optim in optimizer.optimizers]
-    if not all_true(flags, layout.world_group, device):
-        return False
-    optimizer.step()
-    return True
+    guard = optimizer.guard
+    flags = [guard.would_be_finite(optim, grad_max=grad_max) for optim in optimizer.optimizers]
+    applied = all_true(flags, layout.world_group, device)
+    if applied:
+        optimizer.step()
+    guard.settle(applied)
+    return applied
 
 
 def perf_metrics(
