@@ -12,7 +12,10 @@ peak host RSS (max over ranks), and the first step's gradient norm: every launch
 same weights, so launches of the same global batch (`--micro-batches` x data-parallel ranks) must
 agree on it whatever the layout (within bf16 noise on GPU), a correctness check in the same table.
 `--append FILE` adds the row as a JSON line; `--table FILE` prints every row of that file as one
-table.
+table. `--grad-parts` takes no step and prints, instead, the gradient norm of each document of the
+batch alone and of all of them, by parameter group (embedding, head, norms, matrices), with the
+cosine between the first two documents' gradients: two layouts that disagree on "grad norm 0"
+then show whether one document's gradient or their combination differs, and where.
 
 Shapes: `30b-a3b-8l` (Qwen3-30B-A3B width, 8 of 48 layers, 128 experts), `30b-a3b-24l` (24 layers,
 ~15.5B parameters: fp32 master + Adam do not fit one H200; use --optimizer-offload-fraction),
@@ -30,6 +33,8 @@ model must fit one GPU once (the 24-layer MoE does: ~62 GB).
     python benchmarks/bench_train_parallel.py --table rows.jsonl
     torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --smoke --tp 2   # CPU, gloo, tiny
     torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --smoke --cp 2
+    torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --shape 8b --cp 2 --seq-len 65536 \
+        --micro-batches 2 --grad-parts   # against the same without --cp 2 and with --micro-batches 1
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ from rlloom.data.types import RolloutBatch, Sample
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.models.args import ModelArgs
 from rlloom.models.checkpoint import build_model
-from rlloom.parallel import ParallelDims, init_distributed
+from rlloom.parallel import ParallelDims, grad_norm, init_distributed
 from rlloom.plan.counts import model_costs
 from rlloom.plan.memory import Hardware, Layout, Workload, estimate
 
@@ -165,6 +170,9 @@ def run(args: argparse.Namespace) -> dict:
         return aggregate_loss_sum(-adv * logp_bT, mask[rows].to(logp_bT.device), "token-mean"), {}
 
     normalizer = loss_normalizer(mask, "token-mean")
+    if args.grad_parts:
+        grad_parts(engine, batch, adv_B, mask, normalizer, rank)
+        return {}
     steps = []
     for i in range(args.steps + 1):
         steps.append(engine.train_step(batch, loss_fn, loss_normalizer=normalizer))
@@ -197,6 +205,47 @@ def run(args: argparse.Namespace) -> dict:
             with open(args.append, "a") as f:
                 f.write(json.dumps(row) + "\n")
     return row
+
+
+def grad_parts(
+    engine: NativeTrainEngine, batch: RolloutBatch, adv_B, mask, normalizer: float, rank: int
+) -> None:
+    """Gradient norms of each document alone (its advantage kept, the others' zeroed) and of all,
+    by parameter group; printed on rank 0 as one table (no optimizer step)."""
+    named = list(engine.module.named_parameters())
+    groups = {
+        "embedding": [q for n, q in named if "tok_embeddings" in n],
+        "head": [q for n, q in named if n.endswith("output.weight")],
+        "norms": [q for n, q in named if q.ndim == 1],
+    }
+    grouped = {id(q) for qs in groups.values() for q in qs}
+    groups["matrices"] = [q for _, q in named if id(q) not in grouped]
+    groups["all"] = [q for _, q in named]
+    parts = {f"doc {i}": [i] for i in range(len(batch))} | {"all docs": list(range(len(batch)))}
+    norms: dict[str, dict[str, float]] = {}
+    for label, keep in parts.items():
+        adv = torch.zeros_like(adv_B)
+        adv[keep] = adv_B[keep]
+
+        def loss_fn(logp_bT, entropy_bT, rows, adv=adv):
+            a = adv[rows].to(logp_bT.device)[:, None]
+            return aggregate_loss_sum(-a * logp_bT, mask[rows].to(logp_bT.device), "token-mean"), {}
+
+        engine.forward_backward(batch, loss_fn, loss_normalizer=normalizer)
+        norms[label] = {
+            g: grad_norm(qs, ep_params=engine._expert_params, ep_group=engine.layout.ep_group).item()
+            for g, qs in groups.items()
+        }
+        engine.optimizer.zero_grad()
+    if rank:
+        return
+    labels = list(parts)
+    print(f"{'parameters':<12}" + "".join(f"{label:>14}" for label in labels) + f"{'cos(doc 0, 1)':>15}")
+    for g in groups:
+        a, b, ab = norms["doc 0"][g], norms.get("doc 1", {}).get(g, 0.0), norms["all docs"][g]
+        # |a + b|^2 = |a|^2 + |b|^2 + 2 a.b (exact for two documents)
+        cos = (ab**2 - a**2 - b**2) / (2 * a * b) if len(batch) == 2 and a * b > 0 else float("nan")
+        print(f"{g:<12}" + "".join(f"{norms[label][g]:>14.5f}" for label in labels) + f"{cos:>15.4f}")
 
 
 WIDTHS = {"layout": -34, "shape": -20, "gpus": 5, "predicted GiB": 14, "grad norm 0": 12}
@@ -243,6 +292,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU (gloo): checks the script")
     parser.add_argument("--append", default="", help="append the row as a JSON line to this file")
     parser.add_argument("--table", default="", help="print the rows of this JSON-lines file and exit")
+    parser.add_argument(
+        "--grad-parts", action="store_true", help="no step: each document's gradient norm, by parameter group"
+    )
     args = parser.parse_args()
     if args.table:
         print_table([json.loads(line) for line in Path(args.table).read_text().splitlines() if line.strip()])

@@ -39,8 +39,10 @@ def _stats_kernel(
     m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
     total = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
     weighted = total
-    for start in range(s * SLICE, s * SLICE + SLICE, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+    for start in range(
+        0, SLICE, BLOCK
+    ):  # constant bounds (Triton's interpreter cannot loop from a program id)
+        offs = s * SLICE + start + tl.arange(0, BLOCK)
         valid = offs < V
         z = tl.load(row_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32) * inv_temp
         m_new = tl.maximum(m, tl.max(z, axis=0))

@@ -52,6 +52,27 @@ def test_bf16_hidden_matches_reference_and_no_entropy_by_default():
     assert_close(logp, ref, atol=1e-6)
 
 
+@pytest.mark.parametrize("chunk_tokens", [10, 64])  # four chunks of bf16 products, or one
+def test_bf16_weight_gradient_sums_the_chunks_in_fp32(chunk_tokens):
+    # Each chunk's bf16 product grad_C^T h_C is summed in fp32 and rounded once, at the end: with
+    # one chunk that is the product itself.
+    hidden, weight, targets = _inputs(2)
+    h16 = (hidden.detach() * 4).bfloat16()
+    w16 = weight.detach().bfloat16().requires_grad_()
+    upstream = torch.randn(N, generator=torch.Generator().manual_seed(3))
+    logp, _ = token_logprobs(h16, w16, targets, chunk_tokens=chunk_tokens)
+    (grad_w,) = torch.autograd.grad((logp * upstream).sum(), (w16,))
+    assert grad_w.dtype == torch.bfloat16
+    # the logit gradient as the head computes it: -upstream * p, plus upstream at the target
+    p = (h16 @ w16.detach().T).float().softmax(-1)
+    grad_z = (-upstream[:, None] * p).scatter_add(-1, targets[:, None], upstream[:, None])
+    want = torch.zeros(V, D)
+    for lo in range(0, N, chunk_tokens):
+        g = grad_z[lo : lo + chunk_tokens].bfloat16()
+        want += g.T @ h16[lo : lo + chunk_tokens]
+    assert torch.equal(grad_w, want.bfloat16())
+
+
 def test_rejects_bad_arguments():
     hidden, weight, targets = _inputs()
     with pytest.raises(ValueError, match="temperature"):
