@@ -1,0 +1,107 @@
+"""Rollout routing replay (issue 17): how far training's experts and logprobs are from the rollout's,
+with and without `algorithm.routing_replay=rollout`, in one table.
+
+The MoE RL job of `bench_start.py --moe` (random bf16 weights of Qwen3-30B-A3B's width with 8 of its
+48 layers, 32 prompts x 8 samples, 128 prompt tokens, 256 new tokens, the parity reward, lr 1e-6),
+run for `--steps` GRPO steps once per setting, each setting in a fresh process (an engine's compiled
+graphs and CUDA graphs keep its GPU memory for the life of the process). Per setting, the mean
+over the steps of:
+  - moe/route_mismatch_frac: the fraction of (token, MoE layer) pairs whose experts, as the training
+    router chooses them in the old-logprob pass, differ from the ones the rollout used (reported
+    with and without replay: with it, training uses the rollout's experts anyway);
+  - rollout/logp_gap_abs: mean |logp_train - logp_rollout| over response tokens;
+  - rollout/token_mult_prob_error: NeMo-RL's mean exp|logp_train - logp_rollout| (1 = equal);
+  - the step time (the first step, which compiles, is left out of the mean).
+
+    python benchmarks/bench_replay.py                 # one H200 (fp32 master weights of 5.6B parameters)
+    python benchmarks/bench_replay.py --tiny          # the code path with a tiny Qwen3-MoE on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_e2e import add_shape_args, e2e_config, e2e_context, tiny_shape  # noqa: E402
+from bench_start import MOE_SETTINGS, MOE_SHAPE, write_model  # noqa: E402
+
+from rlloom.cluster.build import build_groups  # noqa: E402
+from rlloom.trainer.step import rl_step  # noqa: E402
+
+METRICS = ("moe/route_mismatch_frac", "rollout/logp_gap_abs", "rollout/token_mult_prob_error")
+MARK = "bench_replay: "  # the child's result line on stdout
+ROOT = Path(__file__).parents[1]
+
+
+def run(args: argparse.Namespace, model_dir: Path, replay: str) -> dict[str, float]:
+    """`args.steps` steps with `algorithm.routing_replay=replay`; the metrics' means over the steps."""
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = [*MOE_SETTINGS, f"algorithm.routing_replay={replay}"]
+        cfg = e2e_config(args, model_dir, Path(tmp) / "run", settings)
+        groups = build_groups(cfg)
+        try:
+            ctx = e2e_context(cfg, groups, args)
+            steps = [rl_step(ctx, step) for step in range(args.steps)]
+        finally:
+            groups.close()
+    missing = [k for k in METRICS if k not in steps[0]]
+    if missing:
+        sys.exit(f"bench_replay: the step reported no {', '.join(missing)} (is the model an MoE?)")
+    out = {k: statistics.mean(m[k] for m in steps) for k in METRICS}
+    timed = steps[1:] or steps
+    out["step_s"] = statistics.mean(m["time/step_s"] for m in timed)
+    return out
+
+
+def run_child(args: argparse.Namespace, model_dir: Path, replay: str) -> dict[str, float]:
+    """`run` in a fresh process; its result line parsed."""
+    argv = [sys.executable, __file__, *sys.argv[1:], "--child-model", str(model_dir), "--replay", replay]
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    }
+    out = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True)
+    lines = [x for x in out.stdout.splitlines() if x.startswith(MARK)]
+    if out.returncode != 0 or not lines:
+        sys.exit(f"bench_replay: the run with routing_replay={replay} failed (exit {out.returncode})")
+    return json.loads(lines[-1].removeprefix(MARK))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4, help="GRPO steps per setting")
+    add_shape_args(parser)
+    parser.add_argument("--child-model", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--replay", default="none", help=argparse.SUPPRESS)
+    parser.set_defaults(**MOE_SHAPE)
+    args = parser.parse_args()
+    args.moe = True
+    if args.tiny:
+        tiny_shape(args)
+    if args.child_model:
+        print(MARK + json.dumps(run(args, Path(args.child_model), args.replay)), flush=True)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_model(Path(tmp) / "model", args)
+        rows = {replay: run_child(args, model_dir, replay) for replay in ("none", "rollout")}
+    model = "tiny Qwen3-MoE" if args.tiny else "Qwen3-30B-A3B width, 8 layers"
+    print(f"\nbench_replay ({model}, {args.prompts} prompts x {args.samples}, "
+          f"{args.prompt_tokens}+{args.new_tokens} tokens, {args.steps} steps)")  # fmt: skip
+    print("| algorithm.routing_replay | moe/route_mismatch_frac | rollout/logp_gap_abs | "
+          "rollout/token_mult_prob_error | step s |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    for replay, r in rows.items():
+        print(
+            f"| {replay} | {r['moe/route_mismatch_frac']:.4f} | {r['rollout/logp_gap_abs']:.4f} | "
+            f"{r['rollout/token_mult_prob_error']:.4f} | {r['step_s']:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
