@@ -1,6 +1,9 @@
 """Mixture-of-experts feed-forward: a router and grouped SwiGLU experts (plus DeepSeek shared experts).
 
-Routing (always in fp32):
+Routing in fp32 (`router_logits`: on CUDA with bf16 operands one tensor-core GEMM with an fp32
+output, the same products summed in fp32, where an fp32 GEMM of the upcast operands ran without
+tensor cores: 5.8 ms of a 16k-token step of the Qwen3-30B-A3B width with 8 layers, forward and
+backward; the backward rounds the logits' gradient to bf16, as every bf16 layer's is):
 - softmax (Qwen3-MoE, Mixtral): top-k of softmax(logits); renormalised to sum 1 when
   `norm_topk_prob` (Qwen3-MoE's flag; Mixtral always renormalises).
 - sigmoid (DeepSeek-V3, "auxiliary-loss-free" noaux_tc): s = sigmoid(logits); experts are chosen on
@@ -72,7 +75,7 @@ class Router(nn.Module):
         scores of the experts used, so the router still learns under replay.
         scores_TE: softmax or sigmoid of the logits (for the auxiliary loss).
         """
-        logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+        logits_TE = router_logits(x_TD, self.gate.weight)
         a = self.args
         if a.score_func == "softmax":
             scores_TE = logits_TE.softmax(dim=-1)
@@ -92,6 +95,30 @@ class Router(nn.Module):
         if a.norm_topk_prob:
             weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
         return weights_TK * a.routed_scaling_factor, experts_TK, own_TK, scores_TE
+
+
+def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor) -> torch.Tensor:
+    """x_TD @ weight_ED.T in fp32 [T, E] (see the module docstring)."""
+    if x_TD.is_cuda and x_TD.dtype == weight_ED.dtype == torch.bfloat16:
+        return _RouterLogits.apply(x_TD, weight_ED)
+    return F.linear(x_TD.float(), weight_ED.float())
+
+
+class _RouterLogits(torch.autograd.Function):
+    """bf16 operands, fp32 logits; the gradients in bf16 from the logits' gradient rounded to bf16."""
+
+    @staticmethod
+    def forward(ctx, x_TD: torch.Tensor, weight_ED: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(x_TD, weight_ED)
+        return torch.mm(x_TD, weight_ED.t(), out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad_TE: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # noqa: ANN001
+        x_TD, weight_ED = ctx.saved_tensors
+        grad_TE = grad_TE.to(x_TD.dtype)
+        grad_x = grad_TE @ weight_ED if ctx.needs_input_grad[0] else None
+        grad_w = grad_TE.t() @ x_TD if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w
 
 
 def _keep_top_groups(choice_TE: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:

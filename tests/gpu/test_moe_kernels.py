@@ -77,3 +77,27 @@ def test_compiled_dispatch_combine_matches_fp64_reference():
     for a, b in zip(*results, strict=True):
         rel = float((a - b).norm() / b.norm())
         assert rel < 1e-2, rel
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_router_logits_equal_fp32_and_gradients_are_close(compiled):
+    """The bf16 tensor-core router GEMM with an fp32 output against the fp32 GEMM of the upcast
+    operands: the same products summed in fp32 (so within fp32 rounding), and the gradients within
+    bf16 rounding of the fp32 path's."""
+    from rlloom.models.moe import router_logits
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4096, 2048, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(128, 2048, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
+    up = torch.randn(4096, 128, device="cuda", generator=g)
+    fn = torch.compile(router_logits) if compiled else router_logits
+    got = fn(x, w)
+    assert got.dtype == torch.float32
+    gx, gw = torch.autograd.grad((got * up).sum(), (x, w))
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    want = torch.nn.functional.linear(x32, w32)
+    wx, ww = torch.autograd.grad((want * up).sum(), (x32, w32))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in ((gx, wx), (gw, ww)):
+        assert a.dtype == torch.bfloat16
+        assert ((a.float() - b).norm() / b.norm()).item() < 1e-2
