@@ -39,9 +39,8 @@ def _stats_kernel(
     m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
     total = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
     weighted = total
-    for start in range(
-        0, SLICE, BLOCK
-    ):  # constant bounds (Triton's interpreter cannot loop from a program id)
+    # Constant bounds: Triton's interpreter cannot loop from a program id.
+    for start in range(0, SLICE, BLOCK):
         offs = s * SLICE + start + tl.arange(0, BLOCK)
         valid = offs < V
         z = tl.load(row_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32) * inv_temp

@@ -115,11 +115,6 @@ class StepGuard:
         self._pending.clear()
 
 
-def adamw_would_be_finite(optim: torch.optim.Optimizer) -> torch.Tensor:
-    """`StepGuard.would_be_finite` with nothing carried: every maximum read."""
-    return StepGuard().would_be_finite(optim)
-
-
 def _max_abs(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """max |x| over every element of `tensors` (this rank's shards; NaN if any is NaN), 0-d fp32 on
     `device` (0 when there are none). On CUDA one multi-tensor inf-norm; on the CPU, whose foreach
