@@ -108,6 +108,8 @@ def run_layout(name: str, args: argparse.Namespace, model_dir: Path, tmp: str) -
     try:
         for step in range(args.steps):
             m = rl_step(ctx, step) if loop is None else loop.step(step)
+            if step == 0:
+                groups.freeze_heap()  # as the run loop does (rlloom/heap.py)
             records.append(m)
             print(
                 f"{name} step {step}: {m['time/step_s']:.2f} s (generate {m.get('time/generate_s', 0):.2f}, "

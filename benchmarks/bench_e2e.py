@@ -198,6 +198,8 @@ def main() -> None:
                 m = profiled(lambda s=step: rl_step(ctx, s))
             else:
                 m = rl_step(ctx, step)
+            if step == 0:
+                groups.freeze_heap()  # as the run loop does (rlloom/heap.py)
             records.append(m)
             print(
                 f"step {step}: {m['time/step_s']:.2f} s (generate {m['time/generate_s']:.2f}, "

@@ -48,7 +48,11 @@ def run(args: argparse.Namespace, model_dir: Path, replay: str) -> dict[str, flo
         groups = build_groups(cfg)
         try:
             ctx = e2e_context(cfg, groups, args)
-            steps = [rl_step(ctx, step) for step in range(args.steps)]
+            steps = []
+            for step in range(args.steps):
+                steps.append(rl_step(ctx, step))
+                if step == 0:
+                    groups.freeze_heap()  # as the run loop does (rlloom/heap.py)
         finally:
             groups.close()
     missing = [k for k in METRICS if k not in steps[0]]

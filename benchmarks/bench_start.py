@@ -82,6 +82,8 @@ def child(args: argparse.Namespace) -> None:
         steps = []
         for step in range(args.steps):
             metrics = rl_step(ctx, step)
+            if step == 0:
+                groups.freeze_heap()  # as the run loop does (rlloom/heap.py)
             steps.append(metrics["time/step_s"])
             times = ", ".join(
                 f"{k.removeprefix('time/')} {v:.1f}" for k, v in metrics.items() if k.startswith("time/")

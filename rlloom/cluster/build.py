@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from rlloom.cluster.base import RolloutGroup, TrainGroup, WeightSync
 from rlloom.cluster.placement import plan_placement
 from rlloom.config.components import RunConfig
+from rlloom.heap import freeze_heap
 
 
 @dataclass(kw_only=True, slots=True)
@@ -17,6 +18,12 @@ class Groups:
     train: TrainGroup
     rollout: RolloutGroup
     sync: WeightSync
+
+    def freeze_heap(self) -> None:
+        """`rlloom.heap.freeze_heap` here and in every worker process (the run loop: after the first step)."""
+        freeze_heap()
+        self.train.freeze_heap().result()
+        self.rollout.freeze_heap().result()
 
     def close(self) -> None:
         self.rollout.close()

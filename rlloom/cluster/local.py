@@ -11,6 +11,7 @@ from rlloom.cluster.base import Done
 from rlloom.config.components import RunConfig
 from rlloom.data.types import PolicyUpdate, RolloutBatch
 from rlloom.engines.rollout import Completion, SamplingParams
+from rlloom.heap import freeze_heap
 from rlloom.observability.metrics import Metric
 from rlloom.weight_sync.base import checksum_enabled
 from rlloom.weight_sync.inplace import sync_inplace
@@ -43,6 +44,9 @@ class LocalTrainGroup:
 
     def onload(self) -> Done[None]:
         return Done(self.worker.onload())
+
+    def freeze_heap(self) -> Done[None]:
+        return Done(freeze_heap())
 
     def save(self, path: str) -> Done[None]:
         return Done(self.worker.save(path))
@@ -96,6 +100,9 @@ class LocalRolloutGroup:
 
     def wake(self) -> Done[None]:
         return Done(self.worker.wake())
+
+    def freeze_heap(self) -> Done[None]:
+        return Done(freeze_heap())
 
     def close(self) -> None:
         pass

@@ -192,6 +192,11 @@ class RayTrainGroup:
     def onload(self) -> Refs:
         return self._all("onload")
 
+    def freeze_heap(self) -> Refs:
+        return Refs(
+            self.actors, self.actors.call(self.slots, "freeze_heap"), "freeze_heap", self.slots, _first
+        )
+
     def save(self, path: str) -> Refs:
         return self._all("save", path)
 
@@ -266,6 +271,11 @@ class RayRolloutGroup:
     def wake(self) -> Refs:
         return Refs(
             self.actors, self.actors.call(self.slots, "on_rollout", "wake"), "wake", self.slots, _first
+        )
+
+    def freeze_heap(self) -> Refs:
+        return Refs(
+            self.actors, self.actors.call(self.slots, "freeze_heap"), "freeze_heap", self.slots, _first
         )
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from rlloom.cluster.local import sync_in_place
 from rlloom.config.components import RunConfig
 from rlloom.devices import resolve_device, resolve_dtype
+from rlloom.heap import freeze_heap
 from rlloom.observability.log import init_logger
 from rlloom.parallel import init_distributed
 from rlloom.weight_sync.base import checksum_enabled
@@ -123,6 +124,9 @@ class SlotActor:
 
     def on_rollout(self, method: str, *args: Any) -> Any:
         return getattr(self.rollout, method)(*args)
+
+    def freeze_heap(self) -> None:
+        freeze_heap()
 
     def versions(self) -> tuple[int | None, int | None]:
         """(training version, rollout version) of the workers this slot hosts."""

@@ -158,6 +158,8 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
         while state.step < cfg.trainer.total_steps:
             metrics = rl_step(ctx, state.step) if loop is None else loop.step(state.step)
             state.step += 1
+            if state.step == first_step:  # the warm-up built what stays: later collections skip it
+                groups.freeze_heap()
             num_skipped += update_was_skipped(metrics)
             metrics["memory/peak_gib"] = peak_memory_gib(resolve_device(cfg).type)
             is_last = state.step == cfg.trainer.total_steps
