@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from rlloom.cluster.base import RolloutGroup, TrainGroup, WeightSync
 from rlloom.cluster.placement import plan_placement
 from rlloom.config.components import RunConfig
-from rlloom.heap import freeze_heap
+from rlloom.heap import freeze_heap, thaw_heap
 
 
 @dataclass(kw_only=True, slots=True)
@@ -28,6 +28,7 @@ class Groups:
     def close(self) -> None:
         self.rollout.close()
         self.train.close()
+        thaw_heap()  # this process may build more groups: the closed ones must be collectable
 
 
 def build_groups(cfg: RunConfig) -> Groups:

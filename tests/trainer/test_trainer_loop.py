@@ -79,17 +79,23 @@ def test_resume_from_a_non_checkpoint_is_refused(tiny_checkpoint, tmp_path):
 
 def test_heap_is_frozen_once_after_the_first_step(tiny_checkpoint, tmp_path, monkeypatch):
     # Python's full collections scanned the warm-up's objects (0.4 s pauses inside decode steps on
-    # the MoE job): the run freezes the heap once, after its first step, in every process.
+    # the MoE job): the run freezes the heap once, after its first step, in every process, and
+    # thaws it when its groups close (so a finished run's engines can be collected).
     import gc
 
     from rlloom.cluster.build import Groups
 
-    calls = []
+    frozen = []
     real = Groups.freeze_heap
-    monkeypatch.setattr(Groups, "freeze_heap", lambda self: calls.append(1) or real(self))
+
+    def freeze(self):
+        real(self)
+        frozen.append(gc.get_freeze_count())
+
+    monkeypatch.setattr(Groups, "freeze_heap", freeze)
     try:
         result = run(tiny_cfg(tiny_checkpoint, tmp_path / "run", "trainer.total_steps=3"))
-        assert result.steps == 3 and calls == [1]
-        assert gc.get_freeze_count() > 0
+        assert result.steps == 3 and len(frozen) == 1 and frozen[0] > 0
+        assert gc.get_freeze_count() == 0
     finally:
-        gc.unfreeze()  # the rest of the test session collects as before
+        gc.unfreeze()
