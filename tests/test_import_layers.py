@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).parents[1] / "rlloom"
 
 LAYERS = [
-    {"devices", "config", "faults", "compile_cache"},
+    {"devices", "config", "faults", "compile_cache", "heap"},
     {"data", "observability"},
     {"algorithms", "models", "tasks", "rewards"},
     {"parallel"},
