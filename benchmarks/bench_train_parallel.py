@@ -164,11 +164,7 @@ def run(args: argparse.Namespace) -> dict:
     batch = packed_batch(args.micro_batches * dims.dp_size, seq_len, config["vocab_size"])
     mask = batch.response_mask()
     adv_B = torch.randn(len(batch), generator=torch.Generator().manual_seed(1))
-
-    def loss_fn(logp_bT, entropy_bT, rows):
-        adv = adv_B[rows].to(logp_bT.device)[:, None]
-        return aggregate_loss_sum(-adv * logp_bT, mask[rows].to(logp_bT.device), "token-mean"), {}
-
+    loss_fn = policy_loss(adv_B, mask)
     normalizer = loss_normalizer(mask, "token-mean")
     if args.grad_parts:
         grad_parts(engine, batch, adv_B, mask, normalizer, rank)
@@ -207,6 +203,16 @@ def run(args: argparse.Namespace) -> dict:
     return row
 
 
+def policy_loss(adv_B: torch.Tensor, mask: torch.Tensor):  # noqa: ANN201
+    """The benchmark's loss: token-mean of -advantage x logp over the response tokens."""
+
+    def loss_fn(logp_bT, entropy_bT, rows):
+        adv = adv_B[rows].to(logp_bT.device)[:, None]
+        return aggregate_loss_sum(-adv * logp_bT, mask[rows].to(logp_bT.device), "token-mean"), {}
+
+    return loss_fn
+
+
 def grad_parts(
     engine: NativeTrainEngine, batch: RolloutBatch, adv_B, mask, normalizer: float, rank: int
 ) -> None:
@@ -226,12 +232,7 @@ def grad_parts(
     for label, keep in parts.items():
         adv = torch.zeros_like(adv_B)
         adv[keep] = adv_B[keep]
-
-        def loss_fn(logp_bT, entropy_bT, rows, adv=adv):
-            a = adv[rows].to(logp_bT.device)[:, None]
-            return aggregate_loss_sum(-a * logp_bT, mask[rows].to(logp_bT.device), "token-mean"), {}
-
-        engine.forward_backward(batch, loss_fn, loss_normalizer=normalizer)
+        engine.forward_backward(batch, policy_loss(adv, mask), loss_normalizer=normalizer)
         norms[label] = {
             g: grad_norm(qs, ep_params=engine._expert_params, ep_group=engine.layout.ep_group).item()
             for g, qs in groups.items()

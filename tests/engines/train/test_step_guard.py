@@ -10,12 +10,18 @@ import pytest
 import torch
 
 from rlloom.engines.train.native import step_guard
-from rlloom.engines.train.native.step_guard import StepGuard, _update_is_bounded
+from rlloom.engines.train.native.step_guard import StepGuard, _group_maxima, _next_maxima
 
 
 def adamw_would_be_finite(optim: torch.optim.Optimizer) -> torch.Tensor:
     """The guard's answer with nothing carried (every maximum read)."""
     return StepGuard().would_be_finite(optim)
+
+
+def _update_is_bounded(optim: torch.optim.Optimizer, group: dict) -> bool:
+    """True when the bound alone certifies this group's step from its maxima read now."""
+    params = [p for p in group["params"] if p.grad is not None]
+    return _next_maxima(group, *_group_maxima(optim, params, grads=True)) is not None
 
 
 FMAX = torch.finfo(torch.float32).max

@@ -45,7 +45,7 @@ from torch.optim.adamw import adamw
 TRIAL_CHUNK = 1 << 24
 """Elements per trial slice (16M: ~208 MB of temporaries for fp32 parameters)."""
 BOUND_LIMIT = torch.finfo(torch.float32).max / 2**10
-"""Largest bound `_update_is_bounded` accepts for any intermediate value of the update."""
+"""Largest bound `_next_maxima` accepts for any intermediate value of the update."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -178,12 +178,6 @@ def _next_maxima(group: dict[str, Any], P: float, G: float, M: float, V: float) 
     if not all(math.isfinite(b) and b < BOUND_LIMIT for b in bounds):
         return None
     return (decayed + update) * SLACK, m1 * SLACK, v1 * SLACK
-
-
-def _update_is_bounded(optim: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
-    """True when the bound certifies this group's step from its maxima read now (`_next_maxima`)."""
-    params = [p for p in group["params"] if p.grad is not None]
-    return _next_maxima(group, *_group_maxima(optim, params, grads=True)) is not None
 
 
 def _trial(optim: torch.optim.Optimizer, group: dict[str, Any]) -> torch.Tensor:
