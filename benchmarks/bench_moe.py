@@ -12,6 +12,9 @@ GPU (default): random bf16 weights of Qwen3-30B-A3B's width with 8 of its 48 lay
     masters, rlloom/parallel/mixed_precision.py): tokens/s, MFU on active parameters, peak memory; transformers' forward + backward over the same
     number of tokens as 4 x 4096 sequences, one at a time and as one batch.
   - start: seconds from engine construction to the first generated token (compilation included).
+  - with `--fp8`, the rollout again with rollout.quantization=fp8 (routed experts in fp8): the same
+    columns (its bound counts the fp8 bytes) and the sampled tokens' logprob gap to the unquantized
+    model's full forward (mean |gap| and token_mult_prob_error, 16 completions).
 With `--model deepseek_v3`: DeepSeek-V3's width with 2 layers (1 dense + 1 MoE of 256 experts, MLA
 with the latent KV cache), rollout 64 x 128 -> 128 against transformers, and the KV-cache capacity
 (tokens per GiB per layer) beside what caching expanded keys and values would give; no train rows
@@ -19,6 +22,7 @@ with the latent KV cache), rollout 64 x 128 -> 128 against transformers, and the
 
     python benchmarks/bench_moe.py                  # needs a CUDA device
     python benchmarks/bench_moe.py --skip-train     # rollout rows only
+    python benchmarks/bench_moe.py --skip-train --fp8   # and the same rollout with fp8 experts
     python benchmarks/bench_moe.py --smoke          # the code path with a tiny MoE on CPU
     python benchmarks/bench_moe.py --model deepseek_v3 [--smoke]
 """
@@ -215,8 +219,9 @@ def check_logits(hf: torch.nn.Module, config: dict) -> float:
 
 
 def bench_rollout(
-    config: dict, hf: torch.nn.Module, table: list, *, prompts_n: int, prompt_len: int, new: int
-):
+    config: dict, hf: torch.nn.Module, table: list, *, prompts_n: int, prompt_len: int, new: int,
+    quantization: str = "none", with_hf: bool = True,
+):  # fmt: skip
     device = next(hf.parameters()).device
     dtype = next(hf.parameters()).dtype
     gen = torch.Generator().manual_seed(0)
@@ -226,7 +231,7 @@ def bench_rollout(
     native = native_from(hf, config, dtype, fused_projections=True)
     engine = NativeEngine(
         native, max_model_len=max_len, num_blocks=prompts_n * -(-max_len // 16) + 64,
-        max_num_seqs=prompts_n, eos_token_ids=[],
+        max_num_seqs=prompts_n, eos_token_ids=[], quantization=quantization,
     )  # fmt: skip
     engine.generate(prompts[:2], SamplingParams(max_new_tokens=2, ignore_eos=True))
     first_token_s = time.perf_counter() - start
@@ -243,15 +248,46 @@ def bench_rollout(
         else ("CUDA graphs" if engine.runner.graphs is not None else "eager")
     )
     name = f"rollout {prompts_n}x{prompt_len} -> {new}"
-    row(table, name, "rlloom", r,
+    gap = ""
+    if quantization != "none":
+        gap = f"; {logp_gap(engine, hf, config, prompts[:16], new)}"
+    row(table, name, f"rlloom ({quantization})" if quantization != "none" else "rlloom", r,
         f"decode {r['decode_s']:.2f}s ({mode}), bound {bound:.2f}s at {bandwidth / 1e12:.2f} TB/s, ratio "
         f"{bound / max(r['decode_s'], 1e-9):.2f}; first token {first_token_s:.1f}s after build; "
-        f"{kv_capacity(native.args, dtype)}")  # fmt: skip
+        f"weights {weight_gib(engine.model):.1f} GiB; {kv_capacity(native.args, dtype)}{gap}")  # fmt: skip
     engine.sleep()
     del engine, native
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    row(table, name, "transformers generate", hf_generate(hf, prompts, new, pad_id=0))
+    if with_hf:
+        row(table, name, "transformers generate", hf_generate(hf, prompts, new, pad_id=0))
+
+
+def weight_gib(model: torch.nn.Module) -> float:
+    """Bytes of the parameters and buffers (fp8 matrices and their scales are buffers), in GiB."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / 2**30
+
+
+def logp_gap(
+    engine: NativeEngine, hf: torch.nn.Module, config: dict, prompts: list[list[int]], new: int
+) -> str:
+    """What training would see of a quantized rollout: the sampled tokens' logprobs under the
+    unquantized model (a full forward) against the rollout's, as mean |gap| and NeMo-RL's
+    token_mult_prob_error (mean exp|gap|)."""
+    out = engine.generate(
+        prompts, SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=1)
+    )
+    reference = native_from(hf, config, next(hf.parameters()).dtype)
+    gaps = []
+    with torch.no_grad():
+        for c in out:
+            ids = torch.tensor([prompts[c.prompt_index] + c.token_ids], device=engine.device)
+            logp = reference(ids).float().log_softmax(-1)[0, len(prompts[c.prompt_index]) - 1 : -1]
+            want = logp.gather(-1, ids[0, len(prompts[c.prompt_index]) :, None])[:, 0]
+            gaps.append((want - torch.tensor(c.logprobs, device=want.device)).abs())
+    gap = torch.cat(gaps)
+    del reference
+    return f"logp gap to unquantized {gap.mean():.4f} (token_mult_prob_error {gap.exp().mean():.4f})"
 
 
 def kv_capacity(args, dtype: torch.dtype) -> str:
@@ -401,6 +437,9 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="also print the top operators of one train step"
     )
+    parser.add_argument(
+        "--fp8", action="store_true", help="also a rollout row with rollout.quantization=fp8 (same prompts)"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     deepseek = args.model == "deepseek_v3"
@@ -433,6 +472,8 @@ def main() -> None:
     table: list[tuple[str, ...]] = []
     if not args.skip_rollout:
         bench_rollout(config, hf, table, **shape)
+        if args.fp8:
+            bench_rollout(config, hf, table, **shape, quantization="fp8", with_hf=False)
     if not args.skip_train:
         bench_train(config, hf, table, **train_shape, profile=args.profile)
     title = torch.cuda.get_device_name() if device.type == "cuda" else "CPU smoke run"

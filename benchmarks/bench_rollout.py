@@ -124,7 +124,10 @@ def decode_bound_s(
 ) -> float:
     """Seconds the decode steps need at least: every step reads all weights and every cached key/value."""
     a = engine.model.args
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    # Parameters and buffers: an fp8 rollout's experts and their scales are buffers.
+    weight_bytes = sum(
+        t.numel() * t.element_size() for t in [*engine.model.parameters(), *engine.model.buffers()]
+    )
     kv_token_bytes = a.num_layers * a.kv_cache.values_per_token * engine.runner.dtype.itemsize
     steps = range(1, new_tokens)  # the first token comes from the prefill
     total = sum(weight_bytes + batch * (prompt_len + s) * kv_token_bytes for s in steps)

@@ -171,6 +171,14 @@ class RolloutConfig:
     """Tensor-parallel degree of one rollout engine: its model's heads, MLP (and expert) widths and
     vocabulary are split over `tp` ranks (GPUs), one all-reduce per attention and per MLP. Must divide
     the attention heads and the MLP widths (checked at start-up); kv_cache_memory_gb is per rank."""
+    quantization: Literal["none", "fp8"] = "none"
+    """Weights the rollout engine samples with. `fp8` (MoE models): the routed experts in float8
+    e4m3 with one scale per row and 128 columns, re-quantized at every weight sync, multiplied by a
+    Triton kernel (GPUs of compute capability >= 8.9; elsewhere dequantize-then-matmul, slower than
+    `none`): MoE decode reads about half the bytes. Attention, dense MLPs, embedding, lm head and
+    routers stay in the model dtype, and a dense model is refused. Training stays bf16/fp32, so the
+    rollout's logprobs differ more from training's: watch `rollout/token_mult_prob_error` and
+    correct with `algorithm.is_correction`. Needs rollout.tp=1."""
 
     def __post_init__(self) -> None:
         _check_finite(self, "rollout")
@@ -238,6 +246,13 @@ class RolloutConfig:
             self.eval_temperature,
             "must be >= 0",
             "use 0 for greedy evaluation",
+        )
+        _check(
+            self.quantization == "none" or self.tp == 1,
+            "rollout.quantization",
+            self.quantization,
+            f"fp8 rollout is not built for tensor-parallel replicas (rollout.tp={self.tp})",
+            "use rollout.tp=1 with fp8, or rollout.quantization=none",
         )
 
 

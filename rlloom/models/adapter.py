@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from rlloom.models.args import ModelArgs
+from rlloom.models.fp8 import Fp8Weights
 from rlloom.models.layers import FusedLinear
 
 logger = logging.getLogger(__name__)
@@ -183,11 +184,30 @@ def separate_fused(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str
     return out
 
 
+def _state(model: nn.Module, *, keep_vars: bool) -> dict[str, torch.Tensor]:
+    """`model.state_dict()` where each fp8 matrix of a rollout model (`rlloom.models.fp8`) appears
+    under its unquantized name as an `Fp8Rows` (loading quantizes into it, reading dequantizes)."""
+    state = model.state_dict(keep_vars=keep_vars)
+    quantized = {name: m for name, m in model.named_modules() if isinstance(m, Fp8Weights)}
+    if not quantized:
+        return state
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        module_name, _, buffer = key.rpartition(".")
+        module = quantized.get(module_name)
+        if module is None or buffer not in module.fp8_buffers:
+            out[key] = tensor
+        elif buffer == module.fp8_buffers[0]:  # the module's matrices, in place of its buffers
+            for name, rows in module.fp8_weights().items():
+                out[f"{module_name}.{name}"] = rows  # type: ignore[assignment]
+    return out
+
+
 def native_keys(model: nn.Module) -> dict[NativeKey, torch.Tensor]:
     """Every loadable slot of the model: (name, expert) -> the tensor (a view for experts and for
-    the parts of fused projections)."""
+    the parts of fused projections; an `Fp8Rows` for an fp8 matrix)."""
     keys: dict[NativeKey, torch.Tensor] = {}
-    for name, tensor in separate_fused(model, model.state_dict(keep_vars=True)).items():
+    for name, tensor in separate_fused(model, _state(model, keep_vars=True)).items():
         rest = _NATIVE_LAYER_RE.match(name)
         if rest is not None and _STACKED_RE.match(rest.group(2)):
             for j in range(tensor.shape[0]):
@@ -197,11 +217,19 @@ def native_keys(model: nn.Module) -> dict[NativeKey, torch.Tensor]:
     return keys
 
 
-def hf_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(hf_name, tensor) for every weight of `model` (detached views, model dtype and device)."""
+def hf_slots(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, live slot) for every weight: a view of the parameter, or an `Fp8Rows` (read it with
+    `.detach()`) for an fp8 matrix, so that names and shapes cost no dequantization."""
     adapter = StateDictAdapter(model.args)
-    for name, tensor in separate_fused(model, model.state_dict()).items():
-        yield from adapter.to_hf(name, tensor.detach())
+    for name, tensor in separate_fused(model, _state(model, keep_vars=False)).items():
+        yield from adapter.to_hf(name, tensor)
+
+
+def hf_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, tensor) for every weight of `model` (detached views, model dtype and device; an fp8
+    matrix dequantized, one expert at a time)."""
+    for name, slot in hf_slots(model):
+        yield name, slot.detach()
 
 
 def load_hf_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[NativeKey]:

@@ -44,6 +44,8 @@ Shape legend: T tokens, D hidden, E experts, K experts per token, I expert hidde
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -158,18 +160,12 @@ class GroupedExperts(nn.Module):
         self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (out_TD, tokens per expert [E] int64)."""
-        K = experts_TK.shape[1]
-        flat_experts = experts_TK.flatten()
-        order = torch.argsort(flat_experts, stable=True)
-        counts_E = torch.zeros(self.w1.shape[0], dtype=torch.int64, device=flat_experts.device)
-        counts_E.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
-        inverse = inverse_permutation(order)
-        xs = dispatch_rows(x_TD, order, inverse, K)
+        return run_experts(x_TD, weights_TK, experts_TK, self.w1.shape[0], self._mlp)
+
+    def _mlp(self, xs: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         if xs.is_cuda and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-            ys = self._grouped_mm(xs, counts_E)
-        else:
-            ys = self._loop(xs, counts_E)
-        return combine_rows(ys, inverse, weights_TK), counts_E
+            return self._grouped_mm(xs, counts_E)
+        return self._loop(xs, counts_E)
 
     def _loop(self, xs: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         ys = torch.empty_like(xs)
@@ -187,6 +183,26 @@ class GroupedExperts(nn.Module):
         gate = torch._grouped_mm(xs, self.w1.transpose(-2, -1), offs=offsets)
         up = torch._grouped_mm(xs, self.w3.transpose(-2, -1), offs=offsets)
         return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offsets)
+
+
+def run_experts(
+    x_TD: torch.Tensor,
+    weights_TK: torch.Tensor,
+    experts_TK: torch.Tensor,
+    num_experts: int,
+    mlp: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort the token-expert pairs by expert, run `mlp(rows in expert order, counts_E)` over them
+    and combine each token's K outputs with its weights -> (out_TD, tokens per expert [E] int64).
+    Shared by the bf16 experts and the rollout's fp8 ones (`fp8.Fp8GroupedExperts`)."""
+    K = experts_TK.shape[1]
+    flat_experts = experts_TK.flatten()
+    order = torch.argsort(flat_experts, stable=True)
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=flat_experts.device)
+    counts_E.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
+    inverse = inverse_permutation(order)
+    ys = mlp(dispatch_rows(x_TD, order, inverse, K), counts_E)
+    return combine_rows(ys, inverse, weights_TK), counts_E
 
 
 def dispatch_rows(x_TD: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, K: int) -> torch.Tensor:

@@ -6,6 +6,7 @@
 - The KV cache asked for fits in the device's free memory (inline mode; see `kv_cache_problem`).
 - The parallel degrees (parallel.tp/ep/...) divide the model's heads, KV heads, experts, vocabulary
   and layers as each technique needs (`ParallelDims.check_model`), every factor printed.
+- rollout.quantization=fp8 has routed experts to quantize (an MoE model).
 - rollout.tp splits the model evenly: it divides the attention heads, the KV heads (or is a multiple
   of them) and the MLP and expert widths (`tp_problem`).
 - The reward function resolves (a built-in name, an importable plug-in, or a weighted sum of them).
@@ -39,6 +40,7 @@ from rlloom.engines.rollout.native.tensor_parallel import tp_problem
 from rlloom.engines.rollout.native.validation import available_memory_bytes, kv_cache_problem
 from rlloom.models.args import ModelArgs
 from rlloom.models.checkpoint import resolve_path
+from rlloom.models.fp8 import FP8_NEEDS_EXPERTS
 from rlloom.parallel.dims import ParallelDims
 from rlloom.parallel.pp_stages import check_pp, split_layers
 from rlloom.rewards.registry import get_reward_fn
@@ -52,6 +54,7 @@ def check_before_loading(cfg: RunConfig) -> None:
     max_positions = hf_config.get("max_position_embeddings")
     check_sequence_length(cfg, max_positions if isinstance(max_positions, int) else None)
     check_rollout_tp(cfg, hf_config)
+    check_rollout_quantization(cfg, hf_config)
     if cfg.cluster.mode == "inline":  # ray workers check their own devices when they build engines
         check_kv_cache(cfg, hf_config)
     check_reward(cfg)
@@ -158,6 +161,21 @@ def check_rollout_tp(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
     problem = tp_problem(args, cfg.rollout.tp)
     if problem is not None:
         raise ConfigError(f"{problem} ({cfg.model.path})")
+
+
+def check_rollout_quantization(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
+    """rollout.quantization=fp8 needs routed experts to quantize (the engine checks again)."""
+    if cfg.rollout.quantization == "none":
+        return
+    try:
+        args = ModelArgs.from_hf_config(hf_config)
+    except ValueError:
+        return  # check_kv_cache or the engine reports the model itself
+    if args.moe is None:
+        raise ConfigError(
+            f"rollout.quantization={cfg.rollout.quantization!r} is invalid for {cfg.model.path} "
+            f"({args.model_type}): {FP8_NEEDS_EXPERTS}. Fix: use rollout.quantization=none."
+        )
 
 
 def check_kv_cache(cfg: RunConfig, hf_config: dict[str, Any]) -> None:

@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from rlloom.models import hf_named_tensors
+from rlloom.models.adapter import hf_slots
+from rlloom.models.fp8 import Fp8Rows, roundtrip
 from rlloom.weight_sync.base import SyncReport, WeightSink, WeightSource, WeightSyncError
 from rlloom.weight_sync.checksum import check_names, rank_layout, same_bits
 from rlloom.weight_sync.reshard import RankLayout, full_box
@@ -69,8 +70,12 @@ def _compare_after_copy(
     """Every tensor the rollout holds whole, read back and compared bit for bit with what was sent
     (a tensor-parallel engine's slices are left out)."""
     whole = {n for n, box in layout.boxes.items() if box == full_box(layout.shapes[n])}
-    held = {name: t for name, t in hf_named_tensors(sink.model) if name in whole}  # type: ignore[attr-defined]
-    bad = [name for name, t in staged if name in held and not same_bits(t.to(held[name].dtype), held[name])]
+    held = {name: t for name, t in hf_slots(sink.model) if name in whole}  # type: ignore[attr-defined]
+    bad = [
+        name
+        for name, t in staged
+        if name in held and not same_bits(_expected(t, held[name]), held[name].detach())
+    ]
     if bad:
         raise WeightSyncError(
             f"weight sync of version {version} copied wrong values into the rollout engine "
@@ -84,3 +89,11 @@ def _failed(version: int, sink: WeightSink, why: str) -> WeightSyncError:
         f"weight sync of version {version} failed: {why}; the rollout engine keeps its previous weights "
         f"(version {getattr(sink, 'policy_version', '?')})"
     )
+
+
+def _expected(sent: torch.Tensor, held: torch.Tensor | Fp8Rows) -> torch.Tensor:
+    """What a lossless load of `sent` leaves in `held`: the same values in its dtype, or for an fp8
+    matrix (rollout.quantization=fp8) the sent values quantized and read back."""
+    if isinstance(held, Fp8Rows):
+        return roundtrip(sent.to(held.q.device), held.dtype)
+    return sent.to(held.dtype)

@@ -92,16 +92,30 @@ def test_rollout_engine_cuda_graphs_match_eager_and_forward(tmp_path):
         assert max(abs(a - b) for a, b in zip(c.logprobs, want)) < 1e-3
 
 
-def test_moe_decode_is_captured_compiled_in_cuda_graphs(tmp_path):
+_FP8 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="fp8 needs compute capability >= 8.9",
+)
+
+
+@pytest.mark.parametrize("quantization", ["none", pytest.param("fp8", marks=_FP8)])
+def test_moe_decode_is_captured_compiled_in_cuda_graphs(tmp_path, quantization):
     """bf16 MoE decode runs the compiled forward in CUDA graphs (no host sync in the routing) and its
-    logprobs match a full forward of the same model."""
+    logprobs match a full forward of the same model; with fp8 experts too (rollout.quantization=fp8:
+    the kernel reads the experts' row offsets on the device, and the full forward's prefill-sized
+    products take its other tile shapes)."""
     from rlloom.engines.rollout.native import NativeEngine, SamplingParams
 
     folder = _hf_folder("moe", tmp_path)
     prompts = [[int(x) for x in torch.randint(0, 512, (n,))] for n in (3, 17, 40, 5, 90, 33, 8, 61)]
     sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=7, ignore_eos=True)
     engine = NativeEngine.from_pretrained(
-        folder, dtype=torch.bfloat16, device="cuda", max_model_len=256, kv_cache_memory_gb=0.5
+        folder,
+        dtype=torch.bfloat16,
+        device="cuda",
+        max_model_len=256,
+        kv_cache_memory_gb=0.5,
+        quantization=quantization,
     )
     out = engine.generate(prompts, sp)
     assert engine.runner.compiled_forward is not None and engine.runner.graphs is not None

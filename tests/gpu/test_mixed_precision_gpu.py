@@ -73,6 +73,12 @@ def test_engine_on_compute_copies_equals_fsdp_world_one(tmp_path):
     (losses_a, weights_a), (losses_b, weights_b) = results
     assert losses_a == losses_b
     # Not bit for bit: the GPU backward is not deterministic run to run (the CPU test is exact). A
-    # lost or doubled micro-batch moves weights by ~lr = 1e-2.
+    # lost or doubled micro-batch moves weights by ~lr = 1e-2. The router's gate (bf16 gradients
+    # since models/moe.py's `router_logits` runs on tensor cores) differs by up to 1.9e-4 in 3 of
+    # its 512 elements, the same in every run on an H200 (2026-11-24; cause not identified): it gets
+    # 1e-3, still a tenth of what the test is for.
     for name, t in weights_a.items():
-        torch.testing.assert_close(t, weights_b[name], rtol=0, atol=1e-5, msg=name)
+        atol = 1e-3 if name.endswith("mlp.gate.weight") else 1e-5
+        torch.testing.assert_close(
+            t, weights_b[name], rtol=0, atol=atol, msg=lambda m, name=name: f"{name} {m}"
+        )

@@ -102,7 +102,9 @@ class TrainSide:
         return {n: t.clone() for b in named_weight_buckets(self.model, bucket_bytes=1 << 30) for n, t in b}
 
 
-def rollout_engine(kind: str, tp_group: object = None, dtype: torch.dtype = torch.float32) -> NativeEngine:
+def rollout_engine(
+    kind: str, tp_group: object = None, dtype: torch.dtype = torch.float32, quantization: str = "none"
+) -> NativeEngine:
     """A native rollout engine (fused q/k/v and gate/up) with zero weights until the first sync; with
     `tp_group`, this rank of a tensor-parallel one."""
     model = build_model(hf_config(kind), dtype=dtype, device="cpu", fused_projections=True)
@@ -111,7 +113,14 @@ def rollout_engine(kind: str, tp_group: object = None, dtype: torch.dtype = torc
             p.zero_()
     tp = {} if tp_group is None else {"tp_group": tp_group}
     return NativeEngine(
-        model, max_model_len=64, num_blocks=8, block_size=16, max_num_seqs=4, compile=False, **tp
+        model,
+        max_model_len=64,
+        num_blocks=8,
+        block_size=16,
+        max_num_seqs=4,
+        compile=False,
+        quantization=quantization,
+        **tp,
     )
 
 

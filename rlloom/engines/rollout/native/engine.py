@@ -57,6 +57,8 @@ from rlloom.engines.rollout.native.validation import (
     request_problem,
 )
 from rlloom.engines.rollout.native.vocab_parallel import VocabParallelSampler
+from rlloom.models.fp8 import FP8_NEEDS_EXPERTS, quantize_fp8_
+from rlloom.models.moe import GroupedExperts
 from rlloom.observability.startup import mark_first_token
 
 
@@ -117,8 +119,11 @@ class NativeEngine:
         eos_token_ids: Iterable[int] | None = None,
         seed: int | None = None,
         tp_group: dist.ProcessGroup | None = None,
+        quantization: str = "none",
     ) -> None:
         """Wrap a loaded `rlloom.models.CausalLM`; `decode(token_ids) -> str` enables stop strings.
+        `quantization="fp8"` quantizes the model's routed experts in place (`rlloom.models.fp8`;
+        `rollout.quantization`): weight updates are quantized as they are copied in.
         With `tp_group` (the ranks of one tensor-parallel replica, each passing the same full model,
         or its own shard from `tp_weights.from_pretrained_sharded`, and calling every method with the
         same arguments) this rank keeps its shard of the model (tensor_parallel.py) and samples from
@@ -137,6 +142,25 @@ class NativeEngine:
             "must be >= 1",
             "e.g. 16384",
         )
+        _check(
+            quantization in ("none", "fp8"), "quantization", quantization, "must be none or fp8", "use none"
+        )
+        if quantization == "fp8":
+            _check(
+                tp_group is None or dist.get_world_size(tp_group) == 1,
+                "quantization",
+                quantization,
+                "fp8 is not built for tensor-parallel replicas",
+                "use one rank per replica, or none",
+            )
+            _check(
+                any(isinstance(m, GroupedExperts) for m in model.modules()),
+                "quantization",
+                quantization,
+                FP8_NEEDS_EXPERTS,
+                "use none for a dense model",
+            )
+            quantize_fp8_(model)
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.tp: TPShards | None = None
@@ -253,6 +277,7 @@ class NativeEngine:
             decode=decode,
             seed=seed,
             tp_group=tp_group,
+            quantization=config.quantization,
         )
 
     # ---- step-level API -------------------------------------------------------------------------
@@ -505,9 +530,9 @@ class NativeEngine:
         """Hugging Face weight name -> (dim, start, length) of the full tensor this rank holds, or None
         when it holds all of it; `update_weights` accepts that slice in place of the full tensor."""
         if self.tp is None:
-            from rlloom.models import hf_named_tensors
+            from rlloom.models.adapter import hf_slots
 
-            return {name: None for name, _ in hf_named_tensors(self.model)}
+            return {name: None for name, _ in hf_slots(self.model)}
         shards = shard_dims_by_hf_name(self.model, self.tp)
         return {name: None if s is None else (s.dim, s.start, s.length) for name, s in shards.items()}
 
