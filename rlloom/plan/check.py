@@ -2,7 +2,7 @@
 
 Today's layout is one GPU per worker: tp = pp = cp = ep = 1, dp = cluster.num_workers, optimizer
 offload from train.optimizer_offload(_fraction), and the colocated rollout keeps a full bf16 weight
-copy on the GPU while training, and its KV cache (rollout.kv_cache_memory_gb) too unless
+copy on the GPU while training (its routed experts in fp8 with rollout.quantization=fp8), and its KV cache (rollout.kv_cache_memory_gb) too unless
 rollout.sleep_during_train. With rollout.num_blocks set, the cache is sized as the planner's default. Once a `parallel` config section exists, its
 degrees replace the ones fixed here.
 """
@@ -39,6 +39,7 @@ def run_layout(cfg: RunConfig) -> tuple[Layout, Workload]:
         rollout_model_parallel=1,
         rollout_kv_cache_gb=cfg.rollout.kv_cache_memory_gb if cfg.rollout.num_blocks == 0 else 0.0,
         rollout_kv_on_gpu=not cfg.rollout.sleep_during_train,
+        rollout_quantization=cfg.rollout.quantization,
     )
     return Layout(dp=cfg.cluster.num_workers, offload_fraction=offload), work
 

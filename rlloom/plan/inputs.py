@@ -93,3 +93,6 @@ class Workload:
     """The rollout's KV-cache memory per GPU; 0 takes what ROLLOUT_MEMORY_UTILIZATION leaves."""
     rollout_kv_on_gpu: bool = False
     """The KV cache stays allocated while training (rlloom's rollout.sleep_during_train=false)."""
+    rollout_quantization: str = "none"
+    """rlloom's rollout.quantization: `fp8` holds the routed experts in 1 byte a parameter plus an
+    fp32 scale per 128 (the rest stays bf16)."""

@@ -67,6 +67,8 @@ def rollout_memory(costs: ModelCosts, hw: Hardware, work: Workload) -> RolloutMe
     if not work.colocated_rollout:
         return None
     weights = 2 * costs.total_params
+    if work.rollout_quantization == "fp8":  # rlloom/models/fp8.py: the experts at 1 + 4/128 bytes
+        weights -= (2 - 1 - 4 / 128) * costs.expert_params
     group = work.rollout_model_parallel or 1
     while (
         not work.rollout_model_parallel and weights / group > ROLLOUT_WEIGHTS_FRACTION * hw.gpu_memory_gb * GB

@@ -119,3 +119,21 @@ def test_killed_rollout_actor_is_reported_and_resume_matches_one_process(
     result = run(cfg_for(tiny_checkpoint, run_dir, *args, "trainer.resume=auto"))
     assert result.steps == STEPS
     assert_same_run(inline, run_dir)  # the steps [0, 1, 2], each as in the one-process run
+
+
+def test_fp8_rollout_on_its_own_worker_matches_one_process(tiny_moe_checkpoint, tmp_path):
+    """rollout.quantization=fp8 under separate placement: the rollout actor quantizes what the
+    broadcast brings (the receive path, not the in-place one) exactly as the one-process run
+    quantizes in place, so the runs agree."""
+    fp8 = ("rollout.quantization=fp8",)
+    run(cfg_for(tiny_moe_checkpoint, tmp_path / "inline", *fp8))
+    separate = (
+        "cluster.mode=ray",
+        "cluster.placement=separate",
+        "cluster.num_workers=1",
+        "cluster.rollout_workers=1",
+    )
+    run(cfg_for(tiny_moe_checkpoint, tmp_path / "separate", *fp8, *separate))
+    assert_same_run(tmp_path / "inline", tmp_path / "separate")
+    gaps = [r["rollout/logp_gap_abs"] for r in metrics(tmp_path / "separate")[1:]]
+    assert min(gaps) > 3e-5  # the rollout sampled from fp8 experts (bf16 would agree to ~2e-7)

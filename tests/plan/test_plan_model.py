@@ -115,6 +115,23 @@ def test_rollout_weights_and_kv_cache():
     assert small.gpu_memory_gb - alone.gpu_memory_gb == pytest.approx(2 * 596_049_920 / 2**30)
 
 
+def test_fp8_rollout_holds_the_experts_in_one_byte_and_a_scale_per_128():
+    """rollout.quantization=fp8 (rlloom/models/fp8.py): the routed experts at 1 + 4/128 bytes a
+    parameter, everything else bf16; the run's start-up check passes the setting on."""
+    from rlloom.config import load_config
+    from rlloom.plan.check import run_layout
+
+    costs, hw = costs_of("qwen3-30b-a3b"), Hardware(gpus=1, gpu_memory_gb=141)
+    work = replace(Workload(), rollout_weights_on_gpu=True, rollout_model_parallel=1)
+    bf16 = estimate(costs, Layout(offload_fraction=1.0), hw, work).rollout
+    fp8 = estimate(costs, Layout(offload_fraction=1.0), hw, replace(work, rollout_quantization="fp8")).rollout
+    experts = costs.expert_params
+    assert experts > 0.9 * costs.total_params
+    assert bf16.weights_gb - fp8.weights_gb == pytest.approx((1 - 4 / 128) * experts / 2**30)
+    cfg = load_config("arithmetic_demo", ["rollout.quantization=fp8"])
+    assert run_layout(cfg)[1].rollout_quantization == "fp8"
+
+
 @pytest.mark.parametrize(
     ("name", "gpus", "degrees", "published", "least"),
     [
