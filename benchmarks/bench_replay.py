@@ -11,9 +11,12 @@ over the steps of:
     with and without replay: with it, training uses the rollout's experts anyway);
   - rollout/logp_gap_abs: mean |logp_train - logp_rollout| over response tokens;
   - rollout/token_mult_prob_error: NeMo-RL's mean exp|logp_train - logp_rollout| (1 = equal);
-  - the step time (the first step, which compiles, is left out of the mean).
+  - the step time and its generate and weight-sync parts (the first step, which compiles, is left out of the mean).
+With `--fp8`, the same two settings again with `rollout.quantization=fp8` (the rollout's routed
+experts in fp8, training unchanged): what fp8 adds to the mismatch, and what it saves of the step.
 
     python benchmarks/bench_replay.py                 # one H200 (fp32 master weights of 5.6B parameters)
+    python benchmarks/bench_replay.py --fp8           # also the rows with fp8 experts in the rollout
     python benchmarks/bench_replay.py --tiny          # the code path with a tiny Qwen3-MoE on CPU
 """
 
@@ -40,10 +43,15 @@ MARK = "bench_replay: "  # the child's result line on stdout
 ROOT = Path(__file__).parents[1]
 
 
-def run(args: argparse.Namespace, model_dir: Path, replay: str) -> dict[str, float]:
-    """`args.steps` steps with `algorithm.routing_replay=replay`; the metrics' means over the steps."""
+def run(args: argparse.Namespace, model_dir: Path, replay: str, quantization: str) -> dict[str, float]:
+    """`args.steps` steps with `algorithm.routing_replay=replay` and `rollout.quantization`; the
+    metrics' means over the steps."""
     with tempfile.TemporaryDirectory() as tmp:
-        settings = [*MOE_SETTINGS, f"algorithm.routing_replay={replay}"]
+        settings = [
+            *MOE_SETTINGS,
+            f"algorithm.routing_replay={replay}",
+            f"rollout.quantization={quantization}",
+        ]
         cfg = e2e_config(args, model_dir, Path(tmp) / "run", settings)
         groups = build_groups(cfg)
         try:
@@ -61,19 +69,25 @@ def run(args: argparse.Namespace, model_dir: Path, replay: str) -> dict[str, flo
     out = {k: statistics.mean(m[k] for m in steps) for k in METRICS}
     timed = steps[1:] or steps
     out["step_s"] = statistics.mean(m["time/step_s"] for m in timed)
+    out["generate_s"] = statistics.mean(m["time/generate_s"] for m in timed)
+    out["sync_s"] = statistics.mean(m["time/sync_s"] for m in timed)
     return out
 
 
-def run_child(args: argparse.Namespace, model_dir: Path, replay: str) -> dict[str, float]:
+def run_child(args: argparse.Namespace, model_dir: Path, replay: str, quantization: str) -> dict[str, float]:
     """`run` in a fresh process; its result line parsed."""
-    argv = [sys.executable, __file__, *sys.argv[1:], "--child-model", str(model_dir), "--replay", replay]
+    argv = [sys.executable, __file__, *sys.argv[1:], "--child-model", str(model_dir), "--replay", replay,
+            "--quantization", quantization]  # fmt: skip
     env = os.environ | {
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     }
     out = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True)
     lines = [x for x in out.stdout.splitlines() if x.startswith(MARK)]
     if out.returncode != 0 or not lines:
-        sys.exit(f"bench_replay: the run with routing_replay={replay} failed (exit {out.returncode})")
+        sys.exit(
+            f"bench_replay: the run with routing_replay={replay}, quantization={quantization} failed "
+            f"(exit {out.returncode})"
+        )
     return json.loads(lines[-1].removeprefix(MARK))
 
 
@@ -83,27 +97,33 @@ def main() -> None:
     add_shape_args(parser)
     parser.add_argument("--child-model", default="", help=argparse.SUPPRESS)
     parser.add_argument("--replay", default="none", help=argparse.SUPPRESS)
+    parser.add_argument("--quantization", default="none", help=argparse.SUPPRESS)
+    parser.add_argument("--fp8", action="store_true", help="also the settings with rollout.quantization=fp8")
     parser.set_defaults(**MOE_SHAPE)
     args = parser.parse_args()
     args.moe = True
     if args.tiny:
         tiny_shape(args)
     if args.child_model:
-        print(MARK + json.dumps(run(args, Path(args.child_model), args.replay)), flush=True)
+        print(
+            MARK + json.dumps(run(args, Path(args.child_model), args.replay, args.quantization)), flush=True
+        )
         return
+    settings = [(r, q) for q in (("none", "fp8") if args.fp8 else ("none",)) for r in ("none", "rollout")]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model(Path(tmp) / "model", args)
-        rows = {replay: run_child(args, model_dir, replay) for replay in ("none", "rollout")}
+        rows = {(r, q): run_child(args, model_dir, r, q) for r, q in settings}
     model = "tiny Qwen3-MoE" if args.tiny else "Qwen3-30B-A3B width, 8 layers"
     print(f"\nbench_replay ({model}, {args.prompts} prompts x {args.samples}, "
           f"{args.prompt_tokens}+{args.new_tokens} tokens, {args.steps} steps)")  # fmt: skip
-    print("| algorithm.routing_replay | moe/route_mismatch_frac | rollout/logp_gap_abs | "
-          "rollout/token_mult_prob_error | step s |")  # fmt: skip
-    print("|---|---|---|---|---|")
-    for replay, r in rows.items():
+    print("| algorithm.routing_replay | rollout.quantization | moe/route_mismatch_frac | rollout/logp_gap_abs | "
+          "rollout/token_mult_prob_error | step s | generate s | sync s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for (replay, quantization), r in rows.items():
         print(
-            f"| {replay} | {r['moe/route_mismatch_frac']:.4f} | {r['rollout/logp_gap_abs']:.4f} | "
-            f"{r['rollout/token_mult_prob_error']:.4f} | {r['step_s']:.2f} |"
+            f"| {replay} | {quantization} | {r['moe/route_mismatch_frac']:.4f} | {r['rollout/logp_gap_abs']:.4f} | "
+            f"{r['rollout/token_mult_prob_error']:.4f} | {r['step_s']:.2f} | {r['generate_s']:.2f} | "
+            f"{r['sync_s']:.2f} |"
         )
 
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from rlloom.models.args import ModelArgs
-from rlloom.models.fp8 import Fp8Weights
+from rlloom.models.fp8 import Fp8Rows, Fp8Weights, load_rows
 from rlloom.models.layers import FusedLinear
 
 logger = logging.getLogger(__name__)
@@ -237,6 +237,7 @@ def load_hf_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torch.T
     adapter = StateDictAdapter(model.args)
     slots = native_keys(model)
     filled: set[NativeKey] = set()
+    fp8_rows: list[tuple[Fp8Rows, torch.Tensor]] = []
     skipped_mtp = 0
     with torch.no_grad():
         for hf_name, tensor in named_tensors:
@@ -259,8 +260,12 @@ def load_hf_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torch.T
                     f"{list(target.shape)} (native {key[0]}{'' if key[1] is None else f'[{key[1]}]'}). "
                     "Fix: check that config.json matches the weights."
                 )
-            target.copy_(tensor)
+            if isinstance(target, Fp8Rows):
+                fp8_rows.append((target, tensor))  # quantized together below
+            else:
+                target.copy_(tensor)
             filled.add(key)
+        load_rows(fp8_rows)
     if skipped_mtp:
         logger.info(
             "skipped %d multi-token-prediction tensors (layers >= %d)", skipped_mtp, model.args.num_layers

@@ -43,6 +43,8 @@ FP8_NEEDS_EXPERTS = (
 )
 _CHUNK_ROWS = 4096
 """Rows quantized at a time (bounds the fp32 temporaries of a large matrix)."""
+_BATCH_BYTES = 128 << 20
+"""fp32 bytes of the experts `load_rows` quantizes together (a few such temporaries at the peak)."""
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,8 +124,17 @@ class Fp8Rows:
     weights are loaded by name (`rlloom.models.adapter`): `copy_` quantizes into it, `dequantize`
     reads it back."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        dtype: torch.dtype,
+        parent: Fp8Rows | None = None,
+        index: int | None = None,
+    ) -> None:
         self.q, self.scale, self.dtype = q, scale, dtype
+        self.parent, self.index = parent, index
+        """Set on one expert of a stack (`stack[index]`), so that `load_rows` can batch the stack."""
 
     @property
     def shape(self) -> torch.Size:
@@ -134,7 +145,7 @@ class Fp8Rows:
         return self
 
     def __getitem__(self, index: int) -> Fp8Rows:
-        return Fp8Rows(self.q[index], self.scale[index], self.dtype)
+        return Fp8Rows(self.q[index], self.scale[index], self.dtype, parent=self, index=index)
 
     def copy_(self, src: torch.Tensor) -> Fp8Rows:
         """Quantize `src` (same shape) into these rows, a bounded number of rows at a time."""
@@ -155,6 +166,36 @@ class Fp8Rows:
     def detach(self) -> torch.Tensor:
         """The values as a tensor (what readers of named weights get)."""
         return self.dequantize()
+
+
+def load_rows(pairs: list[tuple[Fp8Rows, torch.Tensor]]) -> None:
+    """`slot.copy_(source)` for every pair, with the experts of one stack quantized together in
+    batches of consecutive experts (a weight sync brings every expert as its own tensor: quantized
+    one at a time, a dozen small kernels each, the 3,072 expert tensors of a Qwen3-30B-A3B-width
+    sync made an RL step 0.1-0.4 s slower on an H200; batched, the sync takes 0.17 s against 0.11-0.13
+    s unquantized). The same values as one `copy_` per pair."""
+    stacks: dict[int, tuple[Fp8Rows, dict[int, torch.Tensor]]] = {}
+    for slot, source in pairs:
+        if slot.parent is None:
+            slot.copy_(source)
+        else:
+            stacks.setdefault(id(slot.parent), (slot.parent, {}))[1][slot.index] = source
+    for stack, sources in stacks.values():
+        most = max(1, _BATCH_BYTES // (stack.q[0].numel() * 4))  # experts whose fp32 copies fit
+        run: list[int] = []
+        for e in sorted(sources):
+            if run and (e != run[-1] + 1 or len(run) == most):
+                _load_run(stack, run, sources)
+                run = []
+            run.append(e)
+        _load_run(stack, run, sources)
+
+
+def _load_run(stack: Fp8Rows, experts: list[int], sources: dict[int, torch.Tensor]) -> None:
+    first, last = experts[0], experts[-1] + 1
+    q, s = quantize_rows(torch.stack([sources[e].to(stack.q.device) for e in experts]))
+    stack.q[first:last].copy_(q)
+    stack.scale[first:last].copy_(s)
 
 
 class Fp8Weights(nn.Module):
@@ -188,8 +229,8 @@ class Fp8GroupedExperts(Fp8Weights):
         self.dtype = w1.dtype
         _fp8_buffers(self, "w13", (self.num_experts, 2 * self.hidden, w1.shape[2]), w1.device)
         _fp8_buffers(self, "w2", tuple(w2.shape), w2.device)
-        for name, rows in self.fp8_weights().items():  # expert by expert (Fp8Rows.copy_)
-            rows.copy_({"w1": w1, "w2": w2, "w3": w3}[name])
+        stacks, weights = self.fp8_weights(), {"w1": w1, "w2": w2, "w3": w3}
+        load_rows([(stacks[n][e], weights[n][e]) for n in stacks for e in range(self.num_experts)])
 
     def fp8_weights(self) -> dict[str, Fp8Rows]:
         h = self.hidden

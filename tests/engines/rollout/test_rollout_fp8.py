@@ -15,6 +15,7 @@ from rollout_testutil import full_forward_logprobs, prompts, save, tiny_deepseek
 import rlloom.models as models
 from rlloom.config import ConfigError, load_config
 from rlloom.engines.rollout.native import NativeEngine, SamplingParams
+from rlloom.models import fp8
 from rlloom.models.adapter import hf_slots
 from rlloom.models.fp8 import (
     FP8,
@@ -64,6 +65,35 @@ def test_grouped_product_is_each_rows_expert():
     deq = dequantize_rows(q, scale, torch.float32)
     want = torch.stack([deq[e] @ x[p] for p, e in enumerate(experts)])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_loading_equals_one_expert_at_a_time(monkeypatch):
+    """`load_rows` (a sync's experts quantized a run of consecutive experts at a time) leaves the
+    same bits as one `copy_` per expert: experts out of order, with gaps, runs cut by the batch
+    size, the gate and up halves of one stacked weight, and a whole-matrix slot."""
+    monkeypatch.setattr(fp8, "_BATCH_BYTES", 4 * 6 * 200 * 4)  # 4 experts of [6, 200] a batch
+    g = torch.Generator().manual_seed(3)
+    w13 = torch.randn(9, 12, 200, generator=g)
+    matrix = torch.randn(5, 200, generator=g)
+
+    def slots():
+        q, s = torch.zeros(9, 12, 200, dtype=FP8), torch.zeros(9, 12, 2)
+        halves = Fp8Rows(q[:, :6], s[:, :6], torch.float32), Fp8Rows(q[:, 6:], s[:, 6:], torch.float32)
+        whole = Fp8Rows(torch.zeros(5, 200, dtype=FP8), torch.zeros(5, 2), torch.float32)
+        return q, s, halves, whole
+
+    experts = [7, 0, 1, 2, 3, 4, 8, 5]  # 6 is not sent
+    q_a, s_a, halves_a, whole_a = slots()
+    for e in experts:
+        halves_a[0][e].copy_(w13[e, :6])
+        halves_a[1][e].copy_(w13[e, 6:])
+    whole_a.copy_(matrix)
+    q_b, s_b, halves_b, whole_b = slots()
+    pairs = [(halves_b[h][e], w13[e, 6 * h : 6 * h + 6]) for e in experts for h in (1, 0)]
+    fp8.load_rows([*pairs, (whole_b, matrix)])
+    assert torch.equal(q_a.view(torch.uint8), q_b.view(torch.uint8)) and torch.equal(s_a, s_b)
+    assert torch.equal(whole_a.q.view(torch.uint8), whole_b.q.view(torch.uint8))
+    assert (q_b[6].view(torch.uint8) == 0).all()  # untouched
 
 
 def _engine(path: str, **kwargs) -> NativeEngine:
