@@ -124,6 +124,12 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         help="tokens of one micro-batch per GPU (default 8192)",
     )
     plan.add_argument("--recompute", choices=("full", "selective", "none"), default="full")
+    plan.add_argument(
+        "--rollout-quantization",
+        choices=("none", "fp8"),
+        default="none",
+        help="the rollout's weights, as rollout.quantization: fp8 holds the routed experts in fp8",
+    )
     plan.add_argument("--check", help="evaluate one layout, e.g. tp=8,pp=12,cp=1,ep=8,offload=1.0")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.error = _plan_usage_error  # type: ignore[method-assign]

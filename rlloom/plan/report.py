@@ -17,6 +17,7 @@ from typing import Any
 
 from rlloom.config.components import ConfigError
 from rlloom.models.args import ModelArgs
+from rlloom.models.fp8 import FP8_NEEDS_EXPERTS
 from rlloom.plan.counts import ModelCosts, model_costs
 from rlloom.plan.inputs import Hardware, Layout, Workload
 from rlloom.plan.memory import Estimate
@@ -258,7 +259,16 @@ def run_plan(args: Any) -> int:
         gpus_per_node=args.gpus_per_node,
         cpu_memory_gb_per_node=args.cpu_memory_gb_per_node,
     )
-    work = Workload(max_tokens_per_gpu=args.max_tokens_per_gpu, recompute=args.recompute)
+    if args.rollout_quantization != "none" and costs.expert_params == 0:
+        raise ConfigError(
+            f"--rollout-quantization={args.rollout_quantization} is invalid for {args.model}: "
+            f"{FP8_NEEDS_EXPERTS}. Fix: leave it at none."
+        )
+    work = Workload(
+        max_tokens_per_gpu=args.max_tokens_per_gpu,
+        recompute=args.recompute,
+        rollout_quantization=args.rollout_quantization,
+    )
     check = parse_check(args.check, args.gpus, costs) if args.check is not None else None
     answer = plan(costs, hw, work, check)
     if args.json:

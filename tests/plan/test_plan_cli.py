@@ -156,3 +156,20 @@ def test_host_memory_per_node_is_checked(capsys):
     assert code == 1 and any("host memory" in p for p in out["problems"])
     code, out = plan(capsys, "deepseek-v3", *args, *check, "--cpu-memory-gb-per-node", "2048")
     assert code == 0 and out["fits"]
+
+
+def test_fp8_rollout_weights(capsys):
+    """--rollout-quantization fp8 (rollout.quantization): the rollout's experts at 1 + 4/128 bytes a
+    parameter; refused for a dense model, as a run refuses it."""
+    args = ("--gpus", "8", "--gpu-memory-gb", "80", "--check", "tp=1,pp=1,ep=8,offload=1.0")
+    _, bf16 = plan(capsys, "qwen3-30b-a3b", *args)
+    _, fp8 = plan(capsys, "qwen3-30b-a3b", *args, "--rollout-quantization", "fp8")
+
+    def total(answer):  # a replica's weights (the planner shards bf16 ones over 2 GPUs here)
+        return answer["rollout"]["weights_gb"] * answer["rollout"]["model_parallel"]
+
+    assert fp8["rollout"]["model_parallel"] < bf16["rollout"]["model_parallel"]
+    assert total(fp8) < 0.55 * total(bf16)
+    assert main(["plan", str(CONFIGS / "qwen3-8b"), "--gpus", "8", "--gpu-memory-gb", "80",
+                 "--rollout-quantization", "fp8"]) == 2  # fmt: skip
+    assert "fp8 quantizes the routed experts" in capsys.readouterr().err
