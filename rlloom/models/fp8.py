@@ -148,12 +148,9 @@ class Fp8Rows:
         return Fp8Rows(self.q[index], self.scale[index], self.dtype, parent=self, index=index)
 
     def copy_(self, src: torch.Tensor) -> Fp8Rows:
-        """Quantize `src` (same shape) into these rows, a bounded number of rows at a time."""
+        """Quantize `src` (same shape) into these rows, a bounded number at a time (along the first
+        dim: rows of a matrix, experts of a stack; `load_rows` batches many slots)."""
         src = src.to(self.q.device)
-        if self.q.dim() > 2:
-            for i in range(self.q.shape[0]):
-                self[i].copy_(src[i])
-            return self
         for start in range(0, self.q.shape[0], _CHUNK_ROWS):
             q, s = quantize_rows(src[start : start + _CHUNK_ROWS])
             self.q[start : start + _CHUNK_ROWS].copy_(q)
