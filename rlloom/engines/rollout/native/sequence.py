@@ -68,10 +68,13 @@ class Sequence:
 
     def record_routes(self, start: int, routes: torch.Tensor) -> None:
         """Keep the routes of positions start.. that are not recorded yet."""
-        skip = self.num_routed - start
-        if skip < len(routes):
-            self.route_chunks.append(routes[max(skip, 0) :])
-            self.num_routed += len(routes) - max(skip, 0)
+        n, skip = routes.shape[0], self.num_routed - start
+        if skip <= 0:  # the usual case: nothing recorded twice, no slice
+            self.route_chunks.append(routes)
+            self.num_routed += n
+        elif skip < n:
+            self.route_chunks.append(routes[skip:])
+            self.num_routed += n - skip
 
     @property
     def num_tokens(self) -> int:
