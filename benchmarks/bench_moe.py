@@ -38,7 +38,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_rollout import copy_bandwidth, decode_bound_s, hf_generate, print_table, row, run_engine  # noqa: E402
+from bench_rollout import (  # noqa: E402
+    completion_gaps,
+    copy_bandwidth,
+    decode_bound_s,
+    hf_generate,
+    print_table,
+    row,
+    run_engine,
+    weight_bytes,
+)
 from bench_train import make_batch, print_profile  # noqa: E402
 
 from rlloom.algorithms.losses import aggregate_loss_sum, loss_normalizer
@@ -254,7 +263,7 @@ def bench_rollout(
     row(table, name, f"rlloom ({quantization})" if quantization != "none" else "rlloom", r,
         f"decode {r['decode_s']:.2f}s ({mode}), bound {bound:.2f}s at {bandwidth / 1e12:.2f} TB/s, ratio "
         f"{bound / max(r['decode_s'], 1e-9):.2f}; first token {first_token_s:.1f}s after build; "
-        f"weights {weight_gib(engine.model):.1f} GiB; {kv_capacity(native.args, dtype)}{gap}")  # fmt: skip
+        f"weights {weight_bytes(engine.model) / 2**30:.1f} GiB; {kv_capacity(native.args, dtype)}{gap}")  # fmt: skip
     engine.sleep()
     del engine, native
     if device.type == "cuda":
@@ -263,29 +272,14 @@ def bench_rollout(
         row(table, name, "transformers generate", hf_generate(hf, prompts, new, pad_id=0))
 
 
-def weight_gib(model: torch.nn.Module) -> float:
-    """Bytes of the parameters and buffers (fp8 matrices and their scales are buffers), in GiB."""
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / 2**30
-
-
 def logp_gap(
     engine: NativeEngine, hf: torch.nn.Module, config: dict, prompts: list[list[int]], new: int
 ) -> str:
     """What training would see of a quantized rollout: the sampled tokens' logprobs under the
     unquantized model (a full forward) against the rollout's, as mean |gap| and NeMo-RL's
     token_mult_prob_error (mean exp|gap|)."""
-    out = engine.generate(
-        prompts, SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=1)
-    )
     reference = native_from(hf, config, next(hf.parameters()).dtype)
-    gaps = []
-    with torch.no_grad():
-        for c in out:
-            ids = torch.tensor([prompts[c.prompt_index] + c.token_ids], device=engine.device)
-            logp = reference(ids).float().log_softmax(-1)[0, len(prompts[c.prompt_index]) - 1 : -1]
-            want = logp.gather(-1, ids[0, len(prompts[c.prompt_index]) :, None])[:, 0]
-            gaps.append((want - torch.tensor(c.logprobs, device=want.device)).abs())
-    gap = torch.cat(gaps)
+    gap = completion_gaps(engine, prompts, new, reference, seed=1)
     del reference
     return f"logp gap to unquantized {gap.mean():.4f} (token_mult_prob_error {gap.exp().mean():.4f})"
 

@@ -124,13 +124,10 @@ def decode_bound_s(
 ) -> float:
     """Seconds the decode steps need at least: every step reads all weights and every cached key/value."""
     a = engine.model.args
-    # Parameters and buffers: an fp8 rollout's experts and their scales are buffers.
-    weight_bytes = sum(
-        t.numel() * t.element_size() for t in [*engine.model.parameters(), *engine.model.buffers()]
-    )
+    weights = weight_bytes(engine.model)
     kv_token_bytes = a.num_layers * a.kv_cache.values_per_token * engine.runner.dtype.itemsize
     steps = range(1, new_tokens)  # the first token comes from the prefill
-    total = sum(weight_bytes + batch * (prompt_len + s) * kv_token_bytes for s in steps)
+    total = sum(weights + batch * (prompt_len + s) * kv_token_bytes for s in steps)
     return total / bandwidth
 
 
@@ -174,18 +171,38 @@ def random_model(
     return native.eval(), hf
 
 
-def logprob_gap(engine: NativeEngine, prompts: list[list[int]], new: int) -> float:
-    """Largest |engine logprob - full-forward logprob| over sampled completions (checks the fast paths)."""
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters and buffers (an fp8 rollout's experts and their scales are buffers)."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def completion_gaps(
+    engine: NativeEngine,
+    prompts: list[list[int]],
+    new: int,
+    model: torch.nn.Module | None = None,
+    seed: int | None = None,
+) -> torch.Tensor:
+    """|engine logprob - full-forward logprob| of every token the engine samples from `prompts`
+    (T = 1, `seed`), the full forward by `model` (default: the engine's own, which checks the fast
+    paths)."""
     from rlloom.models.logprobs import token_logprobs
 
-    gap = 0.0
-    for c in engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True)):
+    model = model or engine.model
+    gaps = []
+    params = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=seed)
+    for c in engine.generate(prompts, params):
         ids = torch.tensor(prompts[c.prompt_index] + c.token_ids, device=engine.device)
         with torch.no_grad():
-            hidden = engine.model.hidden_states(ids[None])[0, len(prompts[c.prompt_index]) - 1 : -1]
-            ref, _ = token_logprobs(hidden, engine.model.lm_head_weight, ids[len(prompts[c.prompt_index]) :])
-        gap = max(gap, (ref.cpu() - torch.tensor(c.logprobs)).abs().max().item())
-    return gap
+            hidden = model.hidden_states(ids[None])[0, len(prompts[c.prompt_index]) - 1 : -1]
+            ref, _ = token_logprobs(hidden, model.lm_head_weight, ids[len(prompts[c.prompt_index]) :])
+        gaps.append((ref.float().cpu() - torch.tensor(c.logprobs)).abs())
+    return torch.cat(gaps)
+
+
+def logprob_gap(engine: NativeEngine, prompts: list[list[int]], new: int) -> float:
+    """Largest |engine logprob - full-forward logprob| over sampled completions (checks the fast paths)."""
+    return completion_gaps(engine, prompts, new).max().item()
 
 
 def bench_gpu(

@@ -31,6 +31,7 @@ from bench_rollout import (  # noqa: E402
     logprob_gap,
     random_model,
     run_engine,
+    weight_bytes,
 )
 
 from rlloom.engines.rollout.native import NativeEngine, SamplingParams  # noqa: E402
@@ -250,11 +251,11 @@ def main() -> None:
     idle = profile_steps(engine, args.profiled_steps, args.out)
 
     a = engine.model.args
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    weights = weight_bytes(engine.model)
     kv_bytes = (
         sum(s.num_tokens for s in seqs) * a.num_layers * a.num_kv_heads * (a.head_dim + a.v_head_dim) * 2
     )
-    bound_ms = (weight_bytes + kv_bytes) / bandwidth * 1e3
+    bound_ms = (weights + kv_bytes) / bandwidth * 1e3
     while engine.has_unfinished():
         engine.step()
     e2e = end_to_end(engine, prompts, new, bandwidth)

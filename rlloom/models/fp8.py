@@ -41,8 +41,6 @@ FP8_NEEDS_EXPERTS = (
     "fp8 quantizes the routed experts of MoE models, and this model has none (a dense matrix's fp8 "
     "product is slower than bf16 in this engine)"
 )
-_CHUNK_ROWS = 4096
-"""Rows quantized at a time (bounds the fp32 temporaries of a large matrix)."""
 _BATCH_BYTES = 128 << 20
 """fp32 bytes of the experts `load_rows` quantizes together (a few such temporaries at the peak)."""
 
@@ -148,13 +146,10 @@ class Fp8Rows:
         return Fp8Rows(self.q[index], self.scale[index], self.dtype, parent=self, index=index)
 
     def copy_(self, src: torch.Tensor) -> Fp8Rows:
-        """Quantize `src` (same shape) into these rows, a bounded number at a time (along the first
-        dim: rows of a matrix, experts of a stack; `load_rows` batches many slots)."""
-        src = src.to(self.q.device)
-        for start in range(0, self.q.shape[0], _CHUNK_ROWS):
-            q, s = quantize_rows(src[start : start + _CHUNK_ROWS])
-            self.q[start : start + _CHUNK_ROWS].copy_(q)
-            self.scale[start : start + _CHUNK_ROWS].copy_(s)
+        """Quantize `src` (same shape) into these rows (`load_rows` batches many slots)."""
+        q, s = quantize_rows(src.to(self.q.device))
+        self.q.copy_(q)
+        self.scale.copy_(s)
         return self
 
     def dequantize(self) -> torch.Tensor:
@@ -250,16 +245,15 @@ class Fp8GroupedExperts(Fp8Weights):
         return fp8_linear(F.silu(gate) * up, self.w2_fp8, self.w2_scale, offsets)
 
 
-def quantize_fp8_(model: nn.Module) -> nn.Module:
+def quantize_fp8_(model: nn.Module) -> int:
     """Replace the model's routed experts by fp8 ones in place, one layer at a time (the peak is the
-    unquantized model plus one layer's fp8 experts). Raises ValueError for a model without experts."""
+    unquantized model plus one layer's fp8 experts); returns the layers replaced (0: a dense model,
+    left as it is)."""
     from rlloom.models.moe import GroupedExperts
 
     parents = [
         (m, name) for m in model.modules() for name, c in m.named_children() if isinstance(c, GroupedExperts)
     ]
-    if not parents:
-        raise ValueError("the model has no routed experts to quantize")
     for parent, name in parents:
         setattr(parent, name, Fp8GroupedExperts(getattr(parent, name)))
-    return model
+    return len(parents)

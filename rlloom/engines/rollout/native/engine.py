@@ -58,7 +58,6 @@ from rlloom.engines.rollout.native.validation import (
 )
 from rlloom.engines.rollout.native.vocab_parallel import VocabParallelSampler
 from rlloom.models.fp8 import FP8_NEEDS_EXPERTS, quantize_fp8_
-from rlloom.models.moe import GroupedExperts
 from rlloom.observability.startup import mark_first_token
 
 
@@ -154,13 +153,12 @@ class NativeEngine:
                 "use one rank per replica, or none",
             )
             _check(
-                any(isinstance(m, GroupedExperts) for m in model.modules()),
+                quantize_fp8_(model) > 0,
                 "quantization",
                 quantization,
                 FP8_NEEDS_EXPERTS,
                 "use none for a dense model",
             )
-            quantize_fp8_(model)
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.tp: TPShards | None = None
