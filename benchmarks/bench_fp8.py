@@ -4,7 +4,9 @@ against the bf16 grouped products they replace, at decode and prefill row counts
 Rows: the experts' gate+up and down products of the Qwen3-30B-A3B and DeepSeek-V3 widths, the rows
 spread evenly over the experts as a decode batch spreads them. Columns: ms per call (replayed from
 a CUDA graph, as decode runs them, so without host overhead), the fp8 weights' bytes read per call,
-the achieved weight bandwidth of each, and the speed-up over bf16 (`torch._grouped_mm`, same rows).
+the achieved weight bandwidth of each, and the speed-ups: fp8 over the bf16 products
+`torch._grouped_mm` (training's) and `moe.expert_linear` (the rollout's bf16 path: a Triton kernel
+at decode row counts, `torch._grouped_mm` above them), same rows.
 Every fp8 result is checked against an fp32 product with the dequantized weights before timing.
 
     python benchmarks/bench_fp8.py          # needs a CUDA GPU of compute capability >= 8.9
@@ -22,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_rollout import copy_bandwidth  # noqa: E402
 
 from rlloom.models.fp8 import dequantize_rows, fp8_linear, quantize_rows
+from rlloom.models.moe import expert_linear
 
 # (name, experts, N, K, rows): N output rows of each expert's matrix, K input columns.
 SHAPES = [
@@ -86,17 +89,23 @@ def main() -> None:
         del deq, want
         wt = w.transpose(-2, -1)
         bf16_ms = timed(lambda x=x, wt=wt, offsets=offsets: torch._grouped_mm(x, wt, offs=offsets))
+        kernel_ms = timed(lambda x=x, w=w, offsets=offsets: expert_linear(x, w, offsets))
         fp8_ms = timed(lambda x=x, q=q, scale=scale, offsets=offsets: fp8_linear(x, q, scale, offsets))
         fp8_bytes = q.numel() + scale.numel() * 4
         table.append((
-            name, f"{bf16_ms:.4f}", f"{fp8_ms:.4f}", f"{bf16_ms / fp8_ms:.2f}x",
-            f"{fp8_bytes / 2**20:.0f}", f"{fp8_bytes / fp8_ms / 1e9:.2f}",
-            f"{w.numel() * 2 / bf16_ms / 1e9:.2f}", f"{err:.1e}",
+            name, f"{bf16_ms:.4f}", f"{kernel_ms:.4f}", f"{fp8_ms:.4f}", f"{bf16_ms / kernel_ms:.2f}x",
+            f"{bf16_ms / fp8_ms:.2f}x", f"{kernel_ms / fp8_ms:.2f}x", f"{fp8_bytes / 2**20:.0f}",
+            f"{fp8_bytes / fp8_ms / 1e9:.2f}", f"{w.numel() * 2 / bf16_ms / 1e9:.2f}",
+            f"{w.numel() * 2 / kernel_ms / 1e9:.2f}", f"{err:.1e}",
         ))  # fmt: skip
         del w, q, scale, x
         torch.cuda.empty_cache()
     bandwidth = copy_bandwidth(torch.device("cuda"))
-    header = ("product", "bf16 ms", "fp8 ms", "speed-up", "fp8 MiB", "fp8 TB/s", "bf16 TB/s", "rel err")
+    header = (
+        "product", "grouped_mm ms", "bf16 expert_linear ms", "fp8 ms", "expert_linear / grouped_mm",
+        "fp8 / grouped_mm", "fp8 / expert_linear", "fp8 MiB", "fp8 TB/s", "grouped_mm TB/s",
+        "expert_linear TB/s", "fp8 rel err",
+    )  # fmt: skip
     _print(
         f"bench_fp8 ({torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s)",
         header,

@@ -20,7 +20,7 @@ the rows only (not DeepSeek-V3's 128 x 128 blocks) so that any set of rows (one 
 the up half of the stacked gate/up weight) quantizes on its own. The scales add 1/32 of the fp8
 bytes.
 
-The grouped product `fp8_linear` is a Triton kernel on CUDA (`fp8_kernels.py`, compute capability
+The grouped product `fp8_linear` is a Triton kernel on CUDA (`expert_kernels.py`, compute capability
 >= 8.9) and dequantize-then-matmul elsewhere: the CPU path exists for tests and is slower than the
 unquantized one.
 
@@ -104,9 +104,9 @@ def _fp8_linear_cuda(
 ) -> torch.Tensor:
     if not _kernel_ok(x):
         return _linear_reference(x, q, scale, offsets)
-    from rlloom.models import fp8_kernels
+    from rlloom.models import expert_kernels
 
-    return fp8_kernels.fp8_linear(x, q, scale, offsets, GROUP)
+    return expert_kernels.expert_linear(x, q, offsets, scale, GROUP)
 
 
 @fp8_linear.register_fake

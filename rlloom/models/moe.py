@@ -13,7 +13,9 @@ backward; the backward rounds the logits' gradient to bf16, as every bf16 layer'
 
 Experts are stored stacked, w1 (gate) [E, I, D], w2 (down) [E, D, I], w3 (up) [E, I, D]. The
 token-expert pairs are sorted by expert so each expert reads one contiguous slice: on CUDA with
-bf16 one `torch._grouped_mm` per projection, elsewhere a loop over experts (never over tokens).
+bf16 one `torch._grouped_mm` per projection (the rollout engine's copy: `expert_linear`, a
+Triton kernel at decode row counts that reads the weights at about 4 TB/s on an H200, where
+cutlass reads 2.6-3.3), elsewhere a loop over experts (never over tokens).
 Tokens go to and come back from that order by gathers only (`DispatchRows`, `CombineRows`: the
 backward of each is a gather too), and a token's K expert outputs are summed with their weights
 in fp32 in one pass (`gather_sum`, a Triton kernel on CUDA): no atomic scatter-adds, so the result
@@ -155,6 +157,8 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
         for w in (self.w1, self.w2, self.w3):
             nn.init.normal_(w, std=0.02)
+        self.inference_kernel = False
+        """Run no-grad products through `expert_linear` (`use_inference_kernel_`)."""
 
     def forward(
         self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor
@@ -180,9 +184,55 @@ class GroupedExperts(nn.Module):
 
     def _grouped_mm(self, xs: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         offsets = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+        if self.inference_kernel and not torch.is_grad_enabled():
+            gate = expert_linear(xs, self.w1, offsets)
+            h = F.silu(gate) * expert_linear(xs, self.w3, offsets)
+            return expert_linear(h, self.w2, offsets)
         gate = torch._grouped_mm(xs, self.w1.transpose(-2, -1), offs=offsets)
         up = torch._grouped_mm(xs, self.w3.transpose(-2, -1), offs=offsets)
         return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offsets)
+
+
+def use_inference_kernel_(model: nn.Module) -> int:
+    """Let the model's routed experts run their no-grad products through `expert_linear` (the rollout
+    engine's copy of the model; training keeps `torch._grouped_mm`, so its forward passes stay as
+    they were); returns the layers set."""
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    for m in experts:
+        m.inference_kernel = True
+    return len(experts)
+
+
+def _expert_linear_reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    out = x.new_empty(x.shape[0], w.shape[1])
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        out[start:end] = x[start:end] @ w[e].T
+        start = end
+    return out
+
+
+@torch.library.custom_op("rlloom::expert_linear", mutates_args=())
+def expert_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x [P, K] -> [P, N]: rows offsets[e-1]:offsets[e] (int32, cumulative: rows sorted by expert)
+    times w[e].T, w [E, N, K]; no autograd. On CUDA in bf16 with few rows an expert (decode) a
+    Triton kernel that reads the weights near the memory bandwidth (`expert_kernels.py`), otherwise
+    `torch._grouped_mm`; a loop over experts elsewhere."""
+    return _expert_linear_reference(x, w, offsets)
+
+
+@expert_linear.register_kernel("cuda")
+def _expert_linear_cuda(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    from rlloom.models import expert_kernels
+
+    if x.dtype == w.dtype == torch.bfloat16 and expert_kernels.fits_rows(x.shape[0], w.shape[0]):
+        return expert_kernels.expert_linear(x, w, offsets)
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+
+
+@expert_linear.register_fake
+def _expert_linear_fake(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[1])
 
 
 def run_experts(

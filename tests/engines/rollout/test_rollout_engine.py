@@ -334,3 +334,23 @@ def test_large_groups_and_the_model_length_cap(dense):
     assert [c.sample_index for c in out] == list(range(7)) and all(len(c.token_ids) == 3 for c in out)
     capped = engine.generate([list(range(1, 61))], SamplingParams(temperature=0.0, max_new_tokens=10))[0]
     assert len(capped.token_ids) == 4 and capped.finish_reason == "length"  # 60 + 4 = max_model_len 64
+
+
+def test_rollout_experts_take_the_inference_kernel_and_the_model_elsewhere_does_not(tmp_path):
+    from rlloom.models import from_pretrained
+    from rlloom.models.moe import GroupedExperts, expert_linear
+
+    path = save(tiny_moe(seed=1), tmp_path)
+    rollout = [m for m in _engine(path).model.modules() if isinstance(m, GroupedExperts)]
+    other = [m for m in from_pretrained(path).modules() if isinstance(m, GroupedExperts)]
+    assert rollout and all(m.inference_kernel for m in rollout)
+    assert other and not any(m.inference_kernel for m in other)
+    # The product it runs: each row times its expert's matrix (the CPU reference; the CUDA kernel
+    # is checked against it in tests/gpu/test_expert_kernels_gpu.py).
+    g = torch.Generator().manual_seed(1)
+    counts = [3, 0, 5, 1]
+    w = torch.randn(4, 12, 150, generator=g)
+    x = torch.randn(sum(counts), 150, generator=g)
+    got = expert_linear(x, w, torch.tensor(counts).cumsum(0).to(torch.int32))
+    experts = [e for e, n in enumerate(counts) for _ in range(n)]
+    torch.testing.assert_close(got, torch.stack([w[e] @ x[p] for p, e in enumerate(experts)]))

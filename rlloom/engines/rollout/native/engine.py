@@ -58,6 +58,7 @@ from rlloom.engines.rollout.native.validation import (
 )
 from rlloom.engines.rollout.native.vocab_parallel import VocabParallelSampler
 from rlloom.models.fp8 import FP8_NEEDS_EXPERTS, quantize_fp8_
+from rlloom.models.moe import use_inference_kernel_
 from rlloom.observability.startup import mark_first_token
 
 
@@ -159,6 +160,7 @@ class NativeEngine:
                 FP8_NEEDS_EXPERTS,
                 "use none for a dense model",
             )
+        use_inference_kernel_(model)  # decode's expert products near the memory bound (models/moe.py)
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.tp: TPShards | None = None
