@@ -69,9 +69,12 @@ def fits_rows(rows: int, experts: int) -> bool:
 
 def _fp8_blocks(rows_per_expert: float) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the fp8 kernel for the average rows an
-    expert gets (a sweep on an H200 at decode sizes with even rows, docs/benchmarks.md)."""
-    if rows_per_expert <= 16:
+    expert gets (sweeps on an H200 at decode sizes, with uniformly random routing for the first
+    two: docs/benchmarks.md)."""
+    if rows_per_expert <= 8:
         return 16, 128, 128, 4, 3
+    if rows_per_expert <= 16:
+        return 32, 128, 128, 4, 4
     return (64, 128, 128, 4, 3) if rows_per_expert <= 64 else (128, 128, 128, 8, 4)
 
 

@@ -33,6 +33,7 @@ SHAPES = pytest.mark.parametrize(
         ([1], 96, 200),  # one row, a partial scale group
         ([0, 1000, 0, 3, 1, 0, 17, 64], 256, 384),  # skewed, empty experts, several row tiles
         ([40] * 6, 256, 640),  # the middle tile size
+        ([12, 20, 5, 16, 9, 14, 11, 17] * 4, 512, 1024),  # 9-16 rows an expert, skewed
         ([8] * 128, 1536, 2048),  # Qwen3-30B-A3B decode: 128 tokens x 8 over 128 experts
         ([2] * 256, 512, 1024),  # DeepSeek-V3 decode shape, narrowed
         ([1024] * 16, 1536, 2048),  # prefill
