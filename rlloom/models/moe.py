@@ -247,7 +247,9 @@ def run_experts(
     Shared by the bf16 experts and the rollout's fp8 ones (`fp8.Fp8GroupedExperts`)."""
     K = experts_TK.shape[1]
     flat_experts = experts_TK.flatten()
-    order = torch.argsort(flat_experts, stable=True)
+    # 16-bit keys: a CUDA radix sort makes one pass per key byte (int64 took 0.23 ms of a 4.6 ms decode step)
+    keys = flat_experts.to(torch.int16) if num_experts <= torch.iinfo(torch.int16).max else flat_experts
+    order = torch.argsort(keys, stable=True)
     counts_E = torch.zeros(num_experts, dtype=torch.int64, device=flat_experts.device)
     counts_E.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
     inverse = inverse_permutation(order)
