@@ -191,7 +191,12 @@ def print_profile(engine: NativeTrainEngine, batch: RolloutBatch, loss_fn, norma
     if device.type != "cuda":
         return
     # Kernels, Triton and Inductor ones included (no aten operator carries their time).
-    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    # Not the GPU-side ranges of annotations (`Optimizer.step#AdamW.step` spans AdamW's kernels).
+    kernels = [
+        e
+        for e in prof.key_averages()
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    ]
     kbusy = sum(e.self_device_time_total for e in kernels) / 1e6
     print(f"\nkernels: {kbusy:.3f} s on the device ({kbusy / wall:.0%} of the wall time)")
     print(f"{'kernel':<70}{'seconds':>10}{'share':>8}{'calls':>8}")
