@@ -167,23 +167,14 @@ class GroupedExperts(nn.Module):
         return run_experts(x_TD, weights_TK, experts_TK, self.w1.shape[0], self._mlp)
 
     def _mlp(self, xs: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        if xs.is_cuda and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-            return self._grouped_mm(xs, counts_E)
-        return self._loop(xs, counts_E)
-
-    def _loop(self, xs: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        ys = torch.empty_like(xs)
-        start = 0
-        for e, n in enumerate(counts_E.tolist()):
-            if n:
-                x = xs[start : start + n]
-                h = F.silu(x @ self.w1[e].T) * (x @ self.w3[e].T)
-                ys[start : start + n] = h @ self.w2[e].T
-            start += n
-        return ys
-
-    def _grouped_mm(self, xs: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         offsets = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+        if xs.is_cuda and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+            return self._grouped_mm(xs, offsets)
+        # Elsewhere one product per expert's slice (autograd runs through the slices).
+        h = F.silu(_experts_loop(xs, self.w1, offsets)) * _experts_loop(xs, self.w3, offsets)
+        return _experts_loop(h, self.w2, offsets)
+
+    def _grouped_mm(self, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         if self.inference_kernel and not torch.is_grad_enabled():
             gate = expert_linear(xs, self.w1, offsets)
             h = F.silu(gate) * expert_linear(xs, self.w3, offsets)
@@ -193,17 +184,17 @@ class GroupedExperts(nn.Module):
         return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offsets)
 
 
-def use_inference_kernel_(model: nn.Module) -> int:
+def use_inference_kernel_(model: nn.Module) -> None:
     """Let the model's routed experts run their no-grad products through `expert_linear` (the rollout
     engine's copy of the model; training keeps `torch._grouped_mm`, so its forward passes stay as
-    they were); returns the layers set."""
-    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
-    for m in experts:
-        m.inference_kernel = True
-    return len(experts)
+    they were)."""
+    for m in model.modules():
+        if isinstance(m, GroupedExperts):
+            m.inference_kernel = True
 
 
-def _expert_linear_reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _experts_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x [P, K] -> [P, N]: each expert's slice of rows (`offsets` as in `expert_linear`) times w[e].T."""
     out = x.new_empty(x.shape[0], w.shape[1])
     start = 0
     for e, end in enumerate(offsets.tolist()):
@@ -218,7 +209,7 @@ def expert_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> to
     times w[e].T, w [E, N, K]; no autograd. On CUDA in bf16 with few rows an expert (decode) a
     Triton kernel that reads the weights near the memory bandwidth (`expert_kernels.py`), otherwise
     `torch._grouped_mm`; a loop over experts elsewhere."""
-    return _expert_linear_reference(x, w, offsets)
+    return _experts_loop(x, w, offsets)
 
 
 @expert_linear.register_kernel("cuda")
