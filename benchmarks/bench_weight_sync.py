@@ -30,11 +30,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_rollout import SHAPES  # noqa: E402  (the shapes live in one place)
-from ports import free_port  # noqa: E402
 
 from rlloom.engines.rollout.native import NativeEngine
 from rlloom.engines.train.native.weights import named_weight_buckets
 from rlloom.models.checkpoint import build_model
+from rlloom.parallel.distributed import free_port
 from rlloom.weight_sync.broadcast import SyncGroupSpec, join_sync_group, send_weights
 from rlloom.weight_sync.inplace import sync_inplace
 from rlloom.weight_sync.receive import receive_weights

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,14 +32,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).parent))
-from ports import free_port  # noqa: E402
-
 from rlloom.config.components import TrainEngineConfig
 from rlloom.engines.rollout.native import NativeEngine
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.models.checkpoint import build_model
 from rlloom.parallel import ParallelDims
+from rlloom.parallel.distributed import free_port
 from rlloom.weight_sync.broadcast import (
     SyncGroupSpec,
     join_sync_group,

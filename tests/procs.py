@@ -11,10 +11,11 @@ process's environment of the moment instead, as a fresh interpreter would see it
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable
 
 import torch.multiprocessing as mp
+
+from rlloom.parallel.distributed import free_port  # noqa: F401  (the tests' rendezvous ports)
 
 PRELOAD = [
     "torch",
@@ -24,13 +25,6 @@ PRELOAD = [
     "rlloom.engines.rollout.native.engine",
     "rlloom.parallel.parallelize",
 ]
-
-
-def free_port() -> int:
-    """A TCP port free on this host now (for a process group's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(fn: Callable, args: tuple = (), nprocs: int = 1, join: bool = True):  # noqa: ANN201

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 from datetime import timedelta
 from typing import Any
 
@@ -23,6 +22,7 @@ from rlloom.devices import resolve_device, resolve_dtype
 from rlloom.heap import freeze_heap
 from rlloom.observability.log import init_logger
 from rlloom.parallel import init_distributed
+from rlloom.parallel.distributed import free_port
 from rlloom.weight_sync.base import checksum_enabled
 from rlloom.weight_sync.broadcast import (
     SyncGroup,
@@ -81,10 +81,7 @@ class SlotActor:
 
     def address(self) -> tuple[str, int, int]:
         """(host ip, a free port on it, pid) for rendezvous and error reports."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port, os.getpid()
+        return ray.util.get_node_ip_address(), free_port(), os.getpid()
 
     def start_train(self, rank: int, world_size: int, master: tuple[str, int]) -> None:
         """Join the training world as `rank` and build the training worker."""

@@ -5,6 +5,9 @@ a one-rank group when there are none (a single GPU still needs a group for FSDP'
 from __future__ import annotations
 
 import os
+import random
+import socket
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -13,6 +16,43 @@ import torch.distributed as dist
 # deprecates the old names, which torch 2.11 (the GPU machines' version) has alone.
 all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_PORTS_GIVEN: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands to outgoing connections (Linux's default 32768-60999)."""
+    try:
+        low, high = (int(v) for v in _EPHEMERAL.read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port free on `host` now, for a rendezvous store to listen on later.
+
+    It is drawn at random from below the kernel's ephemeral range: a port the kernel handed out
+    (binding port 0) could be given again to an outgoing connection, gloo's or a store client's,
+    before the store binds it (EADDRINUSE). A port is not handed out twice by one process.
+    """
+    low, high = _ephemeral_range()
+    first, last = (20000, low - 1) if low > 21000 else (high + 1, 65535)
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randint(first, last)
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port in {first}-{last} on {host or 'this host'} after 200 tries")
 
 
 def default_backend(device_type: str) -> str:
