@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
         "train", help="run RL training", description=f"Run RL training. Recipes: {recipes}."
     )
     train.add_argument("config", help="recipe name or YAML file")
-    train.add_argument("overrides", nargs="*", help=_OVERRIDES_HELP)
+    train.add_argument("overrides", nargs="*", default=[], help=_OVERRIDES_HELP)
 
     config = sub.add_parser("config", help="inspect configs", description="Inspect configs.")
     config_sub = config.add_subparsers(dest="config_command", required=True)
@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
         f"trainer.run_dir is a comment, so a file saved from it runs in runs/<file name>). Recipes: {recipes}.",
     )
     show.add_argument("config", help="recipe name or YAML file")
-    show.add_argument("overrides", nargs="*", help=_OVERRIDES_HELP)
+    show.add_argument("overrides", nargs="*", default=[], help=_OVERRIDES_HELP)
     config_sub.add_parser(
         "doc",
         help="print the configuration reference (Markdown)",
@@ -64,7 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("model", help="Hugging Face folder, run folder or checkpoint")
     evaluate.add_argument("data", help=".jsonl or .parquet file (every row), or arithmetic/countdown")
-    evaluate.add_argument("overrides", nargs="*", help="dotted overrides such as data.system_prompt='...'")
+    evaluate.add_argument(
+        "overrides", nargs="*", default=[], help="dotted overrides such as data.system_prompt='...'"
+    )
     evaluate.add_argument("--samples", type=int, default=1, help="answers per prompt (pass@k for k > 1)")
     evaluate.add_argument(
         "--temperature",

@@ -123,6 +123,13 @@ class DataConfig:
         )
         _check(self.num_train >= 1, "data.num_train", self.num_train, "must be >= 1", "use a positive count")
         _check_seed("data.seed", self.seed)
+        _check(
+            not self.path or self.task in ("jsonl", "parquet"),
+            "data.path",
+            self.path,
+            f"is read only by data.task=jsonl or parquet, and data.task={self.task} generates its own prompts",
+            "set data.task=jsonl (or parquet) to train on the file, or leave data.path out",
+        )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -76,7 +76,7 @@ class EvalReport:
 def eval_data_overrides(data: str) -> list[str]:
     """data.task / data.path for a dataset file or a procedural task name."""
     if data in PROCEDURAL_TASKS:
-        return [f"data.task={data}"]
+        return [f"data.task={data}", "data.path=''"]  # a run's dataset file is not read by a task
     path = Path(data)
     if not path.is_file():
         raise ConfigError(

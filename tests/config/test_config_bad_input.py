@@ -58,6 +58,8 @@ CONFIG_CASES = [
     ("override_no_equals", None, ["train.lr"], ["section.key=value"]),
     ("override_section_value", None, ["trainer=3"], ["trainer is a section"]),
     ("missing_file", "MISSING", [], ["does not exist"]),
+    # a dataset file beside a procedural task was ignored: the run trained on arithmetic
+    ("data_path_with_a_task", None, ["data.path=/d.jsonl"], ["data.path='/d.jsonl'", "data.task=jsonl"]),
 ]
 
 
@@ -91,6 +93,14 @@ def test_python_m_cli_prints_one_line_and_exits_2(tmp_path):
     cmd = [sys.executable, "-m", "rlloom.cli", "config", "show", "arithmetic_smoke", "train.lr=.inf"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert_one_line_error(proc.returncode, proc.stderr, ["train.lr=inf"])
+
+
+def test_a_missing_positional_names_only_itself(capsys):
+    # the optional overrides were listed as required too
+    with pytest.raises(SystemExit) as stop:
+        main(["eval", "some_model"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 2 and err.endswith("the following arguments are required: data"), err
 
 
 def train_args(ckpt: Path, run_dir: Path, *extra: str) -> list[str]:

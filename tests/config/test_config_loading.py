@@ -115,7 +115,7 @@ def test_yaml_paths_are_relative_to_the_file_and_its_run_has_its_own_folder(tmp_
     assert cfg.trainer.run_dir == "runs/exp1"  # not the recipe's runs/arithmetic_demo
     # a name that is not a folder next to the file stays a name; overrides stay as given
     (folder / "exp2.yaml").write_text("model: {path: smollm2-135m-instruct}\ntrainer: {run_dir: out/x}\n")
-    cfg = load_config(folder / "exp2.yaml", ["data.path=rel.jsonl"])
+    cfg = load_config(folder / "exp2.yaml", ["data.task=jsonl", "data.path=rel.jsonl"])
     assert cfg.model.path == "smollm2-135m-instruct" and cfg.trainer.run_dir == "out/x"
     assert cfg.data.path == "rel.jsonl"
 

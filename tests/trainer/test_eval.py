@@ -18,8 +18,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlloom.cli import main
+from rlloom.config import load_config
 from rlloom.data.chat import tokenize_prompts
 from rlloom.data.dataset import RawPrompt
+from rlloom.trainer.eval_model import eval_data_overrides
 
 PROMPTS = ["What is 2 + 3?", "Name a color.", "Say hi.", "Count to three.", "12 * 4 =", "Spell cat."]
 FAST = ["rollout.max_new_tokens=6", "rollout.num_blocks=16", "reward.name=exact_reward:exact"]
@@ -114,3 +116,11 @@ def test_errors_are_one_line(argv, message, tiny_checkpoint, tmp_path, capsys):
     assert main(["eval", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("rlloom: error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_a_task_replaces_the_dataset_file_of_a_run_trained_on_one():
+    # a run's config.yaml names its dataset file; evaluating it on a task must not keep that path
+    # (data.path is refused beside a procedural task)
+    run_config = ["data.task=jsonl", "data.path=/runs/data.jsonl"]
+    cfg = load_config("arithmetic_smoke", [*run_config, *eval_data_overrides("arithmetic")])
+    assert (cfg.data.task, cfg.data.path) == ("arithmetic", "")
