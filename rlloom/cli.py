@@ -9,12 +9,15 @@ rlloom plot RUN_DIR
 rlloom plan MODEL --gpus N --gpu-memory-gb G [--check tp=..,pp=..,cp=..,ep=..,offload=F] [--json]
 
 A user error (`UserError`: config, data file, model path, start-up checks) prints one line,
-`rlloom: error: ...`, and exits 2; internal bugs keep their traceback.
+`rlloom: error: ...`, and exits 2; internal bugs keep their traceback. Ctrl-C or SIGTERM during a
+run's steps finishes the step, writes a checkpoint and exits 128 + the signal's number with one line
+saying where to continue (trainer/stop.py); Ctrl-C elsewhere, or a second one, prints one line too.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from typing import NoReturn
 
@@ -186,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from rlloom.config.loading import load_config
         from rlloom.trainer.run import TrainingStalled, run
+        from rlloom.trainer.stop import RunStopped
 
         cfg = load_config(args.config, args.overrides)
         try:
@@ -193,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
         except TrainingStalled as e:
             print(f"rlloom: error: {e}", file=sys.stderr)
             return 1
+        except RunStopped as e:
+            print(f"rlloom: {e}", file=sys.stderr)
+            return e.exit_code
         return 0
     except (UserError, CheckpointError, FileNotFoundError) as e:
         print(f"rlloom: error: {_one_line(str(e))}", file=sys.stderr)
@@ -200,6 +207,19 @@ def main(argv: list[str] | None = None) -> int:
     except WorkerFailure as e:
         print(f"rlloom: worker failure: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C outside a run's steps, or twice within them
+        print(f"rlloom: interrupted (Ctrl-C); {_INTERRUPTED[args.command]}", file=sys.stderr)
+        return 128 + signal.SIGINT
+
+
+_INTERRUPTED = {
+    "train": "a run keeps its checkpoints up to the last one written: continue with trainer.resume=auto",
+    "eval": "no report was written",
+    "export": "the output folder may be incomplete: remove it and export again",
+    "plan": "nothing was written",
+    "plot": "nothing was written",
+    "config": "nothing was written",
+}
 
 
 def _one_line(message: str) -> str:

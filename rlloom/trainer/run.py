@@ -46,6 +46,7 @@ from rlloom.trainer.export import save_run_hf
 from rlloom.trainer.preflight import check_before_loading, check_resume_config
 from rlloom.trainer.run_lock import RunDirLock
 from rlloom.trainer.step import StepContext, rl_step, update_was_skipped
+from rlloom.trainer.stop import RunStopped, StopSignals
 
 
 class TrainingStalled(RuntimeError):
@@ -155,36 +156,40 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
         after: dict[str, float] = {}
         first_step, num_skipped = state.step + 1, 0
         loop = AsyncLoop(ctx) if cfg.trainer.mode != "sync" else None  # trainer/async_loop.py
-        while state.step < cfg.trainer.total_steps:
-            metrics = rl_step(ctx, state.step) if loop is None else loop.step(state.step)
-            state.step += 1
-            if state.step == first_step:  # the warm-up built what stays: later collections skip it
-                groups.freeze_heap()
-            num_skipped += update_was_skipped(metrics)
-            metrics["memory/peak_gib"] = peak_memory_gib(resolve_device(cfg).type)
-            is_last = state.step == cfg.trainer.total_steps
-            if eval_items and (
-                is_last or (cfg.trainer.eval_every and state.step % cfg.trainer.eval_every == 0)
-            ):
-                after = run_eval()
-                metrics.update(after)
-            if state.step == first_step and (seconds := first_token_s()) is not None:
-                metrics["perf/first_token_s"] = seconds  # this process's (None in Ray's driver)
-            loggers.log(state.step, metrics)
-            loggers.log_samples(state.step, sample_records(state.step, picked))
-            if is_last and num_skipped == state.step - first_step + 1:
-                raise TrainingStalled(
-                    f"every policy update of steps {first_step}-{state.step} was skipped because the loss, the "
-                    f"gradient norm or the new parameters were not finite (train.lr={cfg.train.lr:g}); the "
-                    "weights never changed and no final checkpoint was written. Fix: lower train.lr, or look "
-                    "for inf/NaN in the rewards and advantages (metrics.jsonl)."
-                )
-            if is_last or (cfg.trainer.save_every and state.step % cfg.trainer.save_every == 0):
-                state.data_state = source.state_dict()
-                save_checkpoint(groups.train, cfg, state)
-                maybe_fail("after_checkpoint", state.step)
-            if _hf_due(cfg, state.step, is_last):
-                save_run_hf(groups.train, cfg, state.step)
+        with StopSignals() as stop:  # Ctrl-C / SIGTERM: finish the step, checkpoint, RunStopped
+            while state.step < cfg.trainer.total_steps:
+                metrics = rl_step(ctx, state.step) if loop is None else loop.step(state.step)
+                state.step += 1
+                if state.step == first_step:  # the warm-up built what stays: later collections skip it
+                    groups.freeze_heap()
+                num_skipped += update_was_skipped(metrics)
+                metrics["memory/peak_gib"] = peak_memory_gib(resolve_device(cfg).type)
+                is_last = state.step == cfg.trainer.total_steps
+                if eval_items and (
+                    is_last or (cfg.trainer.eval_every and state.step % cfg.trainer.eval_every == 0)
+                ):
+                    after = run_eval()
+                    metrics.update(after)
+                if state.step == first_step and (seconds := first_token_s()) is not None:
+                    metrics["perf/first_token_s"] = seconds  # this process's (None in Ray's driver)
+                loggers.log(state.step, metrics)
+                loggers.log_samples(state.step, sample_records(state.step, picked))
+                if is_last and num_skipped == state.step - first_step + 1:
+                    raise TrainingStalled(
+                        f"every policy update of steps {first_step}-{state.step} was skipped because the loss, the "
+                        f"gradient norm or the new parameters were not finite (train.lr={cfg.train.lr:g}); the "
+                        "weights never changed and no final checkpoint was written. Fix: lower train.lr, or look "
+                        "for inf/NaN in the rewards and advantages (metrics.jsonl)."
+                    )
+                saved = None
+                if stop.signum or _save_due(cfg, state.step, is_last):
+                    state.data_state = source.state_dict()
+                    saved = save_checkpoint(groups.train, cfg, state)
+                    maybe_fail("after_checkpoint", state.step)
+                if _hf_due(cfg, state.step, is_last):
+                    save_run_hf(groups.train, cfg, state.step)
+                if stop.signum and saved and not is_last:
+                    raise RunStopped(stop.signum, state.step, saved)
     finally:
         loggers.close()
         runner.close()
@@ -203,6 +208,11 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
         flush=True,
     )
     return result
+
+
+def _save_due(cfg: RunConfig, step: int, is_last: bool) -> bool:
+    every = cfg.trainer.save_every
+    return is_last or (every > 0 and step % every == 0)
 
 
 def _hf_due(cfg: RunConfig, step: int, is_last: bool) -> bool:

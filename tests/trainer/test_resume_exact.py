@@ -22,14 +22,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer_loop import final_weights, read_metrics, tiny_cfg
+from test_trainer_loop import final_weights, read_metrics, tiny_args, tiny_cfg
 
 from rlloom.cli import main
 from rlloom.cluster.build import build_groups
 from rlloom.config import ConfigError
 from rlloom.faults import parse_fault
 from rlloom.models.adapter import hf_named_tensors
-from rlloom.trainer.checkpoint import checkpoint_dir, load_checkpoint
+from rlloom.trainer.checkpoint import checkpoint_dir, complete_checkpoints, load_checkpoint
 from rlloom.trainer.run import run
 
 TOTAL = 4
@@ -121,18 +121,31 @@ def _launcher(conn) -> None:
     import transformers.models.auto.tokenization_auto  # noqa: F401
 
     while (request := conn.recv()) is not None:
-        checkpoint, run_dir, fault = request
+        checkpoint, run_dir, env, extra = request
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
-                os.environ["RLLOOM_FAULT"] = fault
+                os.environ.update(env)
                 torch.set_num_threads(1)  # as in the test process (see `one_thread`)
-                run(tiny_cfg(Path(checkpoint), Path(run_dir), *EXACT, f"trainer.total_steps={TOTAL}"))
-                code = 0
+                stderr = os.open(f"{run_dir}.stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(stderr, 2)  # what the user would read
+                args = tiny_args(
+                    Path(checkpoint), Path(run_dir), *EXACT, f"trainer.total_steps={TOTAL}", *extra
+                )
+                code = main(["train", "arithmetic_smoke", *args])
             finally:
                 os._exit(code)
         conn.send(os.waitpid(pid, 0)[1])
+
+
+def launch(
+    launcher, tiny_checkpoint: Path, run_dir: Path, env: dict[str, str], *extra: str
+) -> tuple[int, str]:
+    """The wait status of `rlloom train` on the tiny run with `env` and `extra` overrides, and its stderr."""
+    launcher.send((str(tiny_checkpoint), str(run_dir), env, list(extra)))
+    assert launcher.poll(300), f"{env}: the run neither stopped nor finished within 300 s"
+    return launcher.recv(), Path(f"{run_dir}.stderr").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -155,9 +168,7 @@ FULL = ["generate:1", "rewards:2", "old_logprobs:2", "ref_logprobs:2", "advantag
 
 def crash_then_resume(launcher, straight, tiny_checkpoint, tmp_path: Path, fault: str) -> None:
     run_dir = tmp_path / fault.replace(":", "_")
-    launcher.send((str(tiny_checkpoint), str(run_dir), fault))
-    assert launcher.poll(300), f"{fault}: the run neither crashed nor finished within 300 s"
-    status = launcher.recv()
+    status, _ = launch(launcher, tiny_checkpoint, run_dir, {"RLLOOM_FAULT": fault})
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"{fault}: wait status {status}"
     stage, step = fault.split(":")
     done = int(step) // 2 if stage == "update_policy" else int(step)
@@ -194,3 +205,56 @@ def test_bad_fault_env_stops_the_cli_with_exit_2(monkeypatch, capsys):
     assert main(["train", "arithmetic_smoke", "trainer.total_steps=1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("rlloom: error: RLLOOM_FAULT='after_checkpoint' is not") and "Traceback" not in err
+
+
+# ---- Ctrl-C / SIGTERM: the step under way finishes and is checkpointed, then resume ----------------
+
+SIGNALLING = ["reward.name=resume_reward:digit_share_signalling", "trainer.save_every=0"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
+def test_a_signal_mid_step_checkpoints_that_step_and_resume_equals_straight_run(
+    launcher, straight, tiny_checkpoint, tmp_path, signum
+):
+    # The reward worker signals the trainer while it scores step 2's first sample. No checkpoint
+    # is due (save_every=0): the stop writes step 2's, and the run continues from it exactly.
+    cfg = tiny_cfg(tiny_checkpoint, tmp_path, *EXACT)
+    call = cfg.trainer.prompts_per_step * cfg.rollout.n_samples + 1
+    run_dir = tmp_path / "stopped"
+    status, err = launch(
+        launcher, tiny_checkpoint, run_dir, {"RESUME_REWARD_SIGNAL": f"{signum}:{call}"}, *SIGNALLING
+    )
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signum, (status, err)
+    assert (
+        "Traceback" not in err and f"{signal.Signals(signum).name}: stopping after the step under way" in err
+    )
+    assert err.strip().splitlines()[-1] == (
+        f"rlloom: stopped by {signal.Signals(signum).name} after step 2; its checkpoint is "
+        f"{checkpoint_dir(run_dir, 2)}. Continue with the same command and trainer.resume=auto."
+    )
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["step_000002"]
+
+    run(
+        tiny_cfg(
+            tiny_checkpoint,
+            run_dir,
+            *EXACT,
+            f"trainer.total_steps={TOTAL}",
+            *SIGNALLING,
+            "trainer.resume=auto",
+        )
+    )
+    assert_matches(straight, run_dir, tmp_path)
+
+
+def test_a_second_ctrl_c_stops_at_once_with_one_line(launcher, tiny_checkpoint, tmp_path):
+    cfg = tiny_cfg(tiny_checkpoint, tmp_path, *EXACT)
+    call = cfg.trainer.prompts_per_step * cfg.rollout.n_samples + 1
+    run_dir = tmp_path / "interrupted"
+    env = {"RESUME_REWARD_SIGNAL": f"{signal.SIGINT}:{call}:2"}
+    status, err = launch(launcher, tiny_checkpoint, run_dir, env, *SIGNALLING)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 130, (status, err)
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(
+        "rlloom: interrupted (Ctrl-C); "
+    )
+    assert complete_checkpoints(run_dir) == []  # step 2 never finished; none was due before it

@@ -16,19 +16,21 @@ from rlloom.trainer.run import run
 NON_DETERMINISTIC = ("time/", "perf/", "sync/ms", "memory/")
 
 
+def tiny_args(ckpt: Path, run_dir: Path, *extra: str) -> list[str]:
+    """The overrides of a tiny run of the arithmetic_smoke recipe, as `rlloom train` takes them."""
+    return [
+        f"model.path={ckpt}",
+        f"trainer.run_dir={run_dir}",
+        "data.num_eval=4",
+        "data.num_train=64",
+        "rollout.max_new_tokens=5",
+        "logging.console=false",
+        *extra,
+    ]
+
+
 def tiny_cfg(ckpt: Path, run_dir: Path, *extra: str):
-    return load_config(
-        "arithmetic_smoke",
-        [
-            f"model.path={ckpt}",
-            f"trainer.run_dir={run_dir}",
-            "data.num_eval=4",
-            "data.num_train=64",
-            "rollout.max_new_tokens=5",
-            "logging.console=false",
-            *extra,
-        ],
-    )
+    return load_config("arithmetic_smoke", tiny_args(ckpt, run_dir, *extra))
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
