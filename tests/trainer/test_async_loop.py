@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer_loop import read_metrics, tiny_cfg
+from test_trainer_loop import read_metrics, tiny_args, tiny_cfg
 
 from rlloom.models import load_tokenizer
 from rlloom.tasks.build import build_task_source
@@ -37,19 +37,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def tiny_cfg_overrides(ckpt: Path, run_dir: Path, *extra: str) -> list[str]:
-    """`tiny_cfg`'s overrides, for the CLI."""
-    return [
-        f"model.path={ckpt}",
-        f"trainer.run_dir={run_dir}",
-        "data.num_eval=4",
-        "data.num_train=64",
-        "rollout.max_new_tokens=5",
-        "logging.console=false",
-        *extra,
-    ]
 
 
 DYNAMIC = [  # a reward that ties in most groups: dynamic sampling drops them and draws more rounds
@@ -207,7 +194,7 @@ def test_kill_during_async_run_then_resume(tiny_checkpoint, tmp_path, monkeypatc
 
     crashed = tmp_path / "crashed"
     cli = [sys.executable, "-m", "rlloom.cli", "train", "arithmetic_smoke"]
-    args = [str(a) for a in tiny_cfg_overrides(tiny_checkpoint, crashed, *extra)]
+    args = [str(a) for a in tiny_args(tiny_checkpoint, crashed, *extra)]
     env = {**os.environ, "RLLOOM_FAULT": "train:2"}
     proc = subprocess.run([*cli, *args], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
