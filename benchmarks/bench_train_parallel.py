@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> dict:
             "architectures": ["Qwen3ForCausalLM"],
             "intermediate_size": 128,
         }
-    seq_len = 64 if args.smoke else args.seq_len
+    seq_len = args.seq_len or (64 if args.smoke else 4096)
     dims = ParallelDims(world_size=world, tp=args.tp, cp=args.cp, ep=args.ep)
     offload = args.optimizer_offload_fraction > 0
     cfg = TrainEngineConfig(
@@ -281,7 +281,10 @@ def main() -> None:
         "--cp", type=int, default=1, help="parallel.cp (each packed sequence cut over cp ranks)"
     )
     parser.add_argument(
-        "--seq-len", type=int, default=4096, help="tokens per packed sequence (= micro-batch)"
+        "--seq-len",
+        type=int,
+        default=0,
+        help="tokens per packed sequence (= micro-batch); 4096, or 64 with --smoke",
     )
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per data-parallel rank")
     parser.add_argument("--steps", type=int, default=2, help="timed optimizer steps (after one warm-up)")
