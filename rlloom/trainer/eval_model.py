@@ -159,6 +159,19 @@ def generate_and_score(cfg: RunConfig, samples: int) -> tuple[list[PromptItem], 
         runner.close()
 
 
+def check_writable(path: Path) -> None:
+    """`path` can be written (its folder is created if missing), or a one-line ConfigError."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"--responses={str(path)!r} cannot be written: {e.strerror or e}. Fix: pass a file path in a "
+            "folder you can write to."
+        ) from e
+
+
 def write_responses(path: Path, items: list[PromptItem], scores: EvalScores) -> None:
     """One JSON line per prompt: its row index, the templated prompt, the ground truth, and every
     response with its score."""
@@ -181,6 +194,8 @@ def eval_model(
     if samples < 1:
         raise ConfigError(f"--samples={samples} is invalid: must be >= 1. Fix: use 1 (greedy) or e.g. 8.")
     data_overrides = eval_data_overrides(data)
+    if responses:
+        check_writable(Path(responses))  # before the evaluation, which the file would otherwise lose
     with tempfile.TemporaryDirectory(prefix="rlloom-eval-") as tmp:
         workdir = Path(tmp)
         base, model = resolve_model(model_or_run, workdir)

@@ -109,12 +109,18 @@ def test_sampling_reports_pass_at_k(lively_model, dataset, capsys):
         (["{model}", "missing.jsonl"], "neither a file nor a task"),
         (["{model}", "arithmetic", "--samples", "3"], "identical answers"),
         (["{model}", "arithmetic", "--samples", "0"], "must be >= 1"),
+        # checked before the evaluation: a bad path used to fail after it, losing every answer
+        (
+            ["{model}", "arithmetic", "--responses", "{tmp}"],
+            "--responses='{tmp}' cannot be written: Is a directory",
+        ),
     ],
 )
 def test_errors_are_one_line(argv, message, tiny_checkpoint, tmp_path, capsys):
     argv = [a.format(model=tiny_checkpoint, tmp=tmp_path) for a in argv]
     assert main(["eval", *argv]) == 2
     err = capsys.readouterr().err
+    message = message.format(tmp=tmp_path)
     assert err.startswith("rlloom: error: ") and err.count("\n") == 1 and message in err, err
 
 
