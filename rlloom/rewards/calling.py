@@ -78,6 +78,27 @@ def call_form(fn: Callable[..., object]) -> CallForm:
     )
 
 
+def signature_problem(fn: Callable[..., object]) -> str | None:
+    """Why `fn` cannot be called in its form (per sample: two positional arguments, then keywords;
+    batched: keywords only), or None. Checked when the reward is resolved, so that a function every
+    call of which would fail stops the run at start-up instead of scoring every sample an error."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    form = call_form(fn)
+    keywords = dict.fromkeys(form.keywords or ())
+    try:
+        if form.batched:
+            signature.bind(**keywords)
+        else:
+            signature.bind("", "", **keywords)
+    except TypeError as e:
+        shape = "fn(completions=[...], ...)" if form.batched else "fn(response_text, ground_truth, ...)"
+        return f"{getattr(fn, '__name__', fn)}{signature} cannot be called as {shape}: {e}"
+    return None
+
+
 def is_batched(fn: Callable[..., object]) -> bool:
     """True when `fn` (or a term of a weighted sum) is batched: it is then scored a chunk at a time."""
     if isinstance(fn, WeightedReward):

@@ -16,6 +16,7 @@ import importlib
 import re
 import sys
 
+from rlloom.rewards.calling import signature_problem
 from rlloom.rewards.countdown import countdown_reward
 from rlloom.rewards.format import format_answer, format_boxed, format_number
 from rlloom.rewards.math_answer import math_answer
@@ -84,5 +85,10 @@ def _resolve(name: str, import_dir: str) -> RewardFn:
     if not callable(fn):
         raise ValueError(
             f"reward {name!r}: module {module_name!r} has no function {attr!r}; fix: check the name"
+        )
+    if problem := signature_problem(fn):
+        raise ValueError(
+            f"reward {name!r}: {problem}; fix: define it as def {attr}(response_text, ground_truth, **kwargs), "
+            "or with a `completions` parameter to score batches"
         )
     return fn

@@ -72,3 +72,13 @@ def batched_lengths(completions, prompts, ground_truths, level):
 def batched_wrong_length(completions, **columns):
     """Batched form that returns one score too few."""
     return [1.0] * (len(completions) - 1)
+
+
+def one_argument(response_text):
+    """Cannot take the ground truth: refused when the reward is resolved."""
+    return 1.0
+
+
+def keyword_only(*, response_text, ground_truth):
+    """Cannot take its two arguments by position: refused too."""
+    return 1.0

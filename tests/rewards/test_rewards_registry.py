@@ -49,6 +49,13 @@ def test_plugin_contract_dotted_path():
         ("no_such_module_xyz:fn", "cannot import"),
         ("reward_fns_for_tests:missing", "no function"),
         ("number + 2*", "weight"),
+        # every call would fail: refused at start-up instead of scoring every sample an error
+        (
+            "reward_fns_for_tests:one_argument",
+            r"one_argument\(response_text\) cannot be called as fn\(response_text, ",
+        ),
+        ("reward_fns_for_tests:keyword_only", "cannot be called as fn"),
+        ("number + reward_fns_for_tests:one_argument", "too many positional arguments"),
     ],
 )
 def test_bad_names_raise_with_a_fix(name, message):
