@@ -7,6 +7,8 @@ each `log` call prints one line instead, e.g.
     [rlloom] step 1/20 | reward 0.250 | acc 0.250 | 9.87 s/step (warm-up) | eta after warm-up
     [rlloom] step 3/20 | reward 0.500 | acc 0.250 | eval_acc 0.300 | 1.23 s/step | eta 0:00:21
 
+A step some of whose rewards failed (the function raised, hung or returned no number: they scored
+`reward.default_score`) says how many after the reward, `reward 0.000 | reward_failed 8 | ...`.
 Fields whose metric has not been logged yet are left out; a training metric's last value is shown
 until a new one arrives, evaluation metrics only on the steps that evaluated. The first step of a
 process (`first_step`: 1, or the step a resume starts at) compiles kernels and fills caches, so its
@@ -32,6 +34,8 @@ FIELDS: tuple[tuple[str, str, str], ...] = (
     ("len", "response/length_mean", "{:.0f}"),
     ("kl", "kl/mean", "{:.4f}"),
 )
+REWARD_FAILURE_KEYS = ("reward/errors", "reward/timeouts", "reward/invalid")
+"""Their sum, the step's samples whose reward failed, is shown after the reward when it is not 0."""
 STEP_TIME_KEY = "time/step_s"
 EVAL_PREFIX = "eval/"
 """Metrics with this prefix are shown only on the steps that log them."""
@@ -95,6 +99,8 @@ class ConsoleLogger(Logger):
         for label, key, fmt in FIELDS:
             if key in shown:
                 parts.append(f"{label} {fmt.format(shown[key])}")
+            if key == "reward/mean" and (failed := sum(shown.get(k, 0.0) for k in REWARD_FAILURE_KEYS)):
+                parts.append(f"reward_failed {failed:.0f}")  # samples scored reward.default_score
         if step < self.first_step:  # the evaluation before training: no step time or ETA yet
             return " | ".join(parts)
         warm_up = self._warm is not None and step == self._warm[0]

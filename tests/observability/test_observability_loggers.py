@@ -84,6 +84,17 @@ def test_console_prints_one_tagged_line_per_step_off_a_tty():
     assert lines[3].startswith("[rlloom] step 3/20 | reward 0.750 | acc 0.250 | 1.00 s/step | eta 0:00:")
 
 
+def test_console_shows_the_samples_whose_reward_failed_only_when_there_are_some():
+    out = io.StringIO()
+    logger = ConsoleLogger(total_steps=3, file=out)
+    failed = {"reward/errors": 6.0, "reward/timeouts": 1.0, "reward/invalid": 1.0}
+    logger.log(1, {"reward/mean": 0.0, **failed, "time/step_s": 1.0})
+    logger.log(2, {"reward/mean": 0.5, **dict.fromkeys(failed, 0.0), "time/step_s": 1.0})
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("[rlloom] step 1/3 | reward 0.000 | reward_failed 8 | 1.00 s/step")
+    assert lines[1].startswith("[rlloom] step 2/3 | reward 0.500 | 1.00 s/step")
+
+
 def test_console_eta_leaves_out_the_warm_up_step(monkeypatch):
     import rlloom.observability.console as console
 
