@@ -206,8 +206,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     origin, args = get_origin(tp), get_args(tp)
     if origin is Literal:
         if value not in args:
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1, cutoff=0.5)
+            fix = f"{key}={close[0] if close else args[0]}"
             raise ConfigError(
-                f"{key}={value!r} is invalid: must be one of {', '.join(map(repr, args))}{_suggest(str(value), [str(a) for a in args])}."
+                f"{key}={value!r} is invalid: must be one of {', '.join(map(repr, args))}. Fix: e.g. {fix}."
             )
         return value
     if origin in (typing.Union, types.UnionType):

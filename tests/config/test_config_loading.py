@@ -68,7 +68,7 @@ def test_yaml_file_with_recipe_base(tmp_path):
         (["rollout.temperature=0"], ["rollout.temperature=0.0", "greedy", "Fix"]),
         (["train.lr=abc"], ["train.lr='abc'", "number"]),
         (["trainer.total_steps=1.5"], ["trainer.total_steps=1.5", "integer"]),
-        (["algorithm.agg_mode=token_mean"], ["one of", "did you mean 'token-mean'"]),
+        (["algorithm.agg_mode=token_mean"], ["one of", "Fix: e.g. algorithm.agg_mode=token-mean."]),
         (["rollout.n_samples=1"], ["rollout.n_samples=1", "groups of 2"]),
         (["trainer.num_mini_batches=3"], ["must divide the batch of 32"]),
         (["cluster.num_workers=2"], ["cluster.mode=ray"]),
