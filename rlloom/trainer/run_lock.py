@@ -39,8 +39,16 @@ class RunDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            folder = self.path.parent
+            why = "it is a file, not a folder" if folder.is_file() else e.strerror or str(e)
+            raise ConfigError(
+                f"trainer.run_dir={str(folder)!r} cannot be written: {why}. Fix: choose a "
+                "folder you can write to (it is created if missing)."
+            ) from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -122,6 +122,12 @@ def bad_jsonl(tmp_path: Path) -> str:
     return str(path)
 
 
+def a_file(tmp_path: Path) -> Path:
+    path = tmp_path / "a_file"
+    path.write_text("")
+    return path
+
+
 def truncated_parquet(tmp_path: Path) -> str:
     path = tmp_path / "bad.parquet"
     path.write_bytes(b"PAR1\x15\x04\x15")  # cut off after the magic bytes
@@ -173,6 +179,11 @@ TRAIN_CASES = [
     ("huge_step", lambda t, c: ["trainer.prompts_per_step=1000000000"], ["host memory", "prompts_per_step"]),
     ("huge_n_samples", lambda t, c: ["rollout.n_samples=100000000"], ["host memory", "rollout.n_samples"]),
     ("resume_not_a_checkpoint", lambda t, c: [f"trainer.resume={t}"], ["not a complete checkpoint"]),
+    (  # it was an errno message without the setting
+        "run_dir_is_a_file",
+        lambda t, c: [f"trainer.run_dir={a_file(t)}"],
+        ["trainer.run_dir=", "cannot be written: it is a file, not a folder", "Fix"],
+    ),
     (
         "resume_changes_lr",
         lambda t, c: [f"trainer.run_dir={fake_checkpoint(t, c, 'train.lr=0.001')}", "trainer.resume=auto"],
