@@ -84,6 +84,17 @@ def check_output(out: str | os.PathLike) -> Path:
     return path
 
 
+def create_output(path: Path) -> None:
+    """Create the checked output folder before any weights are read: one that cannot be is refused."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"export output {str(path)!r} cannot be created: {e.strerror or e}. Fix: pass a folder in a "
+            "place you can write to."
+        ) from e
+
+
 def build_engine_from_checkpoint(ckpt: Path) -> tuple[RunConfig, NativeTrainEngine]:
     """The training engine of a checkpoint, on CPU in fp32, restored with its public `load` (a
     weights-only checkpoint's engine is built from its Hugging Face folder instead)."""
@@ -110,5 +121,6 @@ def export_checkpoint(
     """`rlloom export`: write the policy of a checkpoint (or a run's newest) as a Hugging Face folder."""
     out_path = check_output(out)
     ckpt = resolve_checkpoint(source)
+    create_output(out_path)
     cfg, engine = build_engine_from_checkpoint(ckpt)
     return save_hf_folder(engine, cfg.model.path, out_path, dtype=dtype)

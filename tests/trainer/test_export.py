@@ -225,3 +225,10 @@ def test_export_errors_are_one_line(tmp_path, capsys):
     (interrupted / "config.yaml").write_text("{}\n")
     assert "interrupted checkpoint save" in _error(capsys, str(interrupted), out)
     assert not Path(out).exists()
+    # an output that cannot be created is refused before the checkpoint is read (an errno before)
+    step = run_dir / "checkpoints" / "step_000002"
+    (step / "engine").mkdir()
+    (step / "config.yaml").write_text("{}\n")
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / "a_file" / "out"
+    assert f"export output '{out}' cannot be created: Not a directory" in _error(capsys, str(step), str(out))
