@@ -15,24 +15,36 @@ and they need no config code.
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 
 from rlloom.config.components import ConfigError, RewardConfig
+from rlloom.rewards.calling import missing_arguments
 from rlloom.rewards.registry import get_reward_fn, is_builtin
 from rlloom.rewards.runner import RewardRunner
 from rlloom.tasks.build import default_reward_name
 
 
-def build_reward_runner(reward_cfg: RewardConfig, *, task: str) -> RewardRunner:
+def build_reward_runner(
+    reward_cfg: RewardConfig, *, task: str, columns: Collection[str] | None = None
+) -> RewardRunner:
     """The runner for `reward.name`, or for the task's default reward when the name is empty.
 
     Raises ConfigError when the name does not resolve (an unknown built-in, a module that cannot be
-    imported, a missing function).
+    imported, a missing function) or, given the dataset's `columns`, when the function needs an
+    argument that no row has (every call would fail).
     """
     name = reward_cfg.name or default_reward_name(task)
     try:
         fn = get_reward_fn(name, import_dir=reward_cfg.import_dir or os.getcwd())
     except ValueError as e:
         raise ConfigError(f"reward.name={name!r} is invalid: {e}") from e
+    if columns is not None and (missing := missing_arguments(fn, set(columns))):
+        have = ", ".join(sorted(columns)) or "none"
+        raise ConfigError(
+            f"reward.name={name!r} is invalid: it needs {', '.join(map(repr, missing))}, which no dataset row "
+            f"has (columns besides the prompt and answer: {have}); every call would fail. Fix: give the "
+            "parameter a default, or add the column to the data."
+        )
     inline = is_builtin(fn) and not reward_cfg.builtins_in_workers
     return RewardRunner(
         fn,

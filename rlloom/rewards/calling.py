@@ -99,6 +99,27 @@ def signature_problem(fn: Callable[..., object]) -> str | None:
     return None
 
 
+def missing_arguments(fn: Callable[..., object], columns: set[str]) -> list[str]:
+    """Parameters of `fn` with no default that no sample can fill: neither a dataset column in
+    `columns` nor an argument of its form (see the module docstring). A weighted sum: its terms'."""
+    if isinstance(fn, WeightedReward):
+        return sorted({name for term, _ in fn.terms for name in missing_arguments(term, columns)})
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    form = call_form(fn)
+    given = {"completions", "prompts", "ground_truths"} if form.batched else {"prompt"}
+    named = params if form.batched else params[2:]
+    return [
+        p.name
+        for p in named
+        if p.default is p.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and p.name not in columns | given
+    ]
+
+
 def is_batched(fn: Callable[..., object]) -> bool:
     """True when `fn` (or a term of a weighted sum) is batched: it is then scored a chunk at a time."""
     if isinstance(fn, WeightedReward):

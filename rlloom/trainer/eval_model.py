@@ -137,20 +137,21 @@ def generate_and_score(cfg: RunConfig, samples: int) -> tuple[list[PromptItem], 
     (the prompts, their scores, prompts skipped as too long)."""
     tokenizer = load_tokenizer(cfg.model.path)
     items, too_long = eval_items(cfg, tokenizer)
-    device = resolve_device(cfg)
-    engine = NativeEngine.from_config(
-        from_pretrained(
-            cfg.model.path, dtype=resolve_dtype(cfg, device), device=device, fused_projections=True
-        ),
-        cfg.rollout,
-        max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
-        decode=load_decoder(cfg.model.path),
-        seed=cfg.trainer.seed,
-    )
-    runner = build_reward_runner(cfg.reward, task=cfg.data.task)
+    columns = {name for item in items for name in item.metadata}
+    runner = build_reward_runner(cfg.reward, task=cfg.data.task, columns=columns)  # before the model
     stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
     try:
+        device = resolve_device(cfg)
+        engine = NativeEngine.from_config(
+            from_pretrained(
+                cfg.model.path, dtype=resolve_dtype(cfg, device), device=device, fused_projections=True
+            ),
+            cfg.rollout,
+            max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
+            decode=load_decoder(cfg.model.path),
+            seed=cfg.trainer.seed,
+        )
         scores = score_prompts(
             engine.generate, items, runner, decode, cfg, stop_token_ids=stop, samples=samples
         )

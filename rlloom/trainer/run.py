@@ -100,7 +100,8 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
         len(source),
         len(eval_items),
     )
-    runner = build_reward_runner(cfg.reward, task=cfg.data.task)
+    columns = {name for item in (*source.items, *eval_items) for name in item.metadata}
+    runner = build_reward_runner(cfg.reward, task=cfg.data.task, columns=columns)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
     stop_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if warning := check_fits(cfg):  # before any GPU memory is taken (rlloom plan, docs/plan.md)

@@ -82,3 +82,13 @@ def one_argument(response_text):
 def keyword_only(*, response_text, ground_truth):
     """Cannot take its two arguments by position: refused too."""
     return 1.0
+
+
+def needs_difficulty(response_text, ground_truth, difficulty, bonus=0.0):
+    """Needs a `difficulty` column (and takes an optional `bonus`)."""
+    return float(difficulty) + bonus
+
+
+def batched_needs_level(completions, level):
+    """Batched, needs a `level` column."""
+    return [float(x) for x in level]

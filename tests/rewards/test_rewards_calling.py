@@ -8,15 +8,17 @@ import time
 import pytest
 from reward_fns_for_tests import (
     batched_lengths,
+    batched_needs_level,
     batched_wrong_length,
     echo_score,
+    needs_difficulty,
     uses_all_columns,
     uses_columns,
 )
 
 from rlloom.cli import main as cli_main
 from rlloom.rewards import RewardInput, RewardRunner, get_reward_fn
-from rlloom.rewards.calling import call_form, score_items
+from rlloom.rewards.calling import call_form, missing_arguments, score_items
 
 
 def items(*levels, prompt="level {}"):
@@ -98,3 +100,36 @@ def test_unknown_reward_module_is_a_one_line_cli_error(tiny_checkpoint, tmp_path
     err = capsys.readouterr().err
     assert err.startswith("rlloom: error: reward.name='no_such_reward_module:score' is invalid")
     assert "next to the YAML config" in err and err.count("\n") == 1
+
+
+def test_arguments_no_sample_can_fill_are_found():
+    # a required parameter that is neither a column nor an argument of the form: every call fails
+    assert missing_arguments(needs_difficulty, {"level"}) == ["difficulty"]
+    assert missing_arguments(needs_difficulty, {"difficulty"}) == []  # `bonus` has a default
+    assert missing_arguments(batched_needs_level, set()) == ["level"]
+    assert missing_arguments(batched_needs_level, {"level"}) == []
+    assert missing_arguments(get_reward_fn("number + reward_fns_for_tests:needs_difficulty"), set()) == [
+        "difficulty"
+    ]
+
+
+def test_a_reward_needing_a_column_the_data_lacks_stops_the_run_at_start_up(
+    tiny_checkpoint, tmp_path, capsys
+):
+    # it ran before, every sample scoring reward.default_score and counted in reward/errors
+    argv = [
+        "train",
+        "arithmetic_smoke",
+        f"model.path={tiny_checkpoint}",
+        f"trainer.run_dir={tmp_path / 'run'}",
+    ]
+    argv += ["data.num_train=16", "data.num_eval=2", "reward.name=reward_fns_for_tests:needs_difficulty"]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("rlloom: error: ")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].startswith(
+        "rlloom: error: reward.name='reward_fns_for_tests:needs_difficulty' is invalid: it needs 'difficulty'"
+    )
+    assert "columns besides the prompt and answer: a, b, op, task)" in errors[0]  # arithmetic's columns
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
