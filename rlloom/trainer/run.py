@@ -139,6 +139,13 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
         total_steps=cfg.trainer.total_steps,
         config=to_dict(cfg),
     )
+
+    def checkpoint() -> Path:  # of the step just done
+        state.data_state = source.state_dict()
+        path = save_checkpoint(groups.train, cfg, state)
+        maybe_fail("after_checkpoint", state.step)
+        return path
+
     run_eval = lambda: evaluate(
         groups.rollout, eval_items, runner, decode, cfg, stop_token_ids=stop_token_ids
     )
@@ -182,15 +189,11 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
                         "weights never changed and no final checkpoint was written. Fix: lower train.lr, or look "
                         "for inf/NaN in the rewards and advantages (metrics.jsonl)."
                     )
-                saved = None
-                if stop.signum or _save_due(cfg, state.step, is_last):
-                    state.data_state = source.state_dict()
-                    saved = save_checkpoint(groups.train, cfg, state)
-                    maybe_fail("after_checkpoint", state.step)
+                saved = checkpoint() if _save_due(cfg, state.step, is_last) else None
                 if _hf_due(cfg, state.step, is_last):
                     save_run_hf(groups.train, cfg, state.step)
-                if stop.signum and saved and not is_last:
-                    raise RunStopped(stop.signum, state.step, saved)
+                if stop.signum and not is_last:  # a Ctrl-C or SIGTERM arrived during this step
+                    raise RunStopped(stop.signum, state.step, saved or checkpoint())
     finally:
         loggers.close()
         runner.close()
