@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rlloom.config.components import UserError
+from rlloom.observability.log import warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +129,10 @@ def parse_row(row: object, *, index: int, prompt_key: str, answer_key: str) -> R
         return f"row is a {type(row).__name__}, not an object"
     if prompt_key not in row:
         return f"missing prompt field {prompt_key!r} (fields: {sorted(row)[:8]})"
-    if answer_key not in row or row[answer_key] is None:
+    if answer_key not in row:
         return f"missing answer field {answer_key!r} (fields: {sorted(row)[:8]})"
+    if row[answer_key] is None:
+        return f"answer field {answer_key!r} is null"
     prompt = row[prompt_key]
     problem = _prompt_problem(prompt)
     if problem:
@@ -218,4 +221,5 @@ def _report_bad_rows(
         )
     if bad:
         more = f" (and {len(bad) - _NUM_LISTED} more)" if len(bad) > _NUM_LISTED else ""
-        logger.warning("%s: skipped %d of %d rows: %s%s", path, len(bad), total, listed, more)
+        # once: the start-up checks, the training split and the evaluation split each read the file
+        warn_once(logger, f"{path}: skipped {len(bad)} of {total} rows: {listed}{more}")

@@ -39,6 +39,7 @@ def test_bad_rows_are_skipped_and_reported_once_with_line_numbers(tmp_path, capl
             json.dumps({"prompt": "ok 1", "answer": "1"}),
             "{not json",
             json.dumps({"prompt": "no answer"}),
+            json.dumps({"prompt": "null answer", "answer": None}),
             json.dumps({"answer": "no prompt"}),
             json.dumps({"prompt": [{"role": "user"}], "answer": "1"}),
             json.dumps(["a", "list"]),
@@ -48,14 +49,17 @@ def test_bad_rows_are_skipped_and_reported_once_with_line_numbers(tmp_path, capl
     )
     with caplog.at_level(logging.WARNING, logger="rlloom.data.dataset"):
         rows = load_prompt_file(path)
+        assert load_prompt_file(path) == rows  # a run reads the file more than once; one warning
     assert [r.prompt for r in rows] == ["ok 1", "ok 2"]
-    assert [r.index for r in rows] == [0, 7]
+    assert [r.index for r in rows] == [0, 8]
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1
-    assert "skipped 6 of 8 rows" in warnings[0]
+    assert "skipped 7 of 9 rows" in warnings[0]
     for line in (2, 3, 4, 5, 6):
         assert f"line {line}:" in warnings[0]
-    assert "malformed JSON" in warnings[0] and "1 more" in warnings[0]
+    assert "line 3: missing answer field 'answer'" in warnings[0]
+    assert "line 4: answer field 'answer' is null" in warnings[0]  # not "missing", as it said
+    assert "malformed JSON" in warnings[0] and "2 more" in warnings[0]
 
 
 def test_all_rows_bad_raises_listing_line_numbers(tmp_path):
