@@ -37,13 +37,19 @@ def load_costs(model: str) -> tuple[ModelCosts, dict[str, Any]]:
         )
     try:
         raw = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(
+            f"MODEL={model!r} is invalid: {file} is not valid JSON ({e}). Fix: pass the model's Hugging Face "
+            "config.json."
+        ) from None
+    try:
         return model_costs(ModelArgs.from_hf_config(raw)), raw
     except KeyError as e:
         raise ConfigError(
             f"MODEL={model!r} is invalid: its config.json has no {e.args[0]!r} field. "
             "Fix: pass the model's complete Hugging Face config.json."
         ) from None
-    except ValueError as e:  # unsupported architecture, or not JSON
+    except ValueError as e:  # unsupported architecture
         raise ConfigError(f"MODEL={model!r}: {e}") from None
 
 

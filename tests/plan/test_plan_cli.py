@@ -173,3 +173,6 @@ def test_fp8_rollout_weights(capsys):
     assert main(["plan", str(CONFIGS / "qwen3-8b"), "--gpus", "8", "--gpu-memory-gb", "80",
                  "--rollout-quantization", "fp8"]) == 2  # fmt: skip
     assert "fp8 quantizes the routed experts" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{not json")
+    assert main(["plan", str(tmp_path), "--gpus", "8", "--gpu-memory-gb", "80"]) == 2
+    assert "config.json is not valid JSON (Expecting property name" in capsys.readouterr().err
