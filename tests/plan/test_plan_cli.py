@@ -147,6 +147,9 @@ def test_missing_or_unsupported_model_is_exit_2(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     assert main(["plan", str(tmp_path), "--gpus", "8", "--gpu-memory-gb", "80"]) == 2
     assert "has no 'num_attention_heads' field" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{not json")
+    assert main(["plan", str(tmp_path), "--gpus", "8", "--gpu-memory-gb", "80"]) == 2
+    assert "config.json is not valid JSON (Expecting property name" in capsys.readouterr().err
 
 
 def test_host_memory_per_node_is_checked(capsys):
@@ -173,6 +176,3 @@ def test_fp8_rollout_weights(capsys):
     assert main(["plan", str(CONFIGS / "qwen3-8b"), "--gpus", "8", "--gpu-memory-gb", "80",
                  "--rollout-quantization", "fp8"]) == 2  # fmt: skip
     assert "fp8 quantizes the routed experts" in capsys.readouterr().err
-    (tmp_path / "config.json").write_text("{not json")
-    assert main(["plan", str(tmp_path), "--gpus", "8", "--gpu-memory-gb", "80"]) == 2
-    assert "config.json is not valid JSON (Expecting property name" in capsys.readouterr().err
