@@ -157,9 +157,14 @@ def load_config(source: str | Path, overrides: list[str] | None = None) -> RunCo
     return build(RunConfig, data, prefix="")
 
 
-def _suggest(name: str, options: list[str]) -> str:
+def _closest(name: str, options: list[str]) -> str | None:
     close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    return close[0] if close else None
+
+
+def _suggest(name: str, options: list[str]) -> str:
+    close = _closest(name, options)
+    return f" (did you mean {close!r}?)" if close else ""
 
 
 def _merge(dst: dict[str, Any], src: dict[str, Any], cls: type, prefix: str) -> None:
@@ -206,8 +211,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     origin, args = get_origin(tp), get_args(tp)
     if origin is Literal:
         if value not in args:
-            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1, cutoff=0.5)
-            fix = f"{key}={close[0] if close else args[0]}"
+            fix = f"{key}={_closest(str(value), [str(a) for a in args]) or args[0]}"
             raise ConfigError(
                 f"{key}={value!r} is invalid: must be one of {', '.join(map(repr, args))}. Fix: e.g. {fix}."
             )

@@ -214,14 +214,18 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
     return result
 
 
-def _save_due(cfg: RunConfig, step: int, is_last: bool) -> bool:
-    every = cfg.trainer.save_every
+def _due(every: int, step: int, is_last: bool) -> bool:
+    """A save every `every` steps (0: at the end only) is due after `step`."""
     return is_last or (every > 0 and step % every == 0)
+
+
+def _save_due(cfg: RunConfig, step: int, is_last: bool) -> bool:
+    return _due(cfg.trainer.save_every, step, is_last)
 
 
 def _hf_due(cfg: RunConfig, step: int, is_last: bool) -> bool:
     every = cfg.trainer.save_hf_every
-    return every >= 0 and (is_last or (every > 0 and step % every == 0))
+    return every >= 0 and _due(every, step, is_last)  # -1: never
 
 
 def _fmt(x: float | None) -> str:

@@ -212,18 +212,23 @@ def test_bad_fault_env_stops_the_cli_with_exit_2(monkeypatch, capsys):
 SIGNALLING = ["reward.name=resume_reward:digit_share_signalling", "trainer.save_every=0"]
 
 
+def signal_in_step_2(tiny_checkpoint: Path, tmp_path: Path, signum: int, count: int = 1) -> dict[str, str]:
+    """The environment that has the reward worker send `count` `signum`s to the trainer while it
+    scores step 2's first sample."""
+    cfg = tiny_cfg(tiny_checkpoint, tmp_path, *EXACT)
+    call = cfg.trainer.prompts_per_step * cfg.rollout.n_samples + 1
+    return {"RESUME_REWARD_SIGNAL": f"{signum}:{call}:{count}"}
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
 def test_a_signal_mid_step_checkpoints_that_step_and_resume_equals_straight_run(
     launcher, straight, tiny_checkpoint, tmp_path, signum
 ):
     # The reward worker signals the trainer while it scores step 2's first sample. No checkpoint
     # is due (save_every=0): the stop writes step 2's, and the run continues from it exactly.
-    cfg = tiny_cfg(tiny_checkpoint, tmp_path, *EXACT)
-    call = cfg.trainer.prompts_per_step * cfg.rollout.n_samples + 1
     run_dir = tmp_path / "stopped"
-    status, err = launch(
-        launcher, tiny_checkpoint, run_dir, {"RESUME_REWARD_SIGNAL": f"{signum}:{call}"}, *SIGNALLING
-    )
+    env = signal_in_step_2(tiny_checkpoint, tmp_path, signum)
+    status, err = launch(launcher, tiny_checkpoint, run_dir, env, *SIGNALLING)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signum, (status, err)
     assert (
         "Traceback" not in err and f"{signal.Signals(signum).name}: stopping after the step under way" in err
@@ -248,10 +253,8 @@ def test_a_signal_mid_step_checkpoints_that_step_and_resume_equals_straight_run(
 
 
 def test_a_second_ctrl_c_stops_at_once_with_one_line(launcher, tiny_checkpoint, tmp_path):
-    cfg = tiny_cfg(tiny_checkpoint, tmp_path, *EXACT)
-    call = cfg.trainer.prompts_per_step * cfg.rollout.n_samples + 1
     run_dir = tmp_path / "interrupted"
-    env = {"RESUME_REWARD_SIGNAL": f"{signal.SIGINT}:{call}:2"}
+    env = signal_in_step_2(tiny_checkpoint, tmp_path, signal.SIGINT, count=2)
     status, err = launch(launcher, tiny_checkpoint, run_dir, env, *SIGNALLING)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 130, (status, err)
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(
