@@ -13,7 +13,7 @@ same weights, so launches of the same global batch (`--micro-batches` x data-par
 agree on it whatever the layout (within bf16 noise on GPU), a correctness check in the same table.
 `--append FILE` adds the row as a JSON line; `--table FILE` prints every row of that file as one
 table. `--grad-parts` takes no step and prints, instead, the gradient norm of each document of the
-batch alone and of all of them, by parameter group (embedding, head, norms, matrices), with the
+batch alone and of all of them, by parameter group (embedding, head, norms, attention keys/values, queries/output, MLP), with the
 cosine between the first two documents' gradients: two layouts that disagree on "grad norm 0"
 then show whether one document's gradient or their combination differs, and where.
 
@@ -33,7 +33,9 @@ model must fit one GPU once (the 24-layer MoE does: ~62 GB).
     python benchmarks/bench_train_parallel.py --table rows.jsonl
     torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --smoke --tp 2   # CPU, gloo, tiny
     torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --smoke --cp 2
-    torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --shape 8b --cp 2 --seq-len 65536 \
+    torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --tiny --shape 8b --cp 2 --micro-batches 2 \\
+        --seq-len 4096 --grad-parts   # the same tiny model on 2 GPUs: a minute, compile included
+    torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --shape 8b --cp 2 --seq-len 65536 \\
         --micro-batches 2 --grad-parts   # against the same without --cp 2 and with --micro-batches 1
 """
 
@@ -134,14 +136,15 @@ def run(args: argparse.Namespace) -> dict:
     device = (
         torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     )
-    config = TINY_MOE if args.smoke else SHAPES[args.shape]
-    if args.smoke and args.shape == "8b":
+    tiny = args.smoke or args.tiny
+    config = TINY_MOE if tiny else SHAPES[args.shape]
+    if tiny and args.shape == "8b":
         config = TINY_MOE | {
             "model_type": "qwen3",
             "architectures": ["Qwen3ForCausalLM"],
             "intermediate_size": 128,
         }
-    seq_len = args.seq_len or (64 if args.smoke else 4096)
+    seq_len = args.seq_len or (64 if tiny else 4096)
     dims = ParallelDims(world_size=world, tp=args.tp, cp=args.cp, ep=args.ep)
     offload = args.optimizer_offload_fraction > 0
     cfg = TrainEngineConfig(
@@ -183,7 +186,7 @@ def run(args: argparse.Namespace) -> dict:
     row = {
         "layout": layout,
         "gpus": world,
-        "shape": f"{'tiny ' + config['model_type'] if args.smoke else args.shape} ({config['num_hidden_layers']} layers)",
+        "shape": f"{'tiny ' + config['model_type'] if tiny else args.shape} ({config['num_hidden_layers']} layers)",
         "tokens": batch.num_tokens,
         "tok/s": batch.num_tokens / seconds,
         "tok/s/GPU": batch.num_tokens / seconds / world,
@@ -225,7 +228,14 @@ def grad_parts(
         "norms": [q for n, q in named if q.ndim == 1],
     }
     grouped = {id(q) for qs in groups.values() for q in qs}
-    groups["matrices"] = [q for _, q in named if id(q) not in grouped]
+    matrices = [(n, q) for n, q in named if id(q) not in grouped]
+    # keys and values reach the other cp ranks (all-gather; their gradients come back by
+    # reduce-scatter), queries and the output projection stay local: splitting them says which
+    kv = {id(q) for n, q in matrices if n.split(".")[-2] in ("wk", "wv", "wkv_a", "wkv_b")}
+    groups["attn k, v"] = [q for _, q in matrices if id(q) in kv]
+    groups["attn q, o"] = [q for n, q in matrices if ".attention." in n and id(q) not in kv]
+    grouped |= {id(q) for q in groups["attn k, v"] + groups["attn q, o"]}
+    groups["mlp"] = [q for _, q in matrices if id(q) not in grouped]
     groups["all"] = [q for _, q in named]
     parts = {f"doc {i}": [i] for i in range(len(batch))} | {"all docs": list(range(len(batch)))}
     norms: dict[str, dict[str, float]] = {}
@@ -284,7 +294,7 @@ def main() -> None:
         "--seq-len",
         type=int,
         default=0,
-        help="tokens per packed sequence (= micro-batch); 4096, or 64 with --smoke",
+        help="tokens per packed sequence (= micro-batch); 4096, or 64 with --smoke / --tiny",
     )
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per data-parallel rank")
     parser.add_argument("--steps", type=int, default=2, help="timed optimizer steps (after one warm-up)")
@@ -294,6 +304,11 @@ def main() -> None:
     parser.add_argument("--ac", choices=["full", "off"], default="full", help="activation checkpointing")
     parser.add_argument("--eager", action="store_true", help="no torch.compile of the decoder layers")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU (gloo): checks the script")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="the --smoke model on the GPUs: NCCL, bf16, the GPU kernels, compile",
+    )
     parser.add_argument("--append", default="", help="append the row as a JSON line to this file")
     parser.add_argument("--table", default="", help="print the rows of this JSON-lines file and exit")
     parser.add_argument(

@@ -11,11 +11,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed import _functional_collectives as funcol
 
 # Tensor-to-tensor collectives under both spellings: torch 2.13 renamed them (`*_single`) and
 # deprecates the old names, which torch 2.11 (the GPU machines' version) has alone.
 all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# The differentiable functional all-gather (backward: reduce-scatter, sum), traceable by compile.
+all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
 
 _EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
