@@ -55,6 +55,10 @@ LAYOUTS = {
 }
 
 
+LOOKAHEAD = 3
+"""Steps beyond the timed ones that the run is configured for (more than any layout admits ahead)."""
+
+
 def heavy_tailed_lengths(num: int, low: int, high: int, *, seed: int = 0, alpha: float = 1.2) -> list[int]:
     """`num` lengths in [low, high]: low * Pareto(alpha), capped (most short, a few very long)."""
     rng = random.Random(seed)
@@ -83,11 +87,15 @@ class LengthCapped:
 
 
 def run_layout(name: str, args: argparse.Namespace, model_dir: Path, tmp: str) -> list[dict[str, float]]:
-    items = random_prompts(args.prompts * (args.steps + 3), args.prompt_tokens, tiny=args.tiny)
+    # The run is told of LOOKAHEAD steps more than are timed: the asynchronous layouts admit up to
+    # max_staleness + 1 batches ahead, and a run that ends with the timed steps has its producer run
+    # dry (its last steps only train, which would flatter them).
+    total_steps = args.steps + LOOKAHEAD
+    items = random_prompts(args.prompts * (total_steps + 1), args.prompt_tokens, tiny=args.tiny)
     lengths = heavy_tailed_lengths(len(items), args.min_tokens, args.new_tokens)
     limits = {tuple(it.prompt_ids): n for it, n in zip(items, lengths)}
     extra = [
-        f"trainer.total_steps={args.steps}",
+        f"trainer.total_steps={total_steps}",
         "train.gather_once_per_step=false",
         *LAYOUTS[name],
         *args.set,
@@ -128,7 +136,7 @@ def summary(name: str, records: list[dict[str, float]], warmup: int) -> dict[str
         sum(r.get(f"time/{k}_s", 0.0) for k in ("old_logprobs", "ref_logprobs", "advantages", "train"))
         for r in steady
     ]
-    sync_layout = "sync" in name
+    sync_layout = name.startswith("sync_")  # "async_k2" contains "sync" too
     return {
         "step_s": med("time/step_s"),
         "generate_s": med("time/generate_s"),
