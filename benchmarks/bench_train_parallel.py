@@ -16,6 +16,8 @@ table. `--grad-parts` takes no step and prints, instead, the gradient norm of ea
 batch alone and of all of them, by parameter group (embedding, head, norms, attention keys/values, queries/output, MLP), with the
 cosine between the first two documents' gradients: two layouts that disagree on "grad norm 0"
 then show whether one document's gradient or their combination differs, and where.
+`--memory-peak` records the CUDA allocator through the first timed step and prints, per rank, the
+peak and the allocation sites (rlloom's innermost frame) of what was live then.
 
 Shapes: `30b-a3b-8l` (Qwen3-30B-A3B width, 8 of 48 layers, 128 experts), `30b-a3b-24l` (24 layers,
 ~15.5B parameters: fp32 master + Adam do not fit one H200; use --optimizer-offload-fraction),
@@ -37,6 +39,8 @@ model must fit one GPU once (the 24-layer MoE does: ~62 GB).
         --seq-len 4096 --grad-parts   # the same tiny model on 2 GPUs: a minute, compile included
     torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --shape 8b --cp 2 --seq-len 65536 \\
         --micro-batches 2 --grad-parts   # against the same without --cp 2 and with --micro-batches 1
+    torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --shape 8b --cp 2 --seq-len 65536 \\
+        --micro-batches 1 --steps 1 --memory-peak   # what holds each rank's peak (GPU)
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from rlloom.data.types import RolloutBatch, Sample
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.models.args import ModelArgs
 from rlloom.models.checkpoint import build_model
+from rlloom.observability.memory import allocation_trace, peak_holders, record_allocations
 from rlloom.parallel import ParallelDims, grad_norm, init_distributed
 from rlloom.plan.counts import model_costs
 from rlloom.plan.memory import Hardware, Layout, Workload, estimate
@@ -174,8 +179,16 @@ def run(args: argparse.Namespace) -> dict:
         return {}
     steps = []
     for i in range(args.steps + 1):
+        record = args.memory_peak and i == 1  # the first timed step (the warm-up compiles)
+        if record:
+            baseline = torch.cuda.memory_allocated(device)
+            record_allocations(True)
         steps.append(engine.train_step(batch, loss_fn, loss_normalizer=normalizer))
         progress(f"step {i}{' (warm-up)' if i == 0 else ''}: {steps[-1]['time/train_step_s']:.2f} s")
+        if record:
+            peak, holders = peak_holders(allocation_trace(device))
+            record_allocations(False)
+            print_memory_peak(rank, baseline, peak, holders)
     timed = steps[1:]
     seconds = sum(m["time/train_step_s"] for m in timed) / len(timed)
     layout = ", ".join(f"{k}={v}" for k, v in dims.degrees().items() if v > 1) or "1 GPU"
@@ -204,6 +217,22 @@ def run(args: argparse.Namespace) -> dict:
             with open(args.append, "a") as f:
                 f.write(json.dumps(row) + "\n")
     return row
+
+
+def print_memory_peak(rank: int, baseline: int, peak: int, holders: list[tuple[str, int]]) -> None:
+    """Every rank's peak of the recorded step and what held it, printed by rank 0."""
+    mine = (baseline, peak, holders)
+    every = [mine] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if rank:
+        return
+    for r, (base, top, sites) in enumerate(every):
+        print(
+            f"rank {r}: {base / 2**30:.1f} GiB allocated before the step, peak {(base + top) / 2**30:.1f} GiB; "
+            f"live at the peak, from the step (GiB, where allocated):"
+        )
+        for site, size in sites:
+            print(f"  {size / 2**30:8.2f}  {site}")
 
 
 def policy_loss(adv_B: torch.Tensor, mask: torch.Tensor):  # noqa: ANN201
@@ -312,12 +341,19 @@ def main() -> None:
     parser.add_argument("--append", default="", help="append the row as a JSON line to this file")
     parser.add_argument("--table", default="", help="print the rows of this JSON-lines file and exit")
     parser.add_argument(
+        "--memory-peak",
+        action="store_true",
+        help="GPU: record the allocator in the first timed step; print each rank's peak and what held it",
+    )
+    parser.add_argument(
         "--grad-parts", action="store_true", help="no step: each document's gradient norm, by parameter group"
     )
     args = parser.parse_args()
     if args.table:
         print_table([json.loads(line) for line in Path(args.table).read_text().splitlines() if line.strip()])
         return
+    if args.memory_peak and args.smoke:
+        parser.error("--memory-peak records the CUDA allocator: run it on GPUs (--tiny for the small model)")
     if args.smoke:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:

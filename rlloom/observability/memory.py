@@ -62,3 +62,68 @@ def memory_metrics(device: torch.device | str | None = None) -> dict[str, Max]:
         out["memory/peak_allocated_gib"] = Max(torch.cuda.max_memory_allocated(device) / _GIB)
         out["memory/peak_reserved_gib"] = Max(torch.cuda.max_memory_reserved(device) / _GIB)
     return out
+
+
+# ---- what holds memory at the peak (CUDA allocator history) ---------------------------------------
+
+Holder = tuple[str, int]
+"""(where the allocation was made: "file:line function", bytes live at the peak)."""
+
+
+def allocation_site(frames: list[dict]) -> str:
+    """The innermost frame in rlloom's own code (torch's own frames when none is), as
+    "rlloom/parallel/cp.py:280 attn"."""
+    for frame in frames:
+        name = frame.get("filename", "")
+        if "/rlloom/" in name and "/observability/" not in name:
+            return f"rlloom/{name.rsplit('/rlloom/', 1)[1]}:{frame.get('line', 0)} {frame.get('name', '')}"
+    if frames:
+        f = frames[0]
+        return f"{f.get('filename', '?').rsplit('/site-packages/', 1)[-1]}:{f.get('line', 0)} {f.get('name', '')}"
+    return "(no stack)"
+
+
+def peak_holders(events: list[dict], top: int = 12) -> tuple[int, list[Holder]]:
+    """(peak bytes, the `top` allocation sites by bytes live at the peak) from a CUDA allocator trace
+    (`torch.cuda.memory._snapshot()["device_traces"][device]`: alloc / free_completed events).
+
+    Counted from the start of the recording: memory allocated before it (weights, optimizer state)
+    is not in the trace, and its frees are ignored. A block counts until `free_completed` (when its
+    streams are done with it), as `max_memory_allocated` counts it.
+    """
+    frees = {"free_completed"} if any(e["action"] == "free_completed" for e in events) else {"free_requested"}
+    live: dict[int, int] = {}
+    current = peak = 0
+    peak_at = -1
+    for i, e in enumerate(events):  # first pass: when the peak is
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+            current += e["size"]
+            if current > peak:
+                peak, peak_at = current, i
+        elif e["action"] in frees and e["addr"] in live:
+            current -= live.pop(e["addr"])
+    holders: dict[int, tuple[int, str]] = {}
+    for e in events[: peak_at + 1]:  # second pass: what is live then
+        if e["action"] == "alloc":
+            holders[e["addr"]] = (e["size"], allocation_site(e.get("frames", [])))
+        elif e["action"] in frees:
+            holders.pop(e["addr"], None)
+    by_site: dict[str, int] = {}
+    for size, site in holders.values():
+        by_site[site] = by_site.get(site, 0) + size
+    return peak, sorted(by_site.items(), key=lambda kv: -kv[1])[:top]
+
+
+def record_allocations(enabled: bool) -> None:
+    """Start (True) or stop (False) recording the CUDA allocator's history with Python stacks."""
+    if enabled:
+        torch.cuda.memory._record_memory_history(enabled="all", stacks="python", max_entries=2_000_000)
+    else:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def allocation_trace(device: torch.device) -> list[dict]:
+    """The recorded alloc/free events of `device` (see `record_allocations`)."""
+    traces = torch.cuda.memory._snapshot()["device_traces"]
+    return traces[device.index if device.index is not None else torch.cuda.current_device()]

@@ -4,7 +4,13 @@ import time
 
 import pytest
 
-from rlloom.observability.memory import memory_metrics, peak_memory_gib, peak_rss_gib
+from rlloom.observability.memory import (
+    allocation_site,
+    memory_metrics,
+    peak_holders,
+    peak_memory_gib,
+    peak_rss_gib,
+)
 from rlloom.observability.metrics import Max
 from rlloom.observability.mfu import mfu, packed_batch_flops, transformer_flops_per_token
 from rlloom.observability.timers import StageTimer
@@ -72,3 +78,45 @@ def test_memory_on_cpu():
     assert peak_memory_gib("cpu") == rss
     metrics = memory_metrics("cpu")
     assert set(metrics) == {"memory/peak_rss_gib"} and isinstance(metrics["memory/peak_rss_gib"], Max)
+
+
+def _alloc(addr: int, size: int, filename: str, line: int = 1) -> dict:
+    frames = [{"filename": "/x/site-packages/torch/foo.py", "line": 9, "name": "op"}]
+    frames.append({"filename": filename, "line": line, "name": "fn"})
+    return {"action": "alloc", "addr": addr, "size": size, "frames": frames}
+
+
+def _free(addr: int, action: str = "free_completed") -> dict:
+    return {"action": action, "addr": addr}
+
+
+def test_peak_holders_replays_the_trace_to_its_peak():
+    cp, head = "/w/rlloom/parallel/cp.py", "/w/rlloom/models/logprobs.py"
+    events = [
+        _free(99),  # allocated before the recording: ignored
+        _alloc(1, 100, cp, 10),
+        _alloc(2, 50, head, 20),
+        _free(2, "free_requested"),  # still counted until free_completed
+        _alloc(3, 30, cp, 10),  # the peak: 1 + 2 + 3 = 180
+        _free(2),
+        _alloc(4, 40, head, 21),  # 170 (the peak, had 2 been freed at its request)
+        _free(1),
+        _alloc(5, 80, cp, 11),  # 150
+    ]
+    peak, holders = peak_holders(events)
+    assert peak == 180
+    assert holders == [("rlloom/parallel/cp.py:10 fn", 130), ("rlloom/models/logprobs.py:20 fn", 50)]
+    # a trace without free_completed events (older allocators): free_requested frees
+    events = [_alloc(1, 10, cp), _free(1, "free_requested"), _alloc(2, 5, cp)]
+    assert peak_holders(events) == (10, [("rlloom/parallel/cp.py:1 fn", 10)])
+
+
+def test_allocation_site_prefers_rlloom_frames():
+    frames = [
+        {"filename": "/venv/site-packages/torch/nn/functional.py", "line": 5, "name": "linear"},
+        {"filename": "/repo/rlloom/observability/memory.py", "line": 7, "name": "rec"},
+        {"filename": "/repo/rlloom/models/attention.py", "line": 42, "name": "forward"},
+    ]
+    assert allocation_site(frames) == "rlloom/models/attention.py:42 forward"
+    assert allocation_site(frames[:1]) == "torch/nn/functional.py:5 linear"
+    assert allocation_site([]) == "(no stack)"
