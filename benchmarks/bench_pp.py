@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_rollout import QWEN3_8B  # noqa: E402
 
 from rlloom.models.args import ModelArgs
+from rlloom.models.checkpoint import zero_persistent_buffers
 from rlloom.models.model import CausalLM
 from rlloom.parallel import ParallelDims, apply_ac, apply_fsdp, init_distributed
 from rlloom.parallel.pp import apply_pp
@@ -127,6 +128,7 @@ def main() -> None:
 
     def parallelize_stage(stage):
         stage.to_empty(device=device)
+        zero_persistent_buffers(stage)  # DeepSeek-V3's router bias: garbage after to_empty
         with torch.no_grad():
             for name, p in stage.named_parameters():
                 p.fill_(1.0) if "norm" in name else p.normal_(std=0.02)

@@ -21,7 +21,8 @@ peak and the allocation sites (rlloom's innermost frame) of what was live then.
 
 Shapes: `30b-a3b-8l` (Qwen3-30B-A3B width, 8 of 48 layers, 128 experts), `30b-a3b-24l` (24 layers,
 ~15.5B parameters: fp32 master + Adam do not fit one H200; use --optimizer-offload-fraction),
-`8b` (Qwen3-8B dense). The model is built on the GPU in fp32 before it is sharded, so the whole
+`8b` (Qwen3-8B dense), `dsv3-2l` (DeepSeek-V3 width, 2 layers: 1 dense + 1 MoE of 256 experts,
+MLA). The model is built on the GPU in fp32 before it is sharded, so the whole
 model must fit one GPU once (the 24-layer MoE does: ~62 GB).
 
     torchrun --nproc-per-node 1 benchmarks/bench_train_parallel.py --shape 30b-a3b-8l --append rows.jsonl
@@ -37,6 +38,8 @@ model must fit one GPU once (the 24-layer MoE does: ~62 GB).
     torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --smoke --cp 2
     torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --tiny --shape 8b --cp 2 --micro-batches 2 \\
         --seq-len 4096 --grad-parts   # the same tiny model on 2 GPUs: a minute, compile included
+    torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --tiny --shape dsv3-2l --tp 2 --micro-batches 1 \\
+        --seq-len 4096 --grad-parts   # MLA under TP, compiled, against the same with --tp 1 (dp=2)
     torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --shape 8b --cp 2 --seq-len 65536 \\
         --micro-batches 2 --grad-parts   # against the same without --cp 2 and with --micro-batches 1
     torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --shape 8b --cp 2 --seq-len 65536 \\
@@ -57,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_moe import QWEN3_30B_A3B_8L  # noqa: E402
+from bench_moe import DEEPSEEK_V3_2L, QWEN3_30B_A3B_8L, TINY_DEEPSEEK  # noqa: E402
 from bench_rollout import QWEN3_8B  # noqa: E402
 
 from rlloom.algorithms.losses import aggregate_loss_sum, loss_normalizer
@@ -75,6 +78,7 @@ SHAPES = {
     "30b-a3b-8l": QWEN3_30B_A3B_8L,
     "30b-a3b-24l": QWEN3_30B_A3B_8L | {"num_hidden_layers": 24},
     "8b": QWEN3_8B,
+    "dsv3-2l": DEEPSEEK_V3_2L,
 }
 TINY_MOE = QWEN3_30B_A3B_8L | {
     "vocab_size": 512,
@@ -143,7 +147,9 @@ def run(args: argparse.Namespace) -> dict:
     )
     tiny = args.smoke or args.tiny
     config = TINY_MOE if tiny else SHAPES[args.shape]
-    if tiny and args.shape == "8b":
+    if tiny and args.shape == "dsv3-2l":
+        config = TINY_DEEPSEEK
+    elif tiny and args.shape == "8b":
         config = TINY_MOE | {
             "model_type": "qwen3",
             "architectures": ["Qwen3ForCausalLM"],

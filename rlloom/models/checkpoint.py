@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from rlloom.models.adapter import hf_named_tensors, load_hf_tensors, missing_hf_names
 from rlloom.models.args import ModelArgs
@@ -93,11 +94,30 @@ def _read_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 def build_model(
     cfg: dict[str, Any], *, dtype: torch.dtype, device: str | torch.device, fused_projections: bool = False
 ) -> CausalLM:
-    """An uninitialised model (weights are garbage until loaded) in `dtype` on `device`."""
+    """A model in `dtype` on `device` whose parameters are uninitialised (garbage until loaded) and
+    whose buffers hold what the constructor gives them: the persistent ones (DeepSeek-V3's router
+    `expert_bias`, saved with the weights) zero, the non-persistent ones (RoPE) computed.
+
+    Built on the meta device and materialised by `to_empty`, which leaves every tensor garbage; a
+    model that then had only its parameters set (random weights for a benchmark or a test) chose
+    its DeepSeek-V3 experts with a garbage bias, different on every rank and every run."""
     args = dataclasses.replace(ModelArgs.from_hf_config(cfg), fused_projections=fused_projections)
     with _default_dtype(dtype), torch.device("meta"):
         model = CausalLM(args, cfg)
-    return model.to_empty(device=device)
+    model = model.to_empty(device=device)
+    zero_persistent_buffers(model)
+    model.init_buffers()
+    return model
+
+
+def zero_persistent_buffers(module: nn.Module) -> None:
+    """Zero the buffers saved with the weights (DeepSeek-V3's router `expert_bias`: zero in a new
+    model, as in Hugging Face's), which `to_empty` leaves garbage."""
+    persistent = module.state_dict().keys()
+    with torch.no_grad():
+        for name, buffer in module.named_buffers():
+            if name in persistent:
+                buffer.zero_()
 
 
 def from_pretrained(

@@ -32,6 +32,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
@@ -75,11 +76,10 @@ class _AllReduceGradTail(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        grad = grad.clone()
-        tail = grad[..., ctx.start :].contiguous()
-        dist.all_reduce(tail, group=ctx.group)
-        grad[..., ctx.start :] = tail
-        return grad, None, None
+        # A functional (out-of-place) all-reduce: inside a layer compiled by torch 2.11, a backward
+        # made of in-place c10d calls delivered no gradient (context parallelism's K/V all-gather).
+        tail = funcol.wait_tensor(funcol.all_reduce(grad[..., ctx.start :].contiguous(), "sum", ctx.group))
+        return torch.cat([grad[..., : ctx.start], tail], dim=-1), None, None
 
 
 class ReplicatedSharedKey(Replicated):

@@ -197,3 +197,38 @@ def test_unsupported_architecture(hf_dense_dir, tmp_path):
 def test_not_a_checkpoint_folder(tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
         models.from_pretrained(tmp_path)
+
+
+def test_build_model_buffers_are_the_constructors(monkeypatch):
+    """`build_model` materialises with `to_empty` (garbage); its persistent buffers (DeepSeek-V3's
+    router `expert_bias`) must come out as a model constructed directly holds them, or a model that
+    only gets random parameters routes by garbage (seen: tp=2 gradients that changed run to run)."""
+    from rlloom.models.checkpoint import build_model
+    from rlloom.models.model import CausalLM
+
+    to_empty = torch.nn.Module.to_empty
+
+    def garbage(self, *, device, recurse=True):  # what reused memory can hold
+        out = to_empty(self, device=device, recurse=recurse)
+        with torch.no_grad():
+            for t in [*out.parameters(), *out.buffers()]:
+                t.fill_(float("nan"))
+        return out
+
+    cfg = {
+        "model_type": "deepseek_v3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+        "moe_intermediate_size": 16, "num_hidden_layers": 2, "first_k_dense_replace": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    }  # fmt: skip
+    built = build_model(cfg, dtype=torch.float32, device="cpu")  # before the patch: the reference
+    reference = CausalLM(built.args, cfg)  # constructed on the CPU: real initial buffers
+    monkeypatch.setattr(torch.nn.Module, "to_empty", garbage)
+    built = build_model(cfg, dtype=torch.float32, device="cpu")
+    buffers = dict(built.named_buffers())
+    assert "layers.1.moe.router.expert_bias" in buffers
+    for name, expected in reference.named_buffers():
+        torch.testing.assert_close(buffers[name], expected, msg=name)
