@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rlloom.config.components import UserError
-from rlloom.observability.log import warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +96,9 @@ def load_prompt_file(
 
     `file_format` None picks by the file suffix (`.parquet` -> parquet, anything else -> jsonl).
     Raises DataError when the file is missing, unreadable or holds no usable row.
+    A run reads its file three times (the start-up check, the training split, the evaluation
+    split): the rows of the last file read are kept, keyed by its size and modification time, so it
+    is parsed (and its bad rows reported) once.
     """
     path = Path(path)
     if not path.is_file():
@@ -104,6 +106,18 @@ def load_prompt_file(
             f"data.path={str(path)!r} is not a file; fix: point data.path at a .jsonl or .parquet file"
         )
     fmt = file_format or ("parquet" if path.suffix == ".parquet" else "jsonl")
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, prompt_key, answer_key, fmt)
+    if _last_read[0] != key:
+        _last_read[:] = [key, _read_prompt_file(path, fmt, prompt_key=prompt_key, answer_key=answer_key)]
+    return list(_last_read[1])
+
+
+_last_read: list = [None, []]
+"""[key, rows] of the last file `load_prompt_file` parsed."""
+
+
+def _read_prompt_file(path: Path, fmt: FileFormat, *, prompt_key: str, answer_key: str) -> list[RawPrompt]:
     numbered = _parquet_rows(path) if fmt == "parquet" else _jsonl_rows(path)
     unit = "row" if fmt == "parquet" else "line"
     prompts: list[RawPrompt] = []
@@ -221,5 +235,4 @@ def _report_bad_rows(
         )
     if bad:
         more = f" (and {len(bad) - _NUM_LISTED} more)" if len(bad) > _NUM_LISTED else ""
-        # once: the start-up checks, the training split and the evaluation split each read the file
-        warn_once(logger, f"{path}: skipped {len(bad)} of {total} rows: {listed}{more}")
+        logger.warning(f"{path}: skipped {len(bad)} of {total} rows: {listed}{more}")

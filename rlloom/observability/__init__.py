@@ -1,6 +1,6 @@
 """Observability: metrics with explicit reductions, stage timers, memory, MFU, loggers and plots."""
 
-from rlloom.observability.log import init_logger, warn_once
+from rlloom.observability.log import init_logger
 from rlloom.observability.logger import Logger, MultiLogger
 from rlloom.observability.loggers import build_loggers
 from rlloom.observability.metrics import Max, Mean, Metric, MetricsAccumulator, Min, Sum, reduce_across_ranks
@@ -19,5 +19,4 @@ __all__ = [
     "build_loggers",
     "init_logger",
     "reduce_across_ranks",
-    "warn_once",
 ]

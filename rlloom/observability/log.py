@@ -1,4 +1,4 @@
-"""Python logging for rlloom: `init_logger()` once at the entry point, `warn_once` for repeats.
+"""Python logging for rlloom: `init_logger()` once at the entry point.
 
 Modules log through `logging.getLogger(__name__)`; their loggers are children of `rlloom`, which
 `init_logger` gives one handler printing `[rlloom] LEVEL message` to stderr.
@@ -12,7 +12,6 @@ from typing import TextIO
 
 _ROOT = "rlloom"
 _HANDLER_NAME = "rlloom-stderr"
-_warned: set[tuple[str, str]] = set()
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -43,11 +42,3 @@ def init_logger(level: int | str = logging.INFO) -> logging.Logger:
         # The handler above prints; do not print again through a root handler someone else set up.
         logger.propagate = False
     return logger
-
-
-def warn_once(logger: logging.Logger, message: str) -> None:
-    """`logger.warning(message)` the first time this logger sees this message, then stay silent."""
-    key = (logger.name, message)
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message)

@@ -87,8 +87,8 @@ def check_logging_backends(cfg: RunConfig) -> None:
 
 
 def check_data(cfg: RunConfig) -> None:
-    """A dataset file must be in its task's format and hold usable rows for both splits (the rows are
-    read once here and again when the run builds its prompts)."""
+    """A dataset file must be in its task's format and hold usable rows for both splits (the rows
+    parsed here are kept for the run's prompts: `load_prompt_file`)."""
     data = cfg.data
     if data.task not in FILE_SUFFIXES:
         return

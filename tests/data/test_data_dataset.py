@@ -125,3 +125,24 @@ def test_truncated_parquet_is_a_data_error(tmp_path):
     path.write_bytes(path.read_bytes()[:-40])
     with pytest.raises(DataError, match="not a readable parquet file"):
         load_prompt_file(path)
+
+
+def test_a_file_is_parsed_once_until_it_changes(tmp_path, monkeypatch):
+    """A run reads its file for the start-up check and for each split: one parse, unless the file
+    (its size or modification time) or the keys change."""
+    import rlloom.data.dataset as dataset
+
+    parses = []
+    jsonl_rows = dataset._jsonl_rows
+    monkeypatch.setattr(dataset, "_jsonl_rows", lambda path: parses.append(path) or jsonl_rows(path))
+    path = write_lines(
+        tmp_path / "d.jsonl", [json.dumps({"prompt": f"p{i}", "q": str(i), "answer": "1"}) for i in range(3)]
+    )
+    first = load_prompt_file(path)
+    first.pop()  # the caller's list is its own
+    assert len(load_prompt_file(path)) == 3 and len(parses) == 1
+    load_prompt_file(path, prompt_key="q")
+    load_prompt_file(path)
+    assert len(parses) == 3
+    write_lines(path, [json.dumps({"prompt": "changed", "answer": "2"})])
+    assert [r.prompt for r in load_prompt_file(path)] == ["changed"] and len(parses) == 4

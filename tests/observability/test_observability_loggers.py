@@ -9,7 +9,7 @@ import pytest
 from rlloom.config.components import LoggingConfig
 from rlloom.observability.console import ConsoleLogger, format_eta
 from rlloom.observability.jsonl import JsonlLogger, read_metrics_jsonl
-from rlloom.observability.log import init_logger, warn_once
+from rlloom.observability.log import init_logger
 from rlloom.observability.logger import MultiLogger
 from rlloom.observability.loggers import METRICS_FILE, build_loggers
 
@@ -161,13 +161,11 @@ def restore_rlloom_logger():
     logger.setLevel(saved[2])
 
 
-def test_init_logger_once_and_warn_once(capsys, restore_rlloom_logger):
+def test_init_logger_once(capsys, restore_rlloom_logger):
     logger = init_logger()
     init_logger()
     assert sum(h.get_name() == "rlloom-stderr" for h in logger.handlers) == 1
-    child = logging.getLogger("rlloom.trainer.test")
-    warn_once(child, "kl_coef=0 ignores kl_kind")
-    warn_once(child, "kl_coef=0 ignores kl_kind")
+    logging.getLogger("rlloom.trainer.test").warning("kl_coef=0 ignores kl_kind")
     err = capsys.readouterr().err
     assert err.count("[rlloom]") == 1 and "WARNING kl_coef=0 ignores kl_kind" in err
 
