@@ -132,6 +132,13 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
         state = load_checkpoint(groups.train, groups.sync, resume_from)
         source.load_state_dict(state.data_state)
         log.info("resumed from %s at step %d", resume_from, state.step)
+        if state.step >= cfg.trainer.total_steps:
+            log.warning(
+                "the run is already at step %d of trainer.total_steps=%d: nothing to train. To train "
+                "further, raise trainer.total_steps.",
+                state.step,
+                cfg.trainer.total_steps,
+            )
     loggers = build_loggers(
         cfg.logging,
         run_dir,

@@ -186,3 +186,14 @@ def test_run_dir_lock(tiny_checkpoint, tmp_path, rlloom_log, capsys):
             RunDirLock(run_dir).acquire()
     assert f"took over the lock of pid {holder.pid}" in rlloom_log.text
     assert (run_dir / ".lock").read_text() == ""
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_to_train(tiny_checkpoint, tmp_path, rlloom_log):
+    run(tiny_cfg(tiny_checkpoint, tmp_path / "r", "trainer.total_steps=1", "trainer.save_every=1"))
+    lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
+    rlloom_log.clear()
+    result = run(tiny_cfg(tiny_checkpoint, tmp_path / "r", "trainer.total_steps=1", "trainer.resume=auto"))
+    assert result.steps == 1
+    assert (tmp_path / "r" / "metrics.jsonl").read_text().splitlines() == lines  # nothing trained or logged
+    warned = [r.getMessage() for r in rlloom_log.records if r.levelno == logging.WARNING]
+    assert any("already at step 1 of trainer.total_steps=1: nothing to train" in m for m in warned), warned
