@@ -15,10 +15,11 @@ from typing import Any
 import torch
 
 from rlloom.algorithms.aggregation import aggregate_loss_sum
+from rlloom.algorithms.corrections import is_weights
 from rlloom.algorithms.kl import kl_estimate
 from rlloom.algorithms.losses import cispo_loss, gspo_loss, ppo_clip_loss
 from rlloom.config.components import AlgorithmConfig
-from rlloom.data.types import PolicyUpdate
+from rlloom.data.types import ISCorrection, PolicyUpdate
 from rlloom.devices import to_device
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], tuple[torch.Tensor, Mapping[str, Any]]]
@@ -34,11 +35,38 @@ metrics: scalars (averaged over micro-batches weighted by response tokens) or
 """
 
 
+def is_correction(algo: AlgorithmConfig) -> ISCorrection | None:
+    """`algorithm.is_correction`'s settings, or None when it is off."""
+    if algo.is_correction == "none":
+        return None
+    mode = "truncate" if algo.is_correction == "tis" else "mask"
+    return ISCorrection(
+        level=algo.is_level, mode=mode, low=algo.is_low if algo.is_low > 0 else None, high=algo.is_high
+    )
+
+
+def correction_weights(
+    correction: ISCorrection, old_logp_BT: torch.Tensor, rollout_logp_BT: torch.Tensor, mask_BT: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The IS weights old / rollout (detached) and their metrics."""
+    return is_weights(
+        old_logp_BT,
+        rollout_logp_BT,
+        mask_BT,
+        level=correction.level,
+        mode=correction.mode,
+        low=correction.low,
+        high=correction.high,
+    )
+
+
 def make_loss_fn(algo: AlgorithmConfig, update: PolicyUpdate) -> LossFn:
     """The per-micro-batch loss of the configured policy loss, KL and entropy terms."""
     mask_all_BT = update.batch.response_mask()
-    # In a single pass the current logprobs are the trainer's view of the rollout policy: the
-    # train-vs-rollout gap is measured here, at no extra forward.
+    # In a single pass (no old logprobs recomputed) the current logprobs, detached, are the old
+    # ones: the train-vs-rollout gap and the IS correction's weights are taken here, at no extra
+    # forward. Per micro-batch is exact: a sequence is never split between micro-batches, and the
+    # token means are averaged over micro-batches by their response tokens.
     rollout_BT = update.batch.rollout_logprobs() if update.old_logp_BT is None else None
 
     def loss_fn(
@@ -72,6 +100,13 @@ def make_loss_fn(algo: AlgorithmConfig, update: PolicyUpdate) -> LossFn:
             loss_bT, metrics = cispo_loss(logp_bT, old_bT, adv_bT, mask_bT, eps_high=algo.eps_high)
         if update.is_weights_BT is not None:
             loss_bT = loss_bT * rows(update.is_weights_BT)
+        if update.correct_in_loss is not None:
+            assert rollout_BT is not None, "an in-loss IS correction needs a single pass (no old logprobs)"
+            weights_bT, is_metrics = correction_weights(
+                update.correct_in_loss, logp_bT.detach(), rows(rollout_BT), mask_bT
+            )
+            loss_bT = loss_bT * weights_bT
+            metrics.update(is_metrics)
         if algo.kl_coef > 0:
             assert update.ref_logp_BT is not None, "KL loss on but no reference logprobs"
             kl_bT = kl_estimate(logp_bT, rows(update.ref_logp_BT), algo.kl_kind) * mask_bT

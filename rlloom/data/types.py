@@ -332,6 +332,17 @@ class RolloutBatch:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class ISCorrection:
+    """How `algorithm.is_correction` weights tokens: `rlloom.algorithms.corrections.is_weights`'
+    keywords (level token/sequence, mode truncate/mask, bounds)."""
+
+    level: str
+    mode: str
+    low: float | None
+    high: float
+
+
 @dataclass(kw_only=True, slots=True)
 class PolicyUpdate:
     """Per-token tensors of one mini-batch, in the order of its samples."""
@@ -348,6 +359,9 @@ class PolicyUpdate:
     """[B, T] detached train/inference mismatch weights when IS correction is on."""
     normalizer: float
     """Global loss normaliser of this mini-batch for the aggregation mode."""
+    correct_in_loss: ISCorrection | None = None
+    """IS correction the loss applies itself, from its own detached logprobs against the rollout's
+    (a single pass: `old_logp_BT` is None, so `is_weights_BT` could not be computed ahead)."""
 
     def select(self, rows: Sequence[int], normalizer_of: Callable[[torch.Tensor], float]) -> PolicyUpdate:
         """The update of a subset of rows as its own mini-batch; `normalizer_of(mask_BT)` gives the
@@ -362,6 +376,7 @@ class PolicyUpdate:
             ref_logp_BT=pick(self.ref_logp_BT),
             is_weights_BT=pick(self.is_weights_BT),
             normalizer=normalizer_of(sub.response_mask()),
+            correct_in_loss=self.correct_in_loss,
         )
 
 

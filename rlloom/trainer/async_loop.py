@@ -35,8 +35,9 @@ prompt source rewound to the oldest dropped job, so those prompts are generated 
 step: a resumed run draws exactly the prompts, seeds and versions of the uninterrupted one, and no
 sample is trained twice. The first step after such a drain trains on-policy.
 
-Off-policy corrections are on: old logprobs are recomputed under the current weights (the proximal
-policy) and each token is weighted by proximal / behaviour, the behaviour being the rollout's logprob
+Off-policy corrections are on: old logprobs are those of the current weights (the proximal policy:
+recomputed by a forward when a step makes several updates, else the training forward's own,
+detached) and each token is weighted by proximal / behaviour, the behaviour being the rollout's logprob
 of the policy that produced it: truncated (`algorithm.is_correction=tis` unless set), or with
 `algorithm.decoupled_ppo` untruncated and masked above `is_high` (AReaL's decoupled PPO).
 """

@@ -11,13 +11,13 @@ import torch
 
 from rlloom.algorithms import (
     grpo_advantages,
-    is_weights,
     loss_normalizer,
     masked_whiten,
     reinforce_pp_baseline_advantages,
     reinforce_pp_returns,
     rloo_advantages,
 )
+from rlloom.algorithms.objective import correction_weights, is_correction
 from rlloom.config.components import AlgorithmConfig
 from rlloom.data.types import PolicyUpdate, RolloutBatch
 
@@ -52,23 +52,10 @@ def build_update(
     mask_BT = batch.response_mask()
     metrics: dict[str, float] = {}
     weights_BT = None
-    if algo.is_correction != "none":
-        if old_logp_BT is None:
-            raise ValueError(
-                "algorithm.is_correction needs recomputed old logprobs to compare with the rollout's; "
-                "it cannot be combined with the on-policy shortcut. Fix: set algorithm.is_correction=none "
-                "or trainer.ppo_epochs/num_mini_batches so that old logprobs are recomputed."
-            )
-        mode = "truncate" if algo.is_correction == "tis" else "mask"
-        low = algo.is_low if algo.is_low > 0 else None
-        weights_BT, is_metrics = is_weights(
-            old_logp_BT,
-            batch.rollout_logprobs(),
-            mask_BT,
-            level=algo.is_level,
-            mode=mode,
-            low=low,
-            high=algo.is_high,
+    correction = is_correction(algo)
+    if correction is not None and old_logp_BT is not None:
+        weights_BT, is_metrics = correction_weights(
+            correction, old_logp_BT, batch.rollout_logprobs(), mask_BT
         )
         metrics.update({k: float(v) for k, v in is_metrics.items()})
     weight_B = batch.loss_weights()
@@ -81,6 +68,8 @@ def build_update(
         ref_logp_BT=ref_logp_BT,
         is_weights_BT=weights_BT,
         normalizer=loss_normalizer(mask_BT, algo.agg_mode, norm_constant=norm_constant),
+        # without old logprobs (a single pass) the loss weights by its own forward's logprobs
+        correct_in_loss=correction if old_logp_BT is None else None,
     )
     adv_valid = update.advantages_BT[mask_BT]
     metrics["advantage/mean"] = float(adv_valid.mean()) if adv_valid.numel() else 0.0

@@ -52,8 +52,9 @@ class StepContext:
 
 
 def is_single_pass(cfg: RunConfig) -> bool:
-    """One optimizer step over the batch: the policy that generated it is the one being trained, so
-    old logprobs are the detached current ones and need no separate forward."""
+    """One optimizer step over the batch: the old (proximal) policy is the one being trained, so the
+    old logprobs are the training forward's own, detached, and need no separate forward (the IS
+    correction's weights against the rollout's logprobs are then taken in the loss)."""
     return cfg.trainer.ppo_epochs == 1 and cfg.trainer.num_mini_batches == 1
 
 
@@ -89,7 +90,7 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
             rollout_group.sleep().result()  # the KV cache's memory goes to training until the sync
 
     old_logp_BT = None
-    need_old = not is_single_pass(cfg) or cfg.algorithm.is_correction != "none"
+    need_old = not is_single_pass(cfg)  # else the loss detaches its own (and weights IS from them)
     with timer("old_logprobs"):
         if cfg.algorithm.use_rollout_logprobs:
             old_logp_BT = batch.rollout_logprobs()

@@ -105,6 +105,10 @@ def spy_on_versions(monkeypatch, weights_of):
 
     monkeypatch.setattr(loop_mod, "rl_step", spy_step)
     monkeypatch.setattr(step_mod, "build_update", spy_build)
+    # The separate old-logprob forward, so the update carries the IS weights checked below (a
+    # single pass computes them in the loss: test_single_pass_is_correction_in_the_loss_... shows
+    # that this is the same run).
+    monkeypatch.setattr(step_mod, "is_single_pass", lambda cfg: False)
     return seen
 
 
@@ -267,3 +271,32 @@ def test_partial_drop_with_dynamic_sampling(tiny_checkpoint, tmp_path, monkeypat
         for s in samples:
             groups.setdefault(s.group_id, set()).add(s.reward)
         assert all(len(r) > 1 for r in groups.values())
+
+
+def test_single_pass_is_correction_in_the_loss_equals_a_separate_old_forward(
+    tiny_checkpoint, tmp_path, monkeypatch
+):
+    """one_step_off trains on the previous version's samples, so the IS weights (proximal /
+    behaviour) are not 1. In a single pass the loss takes them from its own forward, detached; the
+    run must equal one that recomputes the old logprobs by a separate forward (as every corrected
+    step did before), in every metric and in the final weights."""
+    from test_trainer_loop import final_weights
+
+    import rlloom.trainer.step as step
+
+    args = [*FAST, "trainer.total_steps=3", "trainer.mode=one_step_off"]
+    run(tiny_cfg(tiny_checkpoint, tmp_path / "in_loss", *args))
+    monkeypatch.setattr(step, "is_single_pass", lambda cfg: False)  # the old forward, every step
+    run(tiny_cfg(tiny_checkpoint, tmp_path / "forward", *args))
+    in_loss, forward = read_metrics(tmp_path / "in_loss"), read_metrics(tmp_path / "forward")
+    assert max(m["is/mean_abs_logp_diff"] for m in in_loss) > 1e-3  # stale samples: weights not 1
+    for a, b in zip(in_loss, forward, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    weights = (
+        final_weights(tmp_path / "in_loss", 3, tmp_path),
+        final_weights(tmp_path / "forward", 3, tmp_path),
+    )
+    for name, tensor in weights[0].items():
+        torch.testing.assert_close(tensor, weights[1][name], atol=1e-6, rtol=1e-5, msg=name)
