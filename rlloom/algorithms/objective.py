@@ -1,7 +1,8 @@
 """The policy objective as the training engine calls it: one loss function per update.
 
 `make_loss_fn(algo, update)` closes over a `PolicyUpdate` (advantages, old/reference logprobs, IS
-weights of the global batch, computed once by the controller) and returns the `LossFn` the engine
+weights of the global batch, computed once by the controller; in a single pass the IS weights are
+taken here from the forward's own logprobs, `update.correct_in_loss`) and returns the `LossFn` the engine
 calls per micro-batch with the rows it holds: the configured policy loss (PPO clip, GSPO or CISPO),
 optional IS correction, KL and entropy terms, summed for `aggregate_loss_sum`'s normaliser.
 Shape legend: B samples of the global batch, b of a micro-batch, T response tokens.
