@@ -10,6 +10,7 @@ Shape legend: B samples of the global batch, b of a micro-batch, T response toke
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -50,15 +51,7 @@ def correction_weights(
     correction: ISCorrection, old_logp_BT: torch.Tensor, rollout_logp_BT: torch.Tensor, mask_BT: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The IS weights old / rollout (detached) and their metrics."""
-    return is_weights(
-        old_logp_BT,
-        rollout_logp_BT,
-        mask_BT,
-        level=correction.level,
-        mode=correction.mode,
-        low=correction.low,
-        high=correction.high,
-    )
+    return is_weights(old_logp_BT, rollout_logp_BT, mask_BT, **dataclasses.asdict(correction))
 
 
 def make_loss_fn(algo: AlgorithmConfig, update: PolicyUpdate) -> LossFn:
