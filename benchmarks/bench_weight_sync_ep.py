@@ -17,6 +17,7 @@ from a common start (a barrier) until the rollout's weights are in place (device
     python benchmarks/bench_weight_sync_ep.py                   # GPU: max(ep, tp) + rollout_tp GPUs (3 by default)
     python benchmarks/bench_weight_sync_ep.py --ep 4 --rollout-tp 2 --experts 128
     python benchmarks/bench_weight_sync_ep.py --ep 1 --tp 2 --rollout-tp 2   # TP shards only
+    python benchmarks/bench_weight_sync_ep.py --colocated --ep 2 # 2 GPUs: each rank fills its own replica in place
     python benchmarks/bench_weight_sync_ep.py --smoke           # tiny shape on CPU (gloo), to check the script
 """
 
@@ -44,6 +45,7 @@ from rlloom.weight_sync.broadcast import (
     owner_layout,
     send_weights,
 )
+from rlloom.weight_sync.inplace import sync_inplace
 from rlloom.weight_sync.receive import receive_weights
 
 MODES = ("owner-only", "gather")
@@ -65,6 +67,44 @@ def moe_config(args: argparse.Namespace) -> dict:
         num_experts_per_tok=8 if args.experts >= 8 else 2,
         max_position_embeddings=4096,
     ).to_dict()
+
+
+def _colocated_rank(rank: int, args: argparse.Namespace, out: str) -> None:
+    """The colocated placement: each training rank fills the rollout replica on its own GPU in
+    place (`sync_inplace`: the experts other ranks own are gathered over EP first)."""
+    torch.set_num_threads(1)
+    gpu = not args.smoke
+    device = torch.device(f"cuda:{rank}") if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    senders = max(args.ep, args.tp)
+    dist.init_process_group(
+        "nccl" if gpu else "gloo", init_method=f"file://{out}/train", rank=rank, world_size=senders
+    )
+    cfg = moe_config(args)
+    dims = ParallelDims(world_size=senders, ep=args.ep, tp=args.tp)
+    train = NativeTrainEngine(
+        TrainEngineConfig(compile=False), build_model(cfg, dtype=torch.float32, device=device), device=device,
+        parallel_dims=dims,
+    )  # fmt: skip
+    dtype = torch.bfloat16 if gpu else torch.float32
+    rollout = NativeEngine(
+        build_model(cfg, dtype=dtype, device=device, fused_projections=True),
+        max_model_len=256, num_blocks=4, block_size=16, max_num_seqs=4, compile=False,
+    )  # fmt: skip
+    times, num_bytes = [], 0
+    for _ in range(args.repeats + 1):
+        dist.barrier()
+        if gpu:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        num_bytes = sync_inplace(train, rollout, bucket_bytes=args.bucket_mb << 20, dtype=dtype).num_bytes
+        if gpu:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    Path(out, f"rank{rank}.txt").write_text(f"in-place {num_bytes} {' '.join(map(str, times[1:]))}")
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _rank(rank: int, args: argparse.Namespace, ports: tuple[int, ...], out: str) -> None:
@@ -155,26 +195,38 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--bucket-mb", type=int, default=256, help="sync.bucket_mb")
     parser.add_argument("--repeats", type=int, default=5, help="timed syncs per mode (after one warm-up)")
+    parser.add_argument(
+        "--colocated",
+        action="store_true",
+        help="each training rank fills a rollout replica on its own GPU in place (no rollout ranks)",
+    )
     args = parser.parse_args()
     if args.smoke:
         args.layers, args.experts, args.hidden, args.moe_intermediate, args.vocab = 2, 4, 32, 16, 64
         args.bucket_mb, args.repeats = 1, 2
     senders = max(args.ep, args.tp)
-    nprocs = senders + args.rollout_tp
+    nprocs = senders if args.colocated else senders + args.rollout_tp
     if not args.smoke and torch.cuda.device_count() < nprocs:
-        parser.error(f"needs {nprocs} GPUs (max(ep, tp) + rollout-tp); run with --smoke on CPU")
+        parser.error(
+            f"needs {nprocs} GPUs (max(ep, tp), + rollout-tp unless --colocated); run with --smoke on CPU"
+        )
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_rank, args=(args, (free_port(), free_port()), out), nprocs=nprocs, join=True)
+        if args.colocated:
+            mp.spawn(_colocated_rank, args=(args, out), nprocs=nprocs, join=True)
+        else:
+            mp.spawn(_rank, args=(args, (free_port(), free_port()), out), nprocs=nprocs, join=True)
         ranks = [Path(out, f"rank{r}.txt").read_text().splitlines() for r in range(nprocs)]
     title = "CPU smoke run" if args.smoke else torch.cuda.get_device_name()
+    target = "a replica per rank, in place" if args.colocated else f"rollout.tp={args.rollout_tp}"
     print(
         f"weight sync of a Qwen3-MoE shape ({args.layers} layers, {args.experts} experts, hidden {args.hidden}), "
-        f"ep={args.ep} tp={args.tp} -> rollout.tp={args.rollout_tp}, {title}, bucket {args.bucket_mb} MiB"
+        f"ep={args.ep} tp={args.tp} -> {target}, {title}, bucket {args.bucket_mb} MiB"
     )
     print(f"{'mode':<11} {'GB':>8} {'ms':>9} {'ms/GB':>8}")
-    for i, mode in enumerate(MODES):
+    for i, mode in enumerate(["in-place"] if args.colocated else MODES):
         rows = [r[i].split() for r in ranks]
-        gb = sum(int(r[1]) for r in rows[:senders]) / 1e9  # bytes the senders sent
+        # bytes the senders sent; colocated: what one rank's replica received (each gets the whole model)
+        gb = (int(rows[0][1]) if args.colocated else sum(int(r[1]) for r in rows[:senders])) / 1e9
         slowest = [max(float(r[k]) for r in rows) for k in range(2, len(rows[0]))]
         ms = statistics.median(slowest) * 1e3
         print(f"{mode:<11} {gb:>8.3f} {ms:>9.2f} {ms / gb:>8.2f}")
