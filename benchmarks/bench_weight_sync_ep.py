@@ -69,29 +69,46 @@ def moe_config(args: argparse.Namespace) -> dict:
     ).to_dict()
 
 
+def _rank_device(rank: int, args: argparse.Namespace) -> torch.device:
+    """This process's device (GPU `rank`, or the CPU for --smoke), made current; one CPU thread."""
+    torch.set_num_threads(1)
+    if args.smoke:
+        return torch.device("cpu")
+    device = torch.device(f"cuda:{rank}")
+    torch.cuda.set_device(device)
+    return device
+
+
+def _training_engine(cfg: dict, args: argparse.Namespace, device: torch.device) -> NativeTrainEngine:
+    """A training rank of the layout ep x tp (fp32 master weights, uninitialised)."""
+    dims = ParallelDims(world_size=max(args.ep, args.tp), ep=args.ep, tp=args.tp)
+    model = build_model(cfg, dtype=torch.float32, device=device)
+    return NativeTrainEngine(TrainEngineConfig(compile=False), model, device=device, parallel_dims=dims)
+
+
+def _rollout_engine(cfg: dict, device: torch.device, **tp: object) -> NativeEngine:
+    """A rollout engine in the rollout's dtype (bf16 on GPU), small KV cache."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(cfg, dtype=dtype, device=device, fused_projections=True)
+    return NativeEngine(
+        model, max_model_len=256, num_blocks=4, block_size=16, max_num_seqs=4, compile=False, **tp
+    )
+
+
 def _colocated_rank(rank: int, args: argparse.Namespace, out: str) -> None:
     """The colocated placement: each training rank fills the rollout replica on its own GPU in
     place (`sync_inplace`: the experts other ranks own are gathered over EP first)."""
-    torch.set_num_threads(1)
-    gpu = not args.smoke
-    device = torch.device(f"cuda:{rank}") if gpu else torch.device("cpu")
-    if gpu:
-        torch.cuda.set_device(device)
-    senders = max(args.ep, args.tp)
+    device = _rank_device(rank, args)
+    gpu = device.type == "cuda"
     dist.init_process_group(
-        "nccl" if gpu else "gloo", init_method=f"file://{out}/train", rank=rank, world_size=senders
+        "nccl" if gpu else "gloo",
+        init_method=f"file://{out}/train",
+        rank=rank,
+        world_size=max(args.ep, args.tp),
     )
     cfg = moe_config(args)
-    dims = ParallelDims(world_size=senders, ep=args.ep, tp=args.tp)
-    train = NativeTrainEngine(
-        TrainEngineConfig(compile=False), build_model(cfg, dtype=torch.float32, device=device), device=device,
-        parallel_dims=dims,
-    )  # fmt: skip
+    train, rollout = _training_engine(cfg, args, device), _rollout_engine(cfg, device)
     dtype = torch.bfloat16 if gpu else torch.float32
-    rollout = NativeEngine(
-        build_model(cfg, dtype=dtype, device=device, fused_projections=True),
-        max_model_len=256, num_blocks=4, block_size=16, max_num_seqs=4, compile=False,
-    )  # fmt: skip
     times, num_bytes = [], 0
     for _ in range(args.repeats + 1):
         dist.barrier()
@@ -110,11 +127,8 @@ def _colocated_rank(rank: int, args: argparse.Namespace, out: str) -> None:
 def _rank(rank: int, args: argparse.Namespace, ports: tuple[int, ...], out: str) -> None:
     """Training ranks 0..n-1 (n = max(ep, tp), a world of their own), rollout ranks n.. (a world of
     their own when rollout_tp > 1); both sync groups (one per mode) are joined once."""
-    torch.set_num_threads(1)
-    gpu = not args.smoke
-    device = torch.device(f"cuda:{rank}") if gpu else torch.device("cpu")
-    if gpu:
-        torch.cuda.set_device(device)
+    device = _rank_device(rank, args)
+    gpu = device.type == "cuda"
     senders = max(args.ep, args.tp)
     train = rank < senders
     size, local = (senders, rank) if train else (args.rollout_tp, rank - senders)
@@ -125,17 +139,10 @@ def _rank(rank: int, args: argparse.Namespace, ports: tuple[int, ...], out: str)
         )
     cfg = moe_config(args)
     if train:
-        model = build_model(cfg, dtype=torch.float32, device=device)
-        dims = ParallelDims(world_size=senders, ep=args.ep, tp=args.tp)
-        side = NativeTrainEngine(TrainEngineConfig(compile=False), model, device=device, parallel_dims=dims)
+        side = _training_engine(cfg, args, device)
         layout = owner_layout(side.weight_layouts(), side.layout.ep_rank, side.layout.tp_rank)
     else:
-        dtype = torch.bfloat16 if gpu else torch.float32
-        model = build_model(cfg, dtype=dtype, device=device, fused_projections=True)
-        tp = {"tp_group": dist.group.WORLD} if size > 1 else {}
-        side = NativeEngine(
-            model, max_model_len=256, num_blocks=4, block_size=16, max_num_seqs=4, compile=False, **tp
-        )
+        side = _rollout_engine(cfg, device, **({"tp_group": dist.group.WORLD} if size > 1 else {}))
     specs = {
         "owner-only": SyncGroupSpec(
             host="127.0.0.1", port=ports[0], num_senders=senders, num_receivers=args.rollout_tp,
