@@ -14,6 +14,7 @@ damaged parquet file).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass, field
@@ -107,18 +108,16 @@ def load_prompt_file(
         )
     fmt = file_format or ("parquet" if path.suffix == ".parquet" else "jsonl")
     stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, prompt_key, answer_key, fmt)
-    if _last_read[0] != key:
-        _last_read[:] = [key, _read_prompt_file(path, fmt, prompt_key=prompt_key, answer_key=answer_key)]
-    return list(_last_read[1])
+    return list(_parsed(str(path), stat.st_size, stat.st_mtime_ns, fmt, prompt_key, answer_key))
 
 
-_last_read: list = [None, []]
-"""[key, rows] of the last file `load_prompt_file` parsed."""
-
-
-def _read_prompt_file(path: Path, fmt: FileFormat, *, prompt_key: str, answer_key: str) -> list[RawPrompt]:
-    numbered = _parquet_rows(path) if fmt == "parquet" else _jsonl_rows(path)
+@functools.lru_cache(maxsize=1)
+def _parsed(
+    path: str, _size: int, _mtime_ns: int, fmt: FileFormat, prompt_key: str, answer_key: str
+) -> tuple[RawPrompt, ...]:
+    """The usable rows of the last file parsed (its size and modification time in the key: a
+    changed file is parsed again)."""
+    numbered = _parquet_rows(Path(path)) if fmt == "parquet" else _jsonl_rows(Path(path))
     unit = "row" if fmt == "parquet" else "line"
     prompts: list[RawPrompt] = []
     bad: list[BadRow] = []
@@ -132,9 +131,14 @@ def _read_prompt_file(path: Path, fmt: FileFormat, *, prompt_key: str, answer_ke
         else:
             prompts.append(parsed)
     _report_bad_rows(
-        path, bad, total=len(prompts) + len(bad), unit=unit, prompt_key=prompt_key, answer_key=answer_key
+        Path(path),
+        bad,
+        total=len(prompts) + len(bad),
+        unit=unit,
+        prompt_key=prompt_key,
+        answer_key=answer_key,
     )
-    return prompts
+    return tuple(prompts)
 
 
 def parse_row(row: object, *, index: int, prompt_key: str, answer_key: str) -> RawPrompt | str:
@@ -235,4 +239,4 @@ def _report_bad_rows(
         )
     if bad:
         more = f" (and {len(bad) - _NUM_LISTED} more)" if len(bad) > _NUM_LISTED else ""
-        logger.warning(f"{path}: skipped {len(bad)} of {total} rows: {listed}{more}")
+        logger.warning("%s: skipped %d of %d rows: %s%s", path, len(bad), total, listed, more)
