@@ -18,6 +18,10 @@ cosine between the first two documents' gradients: two layouts that disagree on 
 then show whether one document's gradient or their combination differs, and where.
 `--memory-peak` records the CUDA allocator through the first timed step and prints, per rank, the
 peak and the allocation sites (rlloom's innermost frame) of what was live then.
+`--fake-ranks N` runs rank 0 of an N-rank layout in one process on one GPU, over torch's fake
+process group: collectives move no data (their outputs are left as allocated), so the values, the
+gradient norm and the speed mean nothing, but every tensor rank 0 allocates has its real shape and
+lifetime. It measures a layout's memory (and `--memory-peak`'s holders) without its GPUs.
 
 Shapes: `30b-a3b-8l` (Qwen3-30B-A3B width, 8 of 48 layers, 128 experts), `30b-a3b-24l` (24 layers,
 ~15.5B parameters: fp32 master + Adam do not fit one H200; use --optimizer-offload-fraction),
@@ -34,6 +38,8 @@ model must fit one GPU once (the 24-layer MoE does: ~62 GB).
     torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --shape 8b --cp 2 --seq-len 65536 \\
         --micro-batches 1 --append rows.jsonl   # one 64k-token sequence cut over 2 GPUs
     python benchmarks/bench_train_parallel.py --table rows.jsonl
+    python benchmarks/bench_train_parallel.py --shape 8b --cp 2 --seq-len 65536 --micro-batches 1 \\
+        --steps 1 --fake-ranks 2 --memory-peak   # cp=2's rank 0 on one GPU: memory only
     torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --smoke --tp 2   # CPU, gloo, tiny
     torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --smoke --cp 2
     torchrun --nproc-per-node 2 benchmarks/bench_train_parallel.py --tiny --shape 8b --cp 2 --micro-batches 2 \\
@@ -139,9 +145,17 @@ def predicted_gib(config: dict, dims: ParallelDims, args: argparse.Namespace, se
     return estimate(model_costs(ModelArgs.from_hf_config(config)), layout, hardware, work).gpu_memory_gb
 
 
+def init_fake_ranks(world: int) -> tuple[int, int]:
+    """Rank 0 of `world` ranks over torch's fake process group (collectives move nothing)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    return 0, world
+
+
 def run(args: argparse.Namespace) -> dict:
     device_type = "cpu" if args.smoke else "cuda"
-    rank, world = init_distributed(device_type)
+    rank, world = init_fake_ranks(args.fake_ranks) if args.fake_ranks else init_distributed(device_type)
     device = (
         torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     )
@@ -202,6 +216,11 @@ def run(args: argparse.Namespace) -> dict:
         layout += f", AC {args.ac}"
     if offload:
         layout += f", CPU Adam {args.optimizer_offload_fraction:g}"
+    if args.fake_ranks:
+        layout += ", rank 0 alone (memory only)"
+        skipped = sum(int(m["train/skipped_step"]) for m in steps)
+        if skipped:  # a skipped step allocates no AdamW state: the peak would be too low
+            layout += f", {skipped} steps skipped (no optimizer state)"
     row = {
         "layout": layout,
         "gpus": world,
@@ -229,7 +248,10 @@ def print_memory_peak(rank: int, baseline: int, peak: int, holders: list[tuple[s
     """Every rank's peak of the recorded step and what held it, printed by rank 0."""
     mine = (baseline, peak, holders)
     every = [mine] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    if dist.get_backend() == "fake":
+        every = [mine]  # the other ranks are not run
+    else:
+        dist.all_gather_object(every, mine)
     if rank:
         return
     for r, (base, top, sites) in enumerate(every):
@@ -352,6 +374,12 @@ def main() -> None:
         help="GPU: record the allocator in the first timed step; print each rank's peak and what held it",
     )
     parser.add_argument(
+        "--fake-ranks",
+        type=int,
+        default=0,
+        help="run rank 0 of this many ranks alone over a fake process group: its memory, nothing else",
+    )
+    parser.add_argument(
         "--grad-parts", action="store_true", help="no step: each document's gradient norm, by parameter group"
     )
     args = parser.parse_args()
@@ -360,6 +388,12 @@ def main() -> None:
         return
     if args.memory_peak and args.smoke:
         parser.error("--memory-peak records the CUDA allocator: run it on GPUs (--tiny for the small model)")
+    if args.fake_ranks and (args.fake_ranks < 2 or "WORLD_SIZE" in os.environ):
+        parser.error("--fake-ranks N (N >= 2) runs one process: start it with python, not torchrun")
+    if args.fake_ranks and args.ep > 1:
+        parser.error("--fake-ranks with --ep: the experts' token counts come from the other ranks (not run)")
+    if args.fake_ranks and args.grad_parts:
+        parser.error("--fake-ranks moves no data between ranks: --grad-parts would mean nothing")
     if args.smoke:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
