@@ -69,7 +69,7 @@ import torch.nn.functional as F
 
 from rlloom.devices import to_device
 from rlloom.models.attention_ops import VarlenRuns, varlen_causal, varlen_runs
-from rlloom.parallel.distributed import all_gather_autograd, all_gather_tensor
+from rlloom.parallel.distributed import all_gather_rows, all_gather_tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,13 +336,9 @@ class _GatherSelected(torch.autograd.Function):
 
 def all_gather_tokens(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Every rank's x [n, ...] stacked in rank order [cp x n, ...]; differentiable (each rank gets
-    the sum over ranks of the gradients of its rows: the backward reduce-scatters).
-
-    torch's functional collective, not an autograd.Function around the in-place c10d calls: inside
-    a compiled layer on torch 2.11 that Function's backward gave the keys and values no gradient at
-    all (a 64k-token cp=2 step on 2 H200: wk/wv gradients exactly 0), while eager and gloo were right.
-    """
-    return all_gather_autograd(x.contiguous(), 0, group if group is not None else dist.group.WORLD)
+    the sum over ranks of the gradients of its rows: the backward reduce-scatters). Recomputed in
+    the backward of a checkpointed layer, compiled or not (`all_gather_rows`)."""
+    return all_gather_rows(x, group if group is not None else dist.group.WORLD)
 
 
 def _round_up(x: int, multiple: int) -> int:

@@ -2,8 +2,10 @@
 layers, NCCL, bf16, the FlashAttention varlen kernel) equal the eager cp=2 run and the dp=2 run of
 the same global batch, by parameter group. The CPU tests cannot see this path: on torch 2.11 the
 all-gather of the keys and values, an autograd.Function around the in-place c10d calls inside a
-compiled layer, gave wk/wv no gradient at all while eager and gloo were right (found on 2 H200;
-`parallel/cp.py` now uses torch's functional collective). Skipped without two GPUs."""
+compiled layer, gave wk/wv no gradient at all while eager and gloo were right (found on 2 H200).
+The all-gather is now an opaque custom op (`rlloom.parallel.distributed.all_gather_rows`); its
+memory and collectives under compile are checked on one GPU (test_cp_compiled_one_gpu.py). Skipped
+without two GPUs."""
 
 from __future__ import annotations
 
