@@ -53,6 +53,12 @@ class ModelCosts:
     tied: bool
     mla: bool
     """Multi-head latent attention: the KV cache holds one latent per token, not split over TP."""
+    cp_gathered: int
+    """bf16 elements per token that context parallelism all-gathers in each layer: every key and value
+    channel of every key/value head (MLA: its per-head keys and values)."""
+    cp_run_width: int
+    """bf16 elements per key of CP's FlashAttention runs: keys and values repeated to the query
+    heads (torch 2.11's varlen kernel has no GQA), MLA's values zero-padded to the key width."""
 
     total_params: int
     """Parameters of the checkpoint's trained part (a tied head counted once)."""
@@ -106,6 +112,16 @@ def _attention(args: ModelArgs) -> tuple[int, int, int]:
     return params, none, selective
 
 
+def _cp_attention(args: ModelArgs) -> tuple[int, int]:
+    """(ModelCosts.cp_gathered, ModelCosts.cp_run_width) of `args`."""
+    a = args.num_heads
+    if args.mla is not None:
+        m = args.mla
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        return a * (qk + m.v_head_dim), 2 * a * qk
+    return 2 * args.num_kv_heads * args.head_dim, 2 * a * args.head_dim
+
+
 def _kv_bytes_per_token(args: ModelArgs) -> int:
     if args.mla is not None:
         return 2 * (args.mla.kv_lora_rank + args.mla.qk_rope_head_dim)
@@ -151,6 +167,7 @@ def model_costs(args: ModelArgs) -> ModelCosts:
             )
         )
     vocab_hidden = args.vocab_size * args.hidden_size
+    cp_gathered, cp_run_width = _cp_attention(args)
     body = sum(layer.dense_params + layer.expert_params for layer in layers)
     head = vocab_hidden + args.hidden_size - (vocab_hidden if args.tie_word_embeddings else 0)
     return ModelCosts(
@@ -165,6 +182,8 @@ def model_costs(args: ModelArgs) -> ModelCosts:
         top_k=args.moe.top_k if args.moe is not None else 0,
         tied=args.tie_word_embeddings,
         mla=args.mla is not None,
+        cp_gathered=cp_gathered,
+        cp_run_width=cp_run_width,
         total_params=body + vocab_hidden + head,
         expert_params=sum(layer.expert_params for layer in layers),
     )

@@ -1,14 +1,17 @@
 """The phases of one pipeline stage's training step and the GPU memory of each (docs/plan.md, section 2).
 
-`stage_memory` returns the peak over four moments of a backward pass of rlloom's training engine,
+`stage_memory` returns the peak over the moments of a backward pass of rlloom's training engine,
 each of which can be the step's peak: "head" (the logprob head's backward runs first, while every
-activation is still saved), "layers" (a decoder layer's backward: gathered layers, recomputed
-activations), "layer reduce" (that layer's gradient reduce) and "reduce" (the end of backward, when
-every fp32 gradient exists and the root unit's gradients are reduced), and "step" (the optimizer
-step with the engine's trial of the update on one slice); on one GPU without optimizer offload,
-which runs without FSDP, "layers" and "backward end" (every fp32 gradient) instead of the reduces. Between them memory moves
-linearly (a layer's gradients appear as its activations go), so the peak is at one of them. Checked
-against an H200's allocator trace: docs/plan.md lists what was alive at each measured peak.
+activation is still saved), "layers" (the first decoder layer's backward: gathered layers,
+recomputed activations), "last layer" (the last one's backward: the same working set beside the
+fp32 gradients of every other layer, which with one micro-batch appear as the layers go), "layer
+reduce" (a layer's gradient reduce) and "reduce" (the end of backward, when every fp32 gradient
+exists and the root unit's gradients are reduced), and "step" (the optimizer step with the engine's
+trial of the update on one slice); on one GPU without optimizer offload, which runs without FSDP,
+"layers", "last layer" and "backward end" (every fp32 gradient) instead of the reduces. Between
+them memory moves linearly (a layer's gradients appear as its saved input goes, and every layer's
+backward has the same working set), so the peak is at one of them. Checked against an H200's
+allocator trace: docs/plan.md lists what was alive at each measured peak.
 """
 
 from __future__ import annotations
@@ -53,6 +56,18 @@ def _saved_per_token(layer: LayerCost, hidden: int, work: Workload, checkpointed
     if work.recompute == "selective":
         return layer.act_selective
     return hidden  # full recompute keeps only the layer's input
+
+
+def _cp_attention(costs: ModelCosts, layout: Layout, seq: float) -> float:
+    """Bytes a layer's backward holds under context parallelism beyond what its local tokens cost
+    (parallel/cp.py): every rank's keys and values gathered (`seq` tokens, the whole micro-batch)
+    and the FlashAttention runs' keys and values (each local chunk's document up to the chunk's end:
+    seq x (1 + 1 / (2 cp)) keys over a rank's two chunks of every document), bf16, their heads split
+    over tp. The recompute makes them before the MLP's backward, and they live until the
+    attention's: an H200's allocator trace of a cp=2 step (docs/plan.md) had them beside the MLP's
+    gradients at the peak."""
+    runs = seq * (1 + 1 / (2 * layout.cp))
+    return 2 * (seq * costs.cp_gathered + runs * costs.cp_run_width) / layout.tp
 
 
 def _head_chunk_tokens(selected: float, chunk: int) -> float:
@@ -101,6 +116,9 @@ def stage_memory(
     activations = 2 * t * saved * in_flight * eager
     largest = max(c.act_none for c, _ in present)
     working = 2 * t * largest * (1.5 if work.recompute == "full" else 0.5) * eager  # recomputed + grads
+    if layout.cp > 1:
+        working += _cp_attention(costs, layout, work.max_tokens_per_gpu)
+    last_layer = activations / max(1, len(layers))  # the saved input of the backward's last layer
 
     comm = NCCL_BUFFERS_GB * GB if layout.world > 1 else 0.0
     if layout.tp > 1:  # sequence-parallel all-gather of a layer input
@@ -124,13 +142,15 @@ def stage_memory(
     if copies:
         phases = _one_device_phases(
             shards, earlier, optimizer, activations, working, per_gpu=per_gpu, layer=layer,
-            head_gpu=head_gpu, tied=costs.tied,
+            head_gpu=head_gpu, tied=costs.tied, last_layer=last_layer,
+            embed_gpu=costs.embed_params if is_first else 0.0,
         )  # fmt: skip
     else:
         phases = _fsdp_phases(
             shards, earlier, optimizer, activations, working, comm, per_gpu=per_gpu, layer=layer,
             gathered_root=gathered_root, root_gpu=root_gpu, head_gpu=head_gpu, reduce_extra=reduce_extra,
-            nccl=NCCL_BUFFERS_GB * GB if layout.world > 1 else 0.0,
+            nccl=NCCL_BUFFERS_GB * GB if layout.world > 1 else 0.0, last_layer=last_layer,
+            root_shard=root / shard,
         )  # fmt: skip
     # the optimizer step: every fp32 gradient, and the engine's trial of the update on one slice of
     # at most TRIAL_CHUNK elements (parameter, two moments, the isfinite flags: 13 bytes an element;
@@ -177,6 +197,8 @@ def _fsdp_phases(
     head_gpu: float,
     reduce_extra: Callable[[float], float],
     nccl: float,
+    last_layer: float,
+    root_shard: float,
 ) -> dict[str, Breakdown]:
     """The backward's phases under FSDP2 (several GPUs, or one with optimizer offload): layers
     gathered one at a time."""
@@ -189,6 +211,15 @@ def _fsdp_phases(
             earlier + 2 * head_gpu + (2 + 4) * layer,
             optimizer,
             activations + working,
+            comm,
+        ),
+        # the backward's last layer: the same working set, with the fp32 gradient shards of every
+        # other layer (with one micro-batch they appear as the layers go) and one layer's input
+        "last layer": Breakdown(
+            shards + gathered_root + 2 * layer,
+            (earlier or 4 * (per_gpu - root_shard)) + 2 * head_gpu + (2 + 4) * layer,
+            optimizer,
+            last_layer + working,
             comm,
         ),
         # that layer's gradient reduce, once it is resharded: the prefetched layer and the reduce
@@ -221,6 +252,8 @@ def _one_device_phases(
     layer: float,
     head_gpu: float,
     tied: bool,
+    last_layer: float,
+    embed_gpu: float,
 ) -> dict[str, Breakdown]:
     """The backward's phases on one GPU without optimizer offload, which runs without FSDP
     (parallel/mixed_precision.py): a bf16
@@ -236,6 +269,15 @@ def _one_device_phases(
     return {
         # the first layer's backward: its gradients, recomputed activations
         "layers": Breakdown(shards + copies, layer_grads, optimizer, activations + working, 0.0),
+        # the last layer's backward: the same working set, every fp32 gradient but the embedding's
+        # (with one micro-batch they appear as the layers go), one layer's input
+        "last layer": Breakdown(
+            shards + copies,
+            (earlier or 4 * (per_gpu - embed_gpu)) + waiting + 2 * layer,
+            optimizer,
+            last_layer + working,
+            0.0,
+        ),
         # the end of backward: every fp32 gradient but the embedding's, whose bf16 one (and a tied
         # head's) autograd still holds
         "backward end": Breakdown(shards + copies, 4 * per_gpu + waiting + 2 * head_gpu, optimizer, 0.0, 0.0),
