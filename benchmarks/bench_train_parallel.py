@@ -21,7 +21,9 @@ peak and the allocation sites (rlloom's innermost frame) of what was live then.
 `--fake-ranks N` runs rank 0 of an N-rank layout in one process on one GPU, over torch's fake
 process group: collectives move no data (their outputs are left as allocated), so the values, the
 gradient norm and the speed mean nothing, but every tensor rank 0 allocates has its real shape and
-lifetime. It measures a layout's memory (and `--memory-peak`'s holders) without its GPUs.
+lifetime. It measures a layout's memory (and `--memory-peak`'s holders) without its GPUs: data
+parallelism and CP (whose gathered keys and values are whatever the memory held; a non-finite loss
+would stop the step), not TP or EP.
 
 Shapes: `30b-a3b-8l` (Qwen3-30B-A3B width, 8 of 48 layers, 128 experts), `30b-a3b-24l` (24 layers,
 ~15.5B parameters: fp32 master + Adam do not fit one H200; use --optimizer-offload-fraction),
@@ -392,6 +394,11 @@ def main() -> None:
         parser.error("--fake-ranks N (N >= 2) runs one process: start it with python, not torchrun")
     if args.fake_ranks and args.ep > 1:
         parser.error("--fake-ranks with --ep: the experts' token counts come from the other ranks (not run)")
+    if args.fake_ranks and args.tp > 1:  # tried on one H200: the loss check stopped the first step
+        parser.error(
+            "--fake-ranks with --tp: every activation passes TP's collectives, whose outputs are left "
+            "as allocated, so the loss is NaN and the step stops"
+        )
     if args.fake_ranks and args.grad_parts:
         parser.error("--fake-ranks moves no data between ranks: --grad-parts would mean nothing")
     if args.smoke:
