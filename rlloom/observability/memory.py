@@ -8,6 +8,7 @@ the OS never resets, so it is the peak since the process started.
 
 from __future__ import annotations
 
+import re
 import sys
 
 import torch
@@ -70,17 +71,31 @@ Holder = tuple[str, int]
 """(where the allocation was made: "file:line function", bytes live at the peak)."""
 
 
+_GENERATED = re.compile(r"/([a-z0-9]{2}/c[a-z0-9]{40,}\.py)$")
+"""A file of Python that torch.compile's Inductor generated (in its cache: two-character folder,
+"c" + hash), wherever the cache lives (rlloom's is under ~/.cache/rlloom/compile)."""
+
+
+def _frame(f: dict) -> str:
+    return f"{f.get('filename', '?').rsplit('/site-packages/', 1)[-1]}:{f.get('line', 0)} {f.get('name', '')}"
+
+
 def allocation_site(frames: list[dict]) -> str:
-    """The innermost frame in rlloom's own code (torch's own frames when none is), as
-    "rlloom/parallel/cp.py:280 attn"."""
+    """Where an allocation was made, innermost frame first: rlloom's own code as
+    "rlloom/parallel/cp.py:280 attn"; code torch.compile generated (a compiled layer's forward or
+    backward, whose lines name the buffers) as "compiled 3x/c3x...py:739 call"; otherwise torch's
+    innermost frame and its caller's function, "torch/.../_fsdp_collectives.py:59 allocate <
+    foreach_reduce" (FSDP's gather and reduce buffers come from one line)."""
     for frame in frames:
         name = frame.get("filename", "")
+        generated = _GENERATED.search(name)
+        if generated:
+            return f"compiled {generated.group(1)}:{frame.get('line', 0)} {frame.get('name', '')}"
         if "/rlloom/" in name and "/observability/" not in name:
             return f"rlloom/{name.rsplit('/rlloom/', 1)[1]}:{frame.get('line', 0)} {frame.get('name', '')}"
-    if frames:
-        f = frames[0]
-        return f"{f.get('filename', '?').rsplit('/site-packages/', 1)[-1]}:{f.get('line', 0)} {f.get('name', '')}"
-    return "(no stack)"
+    if not frames:
+        return "(no stack)"
+    return _frame(frames[0]) + (f" < {frames[1].get('name', '')}" if len(frames) > 1 else "")
 
 
 def peak_holders(events: list[dict], top: int = 12) -> tuple[int, list[Holder]]:

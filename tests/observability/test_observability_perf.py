@@ -120,3 +120,19 @@ def test_allocation_site_prefers_rlloom_frames():
     assert allocation_site(frames) == "rlloom/models/attention.py:42 forward"
     assert allocation_site(frames[:1]) == "torch/nn/functional.py:5 linear"
     assert allocation_site([]) == "(no stack)"
+    # torch alone: its innermost frame and the caller's function (FSDP's gather and reduce buffers
+    # are made on one line)
+    fsdp = [
+        {"filename": "/venv/site-packages/torch/fsdp/_fsdp_collectives.py", "line": 59, "name": "allocate"},
+        {
+            "filename": "/venv/site-packages/torch/fsdp/_fsdp_collectives.py",
+            "line": 522,
+            "name": "foreach_reduce",
+        },
+    ]
+    assert allocation_site(fsdp) == "torch/fsdp/_fsdp_collectives.py:59 allocate < foreach_reduce"
+    # code torch.compile generated into rlloom's cache (~/.cache/rlloom/compile) is not rlloom's source
+    generated = "/root/.cache/rlloom/compile/3x/c3xw5uv6wew35t7pir44nfugsizeczwuxdatdptoiosyzkyvxp57.py"
+    frames = [{"filename": generated, "line": 739, "name": "call"}, *frames]
+    site = "compiled 3x/c3xw5uv6wew35t7pir44nfugsizeczwuxdatdptoiosyzkyvxp57.py:739 call"
+    assert allocation_site(frames) == site
