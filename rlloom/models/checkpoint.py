@@ -2,7 +2,8 @@
 
 - `from_pretrained(path_or_name, *, dtype, device)`: reads config.json, builds the model on the meta
   device, materialises it on `device`, then streams every tensor of the (possibly sharded, via
-  model.safetensors.index.json) safetensors files into it. Missing, unexpected or mis-shaped tensors
+  model.safetensors.index.json) safetensors files into it; block-wise FP8 checkpoints (DeepSeek-V3's,
+  Qwen3-FP8's) are dequantized as they are read (`fp8_checkpoint.py`). Missing, unexpected or mis-shaped tensors
   raise ValueError naming the tensor and the shapes. `path_or_name` is a folder or the embedded
   model's name (`smollm2-135m-instruct`, built once by `embedded.py`).
 - `save_pretrained(model, path)`: writes the original config.json dict unchanged, the weights
@@ -29,6 +30,7 @@ from torch import nn
 
 from rlloom.models.adapter import hf_named_tensors, load_hf_tensors, missing_hf_names
 from rlloom.models.args import ModelArgs
+from rlloom.models.fp8_checkpoint import block_fp8_config, dequantized, unquantized_config
 from rlloom.models.model import CausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -91,6 +93,24 @@ def _read_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def checkpoint_config(path: Path) -> dict[str, Any]:
+    """A checkpoint folder's config.json as the model loaded from it has it: a block-wise FP8
+    checkpoint's without `quantization_config` (its weights are read dequantized); other
+    quantizations raise ValueError."""
+    cfg = json.loads((path / "config.json").read_text())
+    block_fp8_config(cfg, f"{path}/config.json")
+    return unquantized_config(cfg)
+
+
+def read_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a checkpoint folder's safetensors files under its Hugging Face name, one at a
+    time; block-wise FP8 weights dequantized to fp32 (`fp8_checkpoint.py`)."""
+    cfg = json.loads((path / "config.json").read_text())
+    block = block_fp8_config(cfg, f"{path}/config.json")
+    tensors = _read_tensors(weight_files(path))
+    return dequantized(tensors, block) if block else tensors
+
+
 def build_model(
     cfg: dict[str, Any], *, dtype: torch.dtype, device: str | torch.device, fused_projections: bool = False
 ) -> CausalLM:
@@ -130,15 +150,9 @@ def from_pretrained(
     """Load a Hugging Face checkpoint folder (or the embedded model) as a native CausalLM
     (`fused_projections`: one matmul for q/k/v and one for gate/up, as the rollout engine runs)."""
     path = resolve_path(path_or_name)
-    cfg = json.loads((path / "config.json").read_text())
-    if cfg.get("quantization_config"):
-        raise ValueError(
-            f"{path}/config.json has quantization_config "
-            f"({cfg['quantization_config'].get('quant_method', '?')}); rlloom.models loads unquantized "
-            "weights only. Fix: dequantize the checkpoint to bf16/fp32 first."
-        )
+    cfg = checkpoint_config(path)
     model = build_model(cfg, dtype=dtype, device=device, fused_projections=fused_projections)
-    filled = load_hf_tensors(model, _read_tensors(weight_files(path)))
+    filled = load_hf_tensors(model, read_checkpoint(path))
     missing = missing_hf_names(model, filled)
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")

@@ -14,7 +14,6 @@ and only the one with `write=True` builds the model and writes. The folder appea
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 from rlloom.engines.train.base import TrainEngine
 from rlloom.models import load_hf_tensors, save_pretrained
 from rlloom.models.adapter import missing_hf_names
-from rlloom.models.checkpoint import build_model, resolve_path
+from rlloom.models.checkpoint import build_model, checkpoint_config, resolve_path
 
 ExportDType = Literal["auto", "float32", "bfloat16", "float16"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,7 +50,7 @@ def save_hf_folder(
     tokenizer. `dtype`: the safetensors dtype; `auto` keeps the starting model's own dtype.
     """
     source = resolve_path(model_path)
-    hf_config = json.loads((source / "config.json").read_text())
+    hf_config = checkpoint_config(source)  # the weights written are never quantized
     name = model_dtype_name(hf_config) if dtype == "auto" else dtype
     torch_dtype = _DTYPES[name]
     model = build_model(hf_config, dtype=torch_dtype, device="cpu") if write else None

@@ -5,18 +5,15 @@ ever holding the whole model (`from_pretrained_sharded`, what build_rollout_engi
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Iterator
-from pathlib import Path
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from torch import nn
 
 from rlloom.engines.rollout.native.tensor_parallel import Shard, TPShards, shard_model
 from rlloom.models.adapter import NativeKey, StateDictAdapter, missing_hf_names, native_keys
-from rlloom.models.checkpoint import build_model, resolve_path, weight_files
+from rlloom.models.checkpoint import build_model, checkpoint_config, read_checkpoint, resolve_path
 
 
 def shard_dims_by_hf_name(model: nn.Module, shards: TPShards) -> dict[str, Shard | None]:
@@ -70,15 +67,14 @@ def from_pretrained_sharded(
     GPU loads; each full tensor passes through host memory once, one at a time. The model carries
     its `TPShards` as `tp_shards` (NativeEngine takes such a model as it is)."""
     path = resolve_path(path_or_name)
-    config = json.loads((path / "config.json").read_text())
-    model = build_model(config, dtype=dtype, device="meta", fused_projections=True)
+    model = build_model(checkpoint_config(path), dtype=dtype, device="meta", fused_projections=True)
     shards = shard_model(model, group)
     model.to_empty(device=device)
     model.init_buffers()
     with torch.no_grad():  # padding rows: never looked up and masked in the sampler, but kept finite
         for weight in {model.tok_embeddings.weight, model.lm_head_weight}:
             weight[shards.vocab_valid :].zero_()
-    missing = missing_hf_names(model, load_sharded(model, shards, _read(weight_files(path))))
+    missing = missing_hf_names(model, load_sharded(model, shards, read_checkpoint(path)))
     if missing:
         raise ValueError(
             f"checkpoint {str(path)!r} is missing {len(missing)} tensor(s): {', '.join(missing[:8])}. "
@@ -86,10 +82,3 @@ def from_pretrained_sharded(
         )
     model.source_path = str(path)
     return model.eval()
-
-
-def _read(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
