@@ -227,10 +227,15 @@ def test_rlloom_train_starts_from_an_fp8_checkpoint_and_saves_unquantized(tiny_c
 
 def test_tensor_parallel_rollout_loader_reads_fp8_checkpoints(deepseek_dirs):
     _, fp8_dir, _ = deepseek_dirs
+    started = not dist.is_initialized()
     init_distributed("cpu")  # one rank: the whole model is this rank's shard
-    sharded = from_pretrained_sharded(
-        str(fp8_dir), dist.group.WORLD, dtype=torch.float32, device=torch.device("cpu")
-    )
+    try:
+        sharded = from_pretrained_sharded(
+            str(fp8_dir), dist.group.WORLD, dtype=torch.float32, device=torch.device("cpu")
+        )
+    finally:
+        if started:  # later tests start process groups of their own
+            dist.destroy_process_group()
     whole = models.from_pretrained(fp8_dir, fused_projections=True)
     ours = dict(hf_named_tensors(sharded))
     for name, tensor in hf_named_tensors(whole):
