@@ -18,6 +18,7 @@ from rlloom.models.attention_ops import packed_attention
 from rlloom.models.logprobs import token_logprobs
 from rlloom.parallel import cp
 from rlloom.parallel.cp import CPShard
+from rlloom.parallel.distributed import all_gather_rows
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 # [37, 1, ...]: a document longer than a rank's share, single-token documents; [3]: ranks of
@@ -141,7 +142,28 @@ def model_worker(kernel: str, families: list[str]) -> None:
             )
 
 
+def all_gather_rows_worker(rank: int) -> None:
+    """The K/V all-gather's custom op: the gathered rows in rank order, each rank's gradient the sum
+    over ranks of its rows' (every rank weights them differently here), and torch's op checks
+    (schema, fake shapes, autograd registration, tracing): the fake's gathered size must be the
+    group's, or compiled layers are built for another layout."""
+    world, group = dist.get_world_size(), dist.group.WORLD
+    x = torch.arange(6.0).reshape(3, 2).add(10 * rank).requires_grad_()
+    gathered = all_gather_rows(x, group)
+    want = torch.cat([torch.arange(6.0).reshape(3, 2) + 10 * r for r in range(world)])
+    torch.testing.assert_close(gathered, want)
+    weights = torch.arange(float(world * 6)).reshape(world * 3, 2) * (rank + 1)
+    (gathered * weights).sum().backward()
+    per_rank_sum = sum(r + 1 for r in range(world))
+    torch.testing.assert_close(
+        x.grad, torch.arange(float(world * 6)).reshape(world * 3, 2)[3 * rank : 3 * rank + 3] * per_rank_sum
+    )
+    op = torch.ops.rlloom.all_gather_rows.default
+    torch.library.opcheck(op, (torch.randn(3, 2, requires_grad=True), world, group.group_name))
+
+
 def cp_worker(rank: int, families: list[str]) -> None:
+    all_gather_rows_worker(rank)
     for kernel in ("reference", "varlen"):
         _use_kernel(kernel)
         attention_worker(kernel)
