@@ -93,22 +93,24 @@ def _read_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def _config_and_block(path: Path) -> tuple[dict[str, Any], tuple[int, int] | None]:
+    cfg = json.loads((path / "config.json").read_text())
+    return unquantized_config(cfg), block_fp8_config(cfg, f"{path}/config.json")
+
+
 def checkpoint_config(path: Path) -> dict[str, Any]:
     """A checkpoint folder's config.json as the model loaded from it has it: a block-wise FP8
     checkpoint's without `quantization_config` (its weights are read dequantized); other
     quantizations raise ValueError."""
-    cfg = json.loads((path / "config.json").read_text())
-    block_fp8_config(cfg, f"{path}/config.json")
-    return unquantized_config(cfg)
+    return _config_and_block(path)[0]
 
 
-def read_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of a checkpoint folder's safetensors files under its Hugging Face name, one at a
-    time; block-wise FP8 weights dequantized to fp32 (`fp8_checkpoint.py`)."""
-    cfg = json.loads((path / "config.json").read_text())
-    block = block_fp8_config(cfg, f"{path}/config.json")
+def read_checkpoint(path: Path) -> tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]]]:
+    """(`checkpoint_config(path)`, every tensor of the folder's safetensors files under its Hugging
+    Face name, one at a time, block-wise FP8 weights dequantized to fp32: `fp8_checkpoint.py`)."""
+    cfg, block = _config_and_block(path)
     tensors = _read_tensors(weight_files(path))
-    return dequantized(tensors, block) if block else tensors
+    return cfg, (dequantized(tensors, block) if block else tensors)
 
 
 def build_model(
@@ -150,9 +152,9 @@ def from_pretrained(
     """Load a Hugging Face checkpoint folder (or the embedded model) as a native CausalLM
     (`fused_projections`: one matmul for q/k/v and one for gate/up, as the rollout engine runs)."""
     path = resolve_path(path_or_name)
-    cfg = checkpoint_config(path)
+    cfg, tensors = read_checkpoint(path)
     model = build_model(cfg, dtype=dtype, device=device, fused_projections=fused_projections)
-    filled = load_hf_tensors(model, read_checkpoint(path))
+    filled = load_hf_tensors(model, tensors)
     missing = missing_hf_names(model, filled)
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")

@@ -58,16 +58,16 @@ def _saved_per_token(layer: LayerCost, hidden: int, work: Workload, checkpointed
     return hidden  # full recompute keeps only the layer's input
 
 
-def _cp_attention(costs: ModelCosts, layout: Layout, seq: float) -> float:
+def _cp_attention_bytes(costs: ModelCosts, layout: Layout, tokens: float) -> float:
     """Bytes a layer's backward holds under context parallelism beyond what its local tokens cost
-    (parallel/cp.py): every rank's keys and values gathered (`seq` tokens, the whole micro-batch)
-    and the FlashAttention runs' keys and values (each local chunk's document up to the chunk's end:
-    seq x (1 + 1 / (2 cp)) keys over a rank's two chunks of every document), bf16, their heads split
+    (parallel/cp.py): every rank's keys and values gathered (`tokens`, the whole micro-batch) and
+    the FlashAttention runs' keys and values (each local chunk's document up to the chunk's end:
+    tokens x (1 + 1 / (2 cp)) keys over a rank's two chunks of every document), bf16, their heads split
     over tp. The recompute makes them before the MLP's backward, and they live until the
     attention's: an H200's allocator trace of a cp=2 step (docs/plan.md) had them beside the MLP's
     gradients at the peak."""
-    runs = seq * (1 + 1 / (2 * layout.cp))
-    return 2 * (seq * costs.cp_gathered + runs * costs.cp_run_width) / layout.tp
+    runs = tokens * (1 + 1 / (2 * layout.cp))
+    return 2 * (tokens * costs.cp_gathered + runs * costs.cp_run_width) / layout.tp
 
 
 def _head_chunk_tokens(selected: float, chunk: int) -> float:
@@ -117,7 +117,7 @@ def stage_memory(
     largest = max(c.act_none for c, _ in present)
     working = 2 * t * largest * (1.5 if work.recompute == "full" else 0.5) * eager  # recomputed + grads
     if layout.cp > 1:
-        working += _cp_attention(costs, layout, work.max_tokens_per_gpu)
+        working += _cp_attention_bytes(costs, layout, work.max_tokens_per_gpu)
     last_layer = activations / max(1, len(layers))  # the saved input of the backward's last layer
 
     comm = NCCL_BUFFERS_GB * GB if layout.world > 1 else 0.0

@@ -13,7 +13,7 @@ from torch import nn
 
 from rlloom.engines.rollout.native.tensor_parallel import Shard, TPShards, shard_model
 from rlloom.models.adapter import NativeKey, StateDictAdapter, missing_hf_names, native_keys
-from rlloom.models.checkpoint import build_model, checkpoint_config, read_checkpoint, resolve_path
+from rlloom.models.checkpoint import build_model, read_checkpoint, resolve_path
 
 
 def shard_dims_by_hf_name(model: nn.Module, shards: TPShards) -> dict[str, Shard | None]:
@@ -67,14 +67,15 @@ def from_pretrained_sharded(
     GPU loads; each full tensor passes through host memory once, one at a time. The model carries
     its `TPShards` as `tp_shards` (NativeEngine takes such a model as it is)."""
     path = resolve_path(path_or_name)
-    model = build_model(checkpoint_config(path), dtype=dtype, device="meta", fused_projections=True)
+    cfg, tensors = read_checkpoint(path)
+    model = build_model(cfg, dtype=dtype, device="meta", fused_projections=True)
     shards = shard_model(model, group)
     model.to_empty(device=device)
     model.init_buffers()
     with torch.no_grad():  # padding rows: never looked up and masked in the sampler, but kept finite
         for weight in {model.tok_embeddings.weight, model.lm_head_weight}:
             weight[shards.vocab_valid :].zero_()
-    missing = missing_hf_names(model, load_sharded(model, shards, read_checkpoint(path)))
+    missing = missing_hf_names(model, load_sharded(model, shards, tensors))
     if missing:
         raise ValueError(
             f"checkpoint {str(path)!r} is missing {len(missing)} tensor(s): {', '.join(missing[:8])}. "
