@@ -11,6 +11,7 @@ trains. Steps after the first are steady state; the table reports their median.
     python benchmarks/bench_e2e.py --workers 2         # Ray, one actor per GPU (colocated)
     python benchmarks/bench_e2e.py --rollout-workers 1 # Ray: 1 training GPU + 1 rollout GPU (separate)
     python benchmarks/bench_e2e.py --tiny --steps 2    # CPU smoke run of the script
+    python benchmarks/bench_e2e.py --set algorithm.estimator=gae   # PPO with a critic (same model)
     python benchmarks/bench_e2e.py --profile           # + top device kernels of the last step
     python benchmarks/bench_e2e.py --profile-train     # the same for its policy update, + host ops
 """
@@ -150,6 +151,7 @@ def e2e_context(
         runner=RewardRunner(last_token_parity),
         decode=lambda ids: str(ids[-1]) if ids else "0",
         stop_token_ids=[],
+        critic_group=groups.critic,
     )
 
 

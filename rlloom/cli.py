@@ -6,7 +6,7 @@ rlloom export RUN_DIR_OR_CHECKPOINT OUT [--dtype auto|float32|bfloat16|float16]
 rlloom config show RECIPE_OR_YAML [section.key=value ...]
 rlloom config doc
 rlloom plot RUN_DIR
-rlloom plan MODEL --gpus N --gpu-memory-gb G [--check tp=..,pp=..,cp=..,ep=..,offload=F] [--json]
+rlloom plan MODEL --gpus N --gpu-memory-gb G [--critic] [--check tp=..,pp=..,cp=..,ep=..,offload=F] [--json]
 
 A user error (`UserError`: config, data file, model path, start-up checks) prints one line,
 `rlloom: error: ...`, and exits 2; internal bugs keep their traceback. Ctrl-C or SIGTERM during a
@@ -134,6 +134,12 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         choices=("none", "fp8"),
         default="none",
         help="the rollout's weights, as rollout.quantization: fp8 holds the routed experts in fp8",
+    )
+    plan.add_argument(
+        "--critic",
+        action="store_true",
+        help="PPO with a critic (algorithm.estimator=gae) started from the same model: its weights and "
+        "moments stay on the GPUs beside the policy's; layouts without TP and PP",
     )
     plan.add_argument("--check", help="evaluate one layout, e.g. tp=8,pp=12,cp=1,ep=8,offload=1.0")
     plan.add_argument("--json", action="store_true", help="print one JSON object")

@@ -16,12 +16,13 @@ from typing import Any
 
 import torch
 
+from rlloom.algorithms._masked import masked_frac, masked_mean
 from rlloom.algorithms.aggregation import aggregate_loss_sum
 from rlloom.algorithms.corrections import is_weights
 from rlloom.algorithms.kl import kl_estimate
-from rlloom.algorithms.losses import cispo_loss, gspo_loss, ppo_clip_loss
+from rlloom.algorithms.losses import cispo_loss, gspo_loss, ppo_clip_loss, value_loss
 from rlloom.config.components import AlgorithmConfig
-from rlloom.data.types import ISCorrection, PolicyUpdate
+from rlloom.data.types import ISCorrection, PolicyUpdate, ValueUpdate
 from rlloom.devices import to_device
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], tuple[torch.Tensor, Mapping[str, Any]]]
@@ -117,5 +118,33 @@ def make_loss_fn(algo: AlgorithmConfig, update: PolicyUpdate) -> LossFn:
         if entropy_bT is not None:
             metrics["actor/entropy"] = ((entropy_bT * mask_bT).sum() / mask_bT.sum().clamp(min=1)).detach()
         return aggregate_loss_sum(loss_bT, mask_bT, algo.agg_mode), metrics
+
+    return loss_fn
+
+
+def make_value_loss_fn(update: ValueUpdate, *, clip: float) -> LossFn:
+    """The critic's per-micro-batch loss (PPO with a critic): the clipped value loss (`value_loss`)
+    summed over the micro-batch's response tokens; with `update.normalizer` (the mini-batch's response
+    tokens) the engine makes it a token mean over the mini-batch, exact under any micro-batching. The
+    engine passes the critic's values where a policy gets its logprobs."""
+    mask_all_BT = update.batch.response_mask()
+
+    def loss_fn(
+        values_bT: torch.Tensor, entropy_bT: torch.Tensor | None, rows_b: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        rows_b = rows_b.to("cpu")
+        dev = values_bT.device
+        mask_bT = to_device(mask_all_BT[rows_b], dev)
+        old_bT = to_device(update.old_values_BT[rows_b], dev)
+        returns_bT = to_device(update.returns_BT[rows_b], dev)
+        loss_bT = value_loss(values_bT, old_bT, returns_bT, mask_bT, clip=clip)
+        with torch.no_grad():  # verl's vf_clipfrac: where the clipped value's loss is the one taken
+            clipped_bT = old_bT + (values_bT - old_bT).clamp(-clip, clip)
+            taken_clipped_bT = (clipped_bT - returns_bT).square() > (values_bT - returns_bT).square()
+            metrics = {
+                "critic/vf_clipfrac": masked_frac(taken_clipped_bT, mask_bT),
+                "critic/vpred_mean": masked_mean(values_bT.detach(), mask_bT),
+            }
+        return aggregate_loss_sum(loss_bT, mask_bT, "token-mean"), metrics
 
     return loss_fn

@@ -1,5 +1,5 @@
 """The group interface the controller talks to: a `TrainGroup` (the training ranks) and a
-`RolloutGroup` (the rollout replicas), each implemented by `local.py` (one process) and `ray.py`
+`RolloutGroup` (the rollout replicas), with PPO's critic a `CriticGroup` on the training ranks, each implemented by `local.py` (one process) and `ray.py`
 (actors), placed by `placement.py`.
 
 Every call fans out to the group's workers and returns a `Pending` result at once, so the
@@ -16,7 +16,7 @@ from typing import Generic, Protocol, TypeVar
 
 import torch
 
-from rlloom.data.types import PolicyUpdate, RolloutBatch
+from rlloom.data.types import PolicyUpdate, RolloutBatch, ValueUpdate
 from rlloom.engines.rollout import Completion, SamplingParams
 from rlloom.observability.metrics import Metric
 from rlloom.workers.flights import StreamRequest, StreamResult
@@ -91,6 +91,23 @@ class TrainGroup(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class CriticGroup(Protocol):
+    """PPO's critic (algorithm.estimator=gae): a value model on the training ranks, in their layout.
+    Every call goes to every rank with the same arguments; rank 0's result is the group's."""
+
+    def values(self, batch: RolloutBatch) -> Pending[torch.Tensor]:
+        """[B, T] values before each response token (CPU, fp32, 0 at masked)."""
+        ...
+
+    def update_critic(self, update: ValueUpdate) -> Pending[dict[str, Metric]]:
+        """One optimizer step of the value loss; its metrics carry their reductions."""
+        ...
+
+    def save(self, path: str) -> Pending[None]: ...
+
+    def load(self, path: str) -> Pending[None]: ...
 
 
 class RolloutGroup(Protocol):

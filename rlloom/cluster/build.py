@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlloom.cluster.base import RolloutGroup, TrainGroup, WeightSync
+from rlloom.cluster.base import CriticGroup, RolloutGroup, TrainGroup, WeightSync
 from rlloom.cluster.placement import plan_placement
 from rlloom.config.components import RunConfig
 from rlloom.heap import freeze_heap, thaw_heap
@@ -13,11 +13,13 @@ from rlloom.heap import freeze_heap, thaw_heap
 
 @dataclass(kw_only=True, slots=True)
 class Groups:
-    """What the controller drives: the two groups and the weight sync between them."""
+    """What the controller drives: the two groups and the weight sync between them, and PPO's critic
+    (on the training ranks) when the estimator needs one."""
 
     train: TrainGroup
     rollout: RolloutGroup
     sync: WeightSync
+    critic: CriticGroup | None = None
 
     def freeze_heap(self) -> None:
         """`rlloom.heap.freeze_heap` here and in every worker process (the run loop: after the first step)."""
@@ -36,9 +38,9 @@ def build_groups(cfg: RunConfig) -> Groups:
     if cfg.cluster.mode == "ray":
         from rlloom.cluster.ray import build_ray_groups
 
-        train, rollout, sync = build_ray_groups(cfg, plan_placement(cfg))
+        train, rollout, sync, critic = build_ray_groups(cfg, plan_placement(cfg))
     else:
         from rlloom.cluster.local import build_local_groups
 
-        train, rollout, sync = build_local_groups(cfg)
-    return Groups(train=train, rollout=rollout, sync=sync)
+        train, rollout, sync, critic = build_local_groups(cfg)
+    return Groups(train=train, rollout=rollout, sync=sync, critic=critic)

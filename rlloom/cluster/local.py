@@ -1,5 +1,6 @@
 """One process (cluster.mode=inline, the embedded default): a `LocalTrainGroup` of one
-`TrainWorker` and a `LocalRolloutGroup` of one `RolloutWorker` on the same device, with the weight
+`TrainWorker` (and with a critic a `LocalCriticGroup` of one `CriticWorker`) and a
+`LocalRolloutGroup` of one `RolloutWorker` on the same device, with the weight
 sync in place (`sync_in_place`, which colocated Ray actors use too). Calls run at once; their
 `Pending` results are already computed."""
 
@@ -9,12 +10,13 @@ import torch
 
 from rlloom.cluster.base import Done
 from rlloom.config.components import RunConfig
-from rlloom.data.types import PolicyUpdate, RolloutBatch
+from rlloom.data.types import PolicyUpdate, RolloutBatch, ValueUpdate
 from rlloom.engines.rollout import Completion, SamplingParams
 from rlloom.heap import freeze_heap
 from rlloom.observability.metrics import Metric
 from rlloom.weight_sync.base import checksum_enabled
 from rlloom.weight_sync.inplace import sync_inplace
+from rlloom.workers.critic import CriticWorker
 from rlloom.workers.flights import StreamRequest, StreamResult
 from rlloom.workers.rollout import RolloutWorker
 from rlloom.workers.train import TrainWorker
@@ -59,6 +61,25 @@ class LocalTrainGroup:
 
     def close(self) -> None:
         pass
+
+
+class LocalCriticGroup:
+    """The one critic rank of the run, called directly."""
+
+    def __init__(self, worker: CriticWorker) -> None:
+        self.worker = worker
+
+    def values(self, batch: RolloutBatch) -> Done[torch.Tensor]:
+        return Done(self.worker.values(batch))
+
+    def update_critic(self, update: ValueUpdate) -> Done[dict[str, Metric]]:
+        return Done(self.worker.update_critic(update))
+
+    def save(self, path: str) -> Done[None]:
+        return Done(self.worker.save(path))
+
+    def load(self, path: str) -> Done[None]:
+        return Done(self.worker.load(path))
 
 
 class LocalRolloutGroup:
@@ -132,8 +153,12 @@ class LocalSync:
         return sync_in_place(self.cfg, self.source, self.sink)
 
 
-def build_local_groups(cfg: RunConfig) -> tuple[LocalTrainGroup, LocalRolloutGroup, LocalSync]:
-    """The training rank, then the rollout replica in the same dtype on the same device."""
+def build_local_groups(
+    cfg: RunConfig,
+) -> tuple[LocalTrainGroup, LocalRolloutGroup, LocalSync, LocalCriticGroup | None]:
+    """The training rank, the critic when the estimator needs one, then the rollout replica in the
+    same dtype on the same device."""
     train = TrainWorker(cfg)
+    critic = LocalCriticGroup(CriticWorker(cfg)) if cfg.algorithm.estimator == "gae" else None
     rollout = RolloutWorker(cfg, device=train.device, dtype=train.dtype)
-    return LocalTrainGroup(train), LocalRolloutGroup(rollout), LocalSync(cfg, train, rollout)
+    return LocalTrainGroup(train), LocalRolloutGroup(rollout), LocalSync(cfg, train, rollout), critic

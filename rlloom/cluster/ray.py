@@ -23,7 +23,7 @@ from rlloom.cluster.base import WorkerFailure
 from rlloom.cluster.placement import Placement, rollout_tp
 from rlloom.cluster.ray_generate import QueuedGeneration
 from rlloom.config.components import RunConfig
-from rlloom.data.types import PolicyUpdate, RolloutBatch
+from rlloom.data.types import PolicyUpdate, RolloutBatch, ValueUpdate
 from rlloom.engines.rollout import SamplingParams
 from rlloom.workers.flights import StreamRequest, StreamResult
 
@@ -210,6 +210,31 @@ class RayTrainGroup:
         self.actors.close()
 
 
+class RayCriticGroup:
+    """PPO's critic on the training ranks' actors (each hosts a `CriticWorker` beside its training
+    worker); calls go to all of them, rank 0's result is the group's."""
+
+    def __init__(self, actors: Actors, slots: list[int]) -> None:
+        self.actors, self.slots = actors, slots
+
+    def _all(self, method: str, *args: Any) -> Refs:
+        args = tuple(ray.put(a) if isinstance(a, RolloutBatch | ValueUpdate) else a for a in args)
+        refs = self.actors.call(self.slots, "on_critic", method, *args)
+        return Refs(self.actors, refs, f"critic {method}", self.slots, _first)
+
+    def values(self, batch: RolloutBatch) -> Refs:
+        return self._all("values", batch)
+
+    def update_critic(self, update: ValueUpdate) -> Refs:
+        return self._all("update_critic", update)
+
+    def save(self, path: str) -> Refs:
+        return self._all("save", path)
+
+    def load(self, path: str) -> Refs:
+        return self._all("load", path)
+
+
 class RayRolloutGroup:
     """The rollout replicas (`replicas[r]` = the slots of replica r's ranks, rank 0 first)."""
 
@@ -322,9 +347,12 @@ def _sent(reports: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def build_ray_groups(cfg: RunConfig, placement: Placement) -> tuple[RayTrainGroup, RayRolloutGroup, Any]:
+def build_ray_groups(
+    cfg: RunConfig, placement: Placement
+) -> tuple[RayTrainGroup, RayRolloutGroup, Any, RayCriticGroup | None]:
     """Start one actor per slot, join the training world (and with separate placement the rollout
-    world, when replicas span several ranks), then build the workers."""
+    world, when replicas span several ranks), then build the workers (a training rank builds its
+    critic rank too when the estimator needs one)."""
     actors = Actors(cfg, placement)
     tslots, rslots = placement.train_slots, placement.rollout_slots
     master = actors.addresses[tslots[0]]
@@ -340,7 +368,8 @@ def build_ray_groups(cfg: RunConfig, placement: Placement) -> tuple[RayTrainGrou
     replicas = [[rslots[j] for j in r] for r in placement.replicas]
     rollout = RayRolloutGroup(actors, replicas, max_num_seqs=cfg.rollout.max_num_seqs)
     sync = InPlaceSync(train, rollout) if placement.colocated else BroadcastSync(train, rollout)
-    return train, rollout, sync
+    critic = RayCriticGroup(actors, tslots) if cfg.algorithm.estimator == "gae" else None
+    return train, rollout, sync, critic
 
 
 def join_sync_group(cfg: RunConfig, actors: Actors, senders: list[int], receivers: list[int]) -> None:

@@ -1,5 +1,5 @@
-"""The Ray actor body: one GPU (or CPU slot) hosting a `TrainWorker`, a `RolloutWorker`, or both
-(colocated placement). Imported only when cluster.mode=ray.
+"""The Ray actor body: one GPU (or CPU slot) hosting a `TrainWorker` (with PPO's critic also a
+`CriticWorker`), a `RolloutWorker`, or both (colocated placement). Imported only when cluster.mode=ray.
 
 The actor only hosts: it joins the process groups its placement asks for, builds its workers and
 calls their methods by name. What to call on which actor is decided by the groups in `ray.py`.
@@ -33,6 +33,7 @@ from rlloom.weight_sync.broadcast import (
 )
 from rlloom.weight_sync.receive import receive_weights
 from rlloom.weight_sync.reshard import TrainLayout
+from rlloom.workers.critic import CriticWorker
 from rlloom.workers.rollout import RolloutWorker
 from rlloom.workers.train import TrainWorker
 
@@ -75,6 +76,7 @@ class SlotActor:
         init_logger()  # its start-up phases (first generated token) reach the driver's output
         self.cfg = cfg
         self.train: TrainWorker | None = None
+        self.critic: CriticWorker | None = None
         self.rollout: RolloutWorker | None = None
         self.sync_group: SyncGroup | None = None
         """Separate placement: this rank's part of the broadcast sync group (every training rank sends)."""
@@ -84,10 +86,12 @@ class SlotActor:
         return ray.util.get_node_ip_address(), free_port(), os.getpid()
 
     def start_train(self, rank: int, world_size: int, master: tuple[str, int]) -> None:
-        """Join the training world as `rank` and build the training worker."""
+        """Join the training world as `rank` and build the training worker (and the critic's rank)."""
         torch.manual_seed(self.cfg.trainer.seed)
         join_world(rank, world_size, master, resolve_device(self.cfg).type)
         self.train = TrainWorker(self.cfg, rank=rank)
+        if self.cfg.algorithm.estimator == "gae":
+            self.critic = CriticWorker(self.cfg, rank=rank)
 
     def start_rollout(
         self,
@@ -118,6 +122,9 @@ class SlotActor:
 
     def on_train(self, method: str, *args: Any) -> Any:
         return getattr(self.train, method)(*args)
+
+    def on_critic(self, method: str, *args: Any) -> Any:
+        return getattr(self.critic, method)(*args)
 
     def on_rollout(self, method: str, *args: Any) -> Any:
         return getattr(self.rollout, method)(*args)

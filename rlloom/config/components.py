@@ -321,7 +321,7 @@ class RewardConfig:
         )
 
 
-Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
 PolicyLoss = Literal["ppo_clip", "gspo", "cispo"]
 AggMode = Literal[
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
@@ -331,7 +331,9 @@ AggMode = Literal[
 @dataclass(kw_only=True, slots=True)
 class AlgorithmConfig:
     estimator: Estimator = "grpo"
-    """Advantage estimator."""
+    """Advantage estimator. `gae`: PPO with a critic (a value model trained beside the policy, the
+    `critic` section; Generalized Advantage Estimation with `gamma` and `lam`, whitened over the
+    batch); the others need no critic."""
     loss: PolicyLoss = "ppo_clip"
     """Policy loss."""
     eps_low: float = 0.2
@@ -351,7 +353,9 @@ class AlgorithmConfig:
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
     gamma: float = 1.0
-    """Discount for REINFORCE++ returns."""
+    """Discount of REINFORCE++ returns and of GAE."""
+    lam: float = 1.0
+    """GAE's lambda (estimator gae): 1 gives returns minus values, 0 one-step temporal differences."""
     use_rollout_logprobs: bool = False
     """Use the rollout engine's logprobs as old logprobs instead of recomputing them."""
     routing_replay: Literal["none", "rollout"] = "none"
@@ -414,6 +418,7 @@ class AlgorithmConfig:
             "use 0 to disable the KL loss",
         )
         _check(0 < self.gamma <= 1, "algorithm.gamma", self.gamma, "must be in (0, 1]", "use 1.0")
+        _check(0 <= self.lam <= 1, "algorithm.lam", self.lam, "must be in [0, 1]", "use 1.0 or 0.95")
         _check(
             self.entropy_coef >= 0,
             "algorithm.entropy_coef",
@@ -560,6 +565,35 @@ class TrainEngineConfig:
                 "must be a finite number >= 0",
                 "use 0 (off, as RL runs do) or e.g. 0.001",
             )
+
+
+@dataclass(kw_only=True, slots=True)
+class CriticConfig:
+    """The value model of PPO with a critic, trained only with algorithm.estimator=gae. It lives on the
+    training ranks, in their layout, and takes the `train` section's other settings (token budget,
+    activation checkpointing, AdamW betas, schedule, optimizer offload)."""
+
+    model_path: str = ""
+    """Causal LM checkpoint the critic starts from ("" = model.path): its body, with the lm head
+    replaced by a linear value head that starts at zero (the first values are all 0)."""
+    lr: float = 1e-5
+    """Peak learning rate of the critic."""
+    grad_clip: float = 1.0
+    """Clip the critic's gradients by global norm (0 = off)."""
+    value_clip: float = 0.5
+    """Clip range of the value loss around the values at rollout time (verl's cliprange_value)."""
+    warmup_steps: int = 0
+    """RL steps at the start of the run that train only the critic; the policy is not updated in
+    them (verl's trainer.critic_warmup). Not the learning-rate warmup (`train.warmup_steps`)."""
+
+    def __post_init__(self) -> None:
+        _check_finite(self, "critic")
+        _check(self.lr > 0, "critic.lr", self.lr, "must be > 0", "e.g. 1e-5")
+        _check(
+            self.grad_clip >= 0, "critic.grad_clip", self.grad_clip, "must be >= 0", "use 1.0 or 0 to disable"
+        )
+        _check(self.value_clip > 0, "critic.value_clip", self.value_clip, "must be > 0", "use 0.5")
+        _check(self.warmup_steps >= 0, "critic.warmup_steps", self.warmup_steps, "must be >= 0", "use 0")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -851,6 +885,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     train: TrainEngineConfig = field(default_factory=TrainEngineConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -919,6 +954,7 @@ class RunConfig:
             "set trainer.mode=async, or algorithm.decoupled_ppo=false",
         )
         self._check_rollout_replicas()
+        self._check_critic()
         _check(
             self.algorithm.overlong_buffer <= self.rollout.max_new_tokens,
             "algorithm.overlong_buffer",
@@ -935,6 +971,23 @@ class RunConfig:
             f"must divide the batch of {batch} completions",
             "pick a divisor of prompts_per_step x n_samples",
         )
+
+    def _check_critic(self) -> None:
+        """The critic runs in the training layout, whose value head has no tensor- or pipeline-parallel
+        form yet."""
+        if self.algorithm.estimator != "gae":
+            return
+        for key in ("tp", "pp"):
+            degree = getattr(self.parallel, key)
+            _check(
+                degree == 1,
+                f"parallel.{key}",
+                degree,
+                f"algorithm.estimator=gae trains a critic, which runs without parallel.{key} so far (FSDP, CP "
+                "and EP work)",
+                f"set parallel.{key}=1 (shard with more cluster.num_workers), or use a critic-free estimator "
+                "such as grpo",
+            )
 
     def _check_rollout_replicas(self) -> None:
         """The rollout ranks split into whole replicas of rollout.tp ranks each."""

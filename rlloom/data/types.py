@@ -380,6 +380,31 @@ class PolicyUpdate:
         )
 
 
+@dataclass(kw_only=True, slots=True)
+class ValueUpdate:
+    """What the critic trains on for one mini-batch (PPO with a critic), in the order of its samples."""
+
+    batch: RolloutBatch
+    """The mini-batch the critic trains on."""
+    old_values_BT: torch.Tensor
+    """[B, T] the critic's values before this step's updates (the clip's centre), 0 at masked."""
+    returns_BT: torch.Tensor
+    """[B, T] regression targets (GAE's returns), 0 at masked."""
+    normalizer: float
+    """The mini-batch's response tokens (the value loss is a token mean)."""
+
+    @classmethod
+    def of(cls, batch: RolloutBatch, old_values_BT: torch.Tensor, returns_BT: torch.Tensor) -> ValueUpdate:
+        """The update of `batch`, normalised by its response tokens (at least 1)."""
+        normalizer = float(max(int(batch.response_mask().sum()), 1))
+        return cls(batch=batch, old_values_BT=old_values_BT, returns_BT=returns_BT, normalizer=normalizer)
+
+    def select(self, rows: Sequence[int]) -> ValueUpdate:
+        """The update of a subset of rows as its own mini-batch."""
+        idx = torch.as_tensor(list(rows), dtype=torch.int64)
+        return ValueUpdate.of(self.batch.select(list(rows)), self.old_values_BT[idx], self.returns_BT[idx])
+
+
 def _positions(sample: Sample, start: int, end: int) -> torch.Tensor:
     """[end - start, L, K] int64 routes of the sample's positions start..end-1; -1 past the last
     position the rollout fed to the model."""

@@ -47,6 +47,7 @@ PANELS: tuple[Panel, ...] = (
         "clip fractions",
         ("loss/clipfrac_low", "loss/clipfrac_high", "loss/dual_clipfrac", "response/clip_frac"),
     ),
+    Panel("critic (PPO): value loss, explained variance", ("critic/vf_loss", "critic/vf_explained_var")),
     Panel("response length (tokens)", ("response/length_mean", "response/length_max")),
     Panel("step time (s)", ("time/step_s",)),
 )

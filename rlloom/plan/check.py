@@ -17,15 +17,16 @@ import torch
 from rlloom.config.components import RunConfig
 from rlloom.models.args import ModelArgs
 from rlloom.models.checkpoint import resolve_path
-from rlloom.plan.counts import model_costs
+from rlloom.plan.counts import ModelCosts, model_costs, value_model_params
 from rlloom.plan.inputs import Hardware, Layout, Workload
 from rlloom.plan.memory import GB, estimate
 
 _RECOMPUTE = {"off": "none", "full": "full", "every_k": "full"}
 
 
-def run_layout(cfg: RunConfig) -> tuple[Layout, Workload]:
-    """The layout and workload a run with `cfg` trains with today."""
+def run_layout(cfg: RunConfig, critic_params: float = 0.0) -> tuple[Layout, Workload]:
+    """The layout and workload a run with `cfg` trains with today (`critic_params`: PPO's critic's
+    parameter count, 0 without one)."""
     offload = cfg.train.optimizer_offload_fraction if cfg.train.optimizer_offload else 0.0
     every_k = cfg.train.ac_every_k if cfg.train.activation_checkpointing == "every_k" else 1
     work = Workload(
@@ -40,15 +41,18 @@ def run_layout(cfg: RunConfig) -> tuple[Layout, Workload]:
         rollout_kv_cache_gb=cfg.rollout.kv_cache_memory_gb if cfg.rollout.num_blocks == 0 else 0.0,
         rollout_kv_on_gpu=not cfg.rollout.sleep_during_train,
         rollout_quantization=cfg.rollout.quantization,
+        critic_params=critic_params,
     )
     return Layout(dp=cfg.cluster.num_workers, offload_fraction=offload), work
 
 
 def fit_warning(cfg: RunConfig, gpu_memory_gb: float, cpu_memory_gb: float = 0.0) -> str | None:
     """A one-line warning when the memory model says `cfg` will not fit GPUs of `gpu_memory_gb`."""
-    raw = json.loads((resolve_path(cfg.model.path) / "config.json").read_text())
-    costs = model_costs(ModelArgs.from_hf_config(raw))
-    layout, work = run_layout(cfg)
+    costs = _costs(cfg.model.path)
+    critic = 0.0
+    if cfg.algorithm.estimator == "gae":
+        critic = value_model_params(_costs(cfg.critic.model_path or cfg.model.path))
+    layout, work = run_layout(cfg, critic)
     hw = Hardware(
         gpus=layout.dp,
         gpu_memory_gb=gpu_memory_gb,
@@ -63,6 +67,10 @@ def fit_warning(cfg: RunConfig, gpu_memory_gb: float, cpu_memory_gb: float = 0.0
         "Fix: lower train.max_tokens_per_micro_batch, set train.activation_checkpointing=full or "
         "train.optimizer_offload=true, or see `rlloom plan` (docs/plan.md)."
     )
+
+
+def _costs(path: str) -> ModelCosts:
+    return model_costs(ModelArgs.from_hf_config(json.loads((resolve_path(path) / "config.json").read_text())))
 
 
 def device_memory_gb(cfg: RunConfig) -> tuple[float, float] | None:

@@ -187,3 +187,14 @@ def model_costs(args: ModelArgs) -> ModelCosts:
         total_params=body + vocab_hidden + head,
         expert_params=sum(layer.expert_params for layer in layers),
     )
+
+
+def value_model_params(costs: ModelCosts) -> int:
+    """Parameters of PPO's critic started from this model: its body and a value head instead of the
+    vocabulary head (a tied head is the embedding, which the critic keeps)."""
+    return (
+        costs.total_params
+        - (0 if costs.tied else costs.vocab_size * costs.hidden_size)
+        + costs.hidden_size
+        + 1
+    )

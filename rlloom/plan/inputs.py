@@ -96,3 +96,6 @@ class Workload:
     rollout_quantization: str = "none"
     """rlloom's rollout.quantization: `fp8` holds the routed experts in 1 byte a parameter plus an
     fp32 scale per 128 (the rest stays bf16)."""
+    critic_params: float = 0.0
+    """Parameters of PPO's critic (algorithm.estimator=gae), a second model trained on the same GPUs
+    in the same layout; 0: no critic."""

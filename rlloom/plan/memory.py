@@ -98,11 +98,16 @@ def estimate(costs: ModelCosts, layout: Layout, hw: Hardware, work: Workload) ->
     # what the rollout keeps on the GPU while training: its weights (params), its KV cache (buffers)
     weights_kept = rollout.weights_gb if rollout and work.rollout_weights_on_gpu else 0.0
     kv_kept = rollout.kv_cache_gb if rollout and work.rollout_kv_on_gpu else 0.0
-    peaks = [bd.total + weights_kept + kv_kept for bd, _, _ in results]
+    critic_params, critic_optimizer = critic_state_gb(work.critic_params, layout)
+    kept = weights_kept + kv_kept + critic_params + critic_optimizer
+    peaks = [bd.total + kept for bd, _, _ in results]
     worst = max(range(len(peaks)), key=peaks.__getitem__)
     breakdown, phase, _ = results[worst]
     breakdown = replace(
-        breakdown, params=breakdown.params + weights_kept, buffers=breakdown.buffers + kv_kept
+        breakdown,
+        params=breakdown.params + weights_kept + critic_params,
+        optimizer=breakdown.optimizer + critic_optimizer,
+        buffers=breakdown.buffers + kv_kept,
     )
     # Host per GPU: offloaded fp32 master + moments + pinned fp32 gradient staging; while the
     # rollout runs, the training engine's GPU state (fp32 shards and moments) waits on the host;
@@ -122,6 +127,20 @@ def estimate(costs: ModelCosts, layout: Layout, hw: Hardware, work: Workload) ->
         problems=tuple(_problems(max(peaks), host, rollout, hw, work)),
         peak_phase=phase,
     )
+
+
+def critic_state_gb(critic_params: float, layout: Layout) -> tuple[float, float]:
+    """(weights, AdamW moments) in GB that PPO's critic keeps on each GPU while the policy trains:
+    fp32 master shards (one GPU without FSDP: the whole fp32 model and its bf16 compute copy) and
+    the moments not offloaded. Its own training step peaks like the policy's with the policy's state
+    kept instead; for a critic no larger than the policy (the default: the same checkpoint, whose
+    value head is smaller than the lm head) the policy's step is the larger of the two."""
+    if critic_params <= 0:
+        return 0.0, 0.0
+    per_gpu = critic_params / (layout.tp * layout.cp * layout.dp)
+    unsharded = layout.world == 1 and layout.offload_fraction == 0
+    weights = (4 + (2 if unsharded else 0)) * per_gpu
+    return weights / GB, 8 * (1 - layout.offload_fraction) * per_gpu / GB
 
 
 def _problems(

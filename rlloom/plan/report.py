@@ -18,7 +18,7 @@ from typing import Any
 from rlloom.config.components import ConfigError
 from rlloom.models.args import ModelArgs
 from rlloom.models.fp8 import FP8_NEEDS_EXPERTS
-from rlloom.plan.counts import ModelCosts, model_costs
+from rlloom.plan.counts import ModelCosts, model_costs, value_model_params
 from rlloom.plan.inputs import Hardware, Layout, Workload
 from rlloom.plan.memory import Estimate
 from rlloom.plan.search import Candidate, best_split, fit_layout, gpus_needed, search, step_cost
@@ -274,8 +274,14 @@ def run_plan(args: Any) -> int:
         max_tokens_per_gpu=args.max_tokens_per_gpu,
         recompute=args.recompute,
         rollout_quantization=args.rollout_quantization,
+        critic_params=value_model_params(costs) if args.critic else 0.0,
     )
     check = parse_check(args.check, args.gpus, costs) if args.check is not None else None
+    if check is not None and args.critic and (check.tp > 1 or check.pp > 1):
+        raise ConfigError(
+            f"--check {args.check} is invalid with --critic: PPO's critic runs without tensor or pipeline "
+            "parallelism so far. Fix: use tp=1,pp=1 (with more dp, cp, ep or offload), or drop --critic."
+        )
     answer = plan(costs, hw, work, check)
     if args.json:
         print(json.dumps(to_json(answer, costs), indent=2))

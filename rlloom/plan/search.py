@@ -57,15 +57,17 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def legal_layouts(costs: ModelCosts, hw: Hardware, work: Workload) -> Iterator[Layout]:
-    """Every legal layout of `hw.gpus` GPUs, without offload, stages split evenly."""
+    """Every legal layout of `hw.gpus` GPUs, without offload, stages split evenly (with PPO's critic,
+    `work.critic_params`, none with TP or PP: the critic has neither yet)."""
     num_layers = len(costs.layers)
     for tp in _powers_of_two(min(hw.gpus_per_node, hw.gpus)):
-        if costs.num_heads % tp or costs.num_kv_heads % tp:
+        if costs.num_heads % tp or costs.num_kv_heads % tp or (work.critic_params and tp > 1):
             continue
         for cp in _powers_of_two(min(MAX_CP, hw.gpus // tp)):
             if work.max_tokens_per_gpu % (2 * cp) and cp > 1:
                 continue
-            for pp in range(1, min(num_layers, hw.gpus // (tp * cp)) + 1):
+            most_pp = 1 if work.critic_params else min(num_layers, hw.gpus // (tp * cp))
+            for pp in range(1, most_pp + 1):
                 if hw.gpus % (tp * cp * pp):
                     continue
                 dp = hw.gpus // (tp * cp * pp)

@@ -1,8 +1,8 @@
 """Run checkpoints: engine state + trainer state (step, data position) + config, sealed and swapped in whole.
 
-Layout: RUN_DIR/checkpoints/step_000004/{engine/, trainer_state.json, config.yaml, manifest.json}.
-`engine/` is the engine's own sealed folder; the run's manifest (written last) hashes the other
-files and `engine/manifest.json` (see `rlloom.engines.train.sealed`). A checkpoint is built in
+Layout: RUN_DIR/checkpoints/step_000004/{engine/, trainer_state.json, config.yaml, manifest.json},
+and `critic/` with PPO's critic. `engine/` and `critic/` are the engines' own sealed folders; the
+run's manifest (written last) hashes the other files and their `manifest.json` (see `rlloom.engines.train.sealed`). A checkpoint is built in
 `step_N.tmp-PID` and swapped in only when complete, so a kill or a full disk at any moment leaves
 every earlier checkpoint intact. At start-up (under the run lock) `prepare_run_dir` deletes
 interrupted saves, and `resolve_resume` refuses to overwrite a run with `resume=never` and, with
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlloom.cluster.base import TrainGroup, WeightSync
+from rlloom.cluster.base import CriticGroup, TrainGroup, WeightSync
 from rlloom.config.components import ConfigError, RunConfig
 from rlloom.config.loading import to_yaml
 from rlloom.engines.train.native.checkpoint import read_model_tensors
@@ -40,6 +40,8 @@ from rlloom.faults import maybe_fail
 
 log = logging.getLogger(__name__)
 ENGINE_DIR = "engine"
+CRITIC_DIR = "critic"
+"""PPO's critic (algorithm.estimator=gae): its engine's sealed folder, beside the policy's."""
 WEIGHTS_DIR = "hf"
 """The Hugging Face folder that replaces ENGINE_DIR in a weights-only checkpoint."""
 
@@ -71,20 +73,27 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(done, key=lambda p: int(p.name[5:]))
 
 
-def save_checkpoint(train_group: TrainGroup, cfg: RunConfig, state: TrainerState) -> Path:
-    """Write a complete checkpoint for `state.step`, drop the ones beyond `keep_last_checkpoints`,
-    and return its folder. On failure (e.g. a full disk) nothing of it remains and CheckpointError
-    names the checkpoint to resume from."""
+def save_checkpoint(
+    train_group: TrainGroup, cfg: RunConfig, state: TrainerState, *, critic_group: CriticGroup | None = None
+) -> Path:
+    """Write a complete checkpoint for `state.step` (with the critic's engine when there is one),
+    drop the ones beyond `keep_last_checkpoints`, and return its folder. On failure (e.g. a full
+    disk) nothing of it remains and CheckpointError names the checkpoint to resume from."""
     final = checkpoint_dir(cfg.trainer.run_dir, state.step)
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         weights_only = cfg.trainer.save_weights_only
+        sealed = []
         if weights_only:
             train_group.save_hf(str(tmp / WEIGHTS_DIR)).result()
         else:
             train_group.save(str(tmp / ENGINE_DIR)).result()
+            sealed.append(ENGINE_DIR)
+            if critic_group is not None:
+                critic_group.save(str(tmp / CRITIC_DIR)).result()
+                sealed.append(CRITIC_DIR)
         maybe_fail("save_engine", state.step)
         trainer_state = {
             "step": state.step,
@@ -93,7 +102,7 @@ def save_checkpoint(train_group: TrainGroup, cfg: RunConfig, state: TrainerState
         }
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state))
         (tmp / "config.yaml").write_text(to_yaml(cfg))
-        write_manifest(tmp, sealed=[] if weights_only else [ENGINE_DIR])
+        write_manifest(tmp, sealed=sealed)
         swap_in(tmp, final)
     except (OSError, CheckpointError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -206,12 +215,23 @@ def _resume_checkpoint(cfg: RunConfig) -> Path | None:
     return path
 
 
-def load_checkpoint(train_group: TrainGroup, weight_sync: WeightSync, path: Path) -> TrainerState:
-    """Restore the training engines from `path`, sync the restored weights and version into the
-    rollout group (the same sync as after a step), and return the trainer state saved with them.
-    The reference model is not touched: it stays the initial policy, as in the uninterrupted run."""
+def load_checkpoint(
+    train_group: TrainGroup, weight_sync: WeightSync, path: Path, *, critic_group: CriticGroup | None = None
+) -> TrainerState:
+    """Restore the training engines (and the critic's) from `path`, sync the restored weights and
+    version into the rollout group (the same sync as after a step), and return the trainer state
+    saved with them. The reference model is not touched: it stays the initial policy, as in the
+    uninterrupted run."""
     raw = json.loads((path / "trainer_state.json").read_text())
+    if critic_group is not None and not (path / CRITIC_DIR).is_dir():
+        raise ConfigError(
+            f"algorithm.estimator=gae trains a critic, but the checkpoint {str(path)!r} holds none (its run had "
+            "another estimator). Fix: resume with that run's algorithm.estimator, or start a new run from its "
+            f"weights (model.path={path / WEIGHTS_DIR} after `rlloom export`)."
+        )
     train_group.load(str(path / ENGINE_DIR)).result()
+    if critic_group is not None:
+        critic_group.load(str(path / CRITIC_DIR)).result()
     weight_sync.sync()
     return TrainerState(
         step=raw["step"], data_state=raw["data_state"], accuracy_before=raw.get("accuracy_before")

@@ -1,4 +1,5 @@
-"""From scored samples to the policy update: advantages, IS weights and the loss normaliser.
+"""From scored samples to the policy update: advantages, IS weights and the loss normaliser; with a
+critic (estimator gae) also the critic's regression targets.
 
 The controller computes everything that needs the whole batch once, into a `PolicyUpdate`
 (rlloom/data/types.py); the training engine then calls `rlloom.algorithms.objective.make_loss_fn`'s
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from rlloom.algorithms import (
+    gae_advantages,
     grpo_advantages,
     loss_normalizer,
     masked_whiten,
@@ -22,9 +24,51 @@ from rlloom.config.components import AlgorithmConfig
 from rlloom.data.types import PolicyUpdate, RolloutBatch
 
 
+def outcome_token_rewards(batch: RolloutBatch) -> torch.Tensor:
+    """[B, T] the sample's reward on its last valid response token, 0 elsewhere."""
+    rewards_B, mask_BT = batch.rewards(), batch.response_mask()
+    token_rewards_BT = torch.zeros(mask_BT.shape)
+    last_B = torch.where(mask_BT.any(1), mask_BT.shape[1] - 1 - mask_BT.flip(1).int().argmax(1), 0)
+    token_rewards_BT[torch.arange(len(batch)), last_B] = rewards_B * mask_BT.any(1)
+    return token_rewards_BT
+
+
+def gae_targets(
+    algo: AlgorithmConfig, batch: RolloutBatch, values_BT: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO with a critic: (advantages, returns) [B, T] from the outcome reward and the critic's values
+    by GAE (`algorithm.gamma`, `algorithm.lam`); the advantages whitened over the batch's valid
+    tokens (as verl), the returns (the critic's targets) not. Both 0 at masked positions."""
+    mask_BT = batch.response_mask()
+    adv_BT, returns_BT = gae_advantages(
+        outcome_token_rewards(batch), values_BT, mask_BT, gamma=algo.gamma, lam=algo.lam
+    )
+    return masked_whiten(adv_BT, mask_BT) * mask_BT, returns_BT
+
+
+def value_metrics(
+    values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_BT: torch.Tensor
+) -> dict[str, float]:
+    """The critic's fit before its update, over valid tokens: mean value, mean return, and the
+    explained variance 1 - Var(returns - values) / Var(returns) (1 = perfect, 0 = no better than
+    the mean; 0 when the returns do not vary)."""
+    v, r = values_BT[mask_BT].double(), returns_BT[mask_BT].double()
+    if v.numel() == 0:
+        return {}
+    var_r = r.var(unbiased=False)
+    explained = 1.0 - float((r - v).var(unbiased=False) / var_r) if var_r > 0 else 0.0
+    return {
+        "critic/values_mean": float(v.mean()),
+        "critic/returns_mean": float(r.mean()),
+        "critic/vf_explained_var": explained,
+    }
+
+
 def compute_advantages(algo: AlgorithmConfig, batch: RolloutBatch) -> torch.Tensor:
-    """adv_BT for the batch (0 at masked positions) from the configured estimator."""
+    """adv_BT for the batch (0 at masked positions) from the configured critic-free estimator."""
     rewards_B, groups_B, mask_BT = batch.rewards(), batch.group_ids(), batch.response_mask()
+    if algo.estimator == "gae":
+        raise ValueError("estimator gae needs the critic's values: use gae_targets")
     if algo.estimator in ("grpo", "dr_grpo"):
         adv_B = grpo_advantages(rewards_B, groups_B, scale_by_std=algo.estimator == "grpo")
     elif algo.estimator == "rloo":
@@ -32,10 +76,7 @@ def compute_advantages(algo: AlgorithmConfig, batch: RolloutBatch) -> torch.Tens
     elif algo.estimator == "reinforce_pp_baseline":
         return reinforce_pp_baseline_advantages(rewards_B, groups_B, mask_BT)
     else:  # reinforce_pp: outcome reward on the last valid token, discounted returns, whitened
-        token_rewards_BT = torch.zeros(mask_BT.shape)
-        last_B = torch.where(mask_BT.any(1), mask_BT.shape[1] - 1 - mask_BT.flip(1).int().argmax(1), 0)
-        token_rewards_BT[torch.arange(len(batch)), last_B] = rewards_B * mask_BT.any(1)
-        returns_BT = reinforce_pp_returns(token_rewards_BT, mask_BT, gamma=algo.gamma)
+        returns_BT = reinforce_pp_returns(outcome_token_rewards(batch), mask_BT, gamma=algo.gamma)
         return masked_whiten(returns_BT, mask_BT) * mask_BT
     return adv_B[:, None] * mask_BT
 
@@ -47,8 +88,10 @@ def build_update(
     norm_constant: int,
     old_logp_BT: torch.Tensor | None,
     ref_logp_BT: torch.Tensor | None,
+    advantages_BT: torch.Tensor | None = None,
 ) -> tuple[PolicyUpdate, dict[str, float]]:
-    """Advantages, IS weights and the normaliser of the whole step's batch, with their metrics."""
+    """Advantages (`advantages_BT` when given: GAE's, from the critic), IS weights and the normaliser
+    of the whole step's batch, with their metrics."""
     mask_BT = batch.response_mask()
     metrics: dict[str, float] = {}
     weights_BT = None
@@ -63,7 +106,7 @@ def build_update(
         weights_BT = (mask_BT.float() if weights_BT is None else weights_BT) * weight_B[:, None]
     update = PolicyUpdate(
         batch=batch,
-        advantages_BT=compute_advantages(algo, batch),
+        advantages_BT=compute_advantages(algo, batch) if advantages_BT is None else advantages_BT,
         old_logp_BT=old_logp_BT,
         ref_logp_BT=ref_logp_BT,
         is_weights_BT=weights_BT,

@@ -60,6 +60,7 @@ def check_before_loading(cfg: RunConfig) -> None:
     check_reward(cfg)
     check_step_size(cfg)
     check_parallel(cfg, hf_config)
+    check_critic(cfg, hf_config)
     check_data(cfg)
     check_logging_backends(cfg)
 
@@ -128,13 +129,28 @@ def check_step_size(cfg: RunConfig) -> None:
     )
 
 
-def model_hf_config(path: str) -> dict[str, Any]:
-    """The checkpoint's config.json as a dict."""
+def model_hf_config(path: str, key: str = "model.path") -> dict[str, Any]:
+    """The checkpoint's config.json as a dict (`key`: the setting that named it, for the error)."""
     try:
         folder = resolve_path(path)
         return json.loads((folder / "config.json").read_text())
     except (ValueError, OSError) as e:
-        raise ConfigError(f"model.path={path!r} is invalid: {' '.join(str(e).split())}") from None
+        raise ConfigError(f"{key}={path!r} is invalid: {' '.join(str(e).split())}") from None
+
+
+def check_critic(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
+    """A critic from another checkpoint (critic.model_path) reads the policy's token ids, so its
+    vocabulary must hold them."""
+    if cfg.algorithm.estimator != "gae" or not cfg.critic.model_path:
+        return
+    critic = model_hf_config(cfg.critic.model_path, "critic.model_path")
+    policy_vocab, critic_vocab = hf_config.get("vocab_size"), critic.get("vocab_size")
+    if isinstance(policy_vocab, int) and isinstance(critic_vocab, int) and critic_vocab < policy_vocab:
+        raise ConfigError(
+            f"critic.model_path={cfg.critic.model_path!r} is invalid: its vocab_size {critic_vocab} is smaller than "
+            f"the policy's {policy_vocab}, and the critic reads the policy's tokens. Fix: start the critic from a "
+            'model with the policy\'s tokenizer (critic.model_path="" uses model.path).'
+        )
 
 
 def check_sequence_length(cfg: RunConfig, max_positions: int | None) -> None:

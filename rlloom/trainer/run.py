@@ -125,11 +125,12 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
         decode=decode,
         stop_token_ids=train_stop,
         on_samples=keep_samples,
+        critic_group=groups.critic,
     )
 
     state = TrainerState(step=0, data_state=source.state_dict())
     if resume_from is not None:
-        state = load_checkpoint(groups.train, groups.sync, resume_from)
+        state = load_checkpoint(groups.train, groups.sync, resume_from, critic_group=groups.critic)
         source.load_state_dict(state.data_state)
         log.info("resumed from %s at step %d", resume_from, state.step)
         if state.step >= cfg.trainer.total_steps:
@@ -149,7 +150,7 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
 
     def checkpoint() -> Path:  # of the step just done
         state.data_state = source.state_dict()
-        path = save_checkpoint(groups.train, cfg, state)
+        path = save_checkpoint(groups.train, cfg, state, critic_group=groups.critic)
         maybe_fail("after_checkpoint", state.step)
         return path
 

@@ -1,5 +1,5 @@
-"""One RL step, read straight through: generate -> rewards -> old/ref logprobs -> advantages ->
-policy update -> weight sync. Every stage is timed.
+"""One RL step, read straight through: generate -> rewards -> old/ref logprobs (and the critic's
+values) -> advantages -> policy (and critic) update -> weight sync. Every stage is timed.
 
 The step drives two groups (`rlloom.cluster.base`): the rollout group generates, the training group
 computes logprobs and updates the policy, and the weight sync moves the new weights across. Each
@@ -21,15 +21,15 @@ from dataclasses import dataclass
 import torch
 
 from rlloom.algorithms import loss_normalizer
-from rlloom.cluster.base import RolloutGroup, TrainGroup, WeightSync
+from rlloom.cluster.base import CriticGroup, RolloutGroup, TrainGroup, WeightSync
 from rlloom.config.components import RunConfig
 from rlloom.data.source import PromptSource
-from rlloom.data.types import PolicyUpdate, RolloutBatch, Sample
+from rlloom.data.types import PolicyUpdate, RolloutBatch, Sample, ValueUpdate
 from rlloom.faults import maybe_fail
 from rlloom.observability.metrics import MetricsAccumulator
 from rlloom.observability.timers import StageTimer
 from rlloom.rewards.runner import RewardRunner
-from rlloom.trainer.policy import build_update
+from rlloom.trainer.policy import build_update, gae_targets, value_metrics
 from rlloom.trainer.rollout import RolloutResult, collect_rollouts
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,8 @@ class StepContext:
     stop_token_ids: list[int]
     on_samples: Callable[[list[Sample]], None] | None = None
     """Called with each step's scored samples (the trainer logs a few of them)."""
+    critic_group: CriticGroup | None = None
+    """PPO's critic (algorithm.estimator=gae), on the training ranks; None without one."""
 
 
 def is_single_pass(cfg: RunConfig) -> bool:
@@ -106,14 +108,24 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
     with timer("ref_logprobs"):
         ref_logp_BT = train_group.ref_logprobs(batch).result() if cfg.algorithm.kl_coef > 0 else None
     maybe_fail("ref_logprobs", step)
+    critic = ctx.critic_group
+    values_BT = adv_BT = value_update = None
+    if critic is not None:
+        with timer("values"):
+            values_BT = critic.values(batch).result()
     with timer("advantages"):
         norm_constant = cfg.algorithm.norm_constant or cfg.rollout.max_new_tokens
+        if values_BT is not None:  # PPO with a critic: GAE, and the critic's targets
+            adv_BT, returns_BT = gae_targets(cfg.algorithm, batch, values_BT)
+            metrics.update(value_metrics(values_BT, returns_BT, batch.response_mask()))
+            value_update = ValueUpdate.of(batch, values_BT, returns_BT)
         update, adv_metrics = build_update(
             cfg.algorithm,
             batch,
             norm_constant=norm_constant,
             old_logp_BT=old_logp_BT,
             ref_logp_BT=ref_logp_BT,
+            advantages_BT=adv_BT,
         )
     metrics.update(adv_metrics)
     maybe_fail("advantages", step)
@@ -121,7 +133,18 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
         metrics.update(logprob_gap(old_logp_BT, batch))
 
     with timer("train"):
-        metrics.update(update_policy(cfg, train_group, update, norm_constant, seed=step))
+        # the critic's warm-up steps (critic.warmup_steps) train only the critic
+        policy_due = critic is None or step >= cfg.critic.warmup_steps
+        metrics.update(
+            update_policy(
+                cfg,
+                train_group if policy_due else None,
+                update,
+                norm_constant,
+                seed=step,
+                critic=None if value_update is None else (critic, value_update),
+            )
+        )
     if metrics.get("train/skipped_step", 0.0) > 0:
         log.warning(
             "step %d: %.0f%% of its optimizer steps were skipped because the loss, the gradient norm or the "
@@ -152,16 +175,30 @@ def update_was_skipped(metrics: dict[str, float]) -> bool:
 
 
 def update_policy(
-    cfg: RunConfig, train_group: TrainGroup, update: PolicyUpdate, norm_constant: int, *, seed: int
+    cfg: RunConfig,
+    train_group: TrainGroup | None,
+    update: PolicyUpdate,
+    norm_constant: int,
+    *,
+    seed: int,
+    critic: tuple[CriticGroup, ValueUpdate] | None = None,
 ) -> dict[str, float]:
     """`ppo_epochs` passes over `num_mini_batches` mini-batches, one optimizer step each; their
-    metrics combined with each one's declared reduction (a sum stays a sum, a max a max)."""
+    metrics combined with each one's declared reduction (a sum stays a sum, a max a max). With
+    `critic` (PPO with a critic) the critic takes an optimizer step on each mini-batch first, on the
+    same rows; a `train_group` of None (the critic's warm-up) leaves the policy as it is."""
     acc = MetricsAccumulator()
+    whole = cfg.trainer.num_mini_batches == 1
     for epoch in range(cfg.trainer.ppo_epochs):
         for rows in mini_batch_rows(cfg, len(update.batch), epoch=epoch, seed=seed):
+            if critic is not None:
+                group, value_update = critic
+                acc.add(group.update_critic(value_update if whole else value_update.select(rows)).result())
+            if train_group is None:
+                continue
             mini = (
                 update
-                if cfg.trainer.num_mini_batches == 1
+                if whole
                 else update.select(
                     rows,
                     lambda mask_BT: loss_normalizer(

@@ -1,6 +1,7 @@
-"""Ray groups on CPU (gloo): every placement reproduces the one-process run; under separate
-placement a rollout actor killed mid-generation stops the run cleanly and `trainer.resume=auto`
-finishes it as the one-process run.
+"""Ray groups on CPU (gloo): every placement reproduces the one-process run of PPO with a critic
+(the critic's ranks on the training actors, FSDP over them); under separate placement a rollout
+actor killed mid-generation stops the run cleanly and `trainer.resume=auto` finishes it as the
+one-process run.
 
 The session's one Ray instance (conftest's `ray_cluster`) serves the runs; they join it.
 """
@@ -26,6 +27,8 @@ SKIP = ("time/", "perf/", "sync/ms", "memory/")
 STEPS = 2
 CHANGING = [  # a learning rate that changes the samples, a reward that varies, two optimizer steps a step
     "train.lr=3e-2",
+    "algorithm.estimator=gae",  # PPO with a critic: the critic's actors, checkpoint and resume too
+    "critic.lr=1e-2",
     "reward.name=resume_reward:digit_share",
     f"reward.import_dir={Path(__file__).parents[1] / 'trainer'}",
     "reward.num_workers=1",
@@ -63,7 +66,9 @@ def assert_same_run(a: Path, b: Path) -> None:
     for ra, rb in zip(ma, mb):
         assert ra.keys() == rb.keys(), (b.name, ra.keys() ^ rb.keys())
         for k in ra:
-            assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), (b.name, ra["step"], k)
+            # a token whose value sits on the clip's edge may switch sides with rounding (1 of 80)
+            near = 0.025 if k == "critic/vf_clipfrac" else 1e-6
+            assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=near), (b.name, ra["step"], k)
     wa = checkpoint_model_tensors(checkpoint_dir(a, STEPS))
     wb = checkpoint_model_tensors(checkpoint_dir(b, STEPS))
     assert wa.keys() == wb.keys()

@@ -176,6 +176,22 @@ TRAIN_CASES = [
     ("data_missing_file", lambda t, c: ["data.task=jsonl", f"data.path={t}/none.jsonl"], ["not a file"]),
     ("reward_unknown", lambda t, c: ["reward.name=nosuch"], ["reward.name='nosuch'", "unknown"]),
     ("reward_plugin_missing", lambda t, c: ["reward.name=nosuch_pkg.mod:fn"], ["cannot import module"]),
+    (
+        "critic_with_tp",
+        lambda t, c: [
+            "algorithm.estimator=gae",
+            "parallel.tp=2",
+            "cluster.num_workers=2",
+            "cluster.mode=ray",
+        ],
+        ["parallel.tp=2 is invalid", "algorithm.estimator=gae trains a critic", "set parallel.tp=1"],
+    ),
+    (
+        "critic_path_missing",
+        lambda t, c: ["algorithm.estimator=gae", f"critic.model_path={t}/none"],
+        ["critic.model_path=", "is invalid"],
+    ),
+    ("critic_negative_clip", lambda t, c: ["critic.value_clip=-1"], ["critic.value_clip=-1", "must be > 0"]),
     ("huge_step", lambda t, c: ["trainer.prompts_per_step=1000000000"], ["host memory", "prompts_per_step"]),
     ("huge_n_samples", lambda t, c: ["rollout.n_samples=100000000"], ["host memory", "rollout.n_samples"]),
     ("resume_not_a_checkpoint", lambda t, c: [f"trainer.resume={t}"], ["not a complete checkpoint"]),

@@ -6,6 +6,8 @@ import logging
 import shutil
 from pathlib import Path
 
+import pytest
+
 from rlloom.config import load_config
 from rlloom.plan import check
 from rlloom.trainer.run import run
@@ -58,3 +60,33 @@ def test_train_warns_before_launching_a_run_that_will_not_fit(tiny_checkpoint, t
         logging.getLogger("rlloom").removeHandler(handler)
     assert any("the memory model predicts this run will not fit" in r.getMessage() for r in records)
     assert check.fit_warning(cfg, gpu_memory_gb=80) is None
+
+
+def test_a_critic_keeps_its_weights_and_moments_beside_the_policy(tmp_path):
+    import json
+
+    from rlloom.models.args import ModelArgs
+    from rlloom.plan.counts import model_costs
+    from rlloom.plan.inputs import Hardware, Layout, Workload
+    from rlloom.plan.memory import GB, estimate
+
+    model = tmp_path / "qwen3-8b"
+    shutil.copytree(CONFIGS / "qwen3-8b", model)
+    tokens = ["train.max_tokens_per_micro_batch=8192", "train.activation_checkpointing=full"]
+    # PPO with a critic: a second 8B model's fp32 weights stay on the GPU (its moments on the host):
+    # 91 GB without, 119 GB with, on a GPU with 112 GB usable
+    offload = [*tokens, "train.optimizer_offload=true"]
+    assert check.fit_warning(cfg_for(model, *offload), gpu_memory_gb=120) is None
+    assert check.fit_warning(cfg_for(model, *offload, "algorithm.estimator=gae"), gpu_memory_gb=120)
+
+    costs = model_costs(ModelArgs.from_hf_config(json.loads((model / "config.json").read_text())))
+    critic = costs.total_params - costs.vocab_size * costs.hidden_size  # untied: no vocabulary head
+    hw = Hardware(gpus=2, gpu_memory_gb=141)
+    for layout, per_param in [
+        (Layout(), 4 + 2 + 8),  # one GPU without FSDP: fp32 masters, their bf16 copy, the moments
+        (Layout(dp=2), (4 + 8) / 2),  # FSDP shards both
+        (Layout(dp=2, offload_fraction=0.5), (4 + 4) / 2),  # half the moments on the host
+    ]:
+        without = estimate(costs, layout, hw, Workload()).gpu_memory_gb
+        with_critic = estimate(costs, layout, hw, Workload(critic_params=critic)).gpu_memory_gb
+        assert with_critic - without == pytest.approx(per_param * critic / GB), layout

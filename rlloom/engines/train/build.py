@@ -1,9 +1,11 @@
-"""`build_train_engine` and `build_reference`: the training backend a run asks for, picked with a
+"""`build_train_engine`, `build_reference` and `build_critic`: the training backend a run asks for, picked with a
 plain `if` (one backend, `native`, today). Workers build their engines only through these; the
 parallel layout (`ParallelDims`) comes from the `parallel` config section and the world size
 (cluster.num_workers)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -55,4 +57,23 @@ def build_reference(cfg: RunConfig, *, device: torch.device, dtype: torch.dtype)
         parallel_dims=parallel_dims(cfg),
         pipeline=cfg.parallel,
         frozen=True,
+    )
+
+
+def build_critic(cfg: RunConfig, *, device: torch.device, dtype: torch.dtype) -> TrainEngine:
+    """The critic of PPO (algorithm.estimator=gae): a value model (`ValueHead`) with its own optimizer,
+    started from `critic.model_path` (or the policy's checkpoint) in the run's layout; the `train`
+    section's settings with the critic's learning rate and clipping."""
+    from rlloom.engines.train.native import NativeTrainEngine
+
+    engine_cfg = dataclasses.replace(cfg.train, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip)
+    return NativeTrainEngine.build(
+        engine_cfg,
+        cfg.critic.model_path or cfg.model.path,
+        device=device,
+        dtype=dtype,
+        total_steps=_optimizer_steps(cfg),
+        parallel_dims=parallel_dims(cfg),
+        pipeline=cfg.parallel,
+        head="value",
     )

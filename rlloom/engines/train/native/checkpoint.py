@@ -371,19 +371,20 @@ def load_checkpoint(
     return state["engine"], loaded.get("extra", {})
 
 
-def read_model_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+def read_model_tensors(path: str | os.PathLike, *, heads: bool = False) -> dict[str, torch.Tensor]:
     """The full model tensors of an engine checkpoint folder (after verifying it), fp32 on CPU.
 
     Names are the native CausalLM's `state_dict` names (e.g. `layers.0.attention.wq.weight`), so
     `CausalLM.load_state_dict` takes the result; they are not Hugging Face names
     (`rlloom.models.adapter` maps them, `rlloom.models.save_pretrained` writes an HF folder).
+    `heads`: every tensor of the engine's module instead, under its names there (the CausalLM's as
+    `model.*`, a critic's value head as `score.*`).
     """
     root = Path(path)
     verify_folder(root)
     state = json.loads((root / STATE).read_text())
-    prefix = (
-        "model/model."  # the engine's tensors are those of PolicyHead, which holds the CausalLM as `model`
-    )
+    # the engine's module (PolicyHead, ValueHead) holds the CausalLM as `model`
+    prefix = "model/" if heads else "model/model."
     out = {
         name.removeprefix(prefix): torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]))
         for name, meta in state["tensors"].items()

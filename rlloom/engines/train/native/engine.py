@@ -34,7 +34,7 @@ import math
 import os
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,7 @@ from rlloom.engines.train.native.policy import PolicyHead
 from rlloom.engines.train.native.runner import MicroBatchRunner
 from rlloom.engines.train.native.state import load_state, move_state, save_state
 from rlloom.engines.train.native.step import clip_grads, grad_max_after_clip, perf_metrics, step_if_finite
+from rlloom.engines.train.native.value import ValueHead
 from rlloom.engines.train.native.weights import WeightLayout, named_weight_buckets, weight_layouts
 from rlloom.models import from_pretrained
 from rlloom.observability.memory import reset_peak_memory
@@ -75,6 +76,9 @@ class NativeTrainEngine:
     (`rlloom.parallel.mixed_precision`), unless it offloads its optimizer (then FSDP2 on one rank,
     which holds the compute-dtype copies one layer at a time). `total_steps`: optimizer steps of the run,
     needed by the linear and cosine LR schedules. `frozen`: a forward-only reference (`build_reference`).
+    `head`: `policy` (logprobs of the response tokens) or `value` (the critic of PPO: `ValueHead`'s
+    values at the same positions, through `forward_values`; the loss function gets them in place of
+    logprobs).
     """
 
     def __init__(
@@ -89,8 +93,10 @@ class NativeTrainEngine:
         pipeline: ParallelConfig | None = None,
         reshard_after_forward: bool = True,
         frozen: bool = False,
+        head: Literal["policy", "value"] = "policy",
     ) -> None:
         self.cfg = cfg
+        self.head = head
         self.device = torch.device(device)
         self.compute_dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.total_steps = total_steps
@@ -112,8 +118,17 @@ class NativeTrainEngine:
         # Trained parameters are the fp32 master weights; a frozen reference keeps the compute dtype.
         self.model = model.to(self.compute_dtype).requires_grad_(False) if frozen else model.float()
         self._body_params = active_body_params(self.model)  # before expert parallelism splits experts
-        self.module = PolicyHead(
-            self.model, chunk_tokens=cfg.logprob_chunk_tokens, fused_head=self.device.type == "cuda"
+        if head == "value" and parallel_dims is not None and (parallel_dims.pp > 1 or parallel_dims.tp > 1):
+            raise ValueError(
+                f"the value head runs without pipeline or tensor parallelism (pp={parallel_dims.pp}, "
+                f"tp={parallel_dims.tp}). Fix: set parallel.pp=1 and parallel.tp=1 for a critic."
+            )
+        self.module = (
+            ValueHead(self.model)
+            if head == "value"
+            else PolicyHead(
+                self.model, chunk_tokens=cfg.logprob_chunk_tokens, fused_head=self.device.type == "cuda"
+            )
         )
         self.reshard_after_forward = reshard_after_forward
         self.dims: ParallelDims | None = None
@@ -187,6 +202,25 @@ class NativeTrainEngine:
         Every data-parallel rank passes the same global batch and gets the whole result. With
         `routing_replay` an MoE model routes each token to the experts the rollout recorded.
         """
+        self._expect_head("policy", "forward_logprobs")
+        return self._forward(
+            batch, temperature=temperature, with_entropy=with_entropy, routing_replay=routing_replay
+        )
+
+    @torch.no_grad()
+    def forward_values(self, batch: RolloutBatch, *, routing_replay: bool = False) -> torch.Tensor:
+        """A critic's (head `value`) values before each response token: fp32 [B, T] on CPU, 0 where
+        masked; every data-parallel rank gets the whole result."""
+        self._expect_head("value", "forward_values")
+        return self._forward(batch, temperature=1.0, with_entropy=False, routing_replay=routing_replay)[0]
+
+    def _expect_head(self, head: str, method: str) -> None:
+        if self.head != head:
+            raise ValueError(f"{method} needs an engine with head={head!r}; this one has head={self.head!r}")
+
+    def _forward(
+        self, batch: RolloutBatch, *, temperature: float, with_entropy: bool, routing_replay: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._set_mode(False)
         micro_batches, filler = plan_batch(batch, self.cfg, self.layout, self.device)
         logp_BT, entropy_BT = self._runner.logprobs(

@@ -68,15 +68,16 @@ class PolicyHead(nn.Module):
         share of the stream (the inputs and positions are then local, and the shard's attention
         replaces cu_seqlens).
         """
-        hidden_ND = self.model.hidden_states(
+        hidden_ND = stream_hidden_states(
+            self.model,
             input_ids_N,
-            position_ids=position_ids_N,
-            cu_seqlens=None if cp is not None else cu_seqlens,
-            max_seqlen=max_seqlen,
-            tree=tree,
-            routes_NLK=routes_NLK,
-            replay_routes=replay_routes,
-            attn=cp,
+            position_ids_N,
+            cu_seqlens,
+            max_seqlen,
+            tree,
+            routes_NLK,
+            replay_routes,
+            cp,
         )
         num_selected = positions_K.shape[0]
         if num_selected == 0:
@@ -110,6 +111,31 @@ class PolicyHead(nn.Module):
             logp_K = logp_K[:0]
             entropy_K = entropy_K[:0] if entropy_K is not None else None
         return logp_K, entropy_K
+
+
+def stream_hidden_states(
+    model: nn.Module,
+    input_ids_N: torch.Tensor,
+    position_ids_N: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    tree: TreePlan | None,
+    routes_NLK: torch.Tensor | None,
+    replay_routes: bool,
+    cp: CPShard | None,
+) -> torch.Tensor:
+    """The CausalLM's final hidden states [N, D] of a packed stream as a head module (`PolicyHead`,
+    the critic's `ValueHead`) receives it: under CP the shard's attention replaces cu_seqlens."""
+    return model.hidden_states(
+        input_ids_N,
+        position_ids=position_ids_N,
+        cu_seqlens=None if cp is not None else cu_seqlens,
+        max_seqlen=max_seqlen,
+        tree=tree,
+        routes_NLK=routes_NLK,
+        replay_routes=replay_routes,
+        attn=cp,
+    )
 
 
 def run_micro_batch(

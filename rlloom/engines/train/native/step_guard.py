@@ -120,7 +120,8 @@ def _max_abs(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     `device` (0 when there are none). On CUDA one multi-tensor inf-norm; on the CPU, whose foreach
     inf-norm is a slow scalar loop (~2.5 GB/s on 2 cores, 9x a fused CPU AdamW step), each tensor's
     `aminmax` (vectorised, multi-threaded: ~10x faster)."""
-    tensors = [_local(t).detach() for t in tensors if t.numel()]
+    # a DTensor smaller than its mesh (a critic's one-element value-head bias) has empty shards
+    tensors = [local for t in tensors if (local := _local(t).detach()).numel()]
     if not tensors:
         return torch.zeros((), device=device)
     if tensors[0].device.type == "cuda":

@@ -1,0 +1,129 @@
+"""PPO with a critic (algorithm.estimator=gae) as a user runs it: GAE's targets against a naive loop,
+`rlloom train` with the critic's warm-up, its metrics and its checkpoint, and an exact resume that
+restores the critic (a critic left at its initial weights gives other values, so other advantages).
+
+The settings make mistakes visible: a dense reward (resume_reward.py) so returns vary, learning
+rates that move both models in one step, two mini-batches a step (the critic's mini-batch path)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+from test_trainer_loop import read_metrics, tiny_args, tiny_cfg
+
+from rlloom.cli import main
+from rlloom.config.components import AlgorithmConfig
+from rlloom.data.types import RolloutBatch, Sample
+from rlloom.engines.train.native.checkpoint import read_model_tensors
+from rlloom.trainer.checkpoint import CRITIC_DIR, checkpoint_dir, checkpoint_model_tensors
+from rlloom.trainer.policy import gae_targets
+from rlloom.trainer.run import run
+
+PPO = [
+    "algorithm.estimator=gae",
+    "algorithm.lam=0.9",
+    "critic.lr=1e-2",
+    "train.lr=3e-2",
+    "reward.name=resume_reward:digit_share",
+    f"reward.import_dir={Path(__file__).parent}",
+    "reward.num_workers=1",
+    "trainer.num_mini_batches=2",
+    "data.num_eval=0",
+    "trainer.save_every=1",
+]
+
+
+def naive_gae(rewards, masks, values, gamma, lam):
+    """Per sample, over its valid tokens only: the reward on the last one, GAE backwards."""
+    advantages, returns = [], []
+    for reward, mask, value in zip(rewards, masks, values):
+        valid = [t for t, m in enumerate(mask) if m]
+        adv = [0.0] * len(mask)
+        running, next_value = 0.0, 0.0
+        for i, t in reversed(list(enumerate(valid))):
+            r = reward if i == len(valid) - 1 else 0.0
+            running = r + gamma * next_value - value[t] + gamma * lam * running
+            adv[t], next_value = running, value[t]
+        advantages.append(adv)
+        returns.append([a + v if m else 0.0 for a, v, m in zip(adv, value, mask)])
+    return advantages, returns
+
+
+def test_gae_targets_equal_a_naive_loop():
+    rng = random.Random(0)
+    samples = []
+    for g in range(4):
+        for _ in range(3):
+            n = rng.randint(1, 9)
+            mask = [int(rng.random() > 0.3) for _ in range(n)]
+            samples.append(
+                Sample(prompt_ids=[1], response_ids=[2] * n, loss_mask=mask, reward=rng.random(), group_id=g)
+            )
+    batch = RolloutBatch(samples)
+    mask_BT = batch.response_mask()
+    values_BT = torch.randn(mask_BT.shape, generator=torch.Generator().manual_seed(1)) * mask_BT
+    algo = AlgorithmConfig(estimator="gae", gamma=0.97, lam=0.9)
+    adv_BT, returns_BT = gae_targets(algo, batch, values_BT)
+
+    adv, ret = naive_gae(
+        [s.reward for s in samples], mask_BT.tolist(), values_BT.tolist(), algo.gamma, algo.lam
+    )
+    torch.testing.assert_close(returns_BT, torch.tensor(ret), atol=1e-6, rtol=0)
+    raw = torch.tensor(adv)[mask_BT]
+    whitened = (raw - raw.mean()) / raw.std()  # over the batch's valid tokens, as verl
+    torch.testing.assert_close(adv_BT[mask_BT], whitened, atol=1e-5, rtol=0)
+    assert (adv_BT[~mask_BT] == 0).all()
+
+
+def critic_tensors(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return read_model_tensors(checkpoint_dir(run_dir, step) / CRITIC_DIR, heads=True)
+
+
+def test_ppo_with_a_critic_through_the_cli(tiny_checkpoint, tmp_path):
+    run_dir = tmp_path / "run"
+    args = tiny_args(tiny_checkpoint, run_dir, *PPO, "trainer.total_steps=2", "critic.warmup_steps=1")
+    assert main(["train", "arithmetic_smoke", *args]) == 0
+    step1, step2 = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert step1["critic/values_mean"] == 0.0  # a new value head starts at zero
+    assert step1["critic/returns_mean"] > 0 and step1["critic/vf_loss"] > 0
+    assert step2["critic/values_mean"] != 0.0  # the critic learned in step 1
+    for key in (
+        "critic/vf_clipfrac",
+        "critic/vpred_mean",
+        "critic/grad_norm",
+        "critic/lr",
+        "critic/vf_explained_var",
+    ):
+        assert key in step1 and key in step2, key
+    assert step1["time/values_s"] > 0 and step1["time/critic_step_s"] > 0
+    # critic.warmup_steps=1: step 1 trains only the critic, step 2 both (two mini-batches each)
+    assert (step1["policy/version"], step2["policy/version"]) == (0.0, 2.0)
+    assert "train/grad_norm" not in step1 and "train/grad_norm" in step2
+    manifest = json.loads((checkpoint_dir(run_dir, 2) / "manifest.json").read_text())
+    assert manifest["sealed"] == ["engine", CRITIC_DIR]
+    critic = critic_tensors(run_dir, 2)
+    assert critic.keys() == critic_tensors(run_dir, 1).keys()
+    assert "score.weight" in critic and "model.tok_embeddings.weight" in critic
+    assert not any("output" in k for k in critic)  # no vocabulary head
+
+
+def test_resume_restores_the_critic_exactly(tiny_checkpoint, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run(tiny_cfg(tiny_checkpoint, straight, *PPO, "trainer.total_steps=3"))
+    run(tiny_cfg(tiny_checkpoint, resumed, *PPO, "trainer.total_steps=1"))
+    run(tiny_cfg(tiny_checkpoint, resumed, *PPO, "trainer.total_steps=3", "trainer.resume=auto"))
+    assert read_metrics(resumed) == read_metrics(straight)
+    policy = lambda run_dir, step: checkpoint_model_tensors(checkpoint_dir(run_dir, step))
+    for tensors in (policy, critic_tensors):
+        a, b = tensors(straight, 3), tensors(resumed, 3)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ppo_with_a_critic_runs_one_step_off(tiny_checkpoint, tmp_path):
+    run_dir = tmp_path / "run"
+    run(tiny_cfg(tiny_checkpoint, run_dir, *PPO, "trainer.total_steps=2", "trainer.mode=one_step_off"))
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2] and all("critic/vf_loss" in r for r in rows)
