@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import torch
@@ -127,3 +128,24 @@ def test_ppo_with_a_critic_runs_one_step_off(tiny_checkpoint, tmp_path):
     run(tiny_cfg(tiny_checkpoint, run_dir, *PPO, "trainer.total_steps=2", "trainer.mode=one_step_off"))
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2] and all("critic/vf_loss" in r for r in rows)
+
+
+def test_a_critic_from_another_checkpoint(tiny_checkpoint, tmp_path, capsys):
+    from conftest import build_tiny_checkpoint
+
+    wider = build_tiny_checkpoint(tmp_path / "wider", hidden=48, seed=1)  # the policy's tokenizer
+    run_dir = tmp_path / "run"
+    args = tiny_args(tiny_checkpoint, run_dir, *PPO, "trainer.total_steps=1", f"critic.model_path={wider}")
+    assert main(["train", "arithmetic_smoke", *args]) == 0
+    assert critic_tensors(run_dir, 1)["score.weight"].shape == (1, 48)
+    # a critic whose vocabulary cannot hold the policy's tokens is refused before anything loads
+    small = tmp_path / "small"
+    shutil.copytree(wider, small)
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps(config | {"vocab_size": 10}))
+    capsys.readouterr()
+    args = tiny_args(tiny_checkpoint, tmp_path / "refused", *PPO, f"critic.model_path={small}")
+    assert main(["train", "arithmetic_smoke", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlloom: error: critic.model_path=") and "vocab_size 10 is smaller" in err
+    assert err.count("\n") == 1
