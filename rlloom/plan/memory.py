@@ -131,16 +131,15 @@ def estimate(costs: ModelCosts, layout: Layout, hw: Hardware, work: Workload) ->
 
 def critic_state_gb(critic_params: float, layout: Layout) -> tuple[float, float]:
     """(weights, AdamW moments) in GB that PPO's critic keeps on each GPU while the policy trains:
-    fp32 master shards (one GPU without FSDP: the whole fp32 model and its bf16 compute copy) and
-    the moments not offloaded. Its own training step peaks like the policy's with the policy's state
-    kept instead; for a critic no larger than the policy (the default: the same checkpoint, whose
-    value head is smaller than the lm head) the policy's step is the larger of the two."""
+    fp32 master shards (one GPU without FSDP: the whole fp32 model; its bf16 compute copies live
+    only during its own step) and the moments not offloaded. Its own training step peaks like the
+    policy's with the policy's state kept instead; for a critic no larger than the policy (the
+    default: the same checkpoint, whose value head is smaller than the lm head) the policy's step is
+    the larger of the two."""
     if critic_params <= 0:
         return 0.0, 0.0
     per_gpu = critic_params / (layout.tp * layout.cp * layout.dp)
-    unsharded = layout.world == 1 and layout.offload_fraction == 0
-    weights = (4 + (2 if unsharded else 0)) * per_gpu
-    return weights / GB, 8 * (1 - layout.offload_fraction) * per_gpu / GB
+    return 4 * per_gpu / GB, 8 * (1 - layout.offload_fraction) * per_gpu / GB
 
 
 def _problems(

@@ -83,10 +83,26 @@ def test_a_critic_keeps_its_weights_and_moments_beside_the_policy(tmp_path):
     critic = costs.total_params - costs.vocab_size * costs.hidden_size  # untied: no vocabulary head
     hw = Hardware(gpus=2, gpu_memory_gb=141)
     for layout, per_param in [
-        (Layout(), 4 + 2 + 8),  # one GPU without FSDP: fp32 masters, their bf16 copy, the moments
+        (Layout(), 4 + 8),  # one GPU without FSDP: fp32 masters and moments (bf16 copies only in its step)
         (Layout(dp=2), (4 + 8) / 2),  # FSDP shards both
         (Layout(dp=2, offload_fraction=0.5), (4 + 4) / 2),  # half the moments on the host
     ]:
         without = estimate(costs, layout, hw, Workload()).gpu_memory_gb
         with_critic = estimate(costs, layout, hw, Workload(critic_params=critic)).gpu_memory_gb
         assert with_critic - without == pytest.approx(per_param * critic / GB), layout
+
+
+def test_the_critic_state_matches_its_measurement_on_one_gpu():
+    # bench_e2e's Qwen3-0.6B shape on one H100 (docs/benchmarks.md, 2026-11-25): PPO with a critic
+    # peaked at 61.95 GiB allocated, GRPO in the same call at 55.28 GiB; the difference is what the
+    # critic keeps while the policy trains (fp32 weights and AdamW moments: 12 bytes a parameter)
+    from rlloom.models.args import ModelArgs
+    from rlloom.plan.counts import model_costs, value_model_params
+    from rlloom.plan.inputs import Layout
+    from rlloom.plan.memory import critic_state_gb
+
+    shape = dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                 tie_word_embeddings=True, max_position_embeddings=4096)  # fmt: skip
+    critic = value_model_params(model_costs(ModelArgs.from_hf_config(shape)))
+    assert sum(critic_state_gb(critic, Layout())) == pytest.approx(61.95 - 55.28, rel=0.01)
