@@ -102,7 +102,7 @@ def make_loss_fn(algo: AlgorithmConfig, update: PolicyUpdate) -> LossFn:
             )
             loss_bT = loss_bT * weights_bT
             metrics.update(is_metrics)
-        if algo.kl_coef > 0:
+        if algo.kl_coef > 0 and not algo.kl_in_reward:  # in the reward, the advantages hold it
             assert update.ref_logp_BT is not None, "KL loss on but no reference logprobs"
             kl_bT = kl_estimate(logp_bT, rows(update.ref_logp_BT), algo.kl_kind) * mask_bT
             loss_bT = loss_bT + algo.kl_coef * kl_bT

@@ -349,7 +349,14 @@ class AlgorithmConfig:
     kl_kind: Literal["k1", "k2", "k3", "abs"] = "k3"
     """KL estimator for the KL loss against the reference (initial) policy."""
     kl_coef: float = 0.0
-    """KL loss coefficient; 0 turns the reference policy off."""
+    """KL coefficient (a loss term, or with `kl_in_reward` a reward penalty); 0 turns the reference
+    policy off."""
+    kl_in_reward: bool = False
+    """Put the KL against the reference into the reward instead of the loss: every response token's
+    reward is -kl_coef x KL_t (`kl_kind`'s estimate between the policy before the update and the
+    reference), the outcome reward added on the last token (InstructGPT's and TRL's PPO, OpenRLHF's
+    REINFORCE++; verl's use_kl_in_reward with a fixed coefficient). Needs a token-level estimator
+    (gae, reinforce_pp) and kl_coef > 0; the old logprobs are then always recomputed."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
     gamma: float = 1.0
@@ -418,6 +425,22 @@ class AlgorithmConfig:
             "use 0 to disable the KL loss",
         )
         _check(0 < self.gamma <= 1, "algorithm.gamma", self.gamma, "must be in (0, 1]", "use 1.0")
+        if self.kl_in_reward:
+            _check(
+                self.estimator in ("gae", "reinforce_pp"),
+                "algorithm.kl_in_reward",
+                self.kl_in_reward,
+                f"a per-token KL reward needs a token-level estimator, and estimator {self.estimator} uses one "
+                "reward per sample",
+                "set algorithm.estimator=gae or reinforce_pp, or algorithm.kl_in_reward=false (a KL loss term)",
+            )
+            _check(
+                self.kl_coef > 0,
+                "algorithm.kl_in_reward",
+                self.kl_in_reward,
+                "needs algorithm.kl_coef > 0 (the penalty's coefficient)",
+                "set algorithm.kl_coef, e.g. 0.01",
+            )
         _check(0 <= self.lam <= 1, "algorithm.lam", self.lam, "must be in [0, 1]", "use 1.0 or 0.95")
         _check(
             self.entropy_coef >= 0,

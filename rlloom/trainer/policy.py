@@ -19,6 +19,7 @@ from rlloom.algorithms import (
     reinforce_pp_returns,
     rloo_advantages,
 )
+from rlloom.algorithms.kl import kl_estimate
 from rlloom.algorithms.objective import correction_weights, is_correction
 from rlloom.config.components import AlgorithmConfig
 from rlloom.data.types import PolicyUpdate, RolloutBatch
@@ -33,16 +34,39 @@ def outcome_token_rewards(batch: RolloutBatch) -> torch.Tensor:
     return token_rewards_BT
 
 
-def gae_targets(
-    algo: AlgorithmConfig, batch: RolloutBatch, values_BT: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO with a critic: (advantages, returns) [B, T] from the outcome reward and the critic's values
-    by GAE (`algorithm.gamma`, `algorithm.lam`); the advantages whitened over the batch's valid
-    tokens (as verl), the returns (the critic's targets) not. Both 0 at masked positions."""
+def kl_penalty(
+    algo: AlgorithmConfig, batch: RolloutBatch, old_logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor
+) -> torch.Tensor:
+    """[B, T] algorithm.kl_in_reward's per-token reward: -kl_coef x KL_t (`kl_kind`) between the
+    policy before the update and the reference, 0 at masked positions."""
     mask_BT = batch.response_mask()
-    adv_BT, returns_BT = gae_advantages(
-        outcome_token_rewards(batch), values_BT, mask_BT, gamma=algo.gamma, lam=algo.lam
-    )
+    return -algo.kl_coef * kl_estimate(old_logp_BT, ref_logp_BT, algo.kl_kind) * mask_BT
+
+
+def token_rewards(
+    algo: AlgorithmConfig,
+    batch: RolloutBatch,
+    old_logp_BT: torch.Tensor | None = None,
+    ref_logp_BT: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[B, T] rewards of a token-level estimator: the outcome on the last token, plus
+    `kl_penalty` on every token with algorithm.kl_in_reward."""
+    rewards_BT = outcome_token_rewards(batch)
+    if algo.kl_in_reward:
+        if old_logp_BT is None or ref_logp_BT is None:
+            raise ValueError("algorithm.kl_in_reward needs the old and the reference logprobs")
+        rewards_BT = rewards_BT + kl_penalty(algo, batch, old_logp_BT, ref_logp_BT)
+    return rewards_BT
+
+
+def gae_targets(
+    algo: AlgorithmConfig, batch: RolloutBatch, values_BT: torch.Tensor, rewards_BT: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO with a critic: (advantages, returns) [B, T] from the token rewards (`token_rewards`) and
+    the critic's values by GAE (`algorithm.gamma`, `algorithm.lam`); the advantages whitened over the
+    batch's valid tokens (as verl), the returns (the critic's targets) not. Both 0 at masked positions."""
+    mask_BT = batch.response_mask()
+    adv_BT, returns_BT = gae_advantages(rewards_BT, values_BT, mask_BT, gamma=algo.gamma, lam=algo.lam)
     return masked_whiten(adv_BT, mask_BT) * mask_BT, returns_BT
 
 
@@ -64,8 +88,11 @@ def value_metrics(
     }
 
 
-def compute_advantages(algo: AlgorithmConfig, batch: RolloutBatch) -> torch.Tensor:
-    """adv_BT for the batch (0 at masked positions) from the configured critic-free estimator."""
+def compute_advantages(
+    algo: AlgorithmConfig, batch: RolloutBatch, rewards_BT: torch.Tensor | None = None
+) -> torch.Tensor:
+    """adv_BT for the batch (0 at masked positions) from the configured critic-free estimator
+    (`rewards_BT`: reinforce_pp's token rewards, `token_rewards`; default the outcome alone)."""
     rewards_B, groups_B, mask_BT = batch.rewards(), batch.group_ids(), batch.response_mask()
     if algo.estimator == "gae":
         raise ValueError("estimator gae needs the critic's values: use gae_targets")
@@ -76,7 +103,8 @@ def compute_advantages(algo: AlgorithmConfig, batch: RolloutBatch) -> torch.Tens
     elif algo.estimator == "reinforce_pp_baseline":
         return reinforce_pp_baseline_advantages(rewards_B, groups_B, mask_BT)
     else:  # reinforce_pp: outcome reward on the last valid token, discounted returns, whitened
-        returns_BT = reinforce_pp_returns(outcome_token_rewards(batch), mask_BT, gamma=algo.gamma)
+        rewards_BT = outcome_token_rewards(batch) if rewards_BT is None else rewards_BT
+        returns_BT = reinforce_pp_returns(rewards_BT, mask_BT, gamma=algo.gamma)
         return masked_whiten(returns_BT, mask_BT) * mask_BT
     return adv_B[:, None] * mask_BT
 
@@ -91,9 +119,19 @@ def build_update(
     advantages_BT: torch.Tensor | None = None,
 ) -> tuple[PolicyUpdate, dict[str, float]]:
     """Advantages (`advantages_BT` when given: GAE's, from the critic), IS weights and the normaliser
-    of the whole step's batch, with their metrics."""
+    of the whole step's batch, with their metrics. With algorithm.kl_in_reward the KL is in the
+    rewards (`token_rewards`), not in the update."""
     mask_BT = batch.response_mask()
     metrics: dict[str, float] = {}
+    if algo.kl_in_reward:
+        assert old_logp_BT is not None and ref_logp_BT is not None, "kl_in_reward needs old and ref logprobs"
+        penalty_B = -kl_penalty(algo, batch, old_logp_BT, ref_logp_BT).sum(1)
+        metrics["reward/kl_penalty"] = float(penalty_B.mean())  # what a sample's return loses to it
+        if advantages_BT is None:
+            advantages_BT = compute_advantages(
+                algo, batch, token_rewards(algo, batch, old_logp_BT, ref_logp_BT)
+            )
+        ref_logp_BT = None  # no KL loss term
     weights_BT = None
     correction = is_correction(algo)
     if correction is not None and old_logp_BT is not None:

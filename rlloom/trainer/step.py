@@ -29,7 +29,7 @@ from rlloom.faults import maybe_fail
 from rlloom.observability.metrics import MetricsAccumulator
 from rlloom.observability.timers import StageTimer
 from rlloom.rewards.runner import RewardRunner
-from rlloom.trainer.policy import build_update, gae_targets, value_metrics
+from rlloom.trainer.policy import build_update, gae_targets, token_rewards, value_metrics
 from rlloom.trainer.rollout import RolloutResult, collect_rollouts
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,8 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
             rollout_group.sleep().result()  # the KV cache's memory goes to training until the sync
 
     old_logp_BT = None
-    need_old = not is_single_pass(cfg)  # else the loss detaches its own (and weights IS from them)
+    # else the loss detaches its own (and weights IS from them); a KL reward needs them before the update
+    need_old = not is_single_pass(cfg) or cfg.algorithm.kl_in_reward
     with timer("old_logprobs"):
         if cfg.algorithm.use_rollout_logprobs:
             old_logp_BT = batch.rollout_logprobs()
@@ -116,7 +117,8 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
     with timer("advantages"):
         norm_constant = cfg.algorithm.norm_constant or cfg.rollout.max_new_tokens
         if values_BT is not None:  # PPO with a critic: GAE, and the critic's targets
-            adv_BT, returns_BT = gae_targets(cfg.algorithm, batch, values_BT)
+            rewards_BT = token_rewards(cfg.algorithm, batch, old_logp_BT, ref_logp_BT)
+            adv_BT, returns_BT = gae_targets(cfg.algorithm, batch, values_BT, rewards_BT)
             metrics.update(value_metrics(values_BT, returns_BT, batch.response_mask()))
             value_update = ValueUpdate.of(batch, values_BT, returns_BT)
         update, adv_metrics = build_update(

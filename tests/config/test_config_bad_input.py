@@ -191,6 +191,16 @@ TRAIN_CASES = [
         lambda t, c: ["algorithm.estimator=gae", f"critic.model_path={t}/none"],
         ["critic.model_path=", "is invalid"],
     ),
+    (
+        "kl_in_reward_with_grpo",
+        lambda t, c: ["algorithm.kl_in_reward=true", "algorithm.kl_coef=0.1"],
+        ["algorithm.kl_in_reward=True is invalid", "estimator grpo", "algorithm.estimator=gae"],
+    ),
+    (
+        "kl_in_reward_without_coef",
+        lambda t, c: ["algorithm.kl_in_reward=true", "algorithm.estimator=gae"],
+        ["algorithm.kl_in_reward=True is invalid", "kl_coef > 0"],
+    ),
     ("critic_negative_clip", lambda t, c: ["critic.value_clip=-1"], ["critic.value_clip=-1", "must be > 0"]),
     ("huge_step", lambda t, c: ["trainer.prompts_per_step=1000000000"], ["host memory", "prompts_per_step"]),
     ("huge_n_samples", lambda t, c: ["rollout.n_samples=100000000"], ["host memory", "rollout.n_samples"]),

@@ -12,6 +12,7 @@ import random
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from test_trainer_loop import read_metrics, tiny_args, tiny_cfg
 
@@ -20,7 +21,7 @@ from rlloom.config.components import AlgorithmConfig
 from rlloom.data.types import RolloutBatch, Sample
 from rlloom.engines.train.native.checkpoint import read_model_tensors
 from rlloom.trainer.checkpoint import CRITIC_DIR, checkpoint_dir, checkpoint_model_tensors
-from rlloom.trainer.policy import gae_targets
+from rlloom.trainer.policy import gae_targets, outcome_token_rewards, token_rewards
 from rlloom.trainer.run import run
 
 PPO = [
@@ -67,7 +68,7 @@ def test_gae_targets_equal_a_naive_loop():
     mask_BT = batch.response_mask()
     values_BT = torch.randn(mask_BT.shape, generator=torch.Generator().manual_seed(1)) * mask_BT
     algo = AlgorithmConfig(estimator="gae", gamma=0.97, lam=0.9)
-    adv_BT, returns_BT = gae_targets(algo, batch, values_BT)
+    adv_BT, returns_BT = gae_targets(algo, batch, values_BT, outcome_token_rewards(batch))
 
     adv, ret = naive_gae(
         [s.reward for s in samples], mask_BT.tolist(), values_BT.tolist(), algo.gamma, algo.lam
@@ -149,3 +150,30 @@ def test_a_critic_from_another_checkpoint(tiny_checkpoint, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("rlloom: error: critic.model_path=") and "vocab_size 10 is smaller" in err
     assert err.count("\n") == 1
+
+
+def test_kl_in_reward_is_a_per_token_penalty_with_the_outcome_on_the_last_token():
+    samples = [
+        Sample(prompt_ids=[1], response_ids=[2, 3, 4], loss_mask=[1, 1, 0], reward=1.0),
+        Sample(prompt_ids=[1], response_ids=[2], reward=0.5),
+    ]
+    batch = RolloutBatch(samples)
+    old_BT = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, 0.0, 0.0]])
+    ref_BT = torch.tensor([[-1.5, -1.0, -9.0], [-0.25, 0.0, 0.0]])
+    algo = AlgorithmConfig(estimator="gae", kl_in_reward=True, kl_coef=0.1, kl_kind="k1")
+    got = token_rewards(algo, batch, old_BT, ref_BT)
+    # k1 = old - ref; the third token of sample 0 is masked: its outcome sits on token 2
+    expected = torch.tensor([[-0.1 * 0.5, 1.0 - 0.1 * -1.0, 0.0], [0.5 - 0.1 * -0.25, 0.0, 0.0]])
+    torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("estimator", ["gae", "reinforce_pp"])
+def test_kl_in_reward_runs_instead_of_a_kl_loss(tiny_checkpoint, tmp_path, estimator):
+    run_dir = tmp_path / "run"
+    kl = ["algorithm.kl_in_reward=true", "algorithm.kl_coef=0.1", f"algorithm.estimator={estimator}"]
+    run(tiny_cfg(tiny_checkpoint, run_dir, *PPO, *kl, "trainer.total_steps=2", "trainer.num_mini_batches=1"))
+    step1, step2 = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert step1["reward/kl_penalty"] == pytest.approx(0.0, abs=1e-6)  # the policy is still the reference
+    assert step2["reward/kl_penalty"] > 1e-4  # k3 >= 0: the trained policy pays for moving away
+    assert "loss/kl" not in step2  # not a loss term as well
+    assert step1["time/old_logprobs_s"] > 0  # computed before the update even in a single pass
