@@ -23,6 +23,7 @@ from rlloom.engines.train.native.checkpoint import read_model_tensors
 from rlloom.trainer.checkpoint import CRITIC_DIR, checkpoint_dir, checkpoint_model_tensors
 from rlloom.trainer.policy import gae_targets, outcome_token_rewards, token_rewards
 from rlloom.trainer.run import run
+from tests.conftest import build_tiny_checkpoint
 
 PPO = [
     "algorithm.estimator=gae",
@@ -132,8 +133,6 @@ def test_ppo_with_a_critic_runs_one_step_off(tiny_checkpoint, tmp_path):
 
 
 def test_a_critic_from_another_checkpoint(tiny_checkpoint, tmp_path, capsys):
-    from conftest import build_tiny_checkpoint
-
     wider = build_tiny_checkpoint(tmp_path / "wider", hidden=48, seed=1)  # the policy's tokenizer
     run_dir = tmp_path / "run"
     args = tiny_args(tiny_checkpoint, run_dir, *PPO, "trainer.total_steps=1", f"critic.model_path={wider}")
