@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from rlloom.algorithms._masked import masked_frac, masked_mean
-from rlloom.algorithms.aggregation import aggregate_loss_sum
+from rlloom.algorithms.aggregation import aggregate_loss_sum, loss_normalizer
 from rlloom.algorithms.corrections import is_weights
 from rlloom.algorithms.kl import kl_estimate
 from rlloom.algorithms.losses import cispo_loss, gspo_loss, ppo_clip_loss, value_loss
@@ -122,10 +122,19 @@ def make_loss_fn(algo: AlgorithmConfig, update: PolicyUpdate) -> LossFn:
     return loss_fn
 
 
+VALUE_AGG_MODE = "token-mean"
+"""How the critic's per-token value losses reduce (verl's critic default)."""
+
+
+def value_normalizer(mask_BT: torch.Tensor) -> float:
+    """The critic's global loss normaliser of a (mini-)batch: `loss_normalizer` of VALUE_AGG_MODE."""
+    return loss_normalizer(mask_BT, VALUE_AGG_MODE)
+
+
 def make_value_loss_fn(update: ValueUpdate, *, clip: float) -> LossFn:
     """The critic's per-micro-batch loss (PPO with a critic): the clipped value loss (`value_loss`)
-    summed over the micro-batch's response tokens; with `update.normalizer` (the mini-batch's response
-    tokens) the engine makes it a token mean over the mini-batch, exact under any micro-batching. The
+    summed over the micro-batch's response tokens; with `update.normalizer` (`value_normalizer`)
+    the engine makes it a token mean over the mini-batch, exact under any micro-batching. The
     engine passes the critic's values where a policy gets its logprobs."""
     mask_all_BT = update.batch.response_mask()
 
@@ -145,6 +154,6 @@ def make_value_loss_fn(update: ValueUpdate, *, clip: float) -> LossFn:
                 "critic/vf_clipfrac": masked_frac(taken_clipped_bT, mask_bT),
                 "critic/vpred_mean": masked_mean(values_bT.detach(), mask_bT),
             }
-        return aggregate_loss_sum(loss_bT, mask_bT, "token-mean"), metrics
+        return aggregate_loss_sum(loss_bT, mask_bT, VALUE_AGG_MODE), metrics
 
     return loss_fn

@@ -159,6 +159,6 @@ def build_local_groups(
     """The training rank, the critic when the estimator needs one, then the rollout replica in the
     same dtype on the same device."""
     train = TrainWorker(cfg)
-    critic = LocalCriticGroup(CriticWorker(cfg)) if cfg.algorithm.estimator == "gae" else None
+    critic = LocalCriticGroup(CriticWorker(cfg)) if cfg.algorithm.uses_critic else None
     rollout = RolloutWorker(cfg, device=train.device, dtype=train.dtype)
     return LocalTrainGroup(train), LocalRolloutGroup(rollout), LocalSync(cfg, train, rollout), critic

@@ -161,6 +161,15 @@ def _first(results: list[Any]) -> Any:
     return results[0]
 
 
+def _on_every_slot(
+    actors: Actors, slots: list[int], worker: str, method: str, args: tuple, stage: str
+) -> Refs:
+    """`method(*args)` on the worker `worker` (the actor's `on_train`, `on_critic`) of every slot, the
+    batch-sized arguments put in the object store once for all of them; rank 0's result is the group's."""
+    args = tuple(ray.put(a) if isinstance(a, RolloutBatch | PolicyUpdate | ValueUpdate) else a for a in args)
+    return Refs(actors, actors.call(slots, worker, method, *args), stage, slots, _first)
+
+
 class RayTrainGroup:
     """The training ranks: every call goes to all of them with the same (object-store) arguments;
     their results agree, so rank 0's is the group's."""
@@ -169,9 +178,7 @@ class RayTrainGroup:
         self.actors, self.slots = actors, slots
 
     def _all(self, method: str, *args: Any) -> Refs:
-        args = tuple(ray.put(a) if isinstance(a, RolloutBatch | PolicyUpdate) else a for a in args)
-        refs = self.actors.call(self.slots, "on_train", method, *args)
-        return Refs(self.actors, refs, method, self.slots, _first)
+        return _on_every_slot(self.actors, self.slots, "on_train", method, args, method)
 
     @property
     def version(self) -> int:
@@ -218,9 +225,7 @@ class RayCriticGroup:
         self.actors, self.slots = actors, slots
 
     def _all(self, method: str, *args: Any) -> Refs:
-        args = tuple(ray.put(a) if isinstance(a, RolloutBatch | ValueUpdate) else a for a in args)
-        refs = self.actors.call(self.slots, "on_critic", method, *args)
-        return Refs(self.actors, refs, f"critic {method}", self.slots, _first)
+        return _on_every_slot(self.actors, self.slots, "on_critic", method, args, f"critic {method}")
 
     def values(self, batch: RolloutBatch) -> Refs:
         return self._all("values", batch)
@@ -368,7 +373,7 @@ def build_ray_groups(
     replicas = [[rslots[j] for j in r] for r in placement.replicas]
     rollout = RayRolloutGroup(actors, replicas, max_num_seqs=cfg.rollout.max_num_seqs)
     sync = InPlaceSync(train, rollout) if placement.colocated else BroadcastSync(train, rollout)
-    critic = RayCriticGroup(actors, tslots) if cfg.algorithm.estimator == "gae" else None
+    critic = RayCriticGroup(actors, tslots) if cfg.algorithm.uses_critic else None
     return train, rollout, sync, critic
 
 

@@ -90,7 +90,7 @@ class SlotActor:
         torch.manual_seed(self.cfg.trainer.seed)
         join_world(rank, world_size, master, resolve_device(self.cfg).type)
         self.train = TrainWorker(self.cfg, rank=rank)
-        if self.cfg.algorithm.estimator == "gae":
+        if self.cfg.algorithm.uses_critic:
             self.critic = CriticWorker(self.cfg, rank=rank)
 
     def start_rollout(

@@ -393,6 +393,11 @@ class AlgorithmConfig:
     overlong_factor: float = 1.0
     """Penalty at max length for overlong shaping."""
 
+    @property
+    def uses_critic(self) -> bool:
+        """The estimator trains a critic (PPO's value model, the `critic` section): gae."""
+        return self.estimator == "gae"
+
     def __post_init__(self) -> None:
         _check_finite(self, "algorithm")
         _check(0 <= self.eps_low < 1, "algorithm.eps_low", self.eps_low, "must be in [0, 1)", "use 0.2")
@@ -998,7 +1003,7 @@ class RunConfig:
     def _check_critic(self) -> None:
         """The critic runs in the training layout, whose value head has no tensor- or pipeline-parallel
         form yet."""
-        if self.algorithm.estimator != "gae":
+        if not self.algorithm.uses_critic:
             return
         for key in ("tp", "pp"):
             degree = getattr(self.parallel, key)

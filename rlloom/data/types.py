@@ -391,18 +391,19 @@ class ValueUpdate:
     returns_BT: torch.Tensor
     """[B, T] regression targets (GAE's returns), 0 at masked."""
     normalizer: float
-    """The mini-batch's response tokens (the value loss is a token mean)."""
+    """Global loss normaliser of this mini-batch (`rlloom.algorithms.objective.value_normalizer`)."""
 
-    @classmethod
-    def of(cls, batch: RolloutBatch, old_values_BT: torch.Tensor, returns_BT: torch.Tensor) -> ValueUpdate:
-        """The update of `batch`, normalised by its response tokens (at least 1)."""
-        normalizer = float(max(int(batch.response_mask().sum()), 1))
-        return cls(batch=batch, old_values_BT=old_values_BT, returns_BT=returns_BT, normalizer=normalizer)
-
-    def select(self, rows: Sequence[int]) -> ValueUpdate:
-        """The update of a subset of rows as its own mini-batch."""
+    def select(self, rows: Sequence[int], normalizer_of: Callable[[torch.Tensor], float]) -> ValueUpdate:
+        """The update of a subset of rows as its own mini-batch; `normalizer_of(mask_BT)` gives the
+        mini-batch's loss normaliser from its response mask."""
         idx = torch.as_tensor(list(rows), dtype=torch.int64)
-        return ValueUpdate.of(self.batch.select(list(rows)), self.old_values_BT[idx], self.returns_BT[idx])
+        sub = self.batch.select(list(rows))
+        return ValueUpdate(
+            batch=sub,
+            old_values_BT=self.old_values_BT[idx],
+            returns_BT=self.returns_BT[idx],
+            normalizer=normalizer_of(sub.response_mask()),
+        )
 
 
 def _positions(sample: Sample, start: int, end: int) -> torch.Tensor:

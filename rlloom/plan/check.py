@@ -50,7 +50,7 @@ def fit_warning(cfg: RunConfig, gpu_memory_gb: float, cpu_memory_gb: float = 0.0
     """A one-line warning when the memory model says `cfg` will not fit GPUs of `gpu_memory_gb`."""
     costs = _costs(cfg.model.path)
     critic = 0.0
-    if cfg.algorithm.estimator == "gae":
+    if cfg.algorithm.uses_critic:
         critic = value_model_params(_costs(cfg.critic.model_path or cfg.model.path))
     layout, work = run_layout(cfg, critic)
     hw = Hardware(

@@ -48,15 +48,17 @@ def token_rewards(
     batch: RolloutBatch,
     old_logp_BT: torch.Tensor | None = None,
     ref_logp_BT: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """[B, T] rewards of a token-level estimator: the outcome on the last token, plus
-    `kl_penalty` on every token with algorithm.kl_in_reward."""
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """[B, T] rewards of a token-level estimator (gae, reinforce_pp): the outcome on the last token,
+    plus `kl_penalty` on every token with algorithm.kl_in_reward; and its metric,
+    `reward/kl_penalty`, what a sample's return loses to the penalty on average."""
     rewards_BT = outcome_token_rewards(batch)
-    if algo.kl_in_reward:
-        if old_logp_BT is None or ref_logp_BT is None:
-            raise ValueError("algorithm.kl_in_reward needs the old and the reference logprobs")
-        rewards_BT = rewards_BT + kl_penalty(algo, batch, old_logp_BT, ref_logp_BT)
-    return rewards_BT
+    if not algo.kl_in_reward:
+        return rewards_BT, {}
+    if old_logp_BT is None or ref_logp_BT is None:
+        raise ValueError("algorithm.kl_in_reward needs the old and the reference logprobs")
+    penalty_BT = kl_penalty(algo, batch, old_logp_BT, ref_logp_BT)
+    return rewards_BT + penalty_BT, {"reward/kl_penalty": float(-penalty_BT.sum(1).mean())}
 
 
 def gae_targets(
@@ -94,7 +96,7 @@ def compute_advantages(
     """adv_BT for the batch (0 at masked positions) from the configured critic-free estimator
     (`rewards_BT`: reinforce_pp's token rewards, `token_rewards`; default the outcome alone)."""
     rewards_B, groups_B, mask_BT = batch.rewards(), batch.group_ids(), batch.response_mask()
-    if algo.estimator == "gae":
+    if algo.uses_critic:
         raise ValueError("estimator gae needs the critic's values: use gae_targets")
     if algo.estimator in ("grpo", "dr_grpo"):
         adv_B = grpo_advantages(rewards_B, groups_B, scale_by_std=algo.estimator == "grpo")
@@ -118,20 +120,10 @@ def build_update(
     ref_logp_BT: torch.Tensor | None,
     advantages_BT: torch.Tensor | None = None,
 ) -> tuple[PolicyUpdate, dict[str, float]]:
-    """Advantages (`advantages_BT` when given: GAE's, from the critic), IS weights and the normaliser
-    of the whole step's batch, with their metrics. With algorithm.kl_in_reward the KL is in the
-    rewards (`token_rewards`), not in the update."""
+    """Advantages (`advantages_BT` when given: those of token rewards, `token_rewards`, e.g. GAE's
+    from the critic), IS weights and the normaliser of the whole step's batch, with their metrics."""
     mask_BT = batch.response_mask()
     metrics: dict[str, float] = {}
-    if algo.kl_in_reward:
-        assert old_logp_BT is not None and ref_logp_BT is not None, "kl_in_reward needs old and ref logprobs"
-        penalty_B = -kl_penalty(algo, batch, old_logp_BT, ref_logp_BT).sum(1)
-        metrics["reward/kl_penalty"] = float(penalty_B.mean())  # what a sample's return loses to it
-        if advantages_BT is None:
-            advantages_BT = compute_advantages(
-                algo, batch, token_rewards(algo, batch, old_logp_BT, ref_logp_BT)
-            )
-        ref_logp_BT = None  # no KL loss term
     weights_BT = None
     correction = is_correction(algo)
     if correction is not None and old_logp_BT is not None:

@@ -141,7 +141,7 @@ def model_hf_config(path: str, key: str = "model.path") -> dict[str, Any]:
 def check_critic(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
     """A critic from another checkpoint (critic.model_path) reads the policy's token ids, so its
     vocabulary must hold them."""
-    if cfg.algorithm.estimator != "gae" or not cfg.critic.model_path:
+    if not cfg.algorithm.uses_critic or not cfg.critic.model_path:
         return
     critic = model_hf_config(cfg.critic.model_path, "critic.model_path")
     policy_vocab, critic_vocab = hf_config.get("vocab_size"), critic.get("vocab_size")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from rlloom.algorithms import loss_normalizer
+from rlloom.algorithms.objective import value_normalizer
 from rlloom.cluster.base import CriticGroup, RolloutGroup, TrainGroup, WeightSync
 from rlloom.config.components import RunConfig
 from rlloom.data.source import PromptSource
@@ -29,7 +30,13 @@ from rlloom.faults import maybe_fail
 from rlloom.observability.metrics import MetricsAccumulator
 from rlloom.observability.timers import StageTimer
 from rlloom.rewards.runner import RewardRunner
-from rlloom.trainer.policy import build_update, gae_targets, token_rewards, value_metrics
+from rlloom.trainer.policy import (
+    build_update,
+    compute_advantages,
+    gae_targets,
+    token_rewards,
+    value_metrics,
+)
 from rlloom.trainer.rollout import RolloutResult, collect_rollouts
 
 log = logging.getLogger(__name__)
@@ -116,11 +123,18 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
             values_BT = critic.values(batch).result()
     with timer("advantages"):
         norm_constant = cfg.algorithm.norm_constant or cfg.rollout.max_new_tokens
-        if values_BT is not None:  # PPO with a critic: GAE, and the critic's targets
-            rewards_BT = token_rewards(cfg.algorithm, batch, old_logp_BT, ref_logp_BT)
-            adv_BT, returns_BT = gae_targets(cfg.algorithm, batch, values_BT, rewards_BT)
-            metrics.update(value_metrics(values_BT, returns_BT, batch.response_mask()))
-            value_update = ValueUpdate.of(batch, values_BT, returns_BT)
+        if values_BT is not None or cfg.algorithm.kl_in_reward:  # rewards on every token
+            rewards_BT, reward_metrics = token_rewards(cfg.algorithm, batch, old_logp_BT, ref_logp_BT)
+            metrics.update(reward_metrics)
+            if values_BT is None:  # reinforce_pp
+                adv_BT = compute_advantages(cfg.algorithm, batch, rewards_BT)
+            else:  # PPO with a critic: GAE, and the critic's targets
+                adv_BT, returns_BT = gae_targets(cfg.algorithm, batch, values_BT, rewards_BT)
+                metrics.update(value_metrics(values_BT, returns_BT, batch.response_mask()))
+                normalizer = value_normalizer(batch.response_mask())
+                value_update = ValueUpdate(
+                    batch=batch, old_values_BT=values_BT, returns_BT=returns_BT, normalizer=normalizer
+                )
         update, adv_metrics = build_update(
             cfg.algorithm,
             batch,
@@ -195,7 +209,8 @@ def update_policy(
         for rows in mini_batch_rows(cfg, len(update.batch), epoch=epoch, seed=seed):
             if critic is not None:
                 group, value_update = critic
-                acc.add(group.update_critic(value_update if whole else value_update.select(rows)).result())
+                mini_value = value_update if whole else value_update.select(rows, value_normalizer)
+                acc.add(group.update_critic(mini_value).result())
             if train_group is None:
                 continue
             mini = (

@@ -51,8 +51,9 @@ class CriticWorker:
         self.device = resolve_device(cfg, local_rank)
         self.engine = build_critic(cfg, device=self.device, dtype=resolve_dtype(cfg, self.device))
 
-    # An MoE critic routes by itself: algorithm.routing_replay matches the policy's training to the
-    # rollout's routing, and the critic has no rollout to match.
+    # An MoE critic routes by itself (`forward_values`, `train_step` without routing replay):
+    # algorithm.routing_replay matches the policy's training to the rollout's routing, and the
+    # critic has no rollout to match.
 
     def values(self, batch: RolloutBatch) -> torch.Tensor:
         """[B, T] values before each response token under the current critic (CPU, fp32, 0 at masked)."""

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engines" / "train"
 from parallel_helpers import run_gloo, tiny_model  # noqa: E402
 from test_train_parallel_gloo import TOL, WEIGHT_TOL, batches, cfg, full_grads  # noqa: E402
 
-from rlloom.algorithms.objective import make_value_loss_fn  # noqa: E402
+from rlloom.algorithms.objective import make_value_loss_fn, value_normalizer  # noqa: E402
 from rlloom.data.types import RolloutBatch, ValueUpdate  # noqa: E402
 from rlloom.engines.train.native import NativeTrainEngine  # noqa: E402
 from rlloom.parallel import ParallelDims  # noqa: E402
@@ -32,7 +32,10 @@ def value_update(batch: RolloutBatch) -> ValueUpdate:
     mask = batch.response_mask()
     gen = torch.Generator().manual_seed(len(batch))
     returns = torch.randn(mask.shape, generator=gen) * mask
-    return ValueUpdate.of(batch, 0.1 * returns, returns)  # old values near the targets: both clip branches
+    # old values near the targets: both clip branches
+    return ValueUpdate(
+        batch=batch, old_values_BT=0.1 * returns, returns_BT=returns, normalizer=value_normalizer(mask)
+    )
 
 
 def module_weights(engine: NativeTrainEngine) -> dict[str, torch.Tensor]:

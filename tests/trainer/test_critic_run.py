@@ -160,7 +160,7 @@ def test_kl_in_reward_is_a_per_token_penalty_with_the_outcome_on_the_last_token(
     old_BT = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, 0.0, 0.0]])
     ref_BT = torch.tensor([[-1.5, -1.0, -9.0], [-0.25, 0.0, 0.0]])
     algo = AlgorithmConfig(estimator="gae", kl_in_reward=True, kl_coef=0.1, kl_kind="k1")
-    got = token_rewards(algo, batch, old_BT, ref_BT)
+    got, _ = token_rewards(algo, batch, old_BT, ref_BT)
     # k1 = old - ref; the third token of sample 0 is masked: its outcome sits on token 2
     expected = torch.tensor([[-0.1 * 0.5, 1.0 - 0.1 * -1.0, 0.0], [0.5 - 0.1 * -0.25, 0.0, 0.0]])
     torch.testing.assert_close(got, expected)

@@ -34,7 +34,7 @@ class TrainEngine(Protocol):
         """fp32 [B, T] logprobs (and entropies) of the response tokens, 0 where masked."""
         ...
 
-    def forward_values(self, batch: RolloutBatch, *, routing_replay: bool = False) -> torch.Tensor:
+    def forward_values(self, batch: RolloutBatch) -> torch.Tensor:
         """A critic's (a value-head engine's) fp32 [B, T] values before each response token, 0 where masked."""
         ...
 

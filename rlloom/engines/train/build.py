@@ -6,10 +6,11 @@ parallel layout (`ParallelDims`) comes from the `parallel` config section and th
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
-from rlloom.config.components import RunConfig
+from rlloom.config.components import RunConfig, TrainEngineConfig
 from rlloom.engines.train.base import TrainEngine
 from rlloom.parallel.dims import ParallelDims
 
@@ -27,53 +28,47 @@ def parallel_dims(cfg: RunConfig) -> ParallelDims | None:
     return ParallelDims(world_size=world, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep)
 
 
-def build_train_engine(cfg: RunConfig, *, device: torch.device, dtype: torch.dtype) -> TrainEngine:
-    """This rank's training engine: the policy with its optimizer, in the run's parallel layout."""
+def _native(
+    cfg: RunConfig,
+    engine_cfg: TrainEngineConfig,
+    model_path: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    **kind: Any,
+) -> TrainEngine:
+    """The native engine over `model_path` in the run's parallel layout and schedule length; `kind`:
+    `frozen` (the reference) or `head` (the critic)."""
     from rlloom.engines.train.native import NativeTrainEngine
 
     return NativeTrainEngine.build(
-        cfg.train,
-        cfg.model.path,
+        engine_cfg,
+        model_path,
         device=device,
         dtype=dtype,
         total_steps=_optimizer_steps(cfg),
         parallel_dims=parallel_dims(cfg),
         pipeline=cfg.parallel,
+        **kind,
     )
+
+
+def build_train_engine(cfg: RunConfig, *, device: torch.device, dtype: torch.dtype) -> TrainEngine:
+    """This rank's training engine: the policy with its optimizer, in the run's parallel layout."""
+    return _native(cfg, cfg.train, cfg.model.path, device=device, dtype=dtype)
 
 
 def build_reference(cfg: RunConfig, *, device: torch.device, dtype: torch.dtype) -> TrainEngine:
     """The frozen reference policy (the initial weights) for the KL loss: forward-only, in the
     compute dtype and the run's layout, with no fp32 master copy, no gradients and no optimizer
     (only `forward_logprobs` is ever called on it)."""
-    from rlloom.engines.train.native import NativeTrainEngine
-
-    return NativeTrainEngine.build(
-        cfg.train,
-        cfg.model.path,
-        device=device,
-        dtype=dtype,
-        total_steps=_optimizer_steps(cfg),
-        parallel_dims=parallel_dims(cfg),
-        pipeline=cfg.parallel,
-        frozen=True,
-    )
+    return _native(cfg, cfg.train, cfg.model.path, device=device, dtype=dtype, frozen=True)
 
 
 def build_critic(cfg: RunConfig, *, device: torch.device, dtype: torch.dtype) -> TrainEngine:
     """The critic of PPO (algorithm.estimator=gae): a value model (`ValueHead`) with its own optimizer,
     started from `critic.model_path` (or the policy's checkpoint) in the run's layout; the `train`
     section's settings with the critic's learning rate and clipping."""
-    from rlloom.engines.train.native import NativeTrainEngine
-
     engine_cfg = dataclasses.replace(cfg.train, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip)
-    return NativeTrainEngine.build(
-        engine_cfg,
-        cfg.critic.model_path or cfg.model.path,
-        device=device,
-        dtype=dtype,
-        total_steps=_optimizer_steps(cfg),
-        parallel_dims=parallel_dims(cfg),
-        pipeline=cfg.parallel,
-        head="value",
-    )
+    path = cfg.critic.model_path or cfg.model.path
+    return _native(cfg, engine_cfg, path, device=device, dtype=dtype, head="value")

@@ -11,7 +11,7 @@ import torch
 from train_engine_helpers import VOCAB, load_tiny, make_tiny_checkpoint
 
 from rlloom.algorithms.losses import value_loss
-from rlloom.algorithms.objective import make_value_loss_fn
+from rlloom.algorithms.objective import make_value_loss_fn, value_normalizer
 from rlloom.config.components import TrainEngineConfig
 from rlloom.data.types import RolloutBatch, Sample, ValueUpdate
 from rlloom.engines.train.native import NativeTrainEngine
@@ -95,7 +95,9 @@ def test_value_loss_gradients_equal_the_full_batch(ckpt, budget):
     gen = torch.Generator().manual_seed(1)
     old_BT = (values_BT.detach() + 0.4 * torch.randn(values_BT.shape, generator=gen)) * mask_BT
     returns_BT = (values_BT.detach() + torch.randn(values_BT.shape, generator=gen)) * mask_BT
-    update = ValueUpdate.of(batch, old_BT, returns_BT)
+    update = ValueUpdate(
+        batch=batch, old_values_BT=old_BT, returns_BT=returns_BT, normalizer=value_normalizer(mask_BT)
+    )
     clip = 0.3
     loss_BT = value_loss(values_BT, old_BT, returns_BT, mask_BT, clip=clip)
     loss = loss_BT[mask_BT].sum() / mask_BT.sum()

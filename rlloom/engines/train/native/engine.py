@@ -208,11 +208,11 @@ class NativeTrainEngine:
         )
 
     @torch.no_grad()
-    def forward_values(self, batch: RolloutBatch, *, routing_replay: bool = False) -> torch.Tensor:
+    def forward_values(self, batch: RolloutBatch) -> torch.Tensor:
         """A critic's (head `value`) values before each response token: fp32 [B, T] on CPU, 0 where
-        masked; every data-parallel rank gets the whole result."""
+        masked; every data-parallel rank gets the whole result. An MoE critic routes by itself."""
         self._expect_head("value", "forward_values")
-        return self._forward(batch, temperature=1.0, with_entropy=False, routing_replay=routing_replay)[0]
+        return self._forward(batch, temperature=1.0, with_entropy=False, routing_replay=False)[0]
 
     def _expect_head(self, head: str, method: str) -> None:
         if self.head != head:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from rlloom.engines.train.native.policy import stream_hidden_states
 from rlloom.models.attention_ops import TreePlan
@@ -48,7 +47,8 @@ class ValueHead(nn.Module):
         cp: CPShard | None = None,
     ) -> tuple[torch.Tensor, None]:
         """fp32 values [K] at `positions_K` and None (no entropy); arguments as `PolicyHead.forward`'s
-        (`targets_K`, `temperature` and `with_entropy` are not used)."""
+        (`targets_K`, `temperature` and `with_entropy` are not used). No tensor parallelism: the
+        engine refuses a value head under it."""
         hidden_ND = stream_hidden_states(
             self.model,
             input_ids_N,
@@ -60,11 +60,6 @@ class ValueHead(nn.Module):
             replay_routes,
             cp,
         )
-        if isinstance(hidden_ND, DTensor):
-            raise ValueError(
-                "the critic's value head has no tensor-parallel form. Fix: set parallel.tp=1 with "
-                "algorithm.estimator=gae."
-            )
         num_selected = positions_K.shape[0]
         if num_selected == 0:  # as PolicyHead: run on one position, keep none (gradients reach every weight)
             positions_K = positions_K.new_zeros(1)
