@@ -96,6 +96,12 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="safetensors dtype; auto keeps the starting model's own dtype (its config.json)",
     )
+    export.add_argument(
+        "--critic",
+        action="store_true",
+        help="export the critic of a PPO run (algorithm.estimator=gae) instead: a value model "
+        "(transformers' *ForTokenClassification, one label) that critic.model_path loads",
+    )
 
     plot = sub.add_parser(
         "plot", help="plot a run's curves", description="Write RUN_DIR/curves.png from metrics.jsonl."
@@ -191,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             from rlloom.trainer.export import export_checkpoint
 
-            print(export_checkpoint(args.source, args.out, dtype=args.dtype))
+            print(export_checkpoint(args.source, args.out, dtype=args.dtype, critic=args.critic))
             return 0
         from rlloom.config.loading import load_config
         from rlloom.trainer.run import TrainingStalled, run

@@ -602,8 +602,10 @@ class CriticConfig:
     activation checkpointing, AdamW betas, schedule, optimizer offload)."""
 
     model_path: str = ""
-    """Causal LM checkpoint the critic starts from ("" = model.path): its body, with the lm head
-    replaced by a linear value head that starts at zero (the first values are all 0)."""
+    """Checkpoint the critic starts from ("" = model.path): a causal LM's body, with the lm head
+    replaced by a linear value head that starts at zero (the first values are all 0), or a value or
+    reward model with its head (transformers' *ForTokenClassification, e.g. `rlloom export --critic`'s
+    folder, or *ForSequenceClassification, with one label)."""
     lr: float = 1e-5
     """Peak learning rate of the critic."""
     grad_clip: float = 1.0

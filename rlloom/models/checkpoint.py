@@ -6,9 +6,12 @@
   Qwen3-FP8's) are dequantized as they are read (`fp8_checkpoint.py`). Missing, unexpected or mis-shaped tensors
   raise ValueError naming the tensor and the shapes. `path_or_name` is a folder or the embedded
   model's name (`smollm2-135m-instruct`, built once by `embedded.py`).
+- `value_model_from_pretrained(path_or_name)`: the body of a causal LM, or of a value or reward
+  model (*ForTokenClassification / *ForSequenceClassification), and its `score` head: a critic's start.
 - `save_pretrained(model, path)`: writes the original config.json dict unchanged, the weights
   under Hugging Face names (sharded with an index above `max_shard_bytes`), and copies tokenizer
-  and generation files from the folder the model was loaded from.
+  and generation files from the folder the model was loaded from (`value_model_config` and
+  `extra` make it a value model's folder).
 - `load_tokenizer(path_or_name)`: transformers' AutoTokenizer for the folder.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -154,22 +158,92 @@ def from_pretrained(
     path = resolve_path(path_or_name)
     cfg, tensors = read_checkpoint(path)
     model = build_model(cfg, dtype=dtype, device=device, fused_projections=fused_projections)
-    filled = load_hf_tensors(model, tensors)
-    missing = missing_hf_names(model, filled)
-    if missing:
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise ValueError(
-            f"checkpoint {str(path)!r} is missing {len(missing)} tensor(s) the {cfg.get('model_type')} model "
-            f"needs: {shown} (expected shapes in brackets). Fix: check that config.json matches the weights."
-        )
+    _check_complete(model, load_hf_tensors(model, tensors), path)
     model.source_path = str(path)
     return model.eval()
 
 
-def _shards(model: CausalLM, max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+def value_model_from_pretrained(
+    path_or_name: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[CausalLM, dict[str, torch.Tensor]]:
+    """A checkpoint as a value model reads it: the native CausalLM's body without its vocabulary head
+    (`output` None), and the checkpoint's linear `score` head ({} when it has none).
+
+    The folder holds a causal LM (its `lm_head.weight` is skipped), or a value or reward model:
+    transformers' *ForTokenClassification (verl's critic; `rlloom export --critic` writes one) or
+    *ForSequenceClassification (a reward model: no bias) with one label, whose body sits under the
+    causal LM's `model.*` names beside `score.weight` [1, D] and maybe `score.bias` [1]."""
+    path = resolve_path(path_or_name)
+    cfg, tensors = read_checkpoint(path)
+    model = build_model(cfg, dtype=dtype, device=device)
+    model.output = None
+    score: dict[str, torch.Tensor] = {}
+
+    def body() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in tensors:
+            if name in SCORE_NAMES:
+                score[name] = tensor.to(torch.float32)
+            elif name != "lm_head.weight":
+                yield name, tensor
+
+    _check_complete(model, load_hf_tensors(model, body()), path)
+    expected = {"score.weight": [1, model.args.hidden_size], "score.bias": [1]}
+    for name, tensor in sorted(score.items(), key=lambda item: SCORE_NAMES.index(item[0])):
+        if list(tensor.shape) != expected[name]:
+            raise ValueError(
+                f"checkpoint {str(path)!r} has {name} of shape {list(tensor.shape)}, but a value model has one "
+                f"output: {expected[name]}. Fix: pass a critic or reward model with one label (num_labels=1), "
+                "or a causal LM (its value head then starts at zero)."
+            )
+    if score and "score.weight" not in score:
+        raise ValueError(
+            f"checkpoint {str(path)!r} has score.bias but no score.weight. Fix: check its weights."
+        )
+    model.source_path = str(path)
+    return model.eval(), score
+
+
+SCORE_NAMES = ("score.weight", "score.bias")
+"""The linear value (or reward) head of transformers' *ForTokenClassification and
+*ForSequenceClassification checkpoints, by Hugging Face name."""
+
+
+def value_model_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """config.json of a value model (transformers' *ForTokenClassification with one label, no
+    dropout before the head) with the body of the model `hf_config` describes."""
+    arch = (hf_config.get("architectures") or [""])[0]
+    for suffix in ("ForCausalLM", "ForTokenClassification", "ForSequenceClassification"):
+        if arch.endswith(suffix):
+            arch = arch.removesuffix(suffix)
+            break
+    arch = arch or hf_config.get("model_type", "").title().replace("_", "")
+    out = dict(hf_config)
+    out |= {
+        "architectures": [f"{arch}ForTokenClassification"],
+        "id2label": {"0": "LABEL_0"},
+        "label2id": {"LABEL_0": 0},
+        "classifier_dropout": 0.0,
+    }
+    out.pop("num_labels", None)
+    return out
+
+
+def _check_complete(model: CausalLM, filled: set, path: Path) -> None:
+    missing = missing_hf_names(model, filled)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ValueError(
+            f"checkpoint {str(path)!r} is missing {len(missing)} tensor(s) the {model.args.model_type} model "
+            f"needs: {shown} (expected shapes in brackets). Fix: check that config.json matches the weights."
+        )
+
+
+def _shards(
+    model: CausalLM, max_shard_bytes: int, extra: dict[str, torch.Tensor]
+) -> list[dict[str, torch.Tensor]]:
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, tensor in hf_named_tensors(model):
+    for name, tensor in itertools.chain(hf_named_tensors(model), extra.items()):
         nbytes = tensor.numel() * tensor.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append({})
@@ -180,12 +254,19 @@ def _shards(model: CausalLM, max_shard_bytes: int) -> list[dict[str, torch.Tenso
     return shards
 
 
-def save_pretrained(model: CausalLM, path: str | os.PathLike, *, max_shard_bytes: int = 5 * 1024**3) -> None:
-    """Write config.json, safetensors (sharded above max_shard_bytes) and the source's tokenizer files."""
+def save_pretrained(
+    model: CausalLM,
+    path: str | os.PathLike,
+    *,
+    max_shard_bytes: int = 5 * 1024**3,
+    extra: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Write config.json, safetensors (sharded above max_shard_bytes) and the source's tokenizer files;
+    `extra`: more tensors under their Hugging Face names (a value model's `score` head)."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(model.hf_config, indent=2, sort_keys=True) + "\n")
-    shards = _shards(model, max_shard_bytes)
+    shards = _shards(model, max_shard_bytes, extra or {})
     if len(shards) == 1:
         save_file(shards[0], str(out / SINGLE_FILE), metadata={"format": "pt"})
     else:

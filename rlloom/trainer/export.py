@@ -6,7 +6,8 @@
 - Afterwards, `rlloom export RUN_DIR_OR_CHECKPOINT OUT` (`export_checkpoint`): the training engine
   is built on CPU from the checkpoint's own config.yaml, restored with its public `load` (so this
   code never reads checkpoint files itself and any checkpoint format or training layout works),
-  and written by `rlloom.engines.train.hf_folder.save_hf_folder`.
+  and written by `rlloom.engines.train.hf_folder.save_hf_folder`. `--critic` writes the critic of
+  a PPO run instead, as a value model (transformers' *ForTokenClassification with one label).
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import torch
 from rlloom.cluster.base import TrainGroup
 from rlloom.config.components import ConfigError, RunConfig
 from rlloom.config.loading import load_config
+from rlloom.engines.train.build import critic_engine_config, critic_model_path
 from rlloom.engines.train.hf_folder import ExportDType, save_hf_folder
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.engines.train.sealed import verify_folder
-from rlloom.trainer.checkpoint import ENGINE_DIR, WEIGHTS_DIR, is_weights_only, latest_checkpoint
+from rlloom.trainer.checkpoint import CRITIC_DIR, ENGINE_DIR, WEIGHTS_DIR, is_weights_only, latest_checkpoint
 
 logger = logging.getLogger(__name__)
 _WHERE = "a run folder (RUN_DIR) or one of its checkpoints (RUN_DIR/checkpoints/step_N)"
@@ -95,12 +97,34 @@ def create_output(path: Path) -> None:
         ) from e
 
 
-def build_engine_from_checkpoint(ckpt: Path) -> tuple[RunConfig, NativeTrainEngine]:
-    """The training engine of a checkpoint, on CPU in fp32, restored with its public `load` (a
-    weights-only checkpoint's engine is built from its Hugging Face folder instead)."""
+def build_engine_from_checkpoint(ckpt: Path, *, critic: bool = False) -> tuple[RunConfig, NativeTrainEngine]:
+    """The training engine of a checkpoint (with `critic`, its critic's), on CPU in fp32, restored with
+    its public `load` (a weights-only checkpoint's engine is built from its Hugging Face folder instead)."""
     cfg = load_config(ckpt / "config.yaml")
     t = cfg.trainer
+    total_steps = t.total_steps * t.ppo_epochs * t.num_mini_batches
     weights_only = is_weights_only(ckpt)
+    if critic:
+        if weights_only or not (ckpt / CRITIC_DIR).is_dir():
+            what = (
+                "is weights-only"
+                if weights_only
+                else "has no critic/ (its run had no algorithm.estimator=gae)"
+            )
+            raise ConfigError(
+                f"export --critic: checkpoint {str(ckpt)!r} {what}, so it holds no critic. Fix: pass a full "
+                "checkpoint of a run with a critic, or drop --critic to export the policy."
+            )
+        engine = NativeTrainEngine.build(
+            critic_engine_config(cfg),
+            critic_model_path(cfg),
+            device="cpu",
+            dtype=torch.float32,
+            total_steps=total_steps,
+            head="value",
+        )
+        engine.load(str(ckpt / CRITIC_DIR))
+        return cfg, engine
     if weights_only:
         verify_folder(ckpt)  # a full checkpoint's engine verifies its own files in `load`
     engine = NativeTrainEngine.build(
@@ -108,7 +132,7 @@ def build_engine_from_checkpoint(ckpt: Path) -> tuple[RunConfig, NativeTrainEngi
         str(ckpt / WEIGHTS_DIR) if weights_only else cfg.model.path,
         device="cpu",
         dtype=torch.float32,
-        total_steps=t.total_steps * t.ppo_epochs * t.num_mini_batches,
+        total_steps=total_steps,
     )
     if not weights_only:
         engine.load(str(ckpt / ENGINE_DIR))
@@ -116,11 +140,13 @@ def build_engine_from_checkpoint(ckpt: Path) -> tuple[RunConfig, NativeTrainEngi
 
 
 def export_checkpoint(
-    source: str | os.PathLike, out: str | os.PathLike, *, dtype: ExportDType = "auto"
+    source: str | os.PathLike, out: str | os.PathLike, *, dtype: ExportDType = "auto", critic: bool = False
 ) -> Path:
-    """`rlloom export`: write the policy of a checkpoint (or a run's newest) as a Hugging Face folder."""
+    """`rlloom export`: write the policy of a checkpoint (or a run's newest) as a Hugging Face folder;
+    with `critic`, its critic as a value model (transformers' *ForTokenClassification)."""
     out_path = check_output(out)
     ckpt = resolve_checkpoint(source)
     create_output(out_path)
-    cfg, engine = build_engine_from_checkpoint(ckpt)
-    return save_hf_folder(engine, cfg.model.path, out_path, dtype=dtype)
+    cfg, engine = build_engine_from_checkpoint(ckpt, critic=critic)
+    model_path = critic_model_path(cfg) if critic else cfg.model.path
+    return save_hf_folder(engine, model_path, out_path, dtype=dtype, critic=critic)

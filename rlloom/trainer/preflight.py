@@ -140,10 +140,18 @@ def model_hf_config(path: str, key: str = "model.path") -> dict[str, Any]:
 
 def check_critic(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
     """A critic from another checkpoint (critic.model_path) reads the policy's token ids, so its
-    vocabulary must hold them."""
+    vocabulary must hold them; a value or reward model there must have one output."""
     if not cfg.algorithm.uses_critic or not cfg.critic.model_path:
         return
     critic = model_hf_config(cfg.critic.model_path, "critic.model_path")
+    arch = (critic.get("architectures") or [""])[0]
+    labels = len(critic.get("id2label") or {}) or critic.get("num_labels", 1)
+    if arch.endswith(("ForTokenClassification", "ForSequenceClassification")) and labels != 1:
+        raise ConfigError(
+            f"critic.model_path={cfg.critic.model_path!r} is invalid: it is a {arch} with {labels} labels, and a "
+            "value model has one output. Fix: pass a critic or reward model with num_labels=1, or a causal LM "
+            "(its value head then starts at zero)."
+        )
     policy_vocab, critic_vocab = hf_config.get("vocab_size"), critic.get("vocab_size")
     if isinstance(policy_vocab, int) and isinstance(critic_vocab, int) and critic_vocab < policy_vocab:
         raise ConfigError(

@@ -2,7 +2,8 @@
 critic in fp32, on 2 gloo processes: FSDP (dp=2; the value head's one-element bias leaves a rank an
 empty shard), context parallelism (cp=2, documents cut over the ranks) and expert parallelism (ep=2
 on an MoE model). Two value-loss steps from the zero head (the first moves only the head, the
-second the whole model), then the values and every gradient of a third batch, and the weights."""
+second the whole model), then the values and every gradient of a third batch, the weights, and the
+weights as `rlloom export --critic` takes them (`named_weights`, the value head gathered)."""
 
 from __future__ import annotations
 
@@ -69,6 +70,8 @@ def run(family: str, dims: ParallelDims | None) -> dict:
         "values": values,
         "grads": full_grads(engine),
         "weights": module_weights(engine),
+        # what `rlloom export --critic` writes: transformers' names, the value head's last
+        "exported": {n: t.clone() for bucket in engine.named_weights() for n, t in bucket},
     }
 
 
@@ -83,6 +86,12 @@ def compare(got: dict, expected: dict, what: str) -> None:
         torch.testing.assert_close(got["grads"][name], grad, **TOL, msg=f"{what} grad {name}")
     for name, weight in expected["weights"].items():
         torch.testing.assert_close(got["weights"][name], weight, **WEIGHT_TOL, msg=f"{what} weight {name}")
+    assert list(got["exported"]) == list(expected["exported"]) and list(got["exported"])[-2:] == [
+        "score.weight",
+        "score.bias",
+    ]
+    for name, weight in expected["exported"].items():
+        torch.testing.assert_close(got["exported"][name], weight, **WEIGHT_TOL, msg=f"{what} exported {name}")
 
 
 def worker(rank: int, expected: dict) -> None:

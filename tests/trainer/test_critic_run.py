@@ -20,6 +20,7 @@ from rlloom.cli import main
 from rlloom.config.components import AlgorithmConfig
 from rlloom.data.types import RolloutBatch, Sample
 from rlloom.engines.train.native.checkpoint import read_model_tensors
+from rlloom.models.checkpoint import value_model_from_pretrained
 from rlloom.trainer.checkpoint import CRITIC_DIR, checkpoint_dir, checkpoint_model_tensors
 from rlloom.trainer.policy import gae_targets, outcome_token_rewards, token_rewards
 from rlloom.trainer.run import run
@@ -176,3 +177,46 @@ def test_kl_in_reward_runs_instead_of_a_kl_loss(tiny_checkpoint, tmp_path, estim
     assert step2["reward/kl_penalty"] > 1e-4  # k3 >= 0: the trained policy pays for moving away
     assert "loss/kl" not in step2  # not a loss term as well
     assert step1["time/old_logprobs_s"] > 0  # computed before the update even in a single pass
+
+
+def test_export_the_critic_and_start_a_new_critic_from_it(tiny_checkpoint, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert (
+        main(
+            ["train", "arithmetic_smoke", *tiny_args(tiny_checkpoint, run_dir, *PPO, "trainer.total_steps=1")]
+        )
+        == 0
+    )
+    out = tmp_path / "critic"
+    assert main(["export", str(run_dir), str(out), "--critic", "--dtype", "float32"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForTokenClassification"] and config["id2label"] == {
+        "0": "LABEL_0"
+    }
+    assert (out / "tokenizer.json").is_file()
+    # the folder holds the checkpoint's critic: its body under transformers' names and its head
+    exported = value_model_from_pretrained(out)
+    saved = critic_tensors(run_dir, 1)
+    assert torch.equal(exported[1]["score.weight"], saved["score.weight"])
+    assert torch.equal(exported[1]["score.bias"], saved["score.bias"])
+    assert torch.equal(exported[0].tok_embeddings.weight, saved["model.tok_embeddings.weight"])
+    # a new run's critic starts from it: its first values are the trained critic's, not zero
+    new_dir = tmp_path / "new"
+    args = tiny_args(tiny_checkpoint, new_dir, *PPO, "trainer.total_steps=1", f"critic.model_path={out}")
+    assert main(["train", "arithmetic_smoke", *args]) == 0
+    assert read_metrics(new_dir)[0]["critic/values_mean"] != 0.0
+    # refused in one line: a run without a critic, a value model with two outputs
+    grpo_dir = tmp_path / "grpo"
+    run(tiny_cfg(tiny_checkpoint, grpo_dir, "trainer.total_steps=1", "data.num_eval=0"))
+    capsys.readouterr()
+    assert main(["export", str(grpo_dir), str(tmp_path / "none"), "--critic"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlloom: error: export --critic: checkpoint ") and "holds no critic" in err
+    assert err.count("\n") == 1
+    two = tmp_path / "two"
+    shutil.copytree(out, two)
+    (two / "config.json").write_text(json.dumps(config | {"id2label": {"0": "a", "1": "b"}}))
+    args = tiny_args(tiny_checkpoint, tmp_path / "refused", *PPO, f"critic.model_path={two}")
+    assert main(["train", "arithmetic_smoke", *args]) == 2
+    err = capsys.readouterr().err
+    assert "is a Qwen3ForTokenClassification with 2 labels" in err and err.count("\n") == 1

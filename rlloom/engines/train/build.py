@@ -69,6 +69,16 @@ def build_critic(cfg: RunConfig, *, device: torch.device, dtype: torch.dtype) ->
     """The critic of PPO (algorithm.estimator=gae): a value model (`ValueHead`) with its own optimizer,
     started from `critic.model_path` (or the policy's checkpoint) in the run's layout; the `train`
     section's settings with the critic's learning rate and clipping."""
-    engine_cfg = dataclasses.replace(cfg.train, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip)
-    path = cfg.critic.model_path or cfg.model.path
-    return _native(cfg, engine_cfg, path, device=device, dtype=dtype, head="value")
+    return _native(
+        cfg, critic_engine_config(cfg), critic_model_path(cfg), device=device, dtype=dtype, head="value"
+    )
+
+
+def critic_engine_config(cfg: RunConfig) -> TrainEngineConfig:
+    """The critic's engine settings: the `train` section's with the critic's learning rate and clipping."""
+    return dataclasses.replace(cfg.train, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip)
+
+
+def critic_model_path(cfg: RunConfig) -> str:
+    """The checkpoint the critic starts from: critic.model_path, or the policy's."""
+    return cfg.critic.model_path or cfg.model.path

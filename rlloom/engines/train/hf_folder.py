@@ -9,7 +9,8 @@ training layout was.
 
 `named_weights` gathers shards with collectives: on several ranks every rank calls this function,
 and only the one with `write=True` builds the model and writes. The folder appears atomically
-(written to a temporary sibling, then renamed).
+(written to a temporary sibling, then renamed). A critic's folder is a value model (transformers'
+*ForTokenClassification with one label: the body's tensors and the `score` head).
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ import torch
 from rlloom.engines.train.base import TrainEngine
 from rlloom.models import load_hf_tensors, save_pretrained
 from rlloom.models.adapter import missing_hf_names
-from rlloom.models.checkpoint import build_model, checkpoint_config, resolve_path
+from rlloom.models.checkpoint import (
+    SCORE_NAMES,
+    build_model,
+    checkpoint_config,
+    resolve_path,
+    value_model_config,
+)
 
 ExportDType = Literal["auto", "float32", "bfloat16", "float16"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,24 +50,35 @@ def save_hf_folder(
     *,
     dtype: ExportDType = "auto",
     write: bool = True,
+    critic: bool = False,
 ) -> Path:
     """Write `engine`'s weights as a Hugging Face folder at `out` (replacing it) and return the path.
 
-    `model_path`: the folder (or embedded model name) the run started from, for config.json and the
-    tokenizer. `dtype`: the safetensors dtype; `auto` keeps the starting model's own dtype.
+    `model_path`: the folder (or embedded model name) the engine's model started from, for config.json
+    and the tokenizer. `dtype`: the safetensors dtype; `auto` keeps the starting model's own dtype.
+    `critic`: `engine` is a critic (head `value`): the folder is a value model, transformers'
+    *ForTokenClassification with one label (loadable as `critic.model_path` again).
     """
     source = resolve_path(model_path)
     hf_config = checkpoint_config(source)  # the weights written are never quantized
+    if critic:
+        hf_config = value_model_config(hf_config)
     name = model_dtype_name(hf_config) if dtype == "auto" else dtype
     torch_dtype = _DTYPES[name]
     model = build_model(hf_config, dtype=torch_dtype, device="cpu") if write else None
-    filled = set()
+    if model is not None and critic:
+        model.output = None  # a value model has no vocabulary head
+    filled, score = set(), {}
     for bucket in engine.named_weights(dtype=torch_dtype):
         if model is not None:
-            filled |= load_hf_tensors(model, ((n, t.cpu()) for n, t in bucket))
+            body = [(n, t.cpu()) for n, t in bucket if n not in SCORE_NAMES]
+            score |= {n: t.cpu() for n, t in bucket if n in SCORE_NAMES}
+            filled |= load_hf_tensors(model, body)
     out = Path(out)
     if model is None:
         return out
+    if critic and set(score) != set(SCORE_NAMES):
+        raise RuntimeError(f"the critic's named_weights gave {sorted(score)}, not {list(SCORE_NAMES)}")
     missing = missing_hf_names(model, filled)
     if missing:
         raise RuntimeError(
@@ -73,7 +91,7 @@ def save_hf_folder(
     model.source_path = str(source)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_pretrained(model, tmp)
+    save_pretrained(model, tmp, extra=score)
     if out.exists():
         shutil.rmtree(out) if any(out.iterdir()) else out.rmdir()
     os.replace(tmp, out)

@@ -116,3 +116,79 @@ def test_value_loss_gradients_equal_the_full_batch(ckpt, budget):
     for name, g in grads.items():
         err = (g - ref_grads[name]).abs().max().item()
         assert err <= 1e-6 * max(1.0, ref_grads[name].abs().max().item()), f"budget {budget} {name}: {err}"
+
+
+def hf_value_model(path, kind: str, *, labels: int = 1):
+    """A tiny transformers value (token classification) or reward (sequence classification) model,
+    saved at `path`, with a head that is not zero."""
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification, Qwen3ForTokenClassification
+
+    torch.manual_seed(5)
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        num_labels=labels,
+    )
+    cls = Qwen3ForTokenClassification if kind == "token" else Qwen3ForSequenceClassification
+    model = cls(config).eval()
+    with torch.no_grad():
+        model.score.weight.normal_(0, 32**-0.5)
+        if model.score.bias is not None:
+            model.score.bias.fill_(-0.5)
+    model.save_pretrained(path)
+    return model
+
+
+def hf_token_values(hf_model, batch: RolloutBatch) -> torch.Tensor:
+    """The score head of a transformers value or reward model at every position that predicts a
+    response token (a reward model pools these; a value model reads them all)."""
+    padded = batch.padded()
+    with torch.no_grad():
+        hidden_BLD = hf_model.model(input_ids=padded.input_ids_BL, attention_mask=padded.attention_mask_BL)[0]
+        values_BT = hf_model.score(hidden_BLD).squeeze(-1).reshape(-1)[padded.gather_index_BT]
+    return torch.where(padded.response_mask_BT, values_BT, torch.zeros_like(values_BT))
+
+
+@pytest.mark.parametrize("kind", ["token", "sequence"])
+def test_a_critic_starts_from_a_value_or_reward_model(tmp_path, kind):
+    hf_model = hf_value_model(tmp_path / kind, kind)
+    engine = NativeTrainEngine.build(
+        TrainEngineConfig(max_tokens_per_micro_batch=40), str(tmp_path / kind), head="value"
+    )
+    assert torch.equal(engine.module.score.weight, hf_model.score.weight)
+    bias = hf_model.score.bias if kind == "token" else torch.zeros(1)  # a reward model's head has no bias
+    assert torch.equal(engine.module.score.bias, bias)
+    batch = grouped_batch(3, 2, seed=4)
+    torch.testing.assert_close(
+        engine.forward_values(batch), hf_token_values(hf_model, batch), atol=1e-5, rtol=0
+    )
+
+
+def test_a_value_model_with_two_labels_is_refused(tmp_path):
+    hf_value_model(tmp_path / "two", "token", labels=2)
+    with pytest.raises(
+        ValueError, match=r"score.weight of shape \[2, 32\], but a value model has one output"
+    ):
+        NativeTrainEngine.build(TrainEngineConfig(), str(tmp_path / "two"), head="value")
+
+
+def test_the_exported_critic_loads_in_transformers_and_as_a_critic_again(ckpt, tmp_path):
+    from transformers import AutoModelForTokenClassification
+
+    from rlloom.engines.train.hf_folder import save_hf_folder
+
+    engine = value_engine(ckpt, 10_000)  # a head that is not zero
+    batch = grouped_batch(3, 2, seed=2)
+    values = engine.forward_values(batch)
+    out = save_hf_folder(engine, ckpt, tmp_path / "critic", critic=True)
+    hf_model = AutoModelForTokenClassification.from_pretrained(out).eval()
+    assert type(hf_model).__name__ == "Qwen3ForTokenClassification" and hf_model.config.num_labels == 1
+    torch.testing.assert_close(hf_token_values(hf_model, batch), values, atol=1e-5, rtol=0)
+    again = NativeTrainEngine.build(TrainEngineConfig(max_tokens_per_micro_batch=24), str(out), head="value")
+    torch.testing.assert_close(again.forward_values(batch), values, atol=1e-6, rtol=0)

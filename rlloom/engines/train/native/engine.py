@@ -30,15 +30,17 @@ Shape legend: B samples of the global batch, b of a micro-batch, T response toke
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from rlloom.config.components import ParallelConfig, TrainEngineConfig
 from rlloom.data.types import RolloutBatch
@@ -58,6 +60,7 @@ from rlloom.engines.train.native.step import clip_grads, grad_max_after_clip, pe
 from rlloom.engines.train.native.value import ValueHead
 from rlloom.engines.train.native.weights import WeightLayout, named_weight_buckets, weight_layouts
 from rlloom.models import from_pretrained
+from rlloom.models.checkpoint import value_model_from_pretrained
 from rlloom.observability.memory import reset_peak_memory
 from rlloom.parallel import ParallelDims, init_distributed
 from rlloom.parallel.cp import check_cp_layout
@@ -78,7 +81,7 @@ class NativeTrainEngine:
     needed by the linear and cosine LR schedules. `frozen`: a forward-only reference (`build_reference`).
     `head`: `policy` (logprobs of the response tokens) or `value` (the critic of PPO: `ValueHead`'s
     values at the same positions, through `forward_values`; the loss function gets them in place of
-    logprobs).
+    logprobs); `value_score`: the value head's starting tensors (`value_model_from_pretrained`).
     """
 
     def __init__(
@@ -94,6 +97,7 @@ class NativeTrainEngine:
         reshard_after_forward: bool = True,
         frozen: bool = False,
         head: Literal["policy", "value"] = "policy",
+        value_score: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.cfg = cfg
         self.head = head
@@ -124,7 +128,7 @@ class NativeTrainEngine:
                 f"tp={parallel_dims.tp}). Fix: set parallel.pp=1 and parallel.tp=1 for a critic."
             )
         self.module = (
-            ValueHead(self.model)
+            ValueHead(self.model, value_score)
             if head == "value"
             else PolicyHead(
                 self.model, chunk_tokens=cfg.logprob_chunk_tokens, fused_head=self.device.type == "cuda"
@@ -183,7 +187,11 @@ class NativeTrainEngine:
 
     @classmethod
     def build(cls, cfg: TrainEngineConfig, model_path: str, **kwargs: Any) -> NativeTrainEngine:
-        """Load a Hugging Face checkpoint folder (or the embedded model name) in fp32 on CPU and build."""
+        """Load a Hugging Face checkpoint folder (or the embedded model name) in fp32 on CPU and build;
+        a critic (head `value`) from a causal LM or from a value or reward model with its head."""
+        if kwargs.get("head") == "value":
+            model, score = value_model_from_pretrained(model_path, dtype=torch.float32, device="cpu")
+            return cls(cfg, model, value_score=score, **kwargs)
         return cls(cfg, from_pretrained(model_path, dtype=torch.float32, device="cpu"), **kwargs)
 
     # ---- the engine interface ---------------------------------------------------------------
@@ -342,9 +350,10 @@ class NativeTrainEngine:
         tensor-parallel tensor (`weights.named_weight_buckets`).
         `lazy_cast`: a tensor that no gather moves (one rank's, or one process's) comes in its own
         dtype, for a caller whose copy casts it (the weight syncs): one pass instead of a cast and a copy.
-        See `weights.tensor_checksum`.
+        See `weights.tensor_checksum`. A critic (head `value`) ends with a bucket of its value head
+        under the names of transformers' *ForTokenClassification (`score.weight`, `score.bias`).
         """
-        return named_weight_buckets(
+        buckets = named_weight_buckets(
             self.model,
             bucket_bytes=bucket_bytes,
             dtype=dtype,
@@ -353,6 +362,14 @@ class NativeTrainEngine:
             tensors=self.pipe.full_weights(tp_local_shards=owned_only) if self.pipe is not None else None,
             owned_only=owned_only,
         )
+        return itertools.chain(buckets, self._value_head_bucket(dtype)) if self.head == "value" else buckets
+
+    def _value_head_bucket(self, dtype: torch.dtype | None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        bucket = []
+        for name, param in self.module.score.named_parameters():
+            full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+            bucket.append((f"score.{name}", full.to(dtype or param.dtype)))
+        yield bucket
 
     def weight_layouts(self) -> dict[str, WeightLayout]:
         """For each Hugging Face name `named_weights` yields, where it lives on this rank (native

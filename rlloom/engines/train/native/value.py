@@ -4,13 +4,15 @@ engine runs it unchanged (packing, shared prompts, micro-batches, FSDP, CP, chec
 The value model is the causal LM's body with its vocabulary head replaced by a linear `score` head
 [D] -> 1, as transformers' *ForTokenClassification with one label (verl's critic). It is read at the
 positions where the policy reads a response token's logprob: the value of the state before each
-response token, V(prompt, response[:t]). The new head starts at zero, so the first values are 0 and
-the first update moves only the head.
+response token, V(prompt, response[:t]). A new head starts at zero, so the first values are 0 and
+the first update moves only the head; a value or reward model's checkpoint brings its own head.
 
 Shape legend: N tokens in the packed stream, K selected positions, D hidden size.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -21,15 +23,20 @@ from rlloom.parallel.cp import CPShard
 
 
 class ValueHead(nn.Module):
-    """Wraps a CausalLM (`self.model`, its untied lm head dropped); `forward` returns values at K positions."""
+    """Wraps a CausalLM (`self.model`, its untied lm head dropped); `forward` returns values at K positions.
 
-    def __init__(self, model: nn.Module) -> None:
+    `score`: a value or reward model's head to start from (`value_model_from_pretrained`: Hugging
+    Face names `score.weight` [1, D] and maybe `score.bias` [1]); the rest of the head starts at zero."""
+
+    def __init__(self, model: nn.Module, score: Mapping[str, torch.Tensor] | None = None) -> None:
         super().__init__()
         model.output = None  # no vocabulary head (a tied model keeps its embedding, which it still reads)
         self.model = model
         self.score = nn.Linear(model.args.hidden_size, 1, dtype=torch.float32)
-        nn.init.zeros_(self.score.weight)
-        nn.init.zeros_(self.score.bias)
+        with torch.no_grad():
+            for name, param in self.score.named_parameters():
+                start = (score or {}).get(f"score.{name}")
+                param.copy_(start) if start is not None else param.zero_()
 
     def forward(
         self,
