@@ -15,12 +15,19 @@ from rlloom.algorithms.advantages import (
 from rlloom.algorithms.aggregation import AGG_MODES, aggregate_loss, aggregate_loss_sum, loss_normalizer
 from rlloom.algorithms.corrections import is_weights
 from rlloom.algorithms.filters import keep_informative_groups, overlong_penalty
-from rlloom.algorithms.kl import KL_KINDS, entropy_from_logits, entropy_from_logits_chunked, kl_estimate
+from rlloom.algorithms.kl import (
+    KL_KINDS,
+    adaptive_kl_coef,
+    entropy_from_logits,
+    entropy_from_logits_chunked,
+    kl_estimate,
+)
 from rlloom.algorithms.losses import cispo_loss, gspo_loss, ppo_clip_loss, value_loss
 
 __all__ = [
     "AGG_MODES",
     "KL_KINDS",
+    "adaptive_kl_coef",
     "aggregate_loss",
     "aggregate_loss_sum",
     "cispo_loss",

@@ -108,3 +108,17 @@ def entropy_from_logits_chunked(logits_NV: torch.Tensor, chunk_size: int) -> tor
         dtype = torch.float64 if logits_NV.dtype == torch.float64 else torch.float32
         return torch.zeros(lead_shape, dtype=dtype, device=logits_NV.device)
     return torch.cat(chunks).reshape(lead_shape)
+
+
+def adaptive_kl_coef(
+    coef: float, observed_kl: float, num_samples: int, *, target: float, horizon: int
+) -> float:
+    """The KL coefficient after one step of the adaptive controller of Ziegler et al. (2019), used by
+    InstructGPT, TRL's PPO and verl (kl_ctrl.type=adaptive): the coefficient grows when the observed
+    KL is above `target` and shrinks below it, by at most 20% of `num_samples / horizon` a step:
+    coef x (1 + clip(observed_kl / target - 1, -0.2, 0.2) x num_samples / horizon).
+
+    `observed_kl`: the step's mean over samples of each sample's mean per-token KL; `num_samples`:
+    the samples it was measured on (the controller's n_steps)."""
+    error = min(max(observed_kl / target - 1.0, -0.2), 0.2)
+    return coef * (1.0 + error * num_samples / horizon)

@@ -355,8 +355,17 @@ class AlgorithmConfig:
     """Put the KL against the reference into the reward instead of the loss: every response token's
     reward is -kl_coef x KL_t (`kl_kind`'s estimate between the policy before the update and the
     reference), the outcome reward added on the last token (InstructGPT's and TRL's PPO, OpenRLHF's
-    REINFORCE++; verl's use_kl_in_reward with a fixed coefficient). Needs a token-level estimator
-    (gae, reinforce_pp) and kl_coef > 0; the old logprobs are then always recomputed."""
+    REINFORCE++; verl's use_kl_in_reward). Needs a token-level estimator (gae, reinforce_pp) and
+    kl_coef > 0; the old logprobs are then always recomputed."""
+    kl_ctrl: Literal["fixed", "adaptive"] = "fixed"
+    """The KL-in-reward coefficient: `fixed` (kl_coef throughout) or `adaptive` (Ziegler et al.'s
+    controller, as InstructGPT, TRL's PPO and verl's kl_ctrl.type=adaptive: starts at kl_coef, then
+    each step multiplies it by 1 + clip(KL / kl_target - 1, -0.2, 0.2) x samples / kl_horizon, where
+    KL is the step's mean per-sample KL; saved in checkpoints). `adaptive` needs kl_in_reward."""
+    kl_target: float = 0.1
+    """The KL per sample (mean over its tokens) the adaptive controller steers to (verl's target_kl)."""
+    kl_horizon: int = 10000
+    """The adaptive controller's horizon in samples (verl's horizon): the larger, the slower it moves."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
     gamma: float = 1.0
@@ -446,6 +455,15 @@ class AlgorithmConfig:
                 "needs algorithm.kl_coef > 0 (the penalty's coefficient)",
                 "set algorithm.kl_coef, e.g. 0.01",
             )
+        _check(
+            self.kl_ctrl == "fixed" or self.kl_in_reward,
+            "algorithm.kl_ctrl",
+            self.kl_ctrl,
+            "the adaptive controller sets the coefficient of the KL in the reward, and kl_in_reward is off",
+            "set algorithm.kl_in_reward=true (with estimator gae or reinforce_pp), or algorithm.kl_ctrl=fixed",
+        )
+        _check(self.kl_target > 0, "algorithm.kl_target", self.kl_target, "must be > 0", "use 0.1")
+        _check(self.kl_horizon > 0, "algorithm.kl_horizon", self.kl_horizon, "must be > 0", "use 10000")
         _check(0 <= self.lam <= 1, "algorithm.lam", self.lam, "must be in [0, 1]", "use 1.0 or 0.95")
         _check(
             self.entropy_coef >= 0,
@@ -994,6 +1012,14 @@ class RunConfig:
             f"lower algorithm.overlong_buffer (e.g. {self.rollout.max_new_tokens // 4}) or raise rollout.max_new_tokens",
         )
         batch = self.trainer.prompts_per_step * self.rollout.n_samples
+        _check(
+            self.algorithm.kl_ctrl == "fixed" or self.algorithm.kl_horizon > 0.2 * batch,
+            "algorithm.kl_horizon",
+            self.algorithm.kl_horizon,
+            f"must be more than 0.2 x the {batch} samples of a step, or the adaptive KL coefficient can turn "
+            "negative (it changes by up to 20% of samples / kl_horizon a step)",
+            f"set algorithm.kl_horizon to {max(10000, 10 * batch)} or more",
+        )
         _check(
             batch % self.trainer.num_mini_batches == 0,
             "trainer.num_mini_batches",

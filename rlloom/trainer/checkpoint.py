@@ -56,6 +56,8 @@ class TrainerState:
     """The prompt source's position (epoch, cursor, ...)."""
     accuracy_before: float | None = None
     """Greedy eval accuracy of the initial policy (for the final report)."""
+    kl_coef: float | None = None
+    """The adaptive KL controller's coefficient after this step (algorithm.kl_ctrl=adaptive), else None."""
 
 
 def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
@@ -99,6 +101,7 @@ def save_checkpoint(
             "step": state.step,
             "data_state": state.data_state,
             "accuracy_before": state.accuracy_before,
+            "kl_coef": state.kl_coef,
         }
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state))
         (tmp / "config.yaml").write_text(to_yaml(cfg))
@@ -234,7 +237,10 @@ def load_checkpoint(
         critic_group.load(str(path / CRITIC_DIR)).result()
     weight_sync.sync()
     return TrainerState(
-        step=raw["step"], data_state=raw["data_state"], accuracy_before=raw.get("accuracy_before")
+        step=raw["step"],
+        data_state=raw["data_state"],
+        accuracy_before=raw.get("accuracy_before"),
+        kl_coef=raw.get("kl_coef"),
     )
 
 

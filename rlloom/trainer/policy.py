@@ -34,31 +34,38 @@ def outcome_token_rewards(batch: RolloutBatch) -> torch.Tensor:
     return token_rewards_BT
 
 
-def kl_penalty(
-    algo: AlgorithmConfig, batch: RolloutBatch, old_logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor
-) -> torch.Tensor:
-    """[B, T] algorithm.kl_in_reward's per-token reward: -kl_coef x KL_t (`kl_kind`) between the
-    policy before the update and the reference, 0 at masked positions."""
-    mask_BT = batch.response_mask()
-    return -algo.kl_coef * kl_estimate(old_logp_BT, ref_logp_BT, algo.kl_kind) * mask_BT
-
-
 def token_rewards(
     algo: AlgorithmConfig,
     batch: RolloutBatch,
     old_logp_BT: torch.Tensor | None = None,
     ref_logp_BT: torch.Tensor | None = None,
+    *,
+    kl_coef: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """[B, T] rewards of a token-level estimator (gae, reinforce_pp): the outcome on the last token,
-    plus `kl_penalty` on every token with algorithm.kl_in_reward; and its metric,
-    `reward/kl_penalty`, what a sample's return loses to the penalty on average."""
+    plus with algorithm.kl_in_reward a penalty of -kl_coef x KL_t (`kl_kind`, between the policy
+    before the update and the reference) on every token (`kl_coef`: the adaptive controller's
+    coefficient; default algorithm.kl_coef). Metrics: `reward/kl_penalty`, what a sample's return
+    loses to the penalty on average; `reward/kl`, the mean over samples of each one's mean
+    per-token KL (what the adaptive controller observes); `reward/kl_coef`."""
     rewards_BT = outcome_token_rewards(batch)
     if not algo.kl_in_reward:
         return rewards_BT, {}
     if old_logp_BT is None or ref_logp_BT is None:
         raise ValueError("algorithm.kl_in_reward needs the old and the reference logprobs")
-    penalty_BT = kl_penalty(algo, batch, old_logp_BT, ref_logp_BT)
-    return rewards_BT + penalty_BT, {"reward/kl_penalty": float(-penalty_BT.sum(1).mean())}
+    coef = algo.kl_coef if kl_coef is None else kl_coef
+    mask_BT = batch.response_mask()
+    kl_BT = kl_estimate(old_logp_BT, ref_logp_BT, algo.kl_kind) * mask_BT
+    penalty_BT = -coef * kl_BT
+    tokens_B = mask_BT.sum(1)
+    answered_B = tokens_B > 0
+    per_sample_B = kl_BT.sum(1)[answered_B] / tokens_B[answered_B]
+    metrics = {
+        "reward/kl_penalty": float(-penalty_BT.sum(1).mean()),
+        "reward/kl": float(per_sample_B.mean()) if per_sample_B.numel() else 0.0,
+        "reward/kl_coef": coef,
+    }
+    return rewards_BT + penalty_BT, metrics
 
 
 def gae_targets(

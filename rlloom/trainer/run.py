@@ -132,6 +132,8 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
     if resume_from is not None:
         state = load_checkpoint(groups.train, groups.sync, resume_from, critic_group=groups.critic)
         source.load_state_dict(state.data_state)
+        if cfg.algorithm.kl_ctrl == "adaptive":
+            ctx.kl_coef = state.kl_coef  # the controller goes on where it was
         log.info("resumed from %s at step %d", resume_from, state.step)
         if state.step >= cfg.trainer.total_steps:
             log.warning(
@@ -150,6 +152,7 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
 
     def checkpoint() -> Path:  # of the step just done
         state.data_state = source.state_dict()
+        state.kl_coef = ctx.kl_coef
         path = save_checkpoint(groups.train, cfg, state, critic_group=groups.critic)
         maybe_fail("after_checkpoint", state.step)
         return path

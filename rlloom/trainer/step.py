@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlloom.algorithms import loss_normalizer
+from rlloom.algorithms import adaptive_kl_coef, loss_normalizer
 from rlloom.algorithms.objective import value_normalizer
 from rlloom.cluster.base import CriticGroup, RolloutGroup, TrainGroup, WeightSync
 from rlloom.config.components import RunConfig
@@ -58,6 +58,9 @@ class StepContext:
     """Called with each step's scored samples (the trainer logs a few of them)."""
     critic_group: CriticGroup | None = None
     """PPO's critic (algorithm.estimator=gae), on the training ranks; None without one."""
+    kl_coef: float | None = None
+    """The adaptive KL controller's current coefficient (algorithm.kl_ctrl=adaptive; checkpoints keep
+    it); None before its first step and with a fixed one (algorithm.kl_coef is used)."""
 
 
 def is_single_pass(cfg: RunConfig) -> bool:
@@ -124,8 +127,15 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
     with timer("advantages"):
         norm_constant = cfg.algorithm.norm_constant or cfg.rollout.max_new_tokens
         if values_BT is not None or cfg.algorithm.kl_in_reward:  # rewards on every token
-            rewards_BT, reward_metrics = token_rewards(cfg.algorithm, batch, old_logp_BT, ref_logp_BT)
+            algo = cfg.algorithm
+            kl_coef = algo.kl_coef if ctx.kl_coef is None else ctx.kl_coef
+            rewards_BT, reward_metrics = token_rewards(algo, batch, old_logp_BT, ref_logp_BT, kl_coef=kl_coef)
             metrics.update(reward_metrics)
+            if algo.kl_ctrl == "adaptive":  # the next step's coefficient
+                observed = reward_metrics["reward/kl"]
+                ctx.kl_coef = adaptive_kl_coef(
+                    kl_coef, observed, len(batch), target=algo.kl_target, horizon=algo.kl_horizon
+                )
             if values_BT is None:  # reinforce_pp
                 adv_BT = compute_advantages(cfg.algorithm, batch, rewards_BT)
             else:  # PPO with a critic: GAE, and the critic's targets

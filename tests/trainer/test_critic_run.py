@@ -12,10 +12,12 @@ import random
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_trainer_loop import read_metrics, tiny_args, tiny_cfg
 
+from rlloom.algorithms import adaptive_kl_coef
 from rlloom.cli import main
 from rlloom.config.components import AlgorithmConfig
 from rlloom.data.types import RolloutBatch, Sample
@@ -220,3 +222,38 @@ def test_export_the_critic_and_start_a_new_critic_from_it(tiny_checkpoint, tmp_p
     assert main(["train", "arithmetic_smoke", *args]) == 2
     err = capsys.readouterr().err
     assert "is a Qwen3ForTokenClassification with 2 labels" in err and err.count("\n") == 1
+
+
+def test_adaptive_kl_coef_follows_the_controller():
+    def naive(coef, kl, n, target, horizon):  # Ziegler et al.'s controller, as verl's AdaptiveKLController
+        error = float(np.clip(kl / target - 1, -0.2, 0.2))
+        return coef * (1 + error * n / horizon)
+
+    for kl in (0.0, 0.05, 0.1, 0.11, 0.3, 5.0):
+        got = adaptive_kl_coef(0.2, kl, 64, target=0.1, horizon=1000)
+        assert got == pytest.approx(naive(0.2, kl, 64, 0.1, 1000), rel=1e-12)
+    assert adaptive_kl_coef(0.2, 0.1, 64, target=0.1, horizon=1000) == 0.2  # on target: unchanged
+
+
+def test_adaptive_kl_in_the_reward_steers_its_coefficient_and_resumes_exactly(tiny_checkpoint, tmp_path):
+    kl = [
+        "algorithm.estimator=reinforce_pp",
+        "algorithm.kl_in_reward=true",
+        "algorithm.kl_coef=0.1",
+        "algorithm.kl_ctrl=adaptive",
+        "algorithm.kl_target=1e-9",  # any KL above it grows the coefficient, a KL of 0 shrinks it
+        "algorithm.kl_horizon=40",
+        "trainer.num_mini_batches=1",
+    ]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    cfg = tiny_cfg(tiny_checkpoint, straight, *PPO, *kl, "trainer.total_steps=3")
+    run(cfg)
+    rows = read_metrics(straight)
+    step = 0.2 * cfg.trainer.prompts_per_step * cfg.rollout.n_samples / 40  # the largest move
+    assert rows[0]["reward/kl"] == 0.0 and rows[1]["reward/kl"] > 1e-6  # the policy leaves the reference
+    assert rows[0]["reward/kl_coef"] == 0.1
+    assert rows[1]["reward/kl_coef"] == pytest.approx(0.1 * (1 - step), rel=1e-9)
+    assert rows[2]["reward/kl_coef"] == pytest.approx(0.1 * (1 - step) * (1 + step), rel=1e-9)
+    run(tiny_cfg(tiny_checkpoint, resumed, *PPO, *kl, "trainer.total_steps=1"))
+    run(tiny_cfg(tiny_checkpoint, resumed, *PPO, *kl, "trainer.total_steps=3", "trainer.resume=auto"))
+    assert read_metrics(resumed) == rows  # the controller's coefficient came back with the checkpoint
