@@ -1029,21 +1029,18 @@ class RunConfig:
         )
 
     def _check_critic(self) -> None:
-        """The critic runs in the training layout, whose value head has no tensor- or pipeline-parallel
-        form yet."""
+        """The critic runs in the training layout, whose value head has no pipeline-parallel form yet."""
         if not self.algorithm.uses_critic:
             return
-        for key in ("tp", "pp"):
-            degree = getattr(self.parallel, key)
-            _check(
-                degree == 1,
-                f"parallel.{key}",
-                degree,
-                f"algorithm.estimator=gae trains a critic, which runs without parallel.{key} so far (FSDP, CP "
-                "and EP work)",
-                f"set parallel.{key}=1 (shard with more cluster.num_workers), or use a critic-free estimator "
-                "such as grpo",
-            )
+        _check(
+            self.parallel.pp == 1,
+            "parallel.pp",
+            self.parallel.pp,
+            "algorithm.estimator=gae trains a critic, which runs without pipeline parallelism so far (FSDP, "
+            "TP, CP and EP work)",
+            "set parallel.pp=1 (shard with more cluster.num_workers or parallel.tp), or use a critic-free "
+            "estimator such as grpo",
+        )
 
     def _check_rollout_replicas(self) -> None:
         """The rollout ranks split into whole replicas of rollout.tp ranks each."""

@@ -58,10 +58,10 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def legal_layouts(costs: ModelCosts, hw: Hardware, work: Workload) -> Iterator[Layout]:
     """Every legal layout of `hw.gpus` GPUs, without offload, stages split evenly (with PPO's critic,
-    `work.critic_params`, none with TP or PP: the critic has neither yet)."""
+    `work.critic_params`, none with PP: the critic has no pipeline form yet)."""
     num_layers = len(costs.layers)
     for tp in _powers_of_two(min(hw.gpus_per_node, hw.gpus)):
-        if costs.num_heads % tp or costs.num_kv_heads % tp or (work.critic_params and tp > 1):
+        if costs.num_heads % tp or costs.num_kv_heads % tp:
             continue
         for cp in _powers_of_two(min(MAX_CP, hw.gpus // tp)):
             if work.max_tokens_per_gpu % (2 * cp) and cp > 1:

@@ -26,6 +26,7 @@ from rlloom.engines.train.native import NativeTrainEngine  # noqa: E402
 from rlloom.parallel import ParallelDims  # noqa: E402
 
 LAYOUTS = {"dp=2": ("qwen3", dict(world_size=2)), "cp=2": ("qwen3", dict(world_size=2, cp=2))}
+LAYOUTS["tp=2"] = ("qwen3", dict(world_size=2, tp=2))
 LAYOUTS["ep=2"] = ("qwen3_moe", dict(world_size=2, ep=2))
 
 

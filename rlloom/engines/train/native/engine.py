@@ -122,10 +122,10 @@ class NativeTrainEngine:
         # Trained parameters are the fp32 master weights; a frozen reference keeps the compute dtype.
         self.model = model.to(self.compute_dtype).requires_grad_(False) if frozen else model.float()
         self._body_params = active_body_params(self.model)  # before expert parallelism splits experts
-        if head == "value" and parallel_dims is not None and (parallel_dims.pp > 1 or parallel_dims.tp > 1):
+        if head == "value" and parallel_dims is not None and parallel_dims.pp > 1:
             raise ValueError(
-                f"the value head runs without pipeline or tensor parallelism (pp={parallel_dims.pp}, "
-                f"tp={parallel_dims.tp}). Fix: set parallel.pp=1 and parallel.tp=1 for a critic."
+                f"the value head runs without pipeline parallelism (pp={parallel_dims.pp}). Fix: set "
+                "parallel.pp=1 for a critic."
             )
         self.module = (
             ValueHead(self.model, value_score)

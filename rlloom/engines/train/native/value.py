@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from rlloom.engines.train.native.policy import stream_hidden_states
 from rlloom.models.attention_ops import TreePlan
@@ -54,8 +55,10 @@ class ValueHead(nn.Module):
         cp: CPShard | None = None,
     ) -> tuple[torch.Tensor, None]:
         """fp32 values [K] at `positions_K` and None (no entropy); arguments as `PolicyHead.forward`'s
-        (`targets_K`, `temperature` and `with_entropy` are not used). No tensor parallelism: the
-        engine refuses a value head under it."""
+        (`targets_K`, `temperature` and `with_entropy` are not used). Under tensor parallelism the
+        hidden states come as token shards: every TP rank gathers the stream and runs the (replicated)
+        head on all K positions, so each computes the same values and the same head gradients, and
+        the gradient of its own token shard flows back."""
         hidden_ND = stream_hidden_states(
             self.model,
             input_ids_N,
@@ -67,6 +70,8 @@ class ValueHead(nn.Module):
             replay_routes,
             cp,
         )
+        if isinstance(hidden_ND, DTensor):  # tensor parallel: token shards
+            hidden_ND = hidden_ND.redistribute(hidden_ND.device_mesh, [Replicate()]).to_local()
         num_selected = positions_K.shape[0]
         if num_selected == 0:  # as PolicyHead: run on one position, keep none (gradients reach every weight)
             positions_K = positions_K.new_zeros(1)
