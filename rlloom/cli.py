@@ -145,7 +145,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "--critic",
         action="store_true",
         help="PPO with a critic (algorithm.estimator=gae) started from the same model: its weights and "
-        "moments stay on the GPUs beside the policy's; layouts without PP",
+        "moments stay on the GPUs beside the policy's",
     )
     plan.add_argument("--check", help="evaluate one layout, e.g. tp=8,pp=12,cp=1,ep=8,offload=1.0")
     plan.add_argument("--json", action="store_true", help="print one JSON object")

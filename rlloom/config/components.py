@@ -1002,7 +1002,6 @@ class RunConfig:
             "set trainer.mode=async, or algorithm.decoupled_ppo=false",
         )
         self._check_rollout_replicas()
-        self._check_critic()
         _check(
             self.algorithm.overlong_buffer <= self.rollout.max_new_tokens,
             "algorithm.overlong_buffer",
@@ -1026,20 +1025,6 @@ class RunConfig:
             self.trainer.num_mini_batches,
             f"must divide the batch of {batch} completions",
             "pick a divisor of prompts_per_step x n_samples",
-        )
-
-    def _check_critic(self) -> None:
-        """The critic runs in the training layout, whose value head has no pipeline-parallel form yet."""
-        if not self.algorithm.uses_critic:
-            return
-        _check(
-            self.parallel.pp == 1,
-            "parallel.pp",
-            self.parallel.pp,
-            "algorithm.estimator=gae trains a critic, which runs without pipeline parallelism so far (FSDP, "
-            "TP, CP and EP work)",
-            "set parallel.pp=1 (shard with more cluster.num_workers or parallel.tp), or use a critic-free "
-            "estimator such as grpo",
         )
 
     def _check_rollout_replicas(self) -> None:

@@ -101,10 +101,12 @@ def parallelize_pp(
     ac_every_k: int = 1,
     compile_layers: bool = False,
     chunk_tokens: int = 1024,
+    value_head: nn.Linear | None = None,
 ) -> tuple[list[nn.Module], Pipeline]:
     """Cut `model` into this pp rank's stage modules (PP first), then TP/SP (tp > 1), EP (ep > 1),
     AC, compile and FSDP2 over dp_shard x cp on each; returns the FSDP-wrapped stage modules and the
-    `Pipeline` that runs them. Under TP (CP) the stages exchange each TP (CP) rank's token share (`pp.py`)."""
+    `Pipeline` that runs them. Under TP (CP) the stages exchange each TP (CP) rank's token share (`pp.py`).
+    `value_head`: the critic's value head, run by the last stage in place of the logprob head."""
     dims.check_model(model.args)
 
     def parallelize_stage(stage: nn.Module) -> nn.Module:
@@ -137,6 +139,7 @@ def parallelize_pp(
         last_stage_layers=last_stage_layers,
         chunk_tokens=chunk_tokens,
         parallelize_stage=parallelize_stage,
+        value_head=value_head,
         tp=dims.tp,
         ep_group=dims.ep_mesh().get_group() if dims.ep > 1 else None,
         cp_group=dims.cp_mesh().get_group() if dims.cp > 1 else None,

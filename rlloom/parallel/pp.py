@@ -371,6 +371,7 @@ def apply_pp(
     tp: int = 1,
     ep_group: dist.ProcessGroup | None = None,
     cp_group: dist.ProcessGroup | None = None,
+    value_head: nn.Linear | None = None,
 ) -> tuple[list[nn.Module], Pipeline]:
     """Cut the native CausalLM `model` into this pp rank's stage modules, parallelise each with
     `parallelize_stage` (TP, AC, FSDP...; default: moved to `device`) and return them with the runner.
@@ -381,6 +382,8 @@ def apply_pp(
     `parallelize_stage` applies (stages then exchange token shards of budget / tp tokens);
     `ep_group`: the EP ranks of this stage when `parallelize_stage` splits the experts (`ep.apply_ep`);
     `cp_group`: the CP ranks of this stage (each runs budget / cp tokens of every micro-batch).
+    `value_head`: `model` is PPO's critic (its lm head dropped) and this its value head, which the
+    last stage runs in place of the logprob head (its output holds values where logprobs would be).
     """
     check_pp(model.args, pp_mesh.size(), schedule, virtual_stages)
     check_budget(budget, tp * (dist.get_world_size(cp_group) if cp_group is not None else 1))
@@ -396,11 +399,12 @@ def apply_pp(
     for s in stage_ids:
         first, last = s == 0, s == num_stages - 1
         stage = PipelineStageModule(
-            StageModel(model, ranges[s], is_first=first, is_last=last),
+            StageModel(model, ranges[s], is_first=first, is_last=last, value_model=value_head is not None),
             is_first=first,
             is_last=last,
             chunk_tokens=chunk_tokens,
             fused_head=device.type == "cuda",
+            score=value_head,
         )
         modules.append(parallelize_stage(stage) if parallelize_stage is not None else stage.to(device))
     pipe = Pipeline(

@@ -100,13 +100,16 @@ class StageModel(nn.Module):
 
     With tied embeddings the last stage holds `tok_embeddings` too, as its lm head: both copies start
     equal, `Pipeline.clip_grad_norm_` sums their gradients, so they stay equal (as Megatron does).
+    A value model (`value_model`: PPO's critic, its lm head dropped) has no lm head to tie.
     """
 
-    def __init__(self, model: nn.Module, layer_ids: range, *, is_first: bool, is_last: bool) -> None:
+    def __init__(
+        self, model: nn.Module, layer_ids: range, *, is_first: bool, is_last: bool, value_model: bool = False
+    ) -> None:
         super().__init__()
         self.args = model.args
         self.hf_config = model.hf_config
-        self.tied = model.output is None
+        self.tied = model.output is None and not value_model
         """The whole model ties its lm head to the token embedding."""
         self.tok_embeddings = model.tok_embeddings if is_first or (is_last and self.tied) else None
         self.rope = type(model.rope)(model.args.rope)  # no parameters; one per stage, buffers rebuilt
@@ -127,13 +130,23 @@ class StageModel(nn.Module):
 class PipelineStageModule(nn.Module):
     """One stage: forward(x, mb) with x the token ids [1, P] (first stage) or hidden states [1, P, D];
     returns hidden states [1, P, D], or on the last stage [1, 2, P] fp32: logprobs then entropies
-    of the K selected positions in slots [:K], 0 after."""
+    of the K selected positions in slots [:K], 0 after. The last stage of a value model (`score`:
+    the critic's linear value head, [D] -> 1, named as `ValueHead`'s) gives values in place of the
+    logprobs, and entropies 0."""
 
     def __init__(
-        self, model: StageModel, *, is_first: bool, is_last: bool, chunk_tokens: int, fused_head: bool
+        self,
+        model: StageModel,
+        *,
+        is_first: bool,
+        is_last: bool,
+        chunk_tokens: int,
+        fused_head: bool,
+        score: nn.Linear | None = None,
     ):
         super().__init__()
         self.model = model
+        self.score = score if is_last else None
         self.is_first, self.is_last = is_first, is_last
         self.chunk_tokens, self.fused_head = chunk_tokens, fused_head
         self.feed = StageFeed()
@@ -209,22 +222,28 @@ class PipelineStageModule(nn.Module):
         num_selected = positions_K.numel()
         if num_selected == 0:  # one position, kept connected to every parameter with weight 0
             positions_K, targets_K = positions_K.new_zeros(1), targets_K.new_zeros(1)
-        weight_VD = self.model.lm_head_weight
-        head = dict(temperature=self.feed.temperature, chunk_tokens=self.chunk_tokens)
-        if isinstance(weight_VD, DTensor):  # TP: gather the token shards, vocabulary-parallel head
-            if isinstance(hidden_PD, DTensor):
-                hidden_PD = hidden_PD.redistribute(hidden_PD.device_mesh, [Replicate()]).to_local()
+        if isinstance(hidden_PD, DTensor):  # TP: gather the token shards (every TP rank runs all K)
+            hidden_PD = hidden_PD.redistribute(hidden_PD.device_mesh, [Replicate()]).to_local()
+        if self.score is not None:  # a value model: the replicated value head
+            logp_K, entropy_K = self.score(hidden_PD[positions_K]).squeeze(-1).float(), None
+        elif isinstance(self.model.lm_head_weight, DTensor):  # TP: the vocabulary-parallel head
             logp_K, entropy_K = vocab_parallel_token_logprobs(
-                hidden_PD[positions_K], weight_VD, targets_K, with_entropy=self.feed.with_entropy, **head
+                hidden_PD[positions_K],
+                self.model.lm_head_weight,
+                targets_K,
+                with_entropy=self.feed.with_entropy,
+                temperature=self.feed.temperature,
+                chunk_tokens=self.chunk_tokens,
             )
         else:
             logp_K, entropy_K = token_logprobs(
                 hidden_PD[positions_K],
-                weight_VD,
+                self.model.lm_head_weight,
                 targets_K,
                 with_entropy=self.feed.with_entropy,
                 fused=self.fused_head,
-                **head,
+                temperature=self.feed.temperature,
+                chunk_tokens=self.chunk_tokens,
             )
         if entropy_K is None:
             entropy_K = torch.zeros_like(logp_K)

@@ -98,11 +98,13 @@ def estimate(costs: ModelCosts, layout: Layout, hw: Hardware, work: Workload) ->
     # what the rollout keeps on the GPU while training: its weights (params), its KV cache (buffers)
     weights_kept = rollout.weights_gb if rollout and work.rollout_weights_on_gpu else 0.0
     kv_kept = rollout.kv_cache_gb if rollout and work.rollout_kv_on_gpu else 0.0
-    critic_params, critic_optimizer = critic_state_gb(work.critic_params, layout)
-    kept = weights_kept + kv_kept + critic_params + critic_optimizer
-    peaks = [bd.total + kept for bd, _, _ in results]
+    # PPO's critic is cut into the policy's stages: each pp rank keeps its layers' share
+    critic = [critic_state_gb(work.critic_params * len(r) / len(costs.layers), layout) for r in stages]
+    kept = weights_kept + kv_kept
+    peaks = [bd.total + kept + sum(critic[s]) for s, (bd, _, _) in enumerate(results)]
     worst = max(range(len(peaks)), key=peaks.__getitem__)
     breakdown, phase, _ = results[worst]
+    critic_params, critic_optimizer = critic[worst]
     breakdown = replace(
         breakdown,
         params=breakdown.params + weights_kept + critic_params,
@@ -130,7 +132,8 @@ def estimate(costs: ModelCosts, layout: Layout, hw: Hardware, work: Workload) ->
 
 
 def critic_state_gb(critic_params: float, layout: Layout) -> tuple[float, float]:
-    """(weights, AdamW moments) in GB that PPO's critic keeps on each GPU while the policy trains:
+    """(weights, AdamW moments) in GB that PPO's critic (`critic_params` of it: under PP, a stage's
+    share) keeps on each GPU while the policy trains:
     fp32 master shards (one GPU without FSDP: the whole fp32 model; its bf16 compute copies live
     only during its own step) and the moments not offloaded. Its own training step peaks like the
     policy's with the policy's state kept instead; for a critic no larger than the policy (the

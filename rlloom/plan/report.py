@@ -277,11 +277,6 @@ def run_plan(args: Any) -> int:
         critic_params=value_model_params(costs) if args.critic else 0.0,
     )
     check = parse_check(args.check, args.gpus, costs) if args.check is not None else None
-    if check is not None and args.critic and check.pp > 1:
-        raise ConfigError(
-            f"--check {args.check} is invalid with --critic: PPO's critic runs without pipeline parallelism "
-            "so far. Fix: use pp=1 (with more tp, dp, cp, ep or offload), or drop --critic."
-        )
     answer = plan(costs, hw, work, check)
     if args.json:
         print(json.dumps(to_json(answer, costs), indent=2))

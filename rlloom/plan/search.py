@@ -57,8 +57,7 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def legal_layouts(costs: ModelCosts, hw: Hardware, work: Workload) -> Iterator[Layout]:
-    """Every legal layout of `hw.gpus` GPUs, without offload, stages split evenly (with PPO's critic,
-    `work.critic_params`, none with PP: the critic has no pipeline form yet)."""
+    """Every legal layout of `hw.gpus` GPUs, without offload, stages split evenly."""
     num_layers = len(costs.layers)
     for tp in _powers_of_two(min(hw.gpus_per_node, hw.gpus)):
         if costs.num_heads % tp or costs.num_kv_heads % tp:
@@ -66,7 +65,7 @@ def legal_layouts(costs: ModelCosts, hw: Hardware, work: Workload) -> Iterator[L
         for cp in _powers_of_two(min(MAX_CP, hw.gpus // tp)):
             if work.max_tokens_per_gpu % (2 * cp) and cp > 1:
                 continue
-            most_pp = 1 if work.critic_params else min(num_layers, hw.gpus // (tp * cp))
+            most_pp = min(num_layers, hw.gpus // (tp * cp))
             for pp in range(1, most_pp + 1):
                 if hw.gpus % (tp * cp * pp):
                     continue

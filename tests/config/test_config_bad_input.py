@@ -177,17 +177,6 @@ TRAIN_CASES = [
     ("reward_unknown", lambda t, c: ["reward.name=nosuch"], ["reward.name='nosuch'", "unknown"]),
     ("reward_plugin_missing", lambda t, c: ["reward.name=nosuch_pkg.mod:fn"], ["cannot import module"]),
     (
-        "critic_with_pp",
-        lambda t, c: [
-            "algorithm.estimator=gae",
-            "parallel.pp=2",
-            "cluster.num_workers=2",
-            "cluster.mode=ray",
-            "train.max_tokens_per_micro_batch=4096",
-        ],
-        ["parallel.pp=2 is invalid", "algorithm.estimator=gae trains a critic", "set parallel.pp=1"],
-    ),
-    (
         "critic_path_missing",
         lambda t, c: ["algorithm.estimator=gae", f"critic.model_path={t}/none"],
         ["critic.model_path=", "is invalid"],

@@ -97,21 +97,23 @@ def test_search_recommends_the_cheapest_fitting_layout_with_a_reason(capsys):
     assert code == 0 and small["layout"]["offload_fraction"] > 0 and "least that fits" in small["reason"]
 
 
-def test_a_critic_needs_its_memory_and_layouts_without_pp(capsys):
-    # 235B in 128 GPUs fits with TP and PP; a critic of the same size runs without PP, so the
-    # search looks among tp/dp/cp/ep/offload layouts only, each holding a second model's state
-    code, out = plan(capsys, "qwen3-235b-a22b", "--gpus", "128", "--gpu-memory-gb", "96", "--critic")
-    assert out["layout"]["pp"] == 1
-    assert out["alternatives"] and all(" pp=1 " in a["layout"] for a in out["alternatives"])
+def test_a_critic_needs_its_memory_in_every_layout(capsys):
     _, policy_only = plan(capsys, "qwen3-8b", "--gpus", "2", "--gpu-memory-gb", "141")
     _, with_critic = plan(capsys, "qwen3-8b", "--gpus", "2", "--gpu-memory-gb", "141", "--critic")
     assert policy_only["layout"] == with_critic["layout"]
     # dp=2: half of the critic's fp32 weights and moments (12 bytes a parameter) on each GPU
+    critic_gb = 12 * 7.57e9 / 2**30
     grown = with_critic["gpu_memory_gb"] - policy_only["gpu_memory_gb"]
-    assert grown == pytest.approx(12 * 7.57e9 / 2 / 2**30, rel=0.01)
-    assert main(["plan", str(CONFIGS / "qwen3-8b"), "--gpus", "2", "--gpu-memory-gb", "141", "--critic",
-                 "--check", "pp=2"]) == 2  # fmt: skip
-    assert "invalid with --critic" in capsys.readouterr().err
+    assert grown == pytest.approx(critic_gb / 2, rel=0.01)
+    # pp=2: each stage's GPU keeps its share of the critic, by layers (cut as the policy is: the
+    # first stage 20 of the 36 layers, the worst: the last holds the vocabulary head beside 16)
+    check = ["--check", "pp=2"]
+    _, policy_pp = plan(capsys, "qwen3-8b", "--gpus", "2", "--gpu-memory-gb", "141", *check)
+    _, critic_pp = plan(capsys, "qwen3-8b", "--gpus", "2", "--gpu-memory-gb", "141", "--critic", *check)
+    assert critic_pp["layout"]["pp"] == 2 and critic_pp["layout"]["pp_first_stage_layers"] == 20
+    assert critic_pp["gpu_memory_gb"] - policy_pp["gpu_memory_gb"] == pytest.approx(
+        critic_gb * 20 / 36, rel=0.01
+    )
 
 
 def test_table_output(capsys):

@@ -122,11 +122,6 @@ class NativeTrainEngine:
         # Trained parameters are the fp32 master weights; a frozen reference keeps the compute dtype.
         self.model = model.to(self.compute_dtype).requires_grad_(False) if frozen else model.float()
         self._body_params = active_body_params(self.model)  # before expert parallelism splits experts
-        if head == "value" and parallel_dims is not None and parallel_dims.pp > 1:
-            raise ValueError(
-                f"the value head runs without pipeline parallelism (pp={parallel_dims.pp}). Fix: set "
-                "parallel.pp=1 for a critic."
-            )
         self.module = (
             ValueHead(self.model, value_score)
             if head == "value"
@@ -353,18 +348,33 @@ class NativeTrainEngine:
         See `weights.tensor_checksum`. A critic (head `value`) ends with a bucket of its value head
         under the names of transformers' *ForTokenClassification (`score.weight`, `score.bias`).
         """
+        tensors = self.pipe.full_weights(tp_local_shards=owned_only) if self.pipe is not None else None
+        head: dict[str, torch.Tensor] = {}
+        if tensors is not None and self.head == "value":  # the pipeline's value head comes apart
+            tensors = _split_off(tensors, "score.", head)
         buckets = named_weight_buckets(
             self.model,
             bucket_bytes=bucket_bytes,
             dtype=dtype,
             lazy_cast=lazy_cast,
             ep_group=self.layout.ep_group,
-            tensors=self.pipe.full_weights(tp_local_shards=owned_only) if self.pipe is not None else None,
+            tensors=tensors,
             owned_only=owned_only,
         )
-        return itertools.chain(buckets, self._value_head_bucket(dtype)) if self.head == "value" else buckets
+        return (
+            itertools.chain(buckets, self._value_head_bucket(dtype, head))
+            if self.head == "value"
+            else buckets
+        )
 
-    def _value_head_bucket(self, dtype: torch.dtype | None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def _value_head_bucket(
+        self, dtype: torch.dtype | None, from_pipeline: dict[str, torch.Tensor]
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The value head's tensors: gathered here, or under PP those the pipeline's last stage
+        broadcast (`from_pipeline`, filled once the body's buckets are consumed)."""
+        if self.pipe is not None:
+            yield [(name, t.to(dtype or t.dtype)) for name, t in from_pipeline.items()]
+            return
         bucket = []
         for name, param in self.module.score.named_parameters():
             full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
@@ -405,3 +415,14 @@ class NativeTrainEngine:
     def onload(self) -> None:
         """Move everything `offload` moved back to the engine's device."""
         move_state(self._runner.modules, self._optimizer, self.device, self.device)
+
+
+def _split_off(
+    tensors: Iterator[tuple[str, torch.Tensor]], prefix: str, into: dict[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`tensors` without the names starting with `prefix`, which go `into` as they pass."""
+    for name, tensor in tensors:
+        if name.startswith(prefix):
+            into[name] = tensor
+        else:
+            yield name, tensor

@@ -34,7 +34,8 @@ PARTS = ("tok_embeddings", "layers", "norm", "output")
 
 def stage_view(modules: list[nn.Module], model: nn.Module) -> nn.Module:
     """A module whose `model` holds the parts of `modules` (this rank's stages) under the CausalLM's
-    attribute names, with the whole model's `args` and `hf_config` (no parameter is copied)."""
+    attribute names, with the whole model's `args` and `hf_config` (no parameter is copied), and
+    beside it a critic's value head as `score` on the last stage's rank (`ValueHead`'s names)."""
     body = nn.Module()
     body.args, body.hf_config = model.args, model.hf_config
     layers = nn.ModuleDict()
@@ -53,6 +54,9 @@ def stage_view(modules: list[nn.Module], model: nn.Module) -> nn.Module:
             setattr(body, name, parts[name])
     view = nn.Module()
     view.model = body
+    for module in modules:
+        if stage_module(module).score is not None:
+            view.score = stage_module(module).score
     return view
 
 

@@ -28,6 +28,7 @@ from rlloom.engines.train.native.pipeline import PipeBatch, from_last_stage, mer
 from rlloom.engines.train.native.plan import computed_tokens
 from rlloom.engines.train.native.policy import PolicyHead
 from rlloom.engines.train.native.runner import check_loss_sum, moe_step_metrics, weighted
+from rlloom.engines.train.native.value import ValueHead
 from rlloom.observability.metrics import Max, Mean, Metric, MetricsAccumulator, Sum, reduce_across_ranks
 from rlloom.parallel import ParallelDims
 from rlloom.parallel.parallelize import parallelize_pp
@@ -58,7 +59,7 @@ class PipelineRunner:
     @classmethod
     def build(
         cls,
-        module: PolicyHead,
+        module: PolicyHead | ValueHead,
         dims: ParallelDims,
         cfg: TrainEngineConfig,
         *,
@@ -90,6 +91,7 @@ class PipelineRunner:
             ac_every_k=cfg.ac_every_k,
             compile_layers=cfg.compile and device.type == "cuda",
             chunk_tokens=cfg.logprob_chunk_tokens,
+            value_head=module.score if isinstance(module, ValueHead) else None,
         )
         view = stage_view(modules, model)  # the layers of other stages are freed with the whole model
         moe_balance = None
