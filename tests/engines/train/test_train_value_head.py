@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from train_engine_helpers import VOCAB, load_tiny, make_tiny_checkpoint
+from train_engine_helpers import VOCAB, load_tiny, make_tiny_checkpoint, tiny_qwen3_config
 
 from rlloom.algorithms.losses import value_loss
 from rlloom.algorithms.objective import make_value_loss_fn, value_normalizer
@@ -121,22 +121,11 @@ def test_value_loss_gradients_equal_the_full_batch(ckpt, budget):
 def hf_value_model(path, kind: str, *, labels: int = 1):
     """A tiny transformers value (token classification) or reward (sequence classification) model,
     saved at `path`, with a head that is not zero."""
-    from transformers import Qwen3Config, Qwen3ForSequenceClassification, Qwen3ForTokenClassification
+    from transformers import Qwen3ForSequenceClassification, Qwen3ForTokenClassification
 
     torch.manual_seed(5)
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        num_labels=labels,
-    )
     cls = Qwen3ForTokenClassification if kind == "token" else Qwen3ForSequenceClassification
-    model = cls(config).eval()
+    model = cls(tiny_qwen3_config(num_labels=labels)).eval()
     with torch.no_grad():
         model.score.weight.normal_(0, 32**-0.5)
         if model.score.bias is not None:

@@ -14,22 +14,20 @@ from rlloom.data.types import RolloutBatch, Sample
 VOCAB = 64
 
 
+def tiny_qwen3_config(**changes):
+    """transformers' config of the tiny Qwen3 these tests use (3 layers, hidden 32)."""
+    from transformers import Qwen3Config
+
+    fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3)
+    fields |= dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+    return Qwen3Config(**fields | changes)
+
+
 def make_tiny_checkpoint(path: Path, *, tie: bool = False, seed: int = 0) -> str:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        tie_word_embeddings=tie,
-        max_position_embeddings=256,
-    )
-    Qwen3ForCausalLM(config).save_pretrained(path)
+    Qwen3ForCausalLM(tiny_qwen3_config(tie_word_embeddings=tie)).save_pretrained(path)
     return str(path)
 
 
