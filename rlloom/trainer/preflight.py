@@ -52,6 +52,7 @@ def check_before_loading(cfg: RunConfig) -> None:
     """Raise ConfigError for anything wrong that is known before the model is loaded."""
     hf_config = model_hf_config(cfg.model.path)
     max_positions = hf_config.get("max_position_embeddings")
+    check_policy_model(cfg, hf_config)
     check_sequence_length(cfg, max_positions if isinstance(max_positions, int) else None)
     check_rollout_tp(cfg, hf_config)
     check_rollout_quantization(cfg, hf_config)
@@ -138,6 +139,21 @@ def model_hf_config(path: str, key: str = "model.path") -> dict[str, Any]:
         raise ConfigError(f"{key}={path!r} is invalid: {' '.join(str(e).split())}") from None
 
 
+VALUE_MODEL_SUFFIXES = ("ForTokenClassification", "ForSequenceClassification")
+"""Architectures of transformers' value and reward models (a linear `score` head, no lm head)."""
+
+
+def check_policy_model(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
+    """The policy is a causal LM: a value or reward model has no vocabulary head to sample from."""
+    arch = (hf_config.get("architectures") or [""])[0]
+    if arch.endswith(VALUE_MODEL_SUFFIXES):
+        raise ConfigError(
+            f"model.path={cfg.model.path!r} is invalid: it is a {arch}, a value or reward model without a "
+            "vocabulary head, and the policy must be a causal LM. Fix: pass a causal LM checkpoint as "
+            "model.path (a value model can start PPO's critic: critic.model_path with algorithm.estimator=gae)."
+        )
+
+
 def check_critic(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
     """A critic from another checkpoint (critic.model_path) reads the policy's token ids, so its
     vocabulary must hold them; a value or reward model there must have one output."""
@@ -146,7 +162,7 @@ def check_critic(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
     critic = model_hf_config(cfg.critic.model_path, "critic.model_path")
     arch = (critic.get("architectures") or [""])[0]
     labels = len(critic.get("id2label") or {}) or critic.get("num_labels", 1)
-    if arch.endswith(("ForTokenClassification", "ForSequenceClassification")) and labels != 1:
+    if arch.endswith(VALUE_MODEL_SUFFIXES) and labels != 1:
         raise ConfigError(
             f"critic.model_path={cfg.critic.model_path!r} is invalid: it is a {arch} with {labels} labels, and a "
             "value model has one output. Fix: pass a critic or reward model with num_labels=1, or a causal LM "

@@ -8,7 +8,9 @@ exception fails the test, as a traceback would); one case also runs as `python -
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -134,6 +136,15 @@ def truncated_parquet(tmp_path: Path) -> str:
     return str(path)
 
 
+def value_model(tmp_path: Path, ckpt: Path) -> Path:
+    """The tiny checkpoint's folder declared a value model (only config.json is read before refusing)."""
+    out = tmp_path / "value_model"
+    shutil.copytree(ckpt, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {"architectures": ["Qwen3ForTokenClassification"]}))
+    return out
+
+
 def fake_checkpoint(tmp_path: Path, ckpt: Path, *changes: str) -> Path:
     """A run folder holding a real one-step checkpoint of the run with `changes`."""
     run_dir = tmp_path / "run"
@@ -146,6 +157,11 @@ TRAIN_CASES = [
         "model_path_missing",
         lambda t, c: ["model.path=/nonexistent/model"],
         ["model.path='/nonexistent/model'"],
+    ),
+    (
+        "model_path_is_a_value_model",
+        lambda t, c: [f"model.path={value_model(t, c)}"],
+        ["model.path=", "is a Qwen3ForTokenClassification", "must be a causal LM", "critic.model_path"],
     ),
     (
         "hub_id_not_downloaded",
