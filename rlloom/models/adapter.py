@@ -12,7 +12,7 @@ API used by the engines:
 - `load_hf_tensors(model, named_tensors)` copies HF-named tensors IN PLACE into the existing
   parameters (`param.copy_`, no reallocation; an expert tensor lands in its slot of the stack) and
   returns the set of native keys it filled. The rollout engine's update_weights calls it; a partial
-  update is fine. Unknown names and wrong shapes raise ValueError naming the tensor and the shapes.
+  update is fine. Unknown names and wrong shapes raise `CheckpointMismatch` naming the tensor and the shapes.
   DeepSeek-V3 multi-token-prediction layers (index >= num_hidden_layers) are skipped and logged.
 - `StateDictAdapter(args).from_hf(name)` / `.hf_name(native, expert)` for single names.
 """
@@ -26,9 +26,16 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from rlloom.config.components import UserError
 from rlloom.models.args import ModelArgs
 from rlloom.models.fp8 import Fp8Rows, Fp8Weights, load_rows
 from rlloom.models.layers import FusedLinear
+
+
+class CheckpointMismatch(UserError):
+    """A checkpoint's tensors do not fit the model its config.json describes (a missing, unexpected
+    or mis-shaped tensor): a user's checkpoint, so the CLI prints the message on one line."""
+
 
 logger = logging.getLogger(__name__)
 
@@ -248,14 +255,14 @@ def load_hf_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torch.T
             if key is None or key not in slots:
                 if hf_name == "lm_head.weight" and model.args.tie_word_embeddings:
                     continue  # a tied checkpoint may still carry a copy of the embedding
-                raise ValueError(
+                raise CheckpointMismatch(
                     f"unexpected tensor {hf_name!r} with shape {list(tensor.shape)}: it has no place in this "
                     f"{model.args.model_type} model (native name: {key[0] if key else 'none'}). Fix: check that "
                     "config.json matches the weights (layer count, experts, tied embeddings, biases)."
                 )
             target = slots[key]
             if tuple(target.shape) != tuple(tensor.shape):
-                raise ValueError(
+                raise CheckpointMismatch(
                     f"tensor {hf_name!r} has shape {list(tensor.shape)} but the model expects "
                     f"{list(target.shape)} (native {key[0]}{'' if key[1] is None else f'[{key[1]}]'}). "
                     "Fix: check that config.json matches the weights."

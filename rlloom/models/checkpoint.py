@@ -4,7 +4,7 @@
   device, materialises it on `device`, then streams every tensor of the (possibly sharded, via
   model.safetensors.index.json) safetensors files into it; block-wise FP8 checkpoints (DeepSeek-V3's,
   Qwen3-FP8's) are dequantized as they are read (`fp8_checkpoint.py`). Missing, unexpected or mis-shaped tensors
-  raise ValueError naming the tensor and the shapes. `path_or_name` is a folder or the embedded
+  raise `CheckpointMismatch` naming the tensor and the shapes. `path_or_name` is a folder or the embedded
   model's name (`smollm2-135m-instruct`, built once by `embedded.py`).
 - `value_model_from_pretrained(path_or_name)`: the body of a causal LM, or of a value or reward
   model (*ForTokenClassification / *ForSequenceClassification), and its `score` head: a critic's start.
@@ -32,7 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from rlloom.models.adapter import hf_named_tensors, load_hf_tensors, missing_hf_names
+from rlloom.models.adapter import CheckpointMismatch, hf_named_tensors, load_hf_tensors, missing_hf_names
 from rlloom.models.args import ModelArgs
 from rlloom.models.fp8_checkpoint import block_fp8_config, dequantized, unquantized_config
 from rlloom.models.model import CausalLM
@@ -190,13 +190,13 @@ def value_model_from_pretrained(
     expected = {"score.weight": [1, model.args.hidden_size], "score.bias": [1]}
     for name, tensor in sorted(score.items(), key=lambda item: SCORE_NAMES.index(item[0])):
         if list(tensor.shape) != expected[name]:
-            raise ValueError(
+            raise CheckpointMismatch(
                 f"checkpoint {str(path)!r} has {name} of shape {list(tensor.shape)}, but a value model has one "
                 f"output: {expected[name]}. Fix: pass a critic or reward model with one label (num_labels=1), "
                 "or a causal LM (its value head then starts at zero)."
             )
     if score and "score.weight" not in score:
-        raise ValueError(
+        raise CheckpointMismatch(
             f"checkpoint {str(path)!r} has score.bias but no score.weight. Fix: check its weights."
         )
     model.source_path = str(path)
@@ -232,7 +232,7 @@ def _check_complete(model: CausalLM, filled: set, path: Path) -> None:
     missing = missing_hf_names(model, filled)
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise ValueError(
+        raise CheckpointMismatch(
             f"checkpoint {str(path)!r} is missing {len(missing)} tensor(s) the {model.args.model_type} model "
             f"needs: {shown} (expected shapes in brackets). Fix: check that config.json matches the weights."
         )

@@ -136,12 +136,12 @@ def truncated_parquet(tmp_path: Path) -> str:
     return str(path)
 
 
-def value_model(tmp_path: Path, ckpt: Path) -> Path:
-    """The tiny checkpoint's folder declared a value model (only config.json is read before refusing)."""
-    out = tmp_path / "value_model"
+def changed_config(tmp_path: Path, ckpt: Path, **changes) -> Path:
+    """A copy of the tiny checkpoint whose config.json has `changes` (its weights as they were)."""
+    out = tmp_path / "changed"
     shutil.copytree(ckpt, out)
     config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps(config | {"architectures": ["Qwen3ForTokenClassification"]}))
+    (out / "config.json").write_text(json.dumps(config | changes))
     return out
 
 
@@ -160,7 +160,7 @@ TRAIN_CASES = [
     ),
     (
         "model_path_is_a_value_model",
-        lambda t, c: [f"model.path={value_model(t, c)}"],
+        lambda t, c: [f"model.path={changed_config(t, c, architectures=['Qwen3ForTokenClassification'])}"],
         ["model.path=", "is a Qwen3ForTokenClassification", "must be a causal LM", "critic.model_path"],
     ),
     (
@@ -259,6 +259,22 @@ def test_bad_train_input_is_one_line_error(tiny_checkpoint, tmp_path, capsys, ex
     rc = main(train_args(tiny_checkpoint, tmp_path / "run", *args))
     assert_one_line_error(rc, capsys.readouterr().err, needles)
     assert (metrics.read_text() if metrics.exists() else None) == before  # nothing written, nothing lost
+
+
+def test_weights_that_do_not_fit_their_config_are_one_line_error(tiny_checkpoint, tmp_path, capsys):
+    # found as the engines load (after the start-up log lines); it was a traceback naming no setting
+    bad = changed_config(tmp_path, tiny_checkpoint, intermediate_size=128)
+    rc = main(
+        train_args(tiny_checkpoint, tmp_path / "run", "algorithm.estimator=gae", f"critic.model_path={bad}")
+    )
+    err = "\n".join(x for x in capsys.readouterr().err.splitlines() if not x.startswith("[rlloom] "))
+    needles = [
+        "critic.model_path=",
+        "is invalid: tensor",
+        "but the model expects",
+        "Fix: check that config.json",
+    ]
+    assert_one_line_error(rc, err, needles)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

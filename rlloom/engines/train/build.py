@@ -12,6 +12,7 @@ import torch
 
 from rlloom.config.components import RunConfig, TrainEngineConfig
 from rlloom.engines.train.base import TrainEngine
+from rlloom.models.adapter import CheckpointMismatch
 from rlloom.parallel.dims import ParallelDims
 
 
@@ -38,19 +39,24 @@ def _native(
     **kind: Any,
 ) -> TrainEngine:
     """The native engine over `model_path` in the run's parallel layout and schedule length; `kind`:
-    `frozen` (the reference) or `head` (the critic)."""
+    `frozen` (the reference) or `head` (the critic). A checkpoint whose tensors do not fit its
+    config.json is reported under the setting that named it."""
     from rlloom.engines.train.native import NativeTrainEngine
 
-    return NativeTrainEngine.build(
-        engine_cfg,
-        model_path,
-        device=device,
-        dtype=dtype,
-        total_steps=_optimizer_steps(cfg),
-        parallel_dims=parallel_dims(cfg),
-        pipeline=cfg.parallel,
-        **kind,
-    )
+    try:
+        return NativeTrainEngine.build(
+            engine_cfg,
+            model_path,
+            device=device,
+            dtype=dtype,
+            total_steps=_optimizer_steps(cfg),
+            parallel_dims=parallel_dims(cfg),
+            pipeline=cfg.parallel,
+            **kind,
+        )
+    except CheckpointMismatch as e:
+        key = "critic.model_path" if kind.get("head") == "value" and cfg.critic.model_path else "model.path"
+        raise CheckpointMismatch(f"{key}={model_path!r} is invalid: {e}") from None
 
 
 def build_train_engine(cfg: RunConfig, *, device: torch.device, dtype: torch.dtype) -> TrainEngine:
