@@ -17,6 +17,22 @@ MAX_SEED = 2**32 - 1
 (`random.seed` takes any int, `torch.manual_seed` -2**63..2**64-1)."""
 
 
+LORA_TARGET_NAMES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+)
+"""Hugging Face projection names `train.lora_target_modules` may list (rlloom/models/lora.py)."""
+
+
 class UserError(ValueError):
     """A mistake in what the user gave (config, data file, model path): the CLI prints its one-line
     message as `rlloom: error: ...` and exits 2, without a traceback. Internal bugs raise other types."""
@@ -554,9 +570,35 @@ class TrainEngineConfig:
     moe_bias_update_rate: float = 0.0
     """DeepSeek-V3 correction-bias update per step (its pre-training used 0.001): under-loaded experts'
     bias rises by this much, over-loaded ones' falls. 0 keeps the checkpoint's bias, as RL runs do."""
+    lora_rank: int = 0
+    """LoRA: train rank-r adapters on the targeted projections with the rest of the policy frozen
+    (0 = full fine-tuning). Gradients and AdamW state exist for the adapters only; the weight sync,
+    `rlloom export` and the run's Hugging Face folders carry the merged weights, so the rollout
+    engine runs the plain model. LoRA usually wants a larger train.lr than full fine-tuning (e.g.
+    10x). The reference and the critic stay full models. Not with parallel.tp, pp or ep yet."""
+    lora_alpha: float = 16.0
+    """LoRA's scale numerator: the update is (lora_alpha / lora_rank) x B A."""
+    lora_target_modules: str = "all-linear"
+    """The projections that get adapters: all-linear (every attention and dense-MLP projection of the
+    decoder layers; routed experts, routers, embeddings and the lm head stay frozen) or a comma list
+    of Hugging Face names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, q_a_proj,
+    q_b_proj, kv_a_proj_with_mqa, kv_b_proj."""
 
     def __post_init__(self) -> None:
         _check_finite(self, "train")
+        _check(
+            self.lora_rank >= 0, "train.lora_rank", self.lora_rank, "must be >= 0", "use 0 (off) or e.g. 16"
+        )
+        _check(self.lora_alpha > 0, "train.lora_alpha", self.lora_alpha, "must be > 0", "e.g. 32")
+        targets = [t.strip() for t in self.lora_target_modules.split(",") if t.strip()]
+        _check(
+            self.lora_target_modules.strip() == "all-linear"
+            or (bool(targets) and all(t in LORA_TARGET_NAMES for t in targets)),
+            "train.lora_target_modules",
+            self.lora_target_modules,
+            f"must be all-linear or a comma list of {', '.join(LORA_TARGET_NAMES)}",
+            "use all-linear, or e.g. q_proj,v_proj",
+        )
         _check(self.lr > 0, "train.lr", self.lr, "must be > 0", "e.g. 1e-5")
         _check(
             self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "must be >= 0", "use 0.0 or 0.01"
@@ -1002,6 +1044,15 @@ class RunConfig:
             "set trainer.mode=async, or algorithm.decoupled_ppo=false",
         )
         self._check_rollout_replicas()
+        for key in ("tp", "pp", "ep"):
+            degree = getattr(self.parallel, key)
+            _check(
+                self.train.lora_rank == 0 or degree == 1,
+                f"parallel.{key}",
+                degree,
+                f"train.lora_rank={self.train.lora_rank} trains LoRA adapters, which run with FSDP and CP only so far",
+                f"set parallel.{key}=1 (shard with more cluster.num_workers), or train.lora_rank=0",
+            )
         _check(
             self.algorithm.overlong_buffer <= self.rollout.max_new_tokens,
             "algorithm.overlong_buffer",

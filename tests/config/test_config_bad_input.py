@@ -193,6 +193,21 @@ TRAIN_CASES = [
     ("reward_unknown", lambda t, c: ["reward.name=nosuch"], ["reward.name='nosuch'", "unknown"]),
     ("reward_plugin_missing", lambda t, c: ["reward.name=nosuch_pkg.mod:fn"], ["cannot import module"]),
     (
+        "lora_with_tp",
+        lambda t, c: ["train.lora_rank=8", "parallel.tp=2", "cluster.num_workers=2", "cluster.mode=ray"],
+        ["parallel.tp=2 is invalid", "train.lora_rank=8 trains LoRA adapters", "set parallel.tp=1"],
+    ),
+    (
+        "lora_unknown_target",
+        lambda t, c: ["train.lora_rank=8", "train.lora_target_modules=q_proj,qkv"],
+        ["train.lora_target_modules='q_proj,qkv' is invalid", "all-linear or a comma list of q_proj"],
+    ),
+    (
+        "lora_negative_rank",
+        lambda t, c: ["train.lora_rank=-1"],
+        ["train.lora_rank=-1 is invalid", "must be >= 0"],
+    ),
+    (
         "critic_path_missing",
         lambda t, c: ["algorithm.estimator=gae", f"critic.model_path={t}/none"],
         ["critic.model_path=", "is invalid"],

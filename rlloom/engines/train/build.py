@@ -81,8 +81,9 @@ def build_critic(cfg: RunConfig, *, device: torch.device, dtype: torch.dtype) ->
 
 
 def critic_engine_config(cfg: RunConfig) -> TrainEngineConfig:
-    """The critic's engine settings: the `train` section's with the critic's learning rate and clipping."""
-    return dataclasses.replace(cfg.train, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip)
+    """The critic's engine settings: the `train` section's with the critic's learning rate and clipping
+    (a full model: LoRA adapts the policy only)."""
+    return dataclasses.replace(cfg.train, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip, lora_rank=0)
 
 
 def critic_model_path(cfg: RunConfig) -> str:

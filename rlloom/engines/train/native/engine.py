@@ -61,6 +61,7 @@ from rlloom.engines.train.native.value import ValueHead
 from rlloom.engines.train.native.weights import WeightLayout, named_weight_buckets, weight_layouts
 from rlloom.models import from_pretrained
 from rlloom.models.checkpoint import value_model_from_pretrained
+from rlloom.models.lora import apply_lora, has_lora, merged_state
 from rlloom.observability.memory import reset_peak_memory
 from rlloom.parallel import ParallelDims, init_distributed
 from rlloom.parallel.cp import check_cp_layout
@@ -122,6 +123,13 @@ class NativeTrainEngine:
         # Trained parameters are the fp32 master weights; a frozen reference keeps the compute dtype.
         self.model = model.to(self.compute_dtype).requires_grad_(False) if frozen else model.float()
         self._body_params = active_body_params(self.model)  # before expert parallelism splits experts
+        if cfg.lora_rank and not frozen and head == "policy":
+            if parallel_dims is not None and max(parallel_dims.tp, parallel_dims.pp, parallel_dims.ep) > 1:
+                raise ValueError(
+                    f"LoRA (train.lora_rank={cfg.lora_rank}) runs with FSDP and CP only so far (tp="
+                    f"{parallel_dims.tp}, pp={parallel_dims.pp}, ep={parallel_dims.ep}). Fix: set those to 1."
+                )
+            apply_lora(self.model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_target_modules)
         self.module = (
             ValueHead(self.model, value_score)
             if head == "value"
@@ -162,7 +170,8 @@ class NativeTrainEngine:
         self.dp_group, self.dp_rank, self.dp_size = layout.dp_group, layout.dp_rank, layout.dp_size
         named = list(self.module.named_parameters())
         self._expert_params = [p for name, p in named if EXPERTS in name] if layout.ep_group else []
-        self._optimizer = None if frozen else EngineOptimizer(named, cfg)
+        trained = [(name, p) for name, p in named if p.requires_grad]  # LoRA freezes the base weights
+        self._optimizer = None if frozen else EngineOptimizer(trained, cfg)
         self.version = 0
         """Optimizer steps applied so far: the policy version of the current weights."""
         self.num_skipped_steps = 0
@@ -349,6 +358,8 @@ class NativeTrainEngine:
         under the names of transformers' *ForTokenClassification (`score.weight`, `score.bias`).
         """
         tensors = self.pipe.full_weights(tp_local_shards=owned_only) if self.pipe is not None else None
+        if has_lora(self.model):  # the rollout and Hugging Face folders get the merged weights
+            tensors = merged_state(self.model.state_dict(), self.model)
         head: dict[str, torch.Tensor] = {}
         if tensors is not None and self.head == "value":  # the pipeline's value head comes apart
             tensors = _split_off(tensors, "score.", head)

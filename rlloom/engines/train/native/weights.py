@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, Placement
 
 from rlloom.engines.train.native.checkpoint import EXPERTS
 from rlloom.models.adapter import StateDictAdapter
+from rlloom.models.lora import LORA_PARAMS
 from rlloom.parallel.tp_shard import exported, tp_shard_of
 
 
@@ -77,6 +78,8 @@ def weight_layouts(model: nn.Module, ep: int = 1) -> dict[str, WeightLayout]:
     adapter = StateDictAdapter(model.args)
     out: dict[str, WeightLayout] = {}
     for native_name, tensor in model.state_dict().items():
+        if native_name.endswith(LORA_PARAMS):  # exported merged into their weight (`lora.merged_state`)
+            continue
         mesh_dims: tuple[str, ...] = ()
         placements: tuple[Placement, ...] = ()
         if isinstance(tensor, DTensor):

@@ -1,0 +1,80 @@
+"""LoRA (train.lora_rank) on 2 gloo processes equals the one-process engine in fp32: FSDP (dp=2,
+the frozen base weights and the adapters sharded in the same units) and context parallelism (cp=2).
+Two steps (the first moves only B, which starts at zero; the second A too), then the logprobs and
+the adapters' gradients of a third batch, the adapters, and the merged weights the weight sync
+and the Hugging Face export read (`named_weights`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engines" / "train"))
+from parallel_helpers import run_gloo, tiny_model  # noqa: E402
+from test_train_parallel_gloo import MODE, TOL, WEIGHT_TOL, batches, cfg  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from train_engine_helpers import PolicyLoss  # noqa: E402
+
+from rlloom.algorithms.losses import loss_normalizer  # noqa: E402
+from rlloom.engines.train.native import NativeTrainEngine  # noqa: E402
+from rlloom.parallel import ParallelDims  # noqa: E402
+
+LAYOUTS = {"dp=2": dict(world_size=2), "cp=2": dict(world_size=2, cp=2)}
+
+
+def adapter_grads(engine: NativeTrainEngine) -> dict[str, torch.Tensor]:
+    """The gradients there are (the adapters': the base is frozen), as full tensors."""
+    return {
+        name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+        for name, p in engine.module.named_parameters()
+        if p.grad is not None
+    }
+
+
+def run(dims: ParallelDims | None) -> dict:
+    config = dataclasses.replace(cfg(), share_prompts=False, lora_rank=4, lora_alpha=8.0, lr=3e-2)
+    engine = NativeTrainEngine(config, tiny_model("qwen3"), parallel_dims=dims)
+    data = batches(False)
+    metrics = []
+    for batch in data[:2]:
+        normalizer = loss_normalizer(batch.response_mask(), MODE)
+        m = engine.train_step(batch, PolicyLoss(batch, MODE), loss_normalizer=normalizer)
+        metrics.append({k: m[k] for k in ("train/loss", "train/grad_norm")})
+    logp, _ = engine.forward_logprobs(data[2])
+    normalizer = loss_normalizer(data[2].response_mask(), MODE)
+    engine.forward_backward(data[2], PolicyLoss(data[2], MODE), loss_normalizer=normalizer)
+    return {
+        "metrics": metrics,
+        "logp": logp,
+        "grads": adapter_grads(engine),
+        "exported": {n: t.clone() for bucket in engine.named_weights() for n, t in bucket},
+    }
+
+
+def worker(rank: int, expected: dict) -> None:
+    for what, dims in LAYOUTS.items():
+        got = run(ParallelDims(**dims))
+        for i, (a, b) in enumerate(zip(got["metrics"], expected["metrics"])):
+            for k in b:
+                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (what, i, k)
+        torch.testing.assert_close(got["logp"], expected["logp"], **TOL, msg=f"{what} logp")
+        assert got["grads"].keys() == expected["grads"].keys()
+        for name, grad in expected["grads"].items():
+            # gradients of ~10 per element after two steps at lr 3e-2: a relative tolerance
+            torch.testing.assert_close(
+                got["grads"][name], grad, atol=1e-4, rtol=1e-4, msg=f"{what} grad {name}"
+            )
+        assert got["exported"].keys() == expected["exported"].keys()
+        for name, weight in expected["exported"].items():
+            torch.testing.assert_close(got["exported"][name], weight, **WEIGHT_TOL, msg=f"{what} {name}")
+
+
+def test_lora_under_fsdp_and_cp_equals_one_process():
+    expected = run(None)
+    assert set(expected["grads"]) == {n for n in expected["grads"] if "lora_" in n}  # adapters only
+    assert len(expected["grads"]) == 2 * 7 * 2
+    run_gloo(worker, 2, expected)
