@@ -1,5 +1,6 @@
 """LoRA (train.lora_rank) on 2 gloo processes equals the one-process engine in fp32: FSDP (dp=2,
-the frozen base weights and the adapters sharded in the same units) and context parallelism (cp=2).
+the frozen base weights and the adapters sharded in the same units; also gathered once a step)
+and context parallelism (cp=2).
 Two steps (the first moves only B, which starts at zero; the second A too), then the logprobs and
 the adapters' gradients of a third batch, the adapters, and the merged weights the weight sync
 and the Hugging Face export read (`named_weights`)."""
@@ -23,7 +24,11 @@ from rlloom.algorithms.losses import loss_normalizer  # noqa: E402
 from rlloom.engines.train.native import NativeTrainEngine  # noqa: E402
 from rlloom.parallel import ParallelDims  # noqa: E402
 
-LAYOUTS = {"dp=2": dict(world_size=2), "cp=2": dict(world_size=2, cp=2)}
+LAYOUTS = {  # (degrees, engine settings)
+    "dp=2": (dict(world_size=2), {}),
+    "dp=2 gathered once a step": (dict(world_size=2), {"gather_once_per_step": True}),
+    "cp=2": (dict(world_size=2, cp=2), {}),
+}
 
 
 def adapter_grads(engine: NativeTrainEngine) -> dict[str, torch.Tensor]:
@@ -35,8 +40,8 @@ def adapter_grads(engine: NativeTrainEngine) -> dict[str, torch.Tensor]:
     }
 
 
-def run(dims: ParallelDims | None) -> dict:
-    config = dataclasses.replace(cfg(), share_prompts=False, lora_rank=4, lora_alpha=8.0, lr=3e-2)
+def run(dims: ParallelDims | None, **settings) -> dict:
+    config = dataclasses.replace(cfg(), share_prompts=False, lora_rank=4, lora_alpha=8.0, lr=3e-2, **settings)
     engine = NativeTrainEngine(config, tiny_model("qwen3"), parallel_dims=dims)
     data = batches(False)
     metrics = []
@@ -56,8 +61,8 @@ def run(dims: ParallelDims | None) -> dict:
 
 
 def worker(rank: int, expected: dict) -> None:
-    for what, dims in LAYOUTS.items():
-        got = run(ParallelDims(**dims))
+    for what, (dims, settings) in LAYOUTS.items():
+        got = run(ParallelDims(**dims), **settings)
         for i, (a, b) in enumerate(zip(got["metrics"], expected["metrics"])):
             for k in b:
                 assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (what, i, k)
