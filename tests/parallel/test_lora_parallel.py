@@ -80,6 +80,9 @@ def worker(rank: int, expected: dict) -> None:
 
 def test_lora_under_fsdp_and_cp_equals_one_process():
     expected = run(None)
+    # the owner-only sync (separate placement) describes exactly what named_weights yields: no adapters
+    layouts = NativeTrainEngine(dataclasses.replace(cfg(), lora_rank=4), tiny_model("qwen3")).weight_layouts()
+    assert layouts.keys() == expected["exported"].keys()
     assert set(expected["grads"]) == {n for n in expected["grads"] if "lora_" in n}  # adapters only
     assert len(expected["grads"]) == 2 * 7 * 2
     run_gloo(worker, 2, expected)
