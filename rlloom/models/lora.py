@@ -62,11 +62,11 @@ class LoRALinear(nn.Linear):
         )
 
     def merged_weight(self) -> torch.Tensor:
-        """W + scaling x B A, full tensors (gathered when sharded), in the weight's dtype."""
+        """W + scaling x B A in fp32, full tensors (gathered when sharded)."""
         full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t.detach()  # noqa: E731
         weight = full(self.weight)
         update = (full(self.lora_B).float() @ full(self.lora_A).float()) * self.scaling
-        return (weight.float() + update).to(weight.dtype)
+        return weight.float() + update
 
 
 def parse_targets(targets: str) -> set[str] | None:

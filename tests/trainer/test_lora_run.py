@@ -7,13 +7,20 @@ equals the uninterrupted one. A learning rate that changes the samples, a reward
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 from test_trainer_loop import read_metrics, tiny_args, tiny_cfg
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engines" / "train"))
+from train_engine_helpers import PolicyLoss, make_batch  # noqa: E402
+
+from rlloom.algorithms.losses import loss_normalizer
 from rlloom.cli import main
+from rlloom.config.components import TrainEngineConfig
+from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.models import from_pretrained
 from rlloom.trainer.checkpoint import checkpoint_dir, checkpoint_model_tensors
 from rlloom.trainer.run import run
@@ -74,3 +81,23 @@ def test_lora_resumes_exactly(tiny_checkpoint, tmp_path):
     a = checkpoint_model_tensors(checkpoint_dir(straight, 3))
     b = checkpoint_model_tensors(checkpoint_dir(resumed, 3))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_one_device_keeps_the_frozen_base_in_the_compute_dtype(tiny_checkpoint):
+    # bf16 compute on one device (as on a GPU): the frozen weights are used as they are, in bf16,
+    # with no fp32 master and no per-step copy; the adapters keep fp32 masters and AdamW
+    config = TrainEngineConfig(lr=3e-2, lora_rank=4, lora_alpha=8.0)
+    engine = NativeTrainEngine(config, from_pretrained(tiny_checkpoint), dtype=torch.bfloat16)
+    dtypes = {n: p.dtype for n, p in engine.module.named_parameters()}
+    assert {d for n, d in dtypes.items() if "lora_" in n} == {torch.float32}
+    assert {d for n, d in dtypes.items() if "lora_" not in n} == {torch.bfloat16}
+    batch = make_batch(4, seed=3)
+    normalizer = loss_normalizer(batch.response_mask(), "token-mean")
+    for _ in range(2):
+        metrics = engine.train_step(batch, PolicyLoss(batch, "token-mean"), loss_normalizer=normalizer)
+        assert metrics["train/skipped_step"] == 0.0
+    wq = engine.model.layers[0].attention.wq
+    assert wq.lora_B.abs().max() > 0
+    merged = {n: t for bucket in engine.named_weights() for n, t in bucket}
+    expected = wq.weight.float() + wq.scaling * wq.lora_B @ wq.lora_A
+    torch.testing.assert_close(merged["model.layers.0.self_attn.q_proj.weight"], expected.detach())
