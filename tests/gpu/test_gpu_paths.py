@@ -11,6 +11,11 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+VARYING_REWARD = [
+    "reward.name=resume_reward:digit_share",
+    f"reward.import_dir={Path(__file__).parents[1] / 'trainer'}",
+    "reward.num_workers=1",
+]
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 
@@ -188,7 +193,14 @@ def test_bf16_train_engine_logprobs_and_step(tmp_path):
     assert after[mask].mean() > got[mask].mean()  # one step of maximum likelihood raised them
 
 
-def test_one_rl_step_on_gpu(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize(
+    "extra",
+    # LoRA: compiled adapted layers, the bf16 frozen base, the merged weight sync (lr 3e-2 and a
+    # reward that varies: a sync of the unmerged weights leaves the rollout behind at step 2)
+    [[], ["train.lora_rank=8", "train.lora_alpha=16", "train.lr=3e-2", *VARYING_REWARD]],
+    ids=["full", "lora"],
+)
+def test_one_rl_step_on_gpu(tiny_checkpoint, tmp_path, extra):
     from rlloom.cluster.build import build_groups
     from rlloom.config import load_config
     from rlloom.models import load_tokenizer
@@ -198,7 +210,12 @@ def test_one_rl_step_on_gpu(tiny_checkpoint, tmp_path):
 
     cfg = load_config(
         "arithmetic_smoke",
-        [f"model.path={tiny_checkpoint}", f"trainer.run_dir={tmp_path}", "algorithm.is_correction=tis"],
+        [
+            f"model.path={tiny_checkpoint}",
+            f"trainer.run_dir={tmp_path}",
+            "algorithm.is_correction=tis",
+            *extra,
+        ],
     )
     tok = load_tokenizer(tiny_checkpoint)
     groups = build_groups(cfg)
@@ -214,7 +231,8 @@ def test_one_rl_step_on_gpu(tiny_checkpoint, tmp_path):
     )
     for step in range(2):
         m = rl_step(ctx, step)
-    assert m["policy/version"] == 2 and m["rollout/logp_gap_abs"] < 0.1
+    assert m["policy/version"] == 2 and m["rollout/logp_gap_abs"] < (0.03 if extra else 0.1)
+    assert m["train/skipped_step"] == 0.0
 
 
 def test_compiled_layers_match_eager(tmp_path):
