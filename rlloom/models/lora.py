@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from rlloom.config.components import ConfigError
+
 HF_TARGETS = {  # keyed by config's LORA_TARGET_NAMES
     "q_proj": "wq",
     "k_proj": "wk",
@@ -63,10 +65,12 @@ class LoRALinear(nn.Linear):
 
     def merged_weight(self) -> torch.Tensor:
         """W + scaling x B A in fp32, full tensors (gathered when sharded)."""
-        full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t.detach()  # noqa: E731
-        weight = full(self.weight)
-        update = (full(self.lora_B).float() @ full(self.lora_A).float()) * self.scaling
-        return weight.float() + update
+        update = (_full(self.lora_B).float() @ _full(self.lora_A).float()) * self.scaling
+        return _full(self.weight).float() + update
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach()
 
 
 def parse_targets(targets: str) -> set[str] | None:
@@ -95,7 +99,11 @@ def apply_lora(model: nn.Module, *, rank: int, alpha: float, targets: str = ALL_
     adapters' initial values come from `seed` alone (every rank of a sharded engine gets the same)."""
     modules = list(_targeted(model, parse_targets(targets)))
     if not modules:
-        raise ValueError(f"train.lora_target_modules={targets!r} matches no projection of this model")
+        raise ConfigError(
+            f"train.lora_target_modules={targets!r} is invalid: it matches no projection of this "
+            f"{model.args.model_type} model. Fix: use all-linear, or names this model has (q_proj, ... for "
+            "grouped-query attention; q_a_proj, kv_b_proj, ... for DeepSeek-V3's MLA)."
+        )
     model.requires_grad_(False)
     gen = torch.Generator().manual_seed(seed)
     for _, module in modules:
