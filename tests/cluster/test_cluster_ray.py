@@ -90,12 +90,10 @@ def inline(tiny_checkpoint, tmp_path_factory) -> Path:
     return run_dir
 
 
-@pytest.mark.parametrize("layout", [[], ["parallel.tp=2"]], ids=["fsdp", "tp=2"])
-def test_colocated_placement_matches_one_process(tiny_checkpoint, inline, tmp_path, layout):
+def test_colocated_placement_matches_one_process(tiny_checkpoint, inline, tmp_path):
     # Engines of 4 sequences: the 4 prompts go out in 4 chunks to whichever replica is free; the
     # rollout sleeps during training and wakes for the sync. (Separate placement: the next test.)
-    # FSDP over the 2 actors, or tensor parallelism over them (the policy, the reference and the critic).
-    extra = ["cluster.num_workers=2", "rollout.max_num_seqs=4", "rollout.sleep_during_train=true", *layout]
+    extra = ["cluster.num_workers=2", "rollout.max_num_seqs=4", "rollout.sleep_during_train=true"]
     run(cfg_for(tiny_checkpoint, tmp_path, "cluster.mode=ray", *extra))
     assert_same_run(inline, tmp_path)
 
