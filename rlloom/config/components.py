@@ -982,6 +982,11 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
 
+    @property
+    def critic_model_path(self) -> str:
+        """The checkpoint PPO's critic starts from: critic.model_path, or the policy's model.path."""
+        return self.critic.model_path or self.model.path
+
     def __post_init__(self) -> None:
         _check_parallel_world(self.parallel, self.cluster.num_workers)
         _check(  # the same rule as rlloom.parallel.cp.check_cp_layout, at start-up

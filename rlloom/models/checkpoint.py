@@ -203,6 +203,8 @@ def value_model_from_pretrained(
     return model.eval(), score
 
 
+VALUE_MODEL_SUFFIXES = ("ForTokenClassification", "ForSequenceClassification")
+"""Architectures of transformers' value and reward models (a linear `score` head, no lm head)."""
 SCORE_NAMES = ("score.weight", "score.bias")
 """The linear value (or reward) head of transformers' *ForTokenClassification and
 *ForSequenceClassification checkpoints, by Hugging Face name."""
@@ -212,7 +214,7 @@ def value_model_config(hf_config: dict[str, Any]) -> dict[str, Any]:
     """config.json of a value model (transformers' *ForTokenClassification with one label, no
     dropout before the head) with the body of the model `hf_config` describes."""
     arch = (hf_config.get("architectures") or [""])[0]
-    for suffix in ("ForCausalLM", "ForTokenClassification", "ForSequenceClassification"):
+    for suffix in ("ForCausalLM", *VALUE_MODEL_SUFFIXES):
         if arch.endswith(suffix):
             arch = arch.removesuffix(suffix)
             break

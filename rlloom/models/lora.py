@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from rlloom.config.components import ConfigError
+from rlloom.models.model import unwrapped_name
 
 HF_TARGETS = {  # keyed by config's LORA_TARGET_NAMES
     "q_proj": "wq",
@@ -124,19 +125,14 @@ def merged_state(state: dict[str, torch.Tensor], model: nn.Module) -> Iterator[t
     """`state` (the model's state dict, names as `model.state_dict()`'s) with each adapted weight
     merged (W + scaling x B A, gathered) and the adapters left out; other tensors as they are.
     Collective when sharded: every rank must consume it."""
-    adapted = {f"{_unwrapped(n)}.weight": m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+    adapted = {
+        f"{unwrapped_name(n)}.weight": m for n, m in model.named_modules() if isinstance(m, LoRALinear)
+    }
     for name, tensor in state.items():
         if name.endswith(LORA_PARAMS):
             continue
         module = adapted.get(name)
         yield name, (module.merged_weight() if module is not None else tensor)
-
-
-def _unwrapped(name: str) -> str:
-    """A module name as the state dict has it (activation checkpointing and torch.compile wrap layers)."""
-    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):
-        name = name.replace(wrapper, "")
-    return name
 
 
 def has_lora(model: nn.Module) -> bool:

@@ -31,6 +31,14 @@ from rlloom.models.mla import MLAttention
 from rlloom.models.moe import MoE
 
 
+def unwrapped_name(name: str) -> str:
+    """A module or parameter name as the model's state dict has it: activation checkpointing
+    (`_checkpoint_wrapped_module.`) and torch.compile (`_orig_mod.`) wrap layers in modules of their own."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(wrapper, "")
+    return name
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + ffn(norm(x)) where ffn is a SwiGLU MLP or MoE."""
 

@@ -82,6 +82,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
+from rlloom.models.model import unwrapped_name
 from rlloom.models.moe import GroupedExperts
 from rlloom.parallel.grad_norm import grad_norm, scale_to_max_norm_
 from rlloom.parallel.pp_batches import PipeMicroBatch, StageFeed, check_budget, pad_to_budget
@@ -341,9 +342,7 @@ class Pipeline:
 
 def model_name(name: str) -> str:
     """A stage module's parameter name as the whole CausalLM's (no wrapper prefixes)."""
-    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):
-        name = name.replace(wrapper, "")
-    return name.removeprefix("model.")
+    return unwrapped_name(name).removeprefix("model.")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ def fit_warning(cfg: RunConfig, gpu_memory_gb: float, cpu_memory_gb: float = 0.0
     costs = _costs(cfg.model.path)
     critic = 0.0
     if cfg.algorithm.uses_critic:
-        critic = value_model_params(_costs(cfg.critic.model_path or cfg.model.path))
+        critic = value_model_params(_costs(cfg.critic_model_path))
     layout, work = run_layout(cfg, critic)
     hw = Hardware(
         gpus=layout.dp,

@@ -22,7 +22,7 @@ import torch
 from rlloom.cluster.base import TrainGroup
 from rlloom.config.components import ConfigError, RunConfig
 from rlloom.config.loading import load_config
-from rlloom.engines.train.build import critic_engine_config, critic_model_path
+from rlloom.engines.train.build import critic_engine_config
 from rlloom.engines.train.hf_folder import ExportDType, save_hf_folder
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.engines.train.sealed import verify_folder
@@ -117,7 +117,7 @@ def build_engine_from_checkpoint(ckpt: Path, *, critic: bool = False) -> tuple[R
             )
         engine = NativeTrainEngine.build(
             critic_engine_config(cfg),
-            critic_model_path(cfg),
+            cfg.critic_model_path,
             device="cpu",
             dtype=torch.float32,
             total_steps=total_steps,
@@ -148,5 +148,5 @@ def export_checkpoint(
     ckpt = resolve_checkpoint(source)
     create_output(out_path)
     cfg, engine = build_engine_from_checkpoint(ckpt, critic=critic)
-    model_path = critic_model_path(cfg) if critic else cfg.model.path
+    model_path = cfg.critic_model_path if critic else cfg.model.path
     return save_hf_folder(engine, model_path, out_path, dtype=dtype, critic=critic)

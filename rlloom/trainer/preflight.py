@@ -39,7 +39,7 @@ from rlloom.engines.rollout.native.model_runner import kv_bytes_per_block
 from rlloom.engines.rollout.native.tensor_parallel import tp_problem
 from rlloom.engines.rollout.native.validation import available_memory_bytes, kv_cache_problem
 from rlloom.models.args import ModelArgs
-from rlloom.models.checkpoint import resolve_path
+from rlloom.models.checkpoint import VALUE_MODEL_SUFFIXES, resolve_path
 from rlloom.models.fp8 import FP8_NEEDS_EXPERTS
 from rlloom.parallel.dims import ParallelDims
 from rlloom.parallel.pp_stages import check_pp, split_layers
@@ -137,10 +137,6 @@ def model_hf_config(path: str, key: str = "model.path") -> dict[str, Any]:
         return json.loads((folder / "config.json").read_text())
     except (ValueError, OSError) as e:
         raise ConfigError(f"{key}={path!r} is invalid: {' '.join(str(e).split())}") from None
-
-
-VALUE_MODEL_SUFFIXES = ("ForTokenClassification", "ForSequenceClassification")
-"""Architectures of transformers' value and reward models (a linear `score` head, no lm head)."""
 
 
 def check_policy_model(cfg: RunConfig, hf_config: dict[str, Any]) -> None:

@@ -137,9 +137,9 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
                     kl_coef, observed, len(batch), target=algo.kl_target, horizon=algo.kl_horizon
                 )
             if values_BT is None:  # reinforce_pp
-                adv_BT = compute_advantages(cfg.algorithm, batch, rewards_BT)
+                adv_BT = compute_advantages(algo, batch, rewards_BT)
             else:  # PPO with a critic: GAE, and the critic's targets
-                adv_BT, returns_BT = gae_targets(cfg.algorithm, batch, values_BT, rewards_BT)
+                adv_BT, returns_BT = gae_targets(algo, batch, values_BT, rewards_BT)
                 metrics.update(value_metrics(values_BT, returns_BT, batch.response_mask()))
                 normalizer = value_normalizer(batch.response_mask())
                 value_update = ValueUpdate(

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_trainer_loop import read_metrics, tiny_args, tiny_cfg
+from test_trainer_loop import assert_same_tensors, read_metrics, run_straight_and_resumed, tiny_args, tiny_cfg
 
 from rlloom.algorithms import adaptive_kl_coef
 from rlloom.cli import main
@@ -117,15 +117,11 @@ def test_ppo_with_a_critic_through_the_cli(tiny_checkpoint, tmp_path):
 
 
 def test_resume_restores_the_critic_exactly(tiny_checkpoint, tmp_path):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run(tiny_cfg(tiny_checkpoint, straight, *PPO, "trainer.total_steps=3"))
-    run(tiny_cfg(tiny_checkpoint, resumed, *PPO, "trainer.total_steps=1"))
-    run(tiny_cfg(tiny_checkpoint, resumed, *PPO, "trainer.total_steps=3", "trainer.resume=auto"))
+    straight, resumed = run_straight_and_resumed(tiny_checkpoint, tmp_path, *PPO)
     assert read_metrics(resumed) == read_metrics(straight)
     policy = lambda run_dir, step: checkpoint_model_tensors(checkpoint_dir(run_dir, step))
     for tensors in (policy, critic_tensors):
-        a, b = tensors(straight, 3), tensors(resumed, 3)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert_same_tensors(tensors(straight, 3), tensors(resumed, 3))
 
 
 def test_ppo_with_a_critic_runs_one_step_off(tiny_checkpoint, tmp_path):
@@ -245,15 +241,12 @@ def test_adaptive_kl_in_the_reward_steers_its_coefficient_and_resumes_exactly(ti
         "algorithm.kl_horizon=40",
         "trainer.num_mini_batches=1",
     ]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    cfg = tiny_cfg(tiny_checkpoint, straight, *PPO, *kl, "trainer.total_steps=3")
-    run(cfg)
+    straight, resumed = run_straight_and_resumed(tiny_checkpoint, tmp_path, *PPO, *kl)
+    cfg = tiny_cfg(tiny_checkpoint, straight, *PPO, *kl)
     rows = read_metrics(straight)
     step = 0.2 * cfg.trainer.prompts_per_step * cfg.rollout.n_samples / 40  # the largest move
     assert rows[0]["reward/kl"] == 0.0 and rows[1]["reward/kl"] > 1e-6  # the policy leaves the reference
     assert rows[0]["reward/kl_coef"] == 0.1
     assert rows[1]["reward/kl_coef"] == pytest.approx(0.1 * (1 - step), rel=1e-9)
     assert rows[2]["reward/kl_coef"] == pytest.approx(0.1 * (1 - step) * (1 + step), rel=1e-9)
-    run(tiny_cfg(tiny_checkpoint, resumed, *PPO, *kl, "trainer.total_steps=1"))
-    run(tiny_cfg(tiny_checkpoint, resumed, *PPO, *kl, "trainer.total_steps=3", "trainer.resume=auto"))
     assert read_metrics(resumed) == rows  # the controller's coefficient came back with the checkpoint

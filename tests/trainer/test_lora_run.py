@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from test_trainer_loop import read_metrics, tiny_args, tiny_cfg
+from test_trainer_loop import assert_same_tensors, read_metrics, run_straight_and_resumed, tiny_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engines" / "train"))
 from train_engine_helpers import PolicyLoss, make_batch  # noqa: E402
@@ -23,7 +23,6 @@ from rlloom.config.components import TrainEngineConfig
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.models import from_pretrained
 from rlloom.trainer.checkpoint import checkpoint_dir, checkpoint_model_tensors
-from rlloom.trainer.run import run
 
 LORA = [
     "train.lora_rank=4",
@@ -73,14 +72,10 @@ def test_lora_trains_adapters_syncs_merged_weights_and_exports_them(tiny_checkpo
 
 
 def test_lora_resumes_exactly(tiny_checkpoint, tmp_path):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run(tiny_cfg(tiny_checkpoint, straight, *LORA, "trainer.total_steps=3"))
-    run(tiny_cfg(tiny_checkpoint, resumed, *LORA, "trainer.total_steps=1"))
-    run(tiny_cfg(tiny_checkpoint, resumed, *LORA, "trainer.total_steps=3", "trainer.resume=auto"))
+    straight, resumed = run_straight_and_resumed(tiny_checkpoint, tmp_path, *LORA)
     assert read_metrics(resumed) == read_metrics(straight)
-    a = checkpoint_model_tensors(checkpoint_dir(straight, 3))
-    b = checkpoint_model_tensors(checkpoint_dir(resumed, 3))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    tensors = lambda run_dir: checkpoint_model_tensors(checkpoint_dir(run_dir, 3))  # noqa: E731
+    assert_same_tensors(tensors(straight), tensors(resumed))
 
 
 def test_one_device_keeps_the_frozen_base_in_the_compute_dtype(tiny_checkpoint):

@@ -38,6 +38,19 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in json.loads(x).items() if not k.startswith(NON_DETERMINISTIC)} for x in lines]
 
 
+def run_straight_and_resumed(ckpt: Path, tmp_path: Path, *extra: str, steps: int = 3) -> tuple[Path, Path]:
+    """Run folders of `steps` uninterrupted steps and of one step, then resumed to `steps`."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run(tiny_cfg(ckpt, straight, *extra, f"trainer.total_steps={steps}"))
+    run(tiny_cfg(ckpt, resumed, *extra, "trainer.total_steps=1"))
+    run(tiny_cfg(ckpt, resumed, *extra, f"trainer.total_steps={steps}", "trainer.resume=auto"))
+    return straight, resumed
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def final_weights(run_dir: Path, step: int, tmp: Path) -> dict[str, torch.Tensor]:
     """The model tensors of checkpoint step_N of a run (native names); `tmp` is unused."""
     return checkpoint_model_tensors(checkpoint_dir(run_dir, step))

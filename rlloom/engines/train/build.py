@@ -76,7 +76,7 @@ def build_critic(cfg: RunConfig, *, device: torch.device, dtype: torch.dtype) ->
     started from `critic.model_path` (or the policy's checkpoint) in the run's layout; the `train`
     section's settings with the critic's learning rate and clipping."""
     return _native(
-        cfg, critic_engine_config(cfg), critic_model_path(cfg), device=device, dtype=dtype, head="value"
+        cfg, critic_engine_config(cfg), cfg.critic_model_path, device=device, dtype=dtype, head="value"
     )
 
 
@@ -84,8 +84,3 @@ def critic_engine_config(cfg: RunConfig) -> TrainEngineConfig:
     """The critic's engine settings: the `train` section's with the critic's learning rate and clipping
     (a full model: LoRA adapts the policy only)."""
     return dataclasses.replace(cfg.train, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip, lora_rank=0)
-
-
-def critic_model_path(cfg: RunConfig) -> str:
-    """The checkpoint the critic starts from: critic.model_path, or the policy's."""
-    return cfg.critic.model_path or cfg.model.path

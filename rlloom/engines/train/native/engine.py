@@ -40,7 +40,6 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from rlloom.config.components import ParallelConfig, TrainEngineConfig
 from rlloom.data.types import RolloutBatch
@@ -66,6 +65,7 @@ from rlloom.observability.memory import reset_peak_memory
 from rlloom.parallel import ParallelDims, init_distributed
 from rlloom.parallel.cp import check_cp_layout
 from rlloom.parallel.pp import Pipeline
+from rlloom.parallel.tp_shard import exported
 
 
 class NativeTrainEngine:
@@ -394,11 +394,7 @@ class NativeTrainEngine:
         if self.pipe is not None:
             yield [(name, t.to(dtype or t.dtype)) for name, t in from_pipeline.items()]
             return
-        bucket = []
-        for name, param in self.module.score.named_parameters():
-            full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
-            bucket.append((f"score.{name}", full.to(dtype or param.dtype)))
-        yield bucket
+        yield [(f"score.{n}", exported(p, False, dtype)) for n, p in self.module.score.named_parameters()]
 
     def weight_layouts(self) -> dict[str, WeightLayout]:
         """For each Hugging Face name `named_weights` yields, where it lives on this rank (native
