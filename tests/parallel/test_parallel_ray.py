@@ -1,11 +1,12 @@
-"""The whole RL run through `run(cfg)` with 2 Ray workers in a tensor-parallel or an expert-parallel
-training layout gives the one-process run's per-step metrics (loss, grad norm, rewards, entropy, ...)
-within rel 1e-4. The learning rate (3e-2) is large enough that a wrong gradient changes the weights,
-hence the later samples; the random tiny model earns no reward, so an entropy bonus gives the
-gradient. The KL term runs the frozen reference in the same layout, and the MoE routes of the
-rollout are replayed under expert parallelism; with a rollout pool of its own (separate placement,
-tp=2 x ep=2) both ranks send the rollout what they own (owner-only weight sync): their experts and
-their tensor-parallel shards."""
+"""The whole RL run through `run(cfg)` with 2 Ray workers in a tensor- and expert-parallel training
+layout (the experts split over the tensor-parallel ranks; expert parallelism over data-parallel
+ranks runs on gloo in test_train_parallel_gloo.py) gives the one-process run's per-step metrics
+(loss, grad norm, rewards, entropy, ...) within rel 1e-4, colocated and with a rollout pool of its
+own. The learning rate (3e-2) is large enough that a wrong gradient changes the weights, hence the
+later samples; the random tiny model earns no reward, so an entropy bonus gives the gradient. The
+KL term runs the frozen reference in the same layout, and the MoE routes of the rollout are
+replayed; with separate placement both ranks send the rollout what they own (owner-only weight
+sync): their experts and their tensor-parallel shards."""
 
 from __future__ import annotations
 
@@ -59,8 +60,9 @@ def one_process(tiny_moe_checkpoint, tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize(
     "layout",
     [
-        "parallel.tp=2",
-        "parallel.ep=2",
+        # colocated: each rank's rollout gathers the full weights (attention's TP shards and the
+        # experts, split over the TP ranks) in its own process
+        "parallel.tp=2 parallel.ep=2",
         # a rollout pool of its own: both ranks send what they own (owner-only weight sync): their
         # expert-parallel rank's experts and their tensor-parallel shards of attention and the head
         "parallel.tp=2 parallel.ep=2 cluster.placement=separate cluster.rollout_workers=1",
