@@ -147,6 +147,17 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         help="PPO with a critic (algorithm.estimator=gae) started from the same model: its weights and "
         "moments stay on the GPUs beside the policy's",
     )
+    plan.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="train LoRA adapters of this rank instead of every weight (train.lora_rank; 0: full fine-tuning)",
+    )
+    plan.add_argument(
+        "--lora-target-modules",
+        default="all-linear",
+        help="the projections LoRA adapts, as train.lora_target_modules (default all-linear)",
+    )
     plan.add_argument("--check", help="evaluate one layout, e.g. tp=8,pp=12,cp=1,ep=8,offload=1.0")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.error = _plan_usage_error  # type: ignore[method-assign]

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlloom.models.args import ModelArgs
+from rlloom.models.lora import parse_targets
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,4 +198,43 @@ def value_model_params(costs: ModelCosts) -> int:
         - (0 if costs.tied else costs.vocab_size * costs.hidden_size)
         + costs.hidden_size
         + 1
+    )
+
+
+def _projections(args: ModelArgs, is_moe: bool) -> dict[str, tuple[int, int]]:
+    """(in, out) features of one decoder layer's projections that LoRA can target, by native name:
+    the attention's and the dense MLP's (an MoE layer's shared experts; routed experts never)."""
+    h, a = args.hidden_size, args.num_heads
+    if args.mla is not None:
+        m = args.mla
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        attn = {"wkv_a": (h, m.kv_lora_rank + m.qk_rope_head_dim)}
+        attn["wkv_b"] = (m.kv_lora_rank, a * (m.qk_nope_head_dim + m.v_head_dim))
+        attn["wo"] = (a * m.v_head_dim, h)
+        if m.q_lora_rank:
+            attn |= {"wq_a": (h, m.q_lora_rank), "wq_b": (m.q_lora_rank, a * qk)}
+        else:
+            attn["wq"] = (h, a * qk)
+    else:
+        d, k = args.head_dim, args.num_kv_heads
+        attn = {"wq": (h, a * d), "wk": (h, k * d), "wv": (h, k * d), "wo": (a * d, h)}
+    if not is_moe:
+        width = args.intermediate_size
+    else:
+        assert args.moe is not None
+        width = args.moe.num_shared_experts * args.moe.intermediate_size
+    mlp = {"w1": (h, width), "w3": (h, width), "w2": (width, h)} if width else {}
+    return attn | mlp
+
+
+def lora_params(args: ModelArgs, rank: int, targets: str) -> int:
+    """Trainable parameters of `train.lora_rank=rank` adapters on `targets` (a
+    `train.lora_target_modules` value): rank x (in + out) per adapted projection (models/lora.py)."""
+    wanted = parse_targets(targets)
+    sparse = set(args.moe.sparse_layers) if args.moe is not None else set()
+    return sum(
+        rank * (fan_in + fan_out)
+        for i in range(args.num_layers)
+        for name, (fan_in, fan_out) in _projections(args, i in sparse).items()
+        if wanted is None or name in wanted
     )

@@ -96,6 +96,10 @@ class Workload:
     rollout_quantization: str = "none"
     """rlloom's rollout.quantization: `fp8` holds the routed experts in 1 byte a parameter plus an
     fp32 scale per 128 (the rest stays bf16)."""
+    lora_params: float = 0.0
+    """Trainable LoRA adapter parameters (train.lora_rank > 0; plan/counts.lora_params): only they
+    get gradients and AdamW moments, and on one device the frozen base is kept in bf16; 0: full
+    fine-tuning."""
     critic_params: float = 0.0
     """Parameters of PPO's critic (algorithm.estimator=gae), a second model trained on the same GPUs
     in the same layout; 0: no critic."""

@@ -101,9 +101,9 @@ def estimate(costs: ModelCosts, layout: Layout, hw: Hardware, work: Workload) ->
     # PPO's critic is cut into the policy's stages: each pp rank keeps its layers' share
     critic = [critic_state_gb(work.critic_params * len(r) / len(costs.layers), layout) for r in stages]
     kept = weights_kept + kv_kept
-    peaks = [bd.total + kept + sum(critic[s]) for s, (bd, _, _) in enumerate(results)]
+    peaks = [bd.total + kept + sum(critic[s]) for s, (bd, *_) in enumerate(results)]
     worst = max(range(len(peaks)), key=peaks.__getitem__)
-    breakdown, phase, _ = results[worst]
+    breakdown, phase, *_ = results[worst]
     critic_params, critic_optimizer = critic[worst]
     breakdown = replace(
         breakdown,
@@ -111,12 +111,13 @@ def estimate(costs: ModelCosts, layout: Layout, hw: Hardware, work: Workload) ->
         optimizer=breakdown.optimizer + critic_optimizer,
         buffers=breakdown.buffers + kv_kept,
     )
-    # Host per GPU: offloaded fp32 master + moments + pinned fp32 gradient staging; while the
-    # rollout runs, the training engine's GPU state (fp32 shards and moments) waits on the host;
+    # Host per GPU: offloaded fp32 master + moments + pinned fp32 gradient staging of the trained
+    # parameters; while the rollout runs, the training engine's GPU state (parameter shards and
+    # moments) waits on the host;
     # while training runs, the rollout's weights do (unless they stay on the GPU).
-    per_gpu = max(p for _, _, p in results)
-    offloaded = 16 * layout.offload_fraction * per_gpu
-    during_rollout = (4 + 8 * (1 - layout.offload_fraction)) * per_gpu if rollout else 0.0
+    trained = max(p for _, _, p, _ in results)
+    offloaded = 16 * layout.offload_fraction * trained
+    during_rollout = max(state for *_, state in results) if rollout else 0.0
     during_train = rollout.weights_gb * GB if rollout and not work.rollout_weights_on_gpu else 0.0
     host_per_gpu = offloaded + max(during_rollout, during_train) + HOST_OVERHEAD_GB_PER_GPU * GB
     host = host_per_gpu * min(hw.gpus_per_node, hw.gpus) / GB

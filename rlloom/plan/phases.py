@@ -79,10 +79,40 @@ def _head_chunk_tokens(selected: float, chunk: int) -> float:
     return max(2 * first, first + 2 * second) if second else 2 * first
 
 
+@dataclass(frozen=True, slots=True)
+class Trained:
+    """Parameters per GPU of one stage that hold fp32 gradients and AdamW moments: all of them, or
+    with LoRA only the adapters (the frozen base, embedding and head have neither)."""
+
+    params: float
+    """Per GPU, sharded as the stage's parameters are."""
+    layer: float
+    """One decoder layer's, as one GPU gathers it (its gradients before the reduce)."""
+    head: float
+    """The vocabulary head's as one GPU gathers it (its weight gradient)."""
+    embed: float
+    """The embedding's, on one device (its gradient comes last)."""
+    root: float
+    """The root unit's (embedding, final norm, head) as one GPU gathers it."""
+    root_shard: float
+    """The root unit's shard."""
+
+
+def _trained(costs: ModelCosts, layers: range, layout: Layout, work: Workload, full: Trained) -> Trained:
+    """`full` (every parameter trains) or, with LoRA, the stage's share of the adapters: they sit in
+    every decoder layer (spread evenly: adapters are a few MB a layer), nowhere in the root unit."""
+    if not work.lora_params:
+        return full
+    per_layer = work.lora_params / len(costs.layers)
+    shard = layout.tp * layout.cp * layout.dp
+    return Trained(len(layers) * per_layer / shard, per_layer / layout.tp, 0.0, 0.0, 0.0, 0.0)
+
+
 def stage_memory(
     costs: ModelCosts, layers: range, stage: int, layout: Layout, work: Workload
-) -> tuple[Breakdown, str, float]:
-    """(breakdown at the peak, the phase it is in, parameters per GPU) of one stage."""
+) -> tuple[Breakdown, str, float, float]:
+    """(breakdown at the peak, the phase it is in, trained parameters per GPU, bytes of the engine's
+    own state per GPU: parameter shards and moments) of one stage."""
     is_first, is_last = stage == 0, stage == layout.pp - 1
     shard = layout.tp * layout.cp * layout.dp  # FSDP x TP (dense) = EP x expert FSDP (experts)
     present = layer_kinds(costs, layers)
@@ -94,10 +124,19 @@ def stage_memory(
     layer = max(c.dense_params / layout.tp + c.expert_params / layout.ep for c, _ in present)
     root_gpu = root / layout.tp  # the root unit (embedding, final norm, head) as one GPU gathers it
     head_gpu = costs.vocab_size * costs.hidden_size / layout.tp if is_last else 0.0
-    earlier = 4 * per_gpu if work.micro_batches > 1 else 0.0  # gradients of the earlier micro-batches
+    embed_gpu = costs.embed_params if is_first else 0.0
+    full = Trained(per_gpu, layer, head_gpu, embed_gpu, root_gpu, root / shard)
+    trained = _trained(costs, layers, layout, work, full)
+    earlier = 4 * trained.params if work.micro_batches > 1 else 0.0  # the earlier micro-batches' gradients
 
-    shards = 4 * per_gpu  # fp32 parameter shards: the master weights FSDP2 gathers from (all on one GPU)
-    optimizer = 8 * (1 - layout.offload_fraction) * per_gpu
+    # One GPU without optimizer offload runs without FSDP (NativeTrainEngine's rule): a bf16 copy of
+    # every parameter while it computes, instead of FSDP's gathered root and layers. LoRA's frozen
+    # base there is kept in bf16 and needs no copy; under FSDP it stays in fp32 shards.
+    copies = layout.world == 1 and not layout.offload_fraction
+    frozen = per_gpu if work.lora_params else 0.0
+    # fp32 parameter shards: the master weights FSDP2 gathers from (all on one GPU)
+    shards = 4 * trained.params + (2 if copies else 4) * frozen
+    optimizer = 8 * (1 - layout.offload_fraction) * trained.params
     gathered_root = 2 * root_gpu  # bf16, gathered for the whole forward and backward
 
     t = work.max_tokens_per_gpu / (layout.tp * layout.cp)  # tokens per GPU (sequence parallel)
@@ -136,30 +175,25 @@ def stage_memory(
         `input / divide_factor`; from the second micro-batch on the output exists before it is added."""
         return 4 * unit * (2 if fsdp == 1 else 1) + (4 * unit / fsdp if work.micro_batches > 1 else 0.0)
 
-    # One GPU without optimizer offload runs without FSDP (NativeTrainEngine's rule): a bf16 copy of
-    # every parameter while it computes, instead of FSDP's gathered root and layers.
-    copies = layout.world == 1 and not layout.offload_fraction
     if copies:
         phases = _one_device_phases(
-            shards, earlier, optimizer, activations, working, per_gpu=per_gpu, layer=layer,
-            head_gpu=head_gpu, tied=costs.tied, last_layer=last_layer,
-            embed_gpu=costs.embed_params if is_first else 0.0,
+            shards, earlier, optimizer, activations, working, trained=trained, tied=costs.tied,
+            last_layer=last_layer,
         )  # fmt: skip
     else:
         phases = _fsdp_phases(
-            shards, earlier, optimizer, activations, working, comm, per_gpu=per_gpu, layer=layer,
-            gathered_root=gathered_root, root_gpu=root_gpu, head_gpu=head_gpu, reduce_extra=reduce_extra,
+            shards, earlier, optimizer, activations, working, comm, trained=trained, layer=layer,
+            gathered_root=gathered_root, reduce_extra=reduce_extra,
             nccl=NCCL_BUFFERS_GB * GB if layout.world > 1 else 0.0, last_layer=last_layer,
-            root_shard=root / shard,
         )  # fmt: skip
     # the optimizer step: every fp32 gradient, and the engine's trial of the update on one slice of
     # at most TRIAL_CHUNK elements (parameter, two moments, the isfinite flags: 13 bytes an element;
     # engines/train/native/step_guard.py) before it applies the step
-    fsdp_vh = costs.vocab_size * costs.hidden_size / shard if root else 0.0
-    largest = max(fsdp_vh, layer / 3 / fsdp)  # a layer's largest matrix: about a third of it
+    fsdp_vh = costs.vocab_size * costs.hidden_size / shard if trained.root else 0.0
+    largest = max(fsdp_vh, trained.layer / 3 / fsdp)  # a layer's largest matrix: about a third of it
     phases["step"] = Breakdown(
         shards,
-        4 * per_gpu,
+        4 * trained.params,
         optimizer,
         0.0,
         13 * min(TRIAL_CHUNK, largest) + (NCCL_BUFFERS_GB * GB if layout.world > 1 else 0.0),
@@ -171,15 +205,15 @@ def stage_memory(
         selected = work.response_fraction * seq
         chunks = _head_chunk_tokens(selected, work.logprob_chunk_tokens)
         phases["head"] = Breakdown(
-            shards + (2 * per_gpu if copies else gathered_root),
-            earlier + 4 * head_gpu,
+            shards + (2 * trained.params if copies else gathered_root),
+            earlier + 4 * trained.head,
             optimizer,
             activations + (4 + 2) * t * costs.hidden_size,
             comm + 2 * 2 * selected * costs.hidden_size + 2 * chunks * costs.vocab_size / layout.tp,
         )
     phase = max(phases, key=lambda name: phases[name].total)
     bd = phases[phase]
-    return Breakdown(*(x / GB for x in astuple(bd))), phase, per_gpu
+    return Breakdown(*(x / GB for x in astuple(bd))), phase, trained.params, shards + optimizer
 
 
 def _fsdp_phases(
@@ -190,25 +224,22 @@ def _fsdp_phases(
     working: float,
     comm: float,
     *,
-    per_gpu: float,
+    trained: Trained,
     layer: float,
     gathered_root: float,
-    root_gpu: float,
-    head_gpu: float,
     reduce_extra: Callable[[float], float],
     nccl: float,
     last_layer: float,
-    root_shard: float,
 ) -> dict[str, Breakdown]:
     """The backward's phases under FSDP2 (several GPUs, or one with optimizer offload): layers
-    gathered one at a time."""
+    gathered one at a time (`layer`: one gathered; `trained`: what of it gets gradients)."""
     return {
         # a decoder layer's backward: it and the prefetched next layer gathered in bf16, its bf16
         # gradients, the previous layer's reduce input (kept until this layer reduces), the head's
         # bf16 weight gradient (reduced with the root at the end), recomputed activations and grads
         "layers": Breakdown(
             shards + gathered_root + 2 * 2 * layer,
-            earlier + 2 * head_gpu + (2 + 4) * layer,
+            earlier + 2 * trained.head + (2 + 4) * trained.layer,
             optimizer,
             activations + working,
             comm,
@@ -217,7 +248,9 @@ def _fsdp_phases(
         # other layer (with one micro-batch they appear as the layers go) and one layer's input
         "last layer": Breakdown(
             shards + gathered_root + 2 * layer,
-            (earlier or 4 * (per_gpu - root_shard)) + 2 * head_gpu + (2 + 4) * layer,
+            (earlier or 4 * (trained.params - trained.root_shard))
+            + 2 * trained.head
+            + (2 + 4) * trained.layer,
             optimizer,
             last_layer + working,
             comm,
@@ -225,7 +258,7 @@ def _fsdp_phases(
         # that layer's gradient reduce, once it is resharded: the prefetched layer and the reduce
         "layer reduce": Breakdown(
             shards + gathered_root + 2 * layer,
-            earlier + 2 * head_gpu + reduce_extra(layer),
+            earlier + 2 * trained.head + reduce_extra(trained.layer),
             optimizer,
             activations,
             comm,
@@ -233,7 +266,7 @@ def _fsdp_phases(
         # end of backward, the root unit's reduce (after its reshard): every fp32 gradient
         "reduce": Breakdown(
             shards,
-            4 * per_gpu + reduce_extra(root_gpu),
+            4 * trained.params + reduce_extra(trained.root),
             optimizer,
             0.0,
             nccl,
@@ -248,24 +281,22 @@ def _one_device_phases(
     activations: float,
     working: float,
     *,
-    per_gpu: float,
-    layer: float,
-    head_gpu: float,
+    trained: Trained,
     tied: bool,
     last_layer: float,
-    embed_gpu: float,
 ) -> dict[str, Breakdown]:
     """The backward's phases on one GPU without optimizer offload, which runs without FSDP
     (parallel/mixed_precision.py): a bf16
     copy of every parameter for the whole forward and backward, each bf16 gradient added into the
     fp32 ones as soon as autograd has it. A tied head's bf16 gradient waits in autograd for the
-    embedding's part until the end of backward; an untied head's is in fp32 from the start."""
-    copies = 2 * per_gpu
-    waiting = 2 * head_gpu if tied else 0.0
+    embedding's part until the end of backward; an untied head's is in fp32 from the start. With
+    LoRA only the adapters have copies and gradients (`trained`)."""
+    copies = 2 * trained.params
+    waiting = 2 * trained.head if tied else 0.0
     if earlier:  # the fp32 gradients exist (earlier micro-batches): a layer adds its bf16 ones into them
-        layer_grads = earlier + waiting + 2 * layer
+        layer_grads = earlier + waiting + 2 * trained.layer
     else:  # the first layer's bf16 gradients and their fp32 casts, the head's gradient
-        layer_grads = (waiting or 4 * head_gpu) + (2 + 4) * layer
+        layer_grads = (waiting or 4 * trained.head) + (2 + 4) * trained.layer
     return {
         # the first layer's backward: its gradients, recomputed activations
         "layers": Breakdown(shards + copies, layer_grads, optimizer, activations + working, 0.0),
@@ -273,12 +304,14 @@ def _one_device_phases(
         # (with one micro-batch they appear as the layers go), one layer's input
         "last layer": Breakdown(
             shards + copies,
-            (earlier or 4 * (per_gpu - embed_gpu)) + waiting + 2 * layer,
+            (earlier or 4 * (trained.params - trained.embed)) + waiting + 2 * trained.layer,
             optimizer,
             last_layer + working,
             0.0,
         ),
         # the end of backward: every fp32 gradient but the embedding's, whose bf16 one (and a tied
         # head's) autograd still holds
-        "backward end": Breakdown(shards + copies, 4 * per_gpu + waiting + 2 * head_gpu, optimizer, 0.0, 0.0),
+        "backward end": Breakdown(
+            shards + copies, 4 * trained.params + waiting + 2 * trained.head, optimizer, 0.0, 0.0
+        ),
     }

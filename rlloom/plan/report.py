@@ -15,10 +15,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rlloom.config.components import ConfigError
+from rlloom.config.components import LORA_TARGET_NAMES, ConfigError
 from rlloom.models.args import ModelArgs
 from rlloom.models.fp8 import FP8_NEEDS_EXPERTS
-from rlloom.plan.counts import ModelCosts, model_costs, value_model_params
+from rlloom.models.lora import ALL_LINEAR
+from rlloom.plan.counts import ModelCosts, lora_params, model_costs, value_model_params
 from rlloom.plan.inputs import Hardware, Layout, Workload
 from rlloom.plan.memory import Estimate
 from rlloom.plan.search import Candidate, best_split, fit_layout, gpus_needed, search, step_cost
@@ -53,8 +54,9 @@ def load_costs(model: str) -> tuple[ModelCosts, dict[str, Any]]:
         raise ConfigError(f"MODEL={model!r}: {e}") from None
 
 
-def parse_check(text: str, gpus: int, costs: ModelCosts) -> Layout:
-    """`tp=8,pp=12,cp=1,ep=8,offload=1.0` -> Layout (dp = gpus / (tp * pp * cp)); ConfigError if illegal."""
+def parse_check(text: str, gpus: int, costs: ModelCosts, *, lora: bool = False) -> Layout:
+    """`tp=8,pp=12,cp=1,ep=8,offload=1.0` -> Layout (dp = gpus / (tp * pp * cp)); ConfigError if
+    illegal (with `lora`: LoRA's layouts, FSDP and CP only)."""
     values: dict[str, float] = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "offload": 0.0}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
@@ -74,6 +76,12 @@ def parse_check(text: str, gpus: int, costs: ModelCosts) -> Layout:
     offload = values["offload"]
     _require(min(tp, pp, cp, ep) >= 1, text, "tp, pp, cp and ep must be >= 1", "use 1 to disable one")
     _require(0 <= offload <= 1, text, f"offload={offload:g} must be in [0, 1]", "use a fraction such as 0.5")
+    _require(
+        not lora or tp == pp == ep == 1,
+        text,
+        "LoRA (--lora-rank) trains under FSDP and CP only, so tp, pp and ep must be 1",
+        "drop tp, pp and ep, or --lora-rank",
+    )
     _require(
         gpus % (tp * pp * cp) == 0,
         text,
@@ -100,6 +108,30 @@ def parse_check(text: str, gpus: int, costs: ModelCosts) -> Layout:
     else:
         _require(ep == 1, text, "ep must be 1 for a dense model", "drop ep")
     return Layout(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, offload_fraction=offload)
+
+
+def _lora_params(args: Any, raw: dict[str, Any]) -> int:
+    """The adapters' parameter count of `--lora-rank` on `--lora-target-modules` (0 without LoRA)."""
+    if args.lora_rank < 0:
+        raise ConfigError(
+            f"--lora-rank={args.lora_rank} is invalid: must be >= 0. Fix: e.g. 16, or 0 for none."
+        )
+    if not args.lora_rank:
+        return 0
+    targets = args.lora_target_modules
+    names = [t.strip() for t in targets.split(",") if t.strip()]
+    if targets.strip() != ALL_LINEAR and not (names and all(t in LORA_TARGET_NAMES for t in names)):
+        raise ConfigError(
+            f"--lora-target-modules={targets!r} is invalid: must be all-linear or a comma list of "
+            f"{', '.join(LORA_TARGET_NAMES)}. Fix: use all-linear, or e.g. q_proj,v_proj."
+        )
+    adapters = lora_params(ModelArgs.from_hf_config(raw), args.lora_rank, targets)
+    if not adapters:
+        raise ConfigError(
+            f"--lora-target-modules={targets!r} is invalid: it matches no projection of {args.model}. "
+            "Fix: use all-linear, or names this model has."
+        )
+    return adapters
 
 
 def _require(ok: bool, text: str, rule: str, fix: str) -> None:
@@ -161,7 +193,7 @@ def _suggest(costs: ModelCosts, est: Estimate, hw: Hardware, work: Workload) -> 
     return "would fit with " + ", or ".join(tips)
 
 
-def to_json(answer: PlanAnswer, costs: ModelCosts) -> dict[str, Any]:
+def to_json(answer: PlanAnswer, costs: ModelCosts, work: Workload) -> dict[str, Any]:
     est = answer.chosen.estimate
     lay = est.layout
     return {
@@ -182,6 +214,7 @@ def to_json(answer: PlanAnswer, costs: ModelCosts) -> dict[str, Any]:
         "peak_phase": est.peak_phase,
         "rollout": None if est.rollout is None else {k: _round(v) for k, v in asdict(est.rollout).items()},
         "stage_peaks_gb": [round(x, 2) for x in est.stage_peaks_gb],
+        "lora_params": int(work.lora_params),
         "step_seconds": round(answer.chosen.cost.seconds, 3),
         "reason": answer.reason,
         "problems": list(est.problems),
@@ -215,7 +248,12 @@ def format_table(
     lines = [
         f"model     {raw.get('model_type')}: {costs.total_params / 1e9:.1f}B parameters "
         f"({costs.expert_params / 1e9:.1f}B in routed experts), {len(costs.layers)} layers"
-        + (f"; {mtp} MTP layer(s) not trained" if mtp else ""),
+        + (f"; {mtp} MTP layer(s) not trained" if mtp else "")
+        + (
+            f"; LoRA: {work.lora_params / 1e6:.1f}M adapter parameters trained, the rest frozen"
+            if work.lora_params
+            else ""
+        ),
         f"cluster   {hw.gpus} x {hw.gpu_memory_gb:g} GB GPUs, {hw.gpus_per_node} per node; "
         f"{work.max_tokens_per_gpu} tokens per GPU, recompute {work.recompute}",
         f"layout    {est.layout.short()}",
@@ -259,6 +297,7 @@ def run_plan(args: Any) -> int:
             f"--max-tokens-per-gpu={args.max_tokens_per_gpu} is invalid: must be >= 1. Fix: e.g. 8192."
         )
     costs, raw = load_costs(args.model)
+    adapters = _lora_params(args, raw)
     hw = Hardware(
         gpus=args.gpus,
         gpu_memory_gb=args.gpu_memory_gb,
@@ -275,11 +314,14 @@ def run_plan(args: Any) -> int:
         recompute=args.recompute,
         rollout_quantization=args.rollout_quantization,
         critic_params=value_model_params(costs) if args.critic else 0.0,
+        lora_params=adapters,
     )
-    check = parse_check(args.check, args.gpus, costs) if args.check is not None else None
+    check = None
+    if args.check is not None:
+        check = parse_check(args.check, args.gpus, costs, lora=bool(adapters))
     answer = plan(costs, hw, work, check)
     if args.json:
-        print(json.dumps(to_json(answer, costs), indent=2))
+        print(json.dumps(to_json(answer, costs, work), indent=2))
     else:
         print(format_table(answer, costs, raw, hw, work))
     return 0 if answer.fits else 1

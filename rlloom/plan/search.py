@@ -57,7 +57,8 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def legal_layouts(costs: ModelCosts, hw: Hardware, work: Workload) -> Iterator[Layout]:
-    """Every legal layout of `hw.gpus` GPUs, without offload, stages split evenly."""
+    """Every legal layout of `hw.gpus` GPUs, without offload, stages split evenly (with LoRA: no
+    TP, PP or EP, which its engine refuses)."""
     num_layers = len(costs.layers)
     for tp in _powers_of_two(min(hw.gpus_per_node, hw.gpus)):
         if costs.num_heads % tp or costs.num_kv_heads % tp:
@@ -75,6 +76,8 @@ def legal_layouts(costs: ModelCosts, hw: Hardware, work: Workload) -> Iterator[L
                     eps = [e for e in range(1, tp * cp * dp + 1) if (tp * cp * dp) % e == 0]
                     eps = [e for e in eps if costs.num_experts % e == 0]
                 for ep in eps:
+                    if work.lora_params and max(tp, pp, ep) > 1:  # LoRA trains under FSDP and CP only
+                        continue
                     yield Layout(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp)
 
 
@@ -140,7 +143,9 @@ def step_cost(costs: ModelCosts, est: Estimate, hw: Hardware, work: Workload) ->
 
     Per micro-batch: the slowest stage's compute plus the TP, CP and EP collectives on the critical
     path; FSDP gathers and reduce-scatters overlap with compute and count only where they exceed it.
-    A step is (micro-batches + pp - 1) of those (the 1F1B bubble) plus the CPU Adam step.
+    A step is (micro-batches + pp - 1) of those (the 1F1B bubble) plus the CPU Adam step. LoRA's
+    compute is counted as full fine-tuning's: the frozen weights' gradients it skips cost about what
+    its adapters add (docs/benchmarks.md: +4% at Qwen3-0.6B's shape on one H100).
     """
     lay = est.layout
     tokens = work.max_tokens_per_gpu
@@ -163,15 +168,17 @@ def step_cost(costs: ModelCosts, est: Estimate, hw: Hardware, work: Workload) ->
     edp = lay.tp * lay.cp * lay.dp // lay.ep
     dense = (costs.total_params - costs.expert_params) / lay.pp / lay.tp
     experts = costs.expert_params / lay.pp / lay.ep
-    # bf16 all-gathers in forward and backward, fp32 reduce-scatter: 8 bytes a parameter
-    fsdp = dense * 8 * (shard - 1) / shard + experts * 8 * (edp - 1) / edp
+    # bf16 all-gathers in forward and backward, fp32 reduce-scatter: 8 bytes a parameter (LoRA's
+    # frozen base is only gathered: 4 bytes)
+    per_param = 4 if work.lora_params else 8
+    fsdp = dense * per_param * (shard - 1) / shard + experts * per_param * (edp - 1) / edp
     critical = sum(mb.values())
     mb["fsdp"] = max(0.0, fsdp / _bandwidth(lay.tp * lay.cp * lay.dp, hw) - critical)
 
     micro_batches = MICRO_BATCHES_PER_GPU * lay.tp * lay.cp * lay.pp
     parts = {k: v * micro_batches for k, v in mb.items()}
     parts["bubble"] = (lay.pp - 1) * sum(mb.values())
-    per_gpu = costs.total_params / lay.world
+    per_gpu = (work.lora_params or costs.total_params) / lay.world  # what the CPU Adam updates
     parts["offload"] = lay.offload_fraction * per_gpu * (8 / PCIE_BYTES_PER_S + 1 / CPU_ADAM_PARAMS_PER_S)
     return Cost(sum(parts.values()), parts)
 

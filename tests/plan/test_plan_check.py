@@ -1,4 +1,4 @@
-"""The trainer's start-up warning: `check_fits(cfg)` with today's single-GPU layout."""
+"""The trainer's start-up warning: `check_fits(cfg)` on the run's layout."""
 
 from __future__ import annotations
 
