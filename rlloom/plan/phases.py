@@ -131,11 +131,11 @@ def stage_memory(
 
     # One GPU without optimizer offload runs without FSDP (NativeTrainEngine's rule): a bf16 copy of
     # every parameter while it computes, instead of FSDP's gathered root and layers. LoRA's frozen
-    # base there is kept in bf16 and needs no copy; under FSDP it stays in fp32 shards.
+    # base is kept in bf16, on one device without a copy, under FSDP in bf16 shards.
     copies = layout.world == 1 and not layout.offload_fraction
     frozen = per_gpu if work.lora_params else 0.0
-    # fp32 parameter shards: the master weights FSDP2 gathers from (all on one GPU)
-    shards = 4 * trained.params + (2 if copies else 4) * frozen
+    # fp32 parameter shards of what trains: the master weights FSDP2 gathers from (all on one GPU)
+    shards = 4 * trained.params + 2 * frozen
     optimizer = 8 * (1 - layout.offload_fraction) * trained.params
     gathered_root = 2 * root_gpu  # bf16, gathered for the whole forward and backward
 

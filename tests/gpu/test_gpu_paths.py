@@ -197,8 +197,19 @@ def test_bf16_train_engine_logprobs_and_step(tmp_path):
     "extra",
     # LoRA: compiled adapted layers, the bf16 frozen base, the merged weight sync (lr 3e-2 and a
     # reward that varies: a sync of the unmerged weights leaves the rollout behind at step 2)
-    [[], ["train.lora_rank=8", "train.lora_alpha=16", "train.lr=3e-2", *VARYING_REWARD]],
-    ids=["full", "lora"],
+    # (with optimizer offload one GPU trains under FSDP2: the bf16 base sharded beside fp32 adapters)
+    [
+        [],
+        ["train.lora_rank=8", "train.lora_alpha=16", "train.lr=3e-2", *VARYING_REWARD],
+        [
+            "train.lora_rank=8",
+            "train.lora_alpha=16",
+            "train.lr=3e-2",
+            "train.optimizer_offload=true",
+            *VARYING_REWARD,
+        ],
+    ],
+    ids=["full", "lora", "lora-fsdp"],
 )
 def test_one_rl_step_on_gpu(tiny_checkpoint, tmp_path, extra):
     from rlloom.cluster.build import build_groups

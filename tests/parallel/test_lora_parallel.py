@@ -1,6 +1,7 @@
 """LoRA (train.lora_rank) on 2 gloo processes equals the one-process engine in fp32: FSDP (dp=2,
 the frozen base weights and the adapters sharded in the same units; also gathered once a step)
-and context parallelism (cp=2).
+and context parallelism (cp=2). With bf16 compute (as on GPUs) the frozen base is sharded in bf16
+beside fp32 adapters in the same FSDP units and equals the one-process bf16 engine.
 Two steps (the first moves only B, which starts at zero; the second A too), then the logprobs and
 the adapters' gradients of a third batch, the adapters, and the merged weights the weight sync
 and the Hugging Face export read (`named_weights`)."""
@@ -40,9 +41,10 @@ def adapter_grads(engine: NativeTrainEngine) -> dict[str, torch.Tensor]:
     }
 
 
-def run(dims: ParallelDims | None, **settings) -> dict:
+def run(dims: ParallelDims | None, dtype: torch.dtype = torch.float32, **settings) -> dict:
     config = dataclasses.replace(cfg(), share_prompts=False, lora_rank=4, lora_alpha=8.0, lr=3e-2, **settings)
-    engine = NativeTrainEngine(config, tiny_model("qwen3"), parallel_dims=dims)
+    engine = NativeTrainEngine(config, tiny_model("qwen3"), parallel_dims=dims, dtype=dtype)
+    stored = {(p.dtype, p.requires_grad) for p in engine.module.parameters()}
     data = batches(False)
     metrics = []
     for batch in data[:2]:
@@ -57,10 +59,20 @@ def run(dims: ParallelDims | None, **settings) -> dict:
         "logp": logp,
         "grads": adapter_grads(engine),
         "exported": {n: t.clone() for bucket in engine.named_weights() for n, t in bucket},
+        "stored": stored,
     }
 
 
-def worker(rank: int, expected: dict) -> None:
+def worker(rank: int, expected: dict, expected_bf16: dict) -> None:
+    # bf16 compute: the frozen base stored in bf16 (2 bytes a parameter, no fp32 master), the
+    # adapters' fp32 masters beside it in the same FSDP units
+    got = run(ParallelDims(world_size=2), torch.bfloat16)
+    assert got["stored"] == expected_bf16["stored"] == {(torch.bfloat16, False), (torch.float32, True)}
+    for a, b in zip(got["metrics"], expected_bf16["metrics"]):
+        for k in b:
+            assert a[k] == pytest.approx(b[k], rel=1e-3), ("bf16", k)
+    for name, weight in expected_bf16["exported"].items():
+        torch.testing.assert_close(got["exported"][name], weight, atol=2e-2, rtol=0, msg=f"bf16 {name}")
     for what, (dims, settings) in LAYOUTS.items():
         got = run(ParallelDims(**dims), **settings)
         for i, (a, b) in enumerate(zip(got["metrics"], expected["metrics"])):
@@ -85,4 +97,4 @@ def test_lora_under_fsdp_and_cp_equals_one_process():
     assert layouts.keys() == expected["exported"].keys()
     assert set(expected["grads"]) == {n for n in expected["grads"] if "lora_" in n}  # adapters only
     assert len(expected["grads"]) == 2 * 7 * 2
-    run_gloo(worker, 2, expected)
+    run_gloo(worker, 2, expected, run(None, torch.bfloat16))

@@ -130,14 +130,13 @@ class NativeTrainEngine:
                     f"{parallel_dims.tp}, pp={parallel_dims.pp}, ep={parallel_dims.ep}). Fix: set those to 1."
                 )
             apply_lora(self.model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_target_modules)
-            if not self.sharded:
-                # One device computes on compute-dtype copies of fp32 masters; a frozen weight needs no
-                # master: kept in the compute dtype it is used as it is (no copy each step, 2 bytes a
-                # parameter instead of 4 + 2). FSDP2 wants one dtype per unit, so sharded runs keep fp32.
-                with torch.no_grad():
-                    for p in self.model.parameters():
-                        if not p.requires_grad:
-                            p.data = p.data.to(self.compute_dtype)
+            # A frozen weight needs no fp32 master: it is kept in the compute dtype (2 bytes a
+            # parameter instead of 4, and on one device no compute copy each step). FSDP2 shards
+            # and gathers it as it is; only the trained adapters must share one dtype in a unit.
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    if not p.requires_grad:
+                        p.data = p.data.to(self.compute_dtype)
         self.module = (
             ValueHead(self.model, value_score)
             if head == "value"
