@@ -17,6 +17,7 @@ saying where to continue (trainer/stop.py); Ctrl-C elsewhere, or a second one, p
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from typing import NoReturn
@@ -233,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C outside a run's steps, or twice within them
         print(f"rlloom: interrupted (Ctrl-C); {_INTERRUPTED[args.command]}", file=sys.stderr)
         return 128 + signal.SIGINT
+    except BrokenPipeError:  # stdout closed early (`rlloom plan ... | head`): stop quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not fail
+        return 128 + signal.SIGPIPE
 
 
 _INTERRUPTED = {

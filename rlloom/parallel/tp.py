@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -45,6 +45,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from rlloom.models.args import ModelArgs
+from rlloom.models.lora import LoRALinear
 from rlloom.parallel.layers import decoder_layers, layer_items
 
 TOKENS = Shard(0)
@@ -248,16 +249,21 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, experts_parallel: bool = 
             raise ValueError(
                 f"apply_tp: tp={tp} does not divide {name}={value}. Fix: use a tp that divides it."
             )
+    trainable = {name: p.requires_grad for name, p in model.named_parameters()}
     parallelize_module(model, tp_mesh, root_plan(args, model))
     for key, layer in layer_items(decoder_layers(model)):  # a stage's ModuleDict keys: global indices
         parallelize_module(layer, tp_mesh, layer_plan(args, int(key), experts_parallel))
+        _place_adapters(layer, tp_mesh)
         if experts_parallel and layer.moe is not None:
             _sum_grads_over(layer.moe, tp_mesh.get_group(), skip=layer.moe.experts)
         attention = layer.attention
         attention.num_heads //= tp  # the model reshapes its projections into local heads
         if hasattr(attention, "num_kv_heads"):
             attention.num_kv_heads //= tp
-    for param in model.parameters():
+    for name, param in model.named_parameters():
+        # torch's parallel styles wrap what they distribute as new, trainable parameters: LoRA's
+        # frozen base (and a frozen reference) must stay frozen
+        param.requires_grad_(trainable[name])
         if isinstance(param, DTensor) and param.requires_grad:  # a frozen reference has no gradients
             param.register_post_accumulate_grad_hook(_grad_like_param)
     # On the embedding: `forward` and `hidden_states` both start there (a pipeline's middle and
@@ -300,6 +306,32 @@ def _all_reduced(grad: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     grad = grad.clone()
     dist.all_reduce(grad, group=group)
     return grad
+
+
+def _place_adapters(layer: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Lay out the LoRA adapters (`models/lora.py`) of the layer's tensor-parallel projections like
+    their weight W [out, in]: column-wise (W sharded on out) A [r, in] is replicated and B [out, r]
+    sharded on out, so each rank adds the update of its own output columns; row-wise (W sharded on
+    in) A is sharded on in and B replicated, so the update is a partial sum that the projection's
+    reduce-scatter adds up with W's; beside a replicated W both are replicated. (ColwiseParallel
+    shards every parameter of the module on dim 0, A's rank too; RowwiseParallel leaves them
+    plain.) The gradients DTensor leaves partial (A's column-wise, B's row-wise) are summed by
+    `_grad_like_param` and FSDP2."""
+    for module in layer.modules():
+        if not isinstance(module, LoRALinear) or not isinstance(module.weight, DTensor):
+            continue
+        (placement,) = module.weight.placements
+        if placement == Shard(0):
+            layouts = {"lora_A": Replicate(), "lora_B": Shard(0)}
+        elif placement == Shard(1):
+            layouts = {"lora_A": Shard(1), "lora_B": Replicate()}
+        else:
+            layouts = {"lora_A": Replicate(), "lora_B": Replicate()}
+        for name, want in layouts.items():
+            param = getattr(module, name)
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            placed = distribute_tensor(full.detach(), tp_mesh, [want])
+            module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
 
 
 def _grad_like_param(param: DTensor) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -95,6 +96,21 @@ def test_python_m_cli_prints_one_line_and_exits_2(tmp_path):
     cmd = [sys.executable, "-m", "rlloom.cli", "config", "show", "arithmetic_smoke", "train.lr=.inf"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert_one_line_error(proc.returncode, proc.stderr, ["train.lr=inf"])
+
+
+def test_output_piped_to_a_closed_reader_stops_without_a_traceback(tmp_path):
+    # `rlloom config doc | head -1`: the reader is gone before the write
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "rlloom.cli", "config", "doc"]
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run(
+            cmd, stdout=write, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path, timeout=120
+        )
+    finally:
+        os.close(write)
+    assert proc.returncode == 128 + signal.SIGPIPE and proc.stderr == "", proc.stderr
 
 
 def test_a_missing_positional_names_only_itself(capsys):
@@ -193,9 +209,9 @@ TRAIN_CASES = [
     ("reward_unknown", lambda t, c: ["reward.name=nosuch"], ["reward.name='nosuch'", "unknown"]),
     ("reward_plugin_missing", lambda t, c: ["reward.name=nosuch_pkg.mod:fn"], ["cannot import module"]),
     (
-        "lora_with_tp",
-        lambda t, c: ["train.lora_rank=8", "parallel.tp=2", "cluster.num_workers=2", "cluster.mode=ray"],
-        ["parallel.tp=2 is invalid", "train.lora_rank=8 trains LoRA adapters", "set parallel.tp=1"],
+        "lora_with_pp",
+        lambda t, c: ["train.lora_rank=8", "parallel.pp=2", "cluster.num_workers=2", "cluster.mode=ray"],
+        ["parallel.pp=2 is invalid", "train.lora_rank=8 trains LoRA adapters", "set parallel.pp=1"],
     ),
     (
         "lora_unknown_target",

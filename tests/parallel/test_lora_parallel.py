@@ -1,6 +1,7 @@
 """LoRA (train.lora_rank) on 2 gloo processes equals the one-process engine in fp32: FSDP (dp=2,
-the frozen base weights and the adapters sharded in the same units; also gathered once a step)
-and context parallelism (cp=2). With bf16 compute (as on GPUs) the frozen base is sharded in bf16
+the frozen base weights and the adapters sharded in the same units; also gathered once a step),
+context parallelism (cp=2) and tensor parallelism (tp=2: A replicated and B sharded beside a
+column-parallel weight, A sharded and B replicated beside a row-parallel one). With bf16 compute (as on GPUs) the frozen base is sharded in bf16
 beside fp32 adapters in the same FSDP units and equals the one-process bf16 engine.
 Two steps (the first moves only B, which starts at zero; the second A too), then the logprobs and
 the adapters' gradients of a third batch, the adapters, and the merged weights the weight sync
@@ -29,6 +30,8 @@ LAYOUTS = {  # (degrees, engine settings)
     "dp=2": (dict(world_size=2), {}),
     "dp=2 gathered once a step": (dict(world_size=2), {"gather_once_per_step": True}),
     "cp=2": (dict(world_size=2, cp=2), {}),
+    # the adapters laid out like their column- and row-parallel weights (parallel/tp.py)
+    "tp=2": (dict(world_size=2, tp=2), {}),
 }
 
 
