@@ -22,9 +22,8 @@ from safetensors.torch import load_file
 
 pytest.importorskip("ray", reason="needs the ray extra: pip install 'rlloom[ray]'")
 
-from conftest import build_tiny_checkpoint  # noqa: E402
-
 from rlloom.cli import main  # noqa: E402
+from tests.conftest import build_tiny_checkpoint  # noqa: E402
 
 SKIP = ("time/", "perf/", "sync/ms", "memory/")
 PP2_TP2_UNEVEN = [

@@ -18,7 +18,7 @@ from rlloom.tasks.build import build_task_source
 from rlloom.trainer.step import StepContext, rl_step
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from conftest import build_tiny_checkpoint  # noqa: E402
+from tests.conftest import build_tiny_checkpoint  # noqa: E402
 
 
 def tiny_cfg(ckpt: Path, tmp: Path, *extra: str):
