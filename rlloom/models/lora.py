@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from rlloom.config.components import ConfigError
 from rlloom.models.model import unwrapped_name
@@ -72,7 +73,10 @@ class LoRALinear(nn.Linear):
         B and merging in fp32 moved about 5x the bytes, every step.)"""
         weight = self.weight.detach()
         down, up = self.lora_A.detach().to(weight.dtype), self.lora_B.detach().to(weight.dtype)
-        return torch.addmm(weight, up, down, alpha=self.scaling)
+        merged = torch.addmm(weight, up, down, alpha=self.scaling)
+        if isinstance(merged, DTensor) and merged.placements != weight.placements:
+            merged = merged.redistribute(weight.device_mesh, weight.placements)  # W's layout exactly
+        return merged
 
 
 def parse_targets(targets: str) -> set[str] | None:

@@ -63,6 +63,9 @@ def run(dims: ParallelDims | None, dtype: torch.dtype = torch.float32, **setting
         "grads": adapter_grads(engine),
         "exported": {n: t.clone() for bucket in engine.named_weights() for n, t in bucket},
         "stored": stored,
+        # what each rank sends a rollout pool of its own (separate placement): its TP shards
+        "owned": {n: t.clone() for bucket in engine.named_weights(owned_only=True) for n, t in bucket},
+        "layouts": engine.weight_layouts(),
     }
 
 
@@ -91,6 +94,9 @@ def worker(rank: int, expected: dict, expected_bf16: dict) -> None:
         assert got["exported"].keys() == expected["exported"].keys()
         for name, weight in expected["exported"].items():
             torch.testing.assert_close(got["exported"][name], weight, **WEIGHT_TOL, msg=f"{what} {name}")
+            shard = got["layouts"][name].tp_shard  # the merged weight keeps W's layout
+            part = weight if shard is None else torch.chunk(weight, shard[1], shard[0])[rank]
+            torch.testing.assert_close(got["owned"][name], part, **WEIGHT_TOL, msg=f"{what} owned {name}")
 
 
 def test_lora_under_fsdp_and_cp_equals_one_process():
