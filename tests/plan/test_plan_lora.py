@@ -5,15 +5,16 @@ check models the run's own layout (parallel.*, placement, LoRA)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from test_plan_check import cfg_for
 
 from rlloom.cli import main
-from rlloom.config import load_config
 from rlloom.models.args import ModelArgs
 from rlloom.models.lora import apply_lora
 from rlloom.models.model import CausalLM
@@ -94,18 +95,10 @@ def test_the_saving_matches_its_measurement_on_one_gpu(offload, full_gib, lora_g
     args = ModelArgs.from_hf_config(QWEN3_06B)
     costs = model_costs(args)
     work = Workload(max_tokens_per_gpu=32768, micro_batches=2, colocated_rollout=False)
-    lora = Workload(**{**_fields(work), "lora_params": lora_params(args, 16, "all-linear")})
+    lora = dataclasses.replace(work, lora_params=lora_params(args, 16, "all-linear"))
     hw, layout = Hardware(gpus=1, gpu_memory_gb=80), Layout(offload_fraction=offload)
     saving = estimate(costs, layout, hw, work).gpu_memory_gb - estimate(costs, layout, hw, lora).gpu_memory_gb
     assert saving == pytest.approx(full_gib - lora_gib, rel=0.04)
-
-
-def _fields(work: Workload) -> dict:
-    return {name: getattr(work, name) for name in work.__dataclass_fields__}
-
-
-def cfg_for(model: Path, *overrides: str):
-    return load_config("arithmetic_smoke", [f"model.path={model}", *overrides])
 
 
 def test_the_start_up_check_models_the_runs_layout_and_lora(tmp_path):
