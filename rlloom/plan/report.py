@@ -56,7 +56,7 @@ def load_costs(model: str) -> tuple[ModelCosts, dict[str, Any]]:
 
 def parse_check(text: str, gpus: int, costs: ModelCosts, *, lora: bool = False) -> Layout:
     """`tp=8,pp=12,cp=1,ep=8,offload=1.0` -> Layout (dp = gpus / (tp * pp * cp)); ConfigError if
-    illegal (with `lora`: LoRA's layouts, no PP or EP)."""
+    illegal (with `lora`: LoRA's layouts, no PP)."""
     values: dict[str, float] = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "offload": 0.0}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
@@ -77,10 +77,10 @@ def parse_check(text: str, gpus: int, costs: ModelCosts, *, lora: bool = False) 
     _require(min(tp, pp, cp, ep) >= 1, text, "tp, pp, cp and ep must be >= 1", "use 1 to disable one")
     _require(0 <= offload <= 1, text, f"offload={offload:g} must be in [0, 1]", "use a fraction such as 0.5")
     _require(
-        not lora or pp == ep == 1,
+        not lora or pp == 1,
         text,
-        "LoRA (--lora-rank) trains under FSDP, TP and CP only, so pp and ep must be 1",
-        "drop pp and ep, or --lora-rank",
+        "LoRA (--lora-rank) does not train under pipeline parallelism yet, so pp must be 1",
+        "drop pp, or --lora-rank",
     )
     _require(
         gpus % (tp * pp * cp) == 0,

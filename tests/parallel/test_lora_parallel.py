@@ -44,9 +44,11 @@ def adapter_grads(engine: NativeTrainEngine) -> dict[str, torch.Tensor]:
     }
 
 
-def run(dims: ParallelDims | None, dtype: torch.dtype = torch.float32, **settings) -> dict:
+def run(
+    dims: ParallelDims | None, dtype: torch.dtype = torch.float32, family: str = "qwen3", **settings
+) -> dict:
     config = dataclasses.replace(cfg(), share_prompts=False, lora_rank=4, lora_alpha=8.0, lr=3e-2, **settings)
-    engine = NativeTrainEngine(config, tiny_model("qwen3"), parallel_dims=dims, dtype=dtype)
+    engine = NativeTrainEngine(config, tiny_model(family), parallel_dims=dims, dtype=dtype)
     stored = {(p.dtype, p.requires_grad) for p in engine.module.parameters()}
     data = batches(False)
     metrics = []
@@ -80,23 +82,33 @@ def worker(rank: int, expected: dict, expected_bf16: dict) -> None:
     for name, weight in expected_bf16["exported"].items():
         torch.testing.assert_close(got["exported"][name], weight, atol=2e-2, rtol=0, msg=f"bf16 {name}")
     for what, (dims, settings) in LAYOUTS.items():
-        got = run(ParallelDims(**dims), **settings)
-        for i, (a, b) in enumerate(zip(got["metrics"], expected["metrics"])):
-            for k in b:
-                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (what, i, k)
-        torch.testing.assert_close(got["logp"], expected["logp"], **TOL, msg=f"{what} logp")
-        assert got["grads"].keys() == expected["grads"].keys()
-        for name, grad in expected["grads"].items():
-            # gradients of ~10 per element after two steps at lr 3e-2: a relative tolerance
-            torch.testing.assert_close(
-                got["grads"][name], grad, atol=1e-4, rtol=1e-4, msg=f"{what} grad {name}"
-            )
-        assert got["exported"].keys() == expected["exported"].keys()
-        for name, weight in expected["exported"].items():
-            torch.testing.assert_close(got["exported"][name], weight, **WEIGHT_TOL, msg=f"{what} {name}")
-            shard = got["layouts"][name].tp_shard  # the merged weight keeps W's layout
+        check(what, run(ParallelDims(**dims), **settings), expected, rank)
+
+
+def check(what: str, got: dict, expected: dict, rank: int) -> None:
+    """`got` (a layout's `run`) equals the one-process `expected`; each rank's owner-only export
+    holds its share of the merged weights: its TP shards, its experts."""
+    for i, (a, b) in enumerate(zip(got["metrics"], expected["metrics"])):
+        for k in b:
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (what, i, k)
+    torch.testing.assert_close(got["logp"], expected["logp"], **TOL, msg=f"{what} logp")
+    assert got["grads"].keys() == expected["grads"].keys()
+    for name, grad in expected["grads"].items():
+        # gradients of ~10 per element after two steps at lr 3e-2: a relative tolerance
+        torch.testing.assert_close(got["grads"][name], grad, atol=1e-4, rtol=1e-4, msg=f"{what} grad {name}")
+    assert got["exported"].keys() == expected["exported"].keys()
+    layouts = got["layouts"]
+    assert got["owned"].keys() == {n for n, lay in layouts.items() if lay.ep_rank in (None, rank)}
+    for name, weight in expected["exported"].items():
+        torch.testing.assert_close(got["exported"][name], weight, **WEIGHT_TOL, msg=f"{what} {name}")
+        if name in got["owned"]:
+            shard = layouts[name].tp_shard  # the merged weight keeps W's layout
             part = weight if shard is None else torch.chunk(weight, shard[1], shard[0])[rank]
             torch.testing.assert_close(got["owned"][name], part, **WEIGHT_TOL, msg=f"{what} owned {name}")
+
+
+def ep_worker(rank: int, expected: dict) -> None:
+    check("ep=2", run(ParallelDims(world_size=2, ep=2), family="qwen3_moe"), expected, rank)
 
 
 def test_lora_under_fsdp_and_cp_equals_one_process():
@@ -107,3 +119,11 @@ def test_lora_under_fsdp_and_cp_equals_one_process():
     assert set(expected["grads"]) == {n for n in expected["grads"] if "lora_" in n}  # adapters only
     assert len(expected["grads"]) == 2 * 7 * 2
     run_gloo(worker, 2, expected, run(None, torch.bfloat16))
+
+
+def test_lora_under_expert_parallelism_equals_one_process():
+    """ep=2 on a tiny Qwen3-MoE: the routed experts, split over the two ranks, stay frozen (no
+    adapters); each rank's owner-only export holds its experts."""
+    expected = run(None, family="qwen3_moe")
+    assert expected["grads"] and all("lora_" in n for n in expected["grads"])
+    run_gloo(ep_worker, 2, expected)

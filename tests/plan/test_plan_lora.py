@@ -146,7 +146,7 @@ def test_rlloom_plan_with_lora(capsys):
         == lora_params(ModelArgs.from_hf_config(raw_config("qwen3-8b")), 16, "all-linear")
     )
     assert lora["breakdown"]["optimizer"] == round(8 * lora["lora_params"] / GB, 2)  # the adapters' moments
-    # the search leaves out the layouts LoRA's engine refuses (PP, EP), not TP
+    # the search leaves out the layouts LoRA's engine refuses (PP), not TP
     code, wide = plan(capsys, "--lora-rank", "16", "--gpus", "8")
     layouts = [
         wide["layout"],
@@ -155,14 +155,17 @@ def test_rlloom_plan_with_lora(capsys):
             for alt in wide["alternatives"]
         ),
     ]
-    assert code == 0 and all(lay["pp"] == lay["ep"] == 1 for lay in layouts)
+    assert code == 0 and all(lay["pp"] == 1 for lay in layouts)
     assert any(lay["tp"] > 1 for lay in layouts)
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--lora-rank", "16", "--check", "pp=2"], "LoRA (--lora-rank) trains under FSDP, TP and CP only"),
+        (
+            ["--lora-rank", "16", "--check", "pp=2"],
+            "LoRA (--lora-rank) does not train under pipeline parallelism",
+        ),
         (["--lora-rank", "-1"], "--lora-rank=-1 is invalid"),
         (["--lora-rank", "8", "--lora-target-modules", "kv_b_proj"], "matches no projection"),
         (["--lora-rank", "8", "--lora-target-modules", "qkv"], "must be all-linear or a comma list"),

@@ -124,10 +124,10 @@ class NativeTrainEngine:
         self.model = model.to(self.compute_dtype).requires_grad_(False) if frozen else model.float()
         self._body_params = active_body_params(self.model)  # before expert parallelism splits experts
         if cfg.lora_rank and not frozen and head == "policy":
-            if parallel_dims is not None and max(parallel_dims.pp, parallel_dims.ep) > 1:
+            if parallel_dims is not None and parallel_dims.pp > 1:
                 raise ValueError(
-                    f"LoRA (train.lora_rank={cfg.lora_rank}) runs with FSDP, TP and CP only so far (pp="
-                    f"{parallel_dims.pp}, ep={parallel_dims.ep}). Fix: set those to 1."
+                    f"LoRA (train.lora_rank={cfg.lora_rank}) does not run with pipeline parallelism yet "
+                    f"(pp={parallel_dims.pp}). Fix: set pp to 1."
                 )
             apply_lora(self.model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_target_modules)
             # A frozen weight needs no fp32 master: it is kept in the compute dtype (2 bytes a
