@@ -575,8 +575,8 @@ class TrainEngineConfig:
     (0 = full fine-tuning). Gradients and AdamW state exist for the adapters only; the weight sync,
     `rlloom export` and the run's Hugging Face folders carry the merged weights, so the rollout
     engine runs the plain model. LoRA usually wants a larger train.lr than full fine-tuning (e.g.
-    10x). The reference and the critic stay full models. Runs with FSDP, parallel.tp, cp and ep
-    (routed experts stay frozen); not with parallel.pp yet."""
+    10x). The reference and the critic stay full models. Runs in every layout (FSDP, parallel.tp,
+    pp, cp, ep; routed experts stay frozen)."""
     lora_alpha: float = 16.0
     """LoRA's scale numerator: the update is (lora_alpha / lora_rank) x B A."""
     lora_target_modules: str = "all-linear"
@@ -1050,14 +1050,6 @@ class RunConfig:
             "set trainer.mode=async, or algorithm.decoupled_ppo=false",
         )
         self._check_rollout_replicas()
-        _check(
-            self.train.lora_rank == 0 or self.parallel.pp == 1,
-            "parallel.pp",
-            self.parallel.pp,
-            f"train.lora_rank={self.train.lora_rank} trains LoRA adapters, which do not run with pipeline "
-            "parallelism yet",
-            "set parallel.pp=1 (shard with more cluster.num_workers), or train.lora_rank=0",
-        )
         _check(
             self.algorithm.overlong_buffer <= self.rollout.max_new_tokens,
             "algorithm.overlong_buffer",

@@ -130,14 +130,17 @@ def merged_state(state: dict[str, torch.Tensor], model: nn.Module) -> Iterator[t
     """`state` (the model's state dict, names as `model.state_dict()`'s) with each adapted weight
     merged (W + scaling x B A, in the weight's layout: sharded where it is) and the adapters left
     out; other tensors as they are. Collective when sharded: every rank must consume it."""
-    adapted = {
-        f"{unwrapped_name(n)}.weight": m for n, m in model.named_modules() if isinstance(m, LoRALinear)
-    }
+    adapted = adapted_weights(model)
     for name, tensor in state.items():
         if name.endswith(LORA_PARAMS):
             continue
         module = adapted.get(name)
         yield name, (module.merged_weight() if module is not None else tensor)
+
+
+def adapted_weights(model: nn.Module) -> dict[str, LoRALinear]:
+    """The adapted modules of `model` by their weight's state-dict name (wrapper prefixes stripped)."""
+    return {f"{unwrapped_name(n)}.weight": m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 
 def has_lora(model: nn.Module) -> bool:

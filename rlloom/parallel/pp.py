@@ -82,6 +82,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
+from rlloom.models.lora import LORA_PARAMS, adapted_weights
 from rlloom.models.model import unwrapped_name
 from rlloom.models.moe import GroupedExperts
 from rlloom.parallel.grad_norm import grad_norm, scale_to_max_norm_
@@ -235,7 +236,7 @@ class Pipeline:
         """
         params = [p for m in self.modules for p in m.parameters() if p.grad is not None]
         tied = self._tied_weight()
-        if tied is not None:
+        if tied is not None and tied.requires_grad:  # LoRA's frozen embedding has no gradient
             peer = dist.get_global_rank(self.group, self.pp - 1 if self.has_first else 0)
             mine = _local(tied.grad)
             theirs = torch.empty_like(mine)
@@ -284,16 +285,22 @@ class Pipeline:
         over the pp group. A tied embedding comes once. Collective: every rank must consume the generator.
         `tp_local_shards`: a tensor-parallel tensor is gathered over FSDP only and comes as this rank's
         TP shard (`tp_shard.tp_local`; the pp group's ranks share their tp rank), the owner-only weight sync."""
-        mine = {
-            s: [(model_name(n), p) for n, p in m.state_dict().items()]
-            for s, m in zip(self.stage_ids, self.modules)
-        }
+        # LoRA: an adapted weight goes out merged (W + scale x B A, `lora.merged_weight`, made when
+        # it is sent), the adapters never
+        mine = {}
+        for s, m in zip(self.stage_ids, self.modules):
+            adapted = adapted_weights(m)
+            mine[s] = [
+                (model_name(n), p, adapted.get(n))
+                for n, p in m.state_dict().items()
+                if not n.endswith(LORA_PARAMS)
+            ]
 
         def local(p: torch.Tensor) -> bool:
             return tp_local_shards and tp_shard_of(p) is not None
 
         shapes = [
-            (s, [(n, tp_local_shape(p) if local(p) else tuple(p.shape), p.dtype) for n, p in params])
+            (s, [(n, tp_local_shape(p) if local(p) else tuple(p.shape), p.dtype) for n, p, _ in params])
             for s, params in mine.items()
         ]
         everyone: list[list] = [[] for _ in range(self.pp)]
@@ -307,8 +314,8 @@ class Pipeline:
                     continue
                 seen.add(name)
                 if s in mine:
-                    param = mine[s][i][1]
-                    tensor = exported(param, tp_local_shards).contiguous()
+                    _, param, lora = mine[s][i]
+                    tensor = exported(lora.merged_weight() if lora else param, tp_local_shards).contiguous()
                 else:
                     tensor = torch.empty(shape, dtype=dtype, device=self.device)
                 dist.broadcast(tensor, src=dist.get_global_rank(self.group, owner), group=self.group)

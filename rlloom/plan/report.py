@@ -54,9 +54,8 @@ def load_costs(model: str) -> tuple[ModelCosts, dict[str, Any]]:
         raise ConfigError(f"MODEL={model!r}: {e}") from None
 
 
-def parse_check(text: str, gpus: int, costs: ModelCosts, *, lora: bool = False) -> Layout:
-    """`tp=8,pp=12,cp=1,ep=8,offload=1.0` -> Layout (dp = gpus / (tp * pp * cp)); ConfigError if
-    illegal (with `lora`: LoRA's layouts, no PP)."""
+def parse_check(text: str, gpus: int, costs: ModelCosts) -> Layout:
+    """`tp=8,pp=12,cp=1,ep=8,offload=1.0` -> Layout (dp = gpus / (tp * pp * cp)); ConfigError if illegal."""
     values: dict[str, float] = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "offload": 0.0}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
@@ -76,12 +75,6 @@ def parse_check(text: str, gpus: int, costs: ModelCosts, *, lora: bool = False) 
     offload = values["offload"]
     _require(min(tp, pp, cp, ep) >= 1, text, "tp, pp, cp and ep must be >= 1", "use 1 to disable one")
     _require(0 <= offload <= 1, text, f"offload={offload:g} must be in [0, 1]", "use a fraction such as 0.5")
-    _require(
-        not lora or pp == 1,
-        text,
-        "LoRA (--lora-rank) does not train under pipeline parallelism yet, so pp must be 1",
-        "drop pp, or --lora-rank",
-    )
     _require(
         gpus % (tp * pp * cp) == 0,
         text,
@@ -316,9 +309,7 @@ def run_plan(args: Any) -> int:
         critic_params=value_model_params(costs) if args.critic else 0.0,
         lora_params=adapters,
     )
-    check = None
-    if args.check is not None:
-        check = parse_check(args.check, args.gpus, costs, lora=bool(adapters))
+    check = parse_check(args.check, args.gpus, costs) if args.check is not None else None
     answer = plan(costs, hw, work, check)
     if args.json:
         print(json.dumps(to_json(answer, costs, work), indent=2))

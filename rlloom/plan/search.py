@@ -57,8 +57,7 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def legal_layouts(costs: ModelCosts, hw: Hardware, work: Workload) -> Iterator[Layout]:
-    """Every legal layout of `hw.gpus` GPUs, without offload, stages split evenly (with LoRA: no
-    PP, which its engine refuses)."""
+    """Every legal layout of `hw.gpus` GPUs, without offload, stages split evenly."""
     num_layers = len(costs.layers)
     for tp in _powers_of_two(min(hw.gpus_per_node, hw.gpus)):
         if costs.num_heads % tp or costs.num_kv_heads % tp:
@@ -76,8 +75,6 @@ def legal_layouts(costs: ModelCosts, hw: Hardware, work: Workload) -> Iterator[L
                     eps = [e for e in range(1, tp * cp * dp + 1) if (tp * cp * dp) % e == 0]
                     eps = [e for e in eps if costs.num_experts % e == 0]
                 for ep in eps:
-                    if work.lora_params and pp > 1:  # LoRA does not train under PP yet
-                        continue
                     yield Layout(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp)
 
 

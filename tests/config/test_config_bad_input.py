@@ -209,11 +209,6 @@ TRAIN_CASES = [
     ("reward_unknown", lambda t, c: ["reward.name=nosuch"], ["reward.name='nosuch'", "unknown"]),
     ("reward_plugin_missing", lambda t, c: ["reward.name=nosuch_pkg.mod:fn"], ["cannot import module"]),
     (
-        "lora_with_pp",
-        lambda t, c: ["train.lora_rank=8", "parallel.pp=2", "cluster.num_workers=2", "cluster.mode=ray"],
-        ["parallel.pp=2 is invalid", "train.lora_rank=8 trains LoRA adapters", "set parallel.pp=1"],
-    ),
-    (
         "lora_unknown_target",
         lambda t, c: ["train.lora_rank=8", "train.lora_target_modules=q_proj,qkv"],
         ["train.lora_target_modules='q_proj,qkv' is invalid", "all-linear or a comma list of q_proj"],

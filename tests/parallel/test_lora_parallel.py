@@ -32,6 +32,8 @@ LAYOUTS = {  # (degrees, engine settings)
     "cp=2": (dict(world_size=2, cp=2), {}),
     # the adapters laid out like their column- and row-parallel weights (parallel/tp.py)
     "tp=2": (dict(world_size=2, tp=2), {}),
+    # each stage's adapted weights merged where they live, then broadcast to every pp rank
+    "pp=2": (dict(world_size=2, pp=2), {"max_tokens_per_micro_batch": 128}),  # PP pads to the budget
 }
 
 
@@ -92,10 +94,13 @@ def check(what: str, got: dict, expected: dict, rank: int) -> None:
         for k in b:
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (what, i, k)
     torch.testing.assert_close(got["logp"], expected["logp"], **TOL, msg=f"{what} logp")
-    assert got["grads"].keys() == expected["grads"].keys()
-    for name, grad in expected["grads"].items():
+    # under PP a rank holds its stages' adapters only
+    assert got["grads"].keys() == expected["grads"].keys() or what.startswith("pp")
+    assert got["grads"] and got["grads"].keys() <= expected["grads"].keys()
+    for name, grad in got["grads"].items():
         # gradients of ~10 per element after two steps at lr 3e-2: a relative tolerance
-        torch.testing.assert_close(got["grads"][name], grad, atol=1e-4, rtol=1e-4, msg=f"{what} grad {name}")
+        want = expected["grads"][name]
+        torch.testing.assert_close(grad, want, atol=1e-4, rtol=1e-4, msg=f"{what} grad {name}")
     assert got["exported"].keys() == expected["exported"].keys()
     layouts = got["layouts"]
     assert got["owned"].keys() == {n for n, lay in layouts.items() if lay.ep_rank in (None, rank)}

@@ -146,26 +146,14 @@ def test_rlloom_plan_with_lora(capsys):
         == lora_params(ModelArgs.from_hf_config(raw_config("qwen3-8b")), 16, "all-linear")
     )
     assert lora["breakdown"]["optimizer"] == round(8 * lora["lora_params"] / GB, 2)  # the adapters' moments
-    # the search leaves out the layouts LoRA's engine refuses (PP), not TP
+    # every layout is open to LoRA: the search still prefers plain FSDP here (all fit)
     code, wide = plan(capsys, "--lora-rank", "16", "--gpus", "8")
-    layouts = [
-        wide["layout"],
-        *(
-            {k: int(v) for k, v in (kv.split("=") for kv in alt["layout"].split()) if k != "offload"}
-            for alt in wide["alternatives"]
-        ),
-    ]
-    assert code == 0 and all(lay["pp"] == 1 for lay in layouts)
-    assert any(lay["tp"] > 1 for lay in layouts)
+    assert code == 0 and wide["fits"] and wide["alternatives"]
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (
-            ["--lora-rank", "16", "--check", "pp=2"],
-            "LoRA (--lora-rank) does not train under pipeline parallelism",
-        ),
         (["--lora-rank", "-1"], "--lora-rank=-1 is invalid"),
         (["--lora-rank", "8", "--lora-target-modules", "kv_b_proj"], "matches no projection"),
         (["--lora-rank", "8", "--lora-target-modules", "qkv"], "must be all-linear or a comma list"),

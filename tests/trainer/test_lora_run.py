@@ -103,15 +103,27 @@ def test_one_device_keeps_the_frozen_base_in_the_compute_dtype(tiny_checkpoint):
     torch.testing.assert_close(got.float(), expected.detach(), atol=1e-3, rtol=1.6e-2)
 
 
-def test_lora_under_tensor_parallelism_on_ray_matches_one_process(ray_cluster, tiny_checkpoint, tmp_path):
-    """`parallel.tp=2` on two colocated Ray workers: the adapters laid out like their column- and
-    row-parallel weights, the merged weights synced from the TP shards. Every step's metrics equal
-    the one-process LoRA run's, and the rollout decodes with what the trainer computes with."""
+@pytest.mark.parametrize(
+    "layout",
+    [
+        # the adapters laid out like their column- and row-parallel weights, the merged weights
+        # synced from the TP shards
+        "parallel.tp=2",
+        # each stage merges its own adapted weights and broadcasts them to the other pp rank; the
+        # frozen tied embedding's gradient is not exchanged
+        "parallel.pp=2",
+    ],
+)
+def test_lora_in_a_parallel_layout_on_ray_matches_one_process(ray_cluster, tiny_checkpoint, tmp_path, layout):
+    """Two colocated Ray workers: every step's metrics equal the one-process LoRA run's, and the
+    rollout decodes with what the trainer computes with."""
     common = [*LORA, "trainer.total_steps=2", "data.num_eval=0"]
+    # every sample fits the budget the pipeline pads each micro-batch to
+    common += ["train.max_tokens_per_micro_batch=160", "data.max_prompt_length=150"]
     assert main(["train", "arithmetic_smoke", *tiny_args(tiny_checkpoint, tmp_path / "one", *common)]) == 0
-    tp = ["cluster.mode=ray", "cluster.num_workers=2", "parallel.tp=2"]
+    ray = ["cluster.mode=ray", "cluster.num_workers=2", layout]
     assert (
-        main(["train", "arithmetic_smoke", *tiny_args(tiny_checkpoint, tmp_path / "tp", *common, *tp)]) == 0
+        main(["train", "arithmetic_smoke", *tiny_args(tiny_checkpoint, tmp_path / "tp", *common, *ray)]) == 0
     )
     want, got = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "tp")
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]

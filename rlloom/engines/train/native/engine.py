@@ -124,11 +124,6 @@ class NativeTrainEngine:
         self.model = model.to(self.compute_dtype).requires_grad_(False) if frozen else model.float()
         self._body_params = active_body_params(self.model)  # before expert parallelism splits experts
         if cfg.lora_rank and not frozen and head == "policy":
-            if parallel_dims is not None and parallel_dims.pp > 1:
-                raise ValueError(
-                    f"LoRA (train.lora_rank={cfg.lora_rank}) does not run with pipeline parallelism yet "
-                    f"(pp={parallel_dims.pp}). Fix: set pp to 1."
-                )
             apply_lora(self.model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_target_modules)
             # A frozen weight needs no fp32 master: it is kept in the compute dtype (2 bytes a
             # parameter instead of 4, and on one device no compute copy each step). FSDP2 shards
@@ -364,8 +359,10 @@ class NativeTrainEngine:
         See `weights.tensor_checksum`. A critic (head `value`) ends with a bucket of its value head
         under the names of transformers' *ForTokenClassification (`score.weight`, `score.bias`).
         """
-        tensors = self.pipe.full_weights(tp_local_shards=owned_only) if self.pipe is not None else None
-        if has_lora(self.model):  # the rollout and Hugging Face folders get the merged weights
+        tensors = None
+        if self.pipe is not None:  # every stage's tensors on every pp rank (LoRA's merged)
+            tensors = self.pipe.full_weights(tp_local_shards=owned_only)
+        elif has_lora(self.model):  # the rollout and Hugging Face folders get the merged weights
             tensors = merged_state(self.model.state_dict(), self.model)
         head: dict[str, torch.Tensor] = {}
         if tensors is not None and self.head == "value":  # the pipeline's value head comes apart
