@@ -33,6 +33,13 @@ LORA_TARGET_NAMES = (
 """Hugging Face projection names `train.lora_target_modules` may list (rlloom/models/lora.py)."""
 
 
+def lora_targets_valid(targets: str) -> bool:
+    """`all-linear`, or a non-empty comma list of LORA_TARGET_NAMES: the rule of
+    train.lora_target_modules (and of `rlloom plan --lora-target-modules`)."""
+    names = [t.strip() for t in targets.split(",") if t.strip()]
+    return targets.strip() == "all-linear" or (bool(names) and all(t in LORA_TARGET_NAMES for t in names))
+
+
 class UserError(ValueError):
     """A mistake in what the user gave (config, data file, model path): the CLI prints its one-line
     message as `rlloom: error: ...` and exits 2, without a traceback. Internal bugs raise other types."""
@@ -591,10 +598,8 @@ class TrainEngineConfig:
             self.lora_rank >= 0, "train.lora_rank", self.lora_rank, "must be >= 0", "use 0 (off) or e.g. 16"
         )
         _check(self.lora_alpha > 0, "train.lora_alpha", self.lora_alpha, "must be > 0", "e.g. 32")
-        targets = [t.strip() for t in self.lora_target_modules.split(",") if t.strip()]
         _check(
-            self.lora_target_modules.strip() == "all-linear"
-            or (bool(targets) and all(t in LORA_TARGET_NAMES for t in targets)),
+            lora_targets_valid(self.lora_target_modules),
             "train.lora_target_modules",
             self.lora_target_modules,
             f"must be all-linear or a comma list of {', '.join(LORA_TARGET_NAMES)}",

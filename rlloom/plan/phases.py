@@ -134,7 +134,8 @@ def stage_memory(
     # base is kept in bf16, on one device without a copy, under FSDP in bf16 shards.
     copies = layout.world == 1 and not layout.offload_fraction
     frozen = per_gpu if work.lora_params else 0.0
-    # fp32 parameter shards of what trains: the master weights FSDP2 gathers from (all on one GPU)
+    # fp32 parameter shards of what trains (the master weights FSDP2 gathers from; all on one GPU)
+    # and LoRA's bf16 frozen base
     shards = 4 * trained.params + 2 * frozen
     optimizer = 8 * (1 - layout.offload_fraction) * trained.params
     gathered_root = 2 * root_gpu  # bf16, gathered for the whole forward and backward

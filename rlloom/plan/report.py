@@ -15,10 +15,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rlloom.config.components import LORA_TARGET_NAMES, ConfigError
+from rlloom.config.components import LORA_TARGET_NAMES, ConfigError, lora_targets_valid
 from rlloom.models.args import ModelArgs
 from rlloom.models.fp8 import FP8_NEEDS_EXPERTS
-from rlloom.models.lora import ALL_LINEAR
 from rlloom.plan.counts import ModelCosts, lora_params, model_costs, value_model_params
 from rlloom.plan.inputs import Hardware, Layout, Workload
 from rlloom.plan.memory import Estimate
@@ -112,8 +111,7 @@ def _lora_params(args: Any, raw: dict[str, Any]) -> int:
     if not args.lora_rank:
         return 0
     targets = args.lora_target_modules
-    names = [t.strip() for t in targets.split(",") if t.strip()]
-    if targets.strip() != ALL_LINEAR and not (names and all(t in LORA_TARGET_NAMES for t in names)):
+    if not lora_targets_valid(targets):
         raise ConfigError(
             f"--lora-target-modules={targets!r} is invalid: must be all-linear or a comma list of "
             f"{', '.join(LORA_TARGET_NAMES)}. Fix: use all-linear, or e.g. q_proj,v_proj."
