@@ -10,9 +10,13 @@ train-vs-rollout mismatch this adds is what `rollout/token_mult_prob_error` repo
 `algorithm.is_correction` corrects (as with verl's and slime's FP8 rollout).
 
 Dense matrices (attention projections, dense and shared-expert MLPs), the embedding, the lm head
-and the routers stay in the model dtype: at decode batch sizes this engine's fp8 product of a dense
-matrix ran at 0.52-0.62x the speed of cuBLAS's bf16 one on an H200 (its rows are re-read by every
-output block; docs/benchmarks.md), so quantizing them made the Qwen3-0.6B rollout slower.
+and the routers stay in the model dtype, and a dense model is refused. Two fp8 dense products were
+built and measured (docs/benchmarks.md): this engine's Triton kernel ran at 0.52-0.62x the speed of
+cuBLAS's bf16 product at decode sizes (its rows are re-read by every output block); cuBLAS's own fp8
+product (`torch._scaled_mm`, W8A8 with per-token activation scales) made a Qwen3-8B-shaped rollout
+only 1.09x faster on an H100 and a Qwen3-0.6B-shaped one slower (0.92x), while any fp8 format of
+the dense weights raised the trained SmolLM2-135M's train-vs-rollout logprob gap from 0.030 to
+0.11-0.17 (weights alone: 0.11-0.12).
 
 Format: one fp32 scale per row and group of 128 input columns (`GROUP`): w[n, k] ~= q[n, k] *
 scale[n, k // 128], scale = max |w| of the group / 448 (e4m3's largest finite value). Groups along
@@ -38,8 +42,9 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 GROUP = 128
 FP8_NEEDS_EXPERTS = (
-    "fp8 quantizes the routed experts of MoE models, and this model has none (a dense matrix's fp8 "
-    "product is slower than bf16 in this engine)"
+    "fp8 quantizes the routed experts of MoE models, and this model has none (dense matrices in fp8, "
+    "measured with cuBLAS's fp8 product: 0.92x bf16's rollout speed at Qwen3-0.6B's shape, 1.09x at "
+    "Qwen3-8B's, and 5x the logprob gap to training on SmolLM2-135M; docs/benchmarks.md)"
 )
 _BATCH_BYTES = 128 << 20
 """fp32 bytes of the experts `load_rows` quantizes together (a few such temporaries at the peak)."""

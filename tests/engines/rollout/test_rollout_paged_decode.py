@@ -9,9 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from rollout_testutil import run_in_triton_interpreter
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="a CPU stand-in: on a GPU the compiled kernels run in tests/gpu (the Triton interpreter of the "
+    "GPU machine's torch 2.11 fails on loops bounded by program ids; Triton 3.9's runs them)",
+)
 
 SCRIPT = r"""
 import tempfile, torch
