@@ -16,7 +16,8 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(),
     reason="a CPU stand-in: on a GPU the compiled kernels run in tests/gpu (the Triton interpreter of the "
-    "GPU machine's torch 2.11 fails on loops bounded by program ids; Triton 3.9's runs them)",
+    "GPU machine's torch 2.11 failed both tests, the sampler's on a loop bounded by program ids; "
+    "Triton 3.9's passes them)",
 )
 
 SCRIPT = r"""
