@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import Any, Literal
 
 MAX_SEED = 2**32 - 1
 """Largest seed: `numpy.random.seed` accepts 0..2**32-1, the narrowest range of the RNGs a run seeds
@@ -209,6 +209,50 @@ class RolloutConfig:
     routers stay in the model dtype, and a dense model is refused. Training stays bf16/fp32, so the
     rollout's logprobs differ more from training's: watch `rollout/token_mult_prob_error` and
     correct with `algorithm.is_correction`. Needs rollout.tp=1."""
+    env: str = ""
+    """Multi-turn environment, "module:Class" (imported like reward plug-ins: next to the YAML file,
+    in reward.import_dir, or on PYTHONPATH), one instance per trajectory, built with `env_kwargs`:
+    `reset(row) -> list[dict] | None` gives the first messages (None: the row's prompt), and
+    `step(messages, state) -> EnvStep | dict` (observations, reward, done, metrics) follows each turn.
+    Either may be `async def`. Empty: single-turn generation (or the tool loop of `tools`)."""
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment's constructor."""
+    env_workers: int = 4
+    """Worker processes that run environment and tool calls isolated from the trainer (a hang past
+    env_timeout_s, a crash or sys.exit fails that trajectory only); 0 runs them in threads of the
+    trainer, for cheap trusted environments (which must then be thread-safe)."""
+    env_timeout_s: float = 60.0
+    """Longest environment call (reset or one step); a call past it ends its trajectory with
+    reward.default_score, counted in rollout/env_errors."""
+    tools: list[str] = field(default_factory=list)
+    """Tools the policy may call, ["module:function", ...]: plain functions with type hints and a
+    Google-style docstring (their JSON schemas are rendered by the chat template). Without `env`, a
+    built-in environment runs the calls until the model answers without one."""
+    tool_timeout_s: float = 10.0
+    """Longest tool call; past it the model reads an error as the tool's output."""
+    tool_parser: Literal["hermes"] = "hermes"
+    """How tool calls are written in responses: `hermes` is Qwen2.5/Qwen3's
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`."""
+    max_turns: int = 8
+    """Most generation turns of a multi-turn trajectory (it ends with finish reason "length")."""
+    max_total_tokens: int = 0
+    """Context budget of a multi-turn trajectory (prompt, turns and observations); reaching it ends
+    the trajectory with finish reason "length". 0: data.max_prompt_length + max_turns x
+    (max_new_tokens + max_observation_tokens)."""
+    max_observation_tokens: int = 256
+    """Most tokens of one observation message's content; longer ones are truncated."""
+    observation_truncation: Literal["right", "left"] = "right"
+    """Which end of a long observation is cut: `right` keeps its beginning, `left` its end."""
+    multi_turn_samples: Literal["auto", "trajectory", "per_turn"] = "auto"
+    """How a multi-turn trajectory becomes samples: `trajectory`, one sample with the observations
+    masked out (needs a chat template that extends earlier turns); `per_turn`, one sample per turn;
+    `auto`, one sample while the template extends the turns, a new one where it rewrites them (Qwen3
+    strips earlier <think> blocks). The samples of a trajectory share its group and reward."""
+
+    @property
+    def multi_turn(self) -> bool:
+        """Episodes of several turns (an environment or tools) instead of single-turn generation."""
+        return bool(self.env or self.tools)
 
     def __post_init__(self) -> None:
         _check_finite(self, "rollout")
@@ -283,6 +327,31 @@ class RolloutConfig:
             self.quantization,
             f"fp8 rollout is not built for tensor-parallel replicas (rollout.tp={self.tp})",
             "use rollout.tp=1 with fp8, or rollout.quantization=none",
+        )
+        _check(
+            self.env_workers >= 0,
+            "rollout.env_workers",
+            self.env_workers,
+            "must be >= 0",
+            "e.g. 4 (0: inline)",
+        )
+        for name in ("env_timeout_s", "tool_timeout_s"):
+            value = getattr(self, name)
+            _check(value > 0, f"rollout.{name}", value, "must be > 0 seconds", "e.g. 30")
+        _check(self.max_turns >= 1, "rollout.max_turns", self.max_turns, "must be >= 1", "e.g. 4")
+        _check(
+            self.max_total_tokens >= 0,
+            "rollout.max_total_tokens",
+            self.max_total_tokens,
+            "must be >= 0",
+            "use 0 to derive it from the prompt, turn and observation limits",
+        )
+        _check(
+            self.max_observation_tokens >= 1,
+            "rollout.max_observation_tokens",
+            self.max_observation_tokens,
+            "must be >= 1",
+            "e.g. 256",
         )
 
 
@@ -993,6 +1062,16 @@ class RunConfig:
         """The checkpoint PPO's critic starts from: critic.model_path, or the policy's model.path."""
         return self.critic.model_path or self.model.path
 
+    @property
+    def longest_sequence(self) -> int:
+        """Most tokens one rollout sequence can hold: prompt + response, or for multi-turn episodes
+        the trajectory's context budget (rollout.max_total_tokens, or its derived default)."""
+        ro = self.rollout
+        if not ro.multi_turn:
+            return self.data.max_prompt_length + ro.max_new_tokens
+        per_turn = ro.max_new_tokens + ro.max_observation_tokens
+        return ro.max_total_tokens or self.data.max_prompt_length + ro.max_turns * per_turn
+
     def __post_init__(self) -> None:
         _check_parallel_world(self.parallel, self.cluster.num_workers)
         _check(  # the same rule as rlloom.parallel.cp.check_cp_layout, at start-up
@@ -1002,7 +1081,7 @@ class RunConfig:
             f"parallel.cp={self.parallel.cp} splits plain packed documents, not shared-prompt trees",
             "set train.share_prompts=false (or parallel.cp=1)",
         )
-        longest = self.data.max_prompt_length + self.rollout.max_new_tokens
+        longest = self.longest_sequence
         _check(
             self.parallel.pp == 1 or self.train.max_tokens_per_micro_batch >= longest,
             "train.max_tokens_per_micro_batch",

@@ -240,6 +240,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         inner = args[0] if args else Any
         items = [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(
+                f"{key}={value!r} is invalid: must be a mapping of names to values. Fix: e.g. {key}={{name: 1}}."
+            )
+        return dict(value)
     if tp is Any:
         return value
     if tp is bool:

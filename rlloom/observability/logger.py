@@ -6,6 +6,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(kw_only=True, slots=True)
@@ -24,6 +25,11 @@ class SampleRecord:
     """What the reward function compared the response with."""
     finish_reason: str
     """`stop` (an end token) or `length` (rollout.max_new_tokens reached)."""
+    turns: int | None = None
+    """Multi-turn episodes: generation turns of the trajectory (None for single-turn runs)."""
+    messages: list[dict[str, Any]] | None = None
+    """Multi-turn episodes: the whole conversation as chat messages, observations included; the
+    `response` is then the last assistant message."""
 
 
 class Logger(ABC):

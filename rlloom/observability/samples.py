@@ -61,6 +61,8 @@ def sample_records(step: int, samples: Sequence[Any]) -> list[SampleRecord]:
             reward=float(s.reward),
             ground_truth=str(s.metadata.get("ground_truth", "")),
             finish_reason=str(s.finish_reason),
+            turns=s.metadata["episode"]["turns"] if "episode" in s.metadata else None,
+            messages=s.metadata.get("messages"),
         )
         for s in samples
     ]
@@ -73,8 +75,9 @@ def console_line(record: SampleRecord, number: int) -> str:
         text = text.replace("\n", " ⏎ ")
         return text if len(text) <= CONSOLE_CHARS else text[: CONSOLE_CHARS - 3] + "..."
 
+    turns = "" if record.turns is None else f"turns {record.turns} | "
     return (
-        f"[rlloom] sample {record.step}.{number} | reward {record.reward:.3f} | "
+        f"[rlloom] sample {record.step}.{number} | reward {record.reward:.3f} | {turns}"
         f"prompt {short(record.prompt)!r} | response {short(record.response)!r}"
     )
 
@@ -105,7 +108,10 @@ class SamplesLogger(Logger):
 
     def log_samples(self, step: int, records: Sequence[SampleRecord]) -> None:
         for number, record in enumerate(records, start=1):
-            self._file.write(json.dumps(asdict(record)) + "\n")
+            fields = {
+                k: v for k, v in asdict(record).items() if v is not None or k not in ("turns", "messages")
+            }
+            self._file.write(json.dumps(fields) + "\n")
             if self._console:
                 print(console_line(record, number), file=self._out or sys.stdout, flush=True)
         self._file.flush()

@@ -42,14 +42,15 @@ class WorkerProcess:
     """When the first task times out: `timeout_s` after it was sent or after the previous result."""
 
     @classmethod
-    def start(cls, pickled_fn: bytes, *, memory_limit_bytes: int) -> WorkerProcess:
-        """Start a worker that loads the reward function `pickled_fn`; it answers "ready" when it can score."""
+    def start(cls, pickled_fn: bytes, *, memory_limit_bytes: int, entry: str = _ENTRY) -> WorkerProcess:
+        """Start a worker that loads `pickled_fn` (the reward function; for `entry` another worker's
+        main, its payload); it answers "ready" when it can work."""
         parent_conn, child_conn = Pipe()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_RLLOOM_ROOT, env.get("PYTHONPATH", "")) if p)
         args = [str(child_conn.fileno()), str(memory_limit_bytes), str(os.getpid())]
         popen = subprocess.Popen(
-            [sys.executable, "-c", _ENTRY, *args],
+            [sys.executable, "-c", entry, *args],
             stdin=subprocess.DEVNULL,
             pass_fds=(child_conn.fileno(),),
             start_new_session=True,

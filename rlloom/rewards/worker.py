@@ -35,7 +35,7 @@ _PARENT_POLL_S = 0.5
 def main() -> None:
     """Entry point of a worker process (see the module docstring for its arguments)."""
     fd, memory_limit_bytes, parent_pid = (int(a) for a in sys.argv[1:4])
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when a worker stops
     os.set_inheritable(fd, False)  # programs a reward function runs must not hold the parent's socket
     conn = Connection(fd)
@@ -70,7 +70,7 @@ def serve(conn: Connection, fn: Callable[..., object]) -> None:
             conn.send([(task_id, *score_items(fn, [item])[0])])
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     """End this worker's process group when the trainer dies (even by SIGKILL), so that no hung
     worker outlives it: a daemon thread notices that the parent process changed."""
 

@@ -156,7 +156,7 @@ class AsyncLoop:
     def __init__(self, ctx: StepContext) -> None:
         self.cfg = ctx.cfg
         self.source = ctx.source
-        self.stream = _build_producer(ctx)
+        self.stream = ctx.stream
         self.ctx = _with_sync(dataclasses.replace(ctx, cfg=async_config(ctx.cfg)), self.stream)
         self.next_index: int | None = None
         """Batch index of the next job to admit (None: the first step's)."""
@@ -178,8 +178,7 @@ class AsyncLoop:
         maybe_fail("rewards", step)
 
         train_version = _train_version(self.ctx)
-        batch_size = cfg.trainer.prompts_per_step * cfg.rollout.n_samples
-        samples, metrics = split_stale(job.samples()[:batch_size], cfg, train_version)
+        samples, metrics = split_stale(job.batch(cfg), cfg, train_version)
         metrics.update(token_staleness(samples, cfg, train_version))
         metrics.update(job.rollout_metrics())
         rollout = RolloutResult(samples=samples, metrics=dict(metrics))
@@ -206,19 +205,6 @@ class AsyncLoop:
 
 
 # ---- where the loop meets the groups -------------------------------------------------------------
-
-
-def _build_producer(ctx: StepContext) -> RolloutStream:
-    """The producer on the replicas' step-level producers (in this process, or in each rollout actor
-    with Ray)."""
-    return RolloutStream(
-        ctx.rollout_group,
-        ctx.cfg,
-        source=ctx.source,
-        runner=ctx.runner,
-        decode=ctx.decode,
-        stop_token_ids=ctx.stop_token_ids,
-    )
 
 
 def _train_version(ctx: StepContext) -> int:

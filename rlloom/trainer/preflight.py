@@ -114,7 +114,7 @@ def check_step_size(cfg: RunConfig) -> None:
     """A step's samples must fit in the host memory that is free (a billion-sample step would
     otherwise run until the OOM killer ends it without a word)."""
     seqs = cfg.trainer.prompts_per_step * cfg.rollout.n_samples
-    longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    longest = cfg.longest_sequence
     batches = 1 if cfg.trainer.mode == "sync" else capacity(cfg)  # the async modes hold several
     need = batches * seqs * longest * HOST_BYTES_PER_TOKEN
     free = available_memory_bytes(torch.device("cpu"))

@@ -1,4 +1,6 @@
-"""Rollout stage of the loop: prompts -> completions -> scored `Sample`s (with dynamic sampling).
+"""Scoring of the rollout's samples (the reward function, overlong shaping) and the step's reward
+metrics; the seed of each request. Generation itself is the rollout stream's (rollout_stream.py),
+the one path for every `trainer.mode`.
 
 Sampling noise is seeded per request from (run seed, step, prompt position in the data), so a
 resumed run draws exactly the completions the uninterrupted run drew.
@@ -6,20 +8,14 @@ resumed run draws exactly the completions the uninterrupted run drew.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from rlloom.algorithms import keep_informative_groups, overlong_penalty
-from rlloom.cluster.base import RolloutGroup
+from rlloom.algorithms import overlong_penalty
 from rlloom.config.components import RunConfig
-from rlloom.data.dataset import PromptItem
-from rlloom.data.source import PromptSource
 from rlloom.data.types import Sample
-from rlloom.engines.rollout import SamplingParams
-from rlloom.faults import maybe_fail
 from rlloom.rewards.calling import RewardInput
 from rlloom.rewards.runner import RewardRunner
 
@@ -35,54 +31,32 @@ class RolloutResult:
     metrics: dict[str, float]
 
 
-def generate_samples(
-    rollout_group: RolloutGroup,
-    items: list[PromptItem],
-    sampling: list[SamplingParams],
-    *,
-    first_group_id: int,
-) -> list[Sample]:
-    """One completion per sample of each prompt, unscored; samples of prompt i share a group id."""
-    completions = rollout_group.generate([it.prompt_ids for it in items], sampling).result()
-    samples = []
-    for c in completions:
-        if c.error is not None:
-            raise ValueError(f"rollout rejected prompt {c.prompt_index}: {c.error}")
-        item = items[c.prompt_index]
-        samples.append(
-            Sample(
-                prompt_ids=list(item.prompt_ids),
-                response_ids=list(c.token_ids),
-                rollout_logprobs=list(c.logprobs),
-                group_id=first_group_id + c.prompt_index,
-                finish_reason=c.finish_reason,
-                policy_version=c.policy_version,
-                routed_experts=c.routed_experts,
-                metadata={
-                    "ground_truth": item.ground_truth,
-                    "index": item.index,
-                    "prompt": item.prompt,
-                    "columns": item.metadata,
-                },
-            )
-        )
-    return samples
-
-
 def score_samples(
     samples: list[Sample], runner: RewardRunner, decode: Callable[[list[int]], str], cfg: RunConfig
 ) -> dict[str, float]:
-    """Decode responses, run the reward function, add overlong shaping; fills `Sample.reward`."""
-    texts = [decode(s.response_ids) for s in samples]
+    """Decode responses, run the reward function, add overlong shaping; fills `Sample.reward`.
+
+    A multi-turn sample carries its final answer (`metadata["response_text"]`, the last assistant
+    message) and, when its environment gave one, its reward (`metadata["env_reward"]`): the reward
+    function scores only the samples without one."""
+    texts = [s.metadata.get("response_text") or decode(s.response_ids) for s in samples]
+    given = [s.metadata.get("env_reward") for s in samples]
+    todo = [i for i, g in enumerate(given) if g is None]
     result = runner.score(
         [
             RewardInput(
-                t, s.metadata["ground_truth"], prompt=s.metadata["prompt"], columns=s.metadata["columns"]
+                texts[i],
+                samples[i].metadata["ground_truth"],
+                prompt=samples[i].metadata["prompt"],
+                columns=samples[i].metadata["columns"],
             )
-            for t, s in zip(texts, samples)
+            for i in todo
         ]
     )
-    scores, metrics = result.scores, result.metrics()
+    scores = [float(g) if g is not None else 0.0 for g in given]
+    for i, score in zip(todo, result.scores):
+        scores[i] = score
+    metrics = result.metrics()
     penalty_B = torch.zeros(len(samples))
     algo = cfg.algorithm
     if algo.overlong_buffer > 0:
@@ -98,59 +72,6 @@ def score_samples(
         s.metadata["score"] = score
         s.reward = score + pen
     return dict(metrics)
-
-
-def collect_rollouts(
-    rollout_group: RolloutGroup,
-    source: PromptSource,
-    runner: RewardRunner,
-    decode: Callable[[list[int]], str],
-    cfg: RunConfig,
-    *,
-    step: int,
-    stop_token_ids: list[int],
-) -> RolloutResult:
-    """prompts_per_step groups of n samples; with dynamic sampling, only groups whose rewards differ,
-    drawing more prompts for up to `max_sampling_rounds` rounds."""
-    ro, algo = cfg.rollout, cfg.algorithm
-    want = cfg.trainer.prompts_per_step
-    kept: list[Sample] = []
-    metrics: dict[str, float] = {}
-    num_groups = num_dropped = 0
-    rounds = algo.max_sampling_rounds if algo.dynamic_sampling else 1
-    for round_idx in range(rounds):
-        missing = want - num_groups
-        if missing <= 0:
-            break
-        items = source.next_batch(missing)
-        base = SamplingParams.from_config(ro)
-        sampling = [
-            dataclasses.replace(
-                base, stop_token_ids=stop_token_ids, seed=request_seed(cfg.trainer.seed, step, round_idx, i)
-            )
-            for i in range(len(items))
-        ]
-        samples = generate_samples(
-            rollout_group, items, sampling, first_group_id=step * 1_000_000 + round_idx * 10_000
-        )
-        maybe_fail("generate", step)
-        for k, v in score_samples(samples, runner, decode, cfg).items():
-            metrics[k] = metrics.get(k, 0.0) + v
-        maybe_fail("rewards", step)
-        if round_idx == 0:
-            metrics.update(reward_metrics(samples))
-        if algo.dynamic_sampling:
-            keep_B = keep_informative_groups(
-                torch.tensor([s.reward for s in samples]), torch.tensor([s.group_id for s in samples])
-            )
-            num_dropped += len(items) - int(keep_B.sum()) // ro.n_samples
-            samples = [s for s, k in zip(samples, keep_B.tolist()) if k]
-        kept.extend(samples)
-        num_groups = len(kept) // ro.n_samples
-    kept = kept[: want * ro.n_samples]
-    metrics["rollout/groups_dropped"] = float(num_dropped)
-    metrics["rollout/groups_kept"] = float(len(kept) // ro.n_samples)
-    return RolloutResult(samples=kept, metrics=metrics)
 
 
 def reward_metrics(samples: list[Sample]) -> dict[str, float]:

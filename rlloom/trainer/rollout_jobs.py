@@ -50,10 +50,18 @@ class Job:
     """Reward runner metrics summed over the job's groups."""
     first_round: list[Sample] = field(default_factory=list)
     """Every scored sample of round 0, kept or not (the reward metrics' population)."""
+    episodes: list[dict[str, Any]] = field(default_factory=list)
+    """Multi-turn: what each trajectory of the job counted (turns, tool calls, errors, tokens)."""
 
     def samples(self) -> list[Sample]:
         """The kept samples in the synchronous step's order (round, prompt position, sample)."""
         return [s for _, group in sorted(self.groups, key=lambda g: g[0]) for s in group]
+
+    def batch(self, cfg: RunConfig) -> list[Sample]:
+        """The samples to train on: those of the first `prompts_per_step` kept groups (dynamic
+        sampling's last round may keep more), in the synchronous step's order."""
+        ordered = sorted(self.groups, key=lambda g: g[0])[: cfg.trainer.prompts_per_step]
+        return [s for _, group in ordered for s in group]
 
     def missing(self, cfg: RunConfig) -> int:
         return cfg.trainer.prompts_per_step - len(self.groups)
@@ -72,7 +80,26 @@ class Job:
         out.update(reward_metrics(self.first_round))
         out["rollout/groups_dropped"] = float(self.num_groups_dropped)
         out["rollout/groups_kept"] = float(len(self.groups))
+        if self.episodes:
+            out.update(episode_metrics(self.episodes))
         return out
+
+
+def episode_metrics(episodes: list[dict[str, Any]]) -> dict[str, float]:
+    """rollout/turns_mean, tool_calls_mean, tool_errors (sum), env_errors (sum), env_tokens_mean
+    (masked tokens per trajectory) and env/<name> (each environment metric's mean)."""
+    n = len(episodes)
+    out = {
+        "rollout/turns_mean": sum(e["turns"] for e in episodes) / n,
+        "rollout/tool_calls_mean": sum(e["tool_calls"] for e in episodes) / n,
+        "rollout/tool_errors": float(sum(e["tool_errors"] for e in episodes)),
+        "rollout/env_errors": float(sum(e["env_error"] is not None for e in episodes)),
+        "rollout/env_tokens_mean": sum(e["env_tokens"] for e in episodes) / n,
+    }
+    names = sorted({k for e in episodes for k in e["env_metrics"]} - {"tool_calls", "tool_errors"})
+    for name in names:
+        out[f"env/{name}"] = sum(e["env_metrics"].get(name, 0.0) for e in episodes) / n
+    return out
 
 
 def round_sampling(
@@ -125,6 +152,10 @@ def add_group(
         job.metrics[k] = job.metrics.get(k, 0.0) + v
     if order < ROUND_STRIDE:
         job.first_round.extend(group)
+    # One record per trajectory (its segments share one `episode` dict).
+    job.episodes.extend(
+        {id(s.metadata["episode"]): s.metadata["episode"] for s in group if "episode" in s.metadata}.values()
+    )
     informative = True
     if cfg.algorithm.dynamic_sampling:
         keep_B = keep_informative_groups(

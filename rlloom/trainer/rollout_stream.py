@@ -15,6 +15,11 @@ sampling's next round. New weights arrive between decode steps (`update_weights`
   tokens so far (the KV cache rebuilt by a prefill under the new weights); every token keeps the
   version and the logprob of the policy that produced it (`Sample.token_versions`);
 - drop: their tokens are discarded and the samples start again under the new weights.
+
+Multi-turn episodes (`rollout.env`, `rollout.tools`): an `EpisodeDriver` (episodes/driver.py) owns
+each prompt's trajectories; a finished turn goes to it instead of into the group, its environment
+steps run off this thread while the replicas keep decoding, and each next turn is a request of its
+own on the same replica. A group is scored once all of its trajectories have ended.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ from rlloom.config.components import RunConfig
 from rlloom.data.dataset import PromptItem
 from rlloom.data.source import PromptSource
 from rlloom.data.types import Sample
+from rlloom.episodes.driver import EpisodeDriver, TurnRequest
 from rlloom.rewards.runner import RewardRunner
+from rlloom.trainer.rollout import RolloutResult
 from rlloom.trainer.rollout_jobs import ROUND_STRIDE, Job, add_group, group_id, make_sample, round_sampling
 from rlloom.workers.flights import StreamRequest, StreamResult
 
@@ -47,6 +54,8 @@ class _Request:
     group_id: int
     order: int
     done: dict[int, Sample] = field(default_factory=dict)
+    turns_sent: int = 0
+    """Multi-turn: requests sent for the trajectories' later turns (their ids' suffix)."""
 
 
 class RolloutStream:
@@ -61,8 +70,13 @@ class RolloutStream:
         runner: RewardRunner,
         decode: Callable[[list[int]], str],
         stop_token_ids: list[int],
+        episodes: EpisodeDriver | None = None,
     ) -> None:
         self.group, self.cfg, self.source = group, cfg, source
+        self.episodes = episodes
+        """Multi-turn episodes; None for single-turn generation."""
+        self.turns: dict[str, tuple[str, int]] = {}
+        """Multi-turn: request id of a later turn -> (its prompt's request id, trajectory)."""
         self.runner, self.decode, self.stop_token_ids = runner, decode, stop_token_ids
         self.jobs: list[Job] = []
         """Jobs admitted and not yet taken, oldest first."""
@@ -108,6 +122,9 @@ class RolloutStream:
                 group_id=group_id(job, job.rounds, i),
                 order=job.rounds * ROUND_STRIDE + i,
             )
+            if self.episodes is not None:  # the first turn is sent once the environments are reset
+                self.episodes.begin(request_id, item, params)
+                continue
             request = StreamRequest(
                 request_id=request_id, prompt_ids=list(item.prompt_ids), sampling=params, prompt_index=i
             )
@@ -132,7 +149,15 @@ class RolloutStream:
         while not done():
             if not self.requests:
                 raise RuntimeError("rollout stream: nothing in flight but the awaited jobs are not complete")
-            for result in self.group.stream_poll(POLL_S):
+            episodes = self.episodes
+            if episodes is not None:
+                for turn in episodes.poll(0.0):
+                    self._send_turn(turn)
+                self._finish_episodes()
+                self._send()
+            # While environments run, poll the replicas briefly so their results are not kept waiting.
+            waiting = episodes is not None and episodes.waiting
+            for result in self.group.stream_poll(0.01 if waiting else POLL_S):
                 self._record(result)
             for job in self.jobs:  # dynamic sampling: the next round once a round is done
                 if job.needs_round(self.cfg):
@@ -141,15 +166,46 @@ class RolloutStream:
 
     def _record(self, result: StreamResult) -> None:
         c = result.completion
-        request = self.requests[c.request_id]
+        request_id, j = self.turns.pop(c.request_id, (c.request_id, c.sample_index))
+        request = self.requests[request_id]
         if c.error is not None:
             raise ValueError(f"rollout rejected prompt {request.item.index}: {c.error}")
-        request.done[c.sample_index] = make_sample(request.item, request.group_id, c, result.versions)
         self.load[request.replica] -= 1
+        if self.episodes is not None:  # the driver decides whether the trajectory goes on
+            self.episodes.on_turn(request_id, j, c, result.versions)
+            return
+        request.done[c.sample_index] = make_sample(request.item, request.group_id, c, result.versions)
         if len(request.done) == request.n:
             del self.requests[c.request_id]
             group = [request.done[j] for j in range(request.n)]
             add_group(request.job, group, request.order, self.cfg, self.runner, self.decode)
+
+    def _send_turn(self, turn: TurnRequest) -> None:
+        """Queue a turn the episode driver asks for, on its prompt's replica (its KV cache is there)."""
+        request = self.requests[turn.key]
+        request_id = turn.key
+        if turn.j is not None:
+            request.turns_sent += 1
+            request_id = f"{turn.key}/{turn.j}.{request.turns_sent}"
+            self.turns[request_id] = (turn.key, turn.j)
+        if turn.turn > 0:  # a first turn's samples were counted when its prompt was admitted
+            self.load[request.replica] += turn.sampling.n
+        self.unsent.setdefault(request.replica, []).append(
+            StreamRequest(
+                request_id=request_id,
+                prompt_ids=list(turn.prompt_ids),
+                sampling=turn.sampling,
+                prompt_index=request.order % ROUND_STRIDE,
+            )
+        )
+
+    def _finish_episodes(self) -> None:
+        """Score the groups whose trajectories have all ended."""
+        for request_id, request in list(self.requests.items()):
+            if self.episodes.finished(request_id):
+                del self.requests[request_id]
+                group = self.episodes.take(request_id, request.group_id)
+                add_group(request.job, group, request.order, self.cfg, self.runner, self.decode)
 
     # ---- weights ---------------------------------------------------------------------------------
 
@@ -179,13 +235,33 @@ class RolloutStream:
         assert self.is_complete(job), f"job {job.index} taken while {job.outstanding} prompts are in flight"
         return job
 
+    def idle(self) -> None:
+        """Wait until every replica's generation thread has ended (nothing may be in flight): the
+        engines are then free to sleep or to take new weights outside the stream."""
+        assert not self.requests, f"{len(self.requests)} prompts are still in flight"
+        self.group.stream_abort()
+
     def drop_all(self) -> dict[str, Any] | None:
         """Abort every request and forget every job; return the prompt-source position of the oldest
         dropped job (to draw its prompts again), or None when nothing was admitted."""
         self.unsent.clear()
         self.tokens_discarded += self.group.stream_drop()
         self.requests.clear()
+        self.turns.clear()
+        if self.episodes is not None:
+            self.episodes.forget()
         self.load = [0] * len(self.load)
         oldest = self.jobs[0].data_state if self.jobs else None
         self.jobs.clear()
         return oldest
+
+
+def collect_rollouts(stream: RolloutStream, step: int) -> RolloutResult:
+    """The synchronous step's samples: the stream with only this step's job admitted (the
+    asynchronous loop at staleness 0), so every mode generates through one path."""
+    job = stream.submit(step)
+    stream.start()
+    stream.wait_until(lambda: stream.is_complete(job))
+    stream.take()
+    stream.idle()
+    return RolloutResult(samples=job.batch(stream.cfg), metrics=job.rollout_metrics())

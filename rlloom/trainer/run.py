@@ -23,6 +23,7 @@ from rlloom.config.components import RunConfig
 from rlloom.config.loading import to_dict, to_yaml
 from rlloom.data.types import Sample
 from rlloom.devices import resolve_device
+from rlloom.episodes.build import build_episode_driver, check_episodes
 from rlloom.faults import check_fault_env, maybe_fail
 from rlloom.models import load_tokenizer
 from rlloom.observability.log import init_logger
@@ -102,6 +103,7 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
     )
     columns = {name for item in (*source.items, *eval_items) for name in item.metadata}
     runner = build_reward_runner(cfg.reward, task=cfg.data.task, columns=columns)
+    check_episodes(cfg)  # the environment and tools import, before the model loads
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
     stop_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if warning := check_fits(cfg):  # before any GPU memory is taken (rlloom plan, docs/plan.md)
@@ -126,6 +128,7 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
         stop_token_ids=train_stop,
         on_samples=keep_samples,
         critic_group=groups.critic,
+        episodes=build_episode_driver(cfg, tokenizer, stop_token_ids, decode),
     )
 
     state = TrainerState(step=0, data_state=source.state_dict())
@@ -208,6 +211,8 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
     finally:
         loggers.close()
         runner.close()
+        if ctx.episodes is not None:
+            ctx.episodes.calls.close()
         groups.close()
     seconds = time.perf_counter() - start
     result = RunResult(

@@ -26,6 +26,7 @@ from rlloom.cluster.base import CriticGroup, RolloutGroup, TrainGroup, WeightSyn
 from rlloom.config.components import RunConfig
 from rlloom.data.source import PromptSource
 from rlloom.data.types import PolicyUpdate, RolloutBatch, Sample, ValueUpdate
+from rlloom.episodes.driver import EpisodeDriver
 from rlloom.faults import maybe_fail
 from rlloom.observability.metrics import MetricsAccumulator
 from rlloom.observability.timers import StageTimer
@@ -37,7 +38,8 @@ from rlloom.trainer.policy import (
     token_rewards,
     value_metrics,
 )
-from rlloom.trainer.rollout import RolloutResult, collect_rollouts
+from rlloom.trainer.rollout import RolloutResult
+from rlloom.trainer.rollout_stream import RolloutStream, collect_rollouts
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,22 @@ class StepContext:
     kl_coef: float | None = None
     """The adaptive KL controller's current coefficient (algorithm.kl_ctrl=adaptive; checkpoints keep
     it); None before its first step and with a fixed one (algorithm.kl_coef is used)."""
+    episodes: EpisodeDriver | None = None
+    """Multi-turn episodes (rollout.env, rollout.tools); None for single-turn generation."""
+    stream: RolloutStream | None = None
+    """The one rollout path (every trainer.mode); built from the fields above when not given."""
+
+    def __post_init__(self) -> None:
+        if self.stream is None:
+            self.stream = RolloutStream(
+                self.rollout_group,
+                self.cfg,
+                source=self.source,
+                runner=self.runner,
+                decode=self.decode,
+                stop_token_ids=self.stop_token_ids,
+                episodes=self.episodes,
+            )
 
 
 def is_single_pass(cfg: RunConfig) -> bool:
@@ -80,15 +98,9 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
 
     with timer("generate"):
         if rollout is None:
-            rollout = collect_rollouts(
-                rollout_group,
-                ctx.source,
-                ctx.runner,
-                ctx.decode,
-                cfg,
-                step=step,
-                stop_token_ids=ctx.stop_token_ids,
-            )
+            rollout = collect_rollouts(ctx.stream, step)
+            maybe_fail("generate", step)
+            maybe_fail("rewards", step)
     metrics.update(rollout.metrics)
     if ctx.on_samples is not None:
         ctx.on_samples(rollout.samples)

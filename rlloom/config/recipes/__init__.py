@@ -3,10 +3,16 @@
 from collections.abc import Callable
 
 from rlloom.config.components import RunConfig
-from rlloom.config.recipes.arithmetic import arithmetic_demo, arithmetic_smoke, dapo_arithmetic
+from rlloom.config.recipes.arithmetic import (
+    arithmetic_demo,
+    arithmetic_retry,
+    arithmetic_smoke,
+    dapo_arithmetic,
+)
 
 RECIPES: dict[str, Callable[[], RunConfig]] = {
     "arithmetic_demo": arithmetic_demo,
     "arithmetic_smoke": arithmetic_smoke,
+    "arithmetic_retry": arithmetic_retry,
     "dapo_arithmetic": dapo_arithmetic,
 }

@@ -46,3 +46,20 @@ def dapo_arithmetic() -> RunConfig:
         cfg.algorithm, eps_high=0.28, dynamic_sampling=True, overlong_buffer=8, agg_mode="token-mean"
     )
     return dataclasses.replace(cfg, algorithm=algo)
+
+
+def arithmetic_retry() -> RunConfig:
+    """Multi-turn: the demo's task with feedback. After a wrong answer the environment says so and the
+    model tries again (up to 3 answers); the reward is 1, 0.5 or 0.25 for a right answer at the first,
+    second or third try (rlloom.episodes.envs.retry)."""
+    cfg = arithmetic_demo()
+    rollout = dataclasses.replace(
+        cfg.rollout,
+        env="rlloom.episodes.envs.retry:AnswerRetry",
+        env_kwargs={"discount": 0.5, "max_tries": 3},
+        max_turns=3,
+        max_observation_tokens=32,
+    )
+    return dataclasses.replace(
+        cfg, rollout=rollout, trainer=dataclasses.replace(cfg.trainer, run_dir="runs/arithmetic_retry")
+    )

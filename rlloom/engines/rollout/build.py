@@ -37,7 +37,7 @@ def build_rollout_engine(
     return NativeEngine.from_config(
         model,
         cfg.rollout,
-        max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
+        max_model_len=cfg.longest_sequence,
         decode=load_decoder(cfg.model.path),
         seed=cfg.trainer.seed,
         tp_group=tp_group,
