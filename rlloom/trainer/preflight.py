@@ -24,6 +24,7 @@ Each failure is one `ConfigError` line naming the setting, the value, the rule a
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -38,6 +39,7 @@ from rlloom.devices import resolve_device, resolve_dtype
 from rlloom.engines.rollout.native.model_runner import kv_bytes_per_block
 from rlloom.engines.rollout.native.tensor_parallel import tp_problem
 from rlloom.engines.rollout.native.validation import available_memory_bytes, kv_cache_problem
+from rlloom.episodes.build import check_episodes
 from rlloom.models.args import ModelArgs
 from rlloom.models.checkpoint import VALUE_MODEL_SUFFIXES, resolve_path
 from rlloom.models.fp8 import FP8_NEEDS_EXPERTS
@@ -46,6 +48,19 @@ from rlloom.parallel.pp_stages import check_pp, split_layers
 from rlloom.rewards.registry import get_reward_fn
 from rlloom.tasks.build import default_reward_name, task_prompts
 from rlloom.trainer.async_loop import capacity
+
+
+def fit_multi_turn_budget(cfg: RunConfig) -> RunConfig:
+    """`cfg` with rollout.max_total_tokens capped at the model's positions when it was left at 0 and
+    its derived value would pass them (a default never conflicts with the model); a value the user set
+    is checked by `check_sequence_length` instead."""
+    if not cfg.rollout.multi_turn or cfg.rollout.max_total_tokens:
+        return cfg
+    max_positions = model_hf_config(cfg.model.path).get("max_position_embeddings")
+    if not isinstance(max_positions, int) or cfg.longest_sequence <= max_positions:
+        return cfg
+    rollout = dataclasses.replace(cfg.rollout, max_total_tokens=max_positions)
+    return dataclasses.replace(cfg, rollout=rollout)
 
 
 def check_before_loading(cfg: RunConfig) -> None:
@@ -64,6 +79,7 @@ def check_before_loading(cfg: RunConfig) -> None:
     check_critic(cfg, hf_config)
     check_data(cfg)
     check_logging_backends(cfg)
+    check_episodes(cfg)
 
 
 LOGGING_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
@@ -175,9 +191,16 @@ def check_critic(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
 
 def check_sequence_length(cfg: RunConfig, max_positions: int | None) -> None:
     """The longest sequence, prompt plus response, must fit the model's positions."""
-    longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    longest = cfg.longest_sequence
     if max_positions is None or longest <= max_positions:
         return
+    if cfg.rollout.multi_turn:
+        raise ConfigError(
+            f"rollout.max_total_tokens: a multi-turn trajectory may reach {longest} tokens, beyond the model's "
+            f"max_position_embeddings={max_positions} ({cfg.model.path}). Fix: set rollout.max_total_tokens="
+            f"{max_positions} or less (0 derives it from data.max_prompt_length, rollout.max_turns, "
+            "rollout.max_new_tokens and rollout.max_observation_tokens)."
+        )
     raise ConfigError(
         f"data.max_prompt_length={cfg.data.max_prompt_length} + rollout.max_new_tokens="
         f"{cfg.rollout.max_new_tokens} = {longest} is invalid: a sequence must fit the model's "

@@ -23,7 +23,7 @@ from rlloom.config.components import RunConfig
 from rlloom.config.loading import to_dict, to_yaml
 from rlloom.data.types import Sample
 from rlloom.devices import resolve_device
-from rlloom.episodes.build import build_episode_driver, check_episodes
+from rlloom.episodes.build import build_episode_driver
 from rlloom.faults import check_fault_env, maybe_fail
 from rlloom.models import load_tokenizer
 from rlloom.observability.log import init_logger
@@ -44,7 +44,7 @@ from rlloom.trainer.checkpoint import (
 )
 from rlloom.trainer.evaluate import evaluate
 from rlloom.trainer.export import save_run_hf
-from rlloom.trainer.preflight import check_before_loading, check_resume_config
+from rlloom.trainer.preflight import check_before_loading, check_resume_config, fit_multi_turn_budget
 from rlloom.trainer.run_lock import RunDirLock
 from rlloom.trainer.step import StepContext, rl_step, update_was_skipped
 from rlloom.trainer.stop import RunStopped, StopSignals
@@ -74,6 +74,7 @@ def run(cfg: RunConfig) -> RunResult:
     start-up checks; a resume must continue the same run (see `check_resume_config`)."""
     init_logger()
     check_fault_env()
+    cfg = fit_multi_turn_budget(cfg)
     with RunDirLock(cfg.trainer.run_dir):
         prepare_run_dir(cfg.trainer.run_dir)
         resume_from = resolve_resume(cfg)
@@ -103,7 +104,6 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
     )
     columns = {name for item in (*source.items, *eval_items) for name in item.metadata}
     runner = build_reward_runner(cfg.reward, task=cfg.data.task, columns=columns)
-    check_episodes(cfg)  # the environment and tools import, before the model loads
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
     stop_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if warning := check_fits(cfg):  # before any GPU memory is taken (rlloom plan, docs/plan.md)

@@ -38,6 +38,7 @@ def build_rollout_engine(
         model,
         cfg.rollout,
         max_model_len=cfg.longest_sequence,
+        enable_prefix_caching=cfg.rollout.multi_turn,
         decode=load_decoder(cfg.model.path),
         seed=cfg.trainer.seed,
         tp_group=tp_group,

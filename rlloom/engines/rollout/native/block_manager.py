@@ -10,6 +10,14 @@ Full blocks stay shared until the last holder frees them. A partially filled blo
 and the first fork to write into it gets a private copy (copy-on-write): the block manager takes a
 free block, records the (source, destination) pair in `pending_copies` for the model runner to copy
 before the next forward, and drops one reference to the shared block.
+
+Prefix caching (`enable_prefix_caching`, multi-turn episodes): a full block whose keys and values
+are computed is remembered under a hash of its tokens chained with those of every block before it,
+when its sequence frees it. A later sequence whose tokens start with the same full blocks (the next
+turn of a trajectory: its conversation so far plus the new messages) takes those blocks, counted, and
+its prefill computes only the tokens after them. A remembered block with no holder stays in the free
+list, oldest first, and loses its hash when it is taken for something else; `clear_prefix_cache`
+forgets every hash (new weights make the cached keys and values stale).
 """
 
 from __future__ import annotations
@@ -20,44 +28,100 @@ from rlloom.engines.rollout.native.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))
+        """Free blocks, oldest first, plus stale entries of the `claimed` ones."""
+        self.claimed: set[int] = set()
+        """Prefix caching: blocks taken back from the free list by a cache hit, whose entries there
+        are skipped (or made valid again when the block is freed again)."""
         self.pending_copies: list[tuple[int, int]] = []
         """Copy-on-write (source, destination) block pairs the runner copies before the next forward."""
+        self.enable_prefix_caching = enable_prefix_caching
+        self.cached: dict[int, int] = {}
+        """Prefix caching: chained hash of a computed full block -> the block holding it."""
+        self.block_hash: dict[int, int] = {}
+        """Prefix caching: block -> the hash it is remembered under."""
+        self.num_cached_hits = 0
+        """Prompt tokens that prefills did not compute because their blocks were cached."""
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return len(self.free_blocks) - len(self.claimed)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
+        return self.num_blocks - self.num_free_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def _take(self) -> int:
         block = self.free_blocks.popleft()
+        while block in self.claimed:  # a stale entry: the block was taken by a cache hit
+            self.claimed.remove(block)
+            block = self.free_blocks.popleft()
         assert self.ref_counts[block] == 0, (block, self.ref_counts[block])
         self.ref_counts[block] = 1
+        if (h := self.block_hash.pop(block, None)) is not None:  # evicted: its contents get overwritten
+            del self.cached[h]
         return block
 
     def _release(self, block: int) -> None:
         self.ref_counts[block] -= 1
         assert self.ref_counts[block] >= 0, block
         if self.ref_counts[block] == 0:
-            self.free_blocks.append(block)
+            if block in self.claimed:  # its old entry in the free list is valid again
+                self.claimed.remove(block)
+            else:
+                self.free_blocks.append(block)
 
     def can_allocate(self, seq: Sequence) -> bool:
         """Room to prefill all of `seq`'s tokens (its forks share these blocks)."""
         return self.blocks_for(seq.num_tokens) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence) -> None:
+        """Blocks for all of `seq`'s tokens; with prefix caching, the cached blocks its tokens start
+        with (never the last token's: the prefill must compute it to sample the next) are shared and
+        counted in `seq.num_cached_tokens`."""
         assert not seq.block_table, seq.seq_id
-        seq.block_table = [self._take() for _ in range(self.blocks_for(seq.num_tokens))]
+        table: list[int] = []
+        if self.enable_prefix_caching:
+            for h in self._hashes(seq.token_ids, (seq.num_tokens - 1) // self.block_size):
+                block = self.cached.get(h)
+                if block is None:
+                    break
+                if self.ref_counts[block] == 0:
+                    self.claimed.add(block)
+                self.ref_counts[block] += 1
+                table.append(block)
+            seq.num_cached_tokens = len(table) * self.block_size
+            self.num_cached_hits += seq.num_cached_tokens
+        table += [self._take() for _ in range(self.blocks_for(seq.num_tokens) - len(table))]
+        seq.block_table = table
+
+    def _hashes(self, token_ids: list[int], num_blocks: int) -> list[int]:
+        """The chained hash of each of the first `num_blocks` full blocks of `token_ids`."""
+        out, h, size = [], 0, self.block_size
+        for i in range(num_blocks):
+            h = hash((h, tuple(token_ids[i * size : (i + 1) * size])))
+            out.append(h)
+        return out
+
+    def _remember(self, seq: Sequence) -> None:
+        """Remember the full blocks of `seq` whose keys and values are computed (before it frees them)."""
+        computed = min(seq.num_cached_tokens, seq.num_tokens) // self.block_size
+        for block, h in zip(seq.block_table, self._hashes(seq.token_ids, computed)):
+            if h not in self.cached and block not in self.block_hash:
+                self.cached[h] = block
+                self.block_hash[block] = h
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached block (new weights: their keys and values are stale)."""
+        self.cached.clear()
+        self.block_hash.clear()
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give `child` the parent's blocks (shared, counted) and cached-token count."""
@@ -68,6 +132,8 @@ class BlockManager:
         child.num_cached_tokens = parent.num_cached_tokens
 
     def free(self, seq: Sequence) -> None:
+        if self.enable_prefix_caching:
+            self._remember(seq)
         for block in reversed(seq.block_table):
             self._release(block)
         seq.block_table = []
@@ -84,7 +150,7 @@ class BlockManager:
         scheduler's per-sequence call."""
         if self.append_cost(seq) == 0:
             return True  # the slot is in a private block already: nothing to do
-        if not self.free_blocks:
+        if not self.num_free_blocks:
             return False
         self.may_append(seq)
         return True

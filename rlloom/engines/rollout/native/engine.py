@@ -115,6 +115,7 @@ class NativeEngine:
         enforce_eager: bool = False,
         compile: bool = True,
         enable_prefix_sharing: bool = True,
+        enable_prefix_caching: bool = False,
         decode: Callable[[list[int]], str] | None = None,
         eos_token_ids: Iterable[int] | None = None,
         seed: int | None = None,
@@ -127,7 +128,10 @@ class NativeEngine:
         With `tp_group` (the ranks of one tensor-parallel replica, each passing the same full model,
         or its own shard from `tp_weights.from_pretrained_sharded`, and calling every method with the
         same arguments) this rank keeps its shard of the model (tensor_parallel.py) and samples from
-        its vocabulary slice (vocab_parallel.py)."""
+        its vocabulary slice (vocab_parallel.py). `enable_prefix_caching` keeps the keys and values of
+        finished sequences' full blocks for later requests that start with the same tokens (multi-turn
+        episodes: a trajectory's next turn; block_manager.py); it is off for MoE models, whose prefill
+        must compute every position to report the experts it chose."""
         _check(max_model_len >= 2, "max_model_len", max_model_len, "must be >= 2", "e.g. 2048")
         _check(
             num_blocks >= 0, "num_blocks", num_blocks, "must be >= 0", "use 0 to size by kv_cache_memory_gb"
@@ -200,7 +204,7 @@ class NativeEngine:
         self.enable_prefix_sharing = enable_prefix_sharing
         self.decode = decode
         self.policy_version = 0
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=max_num_seqs,
@@ -219,6 +223,8 @@ class NativeEngine:
             enforce_eager=enforce_eager,
             compile=compile,
         )
+        if self.runner.route_dtype is not None:  # routes of cached positions would be missing
+            self.block_manager.enable_prefix_caching = False
         seed = seed if seed is not None else random.randrange(2**62)
         self.sampler = (
             Sampler(self.device, seed)
@@ -263,6 +269,7 @@ class NativeEngine:
         decode: Callable[[list[int]], str] | None = None,
         seed: int | None = None,
         tp_group: dist.ProcessGroup | None = None,
+        enable_prefix_caching: bool = False,
     ) -> NativeEngine:
         """Build from the run's `RolloutConfig` (cache and batching fields) and runtime objects."""
         return cls(
@@ -272,6 +279,7 @@ class NativeEngine:
             kv_cache_memory_gb=config.kv_cache_memory_gb,
             block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
+            enable_prefix_caching=enable_prefix_caching,
             enforce_eager=config.enforce_eager,
             compile=config.compile,
             decode=decode,
@@ -517,6 +525,7 @@ class NativeEngine:
             load_hf_tensors(self.model, named_tensors)
         else:
             load_sharded(self.model, self.tp, named_tensors)
+        self.block_manager.clear_prefix_cache()  # keys and values of the old weights
         self.policy_version = version
 
     def weight_shard_dims(self) -> dict[str, int | None]:
@@ -546,6 +555,7 @@ class NativeEngine:
                 "sleep() with requests in flight would lose their KV cache. Fix: finish or abort() them first."
             )
         self.runner.free()
+        self.block_manager.clear_prefix_cache()
         if offload_weights and self.device.type != "cpu":
             self.model.to("cpu")
             self._offloaded = True
