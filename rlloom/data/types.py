@@ -68,6 +68,9 @@ class Sample:
     """MoE models: [P + R - 1, MoE layers, K] experts the rollout used for every token it fed to the
     model (the prompt and every response token but the last), uint8 (<= 256 experts) or int16; None
     for dense models. Training replays them with `algorithm.routing_replay=rollout`."""
+    trajectory_id: int | None = None
+    """Multi-turn: the samples one trajectory was split into (one per turn, where the chat template
+    rewrites earlier turns) share it, so group statistics count the trajectory once; None: its own."""
 
     def __post_init__(self) -> None:
         if self.rollout_logprobs is not None and len(self.rollout_logprobs) != len(self.response_ids):
@@ -221,6 +224,22 @@ class RolloutBatch:
     def group_ids(self) -> torch.Tensor:
         """[B] int64 group ids."""
         return torch.tensor([s.group_id for s in self.samples], dtype=torch.int64)
+
+    def trajectory_rows(self) -> tuple[list[int], torch.Tensor]:
+        """(the first row of each trajectory, [B] int64 index of each row's trajectory in that list):
+        a sample without `trajectory_id` is a trajectory of its own."""
+        first: list[int] = []
+        seen: dict[int, int] = {}
+        index = []
+        for row, s in enumerate(self.samples):
+            if s.trajectory_id is None or s.trajectory_id not in seen:
+                if s.trajectory_id is not None:
+                    seen[s.trajectory_id] = len(first)
+                index.append(len(first))
+                first.append(row)
+            else:
+                index.append(seen[s.trajectory_id])
+        return first, torch.tensor(index, dtype=torch.int64)
 
     def response_lengths(self) -> torch.Tensor:
         """[B] int64 response lengths."""

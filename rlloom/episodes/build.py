@@ -63,6 +63,7 @@ def build_episode_driver(
         tool_parser=ro.tool_parser,
         system_prompt=cfg.data.system_prompt,
         tools=tools,
+        template_renders_tool_calls="tool_calls" in (getattr(tokenizer, "chat_template", "") or ""),
         default_score=cfg.reward.default_score,
     )
     calls = EnvCalls(spec, num_workers=ro.env_workers, timeout_s=ro.env_timeout_s)

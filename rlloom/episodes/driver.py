@@ -33,7 +33,7 @@ from rlloom.data.types import Sample
 from rlloom.engines.rollout import Completion, SamplingParams
 from rlloom.episodes.calls import EnvCalls, EnvResult
 from rlloom.episodes.render import encode, extension_ids, render_conversation
-from rlloom.episodes.tools import TOOL_PARSERS
+from rlloom.episodes.tools import TOOL_PARSERS, strip_tool_calls
 from rlloom.episodes.trajectory import Segment, Trajectory, truncate_ids
 from rlloom.episodes.types import Message
 
@@ -76,6 +76,9 @@ class EpisodeSettings:
     system_prompt: str = ""
     tools: list[dict[str, Any]] | None = None
     """The tools' JSON schemas, rendered by the chat template (None: no tools)."""
+    template_renders_tool_calls: bool = False
+    """The chat template writes an assistant message's `tool_calls` itself (Qwen's does): its
+    `content` then holds only the text around the calls, as the template expects."""
     default_score: float = 0.0
 
 
@@ -148,6 +151,8 @@ class EpisodeDriver:
         calls, errors = TOOL_PARSERS[self.settings.tool_parser](text)
         if calls:
             message["tool_calls"] = [call.as_message_entry() for call in calls]
+            if self.settings.template_renders_tool_calls:  # it writes them itself: content is the rest
+                message["content"] = strip_tool_calls(text)
         traj.tool_calls += len(calls) + len(errors)
         traj.messages.append(message)
         if c.finish_reason != "stop":
@@ -216,7 +221,7 @@ class EpisodeDriver:
     def take(self, key: Any, group_id: int) -> list[Sample]:
         """The samples of a finished group (one per trajectory, or per segment); forgets the group."""
         group = self.groups.pop(key)
-        return [s for traj in group.trajs for s in self._samples(group, traj, group_id)]
+        return [s for j, traj in enumerate(group.trajs) for s in self._samples(group, traj, group_id, j)]
 
     def forget(self) -> None:
         """Drop every group (the stream dropped its requests); calls in flight are ignored."""
@@ -261,7 +266,7 @@ class EpisodeDriver:
         kept = truncate_ids(ids, limit, self.settings.observation_truncation)
         return {**message, "content": self.tokenizer.decode(kept, skip_special_tokens=False)}
 
-    def _samples(self, group: _Group, traj: Trajectory, group_id: int) -> list[Sample]:
+    def _samples(self, group: _Group, traj: Trajectory, group_id: int, traj_index: int) -> list[Sample]:
         item = group.item
         final = self.decode(traj.last_turn_ids)
         stats = {
@@ -291,6 +296,7 @@ class EpisodeDriver:
                     policy_version=seg.versions[0],
                     token_versions=list(seg.versions),
                     routed_experts=seg.routed_experts,
+                    trajectory_id=group_id * 1_000 + traj_index if len(segments) > 1 else None,
                     metadata={
                         "ground_truth": item.ground_truth,
                         "index": item.index,

@@ -64,6 +64,12 @@ def parse_hermes(text: str) -> tuple[list[ToolCall], list[str]]:
     return calls, errors
 
 
+def strip_tool_calls(text: str) -> str:
+    """`text` without its `<tool_call>` blocks (the content of an assistant message whose calls are
+    given as `tool_calls`)."""
+    return _HERMES.sub("", text).strip()
+
+
 TOOL_PARSERS: dict[str, Callable[[str], tuple[list[ToolCall], list[str]]]] = {"hermes": parse_hermes}
 """`rollout.tool_parser` -> parser; a family with another format adds one function and one entry."""
 

@@ -105,10 +105,13 @@ def compute_advantages(
     rewards_B, groups_B, mask_BT = batch.rewards(), batch.group_ids(), batch.response_mask()
     if algo.uses_critic:
         raise ValueError("estimator gae needs the critic's values: use gae_targets")
-    if algo.estimator in ("grpo", "dr_grpo"):
-        adv_B = grpo_advantages(rewards_B, groups_B, scale_by_std=algo.estimator == "grpo")
-    elif algo.estimator == "rloo":
-        adv_B = rloo_advantages(rewards_B, groups_B)
+    if algo.estimator in ("grpo", "dr_grpo", "rloo"):
+        # A multi-turn trajectory split into several samples counts once in its group's statistics.
+        first, index_B = batch.trajectory_rows()
+        if algo.estimator == "rloo":
+            adv_B = rloo_advantages(rewards_B[first], groups_B[first])[index_B]
+        else:
+            adv_B = grpo_advantages(rewards_B[first], groups_B[first], scale_by_std=algo.estimator == "grpo")[index_B]
     elif algo.estimator == "reinforce_pp_baseline":
         return reinforce_pp_baseline_advantages(rewards_B, groups_B, mask_BT)
     else:  # reinforce_pp: outcome reward on the last valid token, discounted returns, whitened

@@ -199,3 +199,31 @@ def test_observation_tokens_never_reach_the_gradient(tiny_checkpoint, tmp_path):
     assert abs(a - b) <= 1e-6 * a
     c, d = grad_norm([30, 31], False), grad_norm([40, 41, 42, 43], False)
     assert abs(c - d) > 1e-3 * c  # unmasked, the same change moves the gradient: the test can fail
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_the_calculator_recipe_runs_on_a_template_that_renders_tools(tmp_path):
+    from tests.conftest import build_tiny_checkpoint
+
+    ckpt = build_tiny_checkpoint(tmp_path / "ckpt")
+    (ckpt / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    run = tmp_path / "run"
+    args = [f"model.path={ckpt}", f"trainer.run_dir={run}", "data.num_train=16", "data.num_eval=0",
+            "trainer.total_steps=1", "trainer.prompts_per_step=2", "rollout.n_samples=2",
+            "rollout.max_new_tokens=8", "logging.console=false", "trainer.save_hf_every=-1",
+            "data.max_prompt_length=512"]
+    assert main(["train", "calculator_tools", *args]) == 0
+    [step] = read_metrics(run)  # no evaluation: no step-0 line
+    assert step["rollout/turns_mean"] >= 1.0 and "rollout/tool_calls_mean" in step
+
+
+def test_tools_need_a_template_that_renders_them(tiny_checkpoint, tmp_path, capsys):
+    rc = main(["train", "calculator_tools", f"model.path={tiny_checkpoint}", f"trainer.run_dir={tmp_path}/run"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "does not render tools" in err

@@ -264,3 +264,19 @@ def test_a_template_that_rewrites_history_starts_a_new_sample(tiny_checkpoint):
                 )
         finally:
             driver.calls.close()
+
+
+def test_a_trajectory_split_into_turns_counts_once_in_its_group():
+    from rlloom.config.components import AlgorithmConfig
+    from rlloom.data.types import RolloutBatch, Sample
+    from rlloom.trainer.policy import compute_advantages
+
+    def sample(reward, traj):
+        return Sample(prompt_ids=[1], response_ids=[2, 3], reward=reward, group_id=0, trajectory_id=traj)
+
+    split = RolloutBatch([sample(1.0, 7), sample(1.0, 7), sample(1.0, 7), sample(0.0, None)])
+    whole = RolloutBatch([sample(1.0, None), sample(0.0, None)])
+    for estimator in ("grpo", "dr_grpo", "rloo"):
+        algo = AlgorithmConfig(estimator=estimator)
+        adv_split, adv_whole = compute_advantages(algo, split)[:, 0], compute_advantages(algo, whole)[:, 0]
+        assert adv_split.tolist() == [adv_whole[0].item()] * 3 + [adv_whole[1].item()], estimator

@@ -7,6 +7,7 @@ from rlloom.config.recipes.arithmetic import (
     arithmetic_demo,
     arithmetic_retry,
     arithmetic_smoke,
+    calculator_tools,
     dapo_arithmetic,
 )
 
@@ -14,5 +15,6 @@ RECIPES: dict[str, Callable[[], RunConfig]] = {
     "arithmetic_demo": arithmetic_demo,
     "arithmetic_smoke": arithmetic_smoke,
     "arithmetic_retry": arithmetic_retry,
+    "calculator_tools": calculator_tools,
     "dapo_arithmetic": dapo_arithmetic,
 }

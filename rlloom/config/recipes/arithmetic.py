@@ -63,3 +63,21 @@ def arithmetic_retry() -> RunConfig:
     return dataclasses.replace(
         cfg, rollout=rollout, trainer=dataclasses.replace(cfg.trainer, run_dir="runs/arithmetic_retry")
     )
+
+
+def calculator_tools() -> RunConfig:
+    """Multi-turn with a tool: arithmetic where the model may call `calculate` (rlloom.episodes.envs.
+    calculator) before it answers. Needs a model whose chat template renders tools (Qwen2.5/Qwen3):
+    `rlloom train calculator_tools model.path=/path/to/Qwen3-0.6B`."""
+    cfg = arithmetic_demo()
+    data = dataclasses.replace(
+        cfg.data,
+        num_digits=3,
+        operators="*",
+        system_prompt="Use the calculate tool when it helps, then answer with just the number.",
+    )
+    rollout = dataclasses.replace(
+        cfg.rollout, tools=["rlloom.episodes.envs.calculator:calculate"], max_turns=3, max_new_tokens=128
+    )
+    trainer = dataclasses.replace(cfg.trainer, run_dir="runs/calculator_tools")
+    return dataclasses.replace(cfg, data=data, rollout=rollout, trainer=trainer)
