@@ -204,6 +204,8 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
                 if _hf_due(cfg, state.step, is_last):
                     save_run_hf(groups.train, cfg, state.step)
                 if stop.signum and not is_last:  # a Ctrl-C or SIGTERM arrived during this step
+                    if loop is not None:  # nothing in flight past the checkpoint, as at a scheduled one
+                        loop.drain(state.step)
                     raise RunStopped(stop.signum, state.step, saved or checkpoint())
     finally:
         loggers.close()
