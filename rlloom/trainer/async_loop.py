@@ -57,6 +57,7 @@ from rlloom.faults import maybe_fail
 from rlloom.trainer.rollout import RolloutResult
 from rlloom.trainer.rollout_stream import RolloutStream
 from rlloom.trainer.step import StepContext, rl_step
+from rlloom.trainer.stop import StopSignals
 
 
 def capacity(cfg: RunConfig) -> int:
@@ -163,7 +164,9 @@ class AsyncLoop:
         self.next_index: int | None = None
         """Batch index of the next job to admit (None: the first step's)."""
 
-    def step(self, step: int) -> dict[str, float]:
+    def step(self, step: int, stop: StopSignals | None = None) -> dict[str, float]:
+        """With `stop` given, a signal it recorded during the step drains the queue as a scheduled
+        checkpoint does, before the step's metrics are counted (run.py then stops)."""
         cfg, stream = self.cfg, self.stream
         start, busy_before, discarded_before = time.perf_counter(), stream.busy_s, stream.tokens_discarded
         if self.next_index is None:
@@ -186,7 +189,7 @@ class AsyncLoop:
         metrics.update(job.rollout_metrics())
         rollout = RolloutResult(samples=samples, metrics=dict(metrics))
         metrics.update(rl_step(self.ctx, step, rollout=rollout))
-        if drains_after(cfg, step + 1):
+        if drains_after(cfg, step + 1) or (stop is not None and stop.signum is not None):
             self.drain(step + 1)
         total_s = time.perf_counter() - start
         train_s = sum(metrics.get(f"time/{k}_s", 0.0) for k in TRAIN_STAGES)
