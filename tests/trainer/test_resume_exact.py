@@ -15,6 +15,7 @@ only its steps; `RLLOOM_FAULT` kills them with SIGKILL (rlloom/faults.py).
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
@@ -212,11 +213,14 @@ def test_bad_fault_env_stops_the_cli_with_exit_2(monkeypatch, capsys):
 SIGNALLING = ["reward.name=resume_reward:digit_share_signalling", "trainer.save_every=0"]
 
 
-def signal_in_step_2(tiny_checkpoint: Path, tmp_path: Path, signum: int, count: int = 1) -> dict[str, str]:
+def signal_in_job(
+    tiny_checkpoint: Path, tmp_path: Path, signum: int, job: int = 1, count: int = 1
+) -> dict[str, str]:
     """The environment that has the reward worker send `count` `signum`s to the trainer while it
-    scores step 2's first sample."""
+    scores the first sample of batch `job` (0-based; without dynamic sampling's extra rounds):
+    in step 2 for job 1 in the synchronous mode."""
     cfg = tiny_cfg(tiny_checkpoint, tmp_path, *EXACT)
-    call = cfg.trainer.prompts_per_step * cfg.rollout.n_samples + 1
+    call = job * cfg.trainer.prompts_per_step * cfg.rollout.n_samples + 1
     return {"RESUME_REWARD_SIGNAL": f"{signum}:{call}:{count}"}
 
 
@@ -227,7 +231,7 @@ def test_a_signal_mid_step_checkpoints_that_step_and_resume_equals_straight_run(
     # The reward worker signals the trainer while it scores step 2's first sample. No checkpoint
     # is due (save_every=0): the stop writes step 2's, and the run continues from it exactly.
     run_dir = tmp_path / "stopped"
-    env = signal_in_step_2(tiny_checkpoint, tmp_path, signum)
+    env = signal_in_job(tiny_checkpoint, tmp_path, signum)
     status, err = launch(launcher, tiny_checkpoint, run_dir, env, *SIGNALLING)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signum, (status, err)
     assert (
@@ -254,10 +258,82 @@ def test_a_signal_mid_step_checkpoints_that_step_and_resume_equals_straight_run(
 
 def test_a_second_ctrl_c_stops_at_once_with_one_line(launcher, tiny_checkpoint, tmp_path):
     run_dir = tmp_path / "interrupted"
-    env = signal_in_step_2(tiny_checkpoint, tmp_path, signal.SIGINT, count=2)
+    env = signal_in_job(tiny_checkpoint, tmp_path, signal.SIGINT, count=2)
     status, err = launch(launcher, tiny_checkpoint, run_dir, env, *SIGNALLING)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 130, (status, err)
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(
         "rlloom: interrupted (Ctrl-C); "
     )
     assert complete_checkpoints(run_dir) == []  # step 2 never finished; none was due before it
+
+
+# The asynchronous modes: what is in flight when the signal comes is dropped and its prompts given
+# back before the stop's checkpoint, as before a scheduled one. Before, the checkpoint held a prompt
+# cursor past the jobs in flight, and the resumed run never trained them (1 batch lost at
+# max_staleness 1, 3 at 3). The reference is the uninterrupted run with a checkpoint at the step
+# the stop follows: a drain makes the next step train on-policy, so it must be there too.
+ASYNC_STOPS = {  # overrides, the batch whose first scored sample signals, the step that is under way then
+    "one_step_off": (["trainer.mode=one_step_off"], 2, 2),  # batch 2 is admitted when step 2 starts
+    "async_1": (["trainer.mode=async", "trainer.max_staleness=1"], 2, 2),
+    "async_3": (["trainer.mode=async", "trainer.max_staleness=3"], 1, 1),  # all 4 batches admitted at step 1
+    "async_2_dynamic": (  # dynamic sampling: extra rounds (the reward ties in most groups) drawn in flight
+        [
+            "trainer.mode=async",
+            "trainer.max_staleness=2",
+            "reward.name=resume_reward:starts_with_digit_signalling",
+            "algorithm.dynamic_sampling=true",
+        ],
+        1,
+        None,  # wherever batch 1's first sample lands after batch 0's extra rounds
+    ),
+}
+ALL_SAMPLES = "logging.samples_per_step=1000"  # samples.jsonl then holds every trained sample's prompt
+
+
+def prompts_per_step(run_dir: Path) -> list[list[str]]:
+    by_step: dict[int, list[str]] = {}
+    for line in (run_dir / "samples.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        by_step.setdefault(record["step"], []).append(record["prompt"])
+    return [sorted(by_step[k]) for k in sorted(by_step)]
+
+
+@pytest.mark.parametrize("case", list(ASYNC_STOPS))
+def test_a_signal_in_an_async_mode_drains_then_resume_equals_the_run_checkpointed_there(
+    launcher, tiny_checkpoint, tmp_path, case
+):
+    mode, job, expected_step = ASYNC_STOPS[case]
+    signum = signal.SIGTERM if case.startswith("async") else signal.SIGINT
+    run_dir = tmp_path / "stopped"
+    env = signal_in_job(tiny_checkpoint, tmp_path, signum, job=job)
+    status, err = launch(launcher, tiny_checkpoint, run_dir, env, *SIGNALLING, ALL_SAMPLES, *mode)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signum, (status, err)
+    stopped = [p.name for p in complete_checkpoints(run_dir)]
+    assert len(stopped) == 1 and "Traceback" not in err, (stopped, err)
+    step = int(stopped[0][5:])
+    assert step == expected_step if expected_step else 1 <= step < TOTAL
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(f"rlloom: stopped by {signal.Signals(signum).name} after step {step};")
+    )
+
+    scheduled = [*SIGNALLING, f"trainer.save_every={step}", ALL_SAMPLES, *mode]
+    reference = tmp_path / "reference"
+    run(tiny_cfg(tiny_checkpoint, reference, *EXACT, f"trainer.total_steps={TOTAL}", *scheduled))
+    run(
+        tiny_cfg(
+            tiny_checkpoint,
+            run_dir,
+            *EXACT,
+            f"trainer.total_steps={TOTAL}",
+            *scheduled,
+            "trainer.resume=auto",
+        )
+    )
+    expected = read_metrics(reference)
+    if "dynamic" in case:
+        assert sum(m["rollout/groups_dropped"] for m in expected) > 0  # extra rounds were drawn
+    assert prompts_per_step(run_dir) == prompts_per_step(reference)
+    assert read_metrics(run_dir) == expected
+    assert_same_weights(final_weights(run_dir, TOTAL, tmp_path), final_weights(reference, TOTAL, tmp_path))
