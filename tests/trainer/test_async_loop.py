@@ -302,7 +302,9 @@ def test_single_pass_is_correction_in_the_loss_equals_a_separate_old_forward(
         torch.testing.assert_close(tensor, weights[1][name], atol=1e-6, rtol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("mode", [["trainer.mode=one_step_off"], ["trainer.mode=async", "trainer.max_staleness=2"]])
+@pytest.mark.parametrize(
+    "mode", [["trainer.mode=one_step_off"], ["trainer.mode=async", "trainer.max_staleness=2"]]
+)
 def test_dynamic_sampling_with_drains_draws_no_prompt_twice(tiny_checkpoint, tmp_path, monkeypatch, mode):
     """A checkpoint after every step drops the jobs in flight and hands their prompts back. Jobs
     trained before the drop drew dynamic sampling's extra rounds after the dropped jobs' prompts;

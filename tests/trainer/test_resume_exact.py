@@ -15,7 +15,6 @@ only its steps; `RLLOOM_FAULT` kills them with SIGKILL (rlloom/faults.py).
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import signal
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer_loop import final_weights, read_metrics, tiny_args, tiny_cfg
+from test_trainer_loop import ALL_SAMPLES, final_weights, prompts_per_step, read_metrics, tiny_args, tiny_cfg
 
 from rlloom.cli import main
 from rlloom.cluster.build import build_groups
@@ -287,15 +286,6 @@ ASYNC_STOPS = {  # overrides, the batch whose first scored sample signals, the s
         None,  # wherever batch 1's first sample lands after batch 0's extra rounds
     ),
 }
-ALL_SAMPLES = "logging.samples_per_step=1000"  # samples.jsonl then holds every trained sample's prompt
-
-
-def prompts_per_step(run_dir: Path) -> list[list[str]]:
-    by_step: dict[int, list[str]] = {}
-    for line in (run_dir / "samples.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        by_step.setdefault(record["step"], []).append(record["prompt"])
-    return [sorted(by_step[k]) for k in sorted(by_step)]
 
 
 @pytest.mark.parametrize("case", list(ASYNC_STOPS))
