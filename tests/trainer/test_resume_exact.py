@@ -121,7 +121,7 @@ def _launcher(conn) -> None:
     import transformers.models.auto.tokenization_auto  # noqa: F401
 
     while (request := conn.recv()) is not None:
-        checkpoint, run_dir, env, extra = request
+        checkpoint, run_dir, env, extra, closed = request
         pid = os.fork()
         if pid == 0:
             code = 1
@@ -130,6 +130,10 @@ def _launcher(conn) -> None:
                 torch.set_num_threads(1)  # as in the test process (see `one_thread`)
                 stderr = os.open(f"{run_dir}.stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
                 os.dup2(stderr, 2)  # what the user would read
+                for fd in closed:  # a pipe whose reader is gone, as `| tee` after Ctrl-C
+                    reader, writer = os.pipe()
+                    os.close(reader)
+                    os.dup2(writer, fd)
                 args = tiny_args(
                     Path(checkpoint), Path(run_dir), *EXACT, f"trainer.total_steps={TOTAL}", *extra
                 )
@@ -140,10 +144,16 @@ def _launcher(conn) -> None:
 
 
 def launch(
-    launcher, tiny_checkpoint: Path, run_dir: Path, env: dict[str, str], *extra: str
+    launcher,
+    tiny_checkpoint: Path,
+    run_dir: Path,
+    env: dict[str, str],
+    *extra: str,
+    closed: tuple[int, ...] = (),
 ) -> tuple[int, str]:
-    """The wait status of `rlloom train` on the tiny run with `env` and `extra` overrides, and its stderr."""
-    launcher.send((str(tiny_checkpoint), str(run_dir), env, list(extra)))
+    """The wait status of `rlloom train` on the tiny run with `env` and `extra` overrides, and its
+    stderr; the file descriptors in `closed` (1, 2) write into a pipe nobody reads."""
+    launcher.send((str(tiny_checkpoint), str(run_dir), env, list(extra), closed))
     assert launcher.poll(300), f"{env}: the run neither stopped nor finished within 300 s"
     return launcher.recv(), Path(f"{run_dir}.stderr").read_text()
 
@@ -264,6 +274,34 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line(launcher, tiny_checkpoint, 
         "rlloom: interrupted (Ctrl-C); "
     )
     assert complete_checkpoints(run_dir) == []  # step 2 never finished; none was due before it
+
+
+@pytest.mark.parametrize("closed", [(1,), (1, 2)], ids=["stdout", "stdout_and_stderr"])
+def test_ctrl_c_with_the_console_piped_into_a_closed_reader_checkpoints_and_resumes(
+    launcher, straight, tiny_checkpoint, tmp_path, closed
+):
+    # `rlloom train ... | tee log`, then Ctrl-C: tee is gone before rlloom prints its next line.
+    # Before, that line's BrokenPipeError ended the run: exit 141, no message, no checkpoint.
+    run_dir = tmp_path / "piped"
+    env = signal_in_job(tiny_checkpoint, tmp_path, signal.SIGINT)
+    console = ["logging.console=true", "logging.samples_per_step=2"]  # a line a step, and samples
+    status, err = launch(launcher, tiny_checkpoint, run_dir, env, *SIGNALLING, *console, closed=closed)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 130, (status, err)
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["step_000002"]  # although save_every=0
+    if 2 not in closed:
+        assert err.strip().splitlines()[-1].startswith("rlloom: stopped by SIGINT after step 2;"), err
+
+    run(
+        tiny_cfg(
+            tiny_checkpoint,
+            run_dir,
+            *EXACT,
+            f"trainer.total_steps={TOTAL}",
+            *SIGNALLING,
+            "trainer.resume=auto",
+        )
+    )
+    assert_matches(straight, run_dir, tmp_path)
 
 
 # The asynchronous modes: what is in flight when the signal comes is dropped and its prompts given
