@@ -313,17 +313,19 @@ def test_dynamic_sampling_with_drains_draws_no_prompt_twice(tiny_checkpoint, tmp
     must be distinct: 64 prompts, fewer drawn, so one epoch."""
     import rlloom.trainer.rollout_stream as stream_mod
 
-    drawn: dict[int, list[int]] = {}  # id(job) -> prompt indices of its scored groups
+    # id(job) -> the job (kept alive, so that a dropped job's id is not reused) and the prompt
+    # indices of its scored groups
+    drawn: dict[int, tuple[object, list[int]]] = {}
     trained: list[list[int]] = []
     real_add, real_take = stream_mod.add_group, stream_mod.RolloutStream.take
 
     def spy_add(job, group, *args, **kwargs):
-        drawn.setdefault(id(job), []).append(group[0].metadata["index"])
+        drawn.setdefault(id(job), (job, []))[1].append(group[0].metadata["index"])
         return real_add(job, group, *args, **kwargs)
 
     def spy_take(self):
         job = real_take(self)
-        trained.append(drawn[id(job)])
+        trained.append(drawn[id(job)][1])
         return job
 
     monkeypatch.setattr(stream_mod, "add_group", spy_add)
