@@ -121,5 +121,7 @@ class PromptSource:
             # The epochs in use: the cursor's and those of prompts given back (at most one earlier).
             keep = {self.epoch, *(e for e, _ in self.returned)}
             self._orders = {e: o for e, o in self._orders.items() if e in keep}
-            self._orders[epoch] = epoch_order(len(self.items), seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+            self._orders[epoch] = epoch_order(
+                len(self.items), seed=self.seed, epoch=epoch, shuffle=self.shuffle
+            )
         return self._orders[epoch]

@@ -56,4 +56,6 @@ def console_may_close() -> Iterator[None]:
     try:
         yield
     finally:
+        sys.stdout.flush()  # through the guard: the interpreter's flush at exit finds nothing to fail on
+        sys.stderr.flush()
         sys.stdout, sys.stderr = saved

@@ -87,7 +87,10 @@ def test_a_prompt_given_back_across_an_epoch_end_keeps_its_epoch_order():
     src.next_batch(4)
     dropped = src.next_positions(3)  # the last of epoch 0, the first two of epoch 1
     src.give_back(dropped)
-    assert indices(src.next_batch(3)) == epoch_order(5, seed=2, epoch=0)[4:] + epoch_order(5, seed=2, epoch=1)[:2]
+    assert (
+        indices(src.next_batch(3))
+        == epoch_order(5, seed=2, epoch=0)[4:] + epoch_order(5, seed=2, epoch=1)[:2]
+    )
     assert indices(src.next_batch(3)) == epoch_order(5, seed=2, epoch=1)[2:]
 
 
