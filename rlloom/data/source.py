@@ -118,7 +118,7 @@ class PromptSource:
 
     def _epoch_order(self, epoch: int) -> list[int]:
         if epoch not in self._orders:
-            # The epochs in use: the cursor's and those of prompts given back (at most one earlier).
+            # The epochs in use: the cursor's and those of the prompts given back.
             keep = {self.epoch, *(e for e, _ in self.returned)}
             self._orders = {e: o for e, o in self._orders.items() if e in keep}
             self._orders[epoch] = epoch_order(
