@@ -245,9 +245,7 @@ def _command(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C outside a run's steps, or twice within them
         print(f"rlloom: interrupted (Ctrl-C); {_INTERRUPTED[args.command]}", file=sys.stderr)
         return 128 + signal.SIGINT
-    except (
-        BrokenPipeError
-    ):  # stdout closed early (`rlloom plan ... | head`): stop quietly, as cat does (not train)
+    except BrokenPipeError:  # stdout closed early (`rlloom plan ... | head`): stop quietly, as cat does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not fail
         return 128 + signal.SIGPIPE
 

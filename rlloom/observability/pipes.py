@@ -52,7 +52,8 @@ class DiscardOnBrokenPipe:
 def console_may_close() -> Iterator[None]:
     """`sys.stdout` and `sys.stderr` discard output once their reader is gone, until the block ends."""
     saved = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = DiscardOnBrokenPipe(sys.stdout), DiscardOnBrokenPipe(sys.stderr)  # type: ignore[assignment]
+    sys.stdout = DiscardOnBrokenPipe(sys.stdout)  # type: ignore[assignment]
+    sys.stderr = DiscardOnBrokenPipe(sys.stderr)  # type: ignore[assignment]
     try:
         yield
     finally:

@@ -9,8 +9,8 @@ groups: rollout_jobs.py.
 The controller admits jobs (their prompts go to the least loaded replica), polls the finished
 samples while it waits for a job, scores each prompt's group as it completes and draws dynamic
 sampling's next round (a job's only once every older job is complete, so the prompts each job
-draws do not depend on which responses finish first). New weights arrive between decode steps (`update_weights`);
-`rollout.partial` decides what happens to the requests in flight:
+draws do not depend on which responses finish first). New weights arrive between decode steps
+(`update_weights`); `rollout.partial` decides what happens to the requests in flight:
 - finish: they run to the end under the old weights first, then the weights change;
 - abort_resume: they are aborted, the weights change, and each sample resumes from prompt + its
   tokens so far (the KV cache rebuilt by a prefill under the new weights); every token keeps the

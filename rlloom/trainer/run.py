@@ -204,7 +204,7 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
                 if _hf_due(cfg, state.step, is_last):
                     save_run_hf(groups.train, cfg, state.step)
                 if stop.signum and not is_last:  # a Ctrl-C or SIGTERM arrived during this step
-                    if loop is not None:  # the signal came after the step's own drain (evaluation, logging)
+                    if loop is not None:  # a no-op unless the signal came after the step's own check
                         loop.drain(state.step)
                     raise RunStopped(stop.signum, state.step, saved or checkpoint())
     finally:
