@@ -98,7 +98,9 @@ def read_yaml_file(path: Path) -> Any:
         ) from None
     try:
         loaded = yaml.load(text, Loader=_UniqueKeyLoader)
-        return _bounded(loaded, f"config file {str(path)!r}", "write the values out, or use fewer nested aliases")
+        return _bounded(
+            loaded, f"config file {str(path)!r}", "write the values out, or use fewer nested aliases"
+        )
     except (yaml.YAMLError, RecursionError) as e:
         fix = (
             "remove or rename one of the two"

@@ -37,6 +37,7 @@ from rlloom.engines.train.sealed import (
     write_manifest,
 )
 from rlloom.faults import maybe_fail
+from rlloom.observability.loggers import LOG_NAMES
 from rlloom.run_files import free_space, fresh_dir, make_dir, refuse_link, write_text
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ CRITIC_DIR = "critic"
 WEIGHTS_DIR = "hf"
 """The Hugging Face folder that replaces ENGINE_DIR in a weights-only checkpoint."""
 CHECKPOINTS_DIR = "checkpoints"
+CONFIG_FILE = "config.yaml"
+"""The resolved config, in RUN_DIR (trainer/run.py) and in each checkpoint."""
 HF_DIR = "hf"
 """RUN_DIR/hf/step_N: the run's Hugging Face folders (trainer/export.py)."""
 STEP_NAMES = r"step_\d+"
@@ -112,7 +115,7 @@ def save_checkpoint(
             "kl_coef": state.kl_coef,
         }
         write_text(tmp / "trainer_state.json", json.dumps(trainer_state))
-        write_text(tmp / "config.yaml", to_yaml(cfg))
+        write_text(tmp / CONFIG_FILE, to_yaml(cfg))
         write_manifest(tmp, sealed=sealed)
         swap_in(tmp, final)
     except (OSError, CheckpointError) as e:
@@ -152,7 +155,7 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int, *, keep: Path) -> Non
 def prepare_run_dir(run_dir: str | Path) -> None:
     """Refuse links where the run writes its folders (before any step is trained), delete interrupted
     saves and finish interrupted swaps (call under the run lock)."""
-    for name in (CHECKPOINTS_DIR, HF_DIR):
+    for name in (CHECKPOINTS_DIR, HF_DIR, CONFIG_FILE, *LOG_NAMES):
         refuse_link(Path(run_dir) / name)
     for action in recover_parent(Path(run_dir) / CHECKPOINTS_DIR, STEP_NAMES):
         log.info("checkpoints: %s", action)

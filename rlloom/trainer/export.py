@@ -58,7 +58,7 @@ def save_run_hf(train_group: TrainGroup, cfg: RunConfig, step: int) -> Path:
         saved = [p.name for p in complete_checkpoints(cfg.trainer.run_dir)]
         kept = f"checkpoint {saved[-1]} is intact" if saved else "no checkpoint was written"
         raise write_failed(
-            e.filename or path,
+            path,
             e,
             f"free disk space, then write the folder from the checkpoint with `rlloom export "
             f"{cfg.trainer.run_dir} {path}` ({kept}; a partial folder is never left under {path.parent}).",

@@ -41,7 +41,12 @@ def laughs(levels: int = 9) -> str:
 # (case id, text of the YAML file or None for the recipe, overrides, words the message must hold)
 CONFIG_CASES = [
     # a 330-byte file expanded for minutes into a MemoryError traceback (2026-11-29)
-    ("yaml_billion_laughs", f"trainer:\n  total_steps: {laughs()}\n", [], ["more than 100000 values", "aliases"]),
+    (
+        "yaml_billion_laughs",
+        f"trainer:\n  total_steps: {laughs()}\n",
+        [],
+        ["more than 100000 values", "aliases"],
+    ),
     ("override_billion_laughs", None, [f"train.betas={laughs()}"], ["override train.betas", "aliases"]),
     ("yaml_alias_of_itself", "trainer:\n  total_steps: &a [*a]\n", [], ["more than 100000 values"]),
     ("yaml_syntax", "trainer:\n  seed: [1\n", [], ["not valid YAML", "line 3"]),
