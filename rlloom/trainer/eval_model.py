@@ -7,7 +7,7 @@ when that folder is absent; a model folder starts from the default settings. DAT
 .parquet file (every row is evaluated) or a procedural task name (its held-out split). Dotted
 overrides apply last. Greedy by default; `samples` > 1 at a temperature > 0 also reports pass@k.
 The report is a table and one JSON line (the last line, for scripts); `responses` also writes every
-answer with its score to a jsonl file.
+answer with its score to a new jsonl file (an existing path is refused, never overwritten).
 """
 
 from __future__ import annotations
