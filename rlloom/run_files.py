@@ -24,8 +24,8 @@ from typing import IO
 from rlloom.config.components import ConfigError, UserError
 
 FIX_LINK = (
-    "a planted link would make the run overwrite the file it points to. Fix: remove the link (copy the real "
-    "file or folder there if it belongs to the run), or choose another trainer.run_dir."
+    "a planted link would make rlloom overwrite what it points to. Fix: remove the link (copy the real file "
+    "or folder there if it belongs there), or write elsewhere (another trainer.run_dir or output folder)."
 )
 
 
@@ -94,9 +94,8 @@ def free_space(path: str | os.PathLike) -> str:
     return f"{free / 2**30:.1f} GiB" if free >= 2**28 else f"{free / 2**20:.1f} MiB"
 
 
-def write_failed(path: str | os.PathLike, error: OSError, fix: str = "") -> WriteFailed:
+def write_failed(path: str | os.PathLike, error: OSError, fix: str) -> WriteFailed:
     """The one-line error of a failed write of `path`; `fix` says what was kept and how to go on."""
-    fix = fix or "free disk space (or write elsewhere) and run the command again."
     return WriteFailed(
         f"writing {str(path)!r} failed: {error.strerror or error} ({free_space(path)} free on its disk). Fix: {fix}"
     )
