@@ -86,13 +86,18 @@ def multi_turn(
         while ready and ready[0][0] <= now:
             _, key = heapq.heappop(ready)
             later_prompt_tokens += len(contexts[key])
-            params = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=hash(key) % 10**6)
+            params = SamplingParams(
+                temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=hash(key) % 10**6
+            )
             engine.add_request(contexts[key], params, request_id=f"{key[0]}/{key[1]}/{done_turns[key]}")
         if not engine.has_unfinished():
             time.sleep(max(0.0, ready[0][0] - time.perf_counter()))
             continue
         for c in engine.step():
-            key = (int(c.request_id.split("/")[0]), c.sample_index if "/" not in c.request_id else int(c.request_id.split("/")[1]))
+            key = (
+                int(c.request_id.split("/")[0]),
+                c.sample_index if "/" not in c.request_id else int(c.request_id.split("/")[1]),
+            )
             tokens += len(c.token_ids)
             base = contexts.get(key, prompts[key[0]])
             done_turns[key] = done_turns.get(key, 0) + 1
@@ -111,7 +116,9 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cpu" if args.cpu else "cuda")
     config = TINY if args.cpu else QWEN3_06B
-    num_prompts, n, prompt_len, new, turns, obs = (4, 4, 32, 16, 4, 8) if args.cpu else (64, 8, 128, 128, 4, 32)
+    num_prompts, n, prompt_len, new, turns, obs = (
+        (4, 4, 32, 16, 4, 8) if args.cpu else (64, 8, 128, 128, 4, 32)
+    )
     max_len = prompt_len + turns * new + (turns - 1) * obs + 16
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, config["vocab_size"], (num_prompts, prompt_len), generator=gen).tolist()
@@ -126,7 +133,9 @@ def main() -> None:
         del engine
     base = rows[0][1]["tokens"] / rows[0][1]["s"]
     what = f"{num_prompts} prompts x n={n}, {prompt_len} prompt tokens, {turns} x {new} sampled, tool 50 ms + {obs} tokens"
-    print(f"\n### Multi-turn rollout ({'CPU tiny' if args.cpu else 'Qwen3-0.6B shape, ' + torch.cuda.get_device_name()}): {what}\n")
+    print(
+        f"\n### Multi-turn rollout ({'CPU tiny' if args.cpu else 'Qwen3-0.6B shape, ' + torch.cuda.get_device_name()}): {what}\n"
+    )
     print("| workload | seconds | sampled tok/s | vs single turn | later turns' prompt served by cache |")
     print("|---|---|---|---|---|")
     for name, r in rows:

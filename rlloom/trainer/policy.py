@@ -111,7 +111,9 @@ def compute_advantages(
         if algo.estimator == "rloo":
             adv_B = rloo_advantages(rewards_B[first], groups_B[first])[index_B]
         else:
-            adv_B = grpo_advantages(rewards_B[first], groups_B[first], scale_by_std=algo.estimator == "grpo")[index_B]
+            adv_B = grpo_advantages(rewards_B[first], groups_B[first], scale_by_std=algo.estimator == "grpo")[
+                index_B
+            ]
     elif algo.estimator == "reinforce_pp_baseline":
         return reinforce_pp_baseline_advantages(rewards_B, groups_B, mask_BT)
     else:  # reinforce_pp: outcome reward on the last valid token, discounted returns, whitened

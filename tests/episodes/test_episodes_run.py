@@ -214,16 +214,27 @@ def test_the_calculator_recipe_runs_on_a_template_that_renders_tools(tmp_path):
     ckpt = build_tiny_checkpoint(tmp_path / "ckpt")
     (ckpt / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
     run = tmp_path / "run"
-    args = [f"model.path={ckpt}", f"trainer.run_dir={run}", "data.num_train=16", "data.num_eval=0",
-            "trainer.total_steps=1", "trainer.prompts_per_step=2", "rollout.n_samples=2",
-            "rollout.max_new_tokens=8", "logging.console=false", "trainer.save_hf_every=-1",
-            "data.max_prompt_length=512"]
+    args = [
+        f"model.path={ckpt}",
+        f"trainer.run_dir={run}",
+        "data.num_train=16",
+        "data.num_eval=0",
+        "trainer.total_steps=1",
+        "trainer.prompts_per_step=2",
+        "rollout.n_samples=2",
+        "rollout.max_new_tokens=8",
+        "logging.console=false",
+        "trainer.save_hf_every=-1",
+        "data.max_prompt_length=512",
+    ]
     assert main(["train", "calculator_tools", *args]) == 0
     [step] = read_metrics(run)  # no evaluation: no step-0 line
     assert step["rollout/turns_mean"] >= 1.0 and "rollout/tool_calls_mean" in step
 
 
 def test_tools_need_a_template_that_renders_them(tiny_checkpoint, tmp_path, capsys):
-    rc = main(["train", "calculator_tools", f"model.path={tiny_checkpoint}", f"trainer.run_dir={tmp_path}/run"])
+    rc = main(
+        ["train", "calculator_tools", f"model.path={tiny_checkpoint}", f"trainer.run_dir={tmp_path}/run"]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "does not render tools" in err
