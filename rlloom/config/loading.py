@@ -19,6 +19,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from rlloom.config.aliases import rlloom_keys
 from rlloom.config.components import ConfigError, RunConfig
 from rlloom.config.yaml_text import parse_override_value, read_yaml_file
 
@@ -174,6 +175,8 @@ def _merge(dst: dict[str, Any], src: dict[str, Any], cls: type, prefix: str) -> 
         dotted = f"{prefix}{key}"
         if key not in fields:
             options = [f"{prefix}{k}" for k in fields]
+            if known_elsewhere := _other_frameworks_keys(dotted, value):
+                raise ConfigError(f"unknown config key {dotted!r}: {known_elsewhere}")
             raise ConfigError(
                 f"unknown config key {dotted!r}{_suggest(dotted, options)}. Valid keys here: {', '.join(options)}."
             )
@@ -186,6 +189,34 @@ def _merge(dst: dict[str, Any], src: dict[str, Any], cls: type, prefix: str) -> 
             _merge(dst.setdefault(key, {}), value, ftype, prefix=f"{dotted}.")
         else:
             dst[key] = value
+
+
+def _other_frameworks_keys(dotted: str, value: Any) -> str:
+    """For an unknown key that is TRL's or verl's name for rlloom keys (itself or, for a section of
+    theirs, the keys under it): "rlloom calls this ..." and the fix; else ''."""
+    found = [(leaf, v, keys) for leaf, v in _leaves(dotted, value) if (keys := rlloom_keys(leaf))]
+    if not found:
+        return ""
+    named = "; ".join(
+        f"rlloom calls this {' and '.join(keys)}"
+        if leaf == dotted
+        else f"{leaf} is rlloom's {' and '.join(keys)}"
+        for leaf, _, keys in found
+    )
+    fix = " ".join(f"{key}={_override_text(v)}" for _, v, keys in found for key in keys)
+    return f"{named} (another framework's name). Fix: {fix}."
+
+
+def _leaves(dotted: str, value: Any) -> list[tuple[str, Any]]:
+    """(dotted key, value) of every non-mapping value under `dotted` (itself when not a mapping)."""
+    if not isinstance(value, dict) or not value:
+        return [(dotted, value)]
+    return [leaf for k, v in value.items() for leaf in _leaves(f"{dotted}.{k}", v)]
+
+
+def _override_text(value: Any) -> str:
+    """A value as an override writes it (YAML flow style: 0.28, true, [0.9, 0.99])."""
+    return yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("\n...").strip()
 
 
 def _field_type(cls: type, name: str) -> Any:
