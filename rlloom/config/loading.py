@@ -103,15 +103,18 @@ def _file_defaults(data: dict[str, Any], loaded: dict[str, Any], path: Path) -> 
         data["trainer"]["run_dir"] = f"runs/{path.stem}"
 
 
-def load_config(source: str | Path, overrides: list[str] | None = None) -> RunConfig:
-    """Resolve `source` (recipe name, YAML path, or a run folder holding the `config.yaml` its run
-    wrote) and apply `key.sub=value` overrides."""
+def load_config(source: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Resolve `source` (recipe name, YAML path, a run folder holding the `config.yaml` its run
+    wrote, or None for the defaults) and apply `key.sub=value` overrides."""
     from rlloom.config import recipes
 
-    source = str(source)
-    if Path(source).is_dir() and (Path(source) / "config.yaml").is_file():
-        source = str(Path(source) / "config.yaml")  # a run folder: the config the run wrote
-    if source in recipes.RECIPES:
+    if source is not None:
+        source = str(source)
+        if Path(source).is_dir() and (Path(source) / "config.yaml").is_file():
+            source = str(Path(source) / "config.yaml")  # a run folder: the config the run wrote
+    if source is None:
+        data = to_dict(RunConfig())
+    elif source in recipes.RECIPES:
         data = to_dict(recipes.RECIPES[source]())
     elif source.endswith((".yaml", ".yml")) or Path(source).is_file():
         path = Path(source)

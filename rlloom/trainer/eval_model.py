@@ -199,10 +199,7 @@ def eval_model(
         check_writable(Path(responses))  # before the evaluation, which the file would otherwise lose
     with tempfile.TemporaryDirectory(prefix="rlloom-eval-") as tmp:
         workdir = Path(tmp)
-        base, model = resolve_model(model_or_run, workdir)
-        if base is None:
-            base = workdir / "defaults.yaml"
-            base.write_text("{}\n")
+        base, model = resolve_model(model_or_run, workdir)  # a model folder: the defaults (base None)
         extra = [] if temperature is None else [f"rollout.eval_temperature={temperature}"]
         cfg = load_config(
             base, [f"model.path={json.dumps(model)}", *data_overrides, *(overrides or []), *extra]

