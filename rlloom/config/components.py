@@ -296,7 +296,7 @@ class RewardConfig:
     the task's default."""
     num_workers: int = 2
     """Worker processes that run plug-in reward functions, isolated from the trainer: each sample
-    under `timeout_s`, each worker in its own process group under `memory_limit_gb`."""
+    under `timeout_s`, each worker under `memory_limit_gb`, killed with every process it started."""
     builtins_in_workers: bool = False
     """Also run the built-in rewards in the workers; off by default because they are trusted and
     about 10x cheaper inline (plug-ins, and sums holding one, always run in workers)."""
@@ -309,7 +309,7 @@ class RewardConfig:
     import_dir: str = ""
     """Folder where plug-in reward modules are also looked for (appended to the import path, so
     no PYTHONPATH is needed): a YAML config file sets it to its own folder; empty means the current
-    directory."""
+    directory (where `rlloom train` or `rlloom eval` runs; a recipe's default)."""
     default_score: float = 0.0
     """Score of a sample whose reward function hung, raised, crashed or returned a non-number (or
     a number of magnitude above 1e15, beyond which the group statistics overflow float32)."""
