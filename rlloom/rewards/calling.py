@@ -43,11 +43,11 @@ Result = tuple[Outcome, float | str]
 for `invalid`."""
 
 MAX_ABS_SCORE = 1e15
-"""Largest score magnitude accepted (`rlloom.config.components.MAX_ABS_SCORE`, which bounds
-`reward.default_score`, is the same; this module imports the standard library only). The trainer's group and batch statistics square differences of
-scores in float32 (largest 3.4e38): -3e38, a float32, overflowed the group std into inf and crashed
-the step. At 1e15 the squared differences of a million scores still sum to at most 4e36, and a
-score of 1e15 still tells 1 apart (float64 keeps integers exact to 9e15); no reward needs more."""
+"""Largest score magnitude accepted (the bound `rlloom.config.components.MAX_ABS_SCORE` puts on
+`reward.default_score`; this module imports the standard library only). The trainer's group and
+batch statistics square differences of scores in float32 (largest 3.4e38): -3e38, a float32,
+overflowed the group std and crashed the step. Within 1e15, the squared differences of a million
+scores sum to at most 4e36."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +97,9 @@ def call_form(fn: Callable[..., object]) -> CallForm:
     )
 
 
+_KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
 def signature_problem(fn: Callable[..., object]) -> str | None:
     """Why `fn` cannot be called in its form (per sample: two positional arguments, then keywords;
     batched: keywords only), or None. Checked when the reward is resolved, so that a function every
@@ -115,9 +118,6 @@ def signature_problem(fn: Callable[..., object]) -> str | None:
         shape = "fn(completions=[...], ...)" if form.batched else "fn(response_text, ground_truth, ...)"
         return f"{getattr(fn, '__name__', fn)}{signature} cannot be called as {shape}: {e}"
     return None
-
-
-_KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
 def missing_arguments(fn: Callable[..., object], columns: set[str]) -> list[str]:
