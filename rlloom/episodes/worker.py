@@ -21,6 +21,7 @@ import signal
 import sys
 from multiprocessing.connection import Connection
 
+from rlloom.rewards.process_tree import become_subreaper
 from rlloom.rewards.worker import die_with_parent
 
 ENTRY = "from rlloom.episodes.worker import main; main()"
@@ -28,6 +29,7 @@ ENTRY = "from rlloom.episodes.worker import main; main()"
 
 def main() -> None:
     fd, memory_limit_bytes, parent_pid = (int(a) for a in sys.argv[1:4])
+    become_subreaper()  # what an environment or a tool starts stays in this tree, and dies with it
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.set_inheritable(fd, False)
