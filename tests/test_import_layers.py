@@ -16,7 +16,7 @@ LAYERS = [
     {"parallel"},
     {"engines"},
     {"workers"},
-    {"cluster", "weight_sync"},
+    {"cluster", "weight_sync", "episodes"},
     {"trainer", "plan"},
     {"cli"},
 ]

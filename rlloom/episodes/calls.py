@@ -197,7 +197,7 @@ class EnvCalls:
     def close(self) -> None:
         if self.isolated:
             for w in self._workers:
-                w.stop()
+                w.kill()
             self._workers = []
         else:
             self._threads.shutdown(wait=False, cancel_futures=True)

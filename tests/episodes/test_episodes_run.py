@@ -14,6 +14,7 @@ from rlloom.cli import main
 from rlloom.cluster.build import build_groups
 from rlloom.config import load_config
 from rlloom.data.types import RolloutBatch, Sample
+from rlloom.observability.metrics import MetricsAccumulator
 from rlloom.trainer.policy import build_update
 
 HERE = Path(__file__).parent
@@ -175,25 +176,19 @@ def test_observation_tokens_never_reach_the_gradient(tiny_checkpoint, tmp_path):
     train = build_groups(cfg).train
 
     def grad_norm(obs: list[int], mask_obs: bool) -> float:
-        sampled = [5, 9, 11]
-        response = sampled[:2] + [20, 21] + sampled[2:] + obs
-        mask = [1, 1, 0, 0, 1] + [0 if mask_obs else 1] * len(obs)
-        logprobs = [-1.0, -2.0, 3.0 * len(obs), -7.0, -1.5] + [float(len(obs))] * len(obs)
-        samples = [
-            Sample(
-                prompt_ids=[3, 4, 5],
-                response_ids=response,
-                rollout_logprobs=logprobs,
-                loss_mask=mask,
-                reward=float(r),
-                group_id=0,
-            )
-            for r in (0, 1)
-        ]
+        samples = []
+        for reward, sampled in ((0.0, [5, 9, 11]), (1.0, [6, 8, 12])):  # different tokens: no cancelling
+            response = sampled[:2] + [20, 21] + sampled[2:] + obs
+            mask = [1, 1, 0, 0, 1] + [0 if mask_obs else 1] * len(obs)
+            logprobs = [-1.0, -2.0, 3.0 * len(obs), -7.0, -1.5] + [float(len(obs))] * len(obs)
+            samples.append(Sample(prompt_ids=[3, 4, 5], response_ids=response, rollout_logprobs=logprobs,
+                                  loss_mask=mask, reward=reward, group_id=0))  # fmt: skip
         update, _ = build_update(
             cfg.algorithm, RolloutBatch(samples), norm_constant=8, old_logp_BT=None, ref_logp_BT=None
         )
-        return train.update_policy(update).result()["train/grad_norm"]
+        acc = MetricsAccumulator()
+        acc.add(train.update_policy(update).result())
+        return acc.summary()["train/grad_norm"]
 
     a, b = grad_norm([30, 31], True), grad_norm([40, 41, 42, 43], True)
     assert abs(a - b) <= 1e-6 * a

@@ -8,19 +8,24 @@ import pytest
 from rlloom.config import ConfigError, load_config
 from rlloom.engines.rollout.native import NativeEngine
 from rlloom.trainer.run import run
-from rlloom.workers.rollout import RolloutWorker
+from rlloom.workers.stream import EngineStream
 
 
 def test_ignore_eos_generates_every_training_sample_to_max_new_tokens(tiny_checkpoint, tmp_path, monkeypatch):
-    calls = []
-    generate = RolloutWorker.generate
+    added, finished = [], []
+    add, poll = EngineStream.add, EngineStream.poll
 
-    def spy(self, prompts, sampling):
-        completions = generate(self, prompts, sampling)
-        calls.append((sampling, completions))
-        return completions
+    def spy_add(self, requests):
+        added.extend(requests)
+        return add(self, requests)
 
-    monkeypatch.setattr(RolloutWorker, "generate", spy)
+    def spy_poll(self, timeout_s):
+        out = poll(self, timeout_s)
+        finished.extend(out)
+        return out
+
+    monkeypatch.setattr(EngineStream, "add", spy_add)
+    monkeypatch.setattr(EngineStream, "poll", spy_poll)
     max_new = 20  # the random tiny model emits EOS (1 of ~100 tokens) in some of 16 x 20 draws
     cfg = load_config(
         "arithmetic_smoke",
@@ -37,11 +42,10 @@ def test_ignore_eos_generates_every_training_sample_to_max_new_tokens(tiny_check
         ],
     )
     run(cfg)
-    train = [(s, c) for s, c in calls if s[0].n == cfg.rollout.n_samples]
-    assert train, "no training generation was seen"
-    for sampling, completions in train:
-        assert all(sp.ignore_eos and not sp.stop_token_ids for sp in sampling)
-        assert [len(c.token_ids) for c in completions] == [max_new] * len(completions)
+    assert added, "no training generation was seen"
+    assert all(r.sampling.ignore_eos and not r.sampling.stop_token_ids for r in added)
+    assert len(finished) == cfg.trainer.prompts_per_step * cfg.rollout.n_samples
+    assert [len(f.completion.token_ids) for f in finished] == [max_new] * len(finished)
 
 
 def test_engine_refuses_a_kv_cache_larger_than_free_memory(tiny_checkpoint):
