@@ -20,6 +20,7 @@ from pathlib import Path
 from rlloom.config.components import ConfigError, RunConfig
 from rlloom.config.loading import load_config
 from rlloom.data.chat import tokenize_prompts
+from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.dataset import PromptItem, load_prompt_file
 from rlloom.devices import resolve_device, resolve_dtype
 from rlloom.engines.rollout.native import NativeEngine
@@ -140,7 +141,7 @@ def generate_and_score(cfg: RunConfig, samples: int) -> tuple[list[PromptItem], 
     columns = {name for item in items for name in item.metadata}
     runner = build_reward_runner(cfg.reward, task=cfg.data.task, columns=columns)  # before the model
     stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    decode = ResponseDecoder.of(tokenizer)  # control tokens inside a response stay visible
     try:
         device = resolve_device(cfg)
         engine = NativeEngine.from_config(

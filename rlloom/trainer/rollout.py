@@ -7,7 +7,6 @@ resumed run draws exactly the completions the uninterrupted run drew.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +14,7 @@ import torch
 from rlloom.algorithms import keep_informative_groups, overlong_penalty
 from rlloom.cluster.base import RolloutGroup
 from rlloom.config.components import RunConfig
+from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.dataset import PromptItem
 from rlloom.data.source import PromptSource
 from rlloom.data.types import Sample
@@ -70,9 +70,10 @@ def generate_samples(
 
 
 def score_samples(
-    samples: list[Sample], runner: RewardRunner, decode: Callable[[list[int]], str], cfg: RunConfig
+    samples: list[Sample], runner: RewardRunner, decode: ResponseDecoder, cfg: RunConfig
 ) -> dict[str, float]:
-    """Decode responses, run the reward function, add overlong shaping; fills `Sample.reward`."""
+    """Decode responses (control tokens inside them visible), run the reward function, add overlong
+    shaping; fills `Sample.reward` and the metadata's `response_text`, `score` and `control_tokens`."""
     texts = [decode(s.response_ids) for s in samples]
     result = runner.score(
         [
@@ -96,6 +97,7 @@ def score_samples(
     for s, text, score, pen in zip(samples, texts, scores, penalty_B.tolist()):
         s.metadata["response_text"] = text
         s.metadata["score"] = score
+        s.metadata["control_tokens"] = decode.num_control(s.response_ids)
         s.reward = score + pen
     return dict(metrics)
 
@@ -104,7 +106,7 @@ def collect_rollouts(
     rollout_group: RolloutGroup,
     source: PromptSource,
     runner: RewardRunner,
-    decode: Callable[[list[int]], str],
+    decode: ResponseDecoder,
     cfg: RunConfig,
     *,
     step: int,
@@ -164,4 +166,6 @@ def reward_metrics(samples: list[Sample]) -> dict[str, float]:
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
         "response/clip_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+        # responses holding a control token before their end (the policy wrote chat structure)
+        "response/special_token_frac": sum(s.metadata["control_tokens"] > 0 for s in samples) / len(samples),
     }

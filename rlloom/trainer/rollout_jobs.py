@@ -12,7 +12,6 @@ is dropped and the job draws the missing prompts in another round (up to
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +19,7 @@ import torch
 
 from rlloom.algorithms import keep_informative_groups
 from rlloom.config.components import RunConfig
+from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.dataset import PromptItem
 from rlloom.data.types import Sample
 from rlloom.engines.rollout import Completion, SamplingParams
@@ -118,7 +118,7 @@ def add_group(
     order: int,
     cfg: RunConfig,
     runner: RewardRunner,
-    decode: Callable[[list[int]], str],
+    decode: ResponseDecoder,
 ) -> None:
     """Score one prompt's samples and keep the group (unless dynamic sampling drops it)."""
     for k, v in score_samples(group, runner, decode, cfg).items():

@@ -25,6 +25,7 @@ from typing import Any
 
 from rlloom.cluster.base import RolloutGroup
 from rlloom.config.components import RunConfig
+from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.dataset import PromptItem
 from rlloom.data.source import PromptSource
 from rlloom.data.types import Sample
@@ -59,7 +60,7 @@ class RolloutStream:
         *,
         source: PromptSource,
         runner: RewardRunner,
-        decode: Callable[[list[int]], str],
+        decode: ResponseDecoder,
         stop_token_ids: list[int],
     ) -> None:
         self.group, self.cfg, self.source = group, cfg, source

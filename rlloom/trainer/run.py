@@ -21,6 +21,7 @@ import torch
 from rlloom.cluster.build import build_groups
 from rlloom.config.components import RunConfig
 from rlloom.config.loading import to_dict, to_yaml
+from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.types import Sample
 from rlloom.devices import resolve_device
 from rlloom.faults import check_fault_env, maybe_fail
@@ -102,7 +103,7 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
     )
     columns = {name for item in (*source.items, *eval_items) for name in item.metadata}
     runner = build_reward_runner(cfg.reward, task=cfg.data.task, columns=columns)
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    decode = ResponseDecoder.of(tokenizer)  # control tokens inside a response stay visible
     stop_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if warning := check_fits(cfg):  # before any GPU memory is taken (rlloom plan, docs/plan.md)
         log.warning(warning)

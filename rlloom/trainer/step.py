@@ -24,6 +24,7 @@ from rlloom.algorithms import adaptive_kl_coef, loss_normalizer
 from rlloom.algorithms.objective import value_normalizer
 from rlloom.cluster.base import CriticGroup, RolloutGroup, TrainGroup, WeightSync
 from rlloom.config.components import RunConfig
+from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.source import PromptSource
 from rlloom.data.types import PolicyUpdate, RolloutBatch, Sample, ValueUpdate
 from rlloom.faults import maybe_fail
@@ -52,7 +53,7 @@ class StepContext:
     weight_sync: WeightSync
     source: PromptSource
     runner: RewardRunner
-    decode: Callable[[list[int]], str]
+    decode: ResponseDecoder
     stop_token_ids: list[int]
     on_samples: Callable[[list[Sample]], None] | None = None
     """Called with each step's scored samples (the trainer logs a few of them)."""

@@ -10,6 +10,7 @@ import torch
 
 from rlloom.cluster.build import build_groups
 from rlloom.config import load_config
+from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.engines.train.native import tensor_checksum
 from rlloom.models.adapter import hf_named_tensors
 from rlloom.models.checkpoint import load_tokenizer
@@ -44,7 +45,7 @@ def make_ctx(cfg) -> StepContext:
         weight_sync=groups.sync,
         source=build_task_source(cfg.data, tok, "train"),
         runner=build_reward_runner(cfg.reward, task=cfg.data.task),
-        decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+        decode=ResponseDecoder.of(tok),
         stop_token_ids=[tok.eos_token_id],
     )
 
