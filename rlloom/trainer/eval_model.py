@@ -31,6 +31,7 @@ from rlloom.rewards.build import build_reward_runner
 from rlloom.tasks.build import task_prompts
 from rlloom.trainer.evaluate import EvalScores, score_prompts
 from rlloom.trainer.export import build_engine_from_checkpoint, hf_dir, resolve_checkpoint
+from rlloom.trainer.model_folder import check_model_folder, check_tokenizer
 
 PROCEDURAL_TASKS = ("arithmetic", "countdown")
 
@@ -136,6 +137,9 @@ def eval_items(cfg: RunConfig, tokenizer: object) -> tuple[list[PromptItem], int
 def generate_and_score(cfg: RunConfig, samples: int) -> tuple[list[PromptItem], EvalScores, int]:
     """Load the model of `cfg.model.path` into a rollout engine and score the eval prompts:
     (the prompts, their scores, prompts skipped as too long)."""
+    check_model_folder(cfg.model.path, "model")
+    d = cfg.data
+    check_tokenizer(cfg.model.path, "model", chat_template=d.chat_template, system_prompt=d.system_prompt)
     tokenizer = load_tokenizer(cfg.model.path)
     items, too_long = eval_items(cfg, tokenizer)
     columns = {name for item in items for name in item.metadata}

@@ -27,6 +27,7 @@ from rlloom.engines.train.hf_folder import ExportDType, save_hf_folder
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.engines.train.sealed import verify_folder
 from rlloom.trainer.checkpoint import CRITIC_DIR, ENGINE_DIR, WEIGHTS_DIR, is_weights_only, latest_checkpoint
+from rlloom.trainer.model_folder import check_model_folder
 
 logger = logging.getLogger(__name__)
 _WHERE = "a run folder (RUN_DIR) or one of its checkpoints (RUN_DIR/checkpoints/step_N)"
@@ -115,6 +116,7 @@ def build_engine_from_checkpoint(ckpt: Path, *, critic: bool = False) -> tuple[R
                 f"export --critic: checkpoint {str(ckpt)!r} {what}, so it holds no critic. Fix: pass a full "
                 "checkpoint of a run with a critic, or drop --critic to export the policy."
             )
+        check_model_folder(cfg.critic_model_path, "the run's critic.model_path")
         engine = NativeTrainEngine.build(
             critic_engine_config(cfg),
             cfg.critic_model_path,
@@ -127,6 +129,8 @@ def build_engine_from_checkpoint(ckpt: Path, *, critic: bool = False) -> tuple[R
         return cfg, engine
     if weights_only:
         verify_folder(ckpt)  # a full checkpoint's engine verifies its own files in `load`
+    else:
+        check_model_folder(cfg.model.path, "the run's model.path")
     engine = NativeTrainEngine.build(
         cfg.train,
         str(ckpt / WEIGHTS_DIR) if weights_only else cfg.model.path,

@@ -1,6 +1,8 @@
 """Start-up checks that need more than the config itself, run before any model or data is loaded.
 
-- The model folder exists and can run on the device, and its `max_position_embeddings` holds the longest sequence the run asks
+- The model folder (and critic.model_path's) passes `model_folder.check_model_folder`: config.json,
+  the safetensors headers and their agreement; its tokenizer loads and its chat template renders in
+  bounds (`check_tokenizer`). It can run on the device, and its `max_position_embeddings` holds the longest sequence the run asks
   for: data.max_prompt_length + rollout.max_new_tokens (a longer one would run silently past the
   positions the model was trained on).
 - The KV cache asked for fits in the device's free memory (inline mode; see `kv_cache_problem`).
@@ -25,7 +27,6 @@ Each failure is one `ConfigError` line naming the setting, the value, the rule a
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 from typing import Any
 
@@ -39,18 +40,25 @@ from rlloom.engines.rollout.native.model_runner import kv_bytes_per_block
 from rlloom.engines.rollout.native.tensor_parallel import tp_problem
 from rlloom.engines.rollout.native.validation import available_memory_bytes, kv_cache_problem
 from rlloom.models.args import ModelArgs
-from rlloom.models.checkpoint import VALUE_MODEL_SUFFIXES, resolve_path
+from rlloom.models.checkpoint import VALUE_MODEL_SUFFIXES
 from rlloom.models.fp8 import FP8_NEEDS_EXPERTS
 from rlloom.parallel.dims import ParallelDims
 from rlloom.parallel.pp_stages import check_pp, split_layers
 from rlloom.rewards.registry import get_reward_fn
 from rlloom.tasks.build import default_reward_name, task_prompts
 from rlloom.trainer.async_loop import capacity
+from rlloom.trainer.model_folder import check_model_folder, check_tokenizer
 
 
 def check_before_loading(cfg: RunConfig) -> None:
     """Raise ConfigError for anything wrong that is known before the model is loaded."""
     hf_config = model_hf_config(cfg.model.path)
+    check_tokenizer(
+        cfg.model.path,
+        "model.path",
+        chat_template=cfg.data.chat_template,
+        system_prompt=cfg.data.system_prompt,
+    )
     max_positions = hf_config.get("max_position_embeddings")
     check_policy_model(cfg, hf_config)
     check_sequence_length(cfg, max_positions if isinstance(max_positions, int) else None)
@@ -131,12 +139,9 @@ def check_step_size(cfg: RunConfig) -> None:
 
 
 def model_hf_config(path: str, key: str = "model.path") -> dict[str, Any]:
-    """The checkpoint's config.json as a dict (`key`: the setting that named it, for the error)."""
-    try:
-        folder = resolve_path(path)
-        return json.loads((folder / "config.json").read_text())
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"{key}={path!r} is invalid: {' '.join(str(e).split())}") from None
+    """The checkpoint's config.json as a dict, once the folder passes `check_model_folder` (`key`: the
+    setting that named it, for the error)."""
+    return check_model_folder(path, key)
 
 
 def check_policy_model(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
