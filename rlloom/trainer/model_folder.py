@@ -9,8 +9,9 @@ with one `ConfigError` naming the setting, the folder or file, the rule and the 
 - `check_sizes`: the sizes (hidden_size, num_hidden_layers, heads, widths, vocabulary, experts) are
   positive integers, and the supported-architecture rules of `ModelArgs.from_hf_config` hold.
 - `weight_shapes`: the weights are safetensors (a pickle such as pytorch_model.bin is never read),
-  every file an index names lies inside the folder and exists, and every header is whole: its
-  tensors fit its file exactly (a truncated or damaged file is named before any tensor is read).
+  every file an index names lies inside the folder (by name: no `..`, not absolute) and exists, and
+  every header is whole: its tensors fit its file exactly (a truncated or damaged file is named
+  before any tensor is read).
 - `check_against_weights`: config.json describes the model the weights hold: each decoder layer has
   tensors, and its parameter count is not more than twice theirs (hidden_size 10**9 or
   num_hidden_layers 10**7 would otherwise allocate terabytes, or spin, before a shape is compared).
@@ -147,8 +148,9 @@ def weight_files(folder: Path, where: str) -> list[Path]:
             ) from None
         files = []
         for name in names:
-            file = (folder / name).resolve()
-            if not file.is_relative_to(folder.resolve()):
+            # by name, not by resolving links: a Hub cache snapshot's files link to ../../blobs/
+            file = folder / name
+            if Path(name).is_absolute() or ".." in Path(name).parts:
                 raise ConfigError(
                     f"{where} is invalid: {INDEX_FILE} names {name!r}, a file outside the model folder; rlloom "
                     "reads weights only from the folder itself. Fix: restore the index that came with the weights."
