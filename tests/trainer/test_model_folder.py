@@ -175,3 +175,21 @@ def test_export_checks_the_run_model_folder(tiny_checkpoint, tmp_path, capsys):
     capsys.readouterr()
     assert main(["export", str(run), str(tmp_path / "out")]) == 2
     assert "model.safetensors is not a whole safetensors file" in one_line_error(capsys.readouterr().err)
+
+
+def test_hub_cache_links_in_an_index_are_accepted(tiny_checkpoint, tmp_path):
+    # a Hub cache snapshot's files are links to ../../blobs/SHA: outside the folder once resolved
+    from rlloom.trainer.model_folder import check_model_folder
+
+    folder = broken_folder(
+        tiny_checkpoint, tmp_path / "models--o--m" / "snapshots" / "rev", "index_missing_file"
+    )
+    blobs = tmp_path / "models--o--m" / "blobs"
+    blobs.mkdir()
+    shard = folder / "model-00001-of-00001.safetensors"
+    shutil.move(shard, blobs / "sha")
+    shard.symlink_to("../../blobs/sha")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"] = dict.fromkeys(index["weight_map"], shard.name)
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert check_model_folder(str(folder), "model.path")["model_type"] == "qwen3"
