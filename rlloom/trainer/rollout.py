@@ -154,6 +154,8 @@ def collect_rollouts(
 
 
 def reward_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Reward, accuracy and length statistics of a step's first sampling round, every sample of it
+    (under dynamic sampling the groups dropped too: what the policy produced, not what it trained on)."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     scores = torch.tensor([s.metadata["score"] for s in samples], dtype=torch.float64)
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
@@ -165,3 +167,9 @@ def reward_metrics(samples: list[Sample]) -> dict[str, float]:
         "response/length_max": float(lengths.max()),
         "response/clip_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
     }
+
+
+def trained_reward_metrics(samples: list[Sample]) -> dict[str, float]:
+    """`reward/trained_mean`: the mean reward of the samples a step trains on (under dynamic sampling
+    the kept groups of every round, unlike `reward_metrics`'s first round; without it the same)."""
+    return {"reward/trained_mean": sum(s.reward for s in samples) / len(samples)}

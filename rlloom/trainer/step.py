@@ -37,7 +37,7 @@ from rlloom.trainer.policy import (
     token_rewards,
     value_metrics,
 )
-from rlloom.trainer.rollout import RolloutResult, collect_rollouts
+from rlloom.trainer.rollout import RolloutResult, collect_rollouts, trained_reward_metrics
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,7 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
         metrics.update(timer.seconds())
         metrics["train/skipped_step"] = 1.0
         return metrics
+    metrics.update(trained_reward_metrics(rollout.samples))
     batch = RolloutBatch(rollout.samples)
     if hand_over:
         with timer("rollout_sleep"):
