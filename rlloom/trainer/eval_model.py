@@ -3,7 +3,9 @@
 MODEL_OR_RUN is a Hugging Face folder (or the embedded model name), a run folder or a checkpoint.
 A run's settings (chat template, system prompt, reward, max_new_tokens, ...) come from its
 checkpoint's config.yaml and its weights from RUN_DIR/hf/step_N, or from an export of the checkpoint
-when that folder is absent; a model folder starts from the default settings. DATA is a .jsonl or
+when that folder is absent; a model folder starts from its `rlloom_task.yaml` (the run's task
+settings, written by `rlloom export` and into the run's own Hugging Face folders) or, without one,
+from the default settings. DATA is a .jsonl or
 .parquet file (every row is evaluated) or a procedural task name (its held-out split). Dotted
 overrides apply last. Greedy by default; `samples` > 1 at a temperature > 0 also reports pass@k.
 The report is a table and one JSON line (the last line, for scripts); `responses` also writes every
@@ -29,7 +31,7 @@ from rlloom.models.embedded import EMBEDDED_NAME
 from rlloom.rewards.build import build_reward_runner
 from rlloom.tasks.build import task_prompts
 from rlloom.trainer.evaluate import EvalScores, score_prompts
-from rlloom.trainer.export import build_engine_from_checkpoint, hf_dir, resolve_checkpoint
+from rlloom.trainer.export import TASK_FILE, build_engine_from_checkpoint, hf_dir, resolve_checkpoint
 
 PROCEDURAL_TASKS = ("arithmetic", "countdown")
 
@@ -89,12 +91,14 @@ def eval_data_overrides(data: str) -> list[str]:
 
 
 def resolve_model(model_or_run: str, workdir: Path) -> tuple[Path | None, str]:
-    """(the checkpoint's config.yaml or None, the Hugging Face folder to evaluate)."""
+    """(the settings to start from: a checkpoint's config.yaml, an exported model's task file, or None
+    for the defaults; the Hugging Face folder to evaluate)."""
     path = Path(model_or_run)
     if model_or_run == EMBEDDED_NAME:
         return None, EMBEDDED_NAME
     if (path / "config.json").is_file():
-        return None, str(path.resolve())
+        task = path / TASK_FILE
+        return (task if task.is_file() else None), str(path.resolve())
     if not path.is_dir():
         raise ConfigError(
             f"model {model_or_run!r} does not exist. Fix: pass a Hugging Face folder (config.json and "

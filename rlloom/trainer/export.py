@@ -8,6 +8,11 @@
   code never reads checkpoint files itself and any checkpoint format or training layout works),
   and written by `rlloom.engines.train.hf_folder.save_hf_folder`. `--critic` writes the critic of
   a PPO run instead, as a value model (transformers' *ForTokenClassification with one label).
+
+A policy's folder (both kinds) also holds `rlloom_task.yaml` (`TASK_FILE`): the run's task settings
+(`TASK_SETTINGS`: chat template use, system prompt, prompt and answer columns, prompt and response
+lengths, evaluation temperature, and the reward section with its name resolved), a partial config
+that `rlloom eval FOLDER DATA` starts from, so the exported model is scored as its run scored it.
 """
 
 from __future__ import annotations
@@ -18,18 +23,45 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 from rlloom.cluster.base import TrainGroup
 from rlloom.config.components import ConfigError, RunConfig
-from rlloom.config.loading import load_config
+from rlloom.config.loading import load_config, to_dict
 from rlloom.engines.train.build import critic_engine_config
 from rlloom.engines.train.hf_folder import ExportDType, save_hf_folder
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.engines.train.sealed import verify_folder
+from rlloom.tasks.build import default_reward_name
 from rlloom.trainer.checkpoint import CRITIC_DIR, ENGINE_DIR, WEIGHTS_DIR, is_weights_only, latest_checkpoint
 
 logger = logging.getLogger(__name__)
 _WHERE = "a run folder (RUN_DIR) or one of its checkpoints (RUN_DIR/checkpoints/step_N)"
+
+
+TASK_FILE = "rlloom_task.yaml"
+TASK_SETTINGS: dict[str, tuple[str, ...]] = {
+    "data": ("chat_template", "system_prompt", "prompt_key", "answer_key", "max_prompt_length"),
+    "rollout": ("max_new_tokens", "eval_temperature"),
+}
+"""The settings besides the reward section (all of it) that decide how a prompt is asked and an
+answer scored; the dataset itself (data.task, data.path) is the one `rlloom eval` is given."""
+
+
+def write_task_file(cfg: RunConfig, folder: Path) -> Path:
+    """Write the run's task settings (`TASK_SETTINGS` and the reward) as `folder/rlloom_task.yaml`."""
+    full = to_dict(cfg)
+    task: dict[str, dict] = {
+        section: {k: full[section][k] for k in keys} for section, keys in TASK_SETTINGS.items()
+    }
+    task["reward"] = full["reward"] | {"name": cfg.reward.name or default_reward_name(cfg.data.task)}
+    header = (
+        f"# The task settings of the run that trained this model ({cfg.trainer.run_dir}). `rlloom eval "
+        "THIS_FOLDER DATA` starts from them; dotted overrides still apply last.\n"
+    )
+    path = folder / TASK_FILE
+    path.write_text(header + yaml.safe_dump(task, sort_keys=False, default_flow_style=False))
+    return path
 
 
 def hf_dir(run_dir: str | os.PathLike, step: int) -> Path:
@@ -43,6 +75,7 @@ def save_run_hf(train_group: TrainGroup, cfg: RunConfig, step: int) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     train_group.save_hf(str(path)).result()
+    write_task_file(cfg, path)
     logger.info("wrote the Hugging Face folder %s (%.1f s)", path, time.perf_counter() - start)
     return path
 
@@ -149,4 +182,7 @@ def export_checkpoint(
     create_output(out_path)
     cfg, engine = build_engine_from_checkpoint(ckpt, critic=critic)
     model_path = cfg.critic_model_path if critic else cfg.model.path
-    return save_hf_folder(engine, model_path, out_path, dtype=dtype, critic=critic)
+    folder = save_hf_folder(engine, model_path, out_path, dtype=dtype, critic=critic)
+    if not critic:  # a value model is not evaluated on a task
+        write_task_file(cfg, folder)
+    return folder
