@@ -47,7 +47,7 @@ from rlloom.plan.counts import model_costs
 from rlloom.plan.inputs import Hardware, Layout, Workload
 from rlloom.plan.memory import GB, estimate
 
-QWEN3_06B = json.loads((Path(__file__).parents[1] / "tests/plan/configs/qwen3-0.6b/config.json").read_text())
+QWEN3_06B = json.loads((Path(__file__).parents[1] / "rlloom/plan/configs/qwen3-0.6b/config.json").read_text())
 SHAPES = {
     "qwen3-0.6b": QWEN3_06B,
     "qwen3-1.7b": QWEN3_06B | {"hidden_size": 2048, "intermediate_size": 6144, "num_attention_heads": 16},

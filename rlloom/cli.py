@@ -117,9 +117,14 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "plan",
         help="predict memory and recommend a parallel layout",
         description="Predict per-GPU and per-node memory of RL training and recommend TP/PP/CP/EP and "
-        "optimizer offload for a model and a GPU count (docs/plan.md). Exit 0: a layout fits; 1: none fits.",
+        "optimizer offload for a model and a GPU count, with the `rlloom train` overrides that run the "
+        "layout (docs/plan.md). Exit 0: a layout fits; 1: none fits.",
     )
-    plan.add_argument("model", help="Hugging Face model folder or its config.json (no weights needed)")
+    plan.add_argument(
+        "model",
+        help="Hugging Face model folder or its config.json (no weights needed), or a model whose published "
+        "config rlloom ships, e.g. qwen3-8b, qwen3-30b-a3b, deepseek-v3 (an unknown name lists them)",
+    )
     plan.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     plan.add_argument("--gpu-memory-gb", type=float, required=True, help="memory of one GPU in GB")
     plan.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
