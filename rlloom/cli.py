@@ -1,4 +1,4 @@
-"""The `rlloom` command: `train`, `eval`, `export`, `plan`, `config show`, `config doc` and `plot`.
+"""The `rlloom` command: `train`, `eval`, `export`, `plan`, `config show`, `config doc`, `plot` and `init-model`.
 
 rlloom train RECIPE_OR_YAML [section.key=value ...]
 rlloom eval MODEL_OR_RUN DATA [section.key=value ...] [--samples N] [--temperature T] [--responses FILE]
@@ -6,6 +6,7 @@ rlloom export RUN_DIR_OR_CHECKPOINT OUT [--dtype auto|float32|bfloat16|float16]
 rlloom config show RECIPE_OR_YAML [section.key=value ...]
 rlloom config doc
 rlloom plot RUN_DIR
+rlloom init-model tiny-dense|tiny-moe|tiny-mla DIR [--layers N] [--hidden H]
 rlloom plan MODEL --gpus N --gpu-memory-gb G [--critic] [--check tp=..,pp=..,cp=..,ep=..,offload=F] [--json]
 
 A user error (`UserError`: config, data file, model path, start-up checks) prints one line,
@@ -108,6 +109,17 @@ def _parser() -> argparse.ArgumentParser:
         "plot", help="plot a run's curves", description="Write RUN_DIR/curves.png from metrics.jsonl."
     )
     plot.add_argument("run_dir", help="run folder holding metrics.jsonl")
+    init = sub.add_parser(
+        "init-model",
+        help="write a tiny random test model",
+        description="Write a tiny random model with a character tokenizer as a Hugging Face folder, for "
+        "trying settings and parallel layouts on a CPU in seconds (model.path=DIR): tiny-dense (Qwen3), "
+        "tiny-moe (Qwen3-MoE, 8 experts) or tiny-mla (DeepSeek-V3: MLA attention, MoE with a shared expert).",
+    )
+    init.add_argument("kind", choices=("tiny-dense", "tiny-moe", "tiny-mla"))
+    init.add_argument("out", help="new or empty output folder")
+    init.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    init.add_argument("--hidden", type=int, default=32, help="hidden size, a multiple of 8 (default 32)")
     _add_plan_parser(sub)
     return parser
 
@@ -211,6 +223,19 @@ def main(argv: list[str] | None = None) -> int:
             print(report.table())
             print(report.json_line())
             return 0
+        if args.command == "init-model":
+            from rlloom.models.tiny import write_tiny_model
+            from rlloom.trainer.export import check_output
+
+            print(
+                write_tiny_model(
+                    args.kind,
+                    check_output(args.out, "init-model output"),
+                    hidden=args.hidden,
+                    layers=args.layers,
+                )
+            )
+            return 0
         if args.command == "export":
             from rlloom.trainer.export import export_checkpoint
 
@@ -251,6 +276,7 @@ _INTERRUPTED = {
     "plan": "nothing was written",
     "plot": "nothing was written",
     "config": "nothing was written",
+    "init-model": "the output folder may be incomplete: remove it and run again",
 }
 
 

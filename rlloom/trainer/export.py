@@ -108,12 +108,12 @@ def resolve_checkpoint(source: str | os.PathLike) -> Path:
     return latest
 
 
-def check_output(out: str | os.PathLike) -> Path:
-    """`out` must be a new or empty folder (an export never mixes with other files)."""
+def check_output(out: str | os.PathLike, what: str = "export output") -> Path:
+    """`out` must be a new or empty folder (an export, or `what` else, never mixes with other files)."""
     path = Path(out)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise ConfigError(
-            f"export output {str(out)!r} already exists and is not an empty folder. "
+            f"{what} {str(out)!r} already exists and is not an empty folder. "
             "Fix: pass a new folder, or remove it first."
         )
     return path
