@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -77,6 +78,21 @@ def save_run_hf(train_group: TrainGroup, cfg: RunConfig, step: int) -> Path:
     train_group.save_hf(str(path)).result()
     write_task_file(cfg, path)
     logger.info("wrote the Hugging Face folder %s (%.1f s)", path, time.perf_counter() - start)
+    return path
+
+
+def link_run_hf(weights: Path, cfg: RunConfig, step: int) -> Path:
+    """RUN_DIR/hf/step_N as hard links to the files of a weights-only checkpoint's Hugging Face folder
+    `weights` (the same bytes: the disk holds the weights once; a copy where links are not possible)."""
+    path = hf_dir(cfg.trainer.run_dir, step)
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    for file in weights.iterdir():
+        try:
+            os.link(file, path / file.name)
+        except OSError:  # another file system, or one without hard links
+            shutil.copy2(file, path / file.name)
+    write_task_file(cfg, path)
     return path
 
 
