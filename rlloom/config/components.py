@@ -757,7 +757,10 @@ class TrainerConfig:
     eval_every: int = 0
     """Evaluate every k steps (0 = only before and after training)."""
     save_every: int = 0
-    """Checkpoint every k steps (0 = only at the end)."""
+    """Checkpoint every k steps, each with the optimizer state so that trainer.resume continues exactly.
+    0 = only at the end, and a run that ends normally then keeps the weights only (a third of the
+    size; no critic: PPO's stays full), so it cannot be trained further exactly; a run meant to be
+    extended later (a higher total_steps) sets k > 0. A stop (Ctrl-C, SIGTERM) always writes a full one."""
     save_hf_every: int = 0
     """Write a Hugging Face folder of the policy (RUN_DIR/hf/step_N: config, tokenizer, safetensors
     in the model's own dtype; loads with transformers' AutoModelForCausalLM) every k steps; 0 = only
