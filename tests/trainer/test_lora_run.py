@@ -43,7 +43,8 @@ def test_lora_trains_adapters_syncs_merged_weights_and_exports_them(tiny_checkpo
             [
                 "train",
                 "arithmetic_smoke",
-                *tiny_args(tiny_checkpoint, run_dir, *LORA, "trainer.total_steps=3"),
+                # save_every: a full last checkpoint (the engine's state, the adapters apart)
+                *tiny_args(tiny_checkpoint, run_dir, *LORA, "trainer.total_steps=3", "trainer.save_every=3"),
             ]
         )
         == 0
