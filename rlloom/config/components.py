@@ -49,7 +49,9 @@ class ConfigError(UserError):
     """A user error in the run configuration (unknown key, wrong type, impossible value)."""
 
 
-_FLOAT32_MAX = 3.4028234663852886e38
+MAX_ABS_SCORE = 1e15
+"""Largest reward magnitude a run accepts (`reward.default_score`, and every score: the reward
+runner's copy is `rlloom.rewards.calling.MAX_ABS_SCORE`, which says why)."""
 
 
 def _check(ok: bool, key: str, value: object, rule: str, fix: str) -> None:
@@ -294,7 +296,7 @@ class RewardConfig:
     the task's default."""
     num_workers: int = 2
     """Worker processes that run plug-in reward functions, isolated from the trainer: each sample
-    under `timeout_s`, each worker in its own process group under `memory_limit_gb`."""
+    under `timeout_s`, each worker under `memory_limit_gb`, killed with every process it started."""
     builtins_in_workers: bool = False
     """Also run the built-in rewards in the workers; off by default because they are trusted and
     about 10x cheaper inline (plug-ins, and sums holding one, always run in workers)."""
@@ -307,10 +309,10 @@ class RewardConfig:
     import_dir: str = ""
     """Folder where plug-in reward modules are also looked for (appended to the import path, so
     no PYTHONPATH is needed): a YAML config file sets it to its own folder; empty means the current
-    directory."""
+    directory (where `rlloom train` or `rlloom eval` runs; a recipe's default)."""
     default_score: float = 0.0
     """Score of a sample whose reward function hung, raised, crashed or returned a non-number (or
-    a number outside the float32 range)."""
+    a number of magnitude above 1e15, beyond which the group statistics overflow float32)."""
 
     def __post_init__(self) -> None:
         _check_finite(self, "reward")
@@ -336,10 +338,10 @@ class RewardConfig:
             "e.g. 4, or 0 for no cap",
         )
         _check(
-            math.isfinite(self.default_score) and abs(self.default_score) <= _FLOAT32_MAX,
+            math.isfinite(self.default_score) and abs(self.default_score) <= MAX_ABS_SCORE,
             "reward.default_score",
             self.default_score,
-            "must be a finite number within the float32 range",
+            f"must be a finite number of magnitude at most {MAX_ABS_SCORE:g} (as every score)",
             "e.g. 0",
         )
 

@@ -33,8 +33,17 @@ from rlloom.engines.train.build import critic_engine_config
 from rlloom.engines.train.hf_folder import ExportDType, save_hf_folder
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.engines.train.sealed import verify_folder
+from rlloom.run_files import fresh_dir, make_dir, write_failed, write_text
 from rlloom.tasks.build import default_reward_name
-from rlloom.trainer.checkpoint import CRITIC_DIR, ENGINE_DIR, WEIGHTS_DIR, is_weights_only, latest_checkpoint
+from rlloom.trainer.checkpoint import (
+    CRITIC_DIR,
+    ENGINE_DIR,
+    HF_DIR,
+    WEIGHTS_DIR,
+    complete_checkpoints,
+    is_weights_only,
+    latest_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 _WHERE = "a run folder (RUN_DIR) or one of its checkpoints (RUN_DIR/checkpoints/step_N)"
@@ -61,22 +70,28 @@ def write_task_file(cfg: RunConfig, folder: Path) -> Path:
         "THIS_FOLDER DATA` starts from them; dotted overrides still apply last.\n"
     )
     path = folder / TASK_FILE
-    path.write_text(header + yaml.safe_dump(task, sort_keys=False, default_flow_style=False))
+    write_text(path, header + yaml.safe_dump(task, sort_keys=False, default_flow_style=False))
     return path
 
 
 def hf_dir(run_dir: str | os.PathLike, step: int) -> Path:
     """Where a run writes its Hugging Face folder for `step`."""
-    return Path(run_dir) / "hf" / f"step_{step:06d}"
+    return Path(run_dir) / HF_DIR / f"step_{step:06d}"
 
 
 def save_run_hf(train_group: TrainGroup, cfg: RunConfig, step: int) -> Path:
-    """Write the live policy of a run as RUN_DIR/hf/step_N (every rank takes part)."""
+    """Write the live policy of a run as RUN_DIR/hf/step_N (every rank takes part; the run saves its
+    checkpoint first, so a write that fails, e.g. on a full disk, loses nothing: one error line says so)."""
     path = hf_dir(cfg.trainer.run_dir, step)
-    path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    train_group.save_hf(str(path)).result()
-    write_task_file(cfg, path)
+    try:
+        make_dir(path.parent)
+        train_group.save_hf(str(path)).result()
+        write_task_file(cfg, path)
+    except OSError as e:
+        if not path.is_symlink():  # what this call wrote (the engine removes its own partial save)
+            shutil.rmtree(path, ignore_errors=True)
+        raise _hf_write_failed(cfg, path, e) from e
     logger.info("wrote the Hugging Face folder %s (%.1f s)", path, time.perf_counter() - start)
     return path
 
@@ -85,15 +100,32 @@ def link_run_hf(weights: Path, cfg: RunConfig, step: int) -> Path:
     """RUN_DIR/hf/step_N as hard links to the files of a weights-only checkpoint's Hugging Face folder
     `weights` (the same bytes: the disk holds the weights once; a copy where links are not possible)."""
     path = hf_dir(cfg.trainer.run_dir, step)
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
-    for file in weights.iterdir():
-        try:
-            os.link(file, path / file.name)
-        except OSError:  # another file system, or one without hard links
-            shutil.copy2(file, path / file.name)
-    write_task_file(cfg, path)
+    try:
+        make_dir(path.parent)
+        fresh_dir(path)
+        for file in weights.iterdir():
+            try:
+                os.link(file, path / file.name)
+            except OSError:  # another file system, or one without hard links
+                shutil.copy2(file, path / file.name)
+        write_task_file(cfg, path)
+    except OSError as e:
+        if not path.is_symlink():  # what this call wrote (the engine removes its own partial save)
+            shutil.rmtree(path, ignore_errors=True)
+        raise _hf_write_failed(cfg, path, e) from e
     return path
+
+
+def _hf_write_failed(cfg: RunConfig, path: Path, error: OSError) -> Exception:
+    """A failed write of RUN_DIR/hf/step_N as one line: the checkpoint saved before it is intact."""
+    saved = [p.name for p in complete_checkpoints(cfg.trainer.run_dir)]
+    kept = f"checkpoint {saved[-1]} is intact" if saved else "no checkpoint was written"
+    return write_failed(
+        path,
+        error,
+        f"free disk space, then write the folder from the checkpoint with `rlloom export "
+        f"{cfg.trainer.run_dir} {path}` ({kept}; a partial folder is never left under {path.parent}).",
+    )
 
 
 def resolve_checkpoint(source: str | os.PathLike) -> Path:

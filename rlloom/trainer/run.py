@@ -32,9 +32,11 @@ from rlloom.observability.samples import pick_samples, sample_records
 from rlloom.observability.startup import first_token_s
 from rlloom.plan.check import check_fits
 from rlloom.rewards.build import build_reward_runner
+from rlloom.run_files import write_text
 from rlloom.tasks.build import build_task_source
 from rlloom.trainer.async_loop import AsyncLoop
 from rlloom.trainer.checkpoint import (
+    CONFIG_FILE,
     WEIGHTS_DIR,
     TrainerState,
     final_is_weights_only,
@@ -91,7 +93,7 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
     seed_everything(cfg.trainer.seed)
     run_dir = Path(cfg.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    write_text(run_dir / CONFIG_FILE, to_yaml(cfg))
 
     phase = time.perf_counter()
     tokenizer = load_tokenizer(cfg.model.path)
@@ -183,7 +185,7 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
         loop = AsyncLoop(ctx) if cfg.trainer.mode != "sync" else None  # trainer/async_loop.py
         with StopSignals() as stop:  # Ctrl-C / SIGTERM: finish the step, checkpoint, RunStopped
             while state.step < cfg.trainer.total_steps:
-                metrics = rl_step(ctx, state.step) if loop is None else loop.step(state.step)
+                metrics = rl_step(ctx, state.step) if loop is None else loop.step(state.step, stop)
                 state.step += 1
                 if state.step == first_step:  # the warm-up built what stays: later collections skip it
                     groups.freeze_heap()
@@ -213,6 +215,8 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
                 elif _hf_due(cfg, state.step, is_last):
                     save_run_hf(groups.train, cfg, state.step)
                 if stop.signum and not is_last:  # a Ctrl-C or SIGTERM arrived during this step
+                    if loop is not None:  # a no-op unless the signal came after the step's own check
+                        loop.drain(state.step)
                     raise RunStopped(
                         stop.signum, state.step, saved or checkpoint(cfg.trainer.save_weights_only)
                     )

@@ -30,8 +30,25 @@ def yaml_file(tmp_path: Path, content: str | bytes) -> str:
     return str(path)
 
 
+def laughs(levels: int = 9) -> str:
+    """A "billion laughs" YAML flow list: each level an alias of the previous one nine times (9**levels)."""
+    names = [f"l{i}" for i in range(levels)]
+    parts = ["&l0 [lol,lol,lol,lol,lol,lol,lol,lol,lol]"]
+    parts += [f"&{n} [" + ",".join([f"*{p}"] * 9) + "]" for p, n in zip(names, names[1:])]
+    return "[" + ", ".join(parts) + "]"
+
+
 # (case id, text of the YAML file or None for the recipe, overrides, words the message must hold)
 CONFIG_CASES = [
+    # a 330-byte file expanded for minutes into a MemoryError traceback (2026-11-29)
+    (
+        "yaml_billion_laughs",
+        f"trainer:\n  total_steps: {laughs()}\n",
+        [],
+        ["more than 100000 values", "aliases"],
+    ),
+    ("override_billion_laughs", None, [f"train.betas={laughs()}"], ["override train.betas", "aliases"]),
+    ("yaml_alias_of_itself", "trainer:\n  total_steps: &a [*a]\n", [], ["more than 100000 values"]),
     ("yaml_syntax", "trainer:\n  seed: [1\n", [], ["not valid YAML", "line 3"]),
     ("yaml_tab_indent", "trainer:\n\tseed: 1\n", [], ["not valid YAML", "line 2"]),
     ("yaml_not_utf8", b"trainer:\n  run_dir: caf\xe9\n", [], ["not UTF-8", "0xe9", "line 2"]),
@@ -40,6 +57,24 @@ CONFIG_CASES = [
     ("yaml_duplicate_key", "trainer:\n  seed: 1\n  seed: 2\n", [], ["duplicate key 'seed'", "line 2"]),
     ("yaml_top_level_list", "- 1\n- 2\n", [], ["mapping of sections"]),
     ("yaml_unknown_key", "trainer:\n  sed: 1\n", [], ["trainer.sed", "did you mean 'trainer.seed'"]),
+    # another framework's names: a guess by spelling offered num_generations -> max_new_tokens
+    ("trl_num_generations", None, ["num_generations=16"], ["this rollout.n_samples", "rollout.n_samples=16"]),
+    ("trl_learning_rate", None, ["learning_rate=1e-6"], ["rlloom calls this train.lr", "train.lr=1e-6"]),
+    ("trl_beta", None, ["beta=0.04"], ["rlloom calls this algorithm.kl_coef"]),
+    ("verl_clip_ratio_high", None, ["algorithm.clip_ratio_high=0.28"], ["this algorithm.eps_high"]),
+    ("verl_rollout_n", None, ["actor_rollout_ref.rollout.n=4"], ["rlloom's rollout.n_samples"]),
+    (
+        "verl_yaml_nested",
+        "actor_rollout_ref:\n  actor:\n    loss_agg_mode: seq-mean-token-mean\n    kl_loss_coef: 0.01\n",
+        [],
+        ["rlloom's algorithm.agg_mode", "algorithm.kl_coef=0.01"],
+    ),
+    (
+        "trl_yaml_top_level",
+        "epsilon_high: 0.28\n",
+        [],
+        ["this algorithm.eps_high", "algorithm.eps_high=0.28"],
+    ),
     ("seed_negative", None, ["trainer.seed=-1"], ["trainer.seed=-1", "2**32-1"]),
     ("seed_1e23", None, ["trainer.seed=1e23"], ["trainer.seed='1e23'", "integer"]),
     ("seed_too_large", None, ["trainer.seed=4294967296"], ["trainer.seed=4294967296", "2**32-1"]),

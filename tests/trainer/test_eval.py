@@ -69,9 +69,12 @@ def dataset(lively_model, tmp_path, monkeypatch):
     greedy = hf_greedy(lively_model, PROMPTS, max_new_tokens=6)
     assert len(set(greedy)) > 1, greedy  # a model with one answer for everything proves little
     half = len(PROMPTS) // 2
-    answers = greedy[:half] + [g + "#" for g in greedy[half:]]
+    # empty greedy answers (an end of turn first) go to the wrong half: a row with an empty answer is skipped
+    prompts, greedy = zip(*sorted(zip(PROMPTS, greedy), key=lambda pair: pair[1] == ""))
+    assert all(greedy[:half]), greedy
+    answers = list(greedy[:half]) + [g + "#" for g in greedy[half:]]
     path = tmp_path / "data.jsonl"
-    path.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in zip(PROMPTS, answers)))
+    path.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in zip(prompts, answers)))
     return path
 
 
@@ -110,10 +113,8 @@ def test_sampling_reports_pass_at_k(lively_model, dataset, capsys):
         (["{model}", "arithmetic", "--samples", "3"], "identical answers"),
         (["{model}", "arithmetic", "--samples", "0"], "must be >= 1"),
         # checked before the evaluation: a bad path used to fail after it, losing every answer
-        (
-            ["{model}", "arithmetic", "--responses", "{tmp}"],
-            "--responses='{tmp}' cannot be written: Is a directory",
-        ),
+        (["{model}", "arithmetic", "--responses", "/proc/version/x.jsonl"], "cannot be written"),
+        (["{model}", "arithmetic", "--responses", "{tmp}"], "--responses='{tmp}' already exists"),
     ],
 )
 def test_errors_are_one_line(argv, message, tiny_checkpoint, tmp_path, capsys):
@@ -167,3 +168,27 @@ def test_an_exported_model_is_scored_as_its_run_scored(lively_model, dataset, tm
     assert rows[1] == rows[0]
     assert all("Answer in one word." in r["prompt"] and len(r["responses"][0]) <= 3 for r in rows[1])
     assert all(r["scores"][0] == float(r["responses"][0] == r["ground_truth"]) for r in rows[1])
+
+
+def test_responses_never_overwrite_an_existing_file(tiny_checkpoint, tmp_path, capsys):
+    # Before: `--responses` overwrote whatever was there, the data file evaluated or a run's metrics.
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt": "1 + 1 =", "answer": "2"}) + "\n")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.parent.mkdir()
+    metrics.write_text('{"step": 1}\n')
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(tmp_path / "nothing-yet.jsonl")  # a dangling link would be written through
+    fast = ["data.num_eval=2", "rollout.max_new_tokens=2"]
+    for target, source in ((data, str(data)), (metrics, "arithmetic"), (link, "arithmetic")):
+        before = target.read_text() if target.exists() else None
+        assert main(["eval", str(tiny_checkpoint), source, *fast, "--responses", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("rlloom: error: ") and err.count("\n") == 1, err
+        assert f"--responses={str(target)!r} already exists" in err and "Fix: pass a new file name" in err
+        assert (target.read_text() if target.exists() else None) == before
+    assert not (tmp_path / "nothing-yet.jsonl").exists()
+    # The new file is made before the evaluation (a bad path fails first) and removed if it fails.
+    new = tmp_path / "new.jsonl"
+    assert main(["eval", str(tiny_checkpoint), "arithmetic", "--samples", "3", "--responses", str(new)]) == 2
+    assert "identical answers" in capsys.readouterr().err and not new.exists()
