@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:

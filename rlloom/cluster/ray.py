@@ -22,7 +22,7 @@ import torch
 from rlloom.cluster.base import WorkerFailure
 from rlloom.cluster.placement import Placement, rollout_tp
 from rlloom.cluster.ray_generate import QueuedGeneration
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 from rlloom.data.types import PolicyUpdate, RolloutBatch, ValueUpdate
 from rlloom.engines.rollout import SamplingParams
 from rlloom.workers.flights import StreamRequest, StreamResult

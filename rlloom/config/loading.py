@@ -19,7 +19,8 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-from rlloom.config.components import ConfigError, RunConfig
+from rlloom.config.checks import ConfigError
+from rlloom.config.run import RunConfig
 from rlloom.config.yaml_text import parse_override_value, read_yaml_file
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlloom.config.components import RunConfig
 from rlloom.config.loading import task_dict
+from rlloom.config.run import RunConfig
 
 FREE_TO_CHANGE: tuple[str, ...] = (
     # How long, where, how often to save, evaluate and log.

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rlloom.config.components import LoggingConfig
+from rlloom.config import LoggingConfig
 from rlloom.observability.logger import Logger, MultiLogger
 
 METRICS_FILE = "metrics.jsonl"

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from rlloom.cluster.base import CriticGroup, TrainGroup, WeightSync
-from rlloom.config.components import ConfigError, RunConfig
+from rlloom.config import ConfigError, RunConfig
 from rlloom.config.loading import to_yaml
 from rlloom.engines.train.native.checkpoint import read_model_tensors
 from rlloom.engines.train.sealed import (

@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlloom.config.components import ConfigError, RunConfig
+from rlloom.config import ConfigError, RunConfig
 from rlloom.config.loading import load_config
 from rlloom.data.chat import tokenize_prompts
 from rlloom.data.dataset import PromptItem, load_prompt_file

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from rlloom.cluster.base import TrainGroup
-from rlloom.config.components import ConfigError, RunConfig
+from rlloom.config import ConfigError, RunConfig
 from rlloom.config.loading import load_config
 from rlloom.engines.train.build import critic_engine_config
 from rlloom.engines.train.hf_folder import ExportDType, save_hf_folder

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from rlloom.config.components import ConfigError, RunConfig
+from rlloom.config import ConfigError, RunConfig
 from rlloom.config.loading import load_config
 from rlloom.config.resume import run_changing_differences
 from rlloom.devices import resolve_device, resolve_dtype

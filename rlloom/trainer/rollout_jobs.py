@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from rlloom.algorithms import keep_informative_groups
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 from rlloom.data.dataset import PromptItem
 from rlloom.data.types import Sample
 from rlloom.engines.rollout import Completion, SamplingParams

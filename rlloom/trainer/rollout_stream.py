@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlloom.cluster.base import RolloutGroup
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 from rlloom.data.dataset import PromptItem
 from rlloom.data.source import PromptSource
 from rlloom.data.types import Sample

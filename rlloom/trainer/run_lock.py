@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from rlloom.config.components import ConfigError
+from rlloom.config import ConfigError
 
 LOCK_FILE = ".lock"
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 
 from rlloom.algorithms.objective import make_loss_fn
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 from rlloom.data.types import PolicyUpdate, RolloutBatch
 from rlloom.devices import resolve_device, resolve_dtype
 from rlloom.engines.train.build import build_reference, build_train_engine

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlloom.config import load_config
-from rlloom.config.components import ConfigError
+from rlloom.config import ConfigError, load_config
 from rlloom.trainer.preflight import check_parallel, model_hf_config
 
 RAY = ["cluster.mode=ray"]

@@ -22,8 +22,12 @@ from test_train_parallel_gloo import MODE, batches, compare_weights, full_grads,
 from train_engine_helpers import PolicyLoss  # noqa: E402
 
 from rlloom.algorithms.losses import loss_normalizer  # noqa: E402
-from rlloom.config import load_config  # noqa: E402
-from rlloom.config.components import ConfigError, ParallelConfig, TrainEngineConfig  # noqa: E402
+from rlloom.config import (  # noqa: E402
+    ConfigError,
+    ParallelConfig,
+    TrainEngineConfig,
+    load_config,  # noqa: E402
+)
 from rlloom.engines.train.native import NativeTrainEngine  # noqa: E402
 from rlloom.models.model import CausalLM  # noqa: E402
 from rlloom.parallel import ParallelDims  # noqa: E402

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from rlloom.config.components import RolloutConfig
+from rlloom.config import RolloutConfig
 from rlloom.data.types import FinishReason
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 from rlloom.engines.rollout.base import RolloutEngine
 from rlloom.models import from_pretrained, load_decoder
 

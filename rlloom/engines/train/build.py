@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from rlloom.config.components import RunConfig, TrainEngineConfig
+from rlloom.config import RunConfig, TrainEngineConfig
 from rlloom.engines.train.base import TrainEngine
 from rlloom.models.adapter import CheckpointMismatch
 from rlloom.parallel.dims import ParallelDims

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from train_engine_helpers import PolicyLoss, load_tiny, make_batch, make_tiny_checkpoint
 
 from rlloom.algorithms.losses import loss_normalizer
-from rlloom.config.components import TrainEngineConfig
+from rlloom.config import TrainEngineConfig
 from rlloom.engines.train.native import NativeTrainEngine, tensor_checksum
 from rlloom.engines.train.native.lr_schedule import lr_at
 

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlloom.config.components import ConfigError, RolloutConfig
+from rlloom.config import ConfigError, RolloutConfig
 from rlloom.devices import to_device
 from rlloom.engines.rollout.base import Completion, SamplingParams
 from rlloom.engines.rollout.native.block_manager import BlockManager

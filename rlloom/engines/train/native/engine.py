@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlloom.config.components import ParallelConfig, TrainEngineConfig
+from rlloom.config import ParallelConfig, TrainEngineConfig
 from rlloom.data.types import RolloutBatch
 from rlloom.engines.train.base import LossFn
 from rlloom.engines.train.native.checkpoint import EXPERTS
