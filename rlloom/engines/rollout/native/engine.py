@@ -57,6 +57,7 @@ from rlloom.engines.rollout.native.validation import (
     request_problem,
 )
 from rlloom.engines.rollout.native.vocab_parallel import VocabParallelSampler
+from rlloom.models.args import ModelArgs
 from rlloom.models.fp8 import FP8_NEEDS_EXPERTS, quantize_fp8_
 from rlloom.models.moe import use_inference_kernel_
 from rlloom.observability.startup import mark_first_token
@@ -518,6 +519,11 @@ class NativeEngine:
         else:
             load_sharded(self.model, self.tp, named_tensors)
         self.policy_version = version
+
+    @property
+    def full_args(self) -> ModelArgs:
+        """The whole model's architecture (under tensor parallelism `model` holds this rank's slice)."""
+        return self.model.args if self.tp is None else self.tp.full_args
 
     def weight_shard_dims(self) -> dict[str, int | None]:
         """The shard spec: for each Hugging Face weight name the dim this engine's ranks split it on,
