@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from rlloom.config import ConfigError, load_config
-from rlloom.trainer.preflight import check_parallel, model_hf_config
+from rlloom.engines.train.build import check_parallel
+from rlloom.trainer.preflight import model_hf_config
 
 RAY = ["cluster.mode=ray"]
 

@@ -28,11 +28,12 @@ from rlloom.config import (  # noqa: E402
     TrainEngineConfig,
     load_config,  # noqa: E402
 )
+from rlloom.engines.train.build import check_parallel
 from rlloom.engines.train.native import NativeTrainEngine  # noqa: E402
 from rlloom.models.model import CausalLM  # noqa: E402
 from rlloom.parallel import ParallelDims  # noqa: E402
 from rlloom.parallel.pp_stages import zero_bubble_supported  # noqa: E402
-from rlloom.trainer.preflight import check_parallel, model_hf_config  # noqa: E402
+from rlloom.trainer.preflight import model_hf_config  # noqa: E402
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 KEYS = ("train/loss", "train/grad_norm", "train/tokens", "train/response_tokens", "loss/ratio_high_frac")

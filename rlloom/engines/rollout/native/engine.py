@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from rlloom.config import ConfigError, RolloutConfig
-from rlloom.devices import to_device
+from rlloom.devices import available_memory_bytes, to_device
 from rlloom.engines.rollout.base import Completion, SamplingParams
 from rlloom.engines.rollout.native.block_manager import BlockManager
 from rlloom.engines.rollout.native.model_runner import ModelRunner, kv_bytes_per_block
@@ -52,7 +52,6 @@ from rlloom.engines.rollout.native.sequence import Sequence, Status
 from rlloom.engines.rollout.native.tensor_parallel import TPShards, shard_model, shared_seed
 from rlloom.engines.rollout.native.tp_weights import load_sharded, shard_dims_by_hf_name
 from rlloom.engines.rollout.native.validation import (
-    available_memory_bytes,
     kv_cache_problem,
     request_problem,
 )
