@@ -14,7 +14,7 @@ from rlloom.config.model import ModelConfig
 from rlloom.config.parallel import ParallelConfig
 from rlloom.config.reward import RewardConfig
 from rlloom.config.rollout import RolloutConfig
-from rlloom.config.sync import SyncConfig
+from rlloom.config.sync import TRANSPORT_OF_PLACEMENT, SyncConfig
 from rlloom.config.train import TrainEngineConfig
 from rlloom.config.trainer import TrainerConfig
 
@@ -103,6 +103,7 @@ class RunConfig:
             "set trainer.mode=async, or algorithm.decoupled_ppo=false",
         )
         self._check_rollout_replicas()
+        self._check_sync_transport()
         check(
             self.algorithm.overlong_buffer <= self.rollout.max_new_tokens,
             "algorithm.overlong_buffer",
@@ -126,6 +127,25 @@ class RunConfig:
             self.trainer.num_mini_batches,
             f"must divide the batch of {batch} completions",
             "pick a divisor of prompts_per_step x n_samples",
+        )
+
+    def _check_sync_transport(self) -> None:
+        """sync.transport is the one the placement runs (TRANSPORT_OF_PLACEMENT), or auto."""
+        placement, transport = self.cluster.placement, self.sync.transport
+        runs = TRANSPORT_OF_PLACEMENT[placement]
+        if transport in ("auto", runs):
+            return
+        needs = {t: p for p, t in TRANSPORT_OF_PLACEMENT.items()}[transport]
+        prerequisites = (
+            " (with cluster.mode=ray and cluster.rollout_workers >= 1)" if needs == "separate" else ""
+        )
+        check(
+            False,
+            "sync.transport",
+            transport,
+            f"cluster.placement={placement} runs only the {runs} transport, and {transport} needs "
+            f"cluster.placement={needs}",
+            f"set sync.transport=auto (or {runs}), or cluster.placement={needs}{prerequisites}",
         )
 
     def _check_rollout_replicas(self) -> None:

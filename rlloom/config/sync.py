@@ -7,6 +7,10 @@ from typing import Literal
 
 from rlloom.config.checks import check, check_finite
 
+TRANSPORT_OF_PLACEMENT = {"colocated": "inplace", "separate": "broadcast"}
+"""The one weight-sync transport each cluster.placement can run (what sync.transport=auto picks):
+colocated ranks share a process with their training rank, separate pools share none."""
+
 
 @dataclass(kw_only=True, slots=True)
 class SyncConfig:
@@ -17,6 +21,11 @@ class SyncConfig:
     """Compare a content checksum of every tensor sent and received on each sync: `auto` = on when
     the weights are on CPU, off on GPU (it copies every tensor to the host); `always`; `never`. The
     structural check (every rollout tensor received exactly once, right shape, right version) always runs."""
+    transport: Literal["auto", "inplace", "broadcast"] = "auto"
+    """How the weights travel (rlloom/weight_sync/): `inplace`, copied inside each process that holds
+    a training and a rollout rank (cluster.placement=colocated); `broadcast`, sent by every training
+    rank over a sync group to a separate rollout pool (cluster.placement=separate); `auto` picks the
+    one the placement runs."""
     timeout_s: float = 300.0
     """Longest wait for one weight sync between separate training and rollout workers; on timeout the
     rollout keeps its previous weights and version and the sync raises."""
