@@ -17,16 +17,18 @@ class ParallelConfig:
     """Pipeline-parallel degree (decoder layers split into pp stages); composes with tp, ep and cp."""
     cp: int = 1
     """Context-parallel degree: each packed micro-batch split over cp ranks, every document cut into
-    2 x cp chunks balanced by attention cost (rlloom.parallel.cp). Needs train.share_prompts=false."""
+    2 x cp chunks balanced by attention cost (rlloom.parallel.cp). Needs train.share_prompts off (its
+    default null turns it off with cp > 1)."""
     ep: int = 1
     """Expert-parallel degree (routed experts split over ep ranks, taken from dp x cp x tp; no
     expert-tensor parallelism: split across TP ranks the expert GEMMs get too small to run well)."""
     sequence_parallel: bool = True
     """With tp > 1, keep the residual stream sharded over tokens between blocks (norms and residual
     adds run on a 1/tp share). The engine always runs it with tp > 1: false is refused."""
-    pp_schedule: Literal["1f1b", "interleaved", "zero_bubble"] = "1f1b"
+    pp_schedule: Literal["1f1b", "interleaved", "zero_bubble"] | None = None
     """Pipeline schedule with pp > 1: 1F1B, interleaved 1F1B (pp_virtual_stages per rank), or a
-    zero-bubble variant (needs torch >= 2.13: older pipelining fails on rlloom's logprob head)."""
+    zero-bubble variant (needs torch >= 2.13: older pipelining fails on rlloom's logprob head).
+    null (the default): 1f1b, or interleaved with pp_virtual_stages > 1."""
     pp_virtual_stages: int = 1
     """Stages per pipeline rank for the interleaved schedule (1 = one stage per rank)."""
     pp_first_stage_layers: int = 0
@@ -34,6 +36,13 @@ class ParallelConfig:
     pp_last_stage_layers: int = 0
     """Decoder layers of the last pipeline stage (0 = an even split), e.g. a shorter last stage
     that also holds the lm head."""
+
+    @property
+    def schedule(self) -> Literal["1f1b", "interleaved", "zero_bubble"]:
+        """pp_schedule resolved: null is 1f1b, or interleaved with virtual stages."""
+        if self.pp_schedule is not None:
+            return self.pp_schedule
+        return "interleaved" if self.pp_virtual_stages > 1 else "1f1b"
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "ep", "pp_virtual_stages"):
@@ -52,7 +61,7 @@ class ParallelConfig:
             "set parallel.sequence_parallel=true",
         )
         check(
-            self.pp_schedule != "1f1b" or self.pp_virtual_stages == 1,
+            self.schedule != "1f1b" or self.pp_virtual_stages == 1,
             "parallel.pp_virtual_stages",
             self.pp_virtual_stages,
             "parallel.pp_schedule=1f1b runs one stage per pp rank",

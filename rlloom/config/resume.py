@@ -40,6 +40,7 @@ FREE_TO_CHANGE: tuple[str, ...] = (
     "train.optimizer_offload_fraction",
     "train.gather_once_per_step",
     "train.logprob_chunk_tokens",
+    "train.share_prompts",
     "train.max_tokens_per_micro_batch",
     "reward.num_workers",
     "reward.timeout_s",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from rlloom.config.algorithm import AlgorithmConfig
@@ -42,9 +43,9 @@ class RunConfig:
         return self.critic.model_path or self.model.path
 
     def __post_init__(self) -> None:
-        _check_parallel_world(self.parallel, self.cluster.num_workers)
+        _check_parallel_world(self.parallel, self.cluster)
         check(  # the same rule as rlloom.parallel.cp.check_cp_layout, at start-up
-            self.parallel.cp == 1 or not self.train.share_prompts,
+            self.parallel.cp == 1 or self.train.share_prompts is not True,
             "train.share_prompts",
             self.train.share_prompts,
             f"parallel.cp={self.parallel.cp} splits plain packed documents, not shared-prompt trees",
@@ -166,8 +167,12 @@ class RunConfig:
         )
 
 
-def _check_parallel_world(par: ParallelConfig, num_workers: int) -> None:
-    """cluster.num_workers = pp x dp x cp x tp (dp is what is left); ep divides dp x cp x tp."""
+def _check_parallel_world(par: ParallelConfig, cluster: ClusterConfig) -> None:
+    """cluster.num_workers = pp x dp x cp x tp (dp is what is left); ep divides dp x cp x tp. A fix
+    that asks for more workers also names cluster.mode=ray when the run is inline, so that one
+    message lists every prerequisite of the degrees."""
+    num_workers = cluster.num_workers
+    ray = ", with cluster.mode=ray (more than one worker)" if cluster.mode == "inline" else ""
     others = par.pp * par.cp * par.tp
     factors = f"(pp={par.pp}, cp={par.cp}, tp={par.tp}, ep={par.ep}, cluster.num_workers={num_workers})"
     check(
@@ -177,7 +182,7 @@ def _check_parallel_world(par: ParallelConfig, num_workers: int) -> None:
         f"must be divisible by pp x cp x tp = {par.pp} x {par.cp} x {par.tp} = {others} (num_workers = "
         f"pp x dp x cp x tp, dp is what is left) {factors}",
         f"use cluster.num_workers={others * max(1, -(-num_workers // others))} or degrees whose product divides "
-        f"{num_workers}",
+        f"{num_workers}{ray}",
     )
     pool = num_workers // par.pp
     dp = pool // (par.cp * par.tp)
@@ -187,5 +192,5 @@ def _check_parallel_world(par: ParallelConfig, num_workers: int) -> None:
         par.ep,
         f"must divide dp x cp x tp = {dp} x {par.cp} x {par.tp} = {pool}, the ranks expert parallelism "
         f"borrows {factors}",
-        f"use a parallel.ep that divides {pool}",
+        f"use a parallel.ep that divides {pool}, or cluster.num_workers={par.pp * math.lcm(pool, par.ep)}{ray}",
     )

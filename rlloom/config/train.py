@@ -31,6 +31,12 @@ def lora_targets_valid(targets: str) -> bool:
     return targets.strip() == "all-linear" or (bool(names) and all(t in LORA_TARGET_NAMES for t in names))
 
 
+def shares_prompts(setting: bool | None, cp: int) -> bool:
+    """train.share_prompts resolved for a layout of `cp` context-parallel ranks: null shares the
+    prompts unless CP splits the documents, which it does only for plain packing."""
+    return cp == 1 if setting is None else setting
+
+
 @dataclass(kw_only=True, slots=True)
 class TrainEngineConfig:
     lr: float = 1e-5
@@ -73,8 +79,9 @@ class TrainEngineConfig:
     """Fraction of parameters whose optimizer state is offloaded when optimizer_offload is on."""
     logprob_chunk_tokens: int = 4096
     """Tokens per chunk of the logprob head (bounds the logits memory: chunk x vocabulary)."""
-    share_prompts: bool = True
-    """Pack a group's responses behind one copy of their shared prompt; exact, fewer FLOPs."""
+    share_prompts: bool | None = None
+    """Pack a group's responses behind one copy of their shared prompt; exact, fewer FLOPs. null (the
+    default): on, unless parallel.cp > 1 (context parallelism splits plain packed documents only)."""
     moe_aux_loss_coef: float = 0.0
     """MoE load-balancing auxiliary loss coefficient (Qwen3-MoE/Mixtral's router_aux_loss_coef, e.g.
     0.001 in pre-training). 0, as verl, slime and NeMo-RL run RL: the loss would pull the router away

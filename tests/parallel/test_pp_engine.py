@@ -129,7 +129,7 @@ def test_pp_virtual_stages_need_an_interleaved_schedule():
     with pytest.raises(
         ConfigError, match=r"parallel.pp_virtual_stages=2 .*Fix: use parallel.pp_schedule=interleaved"
     ):
-        ParallelConfig(pp=2, pp_virtual_stages=2)
+        ParallelConfig(pp=2, pp_virtual_stages=2, pp_schedule="1f1b")  # named: the default turns interleaved
 
 
 def test_pp_needs_a_budget_that_holds_the_longest_sample():

@@ -122,7 +122,7 @@ def check_parallel(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
         dims = ParallelDims(world_size=cfg.cluster.num_workers, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep)
         dims.check_model(args)
         if par.pp > 1:
-            check_pp(args, par.pp, par.pp_schedule, par.pp_virtual_stages)
+            check_pp(args, par.pp, par.schedule, par.pp_virtual_stages)
             split_layers(
                 args.num_layers,
                 par.pp * par.pp_virtual_stages,

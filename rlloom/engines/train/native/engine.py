@@ -30,6 +30,7 @@ Shape legend: B samples of the global batch, b of a micro-batch, T response toke
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -42,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlloom.config import ParallelConfig, TrainEngineConfig
+from rlloom.config.train import shares_prompts
 from rlloom.data.types import RolloutBatch
 from rlloom.engines.train.base import LossFn, WeightLayout
 from rlloom.engines.train.native.checkpoint import EXPERTS
@@ -149,6 +151,7 @@ class NativeTrainEngine:
             self.device = torch.device("cuda", torch.cuda.current_device())
         layout = self.layout = EngineLayout.of(self.dims)
         check_cp_layout(layout.cp, cfg.share_prompts)
+        cfg = self.cfg = dataclasses.replace(cfg, share_prompts=shares_prompts(cfg.share_prompts, layout.cp))
         # Under pipeline parallelism `self.module` becomes a view of this rank's stages under the
         # PolicyHead's names and `self.model` its CausalLM-like part (other stages' layers are freed).
         pipelined = self.dims is not None and self.dims.pp > 1

@@ -80,7 +80,7 @@ class PipelineRunner:
         modules, pipe = parallelize_pp(
             model,
             dims,
-            schedule=pipeline.pp_schedule,
+            schedule=pipeline.schedule,
             virtual_stages=pipeline.pp_virtual_stages,
             first_stage_layers=pipeline.pp_first_stage_layers,
             last_stage_layers=pipeline.pp_last_stage_layers,
