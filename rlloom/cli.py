@@ -79,7 +79,9 @@ def _parser() -> argparse.ArgumentParser:
         help="sampling temperature (default: rollout.eval_temperature, 0 = greedy)",
     )
     evaluate.add_argument(
-        "--responses", metavar="FILE", help="also write every answer and its score to this jsonl file"
+        "--responses",
+        metavar="FILE",
+        help="also write every answer and its score to this new jsonl file (an existing path is refused)",
     )
 
     export = sub.add_parser(

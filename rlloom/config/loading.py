@@ -1,9 +1,9 @@
 """Turn a recipe name or a YAML file plus dotted overrides into one validated `RunConfig`.
 
-The dataclasses in `components.py` are the single source of truth: a recipe returns a `RunConfig`,
-a YAML file is a (partial) nested mapping of the same fields, and `a.b=value` overrides set single
-fields. Everything is merged as plain data first, then the dataclasses are built once, which runs
-every check before anything heavy starts.
+The section dataclasses (`run.py` and one module per section) are the single source of truth: a
+recipe returns a `RunConfig`, a YAML file is a (partial) nested mapping of the same fields, and
+`a.b=value` overrides set single fields. Everything is merged as plain data first, then the
+dataclasses are built once, which runs every check before anything heavy starts.
 """
 
 from __future__ import annotations

@@ -42,6 +42,39 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+MAX_NODES = 100_000
+"""Values a config may hold once its aliases are expanded (a recipe holds a few hundred). YAML's
+aliases (`*a`) share one object, so a few hundred bytes can stand for 10**9 values ("billion
+laughs"): PyYAML builds them at once, but every later walk (merging, checking, printing) expands them."""
+
+
+def _expanded_size(value: Any, sizes: dict[int, int], open_ids: set[int]) -> int:
+    """Values in `value` with every alias expanded, counted once per distinct object (`sizes` memo);
+    a container that holds itself (`&a [*a]`) counts as too many."""
+    if not isinstance(value, dict | list):
+        return 1
+    if id(value) in sizes:
+        return sizes[id(value)]
+    if id(value) in open_ids:
+        return MAX_NODES + 1
+    open_ids.add(id(value))
+    children = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+    size = 1 + sum(_expanded_size(child, sizes, open_ids) for child in children)
+    open_ids.discard(id(value))
+    sizes[id(value)] = min(size, MAX_NODES + 1)
+    return sizes[id(value)]
+
+
+def _bounded(value: Any, where: str, fix: str) -> Any:
+    """`value` unless its expanded size is over MAX_NODES (a ConfigError naming `where`)."""
+    if _expanded_size(value, {}, set()) > MAX_NODES:
+        raise ConfigError(
+            f"{where} expands to more than {MAX_NODES} values through its YAML aliases (*name): nested aliases "
+            f"multiply, and a config this large is not a config. Fix: {fix}."
+        )
+    return value
+
+
 def _yaml_problem(e: Exception) -> str:
     """A YAML error as one line: what is wrong and where."""
     if isinstance(e, RecursionError):
@@ -64,7 +97,10 @@ def read_yaml_file(path: Path) -> Any:
             "Fix: save the file as UTF-8."
         ) from None
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)
+        loaded = yaml.load(text, Loader=_UniqueKeyLoader)
+        return _bounded(
+            loaded, f"config file {str(path)!r}", "write the values out, or use fewer nested aliases"
+        )
     except (yaml.YAMLError, RecursionError) as e:
         fix = (
             "remove or rename one of the two"
@@ -85,7 +121,7 @@ def parse_override_value(key: str, raw: str) -> Any:
         return ""
     try:
         tokens = list(yaml.scan(raw))
-        value = yaml.load(raw, Loader=_UniqueKeyLoader)
+        value = _bounded(yaml.load(raw, Loader=_UniqueKeyLoader), f"override {key}", "write the value out")
     except (yaml.YAMLError, RecursionError) as e:
         raise ConfigError(
             f"override {key}={raw!r} is not a valid value: {_yaml_problem(e)}. "

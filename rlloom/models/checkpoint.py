@@ -19,16 +19,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import itertools
 import json
+import logging
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -36,12 +39,14 @@ from rlloom.models.adapter import CheckpointMismatch, hf_named_tensors, load_hf_
 from rlloom.models.args import ModelArgs
 from rlloom.models.fp8_checkpoint import block_fp8_config, dequantized, unquantized_config
 from rlloom.models.model import CausalLM
+from rlloom.run_files import make_dir, write_text
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # Files of a checkpoint folder that are not copied as "tokenizer and generation files" on save.
 _NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _NOT_COPIED_NAMES = ("config.json", INDEX_FILE)
+log = logging.getLogger(__name__)
 
 
 def resolve_path(path_or_name: str | os.PathLike) -> Path:
@@ -265,35 +270,75 @@ def save_pretrained(
 ) -> None:
     """Write config.json, safetensors (sharded above max_shard_bytes) and the source's tokenizer files;
     `extra`: more tensors under their Hugging Face names (a value model's `score` head)."""
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(model.hf_config, indent=2, sort_keys=True) + "\n")
+    out = make_dir(path)
+    write_text(out / "config.json", json.dumps(model.hf_config, indent=2, sort_keys=True) + "\n")
     shards = _shards(model, max_shard_bytes, extra or {})
     if len(shards) == 1:
-        save_file(shards[0], str(out / SINGLE_FILE), metadata={"format": "pt"})
+        _save_file(shards[0], out / SINGLE_FILE)
     else:
         weight_map, total = {}, 0
         for i, shard in enumerate(shards, start=1):
             file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(out / file), metadata={"format": "pt"})
+            _save_file(shard, out / file)
             weight_map |= dict.fromkeys(shard, file)
             total += sum(t.numel() * t.element_size() for t in shard.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        write_text(out / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")
     _copy_side_files(model.source_path, out)
 
 
+def _save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' `save_file`, its I/O errors (a full disk) raised as the OSError they are."""
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        number = re.search(r"os error (\d+)", str(e))
+        code = int(number.group(1)) if number else errno.EIO
+        raise OSError(code, os.strerror(code), str(path)) from e
+
+
 def _copy_side_files(source: str | None, out: Path) -> None:
+    """Copy the tokenizer and generation files of `source` into `out`; a link whose target is outside
+    the model's own files (see `_link_root`) is skipped with a warning, so a linked secret
+    (`vocab.txt -> ~/.netrc`) never ships with a published model."""
     if source is None or Path(source).resolve() == out.resolve():
         return
+    root = _link_root(Path(source))
     for file in Path(source).iterdir():
         if (
-            file.is_file()
-            and not file.name.startswith(".")
-            and file.name not in _NOT_COPIED_NAMES
-            and not file.name.endswith(_NOT_COPIED_SUFFIXES)
+            not file.is_file()
+            or file.name.startswith(".")
+            or file.name in _NOT_COPIED_NAMES
+            or file.name.endswith(_NOT_COPIED_SUFFIXES)
         ):
-            shutil.copy2(file, out / file.name)
+            continue
+        if file.is_symlink() and not file.resolve().is_relative_to(root):
+            if file not in _warned_links:
+                _warned_links.add(file)
+                log.warning(
+                    "model file %s is a link to %s, outside the model's folder %s: it is not copied into "
+                    "the Hugging Face folders written from this model. Fix: copy the file into the model "
+                    "folder if it belongs to the model.",
+                    file,
+                    file.resolve(),
+                    root,
+                )
+            continue
+        shutil.copy2(file, out / file.name)
+
+
+_warned_links: set[Path] = set()
+"""Links already warned about (a run writes a Hugging Face folder every trainer.save_hf_every steps)."""
+
+
+def _link_root(folder: Path) -> Path:
+    """Where the links of a model folder may point to be copied: inside the folder itself, or, for a
+    snapshot of the Hugging Face Hub cache (`models--org--name/snapshots/REV`, whose files link to
+    `../../blobs/SHA`), inside that model's cache folder `models--org--name`."""
+    real = folder.resolve()
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        return real.parent.parent
+    return real
 
 
 def load_tokenizer(path_or_name: str | os.PathLike) -> Any:

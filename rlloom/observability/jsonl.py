@@ -14,8 +14,12 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import IO
 
 from rlloom.observability.logger import Logger
+from rlloom.run_files import open_text, write_failed
+
+FIX_LOG = "free disk space, then continue with trainer.resume=auto (the run's checkpoints are intact)."
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +62,22 @@ def truncate_metrics_jsonl(path: str | Path, from_step: int) -> int:
     kept = [line for line, record in _parse_lines(path) if record["step"] < from_step]
     # Write a sibling then rename, so a crash here leaves either the old or the new file.
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
+    with open_text(tmp) as f:
         f.writelines(kept)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return len(kept)
+
+
+def append_line(file: IO[str], path: Path, text: str) -> None:
+    """Write and flush `text` to the open log `file` at `path`; a failed write (a full disk) is one
+    `WriteFailed` line naming the file."""
+    try:
+        file.write(text)
+        file.flush()
+    except OSError as e:
+        raise write_failed(path, e, FIX_LOG) from e
 
 
 def _json_value(key: str, value: object) -> float | int | bool | None:
@@ -88,12 +102,9 @@ class JsonlLogger(Logger):
         """`resume_from_step=None` starts a fresh file; an int keeps the lines before that step."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_from_step is None:
-            mode = "w"
-        else:
+        if resume_from_step is not None:
             truncate_metrics_jsonl(self.path, resume_from_step)
-            mode = "a"
-        self._file = self.path.open(mode, encoding="utf-8")
+        self._file = open_text(self.path, append=resume_from_step is not None)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         if "step" in metrics:
@@ -103,8 +114,7 @@ class JsonlLogger(Logger):
             )
         record = {"step": int(step)}
         record.update({key: _json_value(key, value) for key, value in metrics.items()})
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        append_line(self._file, self.path, json.dumps(record) + "\n")
 
     def close(self) -> None:
         if not self._file.closed:

@@ -20,11 +20,15 @@ from typing import Any
 
 from rlloom.config import LoggingConfig
 from rlloom.observability.logger import Logger, MultiLogger
+from rlloom.observability.samples import SAMPLES_FILE
+from rlloom.observability.wandb_logger import RUN_ID_FILE
 
 METRICS_FILE = "metrics.jsonl"
 """File name of the JSONL metrics log inside a run folder."""
 TENSORBOARD_DIR = "tensorboard"
 """Folder name of the TensorBoard event files inside a run folder."""
+LOG_NAMES = (METRICS_FILE, SAMPLES_FILE, TENSORBOARD_DIR, RUN_ID_FILE, "wandb")
+"""What the loggers write at the top of a run folder (a link planted there is refused at start-up)."""
 
 
 def build_loggers(
@@ -44,7 +48,7 @@ def build_loggers(
     """
     from rlloom.observability.console import ConsoleLogger
     from rlloom.observability.jsonl import JsonlLogger
-    from rlloom.observability.samples import SAMPLES_FILE, SamplesLogger
+    from rlloom.observability.samples import SamplesLogger
     from rlloom.observability.tensorboard import TensorBoardLogger
     from rlloom.observability.wandb_logger import WandbLogger
 

@@ -11,6 +11,7 @@ canvas, so it needs no display and leaves the global pyplot backend alone. Needs
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 from rlloom.config import UserError
 from rlloom.observability.jsonl import read_metrics_jsonl
 from rlloom.observability.loggers import METRICS_FILE
+from rlloom.run_files import open_fd
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -68,7 +70,9 @@ def series_by_key(records: list[dict]) -> dict[str, tuple[list[int], list[float]
 def plot_run(run_dir: str | Path) -> Path:
     """Write `run_dir/curves.png` from `run_dir/metrics.jsonl` and return its path."""
     out = Path(run_dir) / CURVES_FILE
-    curves_figure(run_dir).savefig(out, dpi=100)
+    figure = curves_figure(run_dir)
+    with os.fdopen(open_fd(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:
+        figure.savefig(f, dpi=100, format="png")
     return out
 
 

@@ -23,8 +23,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
-from rlloom.observability.jsonl import truncate_metrics_jsonl
+from rlloom.observability.jsonl import append_line, truncate_metrics_jsonl
 from rlloom.observability.logger import Logger, SampleRecord
+from rlloom.run_files import open_text
 
 SAMPLES_FILE = "samples.jsonl"
 """File name of the sample completions inside a run folder."""
@@ -96,7 +97,7 @@ class SamplesLogger(Logger):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_from_step is not None:
             truncate_metrics_jsonl(self.path, resume_from_step)
-        self._file = self.path.open("w" if resume_from_step is None else "a", encoding="utf-8")
+        self._file = open_text(self.path, append=resume_from_step is not None)
         self._console = console
         self._out = file
 
@@ -104,11 +105,10 @@ class SamplesLogger(Logger):
         return None
 
     def log_samples(self, step: int, records: Sequence[SampleRecord]) -> None:
-        for number, record in enumerate(records, start=1):
-            self._file.write(json.dumps(asdict(record)) + "\n")
-            if self._console:
+        append_line(self._file, self.path, "".join(json.dumps(asdict(r)) + "\n" for r in records))
+        if self._console:
+            for number, record in enumerate(records, start=1):
                 print(console_line(record, number), file=self._out or sys.stdout, flush=True)
-        self._file.flush()
 
     def close(self) -> None:
         if not self._file.closed:

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from rlloom.observability.logger import Logger
+from rlloom.run_files import make_dir
 
 
 class TensorBoardLogger(Logger):
@@ -23,7 +24,7 @@ class TensorBoardLogger(Logger):
                 "logging.tensorboard=true needs the tensorboard package, which is not installed. "
                 "Fix: pip install 'rlloom[tensorboard]', or set logging.tensorboard=false."
             ) from error
-        self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=resume_from_step)
+        self._writer = SummaryWriter(log_dir=str(make_dir(log_dir)), purge_step=resume_from_step)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         for key, value in metrics.items():

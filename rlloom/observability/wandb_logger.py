@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rlloom.observability.logger import Logger, SampleRecord
+from rlloom.run_files import refuse_link, write_text
 
 RUN_ID_FILE = "wandb_run_id"
 """File inside a run folder holding the W&B run id (a resume continues that W&B run)."""
@@ -28,7 +29,7 @@ def run_id(run_dir: Path, resume: bool) -> str:
     if resume and path.is_file():
         return path.read_text().strip()
     new = uuid.uuid4().hex[:16]
-    path.write_text(new + "\n")
+    write_text(path, new + "\n")
     return new
 
 
@@ -53,6 +54,7 @@ class WandbLogger(Logger):
             ) from error
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        refuse_link(run_dir / "wandb")  # W&B writes its files there
         self._wandb = wandb
         self._run = wandb.init(
             project=project,

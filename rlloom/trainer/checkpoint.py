@@ -37,6 +37,8 @@ from rlloom.engines.train.sealed import (
     write_manifest,
 )
 from rlloom.faults import maybe_fail
+from rlloom.observability.loggers import LOG_NAMES
+from rlloom.run_files import free_space, fresh_dir, make_dir, refuse_link, write_text
 
 log = logging.getLogger(__name__)
 ENGINE_DIR = "engine"
@@ -44,6 +46,13 @@ CRITIC_DIR = "critic"
 """PPO's critic (algorithm.estimator=gae): its engine's sealed folder, beside the policy's."""
 WEIGHTS_DIR = "hf"
 """The Hugging Face folder that replaces ENGINE_DIR in a weights-only checkpoint."""
+CHECKPOINTS_DIR = "checkpoints"
+CONFIG_FILE = "config.yaml"
+"""The resolved config, in RUN_DIR (trainer/run.py) and in each checkpoint."""
+HF_DIR = "hf"
+"""RUN_DIR/hf/step_N: the run's Hugging Face folders (trainer/export.py)."""
+STEP_NAMES = r"step_\d+"
+"""Names of the folders under CHECKPOINTS_DIR and HF_DIR (step_000004)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -61,16 +70,18 @@ class TrainerState:
 
 
 def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
+    return Path(run_dir) / CHECKPOINTS_DIR / f"step_{step:06d}"
 
 
 def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     """Checkpoint folders of a run that have a manifest (not yet hash-checked), oldest step first."""
-    root = Path(run_dir) / "checkpoints"
+    root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
-    done = [
-        p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit() and (p / MANIFEST).is_file()
+    done = [  # a link is never taken for a checkpoint (resumed from, or deleted by the pruning)
+        p
+        for p in root.glob("step_*")
+        if p.name[5:].isdigit() and not p.is_symlink() and p.is_dir() and (p / MANIFEST).is_file()
     ]
     return sorted(done, key=lambda p: int(p.name[5:]))
 
@@ -84,8 +95,8 @@ def save_checkpoint(
     final = checkpoint_dir(cfg.trainer.run_dir, state.step)
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        make_dir(final.parent)
+        fresh_dir(tmp)
         weights_only = cfg.trainer.save_weights_only
         sealed = []
         if weights_only:
@@ -103,8 +114,8 @@ def save_checkpoint(
             "accuracy_before": state.accuracy_before,
             "kl_coef": state.kl_coef,
         }
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state))
-        (tmp / "config.yaml").write_text(to_yaml(cfg))
+        write_text(tmp / "trainer_state.json", json.dumps(trainer_state))
+        write_text(tmp / CONFIG_FILE, to_yaml(cfg))
         write_manifest(tmp, sealed=sealed)
         swap_in(tmp, final)
     except (OSError, CheckpointError) as e:
@@ -119,7 +130,8 @@ def save_checkpoint(
             else "no earlier checkpoint exists"
         )
         raise CheckpointError(
-            f"the checkpoint of step {state.step} was not saved ({reason}); its temporary folder was removed and "
+            f"the checkpoint of step {state.step} was not saved ({reason}; {free_space(final.parent)} free on its "
+            "disk); its temporary folder was removed and "
             f"{kept}. Fix: free disk space or set trainer.keep_last_checkpoints lower, then rerun with "
             "trainer.resume=auto."
         ) from e
@@ -141,8 +153,11 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int, *, keep: Path) -> Non
 
 
 def prepare_run_dir(run_dir: str | Path) -> None:
-    """Delete interrupted saves and finish interrupted swaps (call under the run lock)."""
-    for action in recover_parent(Path(run_dir) / "checkpoints"):
+    """Refuse links where the run writes its folders (before any step is trained), delete interrupted
+    saves and finish interrupted swaps (call under the run lock)."""
+    for name in (CHECKPOINTS_DIR, HF_DIR, CONFIG_FILE, *LOG_NAMES):
+        refuse_link(Path(run_dir) / name)
+    for action in recover_parent(Path(run_dir) / CHECKPOINTS_DIR, STEP_NAMES):
         log.info("checkpoints: %s", action)
 
 

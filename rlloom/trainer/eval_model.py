@@ -7,13 +7,14 @@ when that folder is absent; a model folder starts from the default settings. DAT
 .parquet file (every row is evaluated) or a procedural task name (its held-out split). Dotted
 overrides apply last. Greedy by default; `samples` > 1 at a temperature > 0 also reports pass@k.
 The report is a table and one JSON line (the last line, for scripts); `responses` also writes every
-answer with its score to a jsonl file.
+answer with its score to a new jsonl file (an existing path is refused, never overwritten).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from rlloom.engines.train.hf_folder import save_hf_folder
 from rlloom.models import load_tokenizer
 from rlloom.models.embedded import EMBEDDED_NAME
 from rlloom.rewards.build import build_reward_runner
+from rlloom.run_files import open_fd, open_text, write_failed
 from rlloom.tasks.build import task_prompts
 from rlloom.trainer.evaluate import EvalScores, score_prompts
 from rlloom.trainer.export import build_engine_from_checkpoint, hf_dir, resolve_checkpoint
@@ -155,15 +157,23 @@ def generate_and_score(cfg: RunConfig, samples: int) -> tuple[list[PromptItem], 
         runner.close()
 
 
-def check_writable(path: Path) -> None:
-    """`path` can be written (its folder is created if missing), or a one-line ConfigError."""
+def create_responses_file(path: Path) -> None:
+    """Create `path` as a new empty file (its folder is created if missing), or a one-line ConfigError.
+
+    Anything already there is refused (a file, a link, a folder): `--responses` never overwrites, so
+    a mistyped path cannot destroy the data file being evaluated or a run's metrics.jsonl."""
+    if path.is_symlink() or path.exists():
+        raise ConfigError(
+            f"--responses={str(path)!r} already exists; rlloom eval writes only a new file (it would "
+            "overwrite the file there, which may be the data or a run's metrics). Fix: pass a new file name, "
+            "or delete the old file first."
+        )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a", encoding="utf-8"):
-            pass
+        os.close(open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
     except OSError as e:
         raise ConfigError(
-            f"--responses={str(path)!r} cannot be written: {e.strerror or e}. Fix: pass a file path in a "
+            f"--responses={str(path)!r} cannot be written: {e.strerror or e}. Fix: pass a new file path in a "
             "folder you can write to."
         ) from e
 
@@ -171,10 +181,13 @@ def check_writable(path: Path) -> None:
 def write_responses(path: Path, items: list[PromptItem], scores: EvalScores) -> None:
     """One JSON line per prompt: its row index, the templated prompt, the ground truth, and every
     response with its score."""
-    with path.open("w", encoding="utf-8") as f:
-        for item, texts, row in zip(items, scores.texts, scores.scores):
-            record = {"index": item.index, "prompt": item.prompt_text, "ground_truth": item.ground_truth}
-            f.write(json.dumps(record | {"responses": texts, "scores": row}) + "\n")
+    try:
+        with open_text(path) as f:
+            for item, texts, row in zip(items, scores.texts, scores.scores):
+                record = {"index": item.index, "prompt": item.prompt_text, "ground_truth": item.ground_truth}
+                f.write(json.dumps(record | {"responses": texts, "scores": row}) + "\n")
+    except OSError as e:
+        raise write_failed(path, e, "free disk space, or pass --responses a file on another disk.") from e
 
 
 def eval_model(
@@ -191,7 +204,24 @@ def eval_model(
         raise ConfigError(f"--samples={samples} is invalid: must be >= 1. Fix: use 1 (greedy) or e.g. 8.")
     data_overrides = eval_data_overrides(data)
     if responses:
-        check_writable(Path(responses))  # before the evaluation, which the file would otherwise lose
+        create_responses_file(Path(responses))  # before the evaluation, which a failed write would lose
+    try:
+        report, items, scores = _evaluate(
+            model_or_run, data, data_overrides + (overrides or []), samples=samples, temperature=temperature
+        )
+    except BaseException:
+        if responses:
+            Path(responses).unlink(missing_ok=True)  # the empty file made above: a rerun may use the name
+        raise
+    if responses:
+        write_responses(Path(responses), items, scores)
+    return report
+
+
+def _evaluate(
+    model_or_run: str, data: str, overrides: list[str], *, samples: int, temperature: float | None
+) -> tuple[EvalReport, list[PromptItem], EvalScores]:
+    """The report, and the prompts with their scores (for `--responses`)."""
     with tempfile.TemporaryDirectory(prefix="rlloom-eval-") as tmp:
         workdir = Path(tmp)
         base, model = resolve_model(model_or_run, workdir)
@@ -199,9 +229,7 @@ def eval_model(
             base = workdir / "defaults.yaml"
             base.write_text("{}\n")
         extra = [] if temperature is None else [f"rollout.eval_temperature={temperature}"]
-        cfg = load_config(
-            base, [f"model.path={json.dumps(model)}", *data_overrides, *(overrides or []), *extra]
-        )
+        cfg = load_config(base, [f"model.path={json.dumps(model)}", *overrides, *extra])
         temp = cfg.rollout.eval_temperature
         if samples > 1 and temp == 0:
             raise ConfigError(
@@ -209,10 +237,8 @@ def eval_model(
                 "Fix: add --temperature 0.7 (or rollout.eval_temperature=0.7), or use --samples 1."
             )
         items, scores, too_long = generate_and_score(cfg, samples)
-    if responses:
-        write_responses(Path(responses), items, scores)
     metrics = {k.removeprefix("eval/"): v for k, v in scores.metrics().items()}
-    return EvalReport(
+    report = EvalReport(
         model=model_or_run,
         data=data,
         prompts=len(scores.scores),
@@ -221,3 +247,4 @@ def eval_model(
         skipped_too_long=too_long,
         metrics=metrics,
     )
+    return report, items, scores

@@ -24,7 +24,16 @@ from rlloom.engines.train.base import TrainEngine
 from rlloom.engines.train.build import build_offline
 from rlloom.engines.train.hf_folder import ExportDType, save_hf_folder
 from rlloom.engines.train.sealed import verify_folder
-from rlloom.trainer.checkpoint import CRITIC_DIR, ENGINE_DIR, WEIGHTS_DIR, is_weights_only, latest_checkpoint
+from rlloom.run_files import make_dir, write_failed
+from rlloom.trainer.checkpoint import (
+    CRITIC_DIR,
+    ENGINE_DIR,
+    HF_DIR,
+    WEIGHTS_DIR,
+    complete_checkpoints,
+    is_weights_only,
+    latest_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 _WHERE = "a run folder (RUN_DIR) or one of its checkpoints (RUN_DIR/checkpoints/step_N)"
@@ -32,15 +41,26 @@ _WHERE = "a run folder (RUN_DIR) or one of its checkpoints (RUN_DIR/checkpoints/
 
 def hf_dir(run_dir: str | os.PathLike, step: int) -> Path:
     """Where a run writes its Hugging Face folder for `step`."""
-    return Path(run_dir) / "hf" / f"step_{step:06d}"
+    return Path(run_dir) / HF_DIR / f"step_{step:06d}"
 
 
 def save_run_hf(train_group: TrainGroup, cfg: RunConfig, step: int) -> Path:
-    """Write the live policy of a run as RUN_DIR/hf/step_N (every rank takes part)."""
+    """Write the live policy of a run as RUN_DIR/hf/step_N (every rank takes part; the run saves its
+    checkpoint first, so a write that fails, e.g. on a full disk, loses nothing: one error line says so)."""
     path = hf_dir(cfg.trainer.run_dir, step)
-    path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    train_group.save_hf(str(path)).result()
+    try:
+        make_dir(path.parent)
+        train_group.save_hf(str(path)).result()
+    except OSError as e:
+        saved = [p.name for p in complete_checkpoints(cfg.trainer.run_dir)]
+        kept = f"checkpoint {saved[-1]} is intact" if saved else "no checkpoint was written"
+        raise write_failed(
+            path,
+            e,
+            f"free disk space, then write the folder from the checkpoint with `rlloom export "
+            f"{cfg.trainer.run_dir} {path}` ({kept}; a partial folder is never left under {path.parent}).",
+        ) from e
     logger.info("wrote the Hugging Face folder %s (%.1f s)", path, time.perf_counter() - start)
     return path
 

@@ -32,9 +32,11 @@ from rlloom.observability.samples import pick_samples, sample_records
 from rlloom.observability.startup import first_token_s
 from rlloom.plan.check import check_fits
 from rlloom.rewards.build import build_reward_runner
+from rlloom.run_files import write_text
 from rlloom.tasks.build import build_task_source
 from rlloom.trainer.async_loop import AsyncLoop
 from rlloom.trainer.checkpoint import (
+    CONFIG_FILE,
     TrainerState,
     load_checkpoint,
     prepare_run_dir,
@@ -88,7 +90,7 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
     seed_everything(cfg.trainer.seed)
     run_dir = Path(cfg.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    write_text(run_dir / CONFIG_FILE, to_yaml(cfg))
 
     phase = time.perf_counter()
     tokenizer = load_tokenizer(cfg.model.path)

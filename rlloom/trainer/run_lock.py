@@ -18,6 +18,7 @@ from pathlib import Path
 from types import TracebackType
 
 from rlloom.config import ConfigError
+from rlloom.run_files import open_fd, write_failed
 
 LOCK_FILE = ".lock"
 log = logging.getLogger(__name__)
@@ -41,7 +42,6 @@ class RunDirLock:
     def acquire(self) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
             folder = self.path.parent
             why = "it is a file, not a folder" if folder.is_file() else e.strerror or str(e)
@@ -49,6 +49,7 @@ class RunDirLock:
                 f"trainer.run_dir={str(folder)!r} cannot be written: {why}. Fix: choose a "
                 "folder you can write to (it is created if missing)."
             ) from e
+        fd = open_fd(self.path, os.O_RDWR | os.O_CREAT)  # a link planted as .lock is refused
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -63,8 +64,14 @@ class RunDirLock:
         if previous.strip():
             log.info("took over the lock of %s, which ended without releasing it", _holder(previous))
         record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(record).encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(record).encode(), 0)
+        except OSError as e:  # a full disk: nothing of the run has started yet
+            os.close(fd)
+            raise write_failed(
+                self.path, e, "free disk space there, or choose another trainer.run_dir."
+            ) from e
         self._fd = fd
 
     def release(self) -> None:

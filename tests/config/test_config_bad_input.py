@@ -30,8 +30,25 @@ def yaml_file(tmp_path: Path, content: str | bytes) -> str:
     return str(path)
 
 
+def laughs(levels: int = 9) -> str:
+    """A "billion laughs" YAML flow list: each level an alias of the previous one nine times (9**levels)."""
+    names = [f"l{i}" for i in range(levels)]
+    parts = ["&l0 [lol,lol,lol,lol,lol,lol,lol,lol,lol]"]
+    parts += [f"&{n} [" + ",".join([f"*{p}"] * 9) + "]" for p, n in zip(names, names[1:])]
+    return "[" + ", ".join(parts) + "]"
+
+
 # (case id, text of the YAML file or None for the recipe, overrides, words the message must hold)
 CONFIG_CASES = [
+    # a 330-byte file expanded for minutes into a MemoryError traceback (2026-11-29)
+    (
+        "yaml_billion_laughs",
+        f"trainer:\n  total_steps: {laughs()}\n",
+        [],
+        ["more than 100000 values", "aliases"],
+    ),
+    ("override_billion_laughs", None, [f"train.betas={laughs()}"], ["override train.betas", "aliases"]),
+    ("yaml_alias_of_itself", "trainer:\n  total_steps: &a [*a]\n", [], ["more than 100000 values"]),
     ("yaml_syntax", "trainer:\n  seed: [1\n", [], ["not valid YAML", "line 3"]),
     ("yaml_tab_indent", "trainer:\n\tseed: 1\n", [], ["not valid YAML", "line 2"]),
     ("yaml_not_utf8", b"trainer:\n  run_dir: caf\xe9\n", [], ["not UTF-8", "0xe9", "line 2"]),

@@ -204,3 +204,32 @@ def test_wandb_run_id_is_kept_for_a_resume(tmp_path):
     first = run_id(tmp_path, resume=False)
     assert run_id(tmp_path, resume=True) == first
     assert run_id(tmp_path, resume=False) != first  # a fresh start is a new W&B run
+
+
+class FullDisk(io.StringIO):
+    def write(self, text: str) -> int:
+        raise OSError(28, "No space left on device")
+
+
+def test_a_full_disk_while_logging_is_one_line_naming_the_file(tmp_path):
+    # Before (71f07fb): the OSError's traceback, without the file or the fix.
+    from rlloom.observability.logger import SampleRecord
+    from rlloom.observability.samples import SamplesLogger
+    from rlloom.run_files import WriteFailed
+
+    record = SampleRecord(
+        step=1, prompt="1+1", response="2", reward=1.0, ground_truth="2", finish_reason="stop"
+    )
+
+    metrics = JsonlLogger(tmp_path / "metrics.jsonl")
+    samples = SamplesLogger(tmp_path / "samples.jsonl", console=False)
+    for logger, call in (
+        (metrics, lambda: metrics.log(1, {"a": 1.0})),
+        (samples, lambda: samples.log_samples(1, [record])),
+    ):
+        logger._file = FullDisk()
+        with pytest.raises(WriteFailed) as error:
+            call()
+        message = str(error.value)
+        assert f"writing {str(logger.path)!r} failed: No space left on device (" in message
+        assert "free on its disk). Fix: free disk space, then continue with trainer.resume=auto" in message

@@ -50,3 +50,17 @@ def test_series_merges_lines_of_one_step_and_skips_nulls():
         {"step": 2, "eval/accuracy": 0.5},
     ]
     assert series_by_key(records) == {"reward/mean": ([2], [1.0]), "eval/accuracy": ([2], [0.5])}
+
+
+def test_plot_never_writes_through_a_link(tmp_path, capsys):
+    # Before (71f07fb): `rlloom plot` wrote the PNG into whatever curves.png linked to.
+    from rlloom.cli import main
+
+    write_run(tmp_path / "run", [{"step": 1, "reward/mean": 0.5}, {"step": 2, "reward/mean": 0.7}])
+    victim = tmp_path / "notes.txt"
+    victim.write_text("mine")
+    (tmp_path / "run" / "curves.png").symlink_to(victim)
+    assert main(["plot", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlloom: error: ") and err.count("\n") == 1 and "is a symbolic link" in err, err
+    assert victim.read_text() == "mine"

@@ -110,10 +110,8 @@ def test_sampling_reports_pass_at_k(lively_model, dataset, capsys):
         (["{model}", "arithmetic", "--samples", "3"], "identical answers"),
         (["{model}", "arithmetic", "--samples", "0"], "must be >= 1"),
         # checked before the evaluation: a bad path used to fail after it, losing every answer
-        (
-            ["{model}", "arithmetic", "--responses", "{tmp}"],
-            "--responses='{tmp}' cannot be written: Is a directory",
-        ),
+        (["{model}", "arithmetic", "--responses", "/proc/version/x.jsonl"], "cannot be written"),
+        (["{model}", "arithmetic", "--responses", "{tmp}"], "--responses='{tmp}' already exists"),
     ],
 )
 def test_errors_are_one_line(argv, message, tiny_checkpoint, tmp_path, capsys):
@@ -130,3 +128,27 @@ def test_a_task_replaces_the_dataset_file_of_a_run_trained_on_one():
     run_config = ["data.task=jsonl", "data.path=/runs/data.jsonl"]
     cfg = load_config("arithmetic_smoke", [*run_config, *eval_data_overrides("arithmetic")])
     assert (cfg.data.task, cfg.data.path) == ("arithmetic", "")
+
+
+def test_responses_never_overwrite_an_existing_file(tiny_checkpoint, tmp_path, capsys):
+    # Before: `--responses` overwrote whatever was there, the data file evaluated or a run's metrics.
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt": "1 + 1 =", "answer": "2"}) + "\n")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.parent.mkdir()
+    metrics.write_text('{"step": 1}\n')
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(tmp_path / "nothing-yet.jsonl")  # a dangling link would be written through
+    fast = ["data.num_eval=2", "rollout.max_new_tokens=2"]
+    for target, source in ((data, str(data)), (metrics, "arithmetic"), (link, "arithmetic")):
+        before = target.read_text() if target.exists() else None
+        assert main(["eval", str(tiny_checkpoint), source, *fast, "--responses", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("rlloom: error: ") and err.count("\n") == 1, err
+        assert f"--responses={str(target)!r} already exists" in err and "Fix: pass a new file name" in err
+        assert (target.read_text() if target.exists() else None) == before
+    assert not (tmp_path / "nothing-yet.jsonl").exists()
+    # The new file is made before the evaluation (a bad path fails first) and removed if it fails.
+    new = tmp_path / "new.jsonl"
+    assert main(["eval", str(tiny_checkpoint), "arithmetic", "--samples", "3", "--responses", str(new)]) == 2
+    assert "identical answers" in capsys.readouterr().err and not new.exists()

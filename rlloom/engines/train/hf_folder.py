@@ -32,6 +32,7 @@ from rlloom.models.checkpoint import (
     resolve_path,
     value_model_config,
 )
+from rlloom.run_files import fresh_dir, refuse_link
 
 ExportDType = Literal["auto", "float32", "bfloat16", "float16"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -89,10 +90,13 @@ def save_hf_folder(
             hf_config[key] = name
     model.hf_config = hf_config
     model.source_path = str(source)
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_pretrained(model, tmp, extra=score)
-    if out.exists():
+    tmp = fresh_dir(out.with_name(f"{out.name}.tmp-{os.getpid()}"))
+    try:
+        save_pretrained(model, tmp, extra=score)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if refuse_link(out).exists():
         shutil.rmtree(out) if any(out.iterdir()) else out.rmdir()
     os.replace(tmp, out)
     return out

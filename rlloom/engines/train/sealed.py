@@ -19,10 +19,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from rlloom.run_files import open_text, refuse_link
 
 MANIFEST = "manifest.json"
 OLD_SUFFIX = ".old"
@@ -72,7 +75,7 @@ def write_manifest(root: Path, sealed: Iterable[str] = ()) -> None:
     for rel in _listed_files(root, sealed):
         fsync_path(root / rel)
         files[rel] = {"bytes": (root / rel).stat().st_size, "sha256": sha256_file(root / rel)}
-    with open(root / MANIFEST, "w") as f:
+    with open_text(root / MANIFEST) as f:
         json.dump({"format": 1, "files": files, "sealed": sealed}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
@@ -132,9 +135,10 @@ def verify_folder(root: str | os.PathLike, *, share: tuple[int, int] = (0, 1)) -
 
 
 def swap_in(tmp: Path, final: Path) -> None:
-    """Rename the complete folder `tmp` to `final`; an existing `final` is kept as `final.old` until then."""
-    old = final.with_name(final.name + OLD_SUFFIX)
-    if final.exists():
+    """Rename the complete folder `tmp` to `final`; an existing `final` is kept as `final.old` until then.
+    A link at `final` or `final.old` is refused (never followed, moved or deleted)."""
+    old = refuse_link(final.with_name(final.name + OLD_SUFFIX))
+    if refuse_link(final).exists():
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
@@ -142,21 +146,35 @@ def swap_in(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def recover_parent(parent: Path) -> list[str]:
+def _left_by_a_save(path: Path, names: str, suffix: str) -> bool:
+    """`path` is a real folder (not a link) named `<name><suffix>`, `<name>` matching `names`."""
+    return (
+        re.fullmatch(f"({names}){suffix}", path.name) is not None and path.is_dir() and not path.is_symlink()
+    )
+
+
+def recover_parent(parent: Path, names: str) -> list[str]:
     """Finish interrupted swaps and delete interrupted saves under `parent`; returns what it did.
 
+    Only what a save leaves is touched: real folders (never links) named `<name>.tmp[-PID]`, and
+    `<name>.old` holding a manifest, where `<name>` matches the regular expression `names` (e.g.
+    `step_\\d+`). A user's folder of another name or a `<name>.old` without a manifest is left alone.
     Only call this while no other process writes under `parent` (the run lock).
     """
     done: list[str] = []
     if not parent.is_dir():
         return done
     for p in sorted(parent.iterdir()):
-        if TMP_MARK in p.name and p.is_dir():
+        if _left_by_a_save(p, names, rf"{re.escape(TMP_MARK)}(-\d+)?"):
             shutil.rmtree(p, ignore_errors=True)
             done.append(f"removed the interrupted save {p.name}")
-    for old in sorted(parent.glob(f"*{OLD_SUFFIX}")):
+    for old in sorted(parent.iterdir()):
+        if not _left_by_a_save(old, names, re.escape(OLD_SUFFIX)) or not (old / MANIFEST).is_file():
+            continue
         final = old.with_name(old.name[: -len(OLD_SUFFIX)])
-        if (final / MANIFEST).is_file():
+        if final.is_symlink() or (final.exists() and not final.is_dir()):
+            done.append(f"left {old.name} alone: {final.name} is not a folder of the run")
+        elif (final / MANIFEST).is_file():
             shutil.rmtree(old, ignore_errors=True)
             done.append(f"removed {old.name} (replaced by a complete {final.name})")
         else:

@@ -47,6 +47,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from rlloom.engines.train.native.rng_state import rng_state, set_rng_state
 from rlloom.engines.train.sealed import CheckpointError, swap_in, verify_folder, write_manifest
+from rlloom.run_files import fresh_dir, write_text
 
 STATE = "state.json"
 
@@ -174,8 +175,8 @@ def _write_rank_files(
             local[name] = part
             offsets[name] = offset
     save_file(local, str(tmp / f"tensors_rank{rank}.safetensors"))
-    (tmp / f"chunks_rank{rank}.json").write_text(json.dumps(offsets))
-    (tmp / f"rng_rank{rank}.json").write_text(json.dumps(rng_state()))
+    write_text(tmp / f"chunks_rank{rank}.json", json.dumps(offsets))
+    write_text(tmp / f"rng_rank{rank}.json", json.dumps(rng_state()))
     if rank == 0:
         state = {
             "format": 1,
@@ -184,7 +185,7 @@ def _write_rank_files(
             "tree": _merged_tree([tree for _, tree, _ in everyone]),
             "tensors": {k: v for _, _, held in everyone for k, v in held.items()},
         }
-        (tmp / STATE).write_text(json.dumps(state, indent=1))
+        write_text(tmp / STATE, json.dumps(state, indent=1))
 
 
 def _all_ranks(value: Any) -> list[Any]:
@@ -242,8 +243,7 @@ def save_checkpoint(
     error = None
     try:
         if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            fresh_dir(tmp)
     except OSError as e:
         error = f"saving checkpoint {str(final)!r} failed: {e}"
     _agree(error)
