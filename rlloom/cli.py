@@ -12,6 +12,8 @@ A user error (`UserError`: config, data file, model path, start-up checks) print
 `rlloom: error: ...`, and exits 2; internal bugs keep their traceback. Ctrl-C or SIGTERM during a
 run's steps finishes the step, writes a checkpoint and exits 128 + the signal's number with one line
 saying where to continue (trainer/stop.py); Ctrl-C elsewhere, or a second one, prints one line too.
+`train` goes on when its stdout or stderr is a pipe whose reader is gone (`| tee` ended by the same
+Ctrl-C; observability/pipes.py); the other commands stop quietly there, as `cat` does.
 """
 
 from __future__ import annotations
@@ -174,6 +176,15 @@ def _plan_usage_error(message: str) -> NoReturn:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "train":  # `| tee` and Ctrl-C: the run finishes its step without its console
+        from rlloom.observability.pipes import console_may_close
+
+        with console_may_close():
+            return _command(args)
+    return _command(args)
+
+
+def _command(args: argparse.Namespace) -> int:
     try:
         if args.command == "config" and args.config_command == "doc":
             from rlloom.config.doc import config_reference

@@ -23,9 +23,6 @@ class ConfigError(UserError):
     """A user error in the run configuration (unknown key, wrong type, impossible value)."""
 
 
-FLOAT32_MAX = 3.4028234663852886e38
-
-
 def check(ok: bool, key: str, value: object, rule: str, fix: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r} is invalid: {rule}. Fix: {fix}.")

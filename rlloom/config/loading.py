@@ -19,6 +19,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from rlloom.config.aliases import rlloom_keys
 from rlloom.config.checks import ConfigError
 from rlloom.config.run import RunConfig
 from rlloom.config.yaml_text import parse_override_value, read_yaml_file
@@ -103,15 +104,18 @@ def _file_defaults(data: dict[str, Any], loaded: dict[str, Any], path: Path) -> 
         data["trainer"]["run_dir"] = f"runs/{path.stem}"
 
 
-def load_config(source: str | Path, overrides: list[str] | None = None) -> RunConfig:
-    """Resolve `source` (recipe name, YAML path, or a run folder holding the `config.yaml` its run
-    wrote) and apply `key.sub=value` overrides."""
+def load_config(source: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Resolve `source` (recipe name, YAML path, a run folder holding the `config.yaml` its run
+    wrote, or None for the defaults) and apply `key.sub=value` overrides."""
     from rlloom.config import recipes
 
-    source = str(source)
-    if Path(source).is_dir() and (Path(source) / "config.yaml").is_file():
-        source = str(Path(source) / "config.yaml")  # a run folder: the config the run wrote
-    if source in recipes.RECIPES:
+    if source is not None:
+        source = str(source)
+        if Path(source).is_dir() and (Path(source) / "config.yaml").is_file():
+            source = str(Path(source) / "config.yaml")  # a run folder: the config the run wrote
+    if source is None:
+        data = to_dict(RunConfig())
+    elif source in recipes.RECIPES:
         data = to_dict(recipes.RECIPES[source]())
     elif source.endswith((".yaml", ".yml")) or Path(source).is_file():
         path = Path(source)
@@ -175,6 +179,8 @@ def _merge(dst: dict[str, Any], src: dict[str, Any], cls: type, prefix: str) -> 
         dotted = f"{prefix}{key}"
         if key not in fields:
             options = [f"{prefix}{k}" for k in fields]
+            if known_elsewhere := _other_frameworks_keys(dotted, value):
+                raise ConfigError(f"unknown config key {dotted!r}: {known_elsewhere}")
             raise ConfigError(
                 f"unknown config key {dotted!r}{_suggest(dotted, options)}. Valid keys here: {', '.join(options)}."
             )
@@ -187,6 +193,34 @@ def _merge(dst: dict[str, Any], src: dict[str, Any], cls: type, prefix: str) -> 
             _merge(dst.setdefault(key, {}), value, ftype, prefix=f"{dotted}.")
         else:
             dst[key] = value
+
+
+def _other_frameworks_keys(dotted: str, value: Any) -> str:
+    """For an unknown key that is TRL's or verl's name for rlloom keys (itself or, for a section of
+    theirs, the keys under it): "rlloom calls this ..." and the fix; else ''."""
+    found = [(leaf, v, keys) for leaf, v in _leaves(dotted, value) if (keys := rlloom_keys(leaf))]
+    if not found:
+        return ""
+    named = "; ".join(
+        f"rlloom calls this {' and '.join(keys)}"
+        if leaf == dotted
+        else f"{leaf} is rlloom's {' and '.join(keys)}"
+        for leaf, _, keys in found
+    )
+    fix = " ".join(f"{key}={_override_text(v)}" for _, v, keys in found for key in keys)
+    return f"{named} (another framework's name). Fix: {fix}."
+
+
+def _leaves(dotted: str, value: Any) -> list[tuple[str, Any]]:
+    """(dotted key, value) of every non-mapping value under `dotted` (itself when not a mapping)."""
+    if not isinstance(value, dict) or not value:
+        return [(dotted, value)]
+    return [leaf for k, v in value.items() for leaf in _leaves(f"{dotted}.{k}", v)]
+
+
+def _override_text(value: Any) -> str:
+    """A value as an override writes it (YAML flow style: 0.28, true, [0.9, 0.99])."""
+    return yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("\n...").strip()
 
 
 def _field_type(cls: type, name: str) -> Any:

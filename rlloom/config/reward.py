@@ -5,7 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from rlloom.config.checks import FLOAT32_MAX, check, check_finite
+from rlloom.config.checks import check, check_finite
+
+MAX_ABS_SCORE = 1e15
+"""Largest reward magnitude a run accepts (`reward.default_score`, and every score: the reward
+runner's copy is `rlloom.rewards.calling.MAX_ABS_SCORE`, which says why)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -16,7 +20,7 @@ class RewardConfig:
     the task's default."""
     num_workers: int = 2
     """Worker processes that run plug-in reward functions, isolated from the trainer: each sample
-    under `timeout_s`, each worker in its own process group under `memory_limit_gb`."""
+    under `timeout_s`, each worker under `memory_limit_gb`, killed with every process it started."""
     builtins_in_workers: bool = False
     """Also run the built-in rewards in the workers; off by default because they are trusted and
     about 10x cheaper inline (plug-ins, and sums holding one, always run in workers)."""
@@ -29,10 +33,10 @@ class RewardConfig:
     import_dir: str = ""
     """Folder where plug-in reward modules are also looked for (appended to the import path, so
     no PYTHONPATH is needed): a YAML config file sets it to its own folder; empty means the current
-    directory."""
+    directory (where `rlloom train` or `rlloom eval` runs; a recipe's default)."""
     default_score: float = 0.0
     """Score of a sample whose reward function hung, raised, crashed or returned a non-number (or
-    a number outside the float32 range)."""
+    a number of magnitude above 1e15, beyond which the group statistics overflow float32)."""
 
     def __post_init__(self) -> None:
         check_finite(self, "reward")
@@ -58,9 +62,9 @@ class RewardConfig:
             "e.g. 4, or 0 for no cap",
         )
         check(
-            math.isfinite(self.default_score) and abs(self.default_score) <= FLOAT32_MAX,
+            math.isfinite(self.default_score) and abs(self.default_score) <= MAX_ABS_SCORE,
             "reward.default_score",
             self.default_score,
-            "must be a finite number within the float32 range",
+            f"must be a finite number of magnitude at most {MAX_ABS_SCORE:g} (as every score)",
             "e.g. 0",
         )

@@ -53,7 +53,8 @@ class RawPrompt:
     """Position in the source: the row of a file (0-based, blank lines not counted) or the item of a
     generated task."""
     metadata: dict[str, Any] = field(default_factory=dict)
-    """Other fields of the row, or task details (operands, solution); passed on to samples."""
+    """Every field of the row (the prompt and answer included, as the row holds them: reward
+    functions get each under its own name), or task details (operands, solution)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -73,7 +74,7 @@ class PromptItem:
     index: int
     """Position in the source (see `RawPrompt.index`)."""
     metadata: dict[str, Any] = field(default_factory=dict)
-    """Other fields of the row, or task details; plug-in reward functions get each by name."""
+    """Every field of the row, or task details; plug-in reward functions get each by name."""
     prompt: str | list[Message] = ""
     """The prompt as the row holds it (text or chat messages); reward functions get it as `prompt`."""
 
@@ -151,13 +152,14 @@ def parse_row(row: object, *, index: int, prompt_key: str, answer_key: str) -> R
         return f"missing answer field {answer_key!r} (fields: {sorted(row)[:8]})"
     if row[answer_key] is None:
         return f"answer field {answer_key!r} is null"
+    if isinstance(row[answer_key], str) and not row[answer_key].strip():
+        return f"answer field {answer_key!r} is empty"  # nothing to score against: `\boxed{}` matched it
     prompt = row[prompt_key]
     problem = _prompt_problem(prompt)
     if problem:
         return problem
-    metadata = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
     return RawPrompt(
-        prompt=prompt, ground_truth=ground_truth_text(row[answer_key]), index=index, metadata=metadata
+        prompt=prompt, ground_truth=ground_truth_text(row[answer_key]), index=index, metadata=row
     )
 
 

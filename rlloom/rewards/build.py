@@ -14,7 +14,6 @@ and they need no config code.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Collection
 
 from rlloom.config import ConfigError, RewardConfig
@@ -35,14 +34,14 @@ def build_reward_runner(
     """
     name = reward_cfg.name or default_reward_name(task)
     try:
-        fn = get_reward_fn(name, import_dir=reward_cfg.import_dir or os.getcwd())
+        fn = get_reward_fn(name, import_dir=reward_cfg.import_dir)
     except ValueError as e:
         raise ConfigError(f"reward.name={name!r} is invalid: {e}") from e
     if columns is not None and (missing := missing_arguments(fn, set(columns))):
         have = ", ".join(sorted(columns)) or "none"
         raise ConfigError(
             f"reward.name={name!r} is invalid: it needs {', '.join(map(repr, missing))}, which no dataset row "
-            f"has (columns besides the prompt and answer: {have}); every call would fail. Fix: give the "
+            f"has (the data's columns: {have}); every call would fail. Fix: give the "
             "parameter a default, or add the column to the data."
         )
     inline = is_builtin(fn) and not reward_cfg.builtins_in_workers

@@ -6,17 +6,24 @@ Two forms, told apart by the parameter names (`inspect.signature`):
 - per sample (the default): `fn(response_text, ground_truth, **keywords) -> float`. The first two
   parameters get the response and the ground truth (text) by position, whatever they are named, so
   every `(response_text, ground_truth)` function works unchanged. Keyword arguments: `prompt` (the
-  prompt as the dataset row holds it: a string or a list of chat messages) and every other column
-  of the row under its own name (for procedural tasks, the task's details such as `a`, `op`, `b`).
-  A function receives those it names as parameters, or all of them if it has `**kwargs`;
-- batched (for reward models): a function with a parameter named `completions`, called once per
-  chunk of samples with keyword arguments only, each a list with one entry per sample, as TRL
-  passes dataset columns: `completions` (response texts), `prompts`, `ground_truths`, and every
-  other column (None where a row lacks it). It returns one score per completion.
+  prompt as the dataset row holds it: a string or a list of chat messages) and every column of the
+  row under its own name, the answer column included as the row holds it (`answer`, `solution`,
+  `ground_truth`: a number stays a number), and for procedural tasks the task's details (`a`, `op`,
+  `b`). A function receives those it names as parameters, or all of them if it has `**kwargs`;
+- batched, as TRL's GRPOTrainer calls reward functions: a function with a parameter named
+  `completions` (`f(completions, **kwargs)`, `f(prompts, completions, **kwargs)`), called once per
+  chunk of samples with keyword arguments only, each a list with one entry per sample:
+  `completions`, `prompts`, `ground_truths` (the answers as text) and every column of the rows
+  under its own name (None where a row lacks it). As in TRL, a completion is the response text for a
+  row whose prompt is text, and `[{"role": "assistant", "content": text}]` for a row whose prompt is
+  a list of chat messages, so TRL's functions for standard and conversational datasets run
+  unchanged. It returns one score per completion: a list, tuple or 1-D array (a mapping, a set or a
+  list of another length makes every sample of the call invalid).
 Columns named like the arguments above do not reach the function under that name.
 
-A score is valid when it is a real number (bool, int, float, numpy scalar) within the float32
-range; anything else, or an exception (`sys.exit` included), makes the sample invalid or an error.
+A score is valid when it is a real number (bool, int, float, a numpy number or numpy bool) of
+magnitude at most `MAX_ABS_SCORE`; anything else, or an exception (`sys.exit` included), makes the
+sample invalid or an error.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -35,8 +42,12 @@ Result = tuple[Outcome, float | str]
 """(outcome, payload): the score for `ok`, the exception as text for `error`, the bad value's repr
 for `invalid`."""
 
-FLOAT32_MAX = 3.4028234663852886e38
-"""Largest finite float32: a score beyond it would turn into inf in the trainer's float32 tensors."""
+MAX_ABS_SCORE = 1e15
+"""Largest score magnitude accepted (the bound `rlloom.config.reward.MAX_ABS_SCORE` puts on
+`reward.default_score`; this module imports the standard library only). The trainer's group and
+batch statistics square differences of scores in float32 (largest 3.4e38): -3e38, a float32,
+overflowed the group std and crashed the step. Within 1e15, the squared differences of a million
+scores sum to at most 4e36."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +62,15 @@ class RewardInput:
     prompt: str | list[dict[str, str]] = ""
     """The prompt as the dataset row holds it (text or chat messages); "" when unknown."""
     columns: dict[str, Any] = field(default_factory=dict)
-    """The row's other columns (not the prompt and answer columns), by name."""
+    """Every column of the row (the prompt and answer columns included, as the row holds them), or a
+    procedural task's details, by name."""
+
+    def completion(self) -> str | list[dict[str, str]]:
+        """The response as TRL passes it to batched functions: text for a text prompt, one assistant
+        message for a chat prompt."""
+        if isinstance(self.prompt, list):
+            return [{"role": "assistant", "content": self.response_text}]
+        return self.response_text
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +97,9 @@ def call_form(fn: Callable[..., object]) -> CallForm:
     )
 
 
+_KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
 def signature_problem(fn: Callable[..., object]) -> str | None:
     """Why `fn` cannot be called in its form (per sample: two positional arguments, then keywords;
     batched: keywords only), or None. Checked when the reward is resolved, so that a function every
@@ -87,12 +109,11 @@ def signature_problem(fn: Callable[..., object]) -> str | None:
     except (TypeError, ValueError):
         return None
     form = call_form(fn)
-    keywords = dict.fromkeys(form.keywords or ())
     try:
-        if form.batched:
-            signature.bind(**keywords)
+        if form.batched:  # every parameter a keyword: `completions` and the rest (columns are checked apart)
+            signature.bind(**{p.name: None for p in signature.parameters.values() if p.kind in _KEYWORD})
         else:
-            signature.bind("", "", **keywords)
+            signature.bind("", "", **dict.fromkeys(form.keywords or ()))
     except TypeError as e:
         shape = "fn(completions=[...], ...)" if form.batched else "fn(response_text, ground_truth, ...)"
         return f"{getattr(fn, '__name__', fn)}{signature} cannot be called as {shape}: {e}"
@@ -128,14 +149,22 @@ def is_batched(fn: Callable[..., object]) -> bool:
 
 
 def as_score(value: object) -> float | None:
-    """A float within the float32 range from a real number (bool, int, float, numpy scalar), else None."""
-    if not isinstance(value, numbers.Real):
+    """A float of magnitude at most `MAX_ABS_SCORE` from a real number (bool, int, float, a numpy
+    number or numpy bool), else None."""
+    if not (isinstance(value, numbers.Real) or _is_numpy_bool(value)):
         return None
     try:
-        score = float(value)
+        score = float(value)  # type: ignore[arg-type]
     except (OverflowError, ValueError):  # an int too large for a float
         return None
-    return score if math.isfinite(score) and abs(score) <= FLOAT32_MAX else None
+    return score if math.isfinite(score) and abs(score) <= MAX_ABS_SCORE else None
+
+
+def _is_numpy_bool(value: object) -> bool:
+    """numpy.bool_ (what `array > 0.5` holds): not a `numbers.Real`, unlike numpy's other scalars.
+    Read from its dtype, since this module imports no numpy."""
+    dtype = getattr(value, "dtype", None)
+    return getattr(dtype, "kind", None) == "b" and getattr(value, "shape", None) == ()
 
 
 def score_items(fn: Callable[..., object], items: Sequence[RewardInput]) -> list[Result]:
@@ -170,25 +199,31 @@ def _call_batched(fn: Callable[..., object], form: CallForm, items: Sequence[Rew
     names = {name for item in items for name in item.columns}
     lists = {name: [item.columns.get(name) for item in items] for name in sorted(names)}
     fixed = {
-        "completions": [item.response_text for item in items],
+        "completions": [item.completion() for item in items],
         "prompts": [item.prompt for item in items],
         "ground_truths": [item.ground_truth for item in items],
     }
     keywords = _select(form.keywords, {**lists, **fixed}, reserved=frozenset())
     try:
-        values = fn(**keywords)
+        returned = fn(**keywords)
     except (Exception, SystemExit) as e:
         return [("error", f"{type(e).__name__}: {e}"[:500])] * len(items)
-    try:
-        values = list(values)  # type: ignore[call-overload]
-    except TypeError:
-        values = []
-    if len(values) != len(items):
-        return [
-            ("invalid", f"a batched reward returned {str(values)[:100]} for {len(items)} completions")
-        ] * len(items)
+    values = _score_list(returned)
+    if values is None or len(values) != len(items):
+        what = f"{type(returned).__name__} {str(returned)[:100]}"
+        return [("invalid", f"a batched reward returned {what} for {len(items)} completions")] * len(items)
     scores = [as_score(v) for v in values]
     return [("ok", s) if s is not None else ("invalid", repr(v)[:200]) for s, v in zip(scores, values)]
+
+
+def _score_list(returned: object) -> list[object] | None:
+    """The scores of a batched call in order: from a list, tuple or other sequence, or a 1-D array;
+    None for anything else (a mapping's keys, a set's arbitrary order, a string's characters)."""
+    if isinstance(returned, (Mapping, str, bytes)):
+        return None
+    if isinstance(returned, Sequence) or getattr(returned, "ndim", None) == 1:
+        return list(returned)  # type: ignore[call-overload]
+    return None
 
 
 def _weighted(fn: WeightedReward, items: Sequence[RewardInput]) -> list[Result]:

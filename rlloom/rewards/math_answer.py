@@ -121,7 +121,16 @@ def answers_match(answer: str, gold: str) -> bool:
 
 
 def math_answer(response_text: str, ground_truth: str) -> float:
-    r"""1.0 when the response's final answer (`\boxed{}` or '####') matches the ground truth, else 0.0."""
+    r"""1.0 when the response's final answer (`\boxed{}` or '####') matches the ground truth, else 0.0.
+
+    Raises ValueError for a blank ground truth, which an empty `\boxed{}` would match (a dataset
+    problem, counted as a reward error; dataset files skip such rows when they are read).
+    """
+    if not ground_truth.strip():
+        raise ValueError(
+            "math reward: the ground truth is empty, so any empty answer would match it; fix: give the "
+            "row an answer, or drop it"
+        )
     answer = extract_math_answer(response_text)
     if answer is None:
         return 0.0

@@ -1,28 +1,34 @@
 """`WorkerProcess`: the trainer's handle on one reward worker process (see `rlloom.rewards.worker`).
 
 A worker is a fresh Python interpreter (`subprocess`, not a fork of the trainer, which holds threads
-and torch state) started in a new session, so it leads a process group of its own: `kill()` sends
-SIGKILL to the whole group, which also ends any program the reward function started. The group is
-killed before the worker is reaped, so its id cannot have been reused by then. A worker also
-watches its parent: when the trainer dies without closing the pool (kill -9), the worker kills
-its own group within about half a second.
+and torch state) started in a new session, as a subreaper of every process it starts
+(`rlloom.rewards.process_tree`): `kill()` SIGKILLs the worker and everything below it, a daemon that
+left its session included, before the worker is reaped, so no id can have been reused by then. A
+worker also watches its parent: when the trainer dies without closing the pool (kill -9), the
+worker kills its own tree within about half a second.
+
+A worker's stdout and stderr (a reward function's prints) are a pipe of its own that a thread of
+the trainer copies to the trainer's stderr: nothing a reward starts ever holds the trainer's stdout,
+so `rlloom train ... | cat` ends with the run.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import IO
 
 import rlloom
 from rlloom.rewards.calling import RewardInput
+from rlloom.rewards.process_tree import kill_tree
 
 _RLLOOM_ROOT = str(Path(rlloom.__file__).resolve().parent.parent)
 _ENTRY = "from rlloom.rewards.worker import main; main()"
@@ -51,11 +57,17 @@ class WorkerProcess:
         popen = subprocess.Popen(
             [sys.executable, "-c", _ENTRY, *args],
             stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             pass_fds=(child_conn.fileno(),),
             start_new_session=True,
             env=env,
         )
         child_conn.close()  # the child holds its own copy; closing ours makes its death an EOF here
+        assert popen.stdout is not None
+        threading.Thread(
+            target=_forward, args=(popen.stdout,), name="reward-worker-output", daemon=True
+        ).start()
         parent_conn.send((list(sys.path), pickled_fn))
         return cls(popen=popen, conn=parent_conn, started_at=time.monotonic())
 
@@ -66,22 +78,22 @@ class WorkerProcess:
         self.deadline = time.monotonic() + timeout_s
 
     def kill(self) -> None:
-        """SIGKILL the worker's process group (the worker and every process it started), then reap it."""
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)  # SIGKILL: a hung function may ignore SIGTERM
-        except ProcessLookupError:  # the group is empty: the worker and its children are gone
-            pass
+        """SIGKILL the worker and every process it started (SIGKILL: a hung function may ignore
+        SIGTERM), then reap it."""
+        kill_tree(self.popen.pid)
         self.conn.close()
         try:
             self.popen.wait(timeout=5.0)
         except subprocess.TimeoutExpired:  # stuck in the kernel (e.g. on a dead NFS mount); leave it
             pass
 
-    def stop(self) -> None:
-        """Ask the worker to exit, give it a moment, then kill its group either way."""
-        try:
-            self.conn.send(None)
-            self.popen.wait(timeout=1.0)
-        except (OSError, ValueError, subprocess.TimeoutExpired):
-            pass
-        self.kill()
+
+def _forward(output: IO[bytes]) -> None:
+    """Copy a worker's output to the trainer's stderr until no process holds its pipe (a full pipe
+    would block the worker); if that stderr is gone, keep draining."""
+    with output:
+        while chunk := output.read1(65536):  # type: ignore[attr-defined]
+            try:
+                os.write(2, chunk)
+            except OSError:
+                pass

@@ -5,7 +5,7 @@
 - a plug-in, "package.module:function": any importable function `(response_text, ground_truth,
   **columns) -> float`, or a batched one `(completions, **columns) -> list[float]` (the calling
   contract is in `rlloom.rewards.calling`). It may also return a bool or an int; the runner turns
-  anything that is not a number within the float32 range into the default score and counts it.
+  anything that is not a number of magnitude at most 1e15 into the default score and counts it.
   A module next to the YAML config file (`reward.import_dir`) imports without PYTHONPATH;
 - a weighted sum of those, e.g. "number + 0.1*format_number" or "my.mod:fn + 0.5*format_answer".
 """
@@ -13,8 +13,10 @@
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import sys
+from pathlib import Path
 
 from rlloom.rewards.calling import signature_problem
 from rlloom.rewards.countdown import countdown_reward
@@ -38,8 +40,9 @@ _TERM = re.compile(r"^\s*(?:(?P<weight>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*\*
 def get_reward_fn(name: str, *, import_dir: str = "") -> RewardFn:
     """The reward function for a built-in name, a "package.module:function" path, or a weighted sum.
 
-    `import_dir`, when given, is appended to the import path before a plug-in module is imported
-    (worker processes get the same path).
+    `import_dir` (`reward.import_dir`; empty: the current directory, see `plugin_folder`) is
+    appended to the import path before a plug-in module is imported (worker processes get the same
+    path).
     """
     terms = name.split("+")
     if len(terms) == 1 and "*" not in name:
@@ -63,6 +66,13 @@ def is_builtin(fn: RewardFn) -> bool:
     return any(fn is builtin for builtin in BUILTIN_REWARDS.values())
 
 
+def plugin_folder(import_dir: str) -> str:
+    """The folder `reward.import_dir` names: itself, or the current directory when empty (as
+    docs/config.md says), the same for `rlloom train`, `rlloom eval` and the start-up checks. A YAML
+    file's folder is filled in when the file is read (`rlloom.config.loading`)."""
+    return str(Path(import_dir).expanduser().resolve()) if import_dir else os.getcwd()
+
+
 def _resolve(name: str, import_dir: str) -> RewardFn:
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
@@ -72,8 +82,9 @@ def _resolve(name: str, import_dir: str) -> RewardFn:
             "or a plug-in path 'package.module:function'"
         )
     module_name, _, attr = name.partition(":")
-    if import_dir and import_dir not in sys.path:
-        sys.path.append(import_dir)  # appended: a file next to the config never shadows an installed module
+    folder = plugin_folder(import_dir)
+    if folder not in sys.path:
+        sys.path.append(folder)  # appended: a file next to the config never shadows an installed module
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

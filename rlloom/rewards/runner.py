@@ -3,9 +3,11 @@ the training loop.
 
 With `num_workers >= 1` (what `build_reward_runner` gives every plug-in) samples are scored in a pool
 of worker processes (`rlloom.rewards.process`) that live across calls until `close()`:
-- each sample has a deadline of `timeout_s`; a worker that misses it is killed with its whole
-  process group (any program the reward started dies too) and replaced, so a call returns at most
-  about `timeout_s` after its last sample started;
+- each sample has a deadline of `timeout_s`; a worker that misses it is killed with every process
+  it started (a daemon that left its session too: `rlloom.rewards.process_tree`) and replaced, so a
+  call returns at most about `timeout_s` after its last sample started; `close()` ends them all the
+  same way, so nothing a reward started outlives the run;
+- what a worker prints goes to the trainer's stderr through a pipe of the worker's own;
 - a worker whose process dies (`os._exit`, a segfault, the memory cap) is replaced the same way;
 - `memory_limit_gb` caps each worker's address space (an allocation beyond it fails in the worker).
 Samples go to the workers in chunks of up to `_MAX_CHUNK` and come back one by one, so a worker is
@@ -17,7 +19,7 @@ With `num_workers=0` the function runs inline in this process: only for the trus
 which are much cheaper inline (see `build_reward_runner`); there is no timeout then.
 
 A sample whose function hangs, raises (or calls `sys.exit`), crashes its process, or returns None /
-NaN / inf / a number outside the float32 range / something that is not a number gets
+NaN / inf / a number beyond +-1e15 (`calling.MAX_ABS_SCORE`) / something that is not a number gets
 `default_score`, and is counted in the metrics `reward/timeouts`, `reward/errors` and
 `reward/invalid`. Scores come back in input order.
 """
@@ -120,9 +122,10 @@ class RewardRunner:
         return result
 
     def close(self) -> None:
-        """Stop the worker processes and everything they started (idempotent)."""
+        """Kill the worker processes and everything they started (idempotent): a worker left to exit
+        on its own would leave its daemons to init."""
         for worker in self._workers:
-            worker.stop()
+            worker.kill()
         self._workers = []
         self._closed = True
 

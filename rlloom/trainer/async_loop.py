@@ -4,8 +4,8 @@ policy trains, with a bounded queue and bounded staleness (issue 19).
     admit jobs (one per batch) up to the queue's capacity -> run the rollout until the oldest job is
     complete -> drop (or down-weight) samples older than max_staleness -> train on it (the
     synchronous step's training half) -> new weights into the rollout between decode steps, the
-    requests in flight handled as rollout.partial says -> at a checkpoint, evaluation or the last
-    step: drop what is in flight and rewind the prompt source to it
+    requests in flight handled as rollout.partial says -> at a checkpoint, evaluation, stop or the
+    last step: drop what is in flight and give its prompts back to the source
 
 The queue: at most `capacity(cfg)` jobs are admitted (generating or done, not yet trained): K + 1
 for async (max_staleness = K), 2 for one_step_off. That bound is the back-pressure (generation
@@ -30,10 +30,12 @@ colocated, the two share them.
 With max_staleness=0, or one_step_off, the samples do not depend on thread timing; with
 async K >= 1 and abort_resume or drop, where a weight update falls in a response does.
 
-Checkpoints: what is in flight at a checkpoint (or an evaluation, or the end) is dropped and the
-prompt source rewound to the oldest dropped job, so those prompts are generated again by the next
-step: a resumed run draws exactly the prompts, seeds and versions of the uninterrupted one, and no
-sample is trained twice. The first step after such a drain trains on-policy.
+Checkpoints: what is in flight at a checkpoint (scheduled, or written by a Ctrl-C / SIGTERM stop),
+an evaluation or the end is dropped and its prompts given back to the source (`drain`), so the next
+step generates them again: a resumed run draws exactly the prompts, seeds and versions of the run
+that drained there, and no sample is trained twice. The source's cursor never moves back, so a
+prompt that dynamic sampling's extra round of an already trained job drew after a dropped job's is
+not drawn again in its epoch. The first step after a drain trains on-policy.
 
 Off-policy corrections are on: old logprobs are those of the current weights (the proximal policy:
 recomputed by a forward when a step makes several updates, else the training forward's own,
@@ -55,6 +57,7 @@ from rlloom.faults import maybe_fail
 from rlloom.trainer.rollout import RolloutResult
 from rlloom.trainer.rollout_stream import RolloutStream
 from rlloom.trainer.step import StepContext, rl_step
+from rlloom.trainer.stop import StopSignals
 
 
 def capacity(cfg: RunConfig) -> int:
@@ -161,7 +164,9 @@ class AsyncLoop:
         self.next_index: int | None = None
         """Batch index of the next job to admit (None: the first step's)."""
 
-    def step(self, step: int) -> dict[str, float]:
+    def step(self, step: int, stop: StopSignals | None = None) -> dict[str, float]:
+        """With `stop` given, a signal it recorded during the step drains the queue as a scheduled
+        checkpoint does, before the step's metrics are counted (run.py then stops)."""
         cfg, stream = self.cfg, self.stream
         start, busy_before, discarded_before = time.perf_counter(), stream.busy_s, stream.tokens_discarded
         if self.next_index is None:
@@ -184,11 +189,8 @@ class AsyncLoop:
         metrics.update(job.rollout_metrics())
         rollout = RolloutResult(samples=samples, metrics=dict(metrics))
         metrics.update(rl_step(self.ctx, step, rollout=rollout))
-        if drains_after(cfg, step + 1):
-            rewind = stream.drop_all()
-            if rewind is not None:
-                self.source.load_state_dict(rewind)
-                self.next_index = step + 1
+        if drains_after(cfg, step + 1) or (stop is not None and stop.signum is not None):
+            self.drain(step + 1)
         total_s = time.perf_counter() - start
         train_s = sum(metrics.get(f"time/{k}_s", 0.0) for k in TRAIN_STAGES)
         metrics.update(
@@ -203,6 +205,14 @@ class AsyncLoop:
         )
         metrics["perf/rollout_idle_frac"] = max(0.0, 1 - (stream.busy_s - busy_before) / total_s)
         return metrics
+
+    def drain(self, steps_done: int) -> None:
+        """Drop what is in flight and give its prompts back to the source, so that the next step
+        admits batch `steps_done` again: before a checkpoint (scheduled, or a stop's), an evaluation
+        or the end. The checkpoint then holds a source position no sample was trained past."""
+        if dropped := self.stream.drop_all():
+            self.source.give_back(dropped)
+            self.next_index = steps_done
 
 
 # ---- where the loop meets the groups -------------------------------------------------------------

@@ -224,10 +224,7 @@ def _evaluate(
     """The report, and the prompts with their scores (for `--responses`)."""
     with tempfile.TemporaryDirectory(prefix="rlloom-eval-") as tmp:
         workdir = Path(tmp)
-        base, model = resolve_model(model_or_run, workdir)
-        if base is None:
-            base = workdir / "defaults.yaml"
-            base.write_text("{}\n")
+        base, model = resolve_model(model_or_run, workdir)  # a model folder: the defaults (base None)
         extra = [] if temperature is None else [f"rollout.eval_temperature={temperature}"]
         cfg = load_config(base, [f"model.path={json.dumps(model)}", *overrides, *extra])
         temp = cfg.rollout.eval_temperature

@@ -14,13 +14,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from rlloom.algorithms import keep_informative_groups
 from rlloom.config import RunConfig
 from rlloom.data.dataset import PromptItem
+from rlloom.data.source import Position
 from rlloom.data.types import Sample
 from rlloom.engines.rollout import Completion, SamplingParams
 from rlloom.rewards.runner import RewardRunner
@@ -36,8 +36,8 @@ class Job:
 
     index: int
     """Which batch of the run this is (the step whose seeds it uses)."""
-    data_state: dict[str, Any]
-    """The prompt source's position before this job drew its prompts (to regenerate it)."""
+    positions: list[Position] = field(default_factory=list)
+    """Where in the prompt source each prompt it drew is (to give them back when it is dropped)."""
     rounds: int = 0
     """Generation rounds started (dynamic sampling adds rounds)."""
     outstanding: int = 0

@@ -8,8 +8,9 @@ groups: rollout_jobs.py.
 
 The controller admits jobs (their prompts go to the least loaded replica), polls the finished
 samples while it waits for a job, scores each prompt's group as it completes and draws dynamic
-sampling's next round. New weights arrive between decode steps (`update_weights`);
-`rollout.partial` decides what happens to the requests in flight:
+sampling's next round (a job's only once every older job is complete, so the prompts each job
+draws do not depend on which responses finish first). New weights arrive between decode steps
+(`update_weights`); `rollout.partial` decides what happens to the requests in flight:
 - finish: they run to the end under the old weights first, then the weights change;
 - abort_resume: they are aborted, the weights change, and each sample resumes from prompt + its
   tokens so far (the KV cache rebuilt by a prefill under the new weights); every token keeps the
@@ -21,12 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from rlloom.cluster.base import RolloutGroup
 from rlloom.config import RunConfig
 from rlloom.data.dataset import PromptItem
-from rlloom.data.source import PromptSource
+from rlloom.data.source import Position, PromptSource
 from rlloom.data.types import Sample
 from rlloom.rewards.runner import RewardRunner
 from rlloom.trainer.rollout_jobs import ROUND_STRIDE, Job, add_group, group_id, make_sample, round_sampling
@@ -83,7 +83,7 @@ class RolloutStream:
 
     def submit(self, index: int) -> Job:
         """Admit the job of batch `index`: draw its prompts (generated once `start` is called)."""
-        job = Job(index=index, data_state=self.source.state_dict())
+        job = Job(index=index)
         self.jobs.append(job)
         self._add_round(job, self.cfg.trainer.prompts_per_step)
         return job
@@ -94,7 +94,9 @@ class RolloutStream:
         self._send()
 
     def _add_round(self, job: Job, num_prompts: int) -> None:
-        items = self.source.next_batch(num_prompts)
+        positions = self.source.next_positions(num_prompts)
+        job.positions.extend(positions)
+        items = [self.source.item_at(p) for p in positions]
         sampling = round_sampling(self.cfg, job, len(items), self.stop_token_ids)
         for i, (item, params) in enumerate(zip(items, sampling)):
             request_id = f"{job.index}:{job.rounds}:{i}"
@@ -137,6 +139,8 @@ class RolloutStream:
             for job in self.jobs:  # dynamic sampling: the next round once a round is done
                 if job.needs_round(self.cfg):
                     self._add_round(job, job.missing(self.cfg))
+                if not self.is_complete(job):  # younger jobs draw after it: an order timing cannot change
+                    break
             self._send()
 
     def _record(self, result: StreamResult) -> None:
@@ -179,13 +183,13 @@ class RolloutStream:
         assert self.is_complete(job), f"job {job.index} taken while {job.outstanding} prompts are in flight"
         return job
 
-    def drop_all(self) -> dict[str, Any] | None:
-        """Abort every request and forget every job; return the prompt-source position of the oldest
-        dropped job (to draw its prompts again), or None when nothing was admitted."""
+    def drop_all(self) -> list[Position]:
+        """Abort every request and forget every job; return the prompt-source positions the dropped
+        jobs drew (to give them back: they are drawn again), none when nothing was admitted."""
         self.unsent.clear()
         self.tokens_discarded += self.group.stream_drop()
         self.requests.clear()
         self.load = [0] * len(self.load)
-        oldest = self.jobs[0].data_state if self.jobs else None
+        positions = [p for job in self.jobs for p in job.positions]
         self.jobs.clear()
-        return oldest
+        return positions

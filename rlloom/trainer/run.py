@@ -179,7 +179,7 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
         loop = AsyncLoop(ctx) if cfg.trainer.mode != "sync" else None  # trainer/async_loop.py
         with StopSignals() as stop:  # Ctrl-C / SIGTERM: finish the step, checkpoint, RunStopped
             while state.step < cfg.trainer.total_steps:
-                metrics = rl_step(ctx, state.step) if loop is None else loop.step(state.step)
+                metrics = rl_step(ctx, state.step) if loop is None else loop.step(state.step, stop)
                 state.step += 1
                 if state.step == first_step:  # the warm-up built what stays: later collections skip it
                     groups.freeze_heap()
@@ -206,6 +206,8 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
                 if _hf_due(cfg, state.step, is_last):
                     save_run_hf(groups.train, cfg, state.step)
                 if stop.signum and not is_last:  # a Ctrl-C or SIGTERM arrived during this step
+                    if loop is not None:  # a no-op unless the signal came after the step's own check
+                        loop.drain(state.step)
                     raise RunStopped(stop.signum, state.step, saved or checkpoint())
     finally:
         loggers.close()

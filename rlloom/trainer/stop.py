@@ -1,5 +1,7 @@
 """A run stops cleanly on Ctrl-C (SIGINT) or a scheduler's SIGTERM: the step under way finishes, a
-checkpoint is written, and `RunStopped` says where to continue from; a second signal stops at once.
+checkpoint is written (in the asynchronous modes after dropping what is in flight and giving its
+prompts back, as before a scheduled one: `AsyncLoop.drain`), and `RunStopped` says where to continue
+from; a second signal stops at once.
 
 Without this, Ctrl-C raised KeyboardInterrupt wherever the step was and everything since the last
 `trainer.save_every` checkpoint was lost; a preempted job (SLURM, Kubernetes: SIGTERM, then SIGKILL

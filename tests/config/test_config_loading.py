@@ -3,6 +3,7 @@
 import dataclasses
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -17,6 +18,7 @@ from rlloom.config import (
     to_dict,
     to_yaml,
 )
+from rlloom.config.aliases import ALIASES, rlloom_keys
 from rlloom.config.recipes import RECIPES
 from rlloom.config.yaml_text import parse_override_value
 from rlloom.trainer.run import seed_everything
@@ -193,3 +195,15 @@ def test_a_run_folder_loads_the_config_its_run_wrote(tmp_path):
     (tmp_path / "config.yaml").write_text(to_yaml(cfg))
     assert load_config(tmp_path) == cfg
     assert load_config(str(tmp_path), ["trainer.total_steps=7"]).trainer.total_steps == 7
+
+
+def test_every_alias_names_real_rlloom_keys():
+    known = set()
+    for section, fields in to_dict(RunConfig()).items():
+        known |= {f"{section}.{name}" for name in fields}
+    assert {key for keys in ALIASES.values() for key in keys} <= known
+    assert rlloom_keys("actor_rollout_ref.actor.optim.lr") == ("train.lr",)
+    assert rlloom_keys("critic.optim.lr") == ("critic.lr",)  # the longest tail wins
+    assert rlloom_keys("trainer.sed") == ()
+    guide = (Path(__file__).parents[2] / "docs" / "guide.md").read_text().split("Coming from TRL or verl")[1]
+    assert [name for name in ALIASES if f"`{name}`" not in guide] == []  # the guide's table shows them all

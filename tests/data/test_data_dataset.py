@@ -5,6 +5,7 @@ import logging
 
 import pytest
 
+from rlloom.cli import main
 from rlloom.data.dataset import DataError, load_prompt_file
 
 
@@ -27,7 +28,11 @@ def test_reads_string_and_chat_prompts_with_metadata(tmp_path):
     rows = load_prompt_file(path, prompt_key="question", answer_key="solution")
     assert [r.index for r in rows] == [0, 1, 2]
     assert rows[0].prompt == "What is 1+1?" and rows[0].ground_truth == "2"
-    assert rows[0].metadata == {"source": "toy"}
+    assert rows[0].metadata == {
+        "question": "What is 1+1?",
+        "solution": 2,
+        "source": "toy",
+    }  # as the row has it
     assert rows[1].prompt == chat and rows[1].ground_truth == "4"
     assert json.loads(rows[2].ground_truth) == {"numbers": [1, 2], "target": 3}
 
@@ -146,3 +151,24 @@ def test_a_file_is_parsed_once_until_it_changes(tmp_path, monkeypatch):
     assert len(parses) == 3
     write_lines(path, [json.dumps({"prompt": "changed", "answer": "2"})])
     assert [r.prompt for r in load_prompt_file(path)] == ["changed"] and len(parses) == 4
+
+
+def test_rows_with_an_empty_answer_are_skipped_and_counted_in_rlloom_eval(
+    tiny_checkpoint, tmp_path, capsys, caplog
+):
+    """An empty or blank answer was kept, and the math reward scored an empty `\\boxed{}` 1.0 on it."""
+    rows = [
+        {"prompt": "1+1?", "answer": "2"},
+        {"prompt": "a?", "answer": ""},
+        {"prompt": "b?", "answer": "  "},
+    ]
+    rows.append({"prompt": "2+2?", "answer": 4})
+    path = write_lines(tmp_path / "d.jsonl", [json.dumps(r) for r in rows])
+    with caplog.at_level(logging.WARNING, logger="rlloom.data.dataset"):
+        assert main(["eval", str(tiny_checkpoint), str(path), "rollout.max_new_tokens=2"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["prompts"] == 2  # was 4
+    warnings = [r.getMessage() for r in caplog.records]
+    assert (
+        len(warnings) == 1
+        and "skipped 2 of 4 rows: line 2: answer field 'answer' is empty; line 3:" in warnings[0]
+    )

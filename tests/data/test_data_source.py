@@ -35,7 +35,7 @@ def test_resume_continues_exactly_across_epoch_boundaries():
     first = PromptSource(items(10), seed=7)
     got = [indices(first.next_batch(4)) for _ in range(3)]  # 12 prompts: into epoch 1
     state = first.state_dict()
-    assert state == {"epoch": 1, "cursor": 2, "seed": 7, "num_items": 10}
+    assert state == {"epoch": 1, "cursor": 2, "seed": 7, "num_items": 10, "returned": []}
 
     resumed = PromptSource(items(10), seed=7)
     resumed.load_state_dict(dict(state))
@@ -61,6 +61,39 @@ def test_any_split_point_resumes_to_the_same_stream(n, sizes, cut, seed):
     assert got == expected
 
 
+def test_prompts_given_back_are_drawn_again_first_and_no_other_prompt_twice():
+    # The asynchronous loop's drain: job A drew 0-1, job B 2-3, A's second round 4; A is trained, B
+    # is dropped. Rewinding the cursor to B's start would draw 4 again in this epoch.
+    src = PromptSource(items(8), seed=1, shuffle=False)
+    a = src.next_positions(2)
+    b = src.next_positions(2)
+    a += src.next_positions(1)
+    src.give_back(b)
+    state = src.state_dict()
+    assert state["returned"] == [[0, 2], [0, 3]] and state["cursor"] == 5
+    rest = indices(src.next_batch(2)) + indices(src.next_batch(3))
+    assert [src.item_at(p).index for p in a] == [0, 1, 4] and rest == [2, 3, 5, 6, 7]
+
+    resumed = PromptSource(items(8), seed=1, shuffle=False)
+    resumed.load_state_dict(state)
+    assert indices(resumed.next_batch(5)) == rest
+    old = {"epoch": 0, "cursor": 5, "seed": 1, "num_items": 8}  # saved before prompts were given back
+    resumed.load_state_dict(old)
+    assert indices(resumed.next_batch(2)) == [5, 6]
+
+
+def test_a_prompt_given_back_across_an_epoch_end_keeps_its_epoch_order():
+    src = PromptSource(items(5), seed=2)
+    src.next_batch(4)
+    dropped = src.next_positions(3)  # the last of epoch 0, the first two of epoch 1
+    src.give_back(dropped)
+    assert (
+        indices(src.next_batch(3))
+        == epoch_order(5, seed=2, epoch=0)[4:] + epoch_order(5, seed=2, epoch=1)[:2]
+    )
+    assert indices(src.next_batch(3)) == epoch_order(5, seed=2, epoch=1)[2:]
+
+
 def test_state_from_other_data_is_refused():
     src = PromptSource(items(10), seed=0)
     with pytest.raises(ValueError, match="same data settings"):
@@ -69,6 +102,8 @@ def test_state_from_other_data_is_refused():
         src.load_state_dict({"epoch": 0, "cursor": 0, "seed": 1, "num_items": 10})
     with pytest.raises(ValueError, match="out of range"):
         src.load_state_dict({"epoch": 0, "cursor": 11, "seed": 0, "num_items": 10})
+    with pytest.raises(ValueError, match="out of range"):
+        src.load_state_dict({"epoch": 0, "cursor": 1, "seed": 0, "num_items": 10, "returned": [[0, 10]]})
 
 
 def test_empty_source_and_bad_batch_size():

@@ -1,6 +1,7 @@
 """Reward functions for the runner and plug-in tests; a separate module so that worker processes
 import it (and nothing heavier) to unpickle them."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -92,3 +93,27 @@ def needs_difficulty(response_text, ground_truth, difficulty, bonus=0.0):
 def batched_needs_level(completions, level):
     """Batched, needs a `level` column."""
     return [float(x) for x in level]
+
+
+def start_daemon(response_text, ground_truth):
+    """Starts, once, a daemon that leaves the worker's session (a double fork and setsid) holding
+    the worker's stdout, and writes its pid to the file $DAEMON_PID_FILE. Scores 1.0."""
+    pid_file = Path(os.environ["DAEMON_PID_FILE"])
+    if not pid_file.exists():
+        pid_file.write_text("")
+        script = f"setsid sh -c 'echo $$ > {pid_file}; exec sleep 300' &"  # sh forks and exits at once
+        subprocess.run(["sh", "-c", script], check=True)
+        while not pid_file.read_text().strip():
+            time.sleep(0.01)
+    return 1.0
+
+
+_calls = itertools.count()
+
+
+def huge_or_numpy_true(response_text, ground_truth):
+    """Every other call in a worker: -3e38 (a float32 whose group std overflowed), else numpy.True_
+    (what `array > 0.5` holds; refused before)."""
+    import numpy
+
+    return -3e38 if next(_calls) % 2 else numpy.True_

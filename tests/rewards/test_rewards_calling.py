@@ -131,5 +131,33 @@ def test_a_reward_needing_a_column_the_data_lacks_stops_the_run_at_start_up(
     assert errors[0].startswith(
         "rlloom: error: reward.name='reward_fns_for_tests:needs_difficulty' is invalid: it needs 'difficulty'"
     )
-    assert "columns besides the prompt and answer: a, b, op, task)" in errors[0]  # arithmetic's columns
+    assert "(the data's columns: a, b, op, task)" in errors[0]  # arithmetic's columns
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_recipe_run_finds_a_reward_module_in_the_current_folder(tiny_checkpoint, tmp_path, monkeypatch):
+    """docs/config.md: an empty reward.import_dir is the current folder. With a recipe and a
+    reward.name override the start-up check looked elsewhere and refused the module."""
+    (tmp_path / "here_rewards_train.py").write_text(
+        "def score(response_text, ground_truth):\n    return 0.5\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "arithmetic_smoke", f"model.path={tiny_checkpoint}", "trainer.run_dir=run"]
+    argv += ["data.num_train=16", "data.num_eval=2", "trainer.total_steps=1", "rollout.max_new_tokens=3"]
+    assert cli_main([*argv, "logging.console=false", "reward.name=here_rewards_train:score"]) == 0
+    step = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][1]
+    assert step["reward/mean"] == 0.5
+
+
+def test_rlloom_eval_finds_a_reward_module_in_the_current_folder(
+    tiny_checkpoint, tmp_path, monkeypatch, capsys
+):
+    """`rlloom eval MODEL DATA reward.name=...` looked in a temporary folder of its own instead."""
+    (tmp_path / "here_rewards_eval.py").write_text(
+        "def score(response_text, ground_truth):\n    return 1.0\n"
+    )
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n")
+    monkeypatch.chdir(tmp_path)
+    argv = ["eval", str(tiny_checkpoint), "d.jsonl", "reward.name=here_rewards_eval:score"]
+    assert cli_main([*argv, "rollout.max_new_tokens=2"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["accuracy"] == 1.0

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,15 +35,16 @@ def test_plugin_reward_is_isolated_by_default_and_every_failure_is_counted():
         ("huge", "0"),
         ("nan", "0"),
         ("abc", "0"),
-        ("good", "-3.0e38"),  # within the float32 range: a valid score
+        ("good", "-3.0e38"),  # a float32, but its group's std overflowed: invalid
+        ("good", "-1e15"),  # the largest magnitude accepted
     ]
     with runner:
         assert runner.num_workers == 2
         start = time.monotonic()
         result = runner.score(pairs)
         elapsed = time.monotonic() - start
-        assert result.scores == [-1.0, 2.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -3.0e38]
-        assert result.metrics() == {"reward/timeouts": 1.0, "reward/errors": 3.0, "reward/invalid": 4.0}
+        assert result.scores == [-1.0, 2.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1e15]
+        assert result.metrics() == {"reward/timeouts": 1.0, "reward/errors": 3.0, "reward/invalid": 5.0}
         assert elapsed < 6.0, f"score() took {elapsed:.2f}s with a 1s timeout"
         again = runner.score([("good", str(i)) for i in range(40)])  # the pool recovered
         assert again.scores == [float(i) for i in range(40)] and again.metrics()["reward/errors"] == 0
@@ -72,27 +74,67 @@ def test_timeout_kills_the_processes_a_reward_started(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_workers_die_with_a_killed_trainer():
+def _wait_gone(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
+def test_a_setsid_daemon_a_reward_started_ends_with_the_run_and_never_holds_its_stdout(
+    tiny_checkpoint, tmp_path
+):
+    """`rlloom train ... | cat`: a reward that double-forks a daemon into a session of its own,
+    holding the worker's stdout. Before, the run ended but `cat` waited on the daemon (it held the
+    trainer's stdout, which workers inherited), and the daemon lived on after the run."""
+    pid_file = tmp_path / "daemon.pid"
+    cmd = [sys.executable, "-m", "rlloom.cli", "train", "arithmetic_smoke", f"model.path={tiny_checkpoint}"]
+    cmd += [f"trainer.run_dir={tmp_path / 'run'}", "trainer.total_steps=1", "data.num_train=16"]
+    cmd += ["data.num_eval=2", "rollout.max_new_tokens=3", "reward.name=reward_fns_for_tests:start_daemon"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), DAEMON_PID_FILE=str(pid_file))
+    with (tmp_path / "stderr.txt").open("wb") as err:
+        trainer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env, cwd=tmp_path)
+    output: list[bytes] = []
+    reader = threading.Thread(target=lambda: output.append(trainer.stdout.read()))  # what `cat` does
+    reader.start()
+    try:
+        assert trainer.wait(timeout=300) == 0, (tmp_path / "stderr.txt").read_text()[-3000:]
+        reader.join(timeout=10.0)
+        assert not reader.is_alive(), "the trainer's stdout stayed open after the run ended"
+        assert b"accuracy_after" in output[0]
+        pid = int(pid_file.read_text())
+        assert _wait_gone(pid, 2.0), "the reward's daemon outlived the run"
+    finally:
+        if pid_file.is_file() and pid_file.read_text().strip() and _alive(int(pid_file.read_text())):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        trainer.kill()
+        reader.join(timeout=5.0)
+        trainer.stdout.close()
+
+
+def test_workers_die_with_a_killed_trainer(tmp_path):
+    daemon_pid = tmp_path / "daemon.pid"
     script = (
-        "from reward_fns_for_tests import misbehave; from rlloom.rewards import RewardRunner;"
+        "from reward_fns_for_tests import misbehave, start_daemon; from rlloom.rewards import RewardRunner;"
+        "RewardRunner(start_daemon, num_workers=1).score([('x', '0')]);"  # a daemon left running
         "runner = RewardRunner(misbehave, num_workers=1, timeout_s=3600);"
         "print(runner._workers[0].popen.pid, flush=True); runner.score([('hang', '0')])"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), DAEMON_PID_FILE=str(daemon_pid))
     trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env)
     pid = int(trainer.stdout.readline())
+    daemon = int(daemon_pid.read_text())
     try:
         time.sleep(0.5)  # the worker is scoring its hanging sample
         trainer.kill()  # SIGKILL: the trainer runs no cleanup
         trainer.wait()
-        deadline = time.monotonic() + 3.0
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(pid), "a reward worker outlived its killed trainer"
+        assert _wait_gone(pid, 3.0), "a reward worker outlived its killed trainer"
+        assert _wait_gone(daemon, 3.0), "a reward's daemon outlived the killed trainer"
     finally:
         trainer.stdout.close()
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
+        for p in (pid, daemon):
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
 
 
 def test_memory_limit_caps_a_worker():

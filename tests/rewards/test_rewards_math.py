@@ -5,6 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from rlloom.rewards import RewardRunner
 from rlloom.rewards import math_answer as ma
 
 
@@ -97,3 +98,12 @@ def test_fallback_without_math_verify(monkeypatch):
     assert ma.math_answer(r"\boxed{\sqrt{4}}", "2") == 0.0
     assert ma.math_answer(r"\boxed{\frac{1}{2}}", "0.5") == 1.0  # the fallback reads simple fractions
     assert ma.math_answer(r"\boxed{1,000}", "1000") == 1.0
+
+
+def test_a_blank_ground_truth_is_an_error_not_a_match():
+    # an empty \boxed{} matched an empty answer: 1.0 for nothing
+    for truth in ("", "  "):
+        with pytest.raises(ValueError, match="ground truth is empty"):
+            ma.math_answer(r"\boxed{}", truth)
+    result = RewardRunner(ma.math_answer).score([(r"\boxed{}", ""), (r"\boxed{3}", "3")])
+    assert result.scores == [0.0, 1.0] and result.num_errors == 1

@@ -300,3 +300,38 @@ def test_single_pass_is_correction_in_the_loss_equals_a_separate_old_forward(
     )
     for name, tensor in weights[0].items():
         torch.testing.assert_close(tensor, weights[1][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(
+    "mode", [["trainer.mode=one_step_off"], ["trainer.mode=async", "trainer.max_staleness=2"]]
+)
+def test_dynamic_sampling_with_drains_draws_no_prompt_twice(tiny_checkpoint, tmp_path, monkeypatch, mode):
+    """A checkpoint after every step drops the jobs in flight and hands their prompts back. Jobs
+    trained before the drop drew dynamic sampling's extra rounds after the dropped jobs' prompts;
+    rewinding the source's cursor to the oldest dropped job drew those prompts again (trained twice
+    or three times in the epoch). Every prompt a trained job drew (its groups kept or dropped)
+    must be distinct: 64 prompts, fewer drawn, so one epoch."""
+    import rlloom.trainer.rollout_stream as stream_mod
+
+    # id(job) -> the job (kept alive, so that a dropped job's id is not reused) and the prompt
+    # indices of its scored groups
+    drawn: dict[int, tuple[object, list[int]]] = {}
+    trained: list[list[int]] = []
+    real_add, real_take = stream_mod.add_group, stream_mod.RolloutStream.take
+
+    def spy_add(job, group, *args, **kwargs):
+        drawn.setdefault(id(job), (job, []))[1].append(group[0].metadata["index"])
+        return real_add(job, group, *args, **kwargs)
+
+    def spy_take(self):
+        job = real_take(self)
+        trained.append(drawn[id(job)][1])
+        return job
+
+    monkeypatch.setattr(stream_mod, "add_group", spy_add)
+    monkeypatch.setattr(stream_mod.RolloutStream, "take", spy_take)
+    extra = [*DYNAMIC, *mode, "trainer.total_steps=4", "trainer.save_every=1"]
+    run(tiny_cfg(tiny_checkpoint, tmp_path / "r", *FAST, *extra))
+    assert sum(m["rollout/groups_dropped"] for m in read_metrics(tmp_path / "r")) > 0  # extra rounds ran
+    consumed = [index for job in trained for index in job]
+    assert len(trained) == 4 and len(consumed) == len(set(consumed)), trained

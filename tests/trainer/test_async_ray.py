@@ -7,16 +7,20 @@ for the session (conftest's `ray_cluster`)."""
 
 from __future__ import annotations
 
+import signal
 import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 from test_async_loop import ABORT_RESUME, FAST, check_versions_and_logprobs, spy_on_versions
-from test_trainer_loop import read_metrics, tiny_cfg
+from test_trainer_loop import ALL_SAMPLES, prompts_per_step, read_metrics, tiny_cfg
 
 ray = pytest.importorskip("ray", reason="needs the ray extra: pip install 'rlloom[ray]'")
 
+from rlloom.trainer.checkpoint import checkpoint_dir, checkpoint_model_tensors  # noqa: E402
 from rlloom.trainer.run import run  # noqa: E402
+from rlloom.trainer.stop import RunStopped  # noqa: E402
 
 SEPARATE_TP2 = [
     "cluster.mode=ray",
@@ -126,3 +130,46 @@ def test_partial_drop_on_colocated_ray_actors(ray_cluster, tiny_checkpoint, tmp_
     assert [m["step"] for m in records] == [1, 2, 3]
     assert sum(m["async/tokens_discarded"] for m in records) > 0
     assert check_versions_and_logprobs(seen, tiny_checkpoint) == 0  # none mixes two versions
+
+
+@pytest.mark.slow
+def test_sigterm_in_one_step_off_on_ray_drains_then_resume_equals_the_run_checkpointed_there(
+    ray_cluster, tiny_checkpoint, tmp_path, monkeypatch
+):
+    """A scheduler's SIGTERM to the driver while batch 2 (admitted at step 2) is scored, on one Ray
+    actor hosting training and rollout: the step finishes, the batch in flight is dropped and its
+    prompts given back, step 2's checkpoint is written although save_every=0, and the resumed run on
+    Ray equals the one-process run checkpointed at step 2 (before: batch 2 was never trained)."""
+    common = [
+        *FAST,
+        "trainer.mode=one_step_off",
+        "trainer.total_steps=4",
+        "reward.name=resume_reward:digit_share_signalling",
+        ALL_SAMPLES,
+    ]
+    on_ray = ["cluster.mode=ray", "cluster.timeout_s=60"]
+    run(tiny_cfg(tiny_checkpoint, tmp_path / "inline", *common, "trainer.save_every=2"))
+    cfg = tiny_cfg(tiny_checkpoint, tmp_path / "x", *common)
+    batch = cfg.trainer.prompts_per_step * cfg.rollout.n_samples
+    monkeypatch.setenv("RESUME_REWARD_SIGNAL", f"{int(signal.SIGTERM)}:{2 * batch + 1}")
+    with pytest.raises(RunStopped) as stopped:
+        run(tiny_cfg(tiny_checkpoint, tmp_path / "r", *common, *on_ray))
+    assert stopped.value.step == 2 and stopped.value.checkpoint == checkpoint_dir(tmp_path / "r", 2)
+    monkeypatch.delenv("RESUME_REWARD_SIGNAL")
+    run(
+        tiny_cfg(
+            tiny_checkpoint, tmp_path / "r", *common, *on_ray, "trainer.save_every=2", "trainer.resume=auto"
+        )
+    )
+
+    assert prompts_per_step(tmp_path / "r") == prompts_per_step(tmp_path / "inline")
+    inline, records = read_metrics(tmp_path / "inline"), read_metrics(tmp_path / "r")
+    assert [m["step"] for m in records] == [1, 2, 3, 4]
+    for a, b in zip(inline, records):
+        assert a.keys() == b.keys(), a.keys() ^ b.keys()
+        for key in [key for key in a if not key.startswith("sync/")]:
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    want = checkpoint_model_tensors(checkpoint_dir(tmp_path / "inline", 4))
+    got = checkpoint_model_tensors(checkpoint_dir(tmp_path / "r", 4))
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=5e-5, msg=name)

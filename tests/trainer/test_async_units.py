@@ -1,13 +1,19 @@
 """Pieces of the asynchronous loop without a model: the staleness split, the async config, the
-settings' one-line errors, per-token versions in `Sample`."""
+settings' one-line errors, per-token versions in `Sample`, the order of dynamic sampling's rounds."""
 
 from __future__ import annotations
 
 import pytest
 
 from rlloom.config import ConfigError, load_config
+from rlloom.data.dataset import PromptItem
+from rlloom.data.source import PromptSource
 from rlloom.data.types import RolloutBatch, Sample
+from rlloom.engines.rollout import Completion
+from rlloom.rewards.runner import RewardRunner
 from rlloom.trainer.async_loop import async_config, capacity, drains_after, split_stale
+from rlloom.trainer.rollout_stream import RolloutStream
+from rlloom.workers.flights import StreamRequest, StreamResult
 
 
 def cfg(*overrides: str):
@@ -93,3 +99,57 @@ def test_sample_token_versions():
     assert Sample(prompt_ids=[1], response_ids=[2], policy_version=4).response_versions() == [4]
     with pytest.raises(ValueError, match="2 token versions for 1 response tokens"):
         Sample(prompt_ids=[1], response_ids=[2], token_versions=[1, 2])
+
+
+class YoungestFirst:
+    """A rollout group whose requests finish youngest job first, one request a poll."""
+
+    num_replicas = 1
+    stream_busy_s = 0.0
+
+    def __init__(self) -> None:
+        self.pending: list[StreamRequest] = []
+
+    def stream_add(self, replica: int, requests: list[StreamRequest]) -> None:
+        self.pending.extend(requests)
+
+    def stream_poll(self, timeout_s: float) -> list[StreamResult]:
+        request = max(self.pending, key=lambda r: int(r.request_id.split(":")[0]))  # "job:round:position"
+        self.pending.remove(request)
+        return [
+            StreamResult(
+                completion=Completion(
+                    request_id=request.request_id,
+                    prompt_index=request.prompt_index,
+                    sample_index=j,
+                    token_ids=[7],
+                    logprobs=[-1.0],
+                    finish_reason="stop",
+                    policy_version=0,
+                ),
+                versions=[0],
+            )
+            for j in range(request.sampling.n)
+        ]
+
+
+def test_dynamic_sampling_draws_a_jobs_extra_rounds_after_every_older_jobs_whatever_finishes_first():
+    # Every group ties (reward 0), so each job draws all 3 rounds. The younger job's first round
+    # finishes first; before, it then drew the next prompt, so which prompts each job got depended on
+    # which responses finished first (thread timing), and a resumed run could differ.
+    c = cfg(
+        "trainer.mode=async",
+        "trainer.prompts_per_step=1",
+        "algorithm.dynamic_sampling=true",
+        "algorithm.max_sampling_rounds=3",
+    )
+    items = [
+        PromptItem(prompt_ids=[i + 1], prompt_text=str(i), ground_truth=str(i), index=i) for i in range(9)
+    ]
+    source = PromptSource(items, shuffle=False)
+    runner = RewardRunner(lambda response_text, ground_truth: 0.0)
+    stream = RolloutStream(YoungestFirst(), c, source=source, runner=runner, decode=str, stop_token_ids=[])
+    jobs = [stream.submit(0), stream.submit(1)]
+    stream.wait_until(lambda: all(stream.is_complete(job) for job in jobs))
+    assert [[source.item_at(p).index for p in job.positions] for job in jobs] == [[0, 2, 3], [1, 4, 5]]
+    assert [job.num_groups_dropped for job in jobs] == [3, 3]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer_loop import final_weights, read_metrics, tiny_args, tiny_cfg
+from test_trainer_loop import ALL_SAMPLES, final_weights, prompts_per_step, read_metrics, tiny_args, tiny_cfg
 
 from rlloom.cli import main
 from rlloom.cluster.build import build_groups
@@ -121,7 +121,7 @@ def _launcher(conn) -> None:
     import transformers.models.auto.tokenization_auto  # noqa: F401
 
     while (request := conn.recv()) is not None:
-        checkpoint, run_dir, env, extra = request
+        checkpoint, run_dir, env, extra, closed = request
         pid = os.fork()
         if pid == 0:
             code = 1
@@ -130,6 +130,10 @@ def _launcher(conn) -> None:
                 torch.set_num_threads(1)  # as in the test process (see `one_thread`)
                 stderr = os.open(f"{run_dir}.stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
                 os.dup2(stderr, 2)  # what the user would read
+                for fd in closed:  # a pipe whose reader is gone, as `| tee` after Ctrl-C
+                    reader, writer = os.pipe()
+                    os.close(reader)
+                    os.dup2(writer, fd)
                 args = tiny_args(
                     Path(checkpoint), Path(run_dir), *EXACT, f"trainer.total_steps={TOTAL}", *extra
                 )
@@ -140,10 +144,16 @@ def _launcher(conn) -> None:
 
 
 def launch(
-    launcher, tiny_checkpoint: Path, run_dir: Path, env: dict[str, str], *extra: str
+    launcher,
+    tiny_checkpoint: Path,
+    run_dir: Path,
+    env: dict[str, str],
+    *extra: str,
+    closed: tuple[int, ...] = (),
 ) -> tuple[int, str]:
-    """The wait status of `rlloom train` on the tiny run with `env` and `extra` overrides, and its stderr."""
-    launcher.send((str(tiny_checkpoint), str(run_dir), env, list(extra)))
+    """The wait status of `rlloom train` on the tiny run with `env` and `extra` overrides, and its
+    stderr; the file descriptors in `closed` (1, 2) write into a pipe nobody reads."""
+    launcher.send((str(tiny_checkpoint), str(run_dir), env, list(extra), closed))
     assert launcher.poll(300), f"{env}: the run neither stopped nor finished within 300 s"
     return launcher.recv(), Path(f"{run_dir}.stderr").read_text()
 
@@ -212,11 +222,14 @@ def test_bad_fault_env_stops_the_cli_with_exit_2(monkeypatch, capsys):
 SIGNALLING = ["reward.name=resume_reward:digit_share_signalling", "trainer.save_every=0"]
 
 
-def signal_in_step_2(tiny_checkpoint: Path, tmp_path: Path, signum: int, count: int = 1) -> dict[str, str]:
+def signal_in_job(
+    tiny_checkpoint: Path, tmp_path: Path, signum: int, job: int = 1, count: int = 1
+) -> dict[str, str]:
     """The environment that has the reward worker send `count` `signum`s to the trainer while it
-    scores step 2's first sample."""
+    scores the first sample of batch `job` (0-based; without dynamic sampling's extra rounds):
+    in step 2 for job 1 in the synchronous mode."""
     cfg = tiny_cfg(tiny_checkpoint, tmp_path, *EXACT)
-    call = cfg.trainer.prompts_per_step * cfg.rollout.n_samples + 1
+    call = job * cfg.trainer.prompts_per_step * cfg.rollout.n_samples + 1
     return {"RESUME_REWARD_SIGNAL": f"{signum}:{call}:{count}"}
 
 
@@ -227,7 +240,7 @@ def test_a_signal_mid_step_checkpoints_that_step_and_resume_equals_straight_run(
     # The reward worker signals the trainer while it scores step 2's first sample. No checkpoint
     # is due (save_every=0): the stop writes step 2's, and the run continues from it exactly.
     run_dir = tmp_path / "stopped"
-    env = signal_in_step_2(tiny_checkpoint, tmp_path, signum)
+    env = signal_in_job(tiny_checkpoint, tmp_path, signum)
     status, err = launch(launcher, tiny_checkpoint, run_dir, env, *SIGNALLING)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signum, (status, err)
     assert (
@@ -254,10 +267,104 @@ def test_a_signal_mid_step_checkpoints_that_step_and_resume_equals_straight_run(
 
 def test_a_second_ctrl_c_stops_at_once_with_one_line(launcher, tiny_checkpoint, tmp_path):
     run_dir = tmp_path / "interrupted"
-    env = signal_in_step_2(tiny_checkpoint, tmp_path, signal.SIGINT, count=2)
+    env = signal_in_job(tiny_checkpoint, tmp_path, signal.SIGINT, count=2)
     status, err = launch(launcher, tiny_checkpoint, run_dir, env, *SIGNALLING)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 130, (status, err)
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(
         "rlloom: interrupted (Ctrl-C); "
     )
     assert complete_checkpoints(run_dir) == []  # step 2 never finished; none was due before it
+
+
+@pytest.mark.parametrize("closed", [(1,), (1, 2)], ids=["stdout", "stdout_and_stderr"])
+def test_ctrl_c_with_the_console_piped_into_a_closed_reader_checkpoints_and_resumes(
+    launcher, straight, tiny_checkpoint, tmp_path, closed
+):
+    # `rlloom train ... | tee log`, then Ctrl-C: tee is gone before rlloom prints its next line.
+    # Before, that line's BrokenPipeError ended the run: exit 141, no message, no checkpoint.
+    run_dir = tmp_path / "piped"
+    env = signal_in_job(tiny_checkpoint, tmp_path, signal.SIGINT)
+    console = ["logging.console=true", "logging.samples_per_step=2"]  # a line a step, and samples
+    status, err = launch(launcher, tiny_checkpoint, run_dir, env, *SIGNALLING, *console, closed=closed)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 130, (status, err)
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["step_000002"]  # although save_every=0
+    if 2 not in closed:
+        assert err.strip().splitlines()[-1].startswith("rlloom: stopped by SIGINT after step 2;"), err
+
+    run(
+        tiny_cfg(
+            tiny_checkpoint,
+            run_dir,
+            *EXACT,
+            f"trainer.total_steps={TOTAL}",
+            *SIGNALLING,
+            "trainer.resume=auto",
+        )
+    )
+    assert_matches(straight, run_dir, tmp_path)
+
+
+# The asynchronous modes: what is in flight when the signal comes is dropped and its prompts given
+# back before the stop's checkpoint, as before a scheduled one. Before, the checkpoint held a prompt
+# cursor past the jobs in flight, and the resumed run never trained them (1 batch lost at
+# max_staleness 1, 3 at 3). The reference is the uninterrupted run with a checkpoint at the step
+# the stop follows: a drain makes the next step train on-policy, so it must be there too.
+ASYNC_STOPS = {  # overrides, the batch whose first scored sample signals, the step that is under way then
+    "one_step_off": (["trainer.mode=one_step_off"], 2, 2),  # batch 2 is admitted when step 2 starts
+    "async_1": (["trainer.mode=async", "trainer.max_staleness=1"], 2, 2),
+    "async_3": (["trainer.mode=async", "trainer.max_staleness=3"], 1, 1),  # all 4 batches admitted at step 1
+    "async_2_dynamic": (  # dynamic sampling: extra rounds (the reward ties in most groups) drawn in flight
+        [
+            "trainer.mode=async",
+            "trainer.max_staleness=2",
+            "reward.name=resume_reward:starts_with_digit_signalling",
+            "algorithm.dynamic_sampling=true",
+        ],
+        1,
+        None,  # wherever batch 1's first sample lands after batch 0's extra rounds
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "case",  # async_3 is async_1's path with more in flight: ~12 s more of the suite's time, so slow
+    [pytest.param(c, marks=pytest.mark.slow) if c == "async_3" else c for c in ASYNC_STOPS],
+)
+def test_a_signal_in_an_async_mode_drains_then_resume_equals_the_run_checkpointed_there(
+    launcher, tiny_checkpoint, tmp_path, case
+):
+    mode, job, expected_step = ASYNC_STOPS[case]
+    signum = signal.SIGTERM if case.startswith("async") else signal.SIGINT
+    run_dir = tmp_path / "stopped"
+    env = signal_in_job(tiny_checkpoint, tmp_path, signum, job=job)
+    status, err = launch(launcher, tiny_checkpoint, run_dir, env, *SIGNALLING, ALL_SAMPLES, *mode)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signum, (status, err)
+    stopped = [p.name for p in complete_checkpoints(run_dir)]
+    assert len(stopped) == 1 and "Traceback" not in err, (stopped, err)
+    step = int(stopped[0][5:])
+    assert step == expected_step if expected_step else 1 <= step < TOTAL
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(f"rlloom: stopped by {signal.Signals(signum).name} after step {step};")
+    )
+
+    scheduled = [*SIGNALLING, f"trainer.save_every={step}", ALL_SAMPLES, *mode]
+    reference = tmp_path / "reference"
+    run(tiny_cfg(tiny_checkpoint, reference, *EXACT, f"trainer.total_steps={TOTAL}", *scheduled))
+    run(
+        tiny_cfg(
+            tiny_checkpoint,
+            run_dir,
+            *EXACT,
+            f"trainer.total_steps={TOTAL}",
+            *scheduled,
+            "trainer.resume=auto",
+        )
+    )
+    expected = read_metrics(reference)
+    if "dynamic" in case:
+        assert sum(m["rollout/groups_dropped"] for m in expected) > 0  # extra rounds were drawn
+    assert prompts_per_step(run_dir) == prompts_per_step(reference)
+    assert read_metrics(run_dir) == expected
+    assert_same_weights(final_weights(run_dir, TOTAL, tmp_path), final_weights(reference, TOTAL, tmp_path))

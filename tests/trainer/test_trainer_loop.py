@@ -38,6 +38,19 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in json.loads(x).items() if not k.startswith(NON_DETERMINISTIC)} for x in lines]
 
 
+ALL_SAMPLES = "logging.samples_per_step=1000"
+"""samples.jsonl then holds every trained sample (`prompts_per_step`)."""
+
+
+def prompts_per_step(run_dir: Path) -> list[list[str]]:
+    """The prompts of each step's trained samples, sorted, from a run with `ALL_SAMPLES`."""
+    by_step: dict[int, list[str]] = {}
+    for line in (run_dir / "samples.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        by_step.setdefault(record["step"], []).append(record["prompt"])
+    return [sorted(by_step[k]) for k in sorted(by_step)]
+
+
 def run_straight_and_resumed(ckpt: Path, tmp_path: Path, *extra: str, steps: int = 3) -> tuple[Path, Path]:
     """Run folders of `steps` uninterrupted steps and of one step, then resumed to `steps`."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
