@@ -38,7 +38,7 @@ from bench_moe import QWEN3_30B_A3B_8L  # noqa: E402
 from bench_moe import TINY as TINY_MOE  # noqa: E402
 
 from rlloom.algorithms.losses import aggregate_loss_sum, loss_normalizer
-from rlloom.config.components import TrainEngineConfig
+from rlloom.config import TrainEngineConfig
 from rlloom.data.types import RolloutBatch, Sample
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.models.args import ModelArgs

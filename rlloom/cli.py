@@ -26,7 +26,7 @@ import sys
 from typing import NoReturn
 
 from rlloom.cluster import WorkerFailure
-from rlloom.config.components import UserError
+from rlloom.config import UserError
 from rlloom.engines.train.sealed import CheckpointError
 
 _OVERRIDES_HELP = "dotted overrides such as algorithm.eps_high=0.28 trainer.total_steps=50"

@@ -14,7 +14,7 @@ import string
 from pathlib import Path
 from typing import Literal
 
-from rlloom.config.components import ConfigError
+from rlloom.config import ConfigError
 
 TinyKind = Literal["tiny-dense", "tiny-moe", "tiny-mla"]
 TINY_KINDS: tuple[str, ...] = ("tiny-dense", "tiny-moe", "tiny-mla")

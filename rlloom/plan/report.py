@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rlloom.config.components import LORA_TARGET_NAMES, ConfigError, lora_targets_valid
+from rlloom.config import ConfigError
+from rlloom.config.train import LORA_TARGET_NAMES, lora_targets_valid
 from rlloom.models.args import ModelArgs
 from rlloom.models.fp8 import FP8_NEEDS_EXPERTS
 from rlloom.plan.counts import ModelCosts, lora_params, model_costs, value_model_params

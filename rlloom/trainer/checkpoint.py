@@ -31,9 +31,9 @@ from typing import Any
 import torch
 
 from rlloom.cluster.base import CriticGroup, TrainGroup, WeightSync
-from rlloom.config.components import ConfigError, RunConfig
+from rlloom.config import ConfigError, RunConfig
 from rlloom.config.loading import to_yaml
-from rlloom.engines.train.native.checkpoint import read_model_tensors
+from rlloom.engines.train.build import read_model_tensors
 from rlloom.engines.train.sealed import (
     MANIFEST,
     CheckpointError,

@@ -14,20 +14,21 @@ answer with its score to a new jsonl file (an existing path is refused, never ov
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlloom.config.components import ConfigError, RunConfig
+from rlloom.config import ConfigError, RunConfig
 from rlloom.config.loading import load_config
 from rlloom.data.chat import tokenize_prompts
 from rlloom.data.dataset import PromptItem, load_prompt_file
 from rlloom.devices import resolve_device, resolve_dtype
-from rlloom.engines.rollout.native import NativeEngine
+from rlloom.engines.rollout.build import build_rollout_engine
 from rlloom.engines.train.hf_folder import save_hf_folder
-from rlloom.models import from_pretrained, load_decoder, load_tokenizer
+from rlloom.models import load_tokenizer
 from rlloom.models.embedded import EMBEDDED_NAME
 from rlloom.rewards.build import build_reward_runner
 from rlloom.run_files import open_fd, open_text, write_failed
@@ -149,15 +150,9 @@ def generate_and_score(cfg: RunConfig, samples: int) -> tuple[list[PromptItem], 
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
     try:
         device = resolve_device(cfg)
-        engine = NativeEngine.from_config(
-            from_pretrained(
-                cfg.model.path, dtype=resolve_dtype(cfg, device), device=device, fused_projections=True
-            ),
-            cfg.rollout,
-            max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
-            decode=load_decoder(cfg.model.path),
-            seed=cfg.trainer.seed,
-        )
+        # one whole replica in this process, whatever rollout.tp the run had
+        one_replica = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, tp=1))
+        engine = build_rollout_engine(one_replica, device=device, dtype=resolve_dtype(cfg, device))
         scores = score_prompts(
             engine.generate, items, runner, decode, cfg, stop_token_ids=stop, samples=samples
         )

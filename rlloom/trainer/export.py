@@ -23,15 +23,14 @@ import shutil
 import time
 from pathlib import Path
 
-import torch
 import yaml
 
 from rlloom.cluster.base import TrainGroup
-from rlloom.config.components import ConfigError, RunConfig
+from rlloom.config import ConfigError, RunConfig
 from rlloom.config.loading import load_config, to_dict
-from rlloom.engines.train.build import critic_engine_config
+from rlloom.engines.train.base import TrainEngine
+from rlloom.engines.train.build import build_offline
 from rlloom.engines.train.hf_folder import ExportDType, save_hf_folder
-from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.engines.train.sealed import verify_folder
 from rlloom.run_files import fresh_dir, make_dir, write_failed, write_text
 from rlloom.tasks.build import default_reward_name
@@ -178,12 +177,10 @@ def create_output(path: Path) -> None:
         ) from e
 
 
-def build_engine_from_checkpoint(ckpt: Path, *, critic: bool = False) -> tuple[RunConfig, NativeTrainEngine]:
+def build_engine_from_checkpoint(ckpt: Path, *, critic: bool = False) -> tuple[RunConfig, TrainEngine]:
     """The training engine of a checkpoint (with `critic`, its critic's), on CPU in fp32, restored with
     its public `load` (a weights-only checkpoint's engine is built from its Hugging Face folder instead)."""
     cfg = load_config(ckpt / "config.yaml")
-    t = cfg.trainer
-    total_steps = t.total_steps * t.ppo_epochs * t.num_mini_batches
     weights_only = is_weights_only(ckpt)
     if critic:
         if weights_only or not (ckpt / CRITIC_DIR).is_dir():
@@ -196,25 +193,12 @@ def build_engine_from_checkpoint(ckpt: Path, *, critic: bool = False) -> tuple[R
                 f"export --critic: checkpoint {str(ckpt)!r} {what}, so it holds no critic. Fix: pass a full "
                 "checkpoint of a run with a critic, or drop --critic to export the policy."
             )
-        engine = NativeTrainEngine.build(
-            critic_engine_config(cfg),
-            cfg.critic_model_path,
-            device="cpu",
-            dtype=torch.float32,
-            total_steps=total_steps,
-            head="value",
-        )
+        engine = build_offline(cfg, cfg.critic_model_path, critic=True)
         engine.load(str(ckpt / CRITIC_DIR))
         return cfg, engine
     if weights_only:
         verify_folder(ckpt)  # a full checkpoint's engine verifies its own files in `load`
-    engine = NativeTrainEngine.build(
-        cfg.train,
-        str(ckpt / WEIGHTS_DIR) if weights_only else cfg.model.path,
-        device="cpu",
-        dtype=torch.float32,
-        total_steps=total_steps,
-    )
+    engine = build_offline(cfg, str(ckpt / WEIGHTS_DIR) if weights_only else cfg.model.path)
     if not weights_only:
         engine.load(str(ckpt / ENGINE_DIR))
     return cfg, engine

@@ -14,7 +14,7 @@ import torch
 
 from rlloom.algorithms import keep_informative_groups, overlong_penalty
 from rlloom.cluster.base import RolloutGroup
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 from rlloom.data.dataset import PromptItem
 from rlloom.data.source import PromptSource
 from rlloom.data.types import Sample

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from rlloom.cluster.build import build_groups
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 from rlloom.config.loading import to_dict, to_yaml
 from rlloom.data.types import Sample
 from rlloom.devices import resolve_device

@@ -23,7 +23,7 @@ import torch
 from rlloom.algorithms import adaptive_kl_coef, loss_normalizer
 from rlloom.algorithms.objective import value_normalizer
 from rlloom.cluster.base import CriticGroup, RolloutGroup, TrainGroup, WeightSync
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 from rlloom.data.source import PromptSource
 from rlloom.data.types import PolicyUpdate, RolloutBatch, Sample, ValueUpdate
 from rlloom.faults import maybe_fail

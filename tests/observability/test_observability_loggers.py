@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from rlloom.config.components import LoggingConfig
+from rlloom.config import LoggingConfig
 from rlloom.observability.console import ConsoleLogger, format_eta
 from rlloom.observability.jsonl import JsonlLogger, read_metrics_jsonl
 from rlloom.observability.log import init_logger

@@ -20,7 +20,7 @@ from train_engine_helpers import PolicyLoss, make_batch  # noqa: E402
 
 from rlloom.algorithms.losses import loss_normalizer
 from rlloom.cli import main
-from rlloom.config.components import TrainEngineConfig
+from rlloom.config import TrainEngineConfig
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.models import from_pretrained
 from rlloom.trainer.checkpoint import checkpoint_dir, checkpoint_model_tensors
