@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlloom.config.components import UserError
+from rlloom.config import UserError
 
 START, END = "\U000f0000", "\U000f0001"
 """Private-use markers around a control-token string found in the data (removed before encoding)."""

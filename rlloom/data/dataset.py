@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from rlloom.config.components import UserError
+from rlloom.config import UserError
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from rlloom.config.components import ConfigError
+from rlloom.config import ConfigError
 from rlloom.data.chat import prompt_messages
 from rlloom.models.args import ModelArgs
 from rlloom.models.checkpoint import INDEX_FILE, SINGLE_FILE, load_tokenizer, resolve_path

@@ -13,7 +13,7 @@ import torch
 
 from rlloom.algorithms import keep_informative_groups, overlong_penalty
 from rlloom.cluster.base import RolloutGroup
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.dataset import PromptItem
 from rlloom.data.source import PromptSource
@@ -156,6 +156,8 @@ def collect_rollouts(
 
 
 def reward_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Reward, accuracy and length statistics of a step's first sampling round, every sample of it
+    (under dynamic sampling the groups dropped too: what the policy produced, not what it trained on)."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     scores = torch.tensor([s.metadata["score"] for s in samples], dtype=torch.float64)
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
@@ -169,3 +171,9 @@ def reward_metrics(samples: list[Sample]) -> dict[str, float]:
         # responses holding a control token before their end (the policy wrote chat structure)
         "response/special_token_frac": sum(s.metadata["control_tokens"] > 0 for s in samples) / len(samples),
     }
+
+
+def trained_reward_metrics(samples: list[Sample]) -> dict[str, float]:
+    """`reward/trained_mean`: the mean reward of the samples a step trains on (under dynamic sampling
+    the kept groups of every round, unlike `reward_metrics`'s first round; without it the same)."""
+    return {"reward/trained_mean": sum(s.reward for s in samples) / len(samples)}

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlloom.algorithms import keep_informative_groups
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.dataset import PromptItem
 from rlloom.data.source import Position

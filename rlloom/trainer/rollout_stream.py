@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rlloom.cluster.base import RolloutGroup
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.dataset import PromptItem
 from rlloom.data.source import Position, PromptSource

@@ -23,7 +23,7 @@ import torch
 from rlloom.algorithms import adaptive_kl_coef, loss_normalizer
 from rlloom.algorithms.objective import value_normalizer
 from rlloom.cluster.base import CriticGroup, RolloutGroup, TrainGroup, WeightSync
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.source import PromptSource
 from rlloom.data.types import PolicyUpdate, RolloutBatch, Sample, ValueUpdate
@@ -38,7 +38,7 @@ from rlloom.trainer.policy import (
     token_rewards,
     value_metrics,
 )
-from rlloom.trainer.rollout import RolloutResult, collect_rollouts
+from rlloom.trainer.rollout import RolloutResult, collect_rollouts, trained_reward_metrics
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,7 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
         metrics.update(timer.seconds())
         metrics["train/skipped_step"] = 1.0
         return metrics
+    metrics.update(trained_reward_metrics(rollout.samples))
     batch = RolloutBatch(rollout.samples)
     if hand_over:
         with timer("rollout_sleep"):

@@ -98,6 +98,24 @@ CONFIG_CASES = [
     ("missing_file", "MISSING", [], ["does not exist"]),
     # a dataset file beside a procedural task was ignored: the run trained on arithmetic
     ("data_path_with_a_task", None, ["data.path=/d.jsonl"], ["data.path='/d.jsonl'", "data.task=jsonl"]),
+    # a weight-sync transport the placement cannot run
+    (
+        "sync_broadcast_colocated",
+        None,
+        ["sync.transport=broadcast"],
+        ["sync.transport='broadcast'", "cluster.placement=separate", "cluster.mode=ray", "rollout_workers"],
+    ),
+    (
+        "sync_inplace_separate",
+        None,
+        [
+            "sync.transport=inplace",
+            "cluster.mode=ray",
+            "cluster.placement=separate",
+            "cluster.rollout_workers=1",
+        ],
+        ["sync.transport='inplace'", "cluster.placement=colocated"],
+    ),
 ]
 
 

@@ -2,8 +2,8 @@
 
 from collections.abc import Callable
 
-from rlloom.config.components import RunConfig
 from rlloom.config.recipes.arithmetic import arithmetic_demo, arithmetic_smoke, dapo_arithmetic
+from rlloom.config.run import RunConfig
 
 RECIPES: dict[str, Callable[[], RunConfig]] = {
     "arithmetic_demo": arithmetic_demo,
