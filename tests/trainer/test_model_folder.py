@@ -170,7 +170,7 @@ def test_export_checks_the_run_model_folder(tiny_checkpoint, tmp_path, capsys):
     model = tmp_path / "model"
     shutil.copytree(tiny_checkpoint, model)
     run = tmp_path / "run"
-    assert main([*train_args(model, run), "trainer.save_hf_every=-1"]) == 0
+    assert main([*train_args(model, run), "trainer.save_hf_every=-1", "trainer.save_every=1"]) == 0  # full
     CASES["weights_truncated"](model)  # the starting model damaged after the run
     capsys.readouterr()
     assert main(["export", str(run), str(tmp_path / "out")]) == 2
