@@ -215,9 +215,12 @@ def changed_config(tmp_path: Path, ckpt: Path, **changes) -> Path:
 
 
 def fake_checkpoint(tmp_path: Path, ckpt: Path, *changes: str) -> Path:
-    """A run folder holding a real one-step checkpoint of the run with `changes`."""
+    """A run folder holding a real one-step (full, resumable) checkpoint of the run with `changes`."""
     run_dir = tmp_path / "run"
-    assert main(train_args(ckpt, run_dir, *changes, "trainer.total_steps=1", "trainer.save_hf_every=-1")) == 0
+    args = train_args(
+        ckpt, run_dir, *changes, "trainer.total_steps=1", "trainer.save_hf_every=-1", "trainer.save_every=1"
+    )
+    assert main(args) == 0
     return run_dir
 
 
