@@ -51,7 +51,7 @@ from bench_rollout import (  # noqa: E402
 from bench_train import make_batch, print_profile  # noqa: E402
 
 from rlloom.algorithms.losses import aggregate_loss_sum, loss_normalizer
-from rlloom.config.components import TrainEngineConfig
+from rlloom.config import TrainEngineConfig
 from rlloom.engines.rollout.native import NativeEngine, SamplingParams
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.engines.train.native.flops import step_flops

@@ -38,7 +38,7 @@ from bench_moe import QWEN3_30B_A3B_8L  # noqa: E402
 from bench_moe import TINY as TINY_MOE  # noqa: E402
 
 from rlloom.algorithms.losses import aggregate_loss_sum, loss_normalizer
-from rlloom.config.components import TrainEngineConfig
+from rlloom.config import TrainEngineConfig
 from rlloom.data.types import RolloutBatch, Sample
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.models.args import ModelArgs
@@ -47,7 +47,7 @@ from rlloom.plan.counts import model_costs
 from rlloom.plan.inputs import Hardware, Layout, Workload
 from rlloom.plan.memory import GB, estimate
 
-QWEN3_06B = json.loads((Path(__file__).parents[1] / "tests/plan/configs/qwen3-0.6b/config.json").read_text())
+QWEN3_06B = json.loads((Path(__file__).parents[1] / "rlloom/plan/configs/qwen3-0.6b/config.json").read_text())
 SHAPES = {
     "qwen3-0.6b": QWEN3_06B,
     "qwen3-1.7b": QWEN3_06B | {"hidden_size": 2048, "intermediate_size": 6144, "num_attention_heads": 16},

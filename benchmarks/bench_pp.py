@@ -40,7 +40,7 @@ from rlloom.parallel.pp import apply_pp
 from rlloom.parallel.pp_batches import PipeMicroBatch, pad_to_budget
 from rlloom.parallel.pp_stages import split_layers
 
-DSV3_4L = json.loads((Path(__file__).parents[1] / "tests/plan/configs/deepseek-v3/config.json").read_text())
+DSV3_4L = json.loads((Path(__file__).parents[1] / "rlloom/plan/configs/deepseek-v3/config.json").read_text())
 DSV3_4L |= {"num_hidden_layers": 4, "n_routed_experts": 32, "n_group": 4, "topk_group": 2}  # 32 experts: fits
 DSV3_4L.pop("quantization_config")
 TINY = QWEN3_8B | {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6}

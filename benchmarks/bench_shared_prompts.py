@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from rlloom.algorithms.losses import aggregate_loss_sum, loss_normalizer
-from rlloom.config.components import TrainEngineConfig
+from rlloom.config import TrainEngineConfig
 from rlloom.data.types import RolloutBatch, Sample
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.models import attention_ops, from_pretrained

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_rollout import QWEN3_17B  # noqa: E402  (the shapes live in one place)
 
 from rlloom.algorithms.losses import aggregate_loss_sum, loss_normalizer
-from rlloom.config.components import TrainEngineConfig
+from rlloom.config import TrainEngineConfig
 from rlloom.data.types import RolloutBatch, Sample
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.engines.train.native.flops import step_flops

@@ -72,7 +72,7 @@ from bench_moe import DEEPSEEK_V3_2L, QWEN3_30B_A3B_8L, TINY_DEEPSEEK  # noqa: E
 from bench_rollout import QWEN3_8B  # noqa: E402
 
 from rlloom.algorithms.losses import aggregate_loss_sum, loss_normalizer
-from rlloom.config.components import TrainEngineConfig
+from rlloom.config import TrainEngineConfig
 from rlloom.data.types import RolloutBatch, Sample
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.models.args import ModelArgs

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlloom.config.components import TrainEngineConfig
+from rlloom.config import TrainEngineConfig
 from rlloom.engines.rollout.native import NativeEngine
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.models.checkpoint import build_model

@@ -1,4 +1,4 @@
-"""The `rlloom` command: `train`, `eval`, `export`, `plan`, `config show`, `config doc` and `plot`.
+"""The `rlloom` command: `train`, `eval`, `export`, `plan`, `config show`, `config doc`, `plot` and `init-model`.
 
 rlloom train RECIPE_OR_YAML [section.key=value ...]
 rlloom eval MODEL_OR_RUN DATA [section.key=value ...] [--samples N] [--temperature T] [--responses FILE]
@@ -6,6 +6,7 @@ rlloom export RUN_DIR_OR_CHECKPOINT OUT [--dtype auto|float32|bfloat16|float16]
 rlloom config show RECIPE_OR_YAML [section.key=value ...]
 rlloom config doc
 rlloom plot RUN_DIR
+rlloom init-model tiny-dense|tiny-moe|tiny-mla DIR [--layers N] [--hidden H]
 rlloom plan MODEL --gpus N --gpu-memory-gb G [--critic] [--check tp=..,pp=..,cp=..,ep=..,offload=F] [--json]
 
 A user error (`UserError`: config, data file, model path, start-up checks) prints one line,
@@ -25,7 +26,7 @@ import sys
 from typing import NoReturn
 
 from rlloom.cluster import WorkerFailure
-from rlloom.config.components import UserError
+from rlloom.config import UserError
 from rlloom.engines.train.sealed import CheckpointError
 
 _OVERRIDES_HELP = "dotted overrides such as algorithm.eps_high=0.28 trainer.total_steps=50"
@@ -112,6 +113,17 @@ def _parser() -> argparse.ArgumentParser:
         "plot", help="plot a run's curves", description="Write RUN_DIR/curves.png from metrics.jsonl."
     )
     plot.add_argument("run_dir", help="run folder holding metrics.jsonl")
+    init = sub.add_parser(
+        "init-model",
+        help="write a tiny random test model",
+        description="Write a tiny random model with a character tokenizer as a Hugging Face folder, for "
+        "trying settings and parallel layouts on a CPU in seconds (model.path=DIR): tiny-dense (Qwen3), "
+        "tiny-moe (Qwen3-MoE, 8 experts) or tiny-mla (DeepSeek-V3: MLA attention, MoE with a shared expert).",
+    )
+    init.add_argument("kind", choices=("tiny-dense", "tiny-moe", "tiny-mla"))
+    init.add_argument("out", help="new or empty output folder")
+    init.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    init.add_argument("--hidden", type=int, default=32, help="hidden size, a multiple of 8 (default 32)")
     _add_plan_parser(sub)
     return parser
 
@@ -121,9 +133,14 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "plan",
         help="predict memory and recommend a parallel layout",
         description="Predict per-GPU and per-node memory of RL training and recommend TP/PP/CP/EP and "
-        "optimizer offload for a model and a GPU count (docs/plan.md). Exit 0: a layout fits; 1: none fits.",
+        "optimizer offload for a model and a GPU count, with the `rlloom train` overrides that run the "
+        "layout (docs/plan.md). Exit 0: a layout fits; 1: none fits.",
     )
-    plan.add_argument("model", help="Hugging Face model folder or its config.json (no weights needed)")
+    plan.add_argument(
+        "model",
+        help="Hugging Face model folder or its config.json (no weights needed), or a model whose published "
+        "config rlloom ships, e.g. qwen3-8b, qwen3-30b-a3b, deepseek-v3 (an unknown name lists them)",
+    )
     plan.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     plan.add_argument("--gpu-memory-gb", type=float, required=True, help="memory of one GPU in GB")
     plan.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
@@ -219,6 +236,19 @@ def _command(args: argparse.Namespace) -> int:
             print(report.table())
             print(report.json_line())
             return 0
+        if args.command == "init-model":
+            from rlloom.models.tiny import write_tiny_model
+            from rlloom.trainer.export import check_output
+
+            print(
+                write_tiny_model(
+                    args.kind,
+                    check_output(args.out, "init-model output"),
+                    hidden=args.hidden,
+                    layers=args.layers,
+                )
+            )
+            return 0
         if args.command == "export":
             from rlloom.trainer.export import export_checkpoint
 
@@ -259,6 +289,7 @@ _INTERRUPTED = {
     "plan": "nothing was written",
     "plot": "nothing was written",
     "config": "nothing was written",
+    "init-model": "the output folder may be incomplete: remove it and run again",
 }
 
 

@@ -38,7 +38,7 @@ import torch._functorch.config
 import torch._inductor.config
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir as torch_default_cache_dir
 
-from rlloom.config.components import UserError
+from rlloom.config import UserError
 
 logger = logging.getLogger(__name__)
 

@@ -8,9 +8,11 @@ caching host allocator keeps the pinned buffer alive until the copy has run.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -39,3 +41,18 @@ def resolve_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
     if cfg.model.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Memory free for a new allocation: the GPU's free memory, or the host's MemAvailable (Linux;
+    the physical memory elsewhere)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

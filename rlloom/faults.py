@@ -23,7 +23,7 @@ import signal
 from dataclasses import dataclass
 from functools import lru_cache
 
-from rlloom.config.components import ConfigError
+from rlloom.config import ConfigError
 
 STEP_STAGES = ("generate", "rewards", "old_logprobs", "ref_logprobs", "advantages", "train", "sync")
 SAVE_STAGES = ("save_engine", "after_checkpoint")

@@ -21,7 +21,7 @@ import shutil
 from pathlib import Path
 from typing import IO
 
-from rlloom.config.components import ConfigError, UserError
+from rlloom.config import ConfigError, UserError
 
 FIX_LINK = (
     "a planted link would make rlloom overwrite what it points to. Fix: remove the link (copy the real file "

@@ -75,3 +75,27 @@ def test_packages_of_one_layer_form_no_cycle():
             for b in layer:
                 if a < b and b in graph.get(a, set()) and a in graph.get(b, set()):
                     raise AssertionError(f"rlloom.{a} and rlloom.{b} import each other")
+
+
+def full_imports(path: Path) -> set[str]:
+    """Every `rlloom.*` module a file imports, by its full dotted name (lazy imports included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {name for name in found if name.startswith("rlloom.")}
+
+
+def test_the_controller_reaches_engines_only_through_their_build_modules():
+    """trainer/ asks `engines/{train,rollout}/build.py` (and the interfaces) for start-up checks,
+    engines and checkpoint reading; it never imports a backend (`engines.*.native`) or the
+    parallelism code (`parallel/`), so a second backend plugs in without touching the controller."""
+    reaching = [
+        f"{path.relative_to(ROOT.parent)} imports {name}"
+        for path in sorted((ROOT / "trainer").rglob("*.py"))
+        for name in sorted(full_imports(path))
+        if name.startswith("rlloom.parallel") or ".native" in name
+    ]
+    assert not reaching, "the controller reaches into engines:\n" + "\n".join(reaching)

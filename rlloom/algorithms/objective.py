@@ -21,7 +21,7 @@ from rlloom.algorithms.aggregation import aggregate_loss_sum, loss_normalizer
 from rlloom.algorithms.corrections import is_weights
 from rlloom.algorithms.kl import kl_estimate
 from rlloom.algorithms.losses import cispo_loss, gspo_loss, ppo_clip_loss, value_loss
-from rlloom.config.components import AlgorithmConfig
+from rlloom.config import AlgorithmConfig
 from rlloom.data.types import ISCorrection, PolicyUpdate, ValueUpdate
 from rlloom.devices import to_device
 

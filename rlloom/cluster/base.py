@@ -169,8 +169,8 @@ class RolloutGroup(Protocol):
 
 
 class WeightSync(Protocol):
-    """Moves the training group's current weights into the rollout group (the transport is chosen by
-    the placement: in place, CUDA IPC or broadcast). Afterwards every rollout parameter holds the
+    """Moves the training group's current weights into the rollout group (the transport is
+    `weight_sync/build.transport`'s: in place or broadcast). Afterwards every rollout parameter holds the
     training weights under the training version, or, when the sync fails, the rollout keeps its
     previous version and the failure says so."""
 

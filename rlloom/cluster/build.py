@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from rlloom.cluster.base import CriticGroup, RolloutGroup, TrainGroup, WeightSync
 from rlloom.cluster.placement import plan_placement
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 from rlloom.heap import freeze_heap, thaw_heap
 
 

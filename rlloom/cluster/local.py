@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from rlloom.cluster.base import Done
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 from rlloom.data.types import PolicyUpdate, RolloutBatch, ValueUpdate
 from rlloom.engines.rollout import Completion, SamplingParams
 from rlloom.heap import freeze_heap

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 
 
 def rollout_tp(cfg: RunConfig) -> int:

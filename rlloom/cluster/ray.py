@@ -2,9 +2,10 @@
 out. Imported only when cluster.mode=ray.
 
 `RayTrainGroup` fans each call out to every training rank and returns a `Pending` at once;
-`RayRolloutGroup` streams chunks of prompts to its replicas by load; the weight sync is in place
-inside each colocated actor, or broadcast from every training rank (each sending the weights it
-owns: its routed experts, a share of the dense tensors) into a separate rollout pool. Arguments
+`RayRolloutGroup` streams chunks of prompts to its replicas by load; the weight sync is the
+transport `weight_sync/build.transport` picks: in place inside each colocated actor, or broadcast
+from every training rank (each sending the weights it owns: its routed experts, a share of the
+dense tensors) into a separate rollout pool. Arguments
 go to the object store once (`ray.put`) and every actor reads the same copy. A worker that dies,
 raises or hangs beyond `cluster.timeout_s` stops the run with `WorkerFailure` naming its rank,
 host and stage; all actors are then killed so that `trainer.resume=auto` can continue cleanly.
@@ -22,7 +23,7 @@ import torch
 from rlloom.cluster.base import WorkerFailure
 from rlloom.cluster.placement import Placement, rollout_tp
 from rlloom.cluster.ray_generate import QueuedGeneration
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 from rlloom.data.types import PolicyUpdate, RolloutBatch, ValueUpdate
 from rlloom.engines.rollout import SamplingParams
 from rlloom.workers.flights import StreamRequest, StreamResult
@@ -37,6 +38,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from rlloom.cluster.ray_actor import SlotActor  # noqa: E402  (needs ray)
 from rlloom.weight_sync.broadcast import SyncGroupSpec  # noqa: E402
+from rlloom.weight_sync.build import transport  # noqa: E402
 
 ACTOR_ERRORS = (RayActorError, RayTaskError, GetTimeoutError)
 
@@ -367,12 +369,13 @@ def build_ray_groups(
     world = (len(rslots), actors.addresses[rslots[0]]) if not placement.colocated and multi_rank else None
     refs = [actors.slots[s].start_rollout.remote(j, placement.replicas, world) for j, s in enumerate(rslots)]
     actors.wait(refs, "setup (rollout)", rslots)
-    if not placement.colocated:
+    broadcast = transport(cfg) == "broadcast"
+    if broadcast:
         join_sync_group(cfg, actors, tslots, rslots)
     train = RayTrainGroup(actors, tslots)
     replicas = [[rslots[j] for j in r] for r in placement.replicas]
     rollout = RayRolloutGroup(actors, replicas, max_num_seqs=cfg.rollout.max_num_seqs)
-    sync = InPlaceSync(train, rollout) if placement.colocated else BroadcastSync(train, rollout)
+    sync = BroadcastSync(train, rollout) if broadcast else InPlaceSync(train, rollout)
     critic = RayCriticGroup(actors, tslots) if cfg.algorithm.uses_critic else None
     return train, rollout, sync, critic
 

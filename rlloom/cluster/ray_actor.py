@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from rlloom.cluster.local import sync_in_place
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 from rlloom.devices import resolve_device, resolve_dtype
 from rlloom.heap import freeze_heap
 from rlloom.observability.log import init_logger

@@ -17,14 +17,14 @@ import types
 import typing
 from typing import Any, Literal, get_args, get_origin
 
-from rlloom.config.components import RunConfig
+from rlloom.config.run import RunConfig
 
 REGENERATE = "rlloom config doc > docs/config.md"
 
 _HEADER = f"""# Configuration reference
 
-Every setting of a run, generated from the field docstrings in `rlloom/config/components.py`
-by `{REGENERATE}` (do not edit by hand). Set a field in a YAML file as a
+Every setting of a run, generated from the field docstrings in `rlloom/config/` (one module per
+section) by `{REGENERATE}` (do not edit by hand). Set a field in a YAML file as a
 nested mapping (`trainer: {{total_steps: 50}}`) or on the command line as a dotted override
 (`trainer.total_steps=50`); `rlloom config show RECIPE_OR_YAML` prints every resolved value.
 """

@@ -1,9 +1,9 @@
 """Turn a recipe name or a YAML file plus dotted overrides into one validated `RunConfig`.
 
-The dataclasses in `components.py` are the single source of truth: a recipe returns a `RunConfig`,
-a YAML file is a (partial) nested mapping of the same fields, and `a.b=value` overrides set single
-fields. Everything is merged as plain data first, then the dataclasses are built once, which runs
-every check before anything heavy starts.
+The section dataclasses (`run.py` and one module per section) are the single source of truth: a
+recipe returns a `RunConfig`, a YAML file is a (partial) nested mapping of the same fields, and
+`a.b=value` overrides set single fields. Everything is merged as plain data first, then the
+dataclasses are built once, which runs every check before anything heavy starts.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from rlloom.config.aliases import rlloom_keys
-from rlloom.config.components import ConfigError, RunConfig
+from rlloom.config.checks import ConfigError
+from rlloom.config.run import RunConfig
 from rlloom.config.yaml_text import parse_override_value, read_yaml_file
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlloom.config.components import RunConfig
 from rlloom.config.loading import task_dict
+from rlloom.config.run import RunConfig
 
 FREE_TO_CHANGE: tuple[str, ...] = (
     # How long, where, how often to save, evaluate and log.
@@ -40,6 +40,7 @@ FREE_TO_CHANGE: tuple[str, ...] = (
     "train.optimizer_offload_fraction",
     "train.gather_once_per_step",
     "train.logprob_chunk_tokens",
+    "train.share_prompts",
     "train.max_tokens_per_micro_batch",
     "reward.num_workers",
     "reward.timeout_s",

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from rlloom.config.components import ConfigError
+from rlloom.config.checks import ConfigError
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -4,11 +4,14 @@ With `chat_template=True` a prompt (a user string, or a list of chat messages) g
 tokenizer's own template with the generation prompt added, and the resulting text is encoded
 WITHOUT adding special tokens again (the template already wrote them). With
 `chat_template=False` the prompt string is encoded as it is, with the tokenizer's usual special
-tokens (e.g. a BOS token for Llama-style tokenizers).
+tokens (e.g. a BOS token for Llama-style tokenizers). Either way a control-token string inside the
+data (prompt, messages, data.system_prompt) is encoded as plain text, never as the control token
+(`rlloom.data.control_tokens`): only the template writes the chat's structure.
 
-Any object with `encode(text, add_special_tokens=...)` and
+Any object with `encode(text, add_special_tokens=..., split_special_tokens=...)` and
 `apply_chat_template(messages, add_generation_prompt=True, tokenize=False)` works as a tokenizer:
-Hugging Face tokenizers do, and so do the small fakes used in tests.
+Hugging Face tokenizers do, and so do the small fakes used in tests (`added_tokens_decoder`, the
+special tokens, is read when present).
 """
 
 from __future__ import annotations
@@ -18,6 +21,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from rlloom.data.control_tokens import (
+    control_pattern,
+    control_tokens,
+    encode_chat,
+    encode_raw,
+    mark,
+    unmarked,
+)
 from rlloom.data.dataset import DataError, Message, PromptItem, RawPrompt
 
 logger = logging.getLogger(__name__)
@@ -26,7 +37,9 @@ logger = logging.getLogger(__name__)
 class PromptTokenizer(Protocol):
     """The part of a (Hugging Face) tokenizer that prompt preparation uses."""
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def encode(
+        self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False
+    ) -> list[int]: ...
 
     def apply_chat_template(
         self, conversation: list[Message], *, add_generation_prompt: bool, tokenize: bool
@@ -51,24 +64,32 @@ def prompt_messages(prompt: str | list[Message], system_prompt: str = "") -> lis
     return messages
 
 
-def render_prompt(
-    prompt: str | list[Message], tokenizer: PromptTokenizer, *, chat_template: bool, system_prompt: str = ""
-) -> str:
-    """The text the model sees for this prompt (the chat template's output, or the raw string)."""
+def encode_prompt(
+    prompt: str | list[Message],
+    tokenizer: PromptTokenizer,
+    *,
+    chat_template: bool,
+    system_prompt: str = "",
+    tokens: dict[str, int] | None = None,
+) -> tuple[str, list[int]]:
+    """(the text the model sees for this prompt, its ids): the chat template's output, or the raw
+    string. `tokens`: the tokenizer's control tokens (`control_tokens`), found once by the caller."""
+    tokens = control_tokens(tokenizer) if tokens is None else tokens
     if chat_template:
         if getattr(tokenizer, "chat_template", "") is None:
             raise DataError(
                 "data.chat_template=True but the tokenizer has no chat template; "
                 "fix: set data.chat_template=false to encode raw prompt text, or use an instruct tokenizer"
             )
-        messages = prompt_messages(prompt, system_prompt)
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        messages = mark(prompt_messages(prompt, system_prompt), control_pattern(tokens))
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return unmarked(rendered), encode_chat(tokenizer, rendered, tokens)
     if not isinstance(prompt, str):
         raise DataError(
             "data.chat_template=False but a prompt is a list of chat messages, which has no raw-text form; "
             "fix: set data.chat_template=true or store prompts as strings"
         )
-    return prompt
+    return prompt, encode_raw(tokenizer, prompt)
 
 
 def tokenize_prompts(
@@ -87,9 +108,11 @@ def tokenize_prompts(
         logger.warning("data.system_prompt is set but data.chat_template=False, so it is not used")
     items: list[PromptItem] = []
     too_long: list[int] = []
+    tokens = control_tokens(tokenizer)
     for raw in prompts:
-        text = render_prompt(raw.prompt, tokenizer, chat_template=chat_template, system_prompt=system_prompt)
-        ids = list(tokenizer.encode(text, add_special_tokens=not chat_template))
+        text, ids = encode_prompt(
+            raw.prompt, tokenizer, chat_template=chat_template, system_prompt=system_prompt, tokens=tokens
+        )
         if len(ids) > max_prompt_length:
             too_long.append(len(ids))
             continue

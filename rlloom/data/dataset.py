@@ -21,12 +21,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from rlloom.config.components import UserError
+from rlloom.config import UserError
 
 logger = logging.getLogger(__name__)
 
 Message = dict[str, str]
-"""A chat message: {"role": "system" | "user" | "assistant", "content": text}."""
+"""A chat message: {"role": "system" | "user" | "assistant" | "tool", "content": text}."""
+
+ROLES = ("system", "user", "assistant", "tool")
+"""The roles a row's chat message may have. Anything else is refused: a template may write the role
+next to its turn markers (or build a control token from it, `'<|' + role + '|>'`), so a free-form
+role from the data could forge chat structure."""
 
 FileFormat = Literal["jsonl", "parquet"]
 
@@ -180,6 +185,8 @@ def _prompt_problem(prompt: object) -> str:
                 and isinstance(message.get("content"), str)
             ):
                 return f"prompt message {i} is not a {{role, content}} object of strings"
+            if message["role"] not in ROLES:
+                return f"prompt message {i} has role {message['role'][:40]!r}, not one of {', '.join(ROLES)}"
         return ""
     return f"prompt must be a non-empty string or list of {{role, content}} messages, got {type(prompt).__name__}"
 

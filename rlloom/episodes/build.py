@@ -4,13 +4,13 @@ tools import and have the right shape (ConfigError naming the setting otherwise)
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
-from rlloom.config.components import ConfigError, RunConfig
+from rlloom.config import ConfigError, RunConfig
 from rlloom.episodes.calls import EnvCalls, EnvSpec
 from rlloom.episodes.driver import EpisodeDriver, EpisodeSettings
+from rlloom.rewards.registry import plugin_folder
 
 
 def env_spec(cfg: RunConfig) -> EnvSpec:
@@ -21,7 +21,7 @@ def env_spec(cfg: RunConfig) -> EnvSpec:
         tools=tuple(ro.tools),
         tool_parser=ro.tool_parser,
         tool_timeout_s=ro.tool_timeout_s,
-        import_dir=cfg.reward.import_dir or os.getcwd(),
+        import_dir=plugin_folder(cfg.reward.import_dir),
     )
 
 

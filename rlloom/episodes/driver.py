@@ -32,7 +32,7 @@ from rlloom.data.dataset import PromptItem
 from rlloom.data.types import Sample
 from rlloom.engines.rollout import Completion, SamplingParams
 from rlloom.episodes.calls import EnvCalls, EnvResult
-from rlloom.episodes.render import encode, extension_ids, render_conversation
+from rlloom.episodes.render import Rendered, encode, extension_ids, render_conversation
 from rlloom.episodes.tools import TOOL_PARSERS, strip_tool_calls
 from rlloom.episodes.trajectory import Segment, Trajectory, truncate_ids
 from rlloom.episodes.types import Message
@@ -89,7 +89,8 @@ class EpisodeDriver:
     tokenizer: Any
     stop_token_ids: list[int]
     decode: Callable[[list[int]], str]
-    """The run's response decoding (what the reward function reads of the final turn)."""
+    """The run's response decoding (control tokens inside a turn visible, its final stop token left
+    out): an assistant message's content."""
     groups: dict[Any, _Group] = field(default_factory=dict)
     epoch: int = 0
     """Bumped by `forget`: calls submitted before it come back under an older epoch and are ignored."""
@@ -146,7 +147,7 @@ class EpisodeDriver:
         traj.add_turn(list(c.token_ids), list(c.logprobs), versions)
         traj.last_turn_ids = list(c.token_ids)
         traj.current.routed_experts = c.routed_experts
-        text = self._response_text(c.token_ids)
+        text = self.decode(list(c.token_ids))
         message: Message = {"role": "assistant", "content": text}
         calls, errors = TOOL_PARSERS[self.settings.tool_parser](text)
         if calls:
@@ -249,18 +250,12 @@ class EpisodeDriver:
             traj.reward = self.settings.default_score
         group.done += 1
 
-    def _render(self, messages: list[Message]) -> str:
+    def _render(self, messages: list[Message]) -> Rendered:
         return render_conversation(self.tokenizer, messages, tools=self.settings.tools)
-
-    def _response_text(self, token_ids: list[int]) -> str:
-        ids = list(token_ids)
-        if ids and ids[-1] in self.stop_token_ids:
-            ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _truncated(self, message: Message) -> Message:
         limit = self.settings.max_observation_tokens
-        ids = encode(self.tokenizer, message["content"])
+        ids = list(self.tokenizer.encode(message["content"], add_special_tokens=False, split_special_tokens=True))
         if len(ids) <= limit:
             return message
         kept = truncate_ids(ids, limit, self.settings.observation_truncation)
@@ -268,7 +263,6 @@ class EpisodeDriver:
 
     def _samples(self, group: _Group, traj: Trajectory, group_id: int, traj_index: int) -> list[Sample]:
         item = group.item
-        final = self.decode(traj.last_turn_ids)
         stats = {
             "turns": traj.turns,
             "tool_calls": traj.tool_calls,
@@ -303,7 +297,7 @@ class EpisodeDriver:
                         "prompt": item.prompt,
                         "columns": item.metadata,
                         "messages": [dict(m) for m in traj.messages],
-                        "response_text": final,
+                        "answer_ids": list(traj.last_turn_ids),
                         "env_reward": traj.reward,
                         "episode": stats,
                     },

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from rlloom.config.components import UserError
+from rlloom.config import UserError
 from rlloom.models.args import ModelArgs
 from rlloom.models.fp8 import Fp8Rows, Fp8Weights, load_rows
 from rlloom.models.layers import FusedLinear

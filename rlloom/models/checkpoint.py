@@ -96,10 +96,18 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def _read_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of `files`; a NaN or infinite weight raises `CheckpointMismatch` naming it (each
+    tensor is in memory here anyway, and a non-finite weight would make every logprob NaN later)."""
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                tensor = f.get_tensor(name)
+                if tensor.is_floating_point() and tensor.element_size() > 1 and not tensor.isfinite().all():
+                    raise CheckpointMismatch(
+                        f"tensor {name!r} of {file} holds NaN or infinite values. Fix: use an intact copy of the "
+                        "weights (a training run that diverged saves such weights)."
+                    )
+                yield name, tensor
 
 
 def _config_and_block(path: Path) -> tuple[dict[str, Any], tuple[int, int] | None]:

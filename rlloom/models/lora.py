@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from rlloom.config.components import ConfigError
+from rlloom.config import ConfigError
 from rlloom.models.model import unwrapped_name
 
 HF_TARGETS = {  # keyed by config's LORA_TARGET_NAMES

@@ -1,11 +1,17 @@
-"""Console progress: a live line on a terminal, one plain line per step everywhere else.
+"""Console progress: one plain line per step, and on a terminal a live progress bar below them.
 
-On a TTY, rich redraws one line in place (a bar, step/total, reward, accuracy, step time, ETA), and
-whatever else is printed or logged appears above it. When stdout is not a TTY (CI, `make demo | tee`)
-each `log` call prints one line instead, e.g.
+Each `log` call prints one line that stays in the terminal's history (and in CI logs, `make demo |
+tee`), e.g.
 
-    [rlloom] step 1/20 | reward 0.250 | acc 0.250 | 9.87 s/step (warm-up) | eta after warm-up
-    [rlloom] step 3/20 | reward 0.500 | acc 0.250 | eval_acc 0.300 | 1.23 s/step | eta 0:00:21
+    [rlloom] step 0/20 | eval_acc 0.100
+    [rlloom] step 1/20 | reward 0.250 | acc 0.250 | entropy 0.812 | 9.87 s/step (warm-up) | eta after warm-up
+    [rlloom] step 3/20 | reward 0.500 | acc 0.250 | eval_acc 0.300 | kl 0.0012 | entropy 0.790 | 1.23 s/step | eta 0:00:21
+
+On a TTY, rich also redraws a bar with step/total in place under them; whatever else is printed or
+logged appears above it. `reward` is the mean reward of the samples the step trained on
+(`reward/trained_mean`; under dynamic sampling the kept groups of every sampling round, where
+`reward/mean` describes the first round's samples, kept or not); `kl` is the KL term's estimate
+(`loss/kl` as a loss term, `reward/kl` in the reward), shown only when a KL term is on.
 
 A step some of whose rewards failed (the function raised, hung or returned no number: they scored
 `reward.default_score`) says how many after the reward, `reward 0.000 | reward_failed 8 | ...`.
@@ -28,11 +34,13 @@ from rlloom.observability.logger import Logger
 
 # (label, metric key, format) shown in this order when present.
 FIELDS: tuple[tuple[str, str, str], ...] = (
-    ("reward", "reward/mean", "{:.3f}"),
+    ("reward", "reward/trained_mean", "{:.3f}"),
     ("acc", "train/accuracy", "{:.3f}"),
     ("eval_acc", "eval/accuracy", "{:.3f}"),
     ("len", "response/length_mean", "{:.0f}"),
-    ("kl", "kl/mean", "{:.4f}"),
+    ("kl", "loss/kl", "{:.4f}"),
+    ("kl", "reward/kl", "{:.4f}"),
+    ("entropy", "actor/entropy", "{:.3f}"),
 )
 REWARD_FAILURE_KEYS = ("reward/errors", "reward/timeouts", "reward/invalid")
 """Their sum, the step's samples whose reward failed, is shown after the reward when it is not 0."""
@@ -99,7 +107,9 @@ class ConsoleLogger(Logger):
         for label, key, fmt in FIELDS:
             if key in shown:
                 parts.append(f"{label} {fmt.format(shown[key])}")
-            if key == "reward/mean" and (failed := sum(shown.get(k, 0.0) for k in REWARD_FAILURE_KEYS)):
+            if key == "reward/trained_mean" and (
+                failed := sum(shown.get(k, 0.0) for k in REWARD_FAILURE_KEYS)
+            ):
                 parts.append(f"reward_failed {failed:.0f}")  # samples scored reward.default_score
         if step < self.first_step:  # the evaluation before training: no step time or ETA yet
             return " | ".join(parts)
@@ -118,28 +128,31 @@ class ConsoleLogger(Logger):
         return format_eta(rate * max(self.total_steps - step, 0))
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        text = self.line(step, metrics)
+        text = f"[rlloom] {self.line(step, metrics)}"
         if not self._live_enabled:
-            print(f"[rlloom] {text}", file=self._file, flush=True)
+            print(text, file=self._file, flush=True)
             return
         self._draw(step, text)
 
     def _draw(self, step: int, text: str) -> None:
+        """Print the step's line above the live bar (it stays in the terminal's history), then
+        redraw the bar."""
         from rich.console import Console
         from rich.live import Live
         from rich.progress_bar import ProgressBar
         from rich.table import Table
 
         row = Table.grid(padding=(0, 1))
+        progress = f"step {step}/{self.total_steps}" if self.total_steps else f"step {step}"
         if self.total_steps:
-            row.add_row(ProgressBar(total=self.total_steps, completed=step, width=24), text)
+            row.add_row(ProgressBar(total=self.total_steps, completed=step, width=24), progress)
         else:
-            row.add_row(text)
+            row.add_row(progress)
         if self._live is None:
             self._live = Live(row, console=Console(file=self._file), refresh_per_second=4)
             self._live.start()
-        else:
-            self._live.update(row)
+        self._live.console.print(text, markup=False, highlight=False, soft_wrap=True)
+        self._live.update(row)
 
     def close(self) -> None:
         if self._live is not None:

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rlloom.config.components import LoggingConfig
+from rlloom.config import LoggingConfig
 from rlloom.observability.logger import Logger, MultiLogger
 from rlloom.observability.samples import SAMPLES_FILE
 from rlloom.observability.wandb_logger import RUN_ID_FILE

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlloom.config.components import UserError
+from rlloom.config import UserError
 from rlloom.observability.jsonl import read_metrics_jsonl
 from rlloom.observability.loggers import METRICS_FILE
 from rlloom.run_files import open_fd

@@ -149,9 +149,10 @@ def fixed_shares(seq_lens: Sequence[int], cp: int, *, padded: bool) -> list[list
     return shares
 
 
-def check_cp_layout(cp: int, share_prompts: bool) -> None:
-    """ValueError when the settings ask for a layout CP does not run: the shared-prompt packing."""
-    if cp > 1 and share_prompts:
+def check_cp_layout(cp: int, share_prompts: bool | None) -> None:
+    """ValueError when the settings ask for a layout CP does not run: the shared-prompt packing
+    (asked for by name: null lets the engine turn it off)."""
+    if cp > 1 and share_prompts is True:
         raise ValueError(
             f"train.share_prompts=true does not work with parallel.cp={cp}: context parallelism splits "
             "plain packed documents, not shared-prompt trees. Fix: set train.share_prompts=false (or "

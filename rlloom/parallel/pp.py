@@ -12,7 +12,7 @@
 How the training engine plugs it in (per rank, after `ParallelDims.build_mesh`; the engine does it
 through `rlloom.parallel.parallelize.parallelize_pp` and `rlloom.engines.train.native.pipeline`):
 
-    stages, pipe = apply_pp(model, dims.pp_mesh(), schedule=par.pp_schedule, virtual_stages=par.pp_virtual_stages,
+    stages, pipe = apply_pp(model, dims.pp_mesh(), schedule=par.schedule, virtual_stages=par.pp_virtual_stages,
                             first_stage_layers=par.pp_first_stage_layers, last_stage_layers=par.pp_last_stage_layers,
                             budget=cfg.max_tokens_per_micro_batch, device=device, dtype=compute_dtype,
                             parallelize_stage=lambda m: apply_fsdp(m, dims.dp_shard_mesh(), ...,

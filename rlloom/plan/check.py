@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 from rlloom.models.args import ModelArgs
 from rlloom.models.checkpoint import resolve_path
 from rlloom.plan.counts import lora_params, model_costs, value_model_params

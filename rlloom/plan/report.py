@@ -1,11 +1,13 @@
-"""`rlloom plan`: read a model's config.json, evaluate (`--check`) or search layouts, print a table
-or one JSON object. Exit codes: 0 a layout fits (or was found), 1 nothing fits, 2 bad input.
+"""`rlloom plan`: read a model's config.json (a folder, the file, or the name of one rlloom ships:
+plan/published.py), evaluate (`--check`) or search layouts, print a table or one JSON object, with
+the `rlloom train` overrides that run the layout chosen. Exit codes: 0 a layout fits (or was
+found), 1 nothing fits, 2 bad input.
 
 JSON fields (a contract, issue 18): fits, gpu_memory_gb, cpu_memory_gb_per_node, layout {tp, pp, cp,
 ep, dp, offload_fraction, pp_first_stage_layers, pp_last_stage_layers}, breakdown {params, grads,
 optimizer, activations, buffers}, rollout {model_parallel, weights_gb, kv_cache_gb,
 kv_cache_tokens}; also peak_phase, reason, step_seconds, stage_peaks_gb, problems, suggestion,
-alternatives.
+alternatives, train_overrides (the dotted `rlloom train` overrides of the chosen layout).
 """
 
 from __future__ import annotations
@@ -15,26 +17,49 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rlloom.config.components import LORA_TARGET_NAMES, ConfigError, lora_targets_valid
+from rlloom.config import ConfigError
+from rlloom.config.train import LORA_TARGET_NAMES, lora_targets_valid
 from rlloom.models.args import ModelArgs
 from rlloom.models.fp8 import FP8_NEEDS_EXPERTS
 from rlloom.plan.counts import ModelCosts, lora_params, model_costs, value_model_params
 from rlloom.plan.inputs import Hardware, Layout, Workload
 from rlloom.plan.memory import Estimate
+from rlloom.plan.overrides import train_overrides
+from rlloom.plan.published import published_config, published_names
 from rlloom.plan.search import Candidate, best_split, fit_layout, gpus_needed, search, step_cost
 
 CHECK_KEYS = ("tp", "pp", "cp", "ep", "offload")
 
 
-def load_costs(model: str) -> tuple[ModelCosts, dict[str, Any]]:
-    """Costs and the raw config of a Hugging Face folder or a config.json file (no weights read)."""
+def model_config_file(model: str) -> Path:
+    """The config.json that MODEL names: a folder's, the file itself, or a shipped model's."""
     path = Path(model)
     file = path / "config.json" if path.is_dir() else path
-    if not file.is_file():
+    if file.is_file():
+        return file
+    shipped = published_config(model) if not path.exists() else None
+    if shipped is None:
         raise ConfigError(
-            f"MODEL={model!r} is invalid: not a folder with config.json nor a config.json file. "
-            "Fix: pass a Hugging Face model folder or its config.json."
+            f"MODEL={model!r} is invalid: not a folder with config.json, a config.json file, nor a model whose "
+            f"config rlloom ships ({', '.join(published_names())}). Fix: pass a Hugging Face model folder or "
+            "its config.json (docs/plan.md says where to get one offline), or one of those names."
         )
+    return shipped
+
+
+def model_folder_setting(model: str) -> str:
+    """The `model.path` value of the printed `rlloom train` line: MODEL's folder, or MODEL_DIR (the
+    weights to download) for a shipped config."""
+    path = Path(model)
+    if path.exists():
+        return str(path if path.is_dir() else path.parent)
+    return "MODEL_DIR"
+
+
+def load_costs(model: str) -> tuple[ModelCosts, dict[str, Any]]:
+    """Costs and the raw config of a Hugging Face folder, a config.json file or a shipped model's
+    name (no weights read)."""
+    file = model_config_file(model)
     try:
         raw = json.loads(file.read_text())
     except (ValueError, UnicodeDecodeError) as e:
@@ -184,7 +209,7 @@ def _suggest(costs: ModelCosts, est: Estimate, hw: Hardware, work: Workload) -> 
     return "would fit with " + ", or ".join(tips)
 
 
-def to_json(answer: PlanAnswer, costs: ModelCosts, work: Workload) -> dict[str, Any]:
+def to_json(answer: PlanAnswer, costs: ModelCosts, work: Workload, overrides: list[str]) -> dict[str, Any]:
     est = answer.chosen.estimate
     lay = est.layout
     return {
@@ -218,6 +243,7 @@ def to_json(answer: PlanAnswer, costs: ModelCosts, work: Workload) -> dict[str, 
             }
             for c in answer.alternatives
         ],
+        "train_overrides": overrides,
         "model": {
             "params": costs.total_params,
             "expert_params": costs.expert_params,
@@ -231,7 +257,12 @@ def _round(v: float | int) -> float | int:
 
 
 def format_table(
-    answer: PlanAnswer, costs: ModelCosts, raw: dict[str, Any], hw: Hardware, work: Workload
+    answer: PlanAnswer,
+    costs: ModelCosts,
+    raw: dict[str, Any],
+    hw: Hardware,
+    work: Workload,
+    overrides: list[str],
 ) -> str:
     est = answer.chosen.estimate
     bd = est.breakdown
@@ -268,6 +299,11 @@ def format_table(
         lines.append(
             f"  also    {c.estimate.layout.short()}: {c.estimate.gpu_memory_gb:.1f} GB, {c.cost.seconds:.2f} s"
         )
+    lines.append(f"train     rlloom train CONFIG {' '.join(overrides)}")
+    note = "CONFIG: your recipe or YAML file" + (
+        ", MODEL_DIR: the model's folder" if "model.path=MODEL_DIR" in overrides else ""
+    )
+    lines.append(f"          ({note})")
     return "\n".join(lines)
 
 
@@ -309,8 +345,16 @@ def run_plan(args: Any) -> int:
     )
     check = parse_check(args.check, args.gpus, costs) if args.check is not None else None
     answer = plan(costs, hw, work, check)
+    overrides = train_overrides(
+        answer.chosen.estimate.layout,
+        work,
+        model_path=model_folder_setting(args.model),
+        critic=args.critic,
+        lora_rank=args.lora_rank,
+        lora_targets=args.lora_target_modules,
+    )
     if args.json:
-        print(json.dumps(to_json(answer, costs, work), indent=2))
+        print(json.dumps(to_json(answer, costs, work, overrides), indent=2))
     else:
-        print(format_table(answer, costs, raw, hw, work))
+        print(format_table(answer, costs, raw, hw, work, overrides))
     return 0 if answer.fits else 1

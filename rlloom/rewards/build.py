@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from rlloom.config.components import ConfigError, RewardConfig
+from rlloom.config import ConfigError, RewardConfig
 from rlloom.rewards.calling import missing_arguments
 from rlloom.rewards.registry import get_reward_fn, is_builtin
 from rlloom.rewards.runner import RewardRunner

@@ -43,7 +43,7 @@ Result = tuple[Outcome, float | str]
 for `invalid`."""
 
 MAX_ABS_SCORE = 1e15
-"""Largest score magnitude accepted (the bound `rlloom.config.components.MAX_ABS_SCORE` puts on
+"""Largest score magnitude accepted (the bound `rlloom.config.reward.MAX_ABS_SCORE` puts on
 `reward.default_score`; this module imports the standard library only). The trainer's group and
 batch statistics square differences of scores in float32 (largest 3.4e38): -3e38, a float32,
 overflowed the group std and crashed the step. Within 1e15, the squared differences of a million

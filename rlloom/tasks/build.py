@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 
-from rlloom.config.components import DataConfig
+from rlloom.config import DataConfig
 from rlloom.data.chat import PromptTokenizer, tokenize_prompts
 from rlloom.data.dataset import DataError, RawPrompt, load_prompt_file
 from rlloom.data.source import PromptSource

@@ -51,7 +51,7 @@ import math
 import time
 from typing import Any
 
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 from rlloom.data.types import Sample
 from rlloom.faults import maybe_fail
 from rlloom.trainer.rollout import RolloutResult

@@ -9,9 +9,13 @@ interrupted saves, and `resolve_resume` refuses to overwrite a run with `resume=
 `resume=auto`, takes the newest checkpoint that verifies, saying which damaged ones it skipped.
 
 With `trainer.save_weights_only`, `engine/` is replaced by `hf/`: the policy as a Hugging Face folder
-(the model's dtype, no optimizer, schedule or RNG state). No run resumes from such a checkpoint
-(`resolve_resume` refuses it, naming the way to start a new run from its weights); `rlloom export`
-and `rlloom eval` read it like any other.
+(the model's dtype, no optimizer, schedule or RNG state). So is the checkpoint a run writes when it
+ends normally with `trainer.save_every: 0` (`final_is_weights_only`): a resume needs the optimizer
+state only to continue a run that stopped early (Ctrl-C, SIGTERM, a crash: those checkpoints are
+full), and a run that reached `trainer.total_steps` continues only when total_steps is raised,
+which a run meant to be extended asks for with `trainer.save_every: K` (every checkpoint full, the
+last one too). No run resumes from a weights-only checkpoint (`resolve_resume` refuses it, naming
+the way to start a new run from its weights); `rlloom export` and `rlloom eval` read it like any other.
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from rlloom.cluster.base import CriticGroup, TrainGroup, WeightSync
-from rlloom.config.components import ConfigError, RunConfig
+from rlloom.config import ConfigError, RunConfig
 from rlloom.config.loading import to_yaml
-from rlloom.engines.train.native.checkpoint import read_model_tensors
+from rlloom.engines.train.build import read_model_tensors
 from rlloom.engines.train.sealed import (
     MANIFEST,
     CheckpointError,
@@ -37,6 +43,7 @@ from rlloom.engines.train.sealed import (
     write_manifest,
 )
 from rlloom.faults import maybe_fail
+from rlloom.models.checkpoint import from_pretrained
 from rlloom.observability.loggers import LOG_NAMES
 from rlloom.run_files import free_space, fresh_dir, make_dir, refuse_link, write_text
 
@@ -86,18 +93,30 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(done, key=lambda p: int(p.name[5:]))
 
 
+def final_is_weights_only(cfg: RunConfig) -> bool:
+    """The checkpoint of a run that ends normally holds the weights only: always with
+    trainer.save_weights_only, and with trainer.save_every=0 unless the run trains a critic (whose
+    engine state `rlloom export --critic` reads: it has no weights-only form)."""
+    return cfg.trainer.save_weights_only or (cfg.trainer.save_every == 0 and not cfg.algorithm.uses_critic)
+
+
 def save_checkpoint(
-    train_group: TrainGroup, cfg: RunConfig, state: TrainerState, *, critic_group: CriticGroup | None = None
+    train_group: TrainGroup,
+    cfg: RunConfig,
+    state: TrainerState,
+    *,
+    weights_only: bool,
+    critic_group: CriticGroup | None = None,
 ) -> Path:
-    """Write a complete checkpoint for `state.step` (with the critic's engine when there is one),
-    drop the ones beyond `keep_last_checkpoints`, and return its folder. On failure (e.g. a full
-    disk) nothing of it remains and CheckpointError names the checkpoint to resume from."""
+    """Write a complete checkpoint for `state.step` (`weights_only`: the policy as a Hugging Face
+    folder; else the engines' full state, with the critic's when there is one), drop the ones beyond
+    `keep_last_checkpoints`, and return its folder. On failure (e.g. a full disk) nothing of it
+    remains and CheckpointError names the checkpoint to resume from."""
     final = checkpoint_dir(cfg.trainer.run_dir, state.step)
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     try:
         make_dir(final.parent)
         fresh_dir(tmp)
-        weights_only = cfg.trainer.save_weights_only
         sealed = []
         if weights_only:
             train_group.save_hf(str(tmp / WEIGHTS_DIR)).result()
@@ -190,9 +209,10 @@ def resolve_resume(cfg: RunConfig) -> Path | None:
     if path is not None and is_weights_only(path):
         raise ConfigError(
             f"trainer.resume={cfg.trainer.resume!r} found {str(path)!r}, a weights-only checkpoint "
-            "(trainer.save_weights_only=true): it has no optimizer, schedule or RNG state, so the run cannot "
-            f"continue from it. Fix: start a new run from its weights with model.path={path / WEIGHTS_DIR} "
-            "and another trainer.run_dir, or resume from a full checkpoint."
+            "(trainer.save_weights_only=true, or the end of a run with trainer.save_every=0): it has no optimizer, "
+            "schedule or RNG state, so the run cannot continue from it exactly. Fix: start a new run from its "
+            f"weights with model.path={path / WEIGHTS_DIR} and another trainer.run_dir, or resume from a full "
+            "checkpoint (a run given trainer.save_every=K > 0 writes only full ones, its last one too)."
         )
     return path
 
@@ -261,6 +281,14 @@ def load_checkpoint(
 
 def checkpoint_model_tensors(path: str | Path) -> dict[str, Any]:
     """The full model weights of a run checkpoint `RUN_DIR/checkpoints/step_N` (verified), on CPU,
-    under the native CausalLM's `state_dict` names (see `read_model_tensors`), e.g. for export."""
+    under the native CausalLM's `state_dict` names (see `read_model_tensors`); a weights-only
+    checkpoint's are read from its Hugging Face folder (in the model's dtype, as fp32)."""
     verify_folder(path)
+    if is_weights_only(path):
+        return from_pretrained(Path(path) / WEIGHTS_DIR, dtype=torch.float32).state_dict()
     return read_model_tensors(Path(path) / ENGINE_DIR)
+
+
+def folder_gb(path: Path) -> float:
+    """The size of a folder's files in GB (2**30 bytes), e.g. a checkpoint's for the run's summary."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 2**30

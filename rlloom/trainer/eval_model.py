@@ -3,7 +3,9 @@
 MODEL_OR_RUN is a Hugging Face folder (or the embedded model name), a run folder or a checkpoint.
 A run's settings (chat template, system prompt, reward, max_new_tokens, ...) come from its
 checkpoint's config.yaml and its weights from RUN_DIR/hf/step_N, or from an export of the checkpoint
-when that folder is absent; a model folder starts from the default settings. DATA is a .jsonl or
+when that folder is absent; a model folder starts from its `rlloom_task.yaml` (the run's task
+settings, written by `rlloom export` and into the run's own Hugging Face folders) or, without one,
+from the default settings. DATA is a .jsonl or
 .parquet file (every row is evaluated) or a procedural task name (its held-out split). Dotted
 overrides apply last. Greedy by default; `samples` > 1 at a temperature > 0 also reports pass@k.
 The report is a table and one JSON line (the last line, for scripts); `responses` also writes every
@@ -12,26 +14,29 @@ answer with its score to a new jsonl file (an existing path is refused, never ov
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlloom.config.components import ConfigError, RunConfig
+from rlloom.config import ConfigError, RunConfig
 from rlloom.config.loading import load_config
 from rlloom.data.chat import tokenize_prompts
+from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.dataset import PromptItem, load_prompt_file
 from rlloom.devices import resolve_device, resolve_dtype
-from rlloom.engines.rollout.native import NativeEngine
+from rlloom.engines.rollout.build import build_rollout_engine
 from rlloom.engines.train.hf_folder import save_hf_folder
-from rlloom.models import from_pretrained, load_decoder, load_tokenizer
+from rlloom.models import load_tokenizer
 from rlloom.models.embedded import EMBEDDED_NAME
 from rlloom.rewards.build import build_reward_runner
 from rlloom.run_files import open_fd, open_text, write_failed
 from rlloom.tasks.build import task_prompts
 from rlloom.trainer.evaluate import EvalScores, score_prompts
-from rlloom.trainer.export import build_engine_from_checkpoint, hf_dir, resolve_checkpoint
+from rlloom.trainer.export import TASK_FILE, build_engine_from_checkpoint, hf_dir, resolve_checkpoint
+from rlloom.trainer.model_folder import check_model_folder, check_tokenizer
 
 PROCEDURAL_TASKS = ("arithmetic", "countdown")
 
@@ -91,12 +96,14 @@ def eval_data_overrides(data: str) -> list[str]:
 
 
 def resolve_model(model_or_run: str, workdir: Path) -> tuple[Path | None, str]:
-    """(the checkpoint's config.yaml or None, the Hugging Face folder to evaluate)."""
+    """(the settings to start from: a checkpoint's config.yaml, an exported model's task file, or None
+    for the defaults; the Hugging Face folder to evaluate)."""
     path = Path(model_or_run)
     if model_or_run == EMBEDDED_NAME:
         return None, EMBEDDED_NAME
     if (path / "config.json").is_file():
-        return None, str(path.resolve())
+        task = path / TASK_FILE
+        return (task if task.is_file() else None), str(path.resolve())
     if not path.is_dir():
         raise ConfigError(
             f"model {model_or_run!r} does not exist. Fix: pass a Hugging Face folder (config.json and "
@@ -137,23 +144,20 @@ def eval_items(cfg: RunConfig, tokenizer: object) -> tuple[list[PromptItem], int
 def generate_and_score(cfg: RunConfig, samples: int) -> tuple[list[PromptItem], EvalScores, int]:
     """Load the model of `cfg.model.path` into a rollout engine and score the eval prompts:
     (the prompts, their scores, prompts skipped as too long)."""
+    check_model_folder(cfg.model.path, "model")
+    d = cfg.data
+    check_tokenizer(cfg.model.path, "model", chat_template=d.chat_template, system_prompt=d.system_prompt)
     tokenizer = load_tokenizer(cfg.model.path)
     items, too_long = eval_items(cfg, tokenizer)
     columns = {name for item in items for name in item.metadata}
     runner = build_reward_runner(cfg.reward, task=cfg.data.task, columns=columns)  # before the model
     stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    decode = ResponseDecoder.of(tokenizer)  # control tokens inside a response stay visible
     try:
         device = resolve_device(cfg)
-        engine = NativeEngine.from_config(
-            from_pretrained(
-                cfg.model.path, dtype=resolve_dtype(cfg, device), device=device, fused_projections=True
-            ),
-            cfg.rollout,
-            max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
-            decode=load_decoder(cfg.model.path),
-            seed=cfg.trainer.seed,
-        )
+        # one whole replica in this process, whatever rollout.tp the run had
+        one_replica = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, tp=1))
+        engine = build_rollout_engine(one_replica, device=device, dtype=resolve_dtype(cfg, device))
         scores = score_prompts(
             engine.generate, items, runner, decode, cfg, stop_token_ids=stop, samples=samples
         )

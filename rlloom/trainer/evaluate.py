@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rlloom.cluster.base import RolloutGroup
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 from rlloom.data.dataset import PromptItem
 from rlloom.engines.rollout import Completion, SamplingParams
 from rlloom.rewards.calling import RewardInput

@@ -8,25 +8,32 @@
   code never reads checkpoint files itself and any checkpoint format or training layout works),
   and written by `rlloom.engines.train.hf_folder.save_hf_folder`. `--critic` writes the critic of
   a PPO run instead, as a value model (transformers' *ForTokenClassification with one label).
+
+A policy's folder (both kinds) also holds `rlloom_task.yaml` (`TASK_FILE`): the run's task settings
+(`TASK_SETTINGS`: chat template use, system prompt, prompt and answer columns, prompt and response
+lengths, evaluation temperature, and the reward section with its name resolved), a partial config
+that `rlloom eval FOLDER DATA` starts from, so the exported model is scored as its run scored it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
-import torch
+import yaml
 
 from rlloom.cluster.base import TrainGroup
-from rlloom.config.components import ConfigError, RunConfig
-from rlloom.config.loading import load_config
-from rlloom.engines.train.build import critic_engine_config
+from rlloom.config import ConfigError, RunConfig
+from rlloom.config.loading import load_config, to_dict
+from rlloom.engines.train.base import TrainEngine
+from rlloom.engines.train.build import build_offline
 from rlloom.engines.train.hf_folder import ExportDType, save_hf_folder
-from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.engines.train.sealed import verify_folder
-from rlloom.run_files import make_dir, write_failed
+from rlloom.run_files import fresh_dir, make_dir, write_failed, write_text
+from rlloom.tasks.build import default_reward_name
 from rlloom.trainer.checkpoint import (
     CRITIC_DIR,
     ENGINE_DIR,
@@ -36,9 +43,35 @@ from rlloom.trainer.checkpoint import (
     is_weights_only,
     latest_checkpoint,
 )
+from rlloom.trainer.model_folder import check_model_folder
 
 logger = logging.getLogger(__name__)
 _WHERE = "a run folder (RUN_DIR) or one of its checkpoints (RUN_DIR/checkpoints/step_N)"
+
+
+TASK_FILE = "rlloom_task.yaml"
+TASK_SETTINGS: dict[str, tuple[str, ...]] = {
+    "data": ("chat_template", "system_prompt", "prompt_key", "answer_key", "max_prompt_length"),
+    "rollout": ("max_new_tokens", "eval_temperature"),
+}
+"""The settings besides the reward section (all of it) that decide how a prompt is asked and an
+answer scored; the dataset itself (data.task, data.path) is the one `rlloom eval` is given."""
+
+
+def write_task_file(cfg: RunConfig, folder: Path) -> Path:
+    """Write the run's task settings (`TASK_SETTINGS` and the reward) as `folder/rlloom_task.yaml`."""
+    full = to_dict(cfg)
+    task: dict[str, dict] = {
+        section: {k: full[section][k] for k in keys} for section, keys in TASK_SETTINGS.items()
+    }
+    task["reward"] = full["reward"] | {"name": cfg.reward.name or default_reward_name(cfg.data.task)}
+    header = (
+        f"# The task settings of the run that trained this model ({cfg.trainer.run_dir}). `rlloom eval "
+        "THIS_FOLDER DATA` starts from them; dotted overrides still apply last.\n"
+    )
+    path = folder / TASK_FILE
+    write_text(path, header + yaml.safe_dump(task, sort_keys=False, default_flow_style=False))
+    return path
 
 
 def hf_dir(run_dir: str | os.PathLike, step: int) -> Path:
@@ -54,17 +87,45 @@ def save_run_hf(train_group: TrainGroup, cfg: RunConfig, step: int) -> Path:
     try:
         make_dir(path.parent)
         train_group.save_hf(str(path)).result()
+        write_task_file(cfg, path)
     except OSError as e:
-        saved = [p.name for p in complete_checkpoints(cfg.trainer.run_dir)]
-        kept = f"checkpoint {saved[-1]} is intact" if saved else "no checkpoint was written"
-        raise write_failed(
-            path,
-            e,
-            f"free disk space, then write the folder from the checkpoint with `rlloom export "
-            f"{cfg.trainer.run_dir} {path}` ({kept}; a partial folder is never left under {path.parent}).",
-        ) from e
+        if not path.is_symlink():  # what this call wrote (the engine removes its own partial save)
+            shutil.rmtree(path, ignore_errors=True)
+        raise _hf_write_failed(cfg, path, e) from e
     logger.info("wrote the Hugging Face folder %s (%.1f s)", path, time.perf_counter() - start)
     return path
+
+
+def link_run_hf(weights: Path, cfg: RunConfig, step: int) -> Path:
+    """RUN_DIR/hf/step_N as hard links to the files of a weights-only checkpoint's Hugging Face folder
+    `weights` (the same bytes: the disk holds the weights once; a copy where links are not possible)."""
+    path = hf_dir(cfg.trainer.run_dir, step)
+    try:
+        make_dir(path.parent)
+        fresh_dir(path)
+        for file in weights.iterdir():
+            try:
+                os.link(file, path / file.name)
+            except OSError:  # another file system, or one without hard links
+                shutil.copy2(file, path / file.name)
+        write_task_file(cfg, path)
+    except OSError as e:
+        if not path.is_symlink():  # what this call wrote (the engine removes its own partial save)
+            shutil.rmtree(path, ignore_errors=True)
+        raise _hf_write_failed(cfg, path, e) from e
+    return path
+
+
+def _hf_write_failed(cfg: RunConfig, path: Path, error: OSError) -> Exception:
+    """A failed write of RUN_DIR/hf/step_N as one line: the checkpoint saved before it is intact."""
+    saved = [p.name for p in complete_checkpoints(cfg.trainer.run_dir)]
+    kept = f"checkpoint {saved[-1]} is intact" if saved else "no checkpoint was written"
+    return write_failed(
+        path,
+        error,
+        f"free disk space, then write the folder from the checkpoint with `rlloom export "
+        f"{cfg.trainer.run_dir} {path}` ({kept}; a partial folder is never left under {path.parent}).",
+    )
 
 
 def resolve_checkpoint(source: str | os.PathLike) -> Path:
@@ -95,12 +156,12 @@ def resolve_checkpoint(source: str | os.PathLike) -> Path:
     return latest
 
 
-def check_output(out: str | os.PathLike) -> Path:
-    """`out` must be a new or empty folder (an export never mixes with other files)."""
+def check_output(out: str | os.PathLike, what: str = "export output") -> Path:
+    """`out` must be a new or empty folder (an export, or `what` else, never mixes with other files)."""
     path = Path(out)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise ConfigError(
-            f"export output {str(out)!r} already exists and is not an empty folder. "
+            f"{what} {str(out)!r} already exists and is not an empty folder. "
             "Fix: pass a new folder, or remove it first."
         )
     return path
@@ -117,12 +178,10 @@ def create_output(path: Path) -> None:
         ) from e
 
 
-def build_engine_from_checkpoint(ckpt: Path, *, critic: bool = False) -> tuple[RunConfig, NativeTrainEngine]:
+def build_engine_from_checkpoint(ckpt: Path, *, critic: bool = False) -> tuple[RunConfig, TrainEngine]:
     """The training engine of a checkpoint (with `critic`, its critic's), on CPU in fp32, restored with
     its public `load` (a weights-only checkpoint's engine is built from its Hugging Face folder instead)."""
     cfg = load_config(ckpt / "config.yaml")
-    t = cfg.trainer
-    total_steps = t.total_steps * t.ppo_epochs * t.num_mini_batches
     weights_only = is_weights_only(ckpt)
     if critic:
         if weights_only or not (ckpt / CRITIC_DIR).is_dir():
@@ -135,25 +194,15 @@ def build_engine_from_checkpoint(ckpt: Path, *, critic: bool = False) -> tuple[R
                 f"export --critic: checkpoint {str(ckpt)!r} {what}, so it holds no critic. Fix: pass a full "
                 "checkpoint of a run with a critic, or drop --critic to export the policy."
             )
-        engine = NativeTrainEngine.build(
-            critic_engine_config(cfg),
-            cfg.critic_model_path,
-            device="cpu",
-            dtype=torch.float32,
-            total_steps=total_steps,
-            head="value",
-        )
+        check_model_folder(cfg.critic_model_path, "the run's critic.model_path")
+        engine = build_offline(cfg, cfg.critic_model_path, critic=True)
         engine.load(str(ckpt / CRITIC_DIR))
         return cfg, engine
     if weights_only:
         verify_folder(ckpt)  # a full checkpoint's engine verifies its own files in `load`
-    engine = NativeTrainEngine.build(
-        cfg.train,
-        str(ckpt / WEIGHTS_DIR) if weights_only else cfg.model.path,
-        device="cpu",
-        dtype=torch.float32,
-        total_steps=total_steps,
-    )
+    else:
+        check_model_folder(cfg.model.path, "the run's model.path")
+    engine = build_offline(cfg, str(ckpt / WEIGHTS_DIR) if weights_only else cfg.model.path)
     if not weights_only:
         engine.load(str(ckpt / ENGINE_DIR))
     return cfg, engine
@@ -169,4 +218,7 @@ def export_checkpoint(
     create_output(out_path)
     cfg, engine = build_engine_from_checkpoint(ckpt, critic=critic)
     model_path = cfg.critic_model_path if critic else cfg.model.path
-    return save_hf_folder(engine, model_path, out_path, dtype=dtype, critic=critic)
+    folder = save_hf_folder(engine, model_path, out_path, dtype=dtype, critic=critic)
+    if not critic:  # a value model is not evaluated on a task
+        write_task_file(cfg, folder)
+    return folder

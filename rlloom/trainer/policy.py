@@ -21,7 +21,7 @@ from rlloom.algorithms import (
 )
 from rlloom.algorithms.kl import kl_estimate
 from rlloom.algorithms.objective import correction_weights, is_correction
-from rlloom.config.components import AlgorithmConfig
+from rlloom.config import AlgorithmConfig
 from rlloom.data.types import PolicyUpdate, RolloutBatch
 
 

@@ -1,14 +1,17 @@
 """Start-up checks that need more than the config itself, run before any model or data is loaded.
 
-- The model folder exists and can run on the device, and its `max_position_embeddings` holds the longest sequence the run asks
+- The model folder (and critic.model_path's) passes `model_folder.check_model_folder`: config.json,
+  the safetensors headers and their agreement; its tokenizer loads and its chat template renders in
+  bounds (`check_tokenizer`). It can run on the device, and its `max_position_embeddings` holds the longest sequence the run asks
   for: data.max_prompt_length + rollout.max_new_tokens (a longer one would run silently past the
   positions the model was trained on).
 - The KV cache asked for fits in the device's free memory (inline mode; see `kv_cache_problem`).
 - The parallel degrees (parallel.tp/ep/...) divide the model's heads, KV heads, experts, vocabulary
-  and layers as each technique needs (`ParallelDims.check_model`), every factor printed.
-- rollout.quantization=fp8 has routed experts to quantize (an MoE model).
-- rollout.tp splits the model evenly: it divides the attention heads, the KV heads (or is a multiple
-  of them) and the MLP and expert widths (`tp_problem`).
+  and layers as each technique needs, every factor printed (the training backend's
+  `engines/train/build.check_parallel`).
+- rollout.quantization=fp8 has routed experts to quantize (an MoE model), and rollout.tp splits the
+  model evenly: it divides the attention heads, the KV heads (or is a multiple of them) and the MLP
+  and expert widths (the rollout backend's `engines/rollout/build.check_rollout`).
 - The reward function resolves (a built-in name, an importable plug-in, or a weighted sum of them).
 - A dataset file (data.task=jsonl/parquet) has the format its task names, its rows read, at least one
   row holds the prompt and answer columns (data.prompt_key, data.answer_key), and data.num_eval
@@ -26,28 +29,23 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rlloom.config.components import ConfigError, RunConfig
+from rlloom.config import ConfigError, RunConfig
 from rlloom.config.loading import load_config
 from rlloom.config.resume import run_changing_differences
-from rlloom.devices import resolve_device, resolve_dtype
-from rlloom.engines.rollout.native.model_runner import kv_bytes_per_block
-from rlloom.engines.rollout.native.tensor_parallel import tp_problem
-from rlloom.engines.rollout.native.validation import available_memory_bytes, kv_cache_problem
+from rlloom.devices import available_memory_bytes
+from rlloom.engines.rollout.build import check_rollout
+from rlloom.engines.train.build import check_parallel
 from rlloom.episodes.build import check_episodes
-from rlloom.models.args import ModelArgs
-from rlloom.models.checkpoint import VALUE_MODEL_SUFFIXES, resolve_path
-from rlloom.models.fp8 import FP8_NEEDS_EXPERTS
-from rlloom.parallel.dims import ParallelDims
-from rlloom.parallel.pp_stages import check_pp, split_layers
+from rlloom.models.checkpoint import VALUE_MODEL_SUFFIXES
 from rlloom.rewards.registry import get_reward_fn
 from rlloom.tasks.build import default_reward_name, task_prompts
 from rlloom.trainer.async_loop import capacity
+from rlloom.trainer.model_folder import check_model_folder, check_tokenizer
 
 
 def fit_multi_turn_budget(cfg: RunConfig) -> RunConfig:
@@ -66,13 +64,16 @@ def fit_multi_turn_budget(cfg: RunConfig) -> RunConfig:
 def check_before_loading(cfg: RunConfig) -> None:
     """Raise ConfigError for anything wrong that is known before the model is loaded."""
     hf_config = model_hf_config(cfg.model.path)
+    check_tokenizer(
+        cfg.model.path,
+        "model.path",
+        chat_template=cfg.data.chat_template,
+        system_prompt=cfg.data.system_prompt,
+    )
     max_positions = hf_config.get("max_position_embeddings")
     check_policy_model(cfg, hf_config)
     check_sequence_length(cfg, max_positions if isinstance(max_positions, int) else None)
-    check_rollout_tp(cfg, hf_config)
-    check_rollout_quantization(cfg, hf_config)
-    if cfg.cluster.mode == "inline":  # ray workers check their own devices when they build engines
-        check_kv_cache(cfg, hf_config)
+    check_rollout(cfg, hf_config)
     check_reward(cfg)
     check_step_size(cfg)
     check_parallel(cfg, hf_config)
@@ -147,12 +148,9 @@ def check_step_size(cfg: RunConfig) -> None:
 
 
 def model_hf_config(path: str, key: str = "model.path") -> dict[str, Any]:
-    """The checkpoint's config.json as a dict (`key`: the setting that named it, for the error)."""
-    try:
-        folder = resolve_path(path)
-        return json.loads((folder / "config.json").read_text())
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"{key}={path!r} is invalid: {' '.join(str(e).split())}") from None
+    """The checkpoint's config.json as a dict, once the folder passes `check_model_folder` (`key`: the
+    setting that named it, for the error)."""
+    return check_model_folder(path, key)
 
 
 def check_policy_model(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
@@ -209,64 +207,6 @@ def check_sequence_length(cfg: RunConfig, max_positions: int | None) -> None:
     )
 
 
-def check_rollout_tp(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
-    """rollout.tp must split the model's heads and widths evenly (the engine checks again)."""
-    if cfg.rollout.tp == 1:
-        return
-    try:
-        args = ModelArgs.from_hf_config(hf_config)
-    except ValueError:
-        return  # check_kv_cache or the engine reports the model itself
-    problem = tp_problem(args, cfg.rollout.tp)
-    if problem is not None:
-        raise ConfigError(f"{problem} ({cfg.model.path})")
-
-
-def check_rollout_quantization(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
-    """rollout.quantization=fp8 needs routed experts to quantize (the engine checks again)."""
-    if cfg.rollout.quantization == "none":
-        return
-    try:
-        args = ModelArgs.from_hf_config(hf_config)
-    except ValueError:
-        return  # check_kv_cache or the engine reports the model itself
-    if args.moe is None:
-        raise ConfigError(
-            f"rollout.quantization={cfg.rollout.quantization!r} is invalid for {cfg.model.path} "
-            f"({args.model_type}): {FP8_NEEDS_EXPERTS}. Fix: use rollout.quantization=none."
-        )
-
-
-def check_kv_cache(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
-    """The KV cache that rollout.num_blocks (or kv_cache_memory_gb) asks for must fit in the memory
-    the device has free now; the engine checks again, exactly, right before it allocates."""
-    try:
-        device = resolve_device(cfg)
-        args = ModelArgs.from_hf_config(hf_config)
-    except ValueError as e:
-        raise ConfigError(
-            f"model.path={cfg.model.path!r} cannot run here: {' '.join(str(e).split())}"
-        ) from None
-    ro = cfg.rollout
-    per_block = kv_bytes_per_block(args, ro.block_size, resolve_dtype(cfg, device))
-    setting, value = (
-        ("rollout.num_blocks", ro.num_blocks)
-        if ro.num_blocks
-        else ("rollout.kv_cache_memory_gb", ro.kv_cache_memory_gb)
-    )
-    problem = kv_cache_problem(
-        setting,
-        value,
-        num_blocks=ro.num_blocks or int(ro.kv_cache_memory_gb * 1024**3) // per_block,
-        extra_blocks=1,
-        bytes_per_block=per_block,
-        available_bytes=available_memory_bytes(device),
-        device=str(device),
-    )
-    if problem is not None:
-        raise ConfigError(problem)
-
-
 def check_reward(cfg: RunConfig) -> None:
     """`reward.name` (or the task's default) must name a reward function that can be loaded."""
     name = cfg.reward.name or default_reward_name(cfg.data.task)
@@ -296,32 +236,3 @@ def check_resume_config(checkpoint: Path, cfg: RunConfig) -> None:
             f"({saved_file}) in settings that change the run: {'; '.join(differences)}. Fix: use the "
             f"checkpoint's values, or {allow} (total_steps, saving and logging settings may always change)."
         )
-
-
-def check_parallel(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
-    """The parallel degrees against the model's shapes; the world-size rules are checked with the
-    config itself (`RunConfig.__post_init__`)."""
-    par = cfg.parallel
-    if par.tp == par.pp == par.cp == par.ep == 1:
-        return
-    args = None
-    try:
-        args = ModelArgs.from_hf_config(hf_config)
-        dims = ParallelDims(world_size=cfg.cluster.num_workers, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep)
-        dims.check_model(args)
-        if par.pp > 1:
-            check_pp(args, par.pp, par.pp_schedule, par.pp_virtual_stages)
-            split_layers(
-                args.num_layers,
-                par.pp * par.pp_virtual_stages,
-                first_stage_layers=par.pp_first_stage_layers,
-                last_stage_layers=par.pp_last_stage_layers,
-            )
-    except ValueError as e:
-        factors = (
-            ""
-            if args is None
-            else f"; num_hidden_layers={args.num_layers}, cluster.num_workers={cfg.cluster.num_workers} = pp "
-            f"{par.pp} x dp x cp {par.cp} x tp {par.tp}, ep={par.ep}, pp_virtual_stages={par.pp_virtual_stages}"
-        )
-        raise ConfigError(f"{' '.join(str(e).split())} (model.path={cfg.model.path!r}{factors})") from None

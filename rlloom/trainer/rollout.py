@@ -8,13 +8,13 @@ resumed run draws exactly the completions the uninterrupted run drew.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from rlloom.algorithms import overlong_penalty
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
+from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.types import Sample
 from rlloom.rewards.calling import RewardInput
 from rlloom.rewards.runner import RewardRunner
@@ -32,14 +32,15 @@ class RolloutResult:
 
 
 def score_samples(
-    samples: list[Sample], runner: RewardRunner, decode: Callable[[list[int]], str], cfg: RunConfig
+    samples: list[Sample], runner: RewardRunner, decode: ResponseDecoder, cfg: RunConfig
 ) -> dict[str, float]:
-    """Decode responses, run the reward function, add overlong shaping; fills `Sample.reward`.
+    """Decode responses (control tokens inside them visible), run the reward function, add overlong
+    shaping; fills `Sample.reward` and the metadata's `response_text`, `score` and `control_tokens`.
 
-    A multi-turn sample carries its final answer (`metadata["response_text"]`, the last assistant
-    message) and, when its environment gave one, its reward (`metadata["env_reward"]`): the reward
-    function scores only the samples without one."""
-    texts = [s.metadata.get("response_text") or decode(s.response_ids) for s in samples]
+    A multi-turn sample is scored on its last turn (`metadata["answer_ids"]`), and only when its
+    environment gave no reward (`metadata["env_reward"]`)."""
+    answers = [s.metadata.get("answer_ids", s.response_ids) for s in samples]
+    texts = [decode(ids) for ids in answers]
     given = [s.metadata.get("env_reward") for s in samples]
     todo = [i for i, g in enumerate(given) if g is None]
     result = runner.score(
@@ -67,14 +68,17 @@ def score_samples(
             buffer_len=algo.overlong_buffer,
             factor=algo.overlong_factor,
         )
-    for s, text, score, pen in zip(samples, texts, scores, penalty_B.tolist()):
+    for s, ids, text, score, pen in zip(samples, answers, texts, scores, penalty_B.tolist()):
         s.metadata["response_text"] = text
         s.metadata["score"] = score
+        s.metadata["control_tokens"] = decode.num_control(ids)
         s.reward = score + pen
     return dict(metrics)
 
 
 def reward_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Reward, accuracy and length statistics of a step's first sampling round, every sample of it
+    (under dynamic sampling the groups dropped too: what the policy produced, not what it trained on)."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     scores = torch.tensor([s.metadata["score"] for s in samples], dtype=torch.float64)
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
@@ -85,4 +89,12 @@ def reward_metrics(samples: list[Sample]) -> dict[str, float]:
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
         "response/clip_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+        # responses holding a control token before their end (the policy wrote chat structure)
+        "response/special_token_frac": sum(s.metadata["control_tokens"] > 0 for s in samples) / len(samples),
     }
+
+
+def trained_reward_metrics(samples: list[Sample]) -> dict[str, float]:
+    """`reward/trained_mean`: the mean reward of the samples a step trains on (under dynamic sampling
+    the kept groups of every round, unlike `reward_metrics`'s first round; without it the same)."""
+    return {"reward/trained_mean": sum(s.reward for s in samples) / len(samples)}

@@ -12,14 +12,14 @@ is dropped and the job draws the missing prompts in another round (up to
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from rlloom.algorithms import keep_informative_groups
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
+from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.dataset import PromptItem
 from rlloom.data.source import Position
 from rlloom.data.types import Sample
@@ -146,7 +146,7 @@ def add_group(
     order: int,
     cfg: RunConfig,
     runner: RewardRunner,
-    decode: Callable[[list[int]], str],
+    decode: ResponseDecoder,
 ) -> None:
     """Score one prompt's samples and keep the group (unless dynamic sampling drops it)."""
     for k, v in score_samples(group, runner, decode, cfg).items():

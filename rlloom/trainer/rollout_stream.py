@@ -29,7 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rlloom.cluster.base import RolloutGroup
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
+from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.dataset import PromptItem
 from rlloom.data.source import Position, PromptSource
 from rlloom.data.types import Sample
@@ -68,7 +69,7 @@ class RolloutStream:
         *,
         source: PromptSource,
         runner: RewardRunner,
-        decode: Callable[[list[int]], str],
+        decode: ResponseDecoder,
         stop_token_ids: list[int],
         episodes: EpisodeDriver | None = None,
     ) -> None:

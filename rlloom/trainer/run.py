@@ -19,8 +19,9 @@ import numpy as np
 import torch
 
 from rlloom.cluster.build import build_groups
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 from rlloom.config.loading import to_dict, to_yaml
+from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.types import Sample
 from rlloom.devices import resolve_device
 from rlloom.episodes.build import build_episode_driver
@@ -38,14 +39,17 @@ from rlloom.tasks.build import build_task_source
 from rlloom.trainer.async_loop import AsyncLoop
 from rlloom.trainer.checkpoint import (
     CONFIG_FILE,
+    WEIGHTS_DIR,
     TrainerState,
+    final_is_weights_only,
+    folder_gb,
     load_checkpoint,
     prepare_run_dir,
     resolve_resume,
     save_checkpoint,
 )
 from rlloom.trainer.evaluate import evaluate
-from rlloom.trainer.export import save_run_hf
+from rlloom.trainer.export import link_run_hf, save_run_hf
 from rlloom.trainer.preflight import check_before_loading, check_resume_config, fit_multi_turn_budget
 from rlloom.trainer.run_lock import RunDirLock
 from rlloom.trainer.step import StepContext, rl_step, update_was_skipped
@@ -106,7 +110,7 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
     )
     columns = {name for item in (*source.items, *eval_items) for name in item.metadata}
     runner = build_reward_runner(cfg.reward, task=cfg.data.task, columns=columns)
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    decode = ResponseDecoder.of(tokenizer)  # control tokens inside a response stay visible
     stop_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if warning := check_fits(cfg):  # before any GPU memory is taken (rlloom plan, docs/plan.md)
         log.warning(warning)
@@ -155,16 +159,19 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
         config=to_dict(cfg),
     )
 
-    def checkpoint() -> Path:  # of the step just done
+    def checkpoint(weights_only: bool) -> Path:  # of the step just done
         state.data_state = source.state_dict()
         state.kl_coef = ctx.kl_coef
-        path = save_checkpoint(groups.train, cfg, state, critic_group=groups.critic)
+        path = save_checkpoint(
+            groups.train, cfg, state, weights_only=weights_only, critic_group=groups.critic
+        )
         maybe_fail("after_checkpoint", state.step)
         return path
 
     run_eval = lambda: evaluate(
         groups.rollout, eval_items, runner, decode, cfg, stop_token_ids=stop_token_ids
     )
+    saved: Path | None = None
     try:
         if state.step == 0 and state.accuracy_before is None and eval_items:
             phase = time.perf_counter()
@@ -205,13 +212,18 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
                         "weights never changed and no final checkpoint was written. Fix: lower train.lr, or look "
                         "for inf/NaN in the rewards and advantages (metrics.jsonl)."
                     )
-                saved = checkpoint() if _save_due(cfg, state.step, is_last) else None
-                if _hf_due(cfg, state.step, is_last):
+                weights_only = cfg.trainer.save_weights_only or (is_last and final_is_weights_only(cfg))
+                saved = checkpoint(weights_only) if _save_due(cfg, state.step, is_last) else None
+                if _hf_due(cfg, state.step, is_last) and saved is not None and (saved / WEIGHTS_DIR).is_dir():
+                    link_run_hf(saved / WEIGHTS_DIR, cfg, state.step)  # the same files: no second copy
+                elif _hf_due(cfg, state.step, is_last):
                     save_run_hf(groups.train, cfg, state.step)
                 if stop.signum and not is_last:  # a Ctrl-C or SIGTERM arrived during this step
                     if loop is not None:  # a no-op unless the signal came after the step's own check
                         loop.drain(state.step)
-                    raise RunStopped(stop.signum, state.step, saved or checkpoint())
+                    raise RunStopped(
+                        stop.signum, state.step, saved or checkpoint(cfg.trainer.save_weights_only)
+                    )
     finally:
         loggers.close()
         runner.close()
@@ -226,9 +238,12 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
         accuracy_after=after.get("eval/accuracy"),
         run_dir=run_dir,
     )
+    size = (
+        "" if saved is None else f" checkpoint_gb={folder_gb(saved):.2f}"
+    )  # weights only: see checkpoint.py
     print(
         f"{run_name(cfg.logging, run_dir)}: accuracy_before={_fmt(result.accuracy_before)} accuracy_after={_fmt(result.accuracy_after)} "
-        f"steps={result.steps} seconds={seconds:.0f}",
+        f"steps={result.steps} seconds={seconds:.0f}{size}",
         flush=True,
     )
     return result

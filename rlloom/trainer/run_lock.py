@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from rlloom.config.components import ConfigError
+from rlloom.config import ConfigError
 from rlloom.run_files import open_fd, write_failed
 
 LOCK_FILE = ".lock"

@@ -23,7 +23,8 @@ import torch
 from rlloom.algorithms import adaptive_kl_coef, loss_normalizer
 from rlloom.algorithms.objective import value_normalizer
 from rlloom.cluster.base import CriticGroup, RolloutGroup, TrainGroup, WeightSync
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
+from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.source import PromptSource
 from rlloom.data.types import PolicyUpdate, RolloutBatch, Sample, ValueUpdate
 from rlloom.episodes.driver import EpisodeDriver
@@ -38,7 +39,7 @@ from rlloom.trainer.policy import (
     token_rewards,
     value_metrics,
 )
-from rlloom.trainer.rollout import RolloutResult
+from rlloom.trainer.rollout import RolloutResult, trained_reward_metrics
 from rlloom.trainer.rollout_stream import RolloutStream, collect_rollouts
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class StepContext:
     weight_sync: WeightSync
     source: PromptSource
     runner: RewardRunner
-    decode: Callable[[list[int]], str]
+    decode: ResponseDecoder
     stop_token_ids: list[int]
     on_samples: Callable[[list[Sample]], None] | None = None
     """Called with each step's scored samples (the trainer logs a few of them)."""
@@ -108,6 +109,7 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
         metrics.update(timer.seconds())
         metrics["train/skipped_step"] = 1.0
         return metrics
+    metrics.update(trained_reward_metrics(rollout.samples))
     batch = RolloutBatch(rollout.samples)
     if hand_over:
         with timer("rollout_sleep"):

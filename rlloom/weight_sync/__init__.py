@@ -10,4 +10,5 @@
 - `checksum.py`: the per-sync verification (every rollout tensor exactly once, right shape and
   version; content checksums sender vs receiver).
 - `base.py`: the records and protocols every transport shares (`SyncReport`, `WeightSyncError`).
+- `build.py`: which transport a run uses (`sync.transport`; `auto` by the placement).
 """

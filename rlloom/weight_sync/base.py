@@ -1,9 +1,10 @@
-"""What every weight-sync transport shares: the source and sink protocols, the report of one sync,
-the error a failed sync raises, and whether content checksums run (`sync.checksum`)."""
+"""What every weight-sync transport shares: the source protocol (the sink is a rollout engine,
+`RolloutEngine`), the report of one sync, the error a failed sync raises, and whether content
+checksums run (`sync.checksum`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -29,12 +30,6 @@ class WeightSource(Protocol):
         `lazy_cast`: a tensor that no gather moves (one rank's, or one process's) comes in its own
         dtype, for a caller whose copy casts it (the weight syncs): one pass instead of a cast and a copy."""
         ...
-
-
-class WeightSink(Protocol):
-    """The rollout side: a rollout engine (`RolloutEngine.update_weights`)."""
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None: ...
 
 
 class WeightSyncError(RuntimeError):

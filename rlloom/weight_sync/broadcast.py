@@ -9,8 +9,7 @@ API (the workers call exactly these):
         # ranks 0..S-1: the training ranks that send; S..S+R-1: the rollout ranks, rollout rank i
         # being tp rank i % tp of replica i // tp
     # once, on every training rank when all of them send (collective over the training world):
-    layout = owner_layout(train_engine.weight_layouts(), train_engine.layout.ep_rank,
-                          train_engine.layout.tp_rank)
+    layout = owner_layout(train_engine.weight_layouts(), train_engine.ep_rank, train_engine.tp_rank)
     # each sync, on every training rank (non-senders pass group=None: FSDP gathers are collective);
     # layout=None instead: every rank yields full tensors (routed experts all-gathered over EP):
     report = send_weights(group, train_engine, bucket_bytes=cfg.sync.bucket_mb << 20,
@@ -71,7 +70,7 @@ from collections.abc import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from rlloom.engines.train.native.weights import WeightLayout
+from rlloom.engines.train.base import WeightLayout
 from rlloom.weight_sync.base import SyncReport, WeightSource, WeightSyncError
 from rlloom.weight_sync.group import SyncGroup, SyncGroupSpec, exchange, join_sync_group, wait_all
 from rlloom.weight_sync.outbox import Outbox, send_plan

@@ -12,19 +12,20 @@ weight changes.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import weakref
 from collections.abc import Iterable
 
 import torch
 
-from rlloom.engines.train.native.weights import tensor_checksum
+from rlloom.engines.rollout.base import RolloutEngine
 from rlloom.models import CausalLM, hf_named_tensors
 from rlloom.weight_sync.reshard import Box, RankLayout, box_numel, full_box, intersect
 
 _LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def rank_layout(engine: object) -> RankLayout:
+def rank_layout(engine: RolloutEngine) -> RankLayout:
     """What this rollout rank holds, from its engine: names and FULL shapes from the engine's model
     config (a meta-device copy, no memory) and, for a tensor-parallel engine, its slice of each
     tensor from `engine.weight_shard_slices()` (name -> (dim, start, length), None = whole).
@@ -34,14 +35,13 @@ def rank_layout(engine: object) -> RankLayout:
     return _LAYOUTS[engine]
 
 
-def _rank_layout(engine: object) -> RankLayout:
-    model = engine.model  # type: ignore[attr-defined]
-    full_args = getattr(getattr(engine, "tp", None), "full_args", model.args)
+def _rank_layout(engine: RolloutEngine) -> RankLayout:
     with torch.device("meta"):
-        meta = CausalLM(dataclasses.replace(full_args, fused_projections=False), model.hf_config)
+        meta = CausalLM(
+            dataclasses.replace(engine.full_args, fused_projections=False), engine.model.hf_config
+        )
     shapes = {name: tuple(t.shape) for name, t in hf_named_tensors(meta)}
-    slices_of = getattr(engine, "weight_shard_slices", None)
-    slices = slices_of() if slices_of is not None else {}
+    slices = engine.weight_shard_slices()
     boxes = {}
     for name, shape in shapes.items():
         box = list(full_box(shape))
@@ -52,9 +52,9 @@ def _rank_layout(engine: object) -> RankLayout:
     return RankLayout(shapes=shapes, boxes=boxes)
 
 
-def weight_dtype(engine: object) -> torch.dtype:
+def weight_dtype(engine: RolloutEngine) -> torch.dtype:
     """The dtype of the rollout engine's weights (what a sync casts to)."""
-    return next(engine.model.parameters()).dtype  # type: ignore[attr-defined]
+    return next(engine.model.parameters()).dtype
 
 
 def piece_key(name: str, box: Box) -> str:
@@ -63,8 +63,13 @@ def piece_key(name: str, box: Box) -> str:
 
 
 def digest(tensor: torch.Tensor) -> str:
-    """Content checksum (BLAKE2b of dtype, shape and bytes; copies the tensor to the host)."""
-    return tensor_checksum(tensor)
+    """Content checksum: hex BLAKE2b of a tensor's dtype, shape and bytes, equal exactly when the
+    values are. Both sides of a weight sync call it on what they sent and received (same dtype) to
+    prove the transfer lossless. Costs one copy to the host."""
+    t = tensor.detach().contiguous().cpu()
+    h = hashlib.blake2b(f"{t.dtype}{tuple(t.shape)}".encode(), digest_size=16)
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -23,16 +23,17 @@ import time
 
 import torch
 
+from rlloom.engines.rollout.base import RolloutEngine
 from rlloom.models.adapter import hf_slots
 from rlloom.models.fp8 import Fp8Rows, roundtrip
-from rlloom.weight_sync.base import SyncReport, WeightSink, WeightSource, WeightSyncError
+from rlloom.weight_sync.base import SyncReport, WeightSource, WeightSyncError
 from rlloom.weight_sync.checksum import check_names, rank_layout, same_bits
 from rlloom.weight_sync.reshard import RankLayout, full_box
 
 
 def sync_inplace(
     source: WeightSource,
-    sink: WeightSink,
+    sink: RolloutEngine,
     *,
     bucket_bytes: int = 256 << 20,
     dtype: torch.dtype | None = None,
@@ -65,12 +66,12 @@ def sync_inplace(
 
 
 def _compare_after_copy(
-    staged: list[tuple[str, torch.Tensor]], sink: WeightSink, layout: RankLayout, version: int
+    staged: list[tuple[str, torch.Tensor]], sink: RolloutEngine, layout: RankLayout, version: int
 ) -> None:
     """Every tensor the rollout holds whole, read back and compared bit for bit with what was sent
     (a tensor-parallel engine's slices are left out)."""
     whole = {n for n, box in layout.boxes.items() if box == full_box(layout.shapes[n])}
-    held = {name: t for name, t in hf_slots(sink.model) if name in whole}  # type: ignore[attr-defined]
+    held = {name: t for name, t in hf_slots(sink.model) if name in whole}
     bad = [
         name
         for name, t in staged
@@ -84,10 +85,10 @@ def _compare_after_copy(
         )
 
 
-def _failed(version: int, sink: WeightSink, why: str) -> WeightSyncError:
+def _failed(version: int, sink: RolloutEngine, why: str) -> WeightSyncError:
     return WeightSyncError(
         f"weight sync of version {version} failed: {why}; the rollout engine keeps its previous weights "
-        f"(version {getattr(sink, 'policy_version', '?')})"
+        f"(version {sink.policy_version})"
     )
 
 

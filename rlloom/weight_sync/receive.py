@@ -9,7 +9,8 @@ import time
 
 import torch
 
-from rlloom.weight_sync.base import SyncReport, WeightSink, WeightSyncError
+from rlloom.engines.rollout.base import RolloutEngine
+from rlloom.weight_sync.base import SyncReport, WeightSyncError
 from rlloom.weight_sync.checksum import (
     check_checksums,
     check_tiling,
@@ -27,7 +28,7 @@ __all__ = ["receive_weights"]
 
 def receive_weights(
     group: SyncGroup,
-    sink: WeightSink,
+    sink: RolloutEngine,
     *,
     checksum: bool = False,
     layout: RankLayout | None = None,
@@ -46,7 +47,7 @@ def receive_weights(
         group.broken = not isinstance(exc, _Rejected)
         raise WeightSyncError(
             f"weight sync failed on rollout rank {group.rank - group.spec.num_senders}: {exc}; the rollout "
-            f"engine keeps its previous weights (version {getattr(sink, 'policy_version', '?')})"
+            f"engine keeps its previous weights (version {sink.policy_version})"
         ) from exc
     sink.update_weights(tensors, version)
     report.seconds = time.perf_counter() - start

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from rlloom.algorithms.objective import make_value_loss_fn
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 from rlloom.data.types import RolloutBatch, ValueUpdate
 from rlloom.devices import resolve_device, resolve_dtype
 from rlloom.engines.train.build import build_critic

@@ -6,9 +6,8 @@ weights. Plain bookkeeping over a dict of `Flight`s: the stream holds the dict a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from rlloom.engines.rollout import Completion, SamplingParams
+from rlloom.engines.rollout import Completion, RolloutEngine, SamplingParams
 
 
 @dataclass(kw_only=True, slots=True)
@@ -66,7 +65,7 @@ def record(
     return finished
 
 
-def resume_all(engine: Any, flights: dict[str, Flight], *, keep: bool) -> None:
+def resume_all(engine: RolloutEngine, flights: dict[str, Flight], *, keep: bool) -> None:
     """Put every aborted sample of `flights` back into `engine`: from its tokens so far (`keep`),
     or from scratch (its tokens discarded)."""
     for request_id, flight in flights.items():

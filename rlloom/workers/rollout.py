@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 from rlloom.engines.rollout import Completion, SamplingParams
 from rlloom.engines.rollout.build import build_rollout_engine
 from rlloom.faults import maybe_fail

@@ -28,12 +28,11 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rlloom.engines.rollout import Completion
+from rlloom.engines.rollout import Completion, RolloutEngine
 from rlloom.workers.flights import Flight, StreamRequest, StreamResult, partial_tokens, record, resume_all
 
 
@@ -54,7 +53,7 @@ class EngineStream:
     """The step-level producer on one in-process rollout engine (or one rank of a replica's)."""
 
     def __init__(
-        self, engine: Any, *, group: dist.ProcessGroup | None = None, timeout_s: float = 600.0
+        self, engine: RolloutEngine, *, group: dist.ProcessGroup | None = None, timeout_s: float = 600.0
     ) -> None:
         self.engine = engine
         self.group = group

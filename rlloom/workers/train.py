@@ -13,12 +13,12 @@ from collections.abc import Iterator
 import torch
 
 from rlloom.algorithms.objective import make_loss_fn
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 from rlloom.data.types import PolicyUpdate, RolloutBatch
 from rlloom.devices import resolve_device, resolve_dtype
+from rlloom.engines.train.base import WeightLayout
 from rlloom.engines.train.build import build_reference, build_train_engine
 from rlloom.engines.train.hf_folder import save_hf_folder
-from rlloom.engines.train.native.weights import WeightLayout
 from rlloom.faults import maybe_fail
 from rlloom.observability.metrics import Max, Mean, Metric, Sum
 
@@ -123,12 +123,12 @@ class TrainWorker:
     @property
     def ep_rank(self) -> int:
         """This rank's expert-parallel rank (0 without expert parallelism)."""
-        return self.engine.layout.ep_rank
+        return self.engine.ep_rank
 
     @property
     def tp_rank(self) -> int:
         """This rank's tensor-parallel rank (0 without tensor parallelism)."""
-        return self.engine.layout.tp_rank
+        return self.engine.tp_rank
 
     def offload(self) -> None:
         """Move the policy's parameters, gradients and optimizer state to the host."""

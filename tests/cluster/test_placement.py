@@ -66,7 +66,7 @@ def test_placement_settings_are_checked_with_one_line_errors(overrides, message)
 
 
 def test_rollout_ranks_must_split_into_whole_replicas(monkeypatch):
-    from rlloom.config.components import ClusterConfig, RolloutConfig
+    from rlloom.config import ClusterConfig, RolloutConfig
 
     base = cfg()
     # rollout.tp arrives with the tensor-parallel rollout engine; stand it in on the class.

@@ -98,6 +98,24 @@ CONFIG_CASES = [
     ("missing_file", "MISSING", [], ["does not exist"]),
     # a dataset file beside a procedural task was ignored: the run trained on arithmetic
     ("data_path_with_a_task", None, ["data.path=/d.jsonl"], ["data.path='/d.jsonl'", "data.task=jsonl"]),
+    # a weight-sync transport the placement cannot run
+    (
+        "sync_broadcast_colocated",
+        None,
+        ["sync.transport=broadcast"],
+        ["sync.transport='broadcast'", "cluster.placement=separate", "cluster.mode=ray", "rollout_workers"],
+    ),
+    (
+        "sync_inplace_separate",
+        None,
+        [
+            "sync.transport=inplace",
+            "cluster.mode=ray",
+            "cluster.placement=separate",
+            "cluster.rollout_workers=1",
+        ],
+        ["sync.transport='inplace'", "cluster.placement=colocated"],
+    ),
 ]
 
 
@@ -197,9 +215,12 @@ def changed_config(tmp_path: Path, ckpt: Path, **changes) -> Path:
 
 
 def fake_checkpoint(tmp_path: Path, ckpt: Path, *changes: str) -> Path:
-    """A run folder holding a real one-step checkpoint of the run with `changes`."""
+    """A run folder holding a real one-step (full, resumable) checkpoint of the run with `changes`."""
     run_dir = tmp_path / "run"
-    assert main(train_args(ckpt, run_dir, *changes, "trainer.total_steps=1", "trainer.save_hf_every=-1")) == 0
+    args = train_args(
+        ckpt, run_dir, *changes, "trainer.total_steps=1", "trainer.save_hf_every=-1", "trainer.save_every=1"
+    )
+    assert main(args) == 0
     return run_dir
 
 

@@ -7,7 +7,7 @@ import typing
 from pathlib import Path
 
 from rlloom.cli import main
-from rlloom.config.components import RunConfig
+from rlloom.config import RunConfig
 from rlloom.config.doc import REGENERATE, config_reference, field_docstrings
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from rlloom.data.chat import prompt_messages, render_prompt, tokenize_prompts
+from rlloom.data.chat import encode_prompt, prompt_messages, tokenize_prompts
 from rlloom.data.dataset import RawPrompt
 
 
@@ -13,7 +13,7 @@ class FakeTokenizer:
 
     chat_template = "fake"
 
-    def encode(self, text, add_special_tokens=True):
+    def encode(self, text, add_special_tokens=True, split_special_tokens=False):
         return ([1] if add_special_tokens else []) + [ord(c) for c in text]
 
     def apply_chat_template(self, conversation, *, add_generation_prompt, tokenize):
@@ -27,8 +27,10 @@ def raws(*prompts):
 
 def test_chat_template_and_system_prompt():
     tok = FakeTokenizer()
-    assert render_prompt("hi", tok, chat_template=True) == "<user>hi<assistant>"
-    assert render_prompt("hi", tok, chat_template=True, system_prompt="S") == "<system>S<user>hi<assistant>"
+    assert encode_prompt("hi", tok, chat_template=True)[0] == "<user>hi<assistant>"
+    assert (
+        encode_prompt("hi", tok, chat_template=True, system_prompt="S")[0] == "<system>S<user>hi<assistant>"
+    )
     own = [{"role": "system", "content": "mine"}, {"role": "user", "content": "hi"}]
     assert prompt_messages(own, "S") == own  # the row's own system message wins
     out = tokenize_prompts(raws("hi"), tok, chat_template=True, max_prompt_length=100)
@@ -44,7 +46,7 @@ def test_raw_text_encodes_with_special_tokens_and_refuses_chat_lists(caplog):
     assert out.items[0].prompt_ids == [1, 97, 98] and out.items[0].prompt_text == "ab"
     assert "system_prompt" in caplog.text
     with pytest.raises(ValueError, match="chat_template"):
-        render_prompt([{"role": "user", "content": "x"}], tok, chat_template=False)
+        encode_prompt([{"role": "user", "content": "x"}], tok, chat_template=False)
 
 
 def test_too_long_prompts_are_skipped_and_counted():
@@ -59,7 +61,7 @@ def test_missing_chat_template_raises_with_a_fix():
     tok = FakeTokenizer()
     tok.chat_template = None
     with pytest.raises(ValueError, match="data.chat_template=false"):
-        render_prompt("hi", tok, chat_template=True)
+        encode_prompt("hi", tok, chat_template=True)
 
 
 def test_real_hugging_face_tokenizer():

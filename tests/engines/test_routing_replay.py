@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent / "rollout"))
 from rollout_testutil import prompts, save, tiny_deepseek, tiny_moe  # noqa: E402
 
 from rlloom import models  # noqa: E402
-from rlloom.config.components import TrainEngineConfig  # noqa: E402
+from rlloom.config import TrainEngineConfig  # noqa: E402
 from rlloom.data.types import RolloutBatch, Sample  # noqa: E402
 from rlloom.engines.rollout.native import NativeEngine, SamplingParams  # noqa: E402
 from rlloom.engines.train.native import NativeTrainEngine  # noqa: E402

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.dataset import PromptItem
 from rlloom.engines.rollout import Completion, SamplingParams
 from rlloom.episodes.calls import EnvCalls, EnvSpec
@@ -130,7 +131,7 @@ def _driver(tokenizer, tools: tuple[str, ...], **settings) -> EpisodeDriver:
         calls=EnvCalls(spec, num_workers=1, timeout_s=10),
         tokenizer=tokenizer,
         stop_token_ids=[tokenizer.eos_token_id],
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        decode=ResponseDecoder.of(tokenizer),
     )
 
 
@@ -205,7 +206,7 @@ def test_tool_turns_are_exact_tokens_with_observations_masked(tiny_checkpoint):
         ep = sample.metadata["episode"]
         assert (ep["turns"], ep["tool_calls"], ep["tool_errors"]) == (3, 4, 3)
         assert (
-            sample.metadata["response_text"] == "The answer is 5." and sample.metadata["env_reward"] is None
+            tok.decode(sample.metadata["answer_ids"][:-1]) == "The answer is 5." and sample.metadata["env_reward"] is None
         )
         assert (
             sum(sample.loss_mask)
@@ -267,7 +268,7 @@ def test_a_template_that_rewrites_history_starts_a_new_sample(tiny_checkpoint):
 
 
 def test_a_trajectory_split_into_turns_counts_once_in_its_group():
-    from rlloom.config.components import AlgorithmConfig
+    from rlloom.config import AlgorithmConfig
     from rlloom.data.types import RolloutBatch, Sample
     from rlloom.trainer.policy import compute_advantages
 

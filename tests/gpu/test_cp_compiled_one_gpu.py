@@ -36,7 +36,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 sys.path.insert(0, "benchmarks")
 from bench_train_parallel import TINY_MOE, packed_batch, policy_loss, random_model
 from rlloom.algorithms.losses import loss_normalizer
-from rlloom.config.components import TrainEngineConfig
+from rlloom.config import TrainEngineConfig
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.parallel import ParallelDims
 

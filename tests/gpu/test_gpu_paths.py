@@ -214,6 +214,7 @@ def test_bf16_train_engine_logprobs_and_step(tmp_path):
 def test_one_rl_step_on_gpu(tiny_checkpoint, tmp_path, extra):
     from rlloom.cluster.build import build_groups
     from rlloom.config import load_config
+    from rlloom.data.control_tokens import ResponseDecoder
     from rlloom.models import load_tokenizer
     from rlloom.rewards.build import build_reward_runner
     from rlloom.tasks.build import build_task_source
@@ -237,7 +238,7 @@ def test_one_rl_step_on_gpu(tiny_checkpoint, tmp_path, extra):
         weight_sync=groups.sync,
         source=build_task_source(cfg.data, tok, "train"),
         runner=build_reward_runner(cfg.reward, task=cfg.data.task),
-        decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+        decode=ResponseDecoder.of(tok),
         stop_token_ids=[tok.eos_token_id],
     )
     for step in range(2):

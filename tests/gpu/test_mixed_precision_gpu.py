@@ -42,7 +42,7 @@ def test_engine_on_compute_copies_equals_fsdp_world_one(tmp_path):
     from train_engine_helpers import PolicyLoss, make_batch
 
     from rlloom.algorithms.losses import loss_normalizer
-    from rlloom.config.components import TrainEngineConfig
+    from rlloom.config import TrainEngineConfig
     from rlloom.engines.train.native import NativeTrainEngine
     from rlloom.models import from_pretrained
     from rlloom.parallel import ParallelDims

@@ -76,7 +76,7 @@ def test_the_adapted_forward_is_the_merged_linear_and_starts_as_the_base():
 
 
 def test_targets_the_model_lacks_are_a_config_error():
-    from rlloom.config.components import ConfigError
+    from rlloom.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"train.lora_target_modules='q_a_proj' is invalid: it matches no"):
         apply_lora(tiny_model("qwen3"), rank=2, alpha=4.0, targets="q_a_proj")  # an MLA projection

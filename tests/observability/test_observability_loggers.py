@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from rlloom.config.components import LoggingConfig
+from rlloom.config import LoggingConfig
 from rlloom.observability.console import ConsoleLogger, format_eta
 from rlloom.observability.jsonl import JsonlLogger, read_metrics_jsonl
 from rlloom.observability.log import init_logger
@@ -63,9 +63,9 @@ def test_console_prints_one_tagged_line_per_step_off_a_tty():
     out = io.StringIO()
     logger = ConsoleLogger(total_steps=20, file=out)
     logger.log(0, {"eval/accuracy": 0.1})
-    logger.log(1, {"reward/mean": 0.5, "train/accuracy": 0.25, "time/step_s": 1.234})
-    logger.log(2, {"reward/mean": 0.625, "eval/accuracy": 0.3, "time/step_s": 1.0, "other/x": 9})
-    logger.log(3, {"reward/mean": 0.75, "time/step_s": 1.0})
+    logger.log(1, {"reward/trained_mean": 0.5, "train/accuracy": 0.25, "time/step_s": 1.234})
+    logger.log(2, {"reward/trained_mean": 0.625, "eval/accuracy": 0.3, "time/step_s": 1.0, "other/x": 9})
+    logger.log(3, {"reward/trained_mean": 0.75, "time/step_s": 1.0})
     logger.close()
     lines = out.getvalue().splitlines()
     assert len(lines) == 4
@@ -88,8 +88,8 @@ def test_console_shows_the_samples_whose_reward_failed_only_when_there_are_some(
     out = io.StringIO()
     logger = ConsoleLogger(total_steps=3, file=out)
     failed = {"reward/errors": 6.0, "reward/timeouts": 1.0, "reward/invalid": 1.0}
-    logger.log(1, {"reward/mean": 0.0, **failed, "time/step_s": 1.0})
-    logger.log(2, {"reward/mean": 0.5, **dict.fromkeys(failed, 0.0), "time/step_s": 1.0})
+    logger.log(1, {"reward/trained_mean": 0.0, **failed, "time/step_s": 1.0})
+    logger.log(2, {"reward/trained_mean": 0.5, **dict.fromkeys(failed, 0.0), "time/step_s": 1.0})
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("[rlloom] step 1/3 | reward 0.000 | reward_failed 8 | 1.00 s/step")
     assert lines[1].startswith("[rlloom] step 2/3 | reward 0.500 | 1.00 s/step")
@@ -103,7 +103,7 @@ def test_console_eta_leaves_out_the_warm_up_step(monkeypatch):
     out = io.StringIO()
     logger = ConsoleLogger(total_steps=10, file=out, first_step=1)
     for step in (1, 2, 3):
-        logger.log(step, {"reward/mean": 0.0})
+        logger.log(step, {"reward/trained_mean": 0.0})
     lines = out.getvalue().splitlines()
     assert lines[0].endswith("100.00 s/step (warm-up) | eta after warm-up")
     # 1 s a step after the warm-up, 7 steps left: 7 s (a rate over all steps would say 238 s).
@@ -113,19 +113,37 @@ def test_console_eta_leaves_out_the_warm_up_step(monkeypatch):
 def test_console_without_total_or_timer():
     out = io.StringIO()
     logger = ConsoleLogger(file=out)
-    logger.log(3, {"reward/mean": 1.0})
+    logger.log(3, {"reward/trained_mean": 1.0})
     line = out.getvalue().strip()
     assert line.startswith("[rlloom] step 3 | reward 1.000 | ") and line.endswith(" s/step (warm-up)")
     assert format_eta(3725.4) == "1:02:05"
 
 
-def test_console_live_mode_draws_without_error():
+def test_console_live_mode_keeps_every_step_line_above_the_bar():
     out = io.StringIO()
     logger = ConsoleLogger(total_steps=4, file=out, live=True)
+    logger.log(0, {"eval/accuracy": 0.1})
     for step in range(1, 5):
-        logger.log(step, {"reward/mean": 0.1 * step})
+        logger.log(step, {"reward/trained_mean": 0.1 * step, "time/step_s": 1.0})
     logger.close()
-    assert "step 4/4" in out.getvalue()
+    # Each step's line is printed once and stays (the live bar only redraws itself), step 0's
+    # evaluation too.
+    text = out.getvalue()
+    assert "[rlloom] step 0/4 | eval_acc 0.100" in text
+    for step in range(1, 5):
+        assert text.count(f"[rlloom] step {step}/4 | reward {0.1 * step:.3f}") == 1
+
+
+def test_console_shows_the_kl_term_and_entropy():
+    out = io.StringIO()
+    logger = ConsoleLogger(total_steps=3, file=out)
+    logger.log(
+        1, {"reward/trained_mean": 0.5, "loss/kl": 0.00123, "actor/entropy": 0.8125, "time/step_s": 1.0}
+    )
+    logger.log(2, {"reward/trained_mean": 0.5, "reward/kl": 0.25, "actor/entropy": 0.5, "time/step_s": 1.0})
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("[rlloom] step 1/3 | reward 0.500 | kl 0.0012 | entropy 0.812 | 1.00 s/step")
+    assert "| kl 0.2500 | entropy 0.500 |" in lines[1]
 
 
 def test_build_loggers_follows_config(tmp_path):

@@ -118,3 +118,33 @@ def test_plot_has_integer_step_ticks_the_training_panels_and_a_spread_band(tmp_p
     (band,) = reward.collections  # mean +- std across the step's samples
     low, high = band.get_paths()[0].vertices[:, 1].min(), band.get_paths()[0].vertices[:, 1].max()
     assert low == pytest.approx(0.1 - 0.05) and high == pytest.approx(0.3 + 0.05)
+
+
+def test_step_line_shows_the_trained_batch_reward_kl_and_entropy(tiny_checkpoint, tmp_path, capsys):
+    """Under dynamic sampling `reward` is the trained batch's (every kept sample, logged here in full
+    to samples.jsonl), not the first sampling round's; a KL term shows `kl` and `entropy`."""
+    run_dir = tmp_path / "dapo"
+    reward = (
+        "reward.name=resume_reward:digit_share",
+        f"reward.import_dir={Path(__file__).parents[1] / 'trainer'}",
+    )
+    args = (
+        "algorithm.dynamic_sampling=true",
+        "algorithm.kl_coef=0.01",
+        "logging.samples_per_step=8",
+        "data.num_eval=0",
+    )
+    assert train(tiny_checkpoint, run_dir, *reward, *args) == 0
+    steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[rlloom] step ")]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    # Step 1 dropped a group whose samples all scored alike: its first round's mean is another number.
+    assert (
+        metrics[0]["rollout/groups_dropped"] == 1
+        and metrics[0]["reward/mean"] != metrics[0]["reward/trained_mean"]
+    )
+    for line, row in zip(steps, metrics, strict=True):
+        kept = [s["reward"] for s in samples if s["step"] == row["step"]]
+        assert row["reward/trained_mean"] == pytest.approx(sum(kept) / len(kept))
+        assert f"| reward {row['reward/trained_mean']:.3f} |" in line
+        assert f"| kl {row['loss/kl']:.4f} | entropy {row['actor/entropy']:.3f} |" in line

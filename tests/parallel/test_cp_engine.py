@@ -56,7 +56,9 @@ def worker(rank: int, expected: dict) -> None:
     with pytest.raises(
         ValueError, match=r"train.share_prompts=true .*parallel.cp=2.*Fix: set train.share_prompts=false"
     ):
-        NativeTrainEngine(cfg(), tiny_model("qwen3"), parallel_dims=ParallelDims(world_size=2, cp=2))
+        # asked for by name (its default, null, turns off under CP)
+        shared = dataclasses.replace(cfg(), share_prompts=True)
+        NativeTrainEngine(shared, tiny_model("qwen3"), parallel_dims=ParallelDims(world_size=2, cp=2))
 
 
 @pytest.mark.slow
@@ -75,3 +77,16 @@ def test_cp_with_tensor_parallelism_equals_one_process():
     """tp=2 x cp=2 on 4 processes: sequence parallelism splits each rank's share (padded to a
     multiple of tp) and the attention heads; MoE routes replayed."""
     run_gloo(tp_cp_worker, 4, run("qwen3_moe", None))
+
+
+def default_packing_worker(rank: int, _: None) -> None:
+    engine = NativeTrainEngine(cfg(), tiny_model("qwen3"), parallel_dims=ParallelDims(world_size=2, cp=2))
+    assert engine.cfg.share_prompts is False
+
+
+def test_cp_turns_the_default_shared_prompt_packing_off():
+    """train.share_prompts left at its default (null) packs shared prompts in one process and plainly
+    under CP, so parallel.cp=2 alone needs no second setting."""
+    assert cfg().share_prompts is None
+    assert NativeTrainEngine(cfg(), tiny_model("qwen3")).cfg.share_prompts is True
+    run_gloo(default_packing_worker, 2, None)

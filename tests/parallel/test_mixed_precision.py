@@ -16,7 +16,7 @@ from procs import spawn
 from torch import nn
 
 from rlloom.algorithms.losses import loss_normalizer
-from rlloom.config.components import TrainEngineConfig
+from rlloom.config import TrainEngineConfig
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.models import from_pretrained
 from rlloom.parallel.mixed_precision import ComputeCopies, accumulate_grad_

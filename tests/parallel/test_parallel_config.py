@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from rlloom.config import load_config
-from rlloom.config.components import ConfigError
-from rlloom.trainer.preflight import check_parallel, model_hf_config
+from rlloom.config import ConfigError, load_config
+from rlloom.engines.train.build import check_parallel
+from rlloom.trainer.preflight import model_hf_config
 
 RAY = ["cluster.mode=ray"]
 
@@ -38,7 +38,7 @@ RAY = ["cluster.mode=ray"]
             r"4. Fix: set train.max_tokens_per_micro_batch=4100\.$",
         ),
         (
-            ["cluster.num_workers=2", "parallel.cp=2"],
+            ["cluster.num_workers=2", "parallel.cp=2", "train.share_prompts=true"],
             r"train.share_prompts=True is invalid: parallel.cp=2 splits plain packed documents, not "
             r"shared-prompt trees. Fix: set train.share_prompts=false \(or parallel.cp=1\)\.$",
         ),
@@ -71,7 +71,7 @@ def test_degrees_are_checked_against_the_model(tiny_checkpoint, tiny_moe_checkpo
         check(tiny_checkpoint, "cluster.num_workers=2", "parallel.ep=2")
     cfg = load_config("arithmetic_smoke", [f"model.path={tiny_checkpoint}", *RAY, "cluster.num_workers=2"])
     assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, cfg.parallel.ep) == (1, 1, 1, 1)
-    assert cfg.parallel.sequence_parallel and cfg.parallel.pp_schedule == "1f1b"
+    assert cfg.parallel.sequence_parallel and cfg.parallel.schedule == "1f1b"
     cfg = load_config(
         "arithmetic_smoke", [*RAY, "cluster.num_workers=2", "parallel.cp=2", "train.share_prompts=false"]
     )

@@ -25,7 +25,7 @@ from test_train_parallel_gloo import MODE, batches, full_grads, full_weights  # 
 from train_engine_helpers import PolicyLoss  # noqa: E402
 
 from rlloom.algorithms.losses import loss_normalizer  # noqa: E402
-from rlloom.config.components import ParallelConfig, TrainEngineConfig  # noqa: E402
+from rlloom.config import ParallelConfig, TrainEngineConfig  # noqa: E402
 from rlloom.engines.train.native import NativeTrainEngine  # noqa: E402
 from rlloom.models.model import CausalLM  # noqa: E402
 from rlloom.models.moe import load_balancing_loss  # noqa: E402

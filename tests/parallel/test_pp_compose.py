@@ -31,8 +31,11 @@ from test_train_parallel_gloo import MODE, batches, full_grads, full_weights  # 
 from train_engine_helpers import PolicyLoss  # noqa: E402
 
 from rlloom.algorithms.losses import loss_normalizer  # noqa: E402
-from rlloom.config import load_config  # noqa: E402
-from rlloom.config.components import ConfigError, ParallelConfig  # noqa: E402
+from rlloom.config import (  # noqa: E402
+    ConfigError,
+    ParallelConfig,
+    load_config,  # noqa: E402
+)
 from rlloom.data.types import RolloutBatch  # noqa: E402
 from rlloom.engines.train.native import NativeTrainEngine  # noqa: E402
 from rlloom.parallel import ParallelDims  # noqa: E402

@@ -22,13 +22,18 @@ from test_train_parallel_gloo import MODE, batches, compare_weights, full_grads,
 from train_engine_helpers import PolicyLoss  # noqa: E402
 
 from rlloom.algorithms.losses import loss_normalizer  # noqa: E402
-from rlloom.config import load_config  # noqa: E402
-from rlloom.config.components import ConfigError, ParallelConfig, TrainEngineConfig  # noqa: E402
+from rlloom.config import (  # noqa: E402
+    ConfigError,
+    ParallelConfig,
+    TrainEngineConfig,
+    load_config,  # noqa: E402
+)
+from rlloom.engines.train.build import check_parallel
 from rlloom.engines.train.native import NativeTrainEngine  # noqa: E402
 from rlloom.models.model import CausalLM  # noqa: E402
 from rlloom.parallel import ParallelDims  # noqa: E402
 from rlloom.parallel.pp_stages import zero_bubble_supported  # noqa: E402
-from rlloom.trainer.preflight import check_parallel, model_hf_config  # noqa: E402
+from rlloom.trainer.preflight import model_hf_config  # noqa: E402
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 KEYS = ("train/loss", "train/grad_norm", "train/tokens", "train/response_tokens", "loss/ratio_high_frac")
@@ -124,7 +129,7 @@ def test_pp_virtual_stages_need_an_interleaved_schedule():
     with pytest.raises(
         ConfigError, match=r"parallel.pp_virtual_stages=2 .*Fix: use parallel.pp_schedule=interleaved"
     ):
-        ParallelConfig(pp=2, pp_virtual_stages=2)
+        ParallelConfig(pp=2, pp_virtual_stages=2, pp_schedule="1f1b")  # named: the default turns interleaved
 
 
 def test_pp_needs_a_budget_that_holds_the_longest_sample():

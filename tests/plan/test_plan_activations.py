@@ -10,7 +10,6 @@ attention, which keeps none.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +18,9 @@ from rlloom.models.args import ModelArgs
 from rlloom.models.checkpoint import build_model
 from rlloom.plan.counts import model_costs
 from rlloom.plan.phases import EAGER_ACTIVATION_FACTOR
+from rlloom.plan.published import CONFIG_DIR
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = CONFIG_DIR  # the published configs rlloom ships
 SMALL = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 4}
 DENSE = json.loads((CONFIGS / "qwen3-0.6b" / "config.json").read_text()) | SMALL | {
     "num_key_value_heads": 2, "head_dim": 64, "tie_word_embeddings": False,

@@ -10,9 +10,10 @@ import pytest
 
 from rlloom.config import load_config
 from rlloom.plan import check
+from rlloom.plan.published import CONFIG_DIR
 from rlloom.trainer.run import run
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = CONFIG_DIR  # the published configs rlloom ships
 
 
 def cfg_for(model: Path, *overrides: str):

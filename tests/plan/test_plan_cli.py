@@ -4,13 +4,15 @@ the search recommends a fitting layout, and bad input is one error line with exi
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from rlloom.cli import main
+from rlloom.config import load_config
+from rlloom.plan.check import run_layout
+from rlloom.plan.published import CONFIG_DIR
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = CONFIG_DIR  # the published configs rlloom ships
 VERL_TOKENS = "11680"  # verl's DeepSeek-V3 recipe: (2048 prompt + 9632 response) tokens per GPU
 
 
@@ -195,3 +197,25 @@ def test_fp8_rollout_weights(capsys):
     assert main(["plan", str(CONFIGS / "qwen3-8b"), "--gpus", "8", "--gpu-memory-gb", "80",
                  "--rollout-quantization", "fp8"]) == 2  # fmt: skip
     assert "fp8 quantizes the routed experts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "Qwen/Qwen3-8B", "llama-3.1-8b", "deepseek-v3"])
+def test_plan_takes_a_shipped_model_name_and_prints_the_train_line_of_its_layout(name, capsys, tmp_path):
+    """`rlloom plan NAME` reads the config rlloom ships; its `rlloom train` line, pasted after a recipe,
+    gives a run whose layout (as the trainer's own memory check reads it) is the planned one."""
+    gpus = "16" if name == "deepseek-v3" else "8"
+    args = ["plan", name, "--gpus", gpus, "--gpu-memory-gb", "80", "--cpu-memory-gb-per-node", "2048"]
+    assert main([*args, "--json"]) in (0, 1)
+    answer = json.loads(capsys.readouterr().out)
+    main(args)
+    line = next(
+        x for x in capsys.readouterr().out.splitlines() if x.startswith("train     rlloom train CONFIG ")
+    )
+    overrides = line.removeprefix("train     rlloom train CONFIG ").split()
+    assert overrides == answer["train_overrides"] and overrides[0] == "model.path=MODEL_DIR"
+    cfg = load_config("arithmetic_demo", overrides[1:])
+    layout, work = run_layout(cfg)
+    planned = answer["layout"]
+    keys = [k for k in planned if "stage" not in k or planned["pp"] > 1]  # pp=1 reports every layer
+    assert {k: getattr(layout, k) for k in keys} == {k: planned[k] for k in keys}
+    assert work.max_tokens_per_gpu == 8192 and work.recompute == "full"

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +21,9 @@ from rlloom.plan import check
 from rlloom.plan.counts import lora_params, model_costs
 from rlloom.plan.inputs import Hardware, Layout, Workload
 from rlloom.plan.memory import GB, estimate
+from rlloom.plan.published import CONFIG_DIR
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = CONFIG_DIR  # the published configs rlloom ships
 
 
 def raw_config(name: str, **overrides) -> dict:

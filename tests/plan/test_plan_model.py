@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -12,8 +11,9 @@ from rlloom.models.args import ModelArgs
 from rlloom.plan.counts import model_costs
 from rlloom.plan.inputs import Hardware, Layout, Workload
 from rlloom.plan.memory import estimate
+from rlloom.plan.published import CONFIG_DIR
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = CONFIG_DIR  # the published configs rlloom ships
 
 
 def costs_of(name: str, **overrides):

@@ -1,6 +1,6 @@
 """build_reward_runner: the configured reward, or the task's default."""
 
-from rlloom.config.components import RewardConfig
+from rlloom.config import RewardConfig
 from rlloom.rewards.build import build_reward_runner
 
 

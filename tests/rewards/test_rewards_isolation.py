@@ -14,8 +14,7 @@ import pytest
 from reward_fns_for_tests import echo_score
 
 from rlloom.cli import main as cli_main
-from rlloom.config import load_config
-from rlloom.config.components import ConfigError, RewardConfig
+from rlloom.config import ConfigError, RewardConfig, load_config
 from rlloom.rewards.build import build_reward_runner
 from rlloom.trainer.run import run
 

@@ -13,7 +13,7 @@ from rlloom.tasks import build_task_source, default_reward_name, task_prompts
 class FakeTokenizer:
     chat_template = "fake"
 
-    def encode(self, text, add_special_tokens=True):
+    def encode(self, text, add_special_tokens=True, split_special_tokens=False):
         return [ord(c) for c in text]
 
     def apply_chat_template(self, conversation, *, add_generation_prompt, tokenize):

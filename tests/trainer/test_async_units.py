@@ -3,9 +3,12 @@ settings' one-line errors, per-token versions in `Sample`, the order of dynamic 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from rlloom.config import ConfigError, load_config
+from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.dataset import PromptItem
 from rlloom.data.source import PromptSource
 from rlloom.data.types import RolloutBatch, Sample
@@ -148,7 +151,8 @@ def test_dynamic_sampling_draws_a_jobs_extra_rounds_after_every_older_jobs_whate
     ]
     source = PromptSource(items, shuffle=False)
     runner = RewardRunner(lambda response_text, ground_truth: 0.0)
-    stream = RolloutStream(YoungestFirst(), c, source=source, runner=runner, decode=str, stop_token_ids=[])
+    decode = ResponseDecoder(SimpleNamespace(decode=lambda ids, skip_special_tokens: str(ids)), frozenset())
+    stream = RolloutStream(YoungestFirst(), c, source=source, runner=runner, decode=decode, stop_token_ids=[])
     jobs = [stream.submit(0), stream.submit(1)]
     stream.wait_until(lambda: all(stream.is_complete(job) for job in jobs))
     assert [[source.item_at(p).index for p in job.positions] for job in jobs] == [[0, 2, 3], [1, 4, 5]]

@@ -19,7 +19,7 @@ from test_trainer_loop import assert_same_tensors, read_metrics, run_straight_an
 
 from rlloom.algorithms import adaptive_kl_coef
 from rlloom.cli import main
-from rlloom.config.components import AlgorithmConfig
+from rlloom.config import AlgorithmConfig
 from rlloom.data.types import RolloutBatch, Sample
 from rlloom.engines.train.native.checkpoint import read_model_tensors
 from rlloom.models.checkpoint import value_model_from_pretrained

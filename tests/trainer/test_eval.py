@@ -133,6 +133,43 @@ def test_a_task_replaces_the_dataset_file_of_a_run_trained_on_one():
     assert (cfg.data.task, cfg.data.path) == ("arithmetic", "")
 
 
+def test_an_exported_model_is_scored_as_its_run_scored(lively_model, dataset, tmp_path, capsys):
+    """`rlloom export` writes the run's task settings (system prompt, lengths, reward) beside the
+    weights, so `rlloom eval EXPORTED DATA` scores as `rlloom eval RUN_DIR DATA` does, no setting repeated."""
+    run_dir, exported = tmp_path / "run", tmp_path / "exported"
+    task = [
+        "data.system_prompt=Answer in one word.",
+        "rollout.max_new_tokens=3",
+        "reward.name=exact_reward:exact",
+    ]
+    quick = ["trainer.total_steps=1", "data.num_eval=0", "rollout.n_samples=2", "logging.console=false"]
+    argv = [
+        "train",
+        "arithmetic_smoke",
+        f"model.path={lively_model}",
+        f"trainer.run_dir={run_dir}",
+        *task,
+        *quick,
+    ]
+    assert main([*argv, "rollout.num_blocks=16", "trainer.save_hf_every=-1"]) == 0
+    assert main(["export", str(run_dir), str(exported)]) == 0
+    reports, rows = [], []
+    for model in (run_dir, exported):
+        responses = tmp_path / f"{model.name}.jsonl"
+        reports.append(
+            run_eval(
+                capsys, str(model), str(dataset), "rollout.num_blocks=16", "--responses", str(responses)
+            )[1]
+        )
+        rows.append([json.loads(line) for line in responses.read_text().splitlines()])
+    assert {k: v for k, v in reports[1].items() if k != "model"} == {
+        k: v for k, v in reports[0].items() if k != "model"
+    }
+    assert rows[1] == rows[0]
+    assert all("Answer in one word." in r["prompt"] and len(r["responses"][0]) <= 3 for r in rows[1])
+    assert all(r["scores"][0] == float(r["responses"][0] == r["ground_truth"]) for r in rows[1])
+
+
 def test_responses_never_overwrite_an_existing_file(tiny_checkpoint, tmp_path, capsys):
     # Before: `--responses` overwrote whatever was there, the data file evaluated or a run's metrics.
     data = tmp_path / "data.jsonl"

@@ -20,7 +20,7 @@ from train_engine_helpers import PolicyLoss, make_batch  # noqa: E402
 
 from rlloom.algorithms.losses import loss_normalizer
 from rlloom.cli import main
-from rlloom.config.components import TrainEngineConfig
+from rlloom.config import TrainEngineConfig
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.models import from_pretrained
 from rlloom.trainer.checkpoint import checkpoint_dir, checkpoint_model_tensors
@@ -43,7 +43,8 @@ def test_lora_trains_adapters_syncs_merged_weights_and_exports_them(tiny_checkpo
             [
                 "train",
                 "arithmetic_smoke",
-                *tiny_args(tiny_checkpoint, run_dir, *LORA, "trainer.total_steps=3"),
+                # save_every: a full last checkpoint (the engine's state, the adapters apart)
+                *tiny_args(tiny_checkpoint, run_dir, *LORA, "trainer.total_steps=3", "trainer.save_every=3"),
             ]
         )
         == 0

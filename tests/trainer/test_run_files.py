@@ -140,7 +140,8 @@ def test_a_full_disk_writing_hf_step_is_one_line_and_keeps_the_checkpoint(
 
     monkeypatch.setattr(model_checkpoint, "save_file", disk_full)
     run_dir = tmp_path / "run"
-    assert train(tiny_checkpoint, run_dir) == 2
+    # save_every: a full last checkpoint (else it holds the Hugging Face folder, and hf/step_N links to it)
+    assert train(tiny_checkpoint, run_dir, "trainer.save_every=1") == 2
     line = one_error_line(capsys)
     hf = run_dir / "hf" / "step_000001"
     assert f"writing {str(hf)!r} failed: No space left on device (" in line and "free on its disk" in line

@@ -111,7 +111,7 @@ def test_interrupted_resave_of_a_step_keeps_a_complete_copy(tmp_path, monkeypatc
     cfg = tiny_cfg(Path("unused"), tmp_path, "trainer.keep_last_checkpoints=1")
     group = FakeGroup()
     state = TrainerState(step=4, data_state={})
-    save_checkpoint(group, cfg, state)
+    save_checkpoint(group, cfg, state, weights_only=False)
     weights = tmp_path / "checkpoints" / "step_000004" / "engine" / "weights.txt"
 
     # Every rename and delete of the swap checks that a complete copy exists, under its name or .old;
@@ -128,20 +128,20 @@ def test_interrupted_resave_of_a_step_keeps_a_complete_copy(tmp_path, monkeypatc
     monkeypatch.setattr(run_checkpoint.os, "replace", replace_then_die)
     group.value = "b"
     with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(group, cfg, state)
+        save_checkpoint(group, cfg, state, weights_only=False)
     monkeypatch.undo()
     assert seen == ["step_000004.old", "step_000004"]
     prepare_run_dir(tmp_path)  # the next run's start-up finishes the swap
     assert latest_checkpoint(tmp_path).name == "step_000004" and weights.read_text() == "a"
     assert steps(tmp_path) == ["step_000004"]
-    save_checkpoint(group, cfg, state)  # an uninterrupted re-save replaces it
+    save_checkpoint(group, cfg, state, weights_only=False)  # an uninterrupted re-save replaces it
     assert weights.read_text() == "b" and steps(tmp_path) == ["step_000004"]
 
 
 def test_keep_last_checkpoints_and_explicit_resume_of_a_damaged_one(tmp_path):
     cfg = tiny_cfg(Path("unused"), tmp_path, "trainer.keep_last_checkpoints=2")
     for step in (1, 2, 3, 4):
-        save_checkpoint(FakeGroup(), cfg, TrainerState(step=step, data_state={}))
+        save_checkpoint(FakeGroup(), cfg, TrainerState(step=step, data_state={}), weights_only=False)
     assert steps(tmp_path) == ["step_000003", "step_000004"]
     (tmp_path / "checkpoints" / "step_000004" / "trainer_state.json").write_text('{"step": 40}')
     resume = tmp_path / "checkpoints" / "step_000004"

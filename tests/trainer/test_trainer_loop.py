@@ -55,7 +55,8 @@ def run_straight_and_resumed(ckpt: Path, tmp_path: Path, *extra: str, steps: int
     """Run folders of `steps` uninterrupted steps and of one step, then resumed to `steps`."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run(tiny_cfg(ckpt, straight, *extra, f"trainer.total_steps={steps}"))
-    run(tiny_cfg(ckpt, resumed, *extra, "trainer.total_steps=1"))
+    # save_every > 0: a run that ends at total_steps keeps its optimizer state only when asked to
+    run(tiny_cfg(ckpt, resumed, *extra, "trainer.total_steps=1", "trainer.save_every=1"))
     run(tiny_cfg(ckpt, resumed, *extra, f"trainer.total_steps={steps}", "trainer.resume=auto"))
     return straight, resumed
 

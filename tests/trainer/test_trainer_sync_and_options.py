@@ -10,12 +10,13 @@ import torch
 
 from rlloom.cluster.build import build_groups
 from rlloom.config import load_config
-from rlloom.engines.train.native import tensor_checksum
+from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.models.adapter import hf_named_tensors
 from rlloom.models.checkpoint import load_tokenizer
 from rlloom.rewards.build import build_reward_runner
 from rlloom.tasks.build import build_task_source
 from rlloom.trainer.step import StepContext, rl_step
+from rlloom.weight_sync.checksum import digest
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from tests.conftest import build_tiny_checkpoint  # noqa: E402
@@ -44,7 +45,7 @@ def make_ctx(cfg) -> StepContext:
         weight_sync=groups.sync,
         source=build_task_source(cfg.data, tok, "train"),
         runner=build_reward_runner(cfg.reward, task=cfg.data.task),
-        decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+        decode=ResponseDecoder.of(tok),
         stop_token_ids=[tok.eos_token_id],
     )
 
@@ -58,7 +59,7 @@ class Recorder:
 
     def __call__(self, named, version):
         named = list(named)
-        self.calls.append((version, [(n, tuple(t.shape), tensor_checksum(t)) for n, t in named]))
+        self.calls.append((version, [(n, tuple(t.shape), digest(t)) for n, t in named]))
         return self._orig(named, version)
 
 
@@ -80,7 +81,7 @@ def test_every_rollout_parameter_receives_exactly_one_tensor(tiny_checkpoint, tm
         assert len(names) == len(set(names)), "a tensor was sent twice"
         assert {n: s for n, s, _ in sent} == expected
         # What the rollout engine now holds is exactly what the trainer sent, tensor by tensor.
-        held = {n: tensor_checksum(t) for n, t in hf_named_tensors(engine.model)}
+        held = {n: digest(t) for n, t in hf_named_tensors(engine.model)}
         assert held == {n: c for n, _, c in sent}
     assert len(rec.calls) == 2
 

@@ -41,7 +41,7 @@ def test_weights_only_checkpoint_is_exported_and_not_resumed(tiny_checkpoint, tm
     assert main(["train", *common, *tiny, "trainer.total_steps=2", "trainer.resume=auto"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("rlloom: error: trainer.resume='auto' found") and "\n" not in err
-    assert "a weights-only checkpoint (trainer.save_weights_only=true)" in err
+    assert "a weights-only checkpoint (trainer.save_weights_only=true, or the end of a run" in err
     assert f"model.path={ckpt / 'hf'}" in err
 
     # `rlloom export` takes the run folder (its newest checkpoint, weights-only here) as usual.
@@ -53,3 +53,78 @@ def test_weights_only_checkpoint_is_exported_and_not_resumed(tiny_checkpoint, tm
     capsys.readouterr()
     assert main(["eval", str(run_dir), "arithmetic", "data.num_eval=2", "rollout.max_new_tokens=4"]) == 0
     assert '"prompts": 2' in capsys.readouterr().out
+
+
+def disk_bytes(folder: Path) -> int:
+    """Bytes the folder's files take on disk, a hard-linked file once."""
+    seen: dict[tuple[int, int], int] = {}
+    for p in folder.rglob("*"):
+        if p.is_file():
+            st = p.stat()
+            seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
+
+
+def test_a_run_that_ends_normally_keeps_weights_only_and_says_how_big(tiny_checkpoint, tmp_path, capsys):
+    """trainer.save_every=0 (the default): the end-of-run checkpoint holds the weights without the
+    optimizer state, its Hugging Face folder and RUN_DIR/hf/step_N are the same files, and the summary
+    line gives the checkpoint's size; with trainer.save_every=K the last checkpoint stays full."""
+    tiny = ["trainer.total_steps=2", "data.num_eval=0", "rollout.max_new_tokens=4", "data.num_train=16"]
+    sizes, lines = {}, {}
+    for name, extra in (("default", []), ("every_2", ["trainer.save_every=2"])):
+        run_dir = tmp_path / name
+        assert (
+            main(
+                [
+                    "train",
+                    "arithmetic_smoke",
+                    f"model.path={tiny_checkpoint}",
+                    f"trainer.run_dir={run_dir}",
+                    *tiny,
+                    *extra,
+                ]
+            )
+            == 0
+        )
+        lines[name] = capsys.readouterr().out.strip().splitlines()[-1]
+        sizes[name] = disk_bytes(run_dir / "checkpoints"), disk_bytes(run_dir)
+    ckpt = tmp_path / "default" / "checkpoints" / "step_000002"
+    assert (ckpt / "hf" / "config.json").is_file() and not (ckpt / "engine").exists()
+    assert (tmp_path / "every_2" / "checkpoints" / "step_000002" / "engine").is_dir()
+    for name, (ckpt_bytes, _) in sizes.items():
+        assert lines[name].endswith(f" checkpoint_gb={ckpt_bytes / 2**30:.2f}"), lines[name]
+    # the fp32 weights once, against the weights, AdamW's two moments and the Hugging Face folder
+    assert sizes["default"][1] < 0.4 * sizes["every_2"][1]
+    linked = (tmp_path / "default" / "hf" / "step_000002" / "model.safetensors").stat()
+    assert linked.st_ino == (ckpt / "hf" / "model.safetensors").stat().st_ino and linked.st_nlink == 2
+
+    # Training it further is refused with the way to continue; a run with save_every continues.
+    more = ["trainer.total_steps=3", "trainer.resume=auto"]
+    assert (
+        main(
+            [
+                "train",
+                "arithmetic_smoke",
+                f"model.path={tiny_checkpoint}",
+                f"trainer.run_dir={tmp_path / 'default'}",
+                *tiny,
+                *more,
+            ]
+        )
+        == 2
+    )
+    assert "trainer.save_every=K > 0" in capsys.readouterr().err
+    assert (
+        main(
+            [
+                "train",
+                "arithmetic_smoke",
+                f"model.path={tiny_checkpoint}",
+                f"trainer.run_dir={tmp_path / 'every_2'}",
+                *tiny,
+                *more,
+                "trainer.save_every=2",
+            ]
+        )
+        == 0
+    )

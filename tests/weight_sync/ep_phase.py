@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from rlloom.algorithms.losses import aggregate_loss_sum
-from rlloom.config.components import TrainEngineConfig
+from rlloom.config import TrainEngineConfig
 from rlloom.data.types import RolloutBatch, Sample
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.models.checkpoint import build_model

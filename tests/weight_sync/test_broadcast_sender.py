@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlloom.engines.train.native.weights import WeightLayout
+from rlloom.engines.train.base import WeightLayout
 from rlloom.weight_sync import broadcast, outbox, wire
 from rlloom.weight_sync.base import WeightSyncError
 from rlloom.weight_sync.broadcast import SyncGroup, SyncGroupSpec, owner_layout, send_weights

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
-from rlloom.config.components import ParallelConfig, TrainEngineConfig
+from rlloom.config import ParallelConfig, TrainEngineConfig
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.models.checkpoint import build_model
 from rlloom.parallel import ParallelDims

@@ -2,7 +2,6 @@
 
 from collections.abc import Callable
 
-from rlloom.config.components import RunConfig
 from rlloom.config.recipes.arithmetic import (
     arithmetic_demo,
     arithmetic_retry,
@@ -10,6 +9,7 @@ from rlloom.config.recipes.arithmetic import (
     calculator_tools,
     dapo_arithmetic,
 )
+from rlloom.config.run import RunConfig
 
 RECIPES: dict[str, Callable[[], RunConfig]] = {
     "arithmetic_demo": arithmetic_demo,

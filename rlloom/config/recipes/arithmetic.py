@@ -2,15 +2,13 @@
 
 import dataclasses
 
-from rlloom.config.components import (
-    AlgorithmConfig,
-    DataConfig,
-    ModelConfig,
-    RolloutConfig,
-    RunConfig,
-    TrainEngineConfig,
-    TrainerConfig,
-)
+from rlloom.config.algorithm import AlgorithmConfig
+from rlloom.config.data import DataConfig
+from rlloom.config.model import ModelConfig
+from rlloom.config.rollout import RolloutConfig
+from rlloom.config.run import RunConfig
+from rlloom.config.train import TrainEngineConfig
+from rlloom.config.trainer import TrainerConfig
 
 
 def arithmetic_demo() -> RunConfig:

@@ -22,8 +22,9 @@ from typing import Protocol
 
 import torch
 
-from rlloom.config.components import RolloutConfig
+from rlloom.config import RolloutConfig
 from rlloom.data.types import FinishReason
+from rlloom.models.args import ModelArgs
 
 
 @dataclass(kw_only=True, slots=True)
@@ -119,17 +120,73 @@ class Completion:
 
 
 class RolloutEngine(Protocol):
-    """What a rollout worker may call on its engine (every rank of a tensor-parallel replica calls
-    each method with the same arguments)."""
+    """What a rollout worker, its stream (workers/stream.py) and the weight syncs may call on a
+    rollout engine (every rank of a tensor-parallel replica calls each method with the same
+    arguments). Two ways to generate: `generate` (a batch, to the end) or the step-level API
+    (`add_request` / `resume_request`, then `step` until `has_unfinished` is false; `abort` between
+    steps), which keeps requests in flight across weight updates."""
+
+    model: torch.nn.Module
+    """The model the weights load into (the in-place sync reads it back to verify the copy)."""
+    policy_version: int
+    """Weight version of the last `update_weights` (0 before the first)."""
+
+    @property
+    def full_args(self) -> ModelArgs:
+        """The whole model's architecture (a tensor-parallel rank's `model` holds a slice of it)."""
+        ...
 
     def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> list[Completion]:
         """Completions of every prompt (n each), in prompt order; rejected requests come back with
         finish_reason "abort" and `error` set."""
         ...
 
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        request_id: str | None = None,
+        prompt_index: int | None = None,
+    ) -> str:
+        """Queue `sampling.n` completions of one prompt; returns the request id (made if not given)."""
+        ...
+
+    def resume_request(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        output_ids: list[int],
+        logprobs: list[float],
+        request_id: str,
+        prompt_index: int,
+        sample_index: int,
+    ) -> str:
+        """Continue one aborted sample from its tokens so far under the current weights (its KV cache
+        rebuilt by a prefill); the given tokens and logprobs stay as they are."""
+        ...
+
+    def step(self) -> list[Completion]:
+        """One decode step; the completions finished since the last call."""
+        ...
+
+    def has_unfinished(self) -> bool:
+        """Whether any request added is not yet out of `step`."""
+        ...
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """End these requests; their completions (tokens so far, "abort") come out of the next `step`."""
+        ...
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy (Hugging Face name, tensor) pairs into the engine's weights in place; later requests
-        carry `version`."""
+        carry `version`. A tensor-parallel rank takes full tensors or its slices."""
+        ...
+
+    def weight_shard_slices(self) -> dict[str, tuple[int, int, int] | None]:
+        """Hugging Face weight name -> (dim, start, length) of the full tensor this rank holds, or None
+        when it holds all of it (what a sync must deliver to this rank)."""
         ...
 
     def sleep(self, offload_weights: bool = False) -> None:

@@ -1,14 +1,23 @@
 """`build_rollout_engine`: the rollout backend a run asks for, picked with a plain `if` (one backend,
-`native`, today). Workers build their engine only through this function."""
+`native`, today). Workers build their engine only through this function, and the start-up checks
+ask it what the backend can tell before any model loads (`check_rollout`)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rlloom.config.components import RunConfig
+from rlloom.config import ConfigError, RunConfig
+from rlloom.devices import available_memory_bytes, resolve_device, resolve_dtype
 from rlloom.engines.rollout.base import RolloutEngine
+from rlloom.engines.rollout.native.model_runner import kv_bytes_per_block
+from rlloom.engines.rollout.native.tensor_parallel import tp_problem
+from rlloom.engines.rollout.native.validation import kv_cache_problem
 from rlloom.models import from_pretrained, load_decoder
+from rlloom.models.args import ModelArgs
+from rlloom.models.fp8 import FP8_NEEDS_EXPERTS
 
 
 def build_rollout_engine(
@@ -43,3 +52,71 @@ def build_rollout_engine(
         seed=cfg.trainer.seed,
         tp_group=tp_group,
     )
+
+
+def check_rollout(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
+    """Raise ConfigError for what the rollout backend can tell about the model of `hf_config` (its
+    config.json) before loading it: rollout.tp splits it evenly, rollout.quantization=fp8 has experts
+    to quantize, and (inline) the KV cache asked for fits in the device's free memory."""
+    check_rollout_tp(cfg, hf_config)
+    check_rollout_quantization(cfg, hf_config)
+    if cfg.cluster.mode == "inline":  # ray workers check their own devices when they build engines
+        check_kv_cache(cfg, hf_config)
+
+
+def check_rollout_tp(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
+    """rollout.tp must split the model's heads and widths evenly (the engine checks again)."""
+    if cfg.rollout.tp == 1:
+        return
+    try:
+        args = ModelArgs.from_hf_config(hf_config)
+    except ValueError:
+        return  # check_kv_cache or the engine reports the model itself
+    problem = tp_problem(args, cfg.rollout.tp)
+    if problem is not None:
+        raise ConfigError(f"{problem} ({cfg.model.path})")
+
+
+def check_rollout_quantization(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
+    """rollout.quantization=fp8 needs routed experts to quantize (the engine checks again)."""
+    if cfg.rollout.quantization == "none":
+        return
+    try:
+        args = ModelArgs.from_hf_config(hf_config)
+    except ValueError:
+        return  # check_kv_cache or the engine reports the model itself
+    if args.moe is None:
+        raise ConfigError(
+            f"rollout.quantization={cfg.rollout.quantization!r} is invalid for {cfg.model.path} "
+            f"({args.model_type}): {FP8_NEEDS_EXPERTS}. Fix: use rollout.quantization=none."
+        )
+
+
+def check_kv_cache(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
+    """The KV cache that rollout.num_blocks (or kv_cache_memory_gb) asks for must fit in the memory
+    the device has free now; the engine checks again, exactly, right before it allocates."""
+    try:
+        device = resolve_device(cfg)
+        args = ModelArgs.from_hf_config(hf_config)
+    except ValueError as e:
+        raise ConfigError(
+            f"model.path={cfg.model.path!r} cannot run here: {' '.join(str(e).split())}"
+        ) from None
+    ro = cfg.rollout
+    per_block = kv_bytes_per_block(args, ro.block_size, resolve_dtype(cfg, device))
+    setting, value = (
+        ("rollout.num_blocks", ro.num_blocks)
+        if ro.num_blocks
+        else ("rollout.kv_cache_memory_gb", ro.kv_cache_memory_gb)
+    )
+    problem = kv_cache_problem(
+        setting,
+        value,
+        num_blocks=ro.num_blocks or int(ro.kv_cache_memory_gb * 1024**3) // per_block,
+        extra_blocks=1,
+        bytes_per_block=per_block,
+        available_bytes=available_memory_bytes(device),
+        device=str(device),
+    )
+    if problem is not None:
+        raise ConfigError(problem)

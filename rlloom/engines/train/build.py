@@ -1,19 +1,24 @@
 """`build_train_engine`, `build_reference` and `build_critic`: the training backend a run asks for, picked with a
 plain `if` (one backend, `native`, today). Workers build their engines only through these; the
 parallel layout (`ParallelDims`) comes from the `parallel` config section and the world size
-(cluster.num_workers)."""
+(cluster.num_workers). The controller reaches the backend only through here: the start-up check of
+the parallel degrees against the model (`check_parallel`), an engine outside a run (`build_offline`,
+for `rlloom export` and `rlloom eval`) and a checkpoint's weights (`read_model_tensors`)."""
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from rlloom.config.components import RunConfig, TrainEngineConfig
+from rlloom.config import ConfigError, RunConfig, TrainEngineConfig
 from rlloom.engines.train.base import TrainEngine
 from rlloom.models.adapter import CheckpointMismatch
+from rlloom.models.args import ModelArgs
 from rlloom.parallel.dims import ParallelDims
+from rlloom.parallel.pp_stages import check_pp, split_layers
 
 
 def _optimizer_steps(cfg: RunConfig) -> int:
@@ -80,7 +85,55 @@ def build_critic(cfg: RunConfig, *, device: torch.device, dtype: torch.dtype) ->
     )
 
 
+def build_offline(cfg: RunConfig, model_path: str, *, critic: bool = False) -> TrainEngine:
+    """The policy (with `critic`, the critic) of `cfg` over `model_path` as one unsharded process's
+    engine on CPU in fp32, whatever layout the run had: for reading and exporting a checkpoint."""
+    from rlloom.engines.train.native import NativeTrainEngine
+
+    engine_cfg, kind = (critic_engine_config(cfg), {"head": "value"}) if critic else (cfg.train, {})
+    return NativeTrainEngine.build(
+        engine_cfg, model_path, device="cpu", dtype=torch.float32, total_steps=_optimizer_steps(cfg), **kind
+    )
+
+
+def read_model_tensors(folder: Path) -> dict[str, Any]:
+    """The full model weights of an engine's checkpoint folder (`save`), on CPU, under the native
+    CausalLM's `state_dict` names."""
+    from rlloom.engines.train.native.checkpoint import read_model_tensors as read
+
+    return read(folder)
+
+
 def critic_engine_config(cfg: RunConfig) -> TrainEngineConfig:
     """The critic's engine settings: the `train` section's with the critic's learning rate and clipping
     (a full model: LoRA adapts the policy only)."""
     return dataclasses.replace(cfg.train, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip, lora_rank=0)
+
+
+def check_parallel(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
+    """The parallel degrees against the model's shapes; the world-size rules are checked with the
+    config itself (`RunConfig.__post_init__`)."""
+    par = cfg.parallel
+    if par.tp == par.pp == par.cp == par.ep == 1:
+        return
+    args = None
+    try:
+        args = ModelArgs.from_hf_config(hf_config)
+        dims = ParallelDims(world_size=cfg.cluster.num_workers, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep)
+        dims.check_model(args)
+        if par.pp > 1:
+            check_pp(args, par.pp, par.schedule, par.pp_virtual_stages)
+            split_layers(
+                args.num_layers,
+                par.pp * par.pp_virtual_stages,
+                first_stage_layers=par.pp_first_stage_layers,
+                last_stage_layers=par.pp_last_stage_layers,
+            )
+    except ValueError as e:
+        factors = (
+            ""
+            if args is None
+            else f"; num_hidden_layers={args.num_layers}, cluster.num_workers={cfg.cluster.num_workers} = pp "
+            f"{par.pp} x dp x cp {par.cp} x tp {par.tp}, ep={par.ep}, pp_virtual_stages={par.pp_virtual_stages}"
+        )
+        raise ConfigError(f"{' '.join(str(e).split())} (model.path={cfg.model.path!r}{factors})") from None

@@ -299,7 +299,7 @@ def test_compiled_decode_forward_traces_one_layer_and_matches_eager(tmp_path):
 
 
 def test_built_from_rollout_config(dense):
-    from rlloom.config.components import RolloutConfig
+    from rlloom.config import RolloutConfig
 
     cfg = RolloutConfig(
         n_samples=3, temperature=0.9, max_new_tokens=5, num_blocks=32, block_size=8, max_num_seqs=4

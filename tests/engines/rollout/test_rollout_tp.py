@@ -12,7 +12,7 @@ from procs import spawn
 from rollout_testutil import prompts, save, tiny_dense, tiny_mla, tiny_moe_tied
 from tp_testutil import run_job, run_rank
 
-from rlloom.config.components import ConfigError, RolloutConfig
+from rlloom.config import ConfigError, RolloutConfig
 from rlloom.engines.rollout.native import SamplingParams
 
 MIXED = [

@@ -15,7 +15,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "parallel"))
 from parallel_helpers import run_gloo  # noqa: E402
 
-from rlloom.config.components import TrainEngineConfig  # noqa: E402
+from rlloom.config import TrainEngineConfig  # noqa: E402
 from rlloom.engines.train.native.optimizer import (  # noqa: E402
     EngineOptimizer,
     offload_threads,

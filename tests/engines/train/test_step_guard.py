@@ -216,7 +216,7 @@ def test_engine_reads_the_maxima_once_and_again_after_a_load(monkeypatch, tmp_pa
     from train_engine_helpers import PolicyLoss, load_tiny, make_batch, make_tiny_checkpoint
 
     from rlloom.algorithms.losses import loss_normalizer
-    from rlloom.config.components import TrainEngineConfig
+    from rlloom.config import TrainEngineConfig
     from rlloom.engines.train.native import NativeTrainEngine
 
     reads = []

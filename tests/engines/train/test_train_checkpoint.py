@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from train_engine_helpers import PolicyLoss, load_tiny, make_batch, make_tiny_checkpoint
 
 from rlloom.algorithms.losses import loss_normalizer
-from rlloom.config.components import TrainEngineConfig
+from rlloom.config import TrainEngineConfig
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.engines.train.native import checkpoint as native_checkpoint
 from rlloom.engines.train.native.rng_state import rng_state, set_rng_state

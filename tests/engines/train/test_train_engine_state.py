@@ -11,9 +11,10 @@ from safetensors.torch import load_file
 from train_engine_helpers import PolicyLoss, load_tiny, make_batch, make_tiny_checkpoint
 
 from rlloom.algorithms.losses import loss_normalizer
-from rlloom.config.components import TrainEngineConfig
-from rlloom.engines.train.native import NativeTrainEngine, tensor_checksum
+from rlloom.config import TrainEngineConfig
+from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.engines.train.native.lr_schedule import lr_at
+from rlloom.weight_sync.checksum import digest
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +105,8 @@ def test_named_weights_are_the_hf_checkpoint(ckpt):
     on_disk = load_file(f"{ckpt}/model.safetensors")
     assert exported.keys() == on_disk.keys()
     for name, t in on_disk.items():
-        assert tensor_checksum(exported[name].to(t.dtype)) == tensor_checksum(t), name
-    assert tensor_checksum(torch.ones(3)) != tensor_checksum(torch.ones(3, dtype=torch.float64))
+        assert digest(exported[name].to(t.dtype)) == digest(t), name
+    assert digest(torch.ones(3)) != digest(torch.ones(3, dtype=torch.float64))
     bf16 = next(iter(engine.named_weights(dtype=torch.bfloat16)))
     assert all(t.dtype == torch.bfloat16 for _, t in bf16)
 

@@ -15,7 +15,7 @@ from procs import free_port, spawn
 from train_engine_helpers import PolicyLoss, load_tiny, make_batch, make_tiny_checkpoint
 
 from rlloom.algorithms.losses import loss_normalizer
-from rlloom.config.components import TrainEngineConfig
+from rlloom.config import TrainEngineConfig
 from rlloom.data.types import RolloutBatch, Sample
 from rlloom.engines.train.native import NativeTrainEngine
 

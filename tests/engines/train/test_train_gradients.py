@@ -8,7 +8,7 @@ import torch
 from train_engine_helpers import PolicyLoss, load_tiny, make_batch, make_tiny_checkpoint
 
 from rlloom.algorithms.losses import AGG_MODES, aggregate_loss, loss_normalizer
-from rlloom.config.components import TrainEngineConfig
+from rlloom.config import TrainEngineConfig
 from rlloom.engines.train.native import NativeTrainEngine
 
 

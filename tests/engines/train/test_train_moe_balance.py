@@ -13,7 +13,7 @@ from test_train_shared_prompts import lively
 from transformers import DeepseekV3Config, Qwen3MoeConfig
 
 from rlloom.algorithms.losses import loss_normalizer
-from rlloom.config.components import ConfigError, TrainEngineConfig
+from rlloom.config import ConfigError, TrainEngineConfig
 from rlloom.data.types import RolloutBatch, Sample
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.models import CausalLM, ModelArgs

@@ -22,7 +22,7 @@ from parallel_helpers import run_gloo, tiny_model  # noqa: E402
 from train_engine_helpers import PolicyLoss, make_batch  # noqa: E402
 
 from rlloom.algorithms.losses import loss_normalizer  # noqa: E402
-from rlloom.config.components import TrainEngineConfig  # noqa: E402
+from rlloom.config import TrainEngineConfig  # noqa: E402
 from rlloom.data.types import RolloutBatch, Sample  # noqa: E402
 from rlloom.engines.train.native import NativeTrainEngine  # noqa: E402
 from rlloom.parallel import ParallelDims  # noqa: E402

@@ -16,7 +16,7 @@ from test_train_fsdp_gloo import full_weights
 from train_engine_helpers import PolicyLoss, load_tiny, make_batch, make_tiny_checkpoint
 
 from rlloom.algorithms.losses import loss_normalizer
-from rlloom.config.components import TrainEngineConfig
+from rlloom.config import TrainEngineConfig
 from rlloom.engines.train.native import NativeTrainEngine
 
 

@@ -13,7 +13,7 @@ import torch
 from transformers import DeepseekV3Config, Qwen3Config
 
 from rlloom.algorithms.losses import loss_normalizer
-from rlloom.config.components import TrainEngineConfig
+from rlloom.config import TrainEngineConfig
 from rlloom.data.types import RolloutBatch, Sample
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.engines.train.native.microbatch import shared_prompt_units

@@ -12,7 +12,7 @@ from train_engine_helpers import VOCAB, load_tiny, make_tiny_checkpoint, tiny_qw
 
 from rlloom.algorithms.losses import value_loss
 from rlloom.algorithms.objective import make_value_loss_fn, value_normalizer
-from rlloom.config.components import TrainEngineConfig
+from rlloom.config import TrainEngineConfig
 from rlloom.data.types import RolloutBatch, Sample, ValueUpdate
 from rlloom.engines.train.native import NativeTrainEngine
 

@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlloom.config.components import ConfigError, RolloutConfig
-from rlloom.devices import to_device
+from rlloom.config import ConfigError, RolloutConfig
+from rlloom.devices import available_memory_bytes, to_device
 from rlloom.engines.rollout.base import Completion, SamplingParams
 from rlloom.engines.rollout.native.block_manager import BlockManager
 from rlloom.engines.rollout.native.model_runner import ModelRunner, kv_bytes_per_block
@@ -52,11 +52,11 @@ from rlloom.engines.rollout.native.sequence import Sequence, Status
 from rlloom.engines.rollout.native.tensor_parallel import TPShards, shard_model, shared_seed
 from rlloom.engines.rollout.native.tp_weights import load_sharded, shard_dims_by_hf_name
 from rlloom.engines.rollout.native.validation import (
-    available_memory_bytes,
     kv_cache_problem,
     request_problem,
 )
 from rlloom.engines.rollout.native.vocab_parallel import VocabParallelSampler
+from rlloom.models.args import ModelArgs
 from rlloom.models.fp8 import FP8_NEEDS_EXPERTS, quantize_fp8_
 from rlloom.models.moe import use_inference_kernel_
 from rlloom.observability.startup import mark_first_token
@@ -527,6 +527,11 @@ class NativeEngine:
             load_sharded(self.model, self.tp, named_tensors)
         self.block_manager.clear_prefix_cache()  # keys and values of the old weights
         self.policy_version = version
+
+    @property
+    def full_args(self) -> ModelArgs:
+        """The whole model's architecture (under tensor parallelism `model` holds this rank's slice)."""
+        return self.model.args if self.tp is None else self.tp.full_args
 
     def weight_shard_dims(self) -> dict[str, int | None]:
         """The shard spec: for each Hugging Face weight name the dim this engine's ranks split it on,

@@ -8,10 +8,6 @@ a cache larger than that would be killed by the OOM killer without a message.
 
 from __future__ import annotations
 
-import os
-
-import torch
-
 from rlloom.engines.rollout.base import SamplingParams
 from rlloom.engines.rollout.native.block_manager import BlockManager
 
@@ -55,21 +51,6 @@ def request_problem(
             "kv_cache_memory_gb, or lower max_new_tokens."
         )
     return None
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    """Memory free for a new allocation: the GPU's free memory, or the host's MemAvailable (Linux;
-    the physical memory elsewhere)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def kv_cache_problem(

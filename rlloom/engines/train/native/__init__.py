@@ -3,6 +3,5 @@ weights, token-budget micro-batching, CPU optimizer offload, sealed safetensors 
 
 from rlloom.engines.train.base import LossFn
 from rlloom.engines.train.native.engine import NativeTrainEngine
-from rlloom.engines.train.native.weights import tensor_checksum
 
-__all__ = ["LossFn", "NativeTrainEngine", "tensor_checksum"]
+__all__ = ["LossFn", "NativeTrainEngine"]

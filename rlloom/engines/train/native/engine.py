@@ -30,6 +30,7 @@ Shape legend: B samples of the global batch, b of a micro-batch, T response toke
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -41,9 +42,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlloom.config.components import ParallelConfig, TrainEngineConfig
+from rlloom.config import ParallelConfig, TrainEngineConfig
+from rlloom.config.train import shares_prompts
 from rlloom.data.types import RolloutBatch
-from rlloom.engines.train.base import LossFn
+from rlloom.engines.train.base import LossFn, WeightLayout
 from rlloom.engines.train.native.checkpoint import EXPERTS
 from rlloom.engines.train.native.flops import active_body_params
 from rlloom.engines.train.native.layout import EngineLayout
@@ -57,7 +59,7 @@ from rlloom.engines.train.native.runner import MicroBatchRunner
 from rlloom.engines.train.native.state import load_state, move_state, save_state
 from rlloom.engines.train.native.step import clip_grads, grad_max_after_clip, perf_metrics, step_if_finite
 from rlloom.engines.train.native.value import ValueHead
-from rlloom.engines.train.native.weights import WeightLayout, named_weight_buckets, weight_layouts
+from rlloom.engines.train.native.weights import named_weight_buckets, weight_layouts
 from rlloom.models import from_pretrained
 from rlloom.models.checkpoint import value_model_from_pretrained
 from rlloom.models.lora import apply_lora, has_lora, merged_state
@@ -149,6 +151,7 @@ class NativeTrainEngine:
             self.device = torch.device("cuda", torch.cuda.current_device())
         layout = self.layout = EngineLayout.of(self.dims)
         check_cp_layout(layout.cp, cfg.share_prompts)
+        cfg = self.cfg = dataclasses.replace(cfg, share_prompts=shares_prompts(cfg.share_prompts, layout.cp))
         # Under pipeline parallelism `self.module` becomes a view of this rank's stages under the
         # PolicyHead's names and `self.model` its CausalLM-like part (other stages' layers are freed).
         pipelined = self.dims is not None and self.dims.pp > 1
@@ -190,6 +193,16 @@ class NativeTrainEngine:
                 "or be saved. Fix: train and save the policy engine (build_train_engine)."
             )
         return self._optimizer
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's expert-parallel rank (0 without expert parallelism)."""
+        return self.layout.ep_rank
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's tensor-parallel rank (0 without tensor parallelism)."""
+        return self.layout.tp_rank
 
     @classmethod
     def build(cls, cfg: TrainEngineConfig, model_path: str, **kwargs: Any) -> NativeTrainEngine:
@@ -356,7 +369,7 @@ class NativeTrainEngine:
         tensor-parallel tensor (`weights.named_weight_buckets`).
         `lazy_cast`: a tensor that no gather moves (one rank's, or one process's) comes in its own
         dtype, for a caller whose copy casts it (the weight syncs): one pass instead of a cast and a copy.
-        See `weights.tensor_checksum`. A critic (head `value`) ends with a bucket of its value head
+        A critic (head `value`) ends with a bucket of its value head
         under the names of transformers' *ForTokenClassification (`score.weight`, `score.bias`).
         """
         tensors = None
@@ -396,7 +409,7 @@ class NativeTrainEngine:
         """For each Hugging Face name `named_weights` yields, where it lives on this rank (native
         parameter, full shape, expert index and EP owner, DTensor mesh dimensions and placements,
         the TP shard `named_weights(owned_only=True)` yields);
-        no data moves. This rank's EP rank is `layout.ep_rank`. Under pipeline parallelism
+        no data moves. This rank's EP rank is `ep_rank`. Under pipeline parallelism
         `named_weights` gives every rank every stage's tensors, so this describes them all: each
         stage's as its own ranks hold it (an expert's EP rank is the same on every pp rank), in the
         order `named_weights` yields them (collective over the pp group)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from rlloom.config.components import TrainEngineConfig
+from rlloom.config import TrainEngineConfig
 
 
 def lr_at(step: int, cfg: TrainEngineConfig, total_steps: int | None) -> float:

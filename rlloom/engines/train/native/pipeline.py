@@ -24,8 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 from rlloom.data.types import RolloutBatch
+from rlloom.engines.train.base import WeightLayout
 from rlloom.engines.train.native.moe_balance import MoEBalance
-from rlloom.engines.train.native.weights import WeightLayout, weight_layouts
+from rlloom.engines.train.native.weights import weight_layouts
 from rlloom.parallel.pp import Pipeline, stage_module
 from rlloom.parallel.pp_batches import PipeMicroBatch
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlloom.algorithms._validate import deferred_finite_checks
-from rlloom.config.components import ParallelConfig, TrainEngineConfig
+from rlloom.config import ParallelConfig, TrainEngineConfig
 from rlloom.data.types import RolloutBatch
 from rlloom.engines.train.base import LossFn
 from rlloom.engines.train.native.layout import EngineLayout
@@ -80,7 +80,7 @@ class PipelineRunner:
         modules, pipe = parallelize_pp(
             model,
             dims,
-            schedule=pipeline.pp_schedule,
+            schedule=pipeline.schedule,
             virtual_stages=pipeline.pp_virtual_stages,
             first_stage_layers=pipeline.pp_first_stage_layers,
             last_stage_layers=pipeline.pp_last_stage_layers,

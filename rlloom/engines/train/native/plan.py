@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rlloom.config.components import TrainEngineConfig
+from rlloom.config import TrainEngineConfig
 from rlloom.data.types import RolloutBatch
 from rlloom.engines.train.native.layout import EngineLayout
 from rlloom.engines.train.native.microbatch import plan_rank, shared_prompt_units

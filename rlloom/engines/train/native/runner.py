@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlloom.algorithms._validate import deferred_finite_checks
-from rlloom.config.components import ParallelConfig, TrainEngineConfig
+from rlloom.config import ParallelConfig, TrainEngineConfig
 from rlloom.data.types import RolloutBatch
 from rlloom.devices import to_device
 from rlloom.engines.train.base import LossFn

@@ -24,53 +24,18 @@ moving any data.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement
 
+from rlloom.engines.train.base import WeightLayout
 from rlloom.engines.train.native.checkpoint import EXPERTS
 from rlloom.models.adapter import StateDictAdapter
 from rlloom.models.lora import LORA_PARAMS
 from rlloom.parallel.tp_shard import exported, tp_shard_of
-
-
-def tensor_checksum(tensor: torch.Tensor) -> str:
-    """Hex BLAKE2b digest of a tensor's dtype, shape and bytes: equal exactly when the values are.
-
-    Both sides of a weight sync can call it on what they sent and received (same dtype) to prove the
-    transfer was lossless. Costs one copy to CPU.
-    """
-    t = tensor.detach().contiguous().cpu()
-    digest = hashlib.blake2b(f"{t.dtype}{tuple(t.shape)}".encode(), digest_size=16)
-    digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-@dataclass(frozen=True, slots=True)
-class WeightLayout:
-    """Where one Hugging Face tensor lives in the training layout (for an owner-only reshard plan)."""
-
-    native_name: str
-    """The native parameter it comes from (e.g. `layers.1.moe.experts.w1`)."""
-    shape: tuple[int, ...]
-    """The full shape of the Hugging Face tensor."""
-    expert: int | None
-    """For a routed expert: its index in the native [E, ...] stack (the HF tensor is that row)."""
-    ep_rank: int | None
-    """For a routed expert under expert parallelism: the EP rank holding it (None: every rank)."""
-    mesh_dim_names: tuple[str, ...]
-    """Mesh dimensions of this rank's native DTensor (empty for a plain tensor)."""
-    placements: tuple[Placement, ...]
-    """Its placements on those dimensions (Shard(0) over "fsdp" and Shard(d) / Replicate over "tp",
-    ...); an expert's are those of its EP rank's [E / ep, ...] block."""
-    tp_shard: tuple[int, int] | None = None
-    """(dim d, tp) when `named_weights(owned_only=True)` yields only this rank's tensor-parallel shard
-    of it: `torch.chunk(full, tp, d)[tp_rank]`; None: it yields the tensor whole."""
 
 
 def weight_layouts(model: nn.Module, ep: int = 1) -> dict[str, WeightLayout]:

@@ -1,0 +1,49 @@
+"""`rlloom init-model KIND DIR` writes a tiny random model that `rlloom train` runs on a CPU, for
+trying settings and layouts without downloading a model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlloom.cli import main
+
+QUICK = (
+    "trainer.total_steps=1",
+    "data.num_eval=0",
+    "data.num_train=8",
+    "rollout.n_samples=2",
+    "rollout.max_new_tokens=4",
+    "rollout.num_blocks=16",
+    "trainer.save_hf_every=-1",
+    "logging.console=false",
+    "algorithm.entropy_coef=0.01",  # a gradient although the random model earns no reward
+)
+
+
+@pytest.mark.parametrize(
+    ("kind", "model_type"), [("tiny-dense", "qwen3"), ("tiny-moe", "qwen3_moe"), ("tiny-mla", "deepseek_v3")]
+)
+def test_init_model_writes_a_model_that_trains_one_step(kind, model_type, tmp_path, capsys):
+    model = tmp_path / kind
+    assert main(["init-model", kind, str(model), "--layers", "2"]) == 0
+    assert capsys.readouterr().out.strip() == str(model)
+    config = json.loads((model / "config.json").read_text())
+    assert config["model_type"] == model_type and config["num_hidden_layers"] == 2
+    run_dir = tmp_path / "run"
+    assert (
+        main(["train", "arithmetic_smoke", f"model.path={model}", f"trainer.run_dir={run_dir}", *QUICK]) == 0
+    )
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1] and rows[0]["train/grad_norm"] > 0
+
+
+def test_init_model_refuses_a_folder_in_use_and_bad_sizes(tmp_path, capsys):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "file").write_text("")
+    assert main(["init-model", "tiny-dense", str(tmp_path / "x")]) == 2
+    assert main(["init-model", "tiny-dense", str(tmp_path / "y"), "--hidden", "20"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(line.startswith("rlloom: error: ") for line in err)
+    assert "init-model output" in err[0] and "--hidden 20" in err[1]
