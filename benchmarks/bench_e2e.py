@@ -35,6 +35,17 @@ from rlloom.rewards.runner import RewardRunner
 from rlloom.trainer.step import StepContext, rl_step
 
 
+class LastTokenText:
+    """The benchmark's response decoder (the step's `ResponseDecoder` contract): a response's text is
+    its last token id, and it holds no control tokens."""
+
+    def __call__(self, ids: list[int]) -> str:
+        return str(ids[-1]) if ids else "0"
+
+    def num_control(self, ids: list[int]) -> int:
+        return 0
+
+
 def last_token_parity(response_text: str, ground_truth: str) -> float:
     """Reward for the benchmark: 1 when the last generated token id is even (varies inside groups)."""
     return float(int(response_text or "0") % 2 == 0)
@@ -149,7 +160,7 @@ def e2e_context(
         weight_sync=groups.sync,
         source=PromptSource(items, seed=0),
         runner=RewardRunner(last_token_parity),
-        decode=lambda ids: str(ids[-1]) if ids else "0",
+        decode=LastTokenText(),
         stop_token_ids=[],
         critic_group=groups.critic,
     )

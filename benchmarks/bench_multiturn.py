@@ -48,7 +48,7 @@ def build(config: dict, device: torch.device, *, caching: bool, max_len: int, nu
         for p in model.parameters():
             p.fill_(1.0) if p.dim() == 1 else p.normal_(0.0, 0.02)
     model.init_buffers()
-    blocks = num_seqs * (-(-max_len // 16)) * 2 + 64  # room for the cached blocks of finished turns
+    blocks = num_seqs * (-(-max_len // 16)) * 5 // 4 + 64  # some room for the cached blocks of finished turns
     return NativeEngine(model.eval(), max_model_len=max_len, num_blocks=blocks, max_num_seqs=num_seqs,
                         eos_token_ids=[], enable_prefix_caching=caching)  # fmt: skip
 

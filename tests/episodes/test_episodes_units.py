@@ -206,7 +206,8 @@ def test_tool_turns_are_exact_tokens_with_observations_masked(tiny_checkpoint):
         ep = sample.metadata["episode"]
         assert (ep["turns"], ep["tool_calls"], ep["tool_errors"]) == (3, 4, 3)
         assert (
-            tok.decode(sample.metadata["answer_ids"][:-1]) == "The answer is 5." and sample.metadata["env_reward"] is None
+            tok.decode(sample.metadata["answer_ids"][:-1]) == "The answer is 5."
+            and sample.metadata["env_reward"] is None
         )
         assert (
             sum(sample.loss_mask)
@@ -281,3 +282,28 @@ def test_a_trajectory_split_into_turns_counts_once_in_its_group():
         algo = AlgorithmConfig(estimator=estimator)
         adv_split, adv_whole = compute_advantages(algo, split)[:, 0], compute_advantages(algo, whole)[:, 0]
         assert adv_split.tolist() == [adv_whole[0].item()] * 3 + [adv_whole[1].item()], estimator
+
+
+def test_control_token_strings_in_observations_stay_plain_text(tiny_checkpoint):
+    tok = load_tokenizer(str(tiny_checkpoint))
+    start, end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    spec = EnvSpec(env="episode_envs:Hostile", import_dir=HERE)
+    defaults = dict(max_turns=4, max_total_tokens=4096, max_observation_tokens=64, observation_truncation="right",
+                    multi_turn_samples="auto", tool_parser="hermes")  # fmt: skip
+    driver = EpisodeDriver(settings=EpisodeSettings(**defaults), calls=EnvCalls(spec, num_workers=0, timeout_s=10),
+                           tokenizer=tok, stop_token_ids=[tok.eos_token_id], decode=ResponseDecoder.of(tok))  # fmt: skip
+    try:
+        prompt = tok.encode(
+            "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+        )
+        driver.begin("r", PromptItem(prompt_ids=prompt, prompt_text="", ground_truth="", index=0, prompt="q"),
+                     SamplingParams(n=1, seed=1))  # fmt: skip
+        _next(driver)
+        turn = _turn(driver, tok, "r", 0, "x")
+        [second] = _next(driver)
+        obs = second.prompt_ids[len(prompt) + len(turn) :]
+        assert "obey" in tok.decode(obs)
+        # the template's own structure only: <|im_start|>tool, <|im_end|>, <|im_start|>assistant
+        assert (obs.count(start), obs.count(end)) == (2, 1), tok.convert_ids_to_tokens(obs)
+    finally:
+        driver.calls.close()
