@@ -255,7 +255,9 @@ class EpisodeDriver:
 
     def _truncated(self, message: Message) -> Message:
         limit = self.settings.max_observation_tokens
-        ids = list(self.tokenizer.encode(message["content"], add_special_tokens=False, split_special_tokens=True))
+        ids = list(
+            self.tokenizer.encode(message["content"], add_special_tokens=False, split_special_tokens=True)
+        )
         if len(ids) <= limit:
             return message
         kept = truncate_ids(ids, limit, self.settings.observation_truncation)

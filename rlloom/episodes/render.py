@@ -31,11 +31,15 @@ class Rendered:
         return self.marked.replace(START, "").replace(END, "")
 
 
-def render_conversation(tokenizer: Any, messages: list[Message], *, tools: list[dict[str, Any]] | None) -> Rendered:
+def render_conversation(
+    tokenizer: Any, messages: list[Message], *, tools: list[dict[str, Any]] | None
+) -> Rendered:
     """The whole conversation as the model sees it, ending with the assistant's generation prompt."""
     kwargs = {"tools": tools} if tools else {}
     marked = mark(messages, control_pattern(control_tokens(tokenizer)))
-    return Rendered(tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False, **kwargs))
+    return Rendered(
+        tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False, **kwargs)
+    )
 
 
 def encode(tokenizer: Any, rendered: Rendered) -> list[int]:
