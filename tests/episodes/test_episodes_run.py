@@ -233,3 +233,18 @@ def test_tools_need_a_template_that_renders_them(tiny_checkpoint, tmp_path, caps
     )
     err = capsys.readouterr().err
     assert rc == 2 and "does not render tools" in err
+
+
+@pytest.mark.parametrize("kind", ["tiny-moe", "tiny-mla"])
+def test_moe_multi_turn_with_routing_replay_is_exact(tmp_path, kind):
+    """Qwen3-MoE and DeepSeek-V3 (MLA): a trajectory's routes are those of its last turn's request,
+    which covers every token it fed (prefix caching is off for MoE), so routing replay trains on them."""
+    from rlloom.models.tiny import write_tiny_model
+
+    ckpt = write_tiny_model(kind, tmp_path / "ckpt")
+    metrics = _train(ckpt, tmp_path / "run", *ENV, "rollout.env=episode_envs:Turns", "trainer.total_steps=2",
+                     "trainer.num_mini_batches=2", "algorithm.routing_replay=rollout")  # fmt: skip
+    for m in metrics:
+        assert m["rollout/turns_mean"] == 3.0
+        assert abs(m["rollout/token_mult_prob_error"] - 1.0) < 1e-5
+        assert m["moe/route_mismatch_frac"] == 0.0
