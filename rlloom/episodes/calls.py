@@ -29,6 +29,8 @@ from rlloom.episodes.tools import ToolEnv, tool_schema
 from rlloom.episodes.types import as_env_step, check_messages
 from rlloom.rewards.process import WorkerProcess
 
+WORKER_ENTRY = "from rlloom.episodes.worker import main; main()"
+"""What an environment worker process runs (episodes/worker.py)."""
 _POLL_S = 0.05
 _STARTUP_TIMEOUT_S = 120.0
 
@@ -263,9 +265,7 @@ class EnvCalls:
     # ---- isolated -------------------------------------------------------------------------------
 
     def _start(self) -> WorkerProcess:
-        from rlloom.episodes.worker import ENTRY
-
-        return WorkerProcess.start(self._payload, memory_limit_bytes=0, entry=ENTRY)
+        return WorkerProcess.start(self._payload, memory_limit_bytes=0, entry=WORKER_ENTRY)
 
     def _send(self, k: int, task: _Task) -> None:
         task_id, self._next_id = self._next_id, self._next_id + 1

@@ -24,8 +24,6 @@ from multiprocessing.connection import Connection
 from rlloom.rewards.process_tree import become_subreaper
 from rlloom.rewards.worker import die_with_parent
 
-ENTRY = "from rlloom.episodes.worker import main; main()"
-
 
 def main() -> None:
     fd, memory_limit_bytes, parent_pid = (int(a) for a in sys.argv[1:4])
