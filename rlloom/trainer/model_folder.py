@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing
+import os
 import re
 import resource
+import select
+import signal
 import struct
 from pathlib import Path
 from typing import Any
@@ -271,23 +273,33 @@ def check_tokenizer(path: str, setting: str, *, chat_template: bool, system_prom
 def render_in_bounds(tokenizer: Any, messages: list[dict[str, str]]) -> str:
     """'' when the chat template renders `messages` in a forked child within the time, memory and size
     bounds; otherwise what went wrong (jinja loops cannot be interrupted in a thread, and a template
-    that builds gigabytes would take this process's memory with it)."""
-    ctx = multiprocessing.get_context("fork")
-    reader, writer = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_render_child, args=(tokenizer, messages, writer), daemon=True)
-    child.start()
-    writer.close()
-    got = reader.poll(TEMPLATE_TIMEOUT_S)
-    message = reader.recv() if got else None
-    child.kill()
-    child.join()
-    if message is None:
+    that builds gigabytes would take this process's memory with it). A plain fork, not a
+    multiprocessing.Process: that refuses to start from a daemonic process (a run launched by one)."""
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: render, answer, leave at once
+        try:
+            os.close(reader)
+            os.write(writer, ("ok:" + _render_problem(tokenizer, messages)).encode()[:4096])
+        finally:
+            os._exit(0)
+    os.close(writer)
+    try:
+        ready, _, _ = select.select([reader], [], [], TEMPLATE_TIMEOUT_S)
+        answer = os.read(reader, 4096).decode(errors="replace") if ready else None
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(reader)
+    if answer is None:
         return f"did not render a two-message chat within {TEMPLATE_TIMEOUT_S:g} s (it may loop without end)"
-    return message
+    if not answer.startswith("ok:"):
+        return "crashed the process that rendered a two-message chat"
+    return answer[3:]
 
 
-def _render_child(tokenizer: Any, messages: list[dict[str, str]], writer: Any) -> None:
-    """In the child: cap the memory, render, send back '' or the problem."""
+def _render_problem(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """In the child: cap the memory, render; '' or the problem."""
     with open("/proc/self/statm") as f:
         in_use = int(f.read().split()[0]) * resource.getpagesize()
     resource.setrlimit(resource.RLIMIT_AS, (in_use + TEMPLATE_MEMORY_BYTES, resource.RLIM_INFINITY))
@@ -301,4 +313,4 @@ def _render_child(tokenizer: Any, messages: list[dict[str, str]], writer: Any) -
         )
     except Exception as e:  # noqa: BLE001  (any error of the template's program is the folder's)
         problem = f"raises on a two-message chat ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
-    writer.send(problem)
+    return problem

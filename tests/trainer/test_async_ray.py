@@ -37,7 +37,7 @@ def slow_rollout(monkeypatch, seconds: float) -> None:
     rollout actor would otherwise finish every response while the controller trains)."""
     import rlloom.trainer.async_loop as loop_mod
 
-    real = loop_mod._build_producer
+    real = loop_mod.AsyncLoop.__init__
 
     def slow_steps(actor, seconds: float) -> None:  # runs in the actor (nested: pickled by value)
         import time
@@ -50,12 +50,12 @@ def slow_rollout(monkeypatch, seconds: float) -> None:
 
         actor.rollout.engine.step = slow
 
-    def build(ctx):
+    def build(self, ctx):
         group = ctx.rollout_group
         ray.get([group.actors.slots[r[0]].__ray_call__.remote(slow_steps, seconds) for r in group.replicas])
-        return real(ctx)
+        return real(self, ctx)
 
-    monkeypatch.setattr(loop_mod, "_build_producer", build)
+    monkeypatch.setattr(loop_mod.AsyncLoop, "__init__", build)
 
 
 def _ray_weights_of(ctx):

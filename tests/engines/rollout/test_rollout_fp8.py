@@ -7,6 +7,8 @@ runs it, and dense models refused. The Triton kernel is tested on a GPU (tests/g
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,8 +164,10 @@ def test_a_partial_update_changes_only_its_rows(moe_path):
     assert engine.policy_version == 7
 
 
-def test_dense_models_are_refused(tmp_path):
+def test_dense_models_are_refused(tmp_path, tiny_checkpoint):
     path = save(tiny_dense(seed=0), tmp_path / "dense")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):  # a complete folder
+        shutil.copy(tiny_checkpoint / name, Path(path) / name)
     with pytest.raises(ValueError, match=r"quantization='fp8' is invalid: fp8 quantizes the routed experts"):
         _engine(path, quantization="fp8")
     cfg = load_config(
