@@ -54,10 +54,6 @@ class Job:
     episodes: list[dict[str, Any]] = field(default_factory=list)
     """Multi-turn: what each trajectory of the job counted (turns, tool calls, errors, tokens)."""
 
-    def samples(self) -> list[Sample]:
-        """The kept samples in the synchronous step's order (round, prompt position, sample)."""
-        return [s for _, group in sorted(self.groups, key=lambda g: g[0]) for s in group]
-
     def batch(self, cfg: RunConfig) -> list[Sample]:
         """The samples to train on: those of the first `prompts_per_step` kept groups (dynamic
         sampling's last round may keep more), in the synchronous step's order."""
