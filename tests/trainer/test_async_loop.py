@@ -336,3 +336,30 @@ def test_dynamic_sampling_with_drains_draws_no_prompt_twice(tiny_checkpoint, tmp
     assert sum(m["rollout/groups_dropped"] for m in read_metrics(tmp_path / "r")) > 0  # extra rounds ran
     consumed = [index for job in trained for index in job]
     assert len(trained) == 4 and len(consumed) == len(set(consumed)), trained
+
+
+def test_the_adaptive_kl_coefficient_of_an_async_run_reaches_its_checkpoints(tiny_checkpoint, tmp_path):
+    """The asynchronous loop's steps move the adaptive KL controller, and each checkpoint keeps the
+    coefficient of the step after it (a resume goes on from there), as in a synchronous run."""
+    import json
+
+    from rlloom.trainer.checkpoint import checkpoint_dir
+
+    kl = [
+        "algorithm.estimator=reinforce_pp",
+        "algorithm.kl_in_reward=true",
+        "algorithm.kl_coef=0.1",
+        "algorithm.kl_ctrl=adaptive",
+        "algorithm.kl_target=1e-9",  # any KL above it grows the coefficient
+        "algorithm.kl_horizon=40",
+    ]
+    common = [*FAST, *kl, "trainer.total_steps=2", "trainer.save_every=1", "trainer.mode=one_step_off"]
+    run(tiny_cfg(tiny_checkpoint, tmp_path / "r", *common))
+    rows = read_metrics(tmp_path / "r")
+    saved = [
+        json.loads((checkpoint_dir(tmp_path / "r", step) / "trainer_state.json").read_text())["kl_coef"]
+        for step in (1, 2)
+    ]
+    assert rows[0]["reward/kl_coef"] == 0.1
+    assert saved[0] == rows[1]["reward/kl_coef"]  # the coefficient step 2 then used
+    assert saved[1] is not None and saved[1] != saved[0]
