@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).parents[1] / "rlloom"
 
 LAYERS = [
-    {"devices", "config", "faults", "compile_cache", "heap", "run_files"},
+    {"devices", "determinism", "config", "faults", "compile_cache", "heap", "run_files"},
     {"data", "observability"},
     {"algorithms", "models", "tasks", "rewards"},
     {"parallel"},

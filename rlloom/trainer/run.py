@@ -23,6 +23,7 @@ from rlloom.config import RunConfig
 from rlloom.config.loading import to_dict, to_yaml
 from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.types import Sample
+from rlloom.determinism import enable_determinism
 from rlloom.devices import resolve_device
 from rlloom.episodes.build import build_episode_driver
 from rlloom.faults import check_fault_env, maybe_fail
@@ -80,6 +81,7 @@ def run(cfg: RunConfig) -> RunResult:
     start-up checks; a resume must continue the same run (see `check_resume_config`)."""
     init_logger()
     check_fault_env()
+    enable_determinism(cfg.trainer.deterministic)  # before anything runs on a GPU (cuBLAS's setting)
     cfg = fit_multi_turn_budget(cfg)
     with RunDirLock(cfg.trainer.run_dir):
         prepare_run_dir(cfg.trainer.run_dir)
