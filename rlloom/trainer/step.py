@@ -265,13 +265,19 @@ def mini_batch_rows(cfg: RunConfig, num_samples: int, *, epoch: int, seed: int =
 
 
 def logprob_gap(old_logp_BT: torch.Tensor, batch: RolloutBatch) -> dict[str, float]:
-    """Train-vs-rollout logprob gap over valid tokens: mean |dlogp| and mean exp|dlogp| (NeMo-RL's
-    token_mult_prob_error; 1.0 when the two agree)."""
+    """Train-vs-rollout logprob gap over valid tokens: mean |dlogp|, max |dlogp| (0.0 exactly when
+    every token's two logprobs are equal) and mean exp|dlogp| (NeMo-RL's token_mult_prob_error; 1.0
+    when the two agree)."""
     mask = batch.response_mask()
     diff = (old_logp_BT - batch.rollout_logprobs())[mask].abs().double()
     if diff.numel() == 0:
-        return {"rollout/logp_gap_abs": 0.0, "rollout/token_mult_prob_error": 1.0}
+        return {
+            "rollout/logp_gap_abs": 0.0,
+            "rollout/logp_gap_max": 0.0,
+            "rollout/token_mult_prob_error": 1.0,
+        }
     return {
         "rollout/logp_gap_abs": float(diff.mean()),
+        "rollout/logp_gap_max": float(diff.max()),
         "rollout/token_mult_prob_error": float(diff.exp().mean()),
     }
