@@ -1,4 +1,5 @@
-"""The `rlloom` command: `train`, `eval`, `export`, `plan`, `config show`, `config doc`, `plot` and `init-model`.
+"""The `rlloom` command: `train`, `eval`, `export`, `plan`, `config show`, `config doc`, `plot`,
+`init-model` and `compare-layers`.
 
 rlloom train RECIPE_OR_YAML [section.key=value ...]
 rlloom eval MODEL_OR_RUN DATA [section.key=value ...] [--samples N] [--temperature T] [--responses FILE]
@@ -7,6 +8,7 @@ rlloom config show RECIPE_OR_YAML [section.key=value ...]
 rlloom config doc
 rlloom plot RUN_DIR
 rlloom init-model tiny-dense|tiny-moe|tiny-mla DIR [--layers N] [--hidden H]
+rlloom compare-layers MODEL --prompt TEXT [--max-new-tokens N] [--seed S] [--device cpu|cuda] [--dtype D]
 rlloom plan MODEL --gpus N --gpu-memory-gb G [--critic] [--check tp=..,pp=..,cp=..,ep=..,offload=F] [--json]
 
 A user error (`UserError`: config, data file, model path, start-up checks) prints one line,
@@ -124,6 +126,19 @@ def _parser() -> argparse.ArgumentParser:
     init.add_argument("out", help="new or empty output folder")
     init.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
     init.add_argument("--hidden", type=int, default=32, help="hidden size, a multiple of 8 (default 32)")
+    compare = sub.add_parser(
+        "compare-layers",
+        help="compare the rollout's decode with the training forward, layer by layer",
+        description="Sample a response to PROMPT with the rollout engine, recompute it with the training "
+        "forward, and print each layer's largest hidden-state difference and the first layer that differs "
+        "(rlloom/engines/compare_layers.py). MODEL: a Hugging Face folder, e.g. RUN_DIR/hf/step_N.",
+    )
+    compare.add_argument("model", help="model folder")
+    compare.add_argument("--prompt", required=True, help="prompt text (tokenized as is, no chat template)")
+    compare.add_argument("--max-new-tokens", type=int, default=16, help="response tokens (default 16)")
+    compare.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    compare.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    compare.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     _add_plan_parser(sub)
     return parser
 
@@ -249,6 +264,23 @@ def _command(args: argparse.Namespace) -> int:
                 )
             )
             return 0
+        if args.command == "compare-layers":
+            import torch
+
+            from rlloom.engines.compare_layers import compare_layers
+            from rlloom.models import load_tokenizer
+
+            prompt_ids = load_tokenizer(args.model)(args.prompt)["input_ids"]
+            report = compare_layers(
+                args.model,
+                prompt_ids,
+                max_new_tokens=args.max_new_tokens,
+                seed=args.seed,
+                device=args.device,
+                dtype=getattr(torch, args.dtype),
+            )
+            print(report.table())
+            return 0
         if args.command == "export":
             from rlloom.trainer.export import export_checkpoint
 
@@ -290,6 +322,7 @@ _INTERRUPTED = {
     "plot": "nothing was written",
     "config": "nothing was written",
     "init-model": "the output folder may be incomplete: remove it and run again",
+    "compare-layers": "nothing was written",
 }
 
 
