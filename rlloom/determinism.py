@@ -39,6 +39,8 @@ import os
 
 import torch
 
+from rlloom.config import RunConfig
+
 CUBLAS_WORKSPACE = ":4096:8"
 """cuBLAS's workspace setting for deterministic reductions (`:16:8` is the other valid one)."""
 
@@ -66,3 +68,24 @@ def enable_determinism(on: bool) -> None:
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
+
+
+def timing_caveat(cfg: RunConfig) -> str | None:
+    """The warning for a deterministic run whose rollout batches depend on timing (module docstring);
+    None when its batches do not, or when the mode is off."""
+    timed = [
+        name
+        for name, on in (
+            ("trainer.mode=async", cfg.trainer.mode == "async"),
+            ("multi-turn episodes (rollout.env / rollout.tools)", cfg.rollout.multi_turn),
+            ("algorithm.dynamic_sampling", cfg.algorithm.dynamic_sampling),
+        )
+        if on
+    ]
+    if not cfg.trainer.deterministic or not timed:
+        return None
+    return (
+        f"trainer.deterministic with {', '.join(timed)}: which requests share a rollout batch depends on "
+        "timing there, and on a GPU a token's logits depend on its batch, so two runs may still differ "
+        "(kernels and updates are deterministic). Single-turn trainer.mode=sync runs repeat bit for bit."
+    )

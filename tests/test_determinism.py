@@ -79,3 +79,21 @@ def test_every_ray_actor_is_deterministic(ray_cluster, tiny_checkpoint, tmp_path
     finally:
         groups.close()
     assert len(reports) == 3 and all(r == ON for r in reports)
+
+
+@pytest.mark.parametrize(
+    ("extra", "warned"),
+    [
+        ([], False),
+        (["trainer.mode=async"], True),
+        (["algorithm.dynamic_sampling=true"], True),
+        (["trainer.mode=one_step_off"], False),
+    ],
+)
+def test_a_timing_dependent_rollout_is_named(tiny_checkpoint, tmp_path, extra, warned):
+    from rlloom.determinism import timing_caveat
+
+    cfg = tiny_cfg(tiny_checkpoint, tmp_path, "trainer.deterministic=true", *extra)
+    assert (timing_caveat(cfg) is not None) == warned
+    off = tiny_cfg(tiny_checkpoint, tmp_path, *extra)
+    assert timing_caveat(off) is None

@@ -23,7 +23,7 @@ from rlloom.config import RunConfig
 from rlloom.config.loading import to_dict, to_yaml
 from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.types import Sample
-from rlloom.determinism import enable_determinism
+from rlloom.determinism import enable_determinism, timing_caveat
 from rlloom.devices import resolve_device
 from rlloom.episodes.build import build_episode_driver
 from rlloom.faults import check_fault_env, maybe_fail
@@ -115,6 +115,8 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
     decode = ResponseDecoder.of(tokenizer)  # control tokens inside a response stay visible
     stop_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if warning := check_fits(cfg):  # before any GPU memory is taken (rlloom plan, docs/plan.md)
+        log.warning(warning)
+    if warning := timing_caveat(cfg):
         log.warning(warning)
     phase = time.perf_counter()
     groups = build_groups(cfg)  # the training and rollout groups, placed as cluster.placement says
