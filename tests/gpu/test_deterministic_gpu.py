@@ -81,3 +81,16 @@ def test_kill_then_resume_equals_the_straight_run(tmp_path):
     assert train(ckpt, killed, env={"RLLOOM_FAULT": "train:1"}) == -signal.SIGKILL
     assert train(ckpt, killed, "trainer.resume=auto") == 0
     assert_same_run(tmp_path / "straight", killed)
+
+
+def test_top_p_sampling_runs_in_deterministic_mode(restore_determinism):
+    """torch's CUDA cumsum of floats raises under deterministic algorithms; top-p's scan takes the CPU."""
+    from rlloom.determinism import enable_determinism
+    from rlloom.engines.rollout.native.sampler import Sampler, SamplingRows
+
+    enable_determinism(True)
+    logits_RV = torch.randn(4, 1000, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    rows = SamplingRows.build([1.0] * 4, [0.9] * 4, [-1] * 4, [1, 2, 3, 4], torch.device("cuda"))
+    first = Sampler(torch.device("cuda"), seed=0)(logits_RV, rows)
+    again = Sampler(torch.device("cuda"), seed=0)(logits_RV, rows)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
