@@ -63,6 +63,13 @@ class RolloutConfig:
     routers stay in the model dtype, and a dense model is refused. Training stays bf16/fp32, so the
     rollout's logprobs differ more from training's: watch `rollout/token_mult_prob_error` and
     correct with `algorithm.is_correction`. Needs rollout.tp=1."""
+    match_training: bool = False
+    """Each sampled token's rollout logprob equals, bit for bit, the logprob the training forward
+    computes for it at the same weights: both engines run batch-invariant numerics
+    (rlloom/models/exact.py: fixed-order products, reductions and attention whatever the batch,
+    prefill or decode), so `rollout/logp_gap_max` reads 0.0 and the old-logprob forward is skipped
+    (the rollout's logprobs are pi_old). CPU only in this version, and slow: for tests and tiny
+    models. Needs rollout.temperature=1.0, rollout.tp=1, one training rank and fp32."""
 
     env: str = ""
     """Multi-turn environment, "module:Class" (imported like reward plug-ins: next to the YAML file,

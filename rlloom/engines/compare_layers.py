@@ -25,6 +25,7 @@ import torch
 from rlloom.engines.rollout.base import SamplingParams
 from rlloom.engines.rollout.native.engine import NativeEngine
 from rlloom.models import from_pretrained
+from rlloom.models.exact import exact_numerics
 from rlloom.models.logprobs import token_logprobs
 
 
@@ -74,9 +75,11 @@ def compare_layers(
     seed: int = 0,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    exact: bool = False,
 ) -> Comparison:
     """Sample a response with the rollout engine, recompute it with the training forward, and compare
-    every layer's hidden states and the response's logprobs (temperature 1)."""
+    every layer's hidden states and the response's logprobs (temperature 1); `exact`: both sides with
+    rollout.match_training's batch-invariant numerics (models/exact.py)."""
     if not prompt_ids or max_new_tokens < 1:
         raise ValueError(
             f"compare-layers needs a non-empty prompt and max_new_tokens >= 1 (got {len(prompt_ids)} "
@@ -91,6 +94,7 @@ def compare_layers(
         num_blocks=(len(prompt_ids) + max_new_tokens) // 16 + 2,
         max_model_len=len(prompt_ids) + max_new_tokens + 1,
         seed=seed,
+        exact=exact,
     )
     rollout_outputs, hooks = _record(engine.model)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, seed=seed, ignore_eos=True)
@@ -101,7 +105,7 @@ def compare_layers(
     model = from_pretrained(model_path, dtype=dtype, device=device)
     train_outputs, _ = _record(model)
     ids = prompt_ids + completion.token_ids
-    with torch.no_grad():
+    with torch.no_grad(), exact_numerics(exact):
         hidden_ND = model.hidden_states(
             torch.tensor(ids, device=device),
             position_ids=torch.arange(len(ids), device=device),

@@ -119,7 +119,8 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
     # else the loss detaches its own (and weights IS from them); a KL reward needs them before the update
     need_old = not is_single_pass(cfg) or cfg.algorithm.kl_in_reward
     with timer("old_logprobs"):
-        if cfg.algorithm.use_rollout_logprobs:
+        # rollout.match_training: the rollout's logprobs are the old forward's, bit for bit
+        if cfg.algorithm.use_rollout_logprobs or (need_old and cfg.rollout.match_training):
             old_logp_BT = batch.rollout_logprobs()
         elif need_old:
             # Per first-epoch mini-batch, so the forward sees exactly the micro-batches its update will:
