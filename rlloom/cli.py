@@ -8,7 +8,7 @@ rlloom config show RECIPE_OR_YAML [section.key=value ...]
 rlloom config doc
 rlloom plot RUN_DIR
 rlloom init-model tiny-dense|tiny-moe|tiny-mla DIR [--layers N] [--hidden H]
-rlloom compare-layers MODEL --prompt TEXT [--max-new-tokens N] [--seed S] [--device cpu|cuda] [--dtype D]
+rlloom compare-layers MODEL --prompt TEXT [--max-new-tokens N] [--seed S] [--device cpu|cuda] [--dtype D] [--exact]
 rlloom plan MODEL --gpus N --gpu-memory-gb G [--critic] [--check tp=..,pp=..,cp=..,ep=..,offload=F] [--json]
 
 A user error (`UserError`: config, data file, model path, start-up checks) prints one line,
@@ -139,6 +139,9 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     compare.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     compare.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    compare.add_argument(
+        "--exact", action="store_true", help="both sides with rollout.match_training's numerics (CPU)"
+    )
     _add_plan_parser(sub)
     return parser
 
@@ -278,6 +281,7 @@ def _command(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 device=args.device,
                 dtype=getattr(torch, args.dtype),
+                exact=args.exact,
             )
             print(report.table())
             return 0

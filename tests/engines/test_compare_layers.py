@@ -45,3 +45,10 @@ def test_the_first_difference_is_where_the_rollout_changed(tiny_checkpoint, monk
     assert gaps[first] > 1e-3 and all(gaps[n] < 1e-5 for n in names[: names.index(first)])
     # Exactly: the CPU's fused rollout projections already round differently in layer 0 (~1e-9)
     assert report.first_difference == ("embedding" if first == "embedding" else "layer 0")
+
+
+def test_exact_numerics_agree_at_every_layer(tiny_checkpoint, capsys):
+    """rollout.match_training's numerics (models/exact.py) on both sides: nothing differs anywhere."""
+    args = ["compare-layers", str(tiny_checkpoint), "--prompt", "12+7=", "--max-new-tokens", "6", "--exact"]
+    assert main(args) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "rollout and training agree bit for bit at every layer"
