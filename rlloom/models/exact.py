@@ -28,7 +28,6 @@ changed (the mode is only entered around forwards).
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -176,25 +175,29 @@ class _ExactAttention(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-_active = threading.local()
+_depth = 0
+"""How many `exact_numerics()` blocks are open, in any thread. A plain global, not thread-local: a
+compiled layer (training's, on CUDA) reads it as a guarded constant, where a thread-local would break
+its graph. Only runs with rollout.match_training open one, and then every thread wants it."""
 
 
 def is_exact() -> bool:
-    """Inside `exact_numerics()` on this thread. torch's modes do not reach into the body of a
-    custom op (`rlloom::...`), so a caller of one asks this and runs the op's Python body directly."""
-    return getattr(_active, "on", False)
+    """Inside `exact_numerics()`. torch's modes do not reach into the body of a custom op
+    (`rlloom::...`), so a caller of one asks this and runs the op's Python body directly; MLA asks it
+    to take the rollout's form in training."""
+    return _depth > 0
 
 
 @contextmanager
 def exact_numerics(on: bool = True) -> Iterator[None]:
     """Run the block's forward with batch-invariant numerics (module docstring); nothing when off."""
+    global _depth
     if not on:
         yield
         return
-    before = is_exact()
-    _active.on = True
+    _depth += 1
     try:
         with _ExactAttention(), _ExactOps():
             yield
     finally:
-        _active.on = before
+        _depth -= 1
