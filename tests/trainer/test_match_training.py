@@ -102,3 +102,17 @@ def test_match_training_refuses_what_it_cannot_make_exact(tiny_checkpoint, tmp_p
     err = capsys.readouterr().err
     assert err.startswith("rlloom: error: rollout.match_training is exact on the CPU only in this version")
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_old_logprob_forward_is_skipped(tiny_checkpoint, tmp_path, monkeypatch):
+    """Two mini-batches need old logprobs; under match_training they are the rollout's, exactly."""
+    from rlloom.cluster.local import LocalTrainGroup
+
+    def no_forward(self, batch):  # noqa: ANN001, ANN202
+        raise AssertionError("old-logprob forward under rollout.match_training")
+
+    monkeypatch.setattr(LocalTrainGroup, "old_logprobs", no_forward)
+    extra = ["rollout.match_training=true", "trainer.num_mini_batches=2", "trainer.total_steps=1"]
+    assert main(["train", "arithmetic_smoke", *tiny_args(tiny_checkpoint, tmp_path / "run", *extra)]) == 0
+    with pytest.raises(AssertionError, match="old-logprob forward"):
+        main(["train", "arithmetic_smoke", *tiny_args(tiny_checkpoint, tmp_path / "off", *extra[1:])])
