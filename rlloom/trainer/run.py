@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rlloom.agents.build import build_agent_driver
 from rlloom.cluster.build import build_groups
 from rlloom.config import RunConfig
 from rlloom.config.loading import to_dict, to_yaml
@@ -134,7 +135,11 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
         stop_token_ids=train_stop,
         on_samples=keep_samples,
         critic_group=groups.critic,
-        episodes=build_episode_driver(cfg, tokenizer, stop_token_ids, decode),
+        episodes=(
+            build_agent_driver(cfg, tokenizer, stop_token_ids)
+            if cfg.rollout.agent
+            else build_episode_driver(cfg, tokenizer, stop_token_ids, decode)
+        ),
     )
 
     state = TrainerState(step=0, data_state=source.state_dict())
@@ -228,7 +233,7 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
         loggers.close()
         runner.close()
         if ctx.episodes is not None:
-            ctx.episodes.calls.close()
+            ctx.episodes.close()
         groups.close()
     seconds = time.perf_counter() - start
     result = RunResult(
