@@ -67,6 +67,10 @@ class AgentSpec:
     def what(self) -> str:
         return self.agent
 
+    def preload(self) -> None:
+        """Import the agent's module (a worker does so before it says it is ready)."""
+        import_object(self.agent, setting="rollout.agent", import_dir=self.import_dir)
+
     def build(self) -> None:
         return None  # an agent keeps its own state: the worker has no environment to carry
 

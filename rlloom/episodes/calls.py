@@ -79,6 +79,12 @@ class EnvSpec:
         """What the workers run, for messages."""
         return self.env or "the tools"
 
+    def preload(self) -> None:
+        """Import the environment and the tools (a worker does so before it says it is ready)."""
+        self.tool_functions()
+        if self.env:
+            import_object(self.env, setting="rollout.env", import_dir=self.import_dir)
+
     def build(self) -> Any:
         if not self.env:
             return ToolEnv(self.tool_functions(), parser=self.tool_parser, timeout_s=self.tool_timeout_s)
@@ -169,8 +175,8 @@ class _Task:
 
 class EnvCalls:
     """Runs environment calls isolated (worker processes) or inline (threads); `submit` then `poll`.
-    `spec` is an `EnvSpec`, or any picklable record with its `what`, `build()` and `call(...)` (an
-    agent's, agents/spec.py)."""
+    `spec` is an `EnvSpec`, or any picklable record with its `what`, `preload()`, `build()` and
+    `call(...)` (an agent's, agents/spec.py)."""
 
     def __init__(self, spec: Any, *, num_workers: int, timeout_s: float) -> None:
         self.spec, self.timeout_s = spec, timeout_s
