@@ -36,3 +36,7 @@ async def faulty(base_url, row, sampling):
     if how == "garbage":
         return "not a reward"
     return {"reward": 1.0, "metrics": {"calls": 1.0}}
+
+
+def one_argument(base_url):
+    """The wrong shape: an agent takes (base_url, row, sampling)."""

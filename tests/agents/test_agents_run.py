@@ -81,3 +81,26 @@ def test_failing_agents_cost_only_their_trajectory(tiny_checkpoint, tmp_path):
     m = metrics[0]
     assert m["rollout/agent_errors"] == 10.0 and m["env/calls"] == 2 / 12
     assert m["reward/mean"] == (2.0 - 10.0) / 12  # the good agents' 1.0, default_score for the rest
+
+
+def test_bad_agents_are_one_line_before_the_model_loads(tiny_checkpoint, tmp_path, capsys):
+    for setting, expected in [
+        ("rollout.agent=agent_fns:missing", "has no 'missing'"),
+        ("rollout.agent=agent_fns:one_argument", "wrong signature"),
+        ("rollout.agent=no_such_module:run", "cannot import module"),
+        ("rollout.agent=agent_fns", "is not 'module:name'"),
+    ]:
+        args = [
+            f"model.path={tiny_checkpoint}",
+            f"trainer.run_dir={tmp_path / 'run'}",
+            f"reward.import_dir={HERE}",
+        ]
+        assert main(["train", "arithmetic_smoke", *args, setting]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("rlloom: error: rollout.agent=") and expected in err[0], (
+            err
+        )
+    both = ["rollout.agent=agent_fns:two_turns", "rollout.env=x:Y", f"model.path={tiny_checkpoint}"]
+    assert main(["train", "arithmetic_smoke", *both]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "excludes rollout.env" in err[0]
