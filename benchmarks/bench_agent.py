@@ -3,10 +3,11 @@ agent with the official `openai` client, each turn an HTTP request to its sessio
 `rollout.env` (an environment that appends the same user message after each turn), one table.
 
 Each run is `rlloom train arithmetic_smoke` on a random tiny model (`rlloom init-model tiny-dense`;
-`--hidden`, `--layers`) with `rollout.ignore_eos=true`, so every turn samples exactly
-`rollout.max_new_tokens` tokens and both paths sample the same number of tokens; the rate is those
-sampled tokens over the rollout stage's time (`time/generate_s`), steps after the first (which
-starts the worker processes). The training steps between are not timed.
+`--hidden`, `--layers`); a turn ends at one of 4 stop characters (about 25 tokens on the random
+model) or at `--new` tokens, and a turn that ends by length ends the trajectory on both paths (as
+the environment driver does). The rate is the sampled tokens (response tokens less the masked ones)
+over the rollout stage's time (`time/generate_s`), steps after the first (which starts the worker
+processes); the training steps between are not timed.
 
     python benchmarks/bench_agent.py               # CPU, a few minutes on 2 cores
     python benchmarks/bench_agent.py --device cuda --hidden 1024 --layers 8 --new 128
@@ -41,6 +42,8 @@ async def four_turns(base_url, row, sampling):
         for turn in range(1, TURNS + 1):
             reply = await client.chat.completions.create(messages=messages, **sampling)
             messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+            if reply.choices[0].finish_reason == "length":
+                break  # as the environment driver ends a trajectory whose turn hit the length limit
             if turn < TURNS:
                 messages.append({"role": "user", "content": f"observation {turn}"})
     return float(len(messages[-1]["content"]) % 2)
@@ -56,7 +59,7 @@ def run(kind: str, model: Path, out: Path, args: argparse.Namespace) -> dict[str
         f"reward.import_dir={Path(__file__).parent}",
         plugin,
         f"rollout.max_new_tokens={args.new}",
-        "rollout.ignore_eos=true",
+        'rollout.stop_strings=["q","z","Q","Z"]',
         f"rollout.max_turns={TURNS}",
         f"rollout.n_samples={args.n}",
         f"trainer.prompts_per_step={args.prompts}",
@@ -69,11 +72,13 @@ def run(kind: str, model: Path, out: Path, args: argparse.Namespace) -> dict[str
     ]
     assert main(["train", "arithmetic_smoke", *overrides]) == 0
     rows = [json.loads(x) for x in (out / kind / "metrics.jsonl").read_text().splitlines()][1:]
-    for r in rows:
-        assert r["rollout/turns_mean"] == TURNS, r["rollout/turns_mean"]
-    sampled = args.prompts * args.n * TURNS * args.new * len(rows)
-    seconds = sum(r["time/generate_s"] for r in rows)
-    return {"s": seconds, "tokens": sampled}
+    trajectories = args.prompts * args.n  # one sample each: every turn extends the conversation
+    sampled = sum((r["response/length_mean"] - r["rollout/env_tokens_mean"]) * trajectories for r in rows)
+    return {
+        "s": sum(r["time/generate_s"] for r in rows),
+        "tokens": sampled,
+        "turns": sum(r["rollout/turns_mean"] for r in rows) / len(rows),
+    }
 
 
 def main() -> None:
@@ -81,7 +86,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--new", type=int, default=32, help="sampled tokens per turn")
+    ap.add_argument("--new", type=int, default=64, help="most sampled tokens per turn")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--steps", type=int, default=4, help="steps per run (the first is not timed)")
@@ -96,15 +101,17 @@ def main() -> None:
         f"\n### Agent endpoint vs environment ({args.device}; tiny-dense hidden {args.hidden}, {args.layers} layers; "
         f"{args.prompts} prompts x n={args.n}, {TURNS} turns x {args.new} tokens, {args.steps - 1} timed steps)\n"
     )
-    print("| path | rollout seconds | sampled tok/s | vs rollout.env |")
-    print("|---|---|---|---|")
+    print("| path | turns (mean) | sampled tokens | rollout seconds | sampled tok/s | vs rollout.env |")
+    print("|---|---|---|---|---|---|")
     for kind, name in (
         ("env", "rollout.env (environment workers)"),
         ("agent", "rollout.agent (HTTP, openai client)"),
     ):
         r = results[kind]
         rate = r["tokens"] / r["s"]
-        print(f"| {name} | {r['s']:.2f} | {rate:,.0f} | {rate / base:.2f}x |")
+        print(
+            f"| {name} | {r['turns']:.2f} | {r['tokens']:,.0f} | {r['s']:.2f} | {rate:,.0f} | {rate / base:.2f}x |"
+        )
 
 
 if __name__ == "__main__":
