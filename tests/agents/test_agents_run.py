@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from rlloom.cli import main
 
 HERE = Path(__file__).parent
@@ -104,3 +106,15 @@ def test_bad_agents_are_one_line_before_the_model_loads(tiny_checkpoint, tmp_pat
     assert main(["train", "arithmetic_smoke", *both]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "excludes rollout.env" in err[0]
+
+
+@pytest.mark.slow  # a Ray start: 30-90 s on 2 cores
+def test_an_agent_on_ray_equals_inline(ray_cluster, tiny_checkpoint, tmp_path):
+    args = ["rollout.agent=agent_fns:two_turns", "trainer.total_steps=2", "train.lr=3e-2"]
+    inline = _train(tiny_checkpoint, tmp_path / "inline", *args)
+    on_ray = _train(tiny_checkpoint, tmp_path / "ray", *args, "cluster.mode=ray", "cluster.num_workers=1")
+    for a, b in zip(inline, on_ray, strict=True):
+        for k, v in a.items():
+            if k.startswith(("time/", "perf/", "memory/", "sync/")):
+                continue
+            assert abs(v - b[k]) <= 1e-5 * abs(v) + 1e-7, (a["step"], k, v, b[k])
