@@ -62,6 +62,29 @@ def _parser() -> argparse.ArgumentParser:
         "(docs/config.md is this output).",
     )
 
+    _add_eval_parser(sub)
+    _add_export_parser(sub)
+    _add_serve_parser(sub)
+    plot = sub.add_parser(
+        "plot", help="plot a run's curves", description="Write RUN_DIR/curves.png from metrics.jsonl."
+    )
+    plot.add_argument("run_dir", help="run folder holding metrics.jsonl")
+    init = sub.add_parser(
+        "init-model",
+        help="write a tiny random test model",
+        description="Write a tiny random model with a character tokenizer as a Hugging Face folder, for "
+        "trying settings and parallel layouts on a CPU in seconds (model.path=DIR): tiny-dense (Qwen3), "
+        "tiny-moe (Qwen3-MoE, 8 experts) or tiny-mla (DeepSeek-V3: MLA attention, MoE with a shared expert).",
+    )
+    init.add_argument("kind", choices=("tiny-dense", "tiny-moe", "tiny-mla"))
+    init.add_argument("out", help="new or empty output folder")
+    init.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    init.add_argument("--hidden", type=int, default=32, help="hidden size, a multiple of 8 (default 32)")
+    _add_plan_parser(sub)
+    return parser
+
+
+def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
     evaluate = sub.add_parser(
         "eval",
         help="score a model or run on a dataset",
@@ -87,6 +110,8 @@ def _parser() -> argparse.ArgumentParser:
         help="also write every answer and its score to this new jsonl file (an existing path is refused)",
     )
 
+
+def _add_export_parser(sub: argparse._SubParsersAction) -> None:
     export = sub.add_parser(
         "export",
         help="write a run's trained model as a Hugging Face folder",
@@ -109,6 +134,8 @@ def _parser() -> argparse.ArgumentParser:
         "(transformers' *ForTokenClassification, one label) that critic.model_path loads",
     )
 
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser(
         "serve",
         help="serve a model or run on an OpenAI-compatible endpoint",
@@ -122,24 +149,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: any free port)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-
-    plot = sub.add_parser(
-        "plot", help="plot a run's curves", description="Write RUN_DIR/curves.png from metrics.jsonl."
-    )
-    plot.add_argument("run_dir", help="run folder holding metrics.jsonl")
-    init = sub.add_parser(
-        "init-model",
-        help="write a tiny random test model",
-        description="Write a tiny random model with a character tokenizer as a Hugging Face folder, for "
-        "trying settings and parallel layouts on a CPU in seconds (model.path=DIR): tiny-dense (Qwen3), "
-        "tiny-moe (Qwen3-MoE, 8 experts) or tiny-mla (DeepSeek-V3: MLA attention, MoE with a shared expert).",
-    )
-    init.add_argument("kind", choices=("tiny-dense", "tiny-moe", "tiny-mla"))
-    init.add_argument("out", help="new or empty output folder")
-    init.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
-    init.add_argument("--hidden", type=int, default=32, help="hidden size, a multiple of 8 (default 32)")
-    _add_plan_parser(sub)
-    return parser
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
