@@ -246,6 +246,45 @@ def main(argv: list[str] | None = None) -> int:
     return _command(args)
 
 
+def _compare_layers(args: argparse.Namespace) -> int:
+    """`rlloom compare-layers`: the layer-by-layer diff of the rollout engine against training."""
+    import torch
+
+    from rlloom.engines.compare_layers import compare_layers
+    from rlloom.models import load_tokenizer
+
+    prompt_ids = load_tokenizer(args.model)(args.prompt)["input_ids"]
+    report = compare_layers(
+        args.model,
+        prompt_ids,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        device=args.device,
+        dtype=getattr(torch, args.dtype),
+        exact=args.exact,
+    )
+    print(report.table())
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    """`rlloom train`: 1 when every update was skipped, 128 + the signal after a stop."""
+    from rlloom.config.loading import load_config
+    from rlloom.trainer.run import TrainingStalled, run
+    from rlloom.trainer.stop import RunStopped
+
+    cfg = load_config(args.config, args.overrides)
+    try:
+        run(cfg)
+    except TrainingStalled as e:
+        print(f"rlloom: error: {e}", file=sys.stderr)
+        return 1
+    except RunStopped as e:
+        print(f"rlloom: {e}", file=sys.stderr)
+        return e.exit_code
+    return 0
+
+
 def _command(args: argparse.Namespace) -> int:
     try:
         if args.command == "config" and args.config_command == "doc":
@@ -300,42 +339,13 @@ def _command(args: argparse.Namespace) -> int:
             )
             return 0
         if args.command == "compare-layers":
-            import torch
-
-            from rlloom.engines.compare_layers import compare_layers
-            from rlloom.models import load_tokenizer
-
-            prompt_ids = load_tokenizer(args.model)(args.prompt)["input_ids"]
-            report = compare_layers(
-                args.model,
-                prompt_ids,
-                max_new_tokens=args.max_new_tokens,
-                seed=args.seed,
-                device=args.device,
-                dtype=getattr(torch, args.dtype),
-                exact=args.exact,
-            )
-            print(report.table())
-            return 0
+            return _compare_layers(args)
         if args.command == "export":
             from rlloom.trainer.export import export_checkpoint
 
             print(export_checkpoint(args.source, args.out, dtype=args.dtype, critic=args.critic))
             return 0
-        from rlloom.config.loading import load_config
-        from rlloom.trainer.run import TrainingStalled, run
-        from rlloom.trainer.stop import RunStopped
-
-        cfg = load_config(args.config, args.overrides)
-        try:
-            run(cfg)
-        except TrainingStalled as e:
-            print(f"rlloom: error: {e}", file=sys.stderr)
-            return 1
-        except RunStopped as e:
-            print(f"rlloom: {e}", file=sys.stderr)
-            return e.exit_code
-        return 0
+        return _train(args)
     except (UserError, CheckpointError, FileNotFoundError) as e:
         print(f"rlloom: error: {_one_line(str(e))}", file=sys.stderr)
         return 2

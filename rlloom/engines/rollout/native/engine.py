@@ -174,8 +174,7 @@ class NativeEngine:
         if self.runner.route_dtype is not None:  # routes of cached positions would be missing
             self.block_manager.enable_prefix_caching = False
         self.sampler = _sampler(self.device, seed, self.tp, tp_group)
-        self._seq_ids = itertools.count()
-        self._arrivals = itertools.count()
+        self._seq_ids, self._arrivals = itertools.count(), itertools.count()
         self._ready: list[Completion] = []
         self._in_flight: InFlight | None = None
         self._host = HostBuffers(max_num_seqs)
