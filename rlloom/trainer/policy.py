@@ -105,6 +105,8 @@ def compute_advantages(
     rewards_B, groups_B, mask_BT = batch.rewards(), batch.group_ids(), batch.response_mask()
     if algo.uses_critic:
         raise ValueError("estimator gae needs the critic's values: use gae_targets")
+    if algo.estimator == "opd":
+        raise ValueError("estimator opd needs the teacher's logprobs: use trainer.distill.distill_advantages")
     if algo.estimator in ("grpo", "dr_grpo", "rloo"):
         # A multi-turn trajectory split into several samples counts once in its group's statistics.
         first, index_B = batch.trajectory_rows()

@@ -1,5 +1,5 @@
-"""One RL step, read straight through: generate -> rewards -> old/ref logprobs (and the critic's
-values) -> advantages -> policy (and critic) update -> weight sync. Every stage is timed.
+"""One RL step, read straight through: generate -> rewards -> old/ref/teacher logprobs (and the
+critic's values) -> advantages -> policy (and critic) update -> weight sync. Every stage is timed.
 
 The step drives two groups (`rlloom.cluster.base`): the rollout group generates, the training group
 computes logprobs and updates the policy, and the weight sync moves the new weights across. Each
@@ -32,6 +32,7 @@ from rlloom.faults import maybe_fail
 from rlloom.observability.metrics import MetricsAccumulator
 from rlloom.observability.timers import StageTimer
 from rlloom.rewards.runner import RewardRunner
+from rlloom.trainer.distill import distill_advantages
 from rlloom.trainer.policy import (
     build_update,
     compute_advantages,
@@ -117,7 +118,8 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
 
     old_logp_BT = None
     # else the loss detaches its own (and weights IS from them); a KL reward needs them before the update
-    need_old = not is_single_pass(cfg) or cfg.algorithm.kl_in_reward
+    # distillation's advantages compare the teacher with the student's old logprobs
+    need_old = not is_single_pass(cfg) or cfg.algorithm.kl_in_reward or cfg.uses_teacher
     with timer("old_logprobs"):
         if cfg.algorithm.use_rollout_logprobs:
             old_logp_BT = batch.rollout_logprobs()
@@ -133,6 +135,10 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
     with timer("ref_logprobs"):
         ref_logp_BT = train_group.ref_logprobs(batch).result() if cfg.algorithm.kl_coef > 0 else None
     maybe_fail("ref_logprobs", step)
+    teacher_logp_BT = None
+    if cfg.uses_teacher:
+        with timer("teacher_logprobs"):
+            teacher_logp_BT = train_group.teacher_logprobs(batch).result()
     critic = ctx.critic_group
     values_BT = adv_BT = value_update = None
     if critic is not None:
@@ -159,6 +165,11 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
                 value_update = ValueUpdate(
                     batch=batch, old_values_BT=values_BT, returns_BT=returns_BT, normalizer=normalizer
                 )
+        if teacher_logp_BT is not None:
+            adv_BT, distill_metrics = distill_advantages(
+                cfg.algorithm, batch, adv_BT, old_logp_BT, teacher_logp_BT
+            )
+            metrics.update(distill_metrics)
         update, adv_metrics = build_update(
             cfg.algorithm,
             batch,
