@@ -112,6 +112,25 @@ def test_reward_models_that_cannot_score_are_refused_in_one_line(
     for *extra, says in cases:
         run_dir = tmp_path / "run"
         assert main(["train", "arithmetic_smoke", *tiny_args(tiny_checkpoint, run_dir, *RUN, *extra)]) == 2
-        err = capsys.readouterr().err
-        assert err.startswith("rlloom: error: reward.") and says in err and err.count("\n") == 1, err
+        # one line, beside the start-up log's (the weights are read after the data, before the engines)
+        [err] = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[rlloom]")]
+        assert err.startswith("rlloom: error: reward.") and says in err, err
         assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_a_failing_reward_model_batch_costs_its_samples_the_default_score():
+    """A model call that raises fails its samples (errors), a non-finite score its own (invalid); a
+    sample whose rule reward failed keeps the default score whatever the model says."""
+    from rlloom.rewards.calling import RewardInput
+    from rlloom.rewards.runner import RewardRunner
+
+    def raising(conversations):
+        raise RuntimeError("CUDA out of memory")
+
+    items = [RewardInput("47", "47", conversation="a"), RewardInput("x", "47", conversation="bb")]
+    failed = RewardRunner(number_match, default_score=-1.0, model=raising, model_weight=0.5).score(items)
+    assert failed.scores == [-1.0, -1.0] and failed.num_errors == 2
+    by_length = lambda texts: [float("nan") if len(t) == 1 else 2.0 for t in texts]  # noqa: E731
+    mixed = RewardRunner(number_match, default_score=-1.0, model=by_length, model_weight=0.5).score(items)
+    assert mixed.scores == [-1.0, 0.0 + 0.5 * 2.0] and mixed.num_invalid == 1
+    assert mixed.model_scores[1] == 2.0
