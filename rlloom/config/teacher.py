@@ -14,7 +14,7 @@ class TeacherConfig:
 
     path: str = ""
     """Hugging Face folder of the teacher, a causal LM with the student's tokenizer (the same tokens
-    under the same ids; its vocab_size may be padded differently). Needed by algorithm.estimator=opd
+    under the same ids; its vocab_size at least the student's, which padding may exceed). Needed by algorithm.estimator=opd
     and algorithm.distill_coef > 0; empty: no teacher."""
     offload: bool = False
     """Keep the teacher's weights on the host between its forwards (moved to the device for each
