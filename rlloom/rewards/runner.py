@@ -158,6 +158,7 @@ class RewardRunner:
                 continue
             if problem is not None or not math.isfinite(score) or abs(score) > MAX_ABS_SCORE:
                 self._record(result, i, "error" if problem else "invalid", problem or repr(score))
+                scores[i] = math.nan
             else:
                 result.scores[i] += self.model_weight * score
 
