@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
 from parallel_helpers import run_gloo  # noqa: E402
-from test_distill_run import sharp_teacher  # noqa: E402
+from test_distill_run import favouring_teacher  # noqa: E402
 
 from rlloom.config import load_config  # noqa: E402
 from rlloom.data.types import RolloutBatch, Sample  # noqa: E402
@@ -45,7 +45,7 @@ def _tp_rank(rank: int, student: Path, teacher: Path, out: Path) -> None:
 
 def test_teacher_logprobs_in_tensor_parallelism_equal_one_process(tmp_path):
     student = build_tiny_checkpoint(tmp_path / "student")
-    teacher = sharp_teacher(tmp_path / "teacher")
+    teacher = favouring_teacher(tmp_path / "teacher")
     one = logprobs(student, teacher)
     assert (one["teacher"] - one["student"]).abs().max() > 0.5  # two different models
     offloaded = logprobs(student, teacher, "teacher.offload=true")

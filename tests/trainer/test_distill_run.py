@@ -1,7 +1,8 @@
 """On-policy distillation as a user runs it (`teacher.path`, algorithm.estimator=opd,
 algorithm.distill_coef): the metric against transformers on the very tokens the step trained on
 (single- and multi-turn, whose tool output the loss mask leaves out), the student pulled toward a
-sharper, different teacher, and a teacher with another tokenizer refused in one line."""
+different teacher with no reward configured (the task's default reward scores 0 throughout and
+plays no part), and a teacher with another tokenizer refused in one line."""
 
 from __future__ import annotations
 
@@ -23,22 +24,30 @@ from tests.conftest import build_tiny_checkpoint
 OPD = ("algorithm.estimator=opd", "rollout.temperature=1.0", "data.num_eval=0")
 
 
-def sharp_teacher(path: Path, *, scale: float = 4.0) -> Path:
-    """A tiny teacher unlike the student (other seed, wider) whose logits are `scale` times larger
-    (its final norm scaled): a peaked distribution the near-uniform student is far from."""
-    from transformers import AutoModelForCausalLM
+def favouring_teacher(path: Path, *, token: str = "7") -> Path:
+    """A tiny teacher unlike the student (another seed, an untied head) that wants `token` almost
+    everywhere: every input embedding carries a large constant along one dimension, which the
+    final norm turns into a near-constant direction that the head maps onto `token`'s logit (~17
+    above the others). A near-uniform student starts ~12 nats per token from it (reverse KL)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    build_tiny_checkpoint(path, seed=7, hidden=48)
+    build_tiny_checkpoint(path, seed=7)
+    token_id = AutoTokenizer.from_pretrained(path).convert_tokens_to_ids(token)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.config.tie_word_embeddings = False
+    embedding = model.model.embed_tokens.weight
     with torch.no_grad():
-        model.model.norm.weight.mul_(scale)
+        head = embedding.detach().clone()
+        embedding[:, 0] += 10.0
+        head[token_id, 0] += 3.0
+    model.lm_head.weight = torch.nn.Parameter(head)
     model.save_pretrained(path)
     return path
 
 
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return sharp_teacher(tmp_path_factory.mktemp("teacher") / "ckpt")
+    return favouring_teacher(tmp_path_factory.mktemp("teacher") / "ckpt")
 
 
 def transformers_logprobs(path: Path, batch: RolloutBatch) -> list[torch.Tensor]:
@@ -85,13 +94,14 @@ def test_reverse_kl_equals_transformers_on_the_trained_tokens(
     ]
     expected = float(torch.cat(diffs).mean())
     [row] = read_metrics(run_dir)
-    assert expected > 0.2  # the sharp teacher is far from the student: a wrong token would show
+    assert expected > 5  # the teacher is far from the student: a wrong token would show
     assert row["distill/reverse_kl"] == pytest.approx(expected, rel=1e-4)
 
 
 def test_pure_opd_pulls_the_student_toward_the_teacher(tiny_checkpoint, teacher, tmp_path):
-    """Estimator opd with no reward in the loss at a high learning rate: the reverse KL per token
-    falls by more than half in 20 steps; the rewards (all 0 for the random student) play no part."""
+    """Estimator opd, reward.name unset, at a high learning rate: the reverse KL per token falls by
+    more than half in 20 steps (from ~12 nats to ~0 at this rate); the rewards (all 0 for the random
+    student: GRPO would not move) play no part."""
     run_dir = tmp_path / "run"
     run(
         tiny_cfg(
@@ -106,7 +116,8 @@ def test_pure_opd_pulls_the_student_toward_the_teacher(tiny_checkpoint, teacher,
     )
     kl = [row["distill/reverse_kl"] for row in read_metrics(run_dir)]
     assert len(kl) == 20
-    assert kl[0] > 0.5 and sum(kl[-3:]) / 3 < kl[0] / 2, kl
+    assert kl[0] > 5 and sum(kl[-3:]) / 3 < kl[0] / 2, kl
+    assert all(row["reward/mean"] == 0 for row in read_metrics(run_dir))
 
 
 def test_distill_coef_adds_the_term_to_grpo(tiny_checkpoint, teacher, tmp_path):
@@ -118,7 +129,7 @@ def test_distill_coef_adds_the_term_to_grpo(tiny_checkpoint, teacher, tmp_path):
                  f"teacher.path={teacher}", "algorithm.distill_coef=0.5"))  # fmt: skip
     [plain], [row] = read_metrics(grpo), read_metrics(distilled)
     assert plain["advantage/abs_mean"] == 0.0
-    assert row["distill/reverse_kl"] > 0.5
+    assert row["distill/reverse_kl"] > 5
     assert row["advantage/mean"] == pytest.approx(-0.5 * row["distill/reverse_kl"], rel=1e-4)
 
 
