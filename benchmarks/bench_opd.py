@@ -92,8 +92,8 @@ def main() -> None:
     steady = records[1:] or records
     step_s = statistics.median(r["time/step_s"] for r in steady)
     print(
-        f"\n| stage | median s ({len(steady)} steady steps; student {student_params / 1e9:.3g}B, teacher "
-        f"{teacher_params / 1e9:.3g}B = {teacher_params / student_params:.2f}x) | share of the step |"
+        f"\n| stage | median s ({len(steady)} steady steps; student {student_params / 1e6:.4g}M, teacher "
+        f"{teacher_params / 1e6:.4g}M = {teacher_params / student_params:.2f}x) | share of the step |"
     )
     print("|---|---|---|")
     for stage in STAGES:
