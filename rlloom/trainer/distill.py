@@ -12,28 +12,22 @@ import torch
 from rlloom.algorithms.distill import reverse_kl, reverse_kl_advantages
 from rlloom.config import AlgorithmConfig
 from rlloom.data.types import RolloutBatch
-from rlloom.trainer.policy import compute_advantages
 
 
 def distill_advantages(
     algo: AlgorithmConfig,
     batch: RolloutBatch,
-    advantages_BT: torch.Tensor | None,
+    base_BT: torch.Tensor | None,
     student_logp_BT: torch.Tensor,
     teacher_logp_BT: torch.Tensor,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """[B, T] the step's advantages with distillation, and `distill/reverse_kl`.
 
-    Estimator opd: logp_teacher - logp_student on every trained token, the rewards unused. Any other:
-    its advantages (`advantages_BT` when the step computed token-level ones, e.g. GAE's; else the
-    estimator's from the rewards) plus distill_coef x that term. `student_logp_BT` are the logprobs of
+    Estimator opd: logp_teacher - logp_student on every trained token, the rewards unused (`base_BT`
+    None). Any other: its advantages `base_BT` (e.g. GRPO's or GAE's) plus distill_coef x that term. `student_logp_BT` are the logprobs of
     the policy that sampled the batch, before the update (the step's old logprobs); the loss mask
     keeps a multi-turn sample's tool output out of both the advantages and the metric."""
     mask_BT = batch.response_mask()
     term_BT = reverse_kl_advantages(teacher_logp_BT, student_logp_BT, mask_BT)
-    if algo.estimator == "opd":
-        adv_BT = term_BT
-    else:
-        base_BT = compute_advantages(algo, batch) if advantages_BT is None else advantages_BT
-        adv_BT = base_BT + algo.distill_coef * term_BT
+    adv_BT = term_BT if algo.estimator == "opd" else base_BT + algo.distill_coef * term_BT
     return adv_BT, {"distill/reverse_kl": reverse_kl(teacher_logp_BT, student_logp_BT, mask_BT)}
