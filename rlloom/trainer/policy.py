@@ -85,14 +85,9 @@ def advantage_stage(
             )
     if teacher_logp_BT is not None:
         assert old_logp_BT is not None, "distillation recomputes the old logprobs (step.old_logprobs)"
-        base_BT = (
-            None
-            if algo.estimator == "opd"
-            else adv_BT
-            if adv_BT is not None
-            else compute_advantages(algo, batch)
-        )
-        adv_BT, distill_metrics = distill_advantages(algo, batch, base_BT, old_logp_BT, teacher_logp_BT)
+        if algo.estimator != "opd" and adv_BT is None:  # the term adds to the estimator's advantages
+            adv_BT = compute_advantages(algo, batch)
+        adv_BT, distill_metrics = distill_advantages(algo, batch, adv_BT, old_logp_BT, teacher_logp_BT)
         metrics.update(distill_metrics)
     update, update_metrics = build_update(
         algo,

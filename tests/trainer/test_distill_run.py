@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_trainer_loop import read_metrics, tiny_args, tiny_cfg
 
-import rlloom.trainer.step as step_module
+import rlloom.trainer.policy as policy_module
 from rlloom.cli import main
 from rlloom.config import load_config
 from rlloom.data.types import RolloutBatch
@@ -71,13 +71,13 @@ def test_reverse_kl_equals_transformers_on_the_trained_tokens(
     recipe, tiny_checkpoint, teacher, tmp_path, monkeypatch
 ):
     batches: list[RolloutBatch] = []
-    real = step_module.distill_advantages
+    real = policy_module.distill_advantages
 
     def recording(algo, batch, *args):
         batches.append(batch)
         return real(algo, batch, *args)
 
-    monkeypatch.setattr(step_module, "distill_advantages", recording)
+    monkeypatch.setattr(policy_module, "distill_advantages", recording)
     run_dir = tmp_path / "run"
     cfg = load_config(
         recipe, tiny_args(tiny_checkpoint, run_dir, *OPD, f"teacher.path={teacher}", "trainer.total_steps=1")
