@@ -64,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
 
     _add_eval_parser(sub)
     _add_export_parser(sub)
+    _add_serve_parser(sub)
     plot = sub.add_parser(
         "plot", help="plot a run's curves", description="Write RUN_DIR/curves.png from metrics.jsonl."
     )
@@ -132,6 +133,22 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
         help="export the critic of a PPO run (algorithm.estimator=gae) instead: a value model "
         "(transformers' *ForTokenClassification, one label) that critic.model_path loads",
     )
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model or run on an OpenAI-compatible endpoint",
+        description="Serve a model (Hugging Face folder, run folder or checkpoint) on the OpenAI-compatible "
+        "endpoint training uses for rollout.agent: GET /v1/models, POST /v1/chat/completions and "
+        "/v1/completions. A run's own settings are used; overrides apply last. Needs rlloom[serve].",
+    )
+    serve.add_argument("model", help="Hugging Face folder, run folder or checkpoint")
+    serve.add_argument(
+        "overrides", nargs="*", default=[], help="dotted overrides such as rollout.max_new_tokens=512"
+    )
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: any free port)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -242,6 +259,11 @@ def _command(args: argparse.Namespace) -> int:
             print(report.table())
             print(report.json_line())
             return 0
+        if args.command == "serve":
+            from rlloom.trainer.serve_model import serve_model
+
+            serve_model(args.model, args.overrides, host=args.host, port=args.port)
+            return 0
         if args.command == "init-model":
             from rlloom.models.tiny import write_tiny_model
             from rlloom.trainer.export import check_output
@@ -294,6 +316,7 @@ _INTERRUPTED = {
     "export": "the output folder may be incomplete: remove it and export again",
     "plan": "nothing was written",
     "plot": "nothing was written",
+    "serve": "the endpoint stopped",
     "config": "nothing was written",
     "init-model": "the output folder may be incomplete: remove it and run again",
 }

@@ -16,7 +16,7 @@ LAYERS = [
     {"parallel"},
     {"engines"},
     {"workers"},
-    {"cluster", "weight_sync", "episodes"},
+    {"cluster", "weight_sync", "episodes", "agents"},
     {"trainer", "plan"},
     {"cli"},
 ]

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlloom.agents.build import build_agent_driver
 from rlloom.cluster.build import Groups, build_groups
 from rlloom.config import RunConfig
 from rlloom.config.loading import to_dict, to_yaml
@@ -174,7 +175,7 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
                         stop.signum, state.step, saved or checkpoint(cfg.trainer.save_weights_only)
                     )
     finally:
-        for part in (loggers, runner, ctx.episodes and ctx.episodes.calls, groups):
+        for part in (loggers, runner, ctx.episodes, groups):
             if part is not None:
                 part.close()
     return _summary(cfg, run_dir, state, after.get("eval/accuracy"), saved, time.perf_counter() - start)
@@ -242,7 +243,11 @@ def _step_context(
         stop_token_ids=[] if cfg.rollout.ignore_eos else data.stop_token_ids,  # evaluation still stops at EOS
         on_samples=on_samples,
         critic_group=groups.critic,
-        episodes=build_episode_driver(cfg, data.tokenizer, data.stop_token_ids, data.decode),
+        episodes=(
+            build_agent_driver(cfg, data.tokenizer, data.stop_token_ids)
+            if cfg.rollout.agent
+            else build_episode_driver(cfg, data.tokenizer, data.stop_token_ids, data.decode)
+        ),
     )
 
 
