@@ -68,6 +68,10 @@ class TrainGroup(Protocol):
 
     def ref_logprobs(self, batch: RolloutBatch) -> Pending[torch.Tensor]: ...
 
+    def teacher_logprobs(self, batch: RolloutBatch) -> Pending[torch.Tensor]:
+        """[B, T] the distillation teacher's logprobs of the response tokens (teacher.path)."""
+        ...
+
     def update_policy(self, update: PolicyUpdate) -> Pending[dict[str, Metric]]:
         """One optimizer step; its metrics carry their reductions, so the controller can combine the
         steps of several mini-batches (a sum stays a sum, a max a max)."""

@@ -38,6 +38,9 @@ class LocalTrainGroup:
     def ref_logprobs(self, batch: RolloutBatch) -> Done[torch.Tensor]:
         return Done(self.worker.ref_logprobs(batch))
 
+    def teacher_logprobs(self, batch: RolloutBatch) -> Done[torch.Tensor]:
+        return Done(self.worker.teacher_logprobs(batch))
+
     def update_policy(self, update: PolicyUpdate) -> Done[dict[str, Metric]]:
         return Done(self.worker.update_policy(update))
 

@@ -194,6 +194,9 @@ class RayTrainGroup:
     def ref_logprobs(self, batch: RolloutBatch) -> Refs:
         return self._all("ref_logprobs", batch)
 
+    def teacher_logprobs(self, batch: RolloutBatch) -> Refs:
+        return self._all("teacher_logprobs", batch)
+
     def update_policy(self, update: PolicyUpdate) -> Refs:
         return self._all("update_policy", update)
 

@@ -17,6 +17,7 @@ from rlloom.config.reward import RewardConfig
 from rlloom.config.rollout import RolloutConfig
 from rlloom.config.run import RunConfig
 from rlloom.config.sync import SyncConfig
+from rlloom.config.teacher import TeacherConfig
 from rlloom.config.train import TrainEngineConfig
 from rlloom.config.trainer import TrainerConfig
 
@@ -33,6 +34,7 @@ __all__ = [
     "RolloutConfig",
     "RunConfig",
     "SyncConfig",
+    "TeacherConfig",
     "TrainEngineConfig",
     "TrainerConfig",
     "UserError",

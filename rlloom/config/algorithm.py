@@ -7,7 +7,7 @@ from typing import Literal
 
 from rlloom.config.checks import check, check_finite
 
-Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
+Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "opd"]
 PolicyLoss = Literal["ppo_clip", "gspo", "cispo"]
 AggMode = Literal[
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
@@ -19,7 +19,8 @@ class AlgorithmConfig:
     estimator: Estimator = "grpo"
     """Advantage estimator. `gae`: PPO with a critic (a value model trained beside the policy, the
     `critic` section; Generalized Advantage Estimation with `gamma` and `lam`, whitened over the
-    batch); the others need no critic."""
+    batch); `opd`: on-policy distillation, each sampled token's advantage is logp_teacher - logp_student
+    (the `teacher` section; no reward needed); the others need no critic."""
     loss: PolicyLoss = "ppo_clip"
     """Policy loss."""
     eps_low: float = 0.2
@@ -52,6 +53,10 @@ class AlgorithmConfig:
     """The KL per sample (mean over its tokens) the adaptive controller steers to (verl's target_kl)."""
     kl_horizon: int = 10000
     """The adaptive controller's horizon in samples (verl's horizon): the larger, the slower it moves."""
+    distill_coef: float = 0.0
+    """On-policy distillation added to any estimator's advantages: each response token's advantage
+    gains distill_coef x (logp_teacher - logp_student) (`teacher.path`; the student's are the old
+    logprobs, recomputed). 0: off. Estimator opd uses the term alone, with coefficient 1."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
     gamma: float = 1.0
@@ -98,6 +103,7 @@ class AlgorithmConfig:
         self._check_clipping()
         self._check_kl()
         self._check_estimators()
+        self._check_distill()
 
     def _check_clipping(self) -> None:
         """The policy loss's clip ranges and its normaliser."""
@@ -158,6 +164,23 @@ class AlgorithmConfig:
         )
         check(self.kl_target > 0, "algorithm.kl_target", self.kl_target, "must be > 0", "use 0.1")
         check(self.kl_horizon > 0, "algorithm.kl_horizon", self.kl_horizon, "must be > 0", "use 10000")
+
+    def _check_distill(self) -> None:
+        """On-policy distillation's coefficient (the teacher itself is checked with the run)."""
+        check(
+            self.distill_coef >= 0,
+            "algorithm.distill_coef",
+            self.distill_coef,
+            "must be >= 0 (a negative one pushes the student away from the teacher)",
+            "use 0 to turn the distillation term off",
+        )
+        check(
+            self.estimator != "opd" or self.distill_coef == 0,
+            "algorithm.distill_coef",
+            self.distill_coef,
+            "estimator opd trains on the distillation term alone (coefficient 1)",
+            "set algorithm.distill_coef=0 (scale the step with train.lr), or pick a reward estimator",
+        )
 
     def _check_estimators(self) -> None:
         """Returns and advantages, the entropy bonus, the overlong penalty, IS corrections, sampling rounds."""

@@ -17,7 +17,15 @@ class RewardConfig:
     name: str = ""
     """Reward function: a built-in name (number, math, countdown, format_number, ...), a plug-in
     `package.module:function`, or a weighted sum such as `number + 0.1*format_number`; empty picks
-    the task's default."""
+    the task's default. `model` names the reward model of `model_path`: `model` alone, or a term such
+    as `math + 0.5*model`."""
+    model_path: str = ""
+    """A Bradley-Terry reward model as transformers saves it (*ForSequenceClassification, num_labels=1,
+    with its tokenizer), the `model` term of `name`: it scores the prompt and the response as the
+    policy saw them (rendered by the policy's chat template), tokenized by its own tokenizer, forward
+    only, in the trainer's process (the GPU when there is one). Metric `reward/model_mean`."""
+    model_batch_size: int = 16
+    """Conversations per forward of the reward model (padded to the longest of similar lengths)."""
     num_workers: int = 2
     """Worker processes that run plug-in reward functions, isolated from the trainer: each sample
     under `timeout_s`, each worker under `memory_limit_gb`, killed with every process it started."""
@@ -46,6 +54,13 @@ class RewardConfig:
             self.num_workers,
             "must be >= 1 (plug-in rewards always run in worker processes)",
             "use e.g. 2; built-in rewards run inline unless reward.builtins_in_workers=true",
+        )
+        check(
+            self.model_batch_size >= 1,
+            "reward.model_batch_size",
+            self.model_batch_size,
+            "must be >= 1",
+            "use e.g. 16 (lower it if the reward model runs out of memory)",
         )
         check(
             math.isfinite(self.timeout_s) and self.timeout_s > 0,

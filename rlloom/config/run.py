@@ -16,6 +16,7 @@ from rlloom.config.parallel import ParallelConfig
 from rlloom.config.reward import RewardConfig
 from rlloom.config.rollout import RolloutConfig
 from rlloom.config.sync import TRANSPORT_OF_PLACEMENT, SyncConfig
+from rlloom.config.teacher import TeacherConfig
 from rlloom.config.train import TrainEngineConfig
 from rlloom.config.trainer import TrainerConfig
 
@@ -31,6 +32,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     train: TrainEngineConfig = field(default_factory=TrainEngineConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -77,6 +79,8 @@ class RunConfig:
         self._check_step_batch()
         if self.rollout.match_training:
             self._check_match_training()
+
+        self._check_teacher()
 
     def _check_micro_batches(self) -> None:
         """What context and pipeline parallelism ask of the training micro-batches."""
@@ -152,6 +156,30 @@ class RunConfig:
             self.trainer.num_mini_batches,
             f"must divide the batch of {batch} completions",
             "pick a divisor of prompts_per_step x n_samples",
+        )
+
+    @property
+    def uses_teacher(self) -> bool:
+        """On-policy distillation is on: estimator opd, or a distillation term (distill_coef > 0)."""
+        return self.algorithm.estimator == "opd" or self.algorithm.distill_coef > 0
+
+    def _check_teacher(self) -> None:
+        """Distillation needs a teacher, and a teacher needs distillation (it would load for nothing)."""
+        algo = self.algorithm
+        check(
+            bool(self.teacher.path) or not self.uses_teacher,
+            "teacher.path",
+            self.teacher.path,
+            f"algorithm.estimator={algo.estimator} with algorithm.distill_coef={algo.distill_coef} distills "
+            "from a teacher",
+            "set teacher.path to a Hugging Face folder with the student's tokenizer",
+        )
+        check(
+            not self.teacher.path or self.uses_teacher,
+            "teacher.path",
+            self.teacher.path,
+            "a teacher is used only by algorithm.estimator=opd or algorithm.distill_coef > 0",
+            "set algorithm.estimator=opd (or algorithm.distill_coef, e.g. 0.5), or leave teacher.path empty",
         )
 
     def _check_sync_transport(self) -> None:

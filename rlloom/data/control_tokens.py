@@ -128,6 +128,11 @@ class ResponseDecoder:
     def __call__(self, ids: list[int]) -> str:
         return self.tokenizer.decode(self.body(ids), skip_special_tokens=False)
 
+    def conversation(self, prompt_ids: list[int], response_ids: list[int]) -> str:
+        """The prompt and the response as the policy saw them, every token kept (the chat template's
+        rendering and the stop token): what a reward model scores."""
+        return self.tokenizer.decode(list(prompt_ids) + list(response_ids), skip_special_tokens=False)
+
     def num_control(self, ids: list[int]) -> int:
         """Control tokens inside the response (the final stop token not counted)."""
         return sum(i in self.control_ids for i in self.body(ids))

@@ -64,6 +64,9 @@ class RewardInput:
     columns: dict[str, Any] = field(default_factory=dict)
     """Every column of the row (the prompt and answer columns included, as the row holds them), or a
     procedural task's details, by name."""
+    conversation: str = ""
+    """The prompt and the response as the policy saw them: the sample's token ids decoded with every
+    token kept (the policy's chat template's rendering). What a reward model scores; "" when unknown."""
 
     def completion(self) -> str | list[dict[str, str]]:
         """The response as TRL passes it to batched functions: text for a text prompt, one assistant

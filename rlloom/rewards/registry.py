@@ -8,6 +8,10 @@
   anything that is not a number of magnitude at most 1e15 into the default score and counts it.
   A module next to the YAML config file (`reward.import_dir`) imports without PYTHONPATH;
 - a weighted sum of those, e.g. "number + 0.1*format_number" or "my.mod:fn + 0.5*format_answer".
+
+`model` names the reward model of `reward.model_path` (`rlloom.rewards.reward_model`): alone, or as a
+term of a sum ("math + 0.5*model"). It is not a function of this registry: `split_model_term` takes
+it out of the name, and the runner adds its weighted score to the rest's.
 """
 
 from __future__ import annotations
@@ -59,6 +63,22 @@ def get_reward_fn(name: str, *, import_dir: str = "") -> RewardFn:
     return WeightedReward(tuple(parsed))
 
 
+MODEL_TERM = "model"
+"""The term of reward.name that names the reward model (reward.model_path)."""
+
+
+def split_model_term(name: str) -> tuple[str, float]:
+    """(`name` without its `model` term, the model's weight; 0.0 without one). "math + 0.5*model" ->
+    ("math", 0.5); "model" -> ("", 1.0): the model alone. A name that does not parse is returned whole,
+    for `get_reward_fn` to report."""
+    terms = [_TERM.match(term) for term in name.split("+")]
+    if not all(terms):
+        return name, 0.0
+    model = [float(m["weight"] or 1.0) for m in terms if m["name"] == MODEL_TERM]  # type: ignore[index]
+    rest = [m.group(0).strip() for m in terms if m["name"] != MODEL_TERM]  # type: ignore[union-attr,index]
+    return " + ".join(rest), sum(model)
+
+
 def is_builtin(fn: RewardFn) -> bool:
     """True for a built-in reward function, or a weighted sum of built-ins only."""
     if isinstance(fn, WeightedReward):
@@ -78,8 +98,8 @@ def _resolve(name: str, import_dir: str) -> RewardFn:
         return BUILTIN_REWARDS[name]
     if ":" not in name:
         raise ValueError(
-            f"reward {name!r} is unknown; fix: use a built-in ({', '.join(BUILTIN_REWARDS)}) "
-            "or a plug-in path 'package.module:function'"
+            f"reward {name!r} is unknown; fix: use a built-in ({', '.join(BUILTIN_REWARDS)}), "
+            f"a plug-in path 'package.module:function', or {MODEL_TERM!r} with reward.model_path"
         )
     module_name, _, attr = name.partition(":")
     folder = plugin_folder(import_dir)

@@ -22,6 +22,12 @@ A sample whose function hangs, raises (or calls `sys.exit`), crashes its process
 NaN / inf / a number beyond +-1e15 (`calling.MAX_ABS_SCORE`) / something that is not a number gets
 `default_score`, and is counted in the metrics `reward/timeouts`, `reward/errors` and
 `reward/invalid`. Scores come back in input order.
+
+A reward model (`model`, e.g. `rlloom.rewards.reward_model.RewardModel`; the `model` term of
+reward.name) always runs in this process, after the function: a sample's score is the function's
+(0 without one) plus `model_weight` x the model's score of its conversation. A sample whose function
+failed keeps `default_score`; a model call that raises fails every sample of the call (an error), a
+non-finite model score fails its sample (invalid).
 """
 
 from __future__ import annotations
@@ -32,10 +38,10 @@ import pickle
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
-from rlloom.rewards.calling import RewardInput, is_batched, score_items
+from rlloom.rewards.calling import MAX_ABS_SCORE, RewardInput, is_batched, score_items
 from rlloom.rewards.process import WorkerProcess
 
 logger = logging.getLogger(__name__)
@@ -51,9 +57,14 @@ class RewardScores:
     """The scores of one call, in input order, with the failures counted."""
 
     scores: list[float]
+    model_scores: list[float] | None = None
+    """The reward model's score of each sample (before its weight), when the runner has one; the
+    samples the model failed on hold NaN."""
     num_timeouts: int = 0
     num_errors: int = 0
     num_invalid: int = 0
+    failed: set[int] = field(default_factory=set)
+    """Positions of the samples that got `default_score` (timed out, raised, invalid)."""
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -72,13 +83,18 @@ class RewardRunner:
 
     def __init__(
         self,
-        fn: Callable[..., object],
+        fn: Callable[..., object] | None,
         *,
         num_workers: int = 0,
         timeout_s: float = 10.0,
         default_score: float = 0.0,
         memory_limit_gb: float = 0.0,
+        model: Callable[[list[str]], list[float]] | None = None,
+        model_weight: float = 1.0,
     ) -> None:
+        """`fn` None: the reward model alone scores (then `model` is needed)."""
+        if fn is None and model is None:
+            raise ValueError("a RewardRunner needs a reward function, a reward model, or both")
         if num_workers < 0:
             raise ValueError(f"reward num_workers={num_workers} must be >= 0; fix: use 0 to score inline")
         if not (math.isfinite(timeout_s) and timeout_s > 0):
@@ -88,10 +104,11 @@ class RewardRunner:
                 f"reward memory_limit_gb={memory_limit_gb} must be >= 0; fix: e.g. 4 (0: no cap)"
             )
         self.fn = fn
+        self.model, self.model_weight = model, model_weight
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self.default_score = float(default_score)
-        self.batched = is_batched(fn)
+        self.batched = fn is not None and is_batched(fn)
         """True for a batched function (`rlloom.rewards.calling`): `timeout_s` then bounds each call."""
         self.totals = {"reward/timeouts": 0.0, "reward/errors": 0.0, "reward/invalid": 0.0}
         """Counts over all calls since the runner started."""
@@ -112,14 +129,38 @@ class RewardRunner:
         columns); never raises for a bad reward function."""
         items = [s if isinstance(s, RewardInput) else RewardInput(*s) for s in samples]
         result = RewardScores(scores=[self.default_score] * len(items))
-        if self.num_workers == 0:
+        if self.fn is None:
+            result.scores = [0.0] * len(items)
+        elif self.num_workers == 0:
             for i, (kind, payload) in enumerate(score_items(self.fn, items)):
                 self._record(result, i, kind, payload)
         else:
             self._score_in_workers(items, result)
+        if self.model is not None:
+            self._add_model_scores(items, result)
         for key, value in result.metrics().items():
             self.totals[key] += value
         return result
+
+    def _add_model_scores(self, items: list[RewardInput], result: RewardScores) -> None:
+        """Add `model_weight` x the reward model's score of each conversation to the samples the
+        function scored (`_record` leaves a failed one at `default_score`, and it stays there)."""
+        try:
+            scores = [float(v) for v in self.model([item.conversation for item in items])]  # type: ignore[misc]
+            problem = None if len(scores) == len(items) else f"{len(scores)} scores for {len(items)} texts"
+        except Exception as e:  # noqa: BLE001  a bad batch fails its samples, not the run (counted)
+            scores, problem = [math.nan] * len(items), f"{type(e).__name__}: {e}"[:500]
+        if problem is not None:
+            scores = [math.nan] * len(items)
+        result.model_scores = scores
+        for i, score in enumerate(scores):
+            if i in result.failed:
+                continue
+            if problem is not None or not math.isfinite(score) or abs(score) > MAX_ABS_SCORE:
+                self._record(result, i, "error" if problem else "invalid", problem or repr(score))
+                scores[i] = math.nan
+            else:
+                result.scores[i] += self.model_weight * score
 
     def close(self) -> None:
         """Kill the worker processes and everything they started (idempotent): a worker left to exit
@@ -232,6 +273,8 @@ class RewardRunner:
         if kind == "ok":
             result.scores[i] = float(payload)
             return
+        result.scores[i] = self.default_score
+        result.failed.add(i)
         if kind == "timeout":
             result.num_timeouts += 1
         elif kind == "error":

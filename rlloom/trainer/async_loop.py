@@ -141,7 +141,7 @@ def drains_after(cfg: RunConfig, steps_done: int) -> bool:
     )
 
 
-TRAIN_STAGES = ("old_logprobs", "ref_logprobs", "advantages", "train")
+TRAIN_STAGES = ("old_logprobs", "ref_logprobs", "teacher_logprobs", "advantages", "train")
 """The synchronous step's stages that keep the training group busy."""
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from rlloom.cluster.base import RolloutGroup
 from rlloom.config import RunConfig
+from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.dataset import PromptItem
 from rlloom.engines.rollout import Completion, SamplingParams
 from rlloom.rewards.calling import RewardInput
@@ -55,7 +56,7 @@ def score_prompts(
     generate: Generate,
     items: list[PromptItem],
     runner: RewardRunner,
-    decode: Callable[[list[int]], str],
+    decode: ResponseDecoder,
     cfg: RunConfig,
     *,
     stop_token_ids: list[int],
@@ -76,8 +77,15 @@ def score_prompts(
     completions = sorted(completions, key=lambda c: (c.prompt_index, c.sample_index))
     texts = [decode(c.token_ids) for c in completions]
     scored = [(t, items[c.prompt_index]) for t, c in zip(texts, completions)]
+    conversations = [
+        decode.conversation(items[c.prompt_index].prompt_ids, c.token_ids) if runner.model is not None else ""
+        for c in completions
+    ]
     flat = runner.score(
-        [RewardInput(t, it.ground_truth, prompt=it.prompt, columns=it.metadata) for t, it in scored]
+        [
+            RewardInput(t, it.ground_truth, prompt=it.prompt, columns=it.metadata, conversation=conv)
+            for (t, it), conv in zip(scored, conversations)
+        ]
     ).scores
     rows = range(0, len(completions), samples)
     return EvalScores(
@@ -91,7 +99,7 @@ def evaluate(
     rollout_group: RolloutGroup,
     items: list[PromptItem],
     runner: RewardRunner,
-    decode: Callable[[list[int]], str],
+    decode: ResponseDecoder,
     cfg: RunConfig,
     *,
     stop_token_ids: list[int],

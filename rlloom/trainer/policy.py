@@ -27,6 +27,7 @@ from rlloom.algorithms.kl import kl_estimate
 from rlloom.algorithms.objective import correction_weights, is_correction, value_normalizer
 from rlloom.config import AlgorithmConfig
 from rlloom.data.types import PolicyUpdate, RolloutBatch, ValueUpdate
+from rlloom.trainer.distill import distill_advantages
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +53,12 @@ def advantage_stage(
     ref_logp_BT: torch.Tensor | None,
     values_BT: torch.Tensor | None,
     kl_coef: float | None,
+    teacher_logp_BT: torch.Tensor | None = None,
 ) -> Advantages:
     """The step's advantages: token rewards where the estimator needs them (a critic's `values_BT`,
     or algorithm.kl_in_reward's penalty at `kl_coef`, None for algorithm.kl_coef), then GAE and the
-    critic's targets with a critic, else the critic-free estimator; the IS weights and the
+    critic's targets with a critic, else the critic-free estimator; with the teacher's
+    `teacher_logp_BT`, on-policy distillation's term (`trainer/distill.py`); the IS weights and the
     normaliser (`build_update`). Old and reference logprobs [B, T] are None where not computed."""
     metrics: dict[str, float] = {}
     adv_BT = value_update = None
@@ -80,6 +83,12 @@ def advantage_stage(
                 returns_BT=returns_BT,
                 normalizer=value_normalizer(mask_BT),
             )
+    if teacher_logp_BT is not None:
+        assert old_logp_BT is not None, "distillation recomputes the old logprobs (step.old_logprobs)"
+        if algo.estimator != "opd" and adv_BT is None:  # the term adds to the estimator's advantages
+            adv_BT = compute_advantages(algo, batch)
+        adv_BT, distill_metrics = distill_advantages(algo, batch, adv_BT, old_logp_BT, teacher_logp_BT)
+        metrics.update(distill_metrics)
     update, update_metrics = build_update(
         algo,
         batch,
@@ -172,6 +181,8 @@ def compute_advantages(
     rewards_B, groups_B, mask_BT = batch.rewards(), batch.group_ids(), batch.response_mask()
     if algo.uses_critic:
         raise ValueError("estimator gae needs the critic's values: use gae_targets")
+    if algo.estimator == "opd":
+        raise ValueError("estimator opd needs the teacher's logprobs: use trainer.distill.distill_advantages")
     if algo.estimator in ("grpo", "dr_grpo", "rloo"):
         # A multi-turn trajectory split into several samples counts once in its group's statistics.
         first, index_B = batch.trajectory_rows()

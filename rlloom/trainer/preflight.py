@@ -12,6 +12,8 @@
 - rollout.quantization=fp8 has routed experts to quantize (an MoE model), and rollout.tp splits the
   model evenly: it divides the attention heads, the KV heads (or is a multiple of them) and the MLP
   and expert widths (the rollout backend's `engines/rollout/build.check_rollout`).
+- On-policy distillation's teacher (teacher.path) is a causal LM with the student's tokenizer that
+  the run's layout splits (`teacher_check.check_teacher`).
 - The reward function resolves (a built-in name, an importable plug-in, or a weighted sum of them).
 - A dataset file (data.task=jsonl/parquet) has the format its task names, its rows read, at least one
   row holds the prompt and answer columns (data.prompt_key, data.answer_key), and data.num_eval
@@ -43,10 +45,12 @@ from rlloom.engines.rollout.build import check_rollout
 from rlloom.engines.train.build import check_parallel
 from rlloom.episodes.build import check_episodes
 from rlloom.models.checkpoint import VALUE_MODEL_SUFFIXES
+from rlloom.rewards.build import check_model_term
 from rlloom.rewards.registry import get_reward_fn
 from rlloom.tasks.build import default_reward_name, task_prompts
 from rlloom.trainer.async_loop import capacity
 from rlloom.trainer.model_folder import check_model_folder, check_tokenizer
+from rlloom.trainer.teacher_check import check_teacher
 
 
 def fit_multi_turn_budget(cfg: RunConfig) -> RunConfig:
@@ -79,6 +83,7 @@ def check_before_loading(cfg: RunConfig) -> None:
     check_step_size(cfg)
     check_parallel(cfg, hf_config)
     check_critic(cfg, hf_config)
+    check_teacher(cfg, hf_config)
     check_data(cfg)
     check_logging_backends(cfg)
     check_episodes(cfg)
@@ -210,10 +215,13 @@ def check_sequence_length(cfg: RunConfig, max_positions: int | None) -> None:
 
 
 def check_reward(cfg: RunConfig) -> None:
-    """`reward.name` (or the task's default) must name a reward function that can be loaded."""
+    """`reward.name` (or the task's default) must name a reward function that can be loaded, and a
+    `model` term a reward model folder (reward.model_path)."""
     name = cfg.reward.name or default_reward_name(cfg.data.task)
+    rule_name, _ = check_model_term(cfg.reward, name)
     try:
-        get_reward_fn(name, import_dir=cfg.reward.import_dir)
+        if rule_name:
+            get_reward_fn(rule_name, import_dir=cfg.reward.import_dir)
     except ValueError as e:
         raise ConfigError(f"reward.name={name!r} is invalid: {' '.join(str(e).split())}") from None
 

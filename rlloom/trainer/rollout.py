@@ -35,7 +35,8 @@ def score_samples(
     samples: list[Sample], runner: RewardRunner, decode: ResponseDecoder, cfg: RunConfig
 ) -> dict[str, float]:
     """Decode responses (control tokens inside them visible), run the reward function, add overlong
-    shaping; fills `Sample.reward` and the metadata's `response_text`, `score` and `control_tokens`.
+    shaping; fills `Sample.reward` and the metadata's `response_text`, `score` and `control_tokens`
+    (with a reward model, `model_score`: its score before its weight in reward.name).
 
     A multi-turn sample is scored on its last turn (`metadata["answer_ids"]`), and only when its
     environment gave no reward (`metadata["env_reward"]`)."""
@@ -50,10 +51,16 @@ def score_samples(
                 samples[i].metadata["ground_truth"],
                 prompt=samples[i].metadata["prompt"],
                 columns=samples[i].metadata["columns"],
+                conversation=decode.conversation(samples[i].prompt_ids, samples[i].response_ids)
+                if runner.model is not None
+                else "",
             )
             for i in todo
         ]
     )
+    if result.model_scores is not None:  # `reward/model_mean` reads them (`reward_metrics`)
+        for i, score in zip(todo, result.model_scores):
+            samples[i].metadata["model_score"] = score
     scores = [float(g) if g is not None else 0.0 for g in given]
     for i, score in zip(todo, result.scores):
         scores[i] = score
@@ -82,7 +89,13 @@ def reward_metrics(samples: list[Sample]) -> dict[str, float]:
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     scores = torch.tensor([s.metadata["score"] for s in samples], dtype=torch.float64)
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
+    model = torch.tensor([s.metadata["model_score"] for s in samples if "model_score" in s.metadata])
+    # the reward model's mean score (its samples that scored; before its weight in reward.name)
+    model_mean = (
+        {"reward/model_mean": float(model[model.isfinite()].double().mean())} if model.numel() else {}
+    )
     return {
+        **model_mean,
         "reward/mean": float(rewards.mean()),
         "reward/std": float(rewards.std(unbiased=False)),
         "train/accuracy": float((scores >= 1.0).double().mean()),

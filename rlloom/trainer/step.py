@@ -1,5 +1,5 @@
-"""One RL step, read straight through: generate -> rewards -> old/ref logprobs (and the critic's
-values) -> advantages -> policy (and critic) update -> weight sync. Every stage is timed.
+"""One RL step, read straight through: generate -> rewards -> old/ref/teacher logprobs (and the
+critic's values) -> advantages -> policy (and critic) update -> weight sync. Every stage is timed.
 
 The step drives two groups (`rlloom.cluster.base`): the rollout group generates, the training group
 computes logprobs and updates the policy, and the weight sync moves the new weights across. Each
@@ -110,6 +110,10 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
         old_logp_BT = old_logprobs(cfg, train_group, batch)
     with timer("ref_logprobs"):
         ref_logp_BT = train_group.ref_logprobs(batch).result() if cfg.algorithm.kl_coef > 0 else None
+    teacher_logp_BT = None
+    if cfg.uses_teacher:
+        with timer("teacher_logprobs"):
+            teacher_logp_BT = train_group.teacher_logprobs(batch).result()
     critic, values_BT = ctx.critic_group, None
     if critic is not None:
         with timer("values"):
@@ -124,6 +128,7 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
             ref_logp_BT=ref_logp_BT,
             values_BT=values_BT,
             kl_coef=ctx.kl_coef,
+            teacher_logp_BT=teacher_logp_BT,
         )
     ctx.kl_coef = adv.kl_coef
     metrics.update(adv.metrics)
@@ -152,12 +157,13 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
 
 def old_logprobs(cfg: RunConfig, train_group: TrainGroup, batch: RolloutBatch) -> torch.Tensor | None:
     """[B, T] logprobs of the policy before the update: the rollout's (algorithm.use_rollout_logprobs),
-    a forward's when several updates or a KL reward need them, else None (a single pass: the loss
-    detaches its own forward's, and weights IS from them). Under rollout.match_training the forward's
-    would equal the rollout's bit for bit, so they are taken instead."""
+    a forward's when several updates, a KL reward or distillation (the student's side of its
+    advantage) need them, else None (a single pass: the loss detaches its own forward's, and
+    weights IS from them). Under rollout.match_training the forward's would equal the rollout's bit
+    for bit, so they are taken instead."""
     if cfg.algorithm.use_rollout_logprobs:
         return batch.rollout_logprobs()
-    if is_single_pass(cfg) and not cfg.algorithm.kl_in_reward:
+    if is_single_pass(cfg) and not cfg.algorithm.kl_in_reward and not cfg.uses_teacher:
         return None
     if cfg.rollout.match_training:
         return batch.rollout_logprobs()

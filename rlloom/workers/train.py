@@ -1,5 +1,6 @@
 """`TrainWorker`: one training rank. It holds the policy's training engine (with its optimizer), the
-frozen reference policy when the loss has a KL term, and is the weight source of the weight sync.
+frozen reference policy when the loss has a KL term, the frozen teacher of on-policy distillation
+(`teacher.path`), and is the weight source of the weight sync.
 
 The same class runs in the driver (cluster.mode=inline) or inside a Ray actor; the group decides.
 Each method is one stage of the RL step as seen from one rank; every rank of the training world
@@ -17,7 +18,7 @@ from rlloom.config import RunConfig
 from rlloom.data.types import PolicyUpdate, RolloutBatch
 from rlloom.devices import resolve_device, resolve_dtype
 from rlloom.engines.train.base import ForwardOptions, WeightLayout
-from rlloom.engines.train.build import build_reference, build_train_engine
+from rlloom.engines.train.build import build_reference, build_teacher, build_train_engine
 from rlloom.engines.train.hf_folder import save_hf_folder
 from rlloom.faults import maybe_fail
 from rlloom.observability.metrics import Max, Mean, Metric, Sum
@@ -47,7 +48,7 @@ def update_metrics(values: dict[str, float]) -> dict[str, Metric]:
 
 
 class TrainWorker:
-    """One rank of the training world: the policy engine, the reference, the weight source."""
+    """One rank of the training world: the policy engine, the reference, the teacher, the weight source."""
 
     def __init__(self, cfg: RunConfig, *, rank: int = 0, local_rank: int = 0) -> None:
         self.cfg = cfg
@@ -59,6 +60,10 @@ class TrainWorker:
         self.ref = (
             build_reference(cfg, device=self.device, dtype=self.dtype) if cfg.algorithm.kl_coef > 0 else None
         )
+        # The teacher is built the same way, from teacher.path; with teacher.offload it waits on the host.
+        self.teacher = build_teacher(cfg, device=self.device, dtype=self.dtype) if cfg.uses_teacher else None
+        if self.teacher is not None and cfg.teacher.offload:
+            self.teacher.offload()
 
     @property
     def version(self) -> int:
@@ -87,6 +92,21 @@ class TrainWorker:
         logp_BT, _ = self.ref.forward_logprobs(
             batch, ForwardOptions(temperature=self.cfg.rollout.temperature)
         )
+        return logp_BT.cpu()
+
+    def teacher_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """[B, T] logprobs of the response tokens under the teacher (CPU, fp32), at the rollout's
+        temperature as the student's; with teacher.offload its weights visit the device for this call."""
+        if self.teacher is None:
+            raise RuntimeError("teacher_logprobs needs the teacher, built only when the run distills")
+        offload = self.cfg.teacher.offload
+        if offload:
+            self.teacher.onload()
+        logp_BT, _ = self.teacher.forward_logprobs(
+            batch, ForwardOptions(temperature=self.cfg.rollout.temperature)
+        )
+        if offload:
+            self.teacher.offload()
         return logp_BT.cpu()
 
     def update_policy(self, update: PolicyUpdate) -> dict[str, Metric]:

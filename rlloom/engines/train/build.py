@@ -1,4 +1,4 @@
-"""`build_train_engine`, `build_reference` and `build_critic`: the training backend a run asks for, picked with a
+"""`build_train_engine`, `build_reference`, `build_teacher` and `build_critic`: the training backend a run asks for, picked with a
 plain `if` (one backend, `native`, today). Workers build their engines only through these; the
 parallel layout (`ParallelDims`) comes from the `parallel` config section and the world size
 (cluster.num_workers). The controller reaches the backend only through here: the start-up check of
@@ -41,11 +41,12 @@ def _native(
     *,
     device: torch.device,
     dtype: torch.dtype,
+    setting: str = "model.path",
     **kind: Any,
 ) -> TrainEngine:
     """The native engine over `model_path` in the run's parallel layout and schedule length; `kind`:
-    `frozen` (the reference) or `head` (the critic). A checkpoint whose tensors do not fit its
-    config.json is reported under the setting that named it."""
+    `frozen` (the reference, the teacher) or `head` (the critic). A checkpoint whose tensors do not fit
+    its config.json is reported under `setting`, the one that named it."""
     from rlloom.engines.train.native import NativeTrainEngine
 
     try:
@@ -60,8 +61,7 @@ def _native(
             **kind,
         )
     except CheckpointMismatch as e:
-        key = "critic.model_path" if kind.get("head") == "value" and cfg.critic.model_path else "model.path"
-        raise CheckpointMismatch(f"{key}={model_path!r} is invalid: {e}") from None
+        raise CheckpointMismatch(f"{setting}={model_path!r} is invalid: {e}") from None
 
 
 def build_train_engine(cfg: RunConfig, *, device: torch.device, dtype: torch.dtype) -> TrainEngine:
@@ -79,12 +79,28 @@ def build_reference(cfg: RunConfig, *, device: torch.device, dtype: torch.dtype)
     return _native(cfg, cfg.train, cfg.model.path, device=device, dtype=dtype, frozen=True)
 
 
+def build_teacher(cfg: RunConfig, *, device: torch.device, dtype: torch.dtype) -> TrainEngine:
+    """The frozen teacher of on-policy distillation (`teacher.path`), built as the reference is:
+    forward-only, compute dtype, no optimizer, the run's layout (its own layers and heads split by the
+    same degrees; `check_parallel` checks them against its config at start-up)."""
+    return _native(
+        cfg, cfg.train, cfg.teacher.path, device=device, dtype=dtype, setting="teacher.path", frozen=True
+    )
+
+
 def build_critic(cfg: RunConfig, *, device: torch.device, dtype: torch.dtype) -> TrainEngine:
     """The critic of PPO (algorithm.estimator=gae): a value model (`ValueHead`) with its own optimizer,
     started from `critic.model_path` (or the policy's checkpoint) in the run's layout; the `train`
     section's settings with the critic's learning rate and clipping."""
+    setting = "critic.model_path" if cfg.critic.model_path else "model.path"
     return _native(
-        cfg, critic_engine_config(cfg), cfg.critic_model_path, device=device, dtype=dtype, head="value"
+        cfg,
+        critic_engine_config(cfg),
+        cfg.critic_model_path,
+        device=device,
+        dtype=dtype,
+        setting=setting,
+        head="value",
     )
 
 
@@ -113,9 +129,9 @@ def critic_engine_config(cfg: RunConfig) -> TrainEngineConfig:
     return dataclasses.replace(cfg.train, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip, lora_rank=0)
 
 
-def check_parallel(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
-    """The parallel degrees against the model's shapes; the world-size rules are checked with the
-    config itself (`RunConfig.__post_init__`)."""
+def check_parallel(cfg: RunConfig, hf_config: dict[str, Any], setting: str = "model.path") -> None:
+    """The parallel degrees against the shapes of the model `setting` names (the policy's, or the
+    teacher's); the world-size rules are checked with the config itself (`RunConfig.__post_init__`)."""
     par = cfg.parallel
     if par.tp == par.pp == par.cp == par.ep == 1:
         return
@@ -139,4 +155,5 @@ def check_parallel(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
             else f"; num_hidden_layers={args.num_layers}, cluster.num_workers={cfg.cluster.num_workers} = pp "
             f"{par.pp} x dp x cp {par.cp} x tp {par.tp}, ep={par.ep}, pp_virtual_stages={par.pp_virtual_stages}"
         )
-        raise ConfigError(f"{' '.join(str(e).split())} (model.path={cfg.model.path!r}{factors})") from None
+        path = cfg.teacher.path if setting == "teacher.path" else cfg.model.path
+        raise ConfigError(f"{' '.join(str(e).split())} ({setting}={path!r}{factors})") from None
