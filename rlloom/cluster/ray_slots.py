@@ -185,9 +185,9 @@ class Actors:
         )
 
     def _where(self, slots: list[int]) -> str:
-        if not any(self.hosts) or any(s < 0 for s in slots):
+        if not slots or any(s < 0 for s in slots):
             return "the cluster"
-        return ", ".join(f"{self.labels[s]} on {self.hosts[s]}" for s in slots)
+        return ", ".join(f"{self.labels[s]} on {self.hosts[s] or 'a node not known yet'}" for s in slots)
 
     def close(self) -> None:
         for actor in self.slots:
