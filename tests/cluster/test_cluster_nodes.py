@@ -117,7 +117,9 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def test_a_run_over_two_nodes_equals_the_one_process_run(tiny_checkpoint, two_nodes, tmp_path):
     inline = tmp_path / "inline"
-    run(load_config("arithmetic_smoke", [f"model.path={tiny_checkpoint}", f"trainer.run_dir={inline}", *ARGS]))
+    run(
+        load_config("arithmetic_smoke", [f"model.path={tiny_checkpoint}", f"trainer.run_dir={inline}", *ARGS])
+    )
     nodes = tmp_path / "nodes"
     cmd = [sys.executable, "-m", "rlloom.cli", "train", "arithmetic_smoke", f"model.path={tiny_checkpoint}"]
     cmd += [f"trainer.run_dir={nodes}", *ARGS, "cluster.mode=ray", f"cluster.address={two_nodes}"]
