@@ -9,8 +9,8 @@ dense tensors) into a separate rollout pool. Arguments
 go to the object store once (`ray.put`) and every actor reads the same copy.
 
 A worker that dies, raises or hangs beyond `cluster.timeout_s` raises `WorkerFailure` (a
-`SlotFailure` naming its rank, host and stage). Under separate placement with one-rank replicas a
-rollout replica's failure is absorbed: a fresh actor takes its place, the sync group is joined
+`SlotFailure` naming its rank, host and stage). Under separate placement with one-rank replicas, in
+trainer.mode=sync, a rollout replica's failure is absorbed: a fresh actor takes its place, the sync group is joined
 afresh, the weights are synced to the current version and the requests the replica held are sent
 again (their seeds make the same samples; samples already delivered are not delivered twice),
 up to `trainer.max_restarts` times a run. Any other failure goes up to the controller
@@ -204,8 +204,11 @@ def _build(
         join_sync_group(cfg, actors, tslots, rslots)
     train = RayTrainGroup(actors, tslots)
     replicas = [[rslots[j] for j in r] for r in placement.replicas]
-    # A replica is replaced in place only when it is alone in its world: separate, one rank each.
-    replaceable = broadcast and not placement.colocated and not multi_rank
+    # A replica is replaced in place only when it is alone in its world (separate, one rank each) and
+    # the step waits for its samples (trainer.mode=sync): in the asynchronous modes the training
+    # weights move on while it generates, so its requests sent again would sample under newer ones;
+    # there the run restarts from its checkpoint instead (trainer/run.py), which is exact.
+    replaceable = broadcast and not placement.colocated and not multi_rank and cfg.trainer.mode == "sync"
 
     def recover(replica: int) -> None:
         """Fresh actors for `replica`'s slots, a fresh sync group for all, the current weights."""

@@ -37,9 +37,10 @@ class TrainerConfig:
     damaged ones skipped with a warning; no checkpoint at all starts fresh) or a checkpoint path."""
     max_restarts: int = 3
     """cluster.mode=ray: how many times a run replaces failed workers by itself, counted apart for
-    rollout replicas (a fresh actor in place, its requests run again) and for training (the groups
-    started again from the newest checkpoint, or from the start without one). 0 = none: the first
-    failure stops the run with one line (continue it with trainer.resume=auto)."""
+    rollout replicas (a fresh actor in place, its requests run again: separate placement, one-rank
+    replicas, trainer.mode=sync) and for the rest (every group started again from the newest
+    checkpoint, or from the start without one). 0 = none: the first failure stops the run with one
+    line (continue it with trainer.resume=auto)."""
     keep_last_checkpoints: int = 0
     """Keep only the newest k complete checkpoints in run_dir/checkpoints (0 = keep every one)."""
     seed: int = 0
