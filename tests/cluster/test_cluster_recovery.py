@@ -36,13 +36,13 @@ SEPARATE = (
 )
 
 
-def cfg_for(ckpt: Path, run_dir: Path, *extra: str):
+def cfg_for(ckpt: Path, run_dir: Path, *extra: str, steps: int = STEPS):
     return load_config(
         "arithmetic_smoke",
         [
             f"model.path={ckpt}",
             f"trainer.run_dir={run_dir}",
-            f"trainer.total_steps={STEPS}",
+            f"trainer.total_steps={steps}",
             "trainer.prompts_per_step=4",
             "trainer.save_every=1",
             "data.num_eval=4",
@@ -64,15 +64,15 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def assert_same_run(a: Path, b: Path) -> None:
+def assert_same_run(a: Path, b: Path, steps: int = STEPS) -> None:
     ma, mb = metrics(a), metrics(b)
-    assert [r["step"] for r in ma] == [r["step"] for r in mb] == list(range(STEPS + 1))
+    assert [r["step"] for r in ma] == [r["step"] for r in mb] == list(range(steps + 1))
     for ra, rb in zip(ma, mb):
         ra, rb = ({k: v for k, v in r.items() if not k.startswith(SKIP)} for r in (ra, rb))
         assert ra.keys() == rb.keys(), ra.keys() ^ rb.keys()
         for k in ra:
             assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), (ra["step"], k)
-    wa, wb = (checkpoint_model_tensors(checkpoint_dir(x, STEPS)) for x in (a, b))
+    wa, wb = (checkpoint_model_tensors(checkpoint_dir(x, steps)) for x in (a, b))
     assert wa.keys() == wb.keys()
     for k in wa:
         # Adam at lr 3e-2 turns the rounding of another summation order on Ray into ~1e-6 in a
@@ -111,8 +111,9 @@ def kill(monkeypatch, run_dir: Path, who: str) -> None:
 
 def report(label: str, run_dir: Path, times: dict[int, float]) -> None:
     killed_at, pid = (run_dir / "killed").read_text().split()
-    recovery = times[STEPS] - float(killed_at)
-    print(f"\n{label}: kill -9 of pid {pid} -> step {STEPS} done in {recovery:.1f} s", flush=True)
+    step = min(s for s, t in times.items() if t > float(killed_at))
+    recovery = times[step] - float(killed_at)
+    print(f"\n{label}: kill -9 of pid {pid} -> step {step} done in {recovery:.1f} s", flush=True)
 
 
 def test_a_killed_rollout_actor_is_replaced_and_the_run_equals_one_process(
@@ -140,3 +141,20 @@ def test_a_killed_training_actor_restarts_the_run_from_its_checkpoint(
     rows = metrics(tmp_path)
     assert [r.get("cluster/train_restarts") for r in rows] == [None, None, 1.0]
     assert_same_run(inline, tmp_path)
+
+
+def test_a_killed_rollout_actor_in_one_step_off_restarts_from_the_checkpoint(
+    tiny_checkpoint, tmp_path, monkeypatch, step_times
+):
+    """In the asynchronous modes the training weights move on while the rollout generates, so its
+    requests are not sent again under newer weights: the run restarts from its checkpoint, where a
+    scheduled checkpoint drained what was in flight, and equals the uninterrupted run."""
+    mode = ("trainer.mode=one_step_off",)
+    run(cfg_for(tiny_checkpoint, tmp_path / "inline", *mode, steps=3))
+    kill(monkeypatch, tmp_path / "ray", "rollout:0")
+    run(cfg_for(tiny_checkpoint, tmp_path / "ray", *SEPARATE, *mode, steps=3))
+    report("one_step_off rollout kill", tmp_path / "ray", step_times)
+    rows = metrics(tmp_path / "ray")
+    assert max(r.get("cluster/train_restarts", 0) for r in rows) == 1.0
+    assert all("cluster/rollout_restarts" not in r for r in rows)
+    assert_same_run(tmp_path / "inline", tmp_path / "ray", steps=3)
