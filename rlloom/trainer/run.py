@@ -149,7 +149,11 @@ def _run(cfg: RunConfig, resume_from: Path | None, restarts: int = 0) -> RunResu
     if warning := check_fits(cfg):  # before any GPU memory is taken (rlloom plan, docs/plan.md)
         log.warning(warning)
     phase = time.perf_counter()
-    groups = build_groups(cfg)  # the training and rollout groups, placed as cluster.placement says
+    try:
+        groups = build_groups(cfg)  # the training and rollout groups, placed as cluster.placement says
+    except BaseException:
+        runner.close()  # its worker processes must not outlive a start that failed (and restarts)
+        raise
     log.info("start-up: model and engines %.1f s (%s)", time.perf_counter() - phase, cfg.model.path)
     picked: list[Sample] = []
 
