@@ -111,7 +111,7 @@ def test_killed_rollout_actor_is_reported_and_resume_matches_one_process(
         "cluster.placement=separate",
         "cluster.num_workers=2",
         "cluster.rollout_workers=1",
-        "cluster.timeout_s=60",
+        "cluster.timeout_s=300",  # actor starts take 60 s and more on a busy 2-core machine
         "trainer.save_every=1",
         "trainer.max_restarts=0",
     )
@@ -121,7 +121,7 @@ def test_killed_rollout_actor_is_reported_and_resume_matches_one_process(
     stopped = r"rollout rank 0 on \S+ \(pid \d+\) failed in stage 'generate'.*The run stopped; restart with"
     with pytest.raises(WorkerFailure, match=stopped):
         run(cfg_for(tiny_checkpoint, run_dir, *args))
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 300  # the death is seen at once, not at cluster.timeout_s
     assert [r["step"] for r in metrics(run_dir)] == [0, 1]  # step 1 done and saved, step 2 lost
     monkeypatch.delenv("RLLOOM_FAULT")
     result = run(cfg_for(tiny_checkpoint, run_dir, *args, "trainer.resume=auto"))
