@@ -101,7 +101,7 @@ def run(cfg: RunConfig) -> RunResult:
                 return _run(cfg, resume_from, restarts)
             except WorkerFailure as e:
                 if restarts >= cfg.trainer.max_restarts:
-                    raise WorkerFailure(f"{e}. {_stopped(cfg, restarts)}") from e
+                    raise WorkerFailure(f"{str(e).rstrip('.')}. {_stopped(cfg, restarts)}") from e
                 restarts += 1
                 resume_from = newest_checkpoint(cfg)
                 init_logger().warning(
