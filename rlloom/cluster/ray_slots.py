@@ -28,6 +28,7 @@ from rlloom.cluster.base import WorkerFailure
 from rlloom.cluster.placement import Placement
 from rlloom.cluster.ray_actor import SlotActor
 from rlloom.config import RunConfig
+from rlloom.determinism import determinism_env
 from rlloom.run_files import write_text
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class Actors:
         self.wait([pg.ready() for pg in self.pgs], "placement group", [-1] * len(self.pgs))
         # The actors see the driver's RLLOOM_/NCCL_/TORCH_ settings, also in a cluster joined by address.
         env = {k: v for k, v in os.environ.items() if k.startswith(("RLLOOM_", "NCCL_", "TORCH_"))}
+        env.update(determinism_env(cfg.trainer.deterministic))  # set before the actor's CUDA starts
         self.cfg = cfg
         self.actor_cls = ray.remote(
             num_cpus=1, num_gpus=1 if self.use_gpu else 0, runtime_env={"env_vars": env}
