@@ -129,6 +129,9 @@ class RolloutGroup(Protocol):
 
     num_replicas: int
 
+    restarts: int
+    """Replicas replaced after a failure so far (cluster/rollout_restarts; 0 in one process)."""
+
     def stream_add(self, replica: int, requests: list[StreamRequest]) -> None:
         """Queue requests on replica `replica`'s step-level producer (`workers/stream.py`: one per
         rank, the same calls on each, its rank 0 deciding the step each takes effect at), generated

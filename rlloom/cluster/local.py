@@ -99,6 +99,7 @@ class LocalRolloutGroup:
         return Done(self.worker.generate(prompts, sampling))
 
     num_replicas = 1
+    restarts = 0
 
     def stream_add(self, replica: int, requests: list[StreamRequest]) -> None:
         self.worker.stream_add(requests)

@@ -8,10 +8,16 @@ rollout rank in one process; the weight sync is in place and memory is handed ov
 `separate`: `cluster.num_workers` training slots, then `cluster.rollout_workers` rollout slots of
 their own; the rollout ranks are not part of the training world (with `rollout.tp` > 1 they form
 their own), and the weights move by the broadcast transport.
+
+Over several nodes (`cluster.address`), the slots are cut into node groups that must share a node:
+a tensor- or expert-parallel group of training ranks (the innermost, consecutive ranks) and a
+rollout replica; each group is one Ray placement group packed strictly on one node, and Ray puts
+the groups wherever they fit.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from rlloom.config import RunConfig
@@ -42,22 +48,36 @@ class Placement:
     """Slot of each rollout rank (the training rank's own slot when colocated)."""
     replicas: list[list[int]]
     """Rollout ranks of each replica."""
+    node_groups: list[list[int]]
+    """Slots that must share a node (a TP/EP group, a rollout replica), covering every slot once."""
 
     @property
     def num_slots(self) -> int:
         return len(set(self.train_slots) | set(self.rollout_slots))
 
 
+def runs_of(slots: list[int], size: int) -> list[list[int]]:
+    """`slots` cut into consecutive runs of `size` (the last may be shorter). Example: ([0, 1, 2], 2)
+    -> [[0, 1], [2]]."""
+    return [slots[i : i + size] for i in range(0, len(slots), size)]
+
+
 def plan_placement(cfg: RunConfig) -> Placement:
     c = cfg.cluster
     train = list(range(c.num_workers))
+    # TP is the innermost axis and EP is carved from the innermost ranks: both are consecutive ranks.
+    train_group = math.lcm(cfg.parallel.tp, cfg.parallel.ep)
+    replicas = replica_ranks(c.rollout_workers or c.num_workers, rollout_tp(cfg))
     if c.placement == "colocated":
         rollout = train
+        groups = runs_of(train, math.lcm(train_group, rollout_tp(cfg)))
     else:
         rollout = list(range(c.num_workers, c.num_workers + c.rollout_workers))
+        groups = runs_of(train, train_group) + [[rollout[j] for j in r] for r in replicas]
     return Placement(
         colocated=c.placement == "colocated",
         train_slots=train,
         rollout_slots=rollout,
-        replicas=replica_ranks(len(rollout), rollout_tp(cfg)),
+        replicas=replicas,
+        node_groups=groups,
     )

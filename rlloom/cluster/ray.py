@@ -6,163 +6,38 @@ out. Imported only when cluster.mode=ray.
 transport `weight_sync/build.transport` picks: in place inside each colocated actor, or broadcast
 from every training rank (each sending the weights it owns: its routed experts, a share of the
 dense tensors) into a separate rollout pool. Arguments
-go to the object store once (`ray.put`) and every actor reads the same copy. A worker that dies,
-raises or hangs beyond `cluster.timeout_s` stops the run with `WorkerFailure` naming its rank,
-host and stage; all actors are then killed so that `trainer.resume=auto` can continue cleanly.
+go to the object store once (`ray.put`) and every actor reads the same copy.
+
+A worker that dies, raises or hangs beyond `cluster.timeout_s` raises `WorkerFailure` (a
+`SlotFailure` naming its rank, host and stage). Under separate placement with one-rank replicas, in
+trainer.mode=sync, a rollout replica's failure is absorbed: a fresh actor takes its place, the sync group is joined
+afresh, the weights are synced to the current version and the requests the replica held are sent
+again (their seeds make the same samples; samples already delivered are not delivered twice),
+up to `trainer.max_restarts` times a run. Any other failure goes up to the controller
+(`trainer/run.py`), which restarts the run from its newest checkpoint. A weight sync that fails
+with every actor alive is retried once in a fresh sync group.
 """
 
 from __future__ import annotations
 
-import os
-import time
-from collections.abc import Callable
+import logging
 from typing import Any
 
-import torch
-
-from rlloom.cluster.base import WorkerFailure
 from rlloom.cluster.placement import Placement, rollout_tp
-from rlloom.cluster.ray_generate import QueuedGeneration
 from rlloom.config import RunConfig
 from rlloom.data.types import PolicyUpdate, RolloutBatch, ValueUpdate
-from rlloom.determinism import determinism_env
-from rlloom.engines.rollout import SamplingParams
-from rlloom.workers.flights import StreamRequest, StreamResult
 
 try:
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("cluster.mode=ray needs Ray: pip install 'rlloom[ray]'") from e
 
-from rlloom.cluster.ray_actor import SlotActor  # noqa: E402  (needs ray)
+from rlloom.cluster.ray_rollout import RayRolloutGroup  # noqa: E402  (needs ray)
+from rlloom.cluster.ray_slots import Actors, Refs, SlotFailure, first  # noqa: E402
 from rlloom.weight_sync.broadcast import SyncGroupSpec  # noqa: E402
 from rlloom.weight_sync.build import transport  # noqa: E402
 
-ACTOR_ERRORS = (RayActorError, RayTaskError, GetTimeoutError)
-
-
-class Actors:
-    """The run's actors, one per slot, and the waiting that turns their failures into `WorkerFailure`."""
-
-    def __init__(self, cfg: RunConfig, placement: Placement) -> None:
-        self.timeout_s = cfg.cluster.timeout_s
-        use_gpu = cfg.cluster.device == "cuda" or (cfg.cluster.device == "auto" and torch.cuda.is_available())
-        self._owns_ray = not ray.is_initialized()
-        if self._owns_ray:
-            # A local CPU cluster gets a slot per actor even on a machine with fewer cores.
-            cpus = None if use_gpu or cfg.cluster.address else max(os.cpu_count() or 1, placement.num_slots)
-            ray.init(
-                address=cfg.cluster.address or None,
-                num_cpus=cpus,
-                include_dashboard=False,
-                log_to_driver=True,
-            )
-        self.labels = [_label(placement, s) for s in range(placement.num_slots)]
-        bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
-        self.pg = placement_group([bundle] * placement.num_slots, strategy="PACK")
-        self.hosts: list[str] = []
-        self.wait([self.pg.ready()], "placement group", [-1])
-        # The actors see the driver's RLLOOM_/NCCL_/TORCH_ settings, also in a cluster joined by address.
-        env = {k: v for k, v in os.environ.items() if k.startswith(("RLLOOM_", "NCCL_", "TORCH_"))}
-        env.update(determinism_env(cfg.trainer.deterministic))  # set before the actor's CUDA starts
-        actor_cls = ray.remote(num_cpus=1, num_gpus=1 if use_gpu else 0, runtime_env={"env_vars": env})(
-            SlotActor
-        )
-        self.slots = [
-            actor_cls.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=s)
-            ).remote(cfg)
-            for s in range(placement.num_slots)
-        ]
-        addresses = self.wait([a.address.remote() for a in self.slots], "start", list(range(len(self.slots))))
-        self.hosts = [f"{ip} (pid {pid})" for ip, _, pid in addresses]
-        self.addresses = [(ip, port) for ip, port, _ in addresses]
-
-    def call(self, slots: list[int], method: str, *args: Any) -> list[Any]:
-        """Refs of `method(*args)` on each slot's actor (no waiting)."""
-        return [getattr(self.slots[s], method).remote(*args) for s in slots]
-
-    def wait(self, refs: list[Any], stage: str, slots: list[int]) -> list[Any]:
-        """Results of `refs` (ref i from `slots[i]`) in order; the first failure or a wait of more than
-        `cluster.timeout_s` raises `WorkerFailure`."""
-        index = {ref: i for i, ref in enumerate(refs)}
-        results: list[Any] = [None] * len(refs)
-        pending = list(refs)
-        deadline = time.monotonic() + self.timeout_s
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
-            if not ready:
-                self.fail_late([slots[index[r]] for r in pending], stage)
-            i = index[ready[0]]
-            results[i] = self.get(ready[0], stage, slots[i])
-        return results
-
-    def get(self, ref: Any, stage: str, slot: int) -> Any:
-        """The value of a ready `ref` from `slot`, or `WorkerFailure` if its worker failed."""
-        try:
-            return ray.get(ref)
-        except ACTOR_ERRORS as e:
-            first = str(e).splitlines()[0] if str(e) else ""
-            self.fail(f"{self._where([slot])} failed in stage {stage!r}: {type(e).__name__}: {first}")
-
-    def fail_late(self, slots: list[int], stage: str) -> None:
-        self.fail(
-            f"{self._where(slots)} did not finish stage {stage!r} within cluster.timeout_s={self.timeout_s:g} s"
-        )
-
-    def _where(self, slots: list[int]) -> str:
-        if not self.hosts or any(s < 0 for s in slots):
-            return "the cluster"
-        return ", ".join(f"{self.labels[s]} on {self.hosts[s]}" for s in slots)
-
-    def fail(self, message: str) -> None:
-        self.close()
-        raise WorkerFailure(
-            message
-            + ". The run stopped; restart with trainer.resume=auto to continue from the last checkpoint."
-        )
-
-    def close(self) -> None:
-        for actor in getattr(self, "slots", []):
-            ray.kill(actor, no_restart=True)
-        self.slots = []
-        if getattr(self, "pg", None) is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
-        if getattr(self, "_owns_ray", False):
-            ray.shutdown()  # a later run in this process starts afresh (e.g. a resumed run)
-            self._owns_ray = False
-
-
-def _label(placement: Placement, slot: int) -> str:
-    if placement.colocated:
-        return f"rank {slot}"
-    if slot in placement.train_slots:
-        return f"training rank {placement.train_slots.index(slot)}"
-    return f"rollout rank {placement.rollout_slots.index(slot)}"
-
-
-class Refs:
-    """A `Pending` over refs from several slots, merged by `combine` once all are in."""
-
-    def __init__(
-        self, actors: Actors, refs: list[Any], stage: str, slots: list[int], combine: Callable
-    ) -> None:
-        self.actors, self.refs, self.stage, self.slots, self.combine = actors, refs, stage, slots, combine
-
-    def result(self) -> Any:
-        return self.combine(self.actors.wait(self.refs, self.stage, self.slots))
-
-    def done(self) -> bool:
-        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
-        return len(ready) == len(self.refs)
-
-
-def _first(results: list[Any]) -> Any:
-    return results[0]
+log = logging.getLogger(__name__)
 
 
 def _on_every_slot(
@@ -171,7 +46,7 @@ def _on_every_slot(
     """`method(*args)` on the worker `worker` (the actor's `on_train`, `on_critic`) of every slot, the
     batch-sized arguments put in the object store once for all of them; rank 0's result is the group's."""
     args = tuple(ray.put(a) if isinstance(a, RolloutBatch | PolicyUpdate | ValueUpdate) else a for a in args)
-    return Refs(actors, actors.call(slots, worker, method, *args), stage, slots, _first)
+    return Refs(actors, actors.call(slots, worker, method, *args), stage, slots, first)
 
 
 class RayTrainGroup:
@@ -208,7 +83,7 @@ class RayTrainGroup:
 
     def freeze_heap(self) -> Refs:
         return Refs(
-            self.actors, self.actors.call(self.slots, "freeze_heap"), "freeze_heap", self.slots, _first
+            self.actors, self.actors.call(self.slots, "freeze_heap"), "freeze_heap", self.slots, first
         )
 
     def save(self, path: str) -> Refs:
@@ -247,78 +122,6 @@ class RayCriticGroup:
         return self._all("load", path)
 
 
-class RayRolloutGroup:
-    """The rollout replicas (`replicas[r]` = the slots of replica r's ranks, rank 0 first)."""
-
-    def __init__(self, actors: Actors, replicas: list[list[int]], *, max_num_seqs: int) -> None:
-        self.actors, self.replicas, self.max_num_seqs = actors, replicas, max_num_seqs
-        self.slots = [s for r in replicas for s in r]
-        self._version = 0
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> QueuedGeneration:
-        return QueuedGeneration(self.actors, self.replicas, prompts, sampling, max_num_seqs=self.max_num_seqs)
-
-    # ---- the step-level producers (every rank of a replica gets each call; its rank 0 speaks) -----
-
-    @property
-    def num_replicas(self) -> int:
-        return len(self.replicas)
-
-    def _streams(self, method: str, *args: Any) -> list[Any]:
-        """`method(*args)` on every rollout rank; the results of each replica's rank 0."""
-        results = self.actors.wait(
-            self.actors.call(self.slots, "on_rollout", method, *args), method, self.slots
-        )
-        heads = {r[0] for r in self.replicas}
-        return [x for s, x in zip(self.slots, results) if s in heads]
-
-    def stream_add(self, replica: int, requests: list[StreamRequest]) -> None:
-        slots = self.replicas[replica]
-        refs = self.actors.call(slots, "on_rollout", "stream_add", ray.put(requests))
-        self.actors.wait(refs, "generate", slots)
-
-    def stream_poll(self, timeout_s: float) -> list[StreamResult]:
-        return [x for results in self._streams("stream_poll", timeout_s) for x in results]
-
-    def stream_abort(self) -> int:
-        return sum(self._streams("stream_abort"))
-
-    def stream_resume(self, keep: bool) -> int:
-        return sum(self._streams("stream_resume", keep))
-
-    def stream_drop(self) -> int:
-        return sum(self._streams("stream_drop"))
-
-    @property
-    def stream_busy_s(self) -> float:
-        """The replicas' mean busy time (their mean idle fraction follows from it)."""
-        heads = [r[0] for r in self.replicas]
-        busy = self.actors.wait(self.actors.call(heads, "on_rollout", "stream_busy"), "stream_busy", heads)
-        return sum(busy) / len(busy)
-
-    def sleep(self) -> Refs:
-        return Refs(
-            self.actors, self.actors.call(self.slots, "on_rollout", "sleep"), "sleep", self.slots, _first
-        )
-
-    def wake(self) -> Refs:
-        return Refs(
-            self.actors, self.actors.call(self.slots, "on_rollout", "wake"), "wake", self.slots, _first
-        )
-
-    def freeze_heap(self) -> Refs:
-        return Refs(
-            self.actors, self.actors.call(self.slots, "freeze_heap"), "freeze_heap", self.slots, _first
-        )
-
-    def close(self) -> None:
-        self.actors.close()
-
-
 class InPlaceSync:
     """Colocated: every actor copies its training weights into its own rollout rank."""
 
@@ -336,12 +139,27 @@ class BroadcastSync:
     """Separate pools: every training rank broadcasts what it owns (owner-only: its routed experts,
     never all-gathered over expert parallelism, and its share of the dense tensors) to the rollout
     ranks that hold it, over the sync group (`weight_sync/broadcast.py`, outside both worlds). The
-    receivers check what arrived before loading it."""
+    receivers check what arrived before loading it. A failed sync is retried once in a fresh sync
+    group, after a lost rollout actor is replaced; a lost training actor goes up to the controller."""
 
-    def __init__(self, train: RayTrainGroup, rollout: RayRolloutGroup) -> None:
-        self.train, self.rollout = train, rollout
+    def __init__(self, cfg: RunConfig, train: RayTrainGroup, rollout: RayRolloutGroup) -> None:
+        self.cfg, self.train, self.rollout = cfg, train, rollout
 
     def sync(self) -> dict[str, float]:
+        try:
+            return self.sync_once()
+        except SlotFailure as e:
+            if e.lost and any(s in self.train.slots for s in e.slots):
+                raise
+            log.warning("weight sync failed (%s); retrying once in a fresh sync group", e)
+            lost = sorted({self.rollout.replica_of[s] for s in e.slots if e.lost})
+            for replica in lost:  # its replacement joins a fresh group and syncs
+                self.rollout.replace(replica, e)
+            if not lost:
+                join_sync_group(self.cfg, self.train.actors, self.train.slots, self.rollout.slots)
+            return self.sync_once()
+
+    def sync_once(self) -> dict[str, float]:
         actors, tslots, rslots = self.train.actors, self.train.slots, self.rollout.slots
         refs = actors.call(tslots, "send_weights") + actors.call(rslots, "receive_weights")
         results = actors.wait(refs, "sync", tslots + rslots)
@@ -366,6 +184,16 @@ def build_ray_groups(
     world, when replicas span several ranks), then build the workers (a training rank builds its
     critic rank too when the estimator needs one)."""
     actors = Actors(cfg, placement)
+    try:
+        return _build(cfg, placement, actors)
+    except BaseException:
+        actors.close()  # a failed start leaves no actor behind
+        raise
+
+
+def _build(
+    cfg: RunConfig, placement: Placement, actors: Actors
+) -> tuple[RayTrainGroup, RayRolloutGroup, Any, RayCriticGroup | None]:
     tslots, rslots = placement.train_slots, placement.rollout_slots
     master = actors.addresses[tslots[0]]
     refs = [actors.slots[s].start_train.remote(i, len(tslots), master) for i, s in enumerate(tslots)]
@@ -379,8 +207,32 @@ def build_ray_groups(
         join_sync_group(cfg, actors, tslots, rslots)
     train = RayTrainGroup(actors, tslots)
     replicas = [[rslots[j] for j in r] for r in placement.replicas]
-    rollout = RayRolloutGroup(actors, replicas, max_num_seqs=cfg.rollout.max_num_seqs)
-    sync = BroadcastSync(train, rollout) if broadcast else InPlaceSync(train, rollout)
+    # A replica is replaced in place only when it is alone in its world (separate, one rank each) and
+    # the step waits for its samples (trainer.mode=sync): in the asynchronous modes the training
+    # weights move on while it generates, so its requests sent again would sample under newer ones;
+    # there the run restarts from its checkpoint instead (trainer/run.py), which is exact.
+    replaceable = broadcast and not placement.colocated and not multi_rank and cfg.trainer.mode == "sync"
+
+    def recover(replica: int) -> None:
+        """Fresh actors for `replica`'s slots, a fresh sync group for all, the current weights."""
+        slots = replicas[replica]
+        for s in slots:
+            actors.replace(s)
+        refs = [
+            actors.slots[s].start_rollout.remote(rslots.index(s), placement.replicas, None) for s in slots
+        ]
+        actors.wait(refs, "setup (rollout)", slots)
+        join_sync_group(cfg, actors, tslots, rslots)
+        sync.sync_once()
+
+    rollout = RayRolloutGroup(
+        actors,
+        replicas,
+        max_num_seqs=cfg.rollout.max_num_seqs,
+        max_restarts=cfg.trainer.max_restarts,
+        recover=recover if replaceable else None,
+    )
+    sync = BroadcastSync(cfg, train, rollout) if broadcast else InPlaceSync(train, rollout)
     critic = RayCriticGroup(actors, tslots) if cfg.algorithm.uses_critic else None
     return train, rollout, sync, critic
 

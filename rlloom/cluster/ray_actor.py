@@ -83,9 +83,13 @@ class SlotActor:
         self.sync_group: SyncGroup | None = None
         """Separate placement: this rank's part of the broadcast sync group (every training rank sends)."""
 
-    def address(self) -> tuple[str, int, int]:
-        """(host ip, a free port on it, pid) for rendezvous and error reports."""
-        return ray.util.get_node_ip_address(), free_port(), os.getpid()
+    def address(self) -> tuple[str, int, int, str, str]:
+        """(host ip, a free port on it, pid, Ray node id, device) for rendezvous, error reports and
+        actors.json."""
+        gpus = ray.get_gpu_ids()
+        device = f"cuda:{','.join(str(g) for g in gpus)}" if gpus else "cpu"
+        node_id = ray.get_runtime_context().get_node_id()
+        return ray.util.get_node_ip_address(), free_port(), os.getpid(), node_id, device
 
     def start_train(self, rank: int, world_size: int, master: tuple[str, int]) -> None:
         """Join the training world as `rank` and build the training worker (and the critic's rank)."""
@@ -150,6 +154,9 @@ class SlotActor:
         """Separate placement: join the broadcast sync group as sync rank `rank` (collective over the
         sending training ranks and every rollout rank)."""
         device = self.train.device if self.train is not None else resolve_device(self.cfg)
+        if self.sync_group is not None:  # a fresh group after a failed sync or a replaced actor
+            self.sync_group.broken = True  # abort what a lost peer left in flight
+            self.sync_group.close()
         self.sync_group = join_sync_group(spec, rank, device)
 
     def send_weights(self) -> dict[str, float]:

@@ -95,7 +95,7 @@ class QueuedGeneration:
             remaining = self.last_progress + self.actors.timeout_s - time.monotonic()
             if remaining <= 0:
                 slots = sorted({self.replicas[r][rank] for r, _, rank in self.running.values()})
-                self.actors.fail_late(slots, "generate")
+                raise self.actors.late(slots, "generate")
             self._step(max(remaining, 0))
         out = [x for chunk in self.results for x in chunk or []]
         return sorted(out, key=lambda x: (x.prompt_index, x.sample_index))

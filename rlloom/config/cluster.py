@@ -23,7 +23,9 @@ class ClusterConfig:
     """GPUs (or CPU slots) of the rollout pool with placement=separate (a multiple of rollout.tp);
     0 with colocated, where the rollout runs on the training GPUs."""
     address: str = ""
-    """Ray address: empty starts a local Ray; `auto` or host:port joins a cluster."""
+    """Ray address: empty starts a local Ray; `auto` or host:port joins a cluster, whose nodes the
+    actors spread over (a TP/EP group and a rollout replica each on one node; RUN_DIR/actors.json
+    says where each runs)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device for engines: auto picks cuda when available."""
     timeout_s: float = 600.0

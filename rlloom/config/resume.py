@@ -25,6 +25,7 @@ FREE_TO_CHANGE: tuple[str, ...] = (
     "trainer.run_dir",
     "trainer.resume",
     "trainer.resume_allow_changes",
+    "trainer.max_restarts",
     "logging.",
     # Speed and memory only: the same samples and updates (up to floating-point rounding).
     "rollout.num_blocks",

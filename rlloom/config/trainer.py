@@ -35,6 +35,12 @@ class TrainerConfig:
     resume: str = "never"
     """`never` (refused when run_dir already holds a run), `auto` (newest intact checkpoint in run_dir,
     damaged ones skipped with a warning; no checkpoint at all starts fresh) or a checkpoint path."""
+    max_restarts: int = 3
+    """cluster.mode=ray: how many times a run replaces failed workers by itself, counted apart for
+    rollout replicas (a fresh actor in place, its requests run again: separate placement, one-rank
+    replicas, trainer.mode=sync) and for the rest (every group started again from the newest
+    checkpoint, or from the start without one). 0 = none: the first failure stops the run with one
+    line (continue it with trainer.resume=auto)."""
     keep_last_checkpoints: int = 0
     """Keep only the newest k complete checkpoints in run_dir/checkpoints (0 = keep every one)."""
     seed: int = 0
@@ -105,6 +111,9 @@ class TrainerConfig:
             "use 0 (only at the end) or -1 (never)",
         )
         check_seed("trainer.seed", self.seed)
+        check(
+            self.max_restarts >= 0, "trainer.max_restarts", self.max_restarts, "must be >= 0", "use 3, or 0"
+        )
         check(
             self.max_staleness >= 0,
             "trainer.max_staleness",

@@ -6,10 +6,17 @@ Face folder every k] -> final evaluation, checkpoint and Hugging Face folder -> 
 (tokenizer and data, model and engines, first generated token, first evaluation) are logged with
 their times; the first generated token's, counted from process start, is also the metric
 `perf/first_token_s` of the first step this process trains (observability/startup.py).
+
+A worker that fails for good (`WorkerFailure`: a training actor, or a rollout replica the rollout
+group could not replace) restarts the run in this process, up to `trainer.max_restarts` times:
+the groups are torn down and built again, the newest checkpoint is loaded (none: from the start)
+and the run goes on, exactly as `trainer.resume=auto` would continue it. One line says why (the
+failure names the rank, its node and the stage); `cluster/train_restarts` counts them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -22,6 +29,7 @@ import numpy as np
 import torch
 
 from rlloom.agents.build import build_agent_driver
+from rlloom.cluster import WorkerFailure
 from rlloom.cluster.build import Groups, build_groups
 from rlloom.config import RunConfig
 from rlloom.config.loading import to_dict, to_yaml
@@ -98,10 +106,36 @@ def run(cfg: RunConfig) -> RunResult:
         if resume_from is not None:
             check_resume_config(resume_from, cfg)
         check_before_loading(cfg)
-        return _run(cfg, resume_from)
+        restarts = 0
+        while True:
+            try:
+                return _run(cfg, resume_from, restarts)
+            except WorkerFailure as e:
+                if restarts >= cfg.trainer.max_restarts:
+                    raise WorkerFailure(f"{str(e).rstrip('.')}. {_stopped(cfg, restarts)}") from e
+                restarts += 1
+                resume_from = newest_checkpoint(cfg)
+                log.warning(
+                    "training restart %d of trainer.max_restarts=%d: %s; the groups start again from %s",
+                    restarts,
+                    cfg.trainer.max_restarts,
+                    e,
+                    resume_from or "the beginning (no checkpoint yet)",
+                )
 
 
-def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
+def newest_checkpoint(cfg: RunConfig) -> Path | None:
+    """The checkpoint `trainer.resume=auto` would continue from (None: there is none yet)."""
+    return resolve_resume(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume="auto")))
+
+
+def _stopped(cfg: RunConfig, restarts: int) -> str:
+    used = f" after {restarts} restarts (trainer.max_restarts={cfg.trainer.max_restarts})" if restarts else ""
+    return f"The run stopped{used}; restart with trainer.resume=auto to continue from the last checkpoint."
+
+
+def _run(cfg: RunConfig, resume_from: Path | None, restarts: int = 0) -> RunResult:
+    """The run from `resume_from` (None: the start); `restarts`: the training restarts before it."""
     init_logger()
     start = time.perf_counter()
     seed_everything(cfg.trainer.seed)
@@ -111,7 +145,11 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
 
     data = _load_data(cfg)
     source, eval_items, runner, decode = data.source, data.eval_items, data.runner, data.decode
-    groups = _build_groups(cfg)
+    try:
+        groups = _build_groups(cfg)
+    except BaseException:
+        runner.close()  # its worker processes must not outlive a start that failed (and restarts)
+        raise
     picked: list[Sample] = []
 
     def keep_samples(samples: list[Sample]) -> None:  # the few of each step's samples that are logged
@@ -158,6 +196,7 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
                 if state.step == first_step:  # the warm-up built what stays: later collections skip it
                     groups.freeze_heap()
                 num_skipped += update_was_skipped(metrics)
+                metrics.update(restart_metrics(restarts, groups.rollout.restarts))
                 metrics["memory/peak_gib"] = peak_memory_gib(resolve_device(cfg).type)
                 is_last = state.step == cfg.trainer.total_steps
                 if eval_items and _due(cfg.trainer.eval_every, state.step, is_last):
@@ -333,6 +372,12 @@ def _summary(
         flush=True,
     )
     return result
+
+
+def restart_metrics(train_restarts: int, rollout_restarts: int) -> dict[str, float]:
+    """The run's restarts so far, logged from the first one on (a run without failures has none)."""
+    counts = {"cluster/train_restarts": train_restarts, "cluster/rollout_restarts": rollout_restarts}
+    return {k: float(v) for k, v in counts.items() if v}
 
 
 def _due(every: int, step: int, is_last: bool) -> bool:

@@ -39,6 +39,19 @@ def test_colocated_shares_slots_and_separate_has_its_own():
     )
     assert not p.colocated and p.train_slots == [0, 1] and p.rollout_slots == [2, 3, 4]
     assert p.replicas == [[0], [1], [2]] and p.num_slots == 5
+    assert p.node_groups == [[0], [1], [2], [3], [4]]
+
+
+def test_node_groups_keep_tensor_and_expert_parallel_ranks_and_replicas_on_one_node():
+    ray4 = ("cluster.mode=ray", "cluster.num_workers=4")
+    assert plan_placement(cfg(*ray4, "parallel.tp=2")).node_groups == [[0, 1], [2, 3]]
+    assert plan_placement(cfg(*ray4, "parallel.ep=4")).node_groups == [[0, 1, 2, 3]]
+    # colocated: a slot's training and rollout ranks go together, so both groupings hold
+    assert plan_placement(cfg(*ray4, "rollout.tp=2")).node_groups == [[0, 1], [2, 3]]
+    separate = ("cluster.placement=separate", "cluster.rollout_workers=4", "rollout.tp=2")
+    p = plan_placement(cfg(*ray4, *separate, "parallel.tp=2"))
+    assert p.node_groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert sorted(s for g in p.node_groups for s in g) == list(range(p.num_slots))
 
 
 @pytest.mark.parametrize(

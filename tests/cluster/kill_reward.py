@@ -1,0 +1,34 @@
+"""A test reward that kills a Ray actor with kill -9 in the middle of a step, in a module that
+imports nothing of rlloom (reward plug-ins run in worker processes, which import it).
+
+With KILL_ACTOR=ROLE:RANK:STEP and KILL_ACTOR_DIR=RUN_DIR set, the first reward call after step
+STEP is logged in RUN_DIR/metrics.jsonl (the next step's first scored group, while its other
+prompts may still be in flight) sends SIGKILL to the pid that RUN_DIR/actors.json gives the actor
+of that role and rank, once per run folder (RUN_DIR/killed holds the kill's time.time() and pid).
+"""
+
+
+def digit_share_killing(response_text: str, ground_truth: str) -> float:
+    """The share of digits in the response (tests/trainer/resume_reward.py), killing as KILL_ACTOR says."""
+    _maybe_kill()
+    return sum(c.isdigit() for c in response_text) / max(len(response_text), 1)
+
+
+def _maybe_kill() -> None:
+    import json
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    spec, run_dir = os.environ.get("KILL_ACTOR", ""), Path(os.environ.get("KILL_ACTOR_DIR", "."))
+    if not spec or (run_dir / "killed").exists() or not (run_dir / "metrics.jsonl").exists():
+        return
+    role, rank, step = spec.split(":")
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    if not any(r["step"] == int(step) for r in rows):
+        return
+    actors = json.loads((run_dir / "actors.json").read_text())
+    pid = next(a["pid"] for a in actors if a["role"] == role and a["rank"] == int(rank))
+    (run_dir / "killed").write_text(f"{time.time()} {pid}\n")
+    os.kill(pid, signal.SIGKILL)
