@@ -213,10 +213,10 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
                         "for inf/NaN in the rewards and advantages (metrics.jsonl)."
                     )
                 weights_only = cfg.trainer.save_weights_only or (is_last and final_is_weights_only(cfg))
-                saved = checkpoint(weights_only) if _save_due(cfg, state.step, is_last) else None
-                if _hf_due(cfg, state.step, is_last) and saved is not None and (saved / WEIGHTS_DIR).is_dir():
+                saved = checkpoint(weights_only) if save_due(cfg, state.step, is_last) else None
+                if hf_due(cfg, state.step, is_last) and saved is not None and (saved / WEIGHTS_DIR).is_dir():
                     link_run_hf(saved / WEIGHTS_DIR, cfg, state.step)  # the same files: no second copy
-                elif _hf_due(cfg, state.step, is_last):
+                elif hf_due(cfg, state.step, is_last):
                     save_run_hf(groups.train, cfg, state.step)
                 if stop.signum and not is_last:  # a Ctrl-C or SIGTERM arrived during this step
                     if loop is not None:  # a no-op unless the signal came after the step's own check
@@ -254,11 +254,11 @@ def _due(every: int, step: int, is_last: bool) -> bool:
     return is_last or (every > 0 and step % every == 0)
 
 
-def _save_due(cfg: RunConfig, step: int, is_last: bool) -> bool:
+def save_due(cfg: RunConfig, step: int, is_last: bool) -> bool:
     return _due(cfg.trainer.save_every, step, is_last)
 
 
-def _hf_due(cfg: RunConfig, step: int, is_last: bool) -> bool:
+def hf_due(cfg: RunConfig, step: int, is_last: bool) -> bool:
     every = cfg.trainer.save_hf_every
     return every >= 0 and _due(every, step, is_last)  # -1: never
 
