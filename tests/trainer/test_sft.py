@@ -164,7 +164,7 @@ def test_two_gloo_ranks_first_step_loss_equals_transformers(tiny_checkpoint, row
     run_gloo(_gloo_rank, 2, tiny_checkpoint, rows_file, expected_loss)
 
 
-def test_loss_falls_and_resume_equals_uninterrupted(tiny_checkpoint, rows_file, tmp_path):
+def test_loss_falls_resume_equals_uninterrupted_and_export(tiny_checkpoint, rows_file, tmp_path):
     """lr 3e-2 with 2 of the 3 rows a step: the order wraps an epoch inside step 2, so a resume that
     lost the data position or the optimizer state would train other rows or other updates."""
     common = ("train.lr=3e-2", "trainer.prompts_per_step=2", "trainer.save_every=1")
@@ -211,6 +211,8 @@ def test_loss_falls_and_resume_equals_uninterrupted(tiny_checkpoint, rows_file, 
     b = checkpoint_model_tensors(checkpoint_dir(resumed, 4))
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
+    assert main(["export", str(resumed), str(tmp_path / "out")]) == 0  # an SFT run exports as an RL run does
+    assert (tmp_path / "out" / "model.safetensors").is_file()
 
 
 def _error(capsys, *argv: str) -> str:
