@@ -13,7 +13,6 @@ and holding at least one assistant message (the tokens trained on).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,8 +81,8 @@ def conversation_problem(row: object, messages_key: str) -> str:
         return f"missing messages field {messages_key!r} (fields: {sorted(row)[:8]})"
     messages = row[messages_key]
     if not isinstance(messages, list) or not messages:
-        shown = json.dumps(messages)[:40] if isinstance(messages, str | int | float | None) else ""
-        return f"messages must be a non-empty list of {{role, content}} messages, got {type(messages).__name__} {shown}".rstrip()
+        got = "an empty list" if messages == [] else f"a {type(messages).__name__}"
+        return f"messages must be a non-empty list of {{role, content}} messages, got {got}"
     for i, message in enumerate(messages):
         if not (
             isinstance(message, dict)

@@ -245,10 +245,13 @@ def _run_sft(cfg: RunConfig, conversations: list[Conversation], resume_from: Pat
         loss_last=losses[-1] if losses else None,
         run_dir=run_dir,
     )
-    fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
     print(
-        f"{run_name(cfg.logging, run_dir)}: sft_loss_first={fmt(result.loss_first)} "
-        f"sft_loss_last={fmt(result.loss_last)} steps={result.steps} seconds={seconds:.0f}",
+        f"{run_name(cfg.logging, run_dir)}: sft_loss_first={_fmt(result.loss_first)} "
+        f"sft_loss_last={_fmt(result.loss_last)} steps={result.steps} seconds={seconds:.0f}",
         flush=True,
     )
     return result
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4f}"

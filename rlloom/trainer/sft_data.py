@@ -30,7 +30,7 @@ from rlloom.data.control_tokens import control_tokens
 from rlloom.data.conversations import Conversation, load_conversations
 from rlloom.data.dataset import DataError, Message
 from rlloom.data.types import Sample
-from rlloom.episodes.render import encode, extension_ids, render_conversation
+from rlloom.episodes.render import Rendered, encode, extension_ids, render_conversation
 from rlloom.tasks.build import task_prompts
 
 SFT_TASKS = ("jsonl", "parquet", "arithmetic")
@@ -89,11 +89,12 @@ def conversation_samples(
     or one per run of turns the template renders as an extension of the one before."""
     messages: list[Message] = prompt_messages(conversation.messages, system_prompt)
     control_ids = set(control_tokens(tokenizer).values())
-    render = (
-        lambda upto, prompt: render_conversation(  # noqa: E731
-            tokenizer, messages[:upto], tools=None, add_generation_prompt=prompt
+
+    def render(upto: int, generation_prompt: bool) -> Rendered:  # the first `upto` messages
+        return render_conversation(
+            tokenizer, messages[:upto], tools=None, add_generation_prompt=generation_prompt
         )
-    )
+
     assistant_at = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     segments = [_Segment(prompt_ids=encode(tokenizer, render(assistant_at[0], True)))]
     for k, at in enumerate(assistant_at):
