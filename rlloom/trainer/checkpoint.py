@@ -262,8 +262,8 @@ def load_checkpoint(
 ) -> TrainerState:
     """Restore the training engines (and the critic's) from `path`, sync the restored weights and
     version into the rollout group (the same sync as after a step; `rlloom sft` has no rollout and
-    passes no `weight_sync`), and return the trainer state saved with them. The reference model is not touched: it stays the initial policy, as in the
-    uninterrupted run."""
+    passes no `weight_sync`), and return the trainer state saved with them. The reference model is
+    not touched: it stays the initial policy, as in the uninterrupted run."""
     raw = json.loads((path / "trainer_state.json").read_text())
     if critic_group is not None and not (path / CRITIC_DIR).is_dir():
         raise ConfigError(
