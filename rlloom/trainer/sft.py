@@ -48,15 +48,12 @@ from rlloom.observability.timers import StageTimer
 from rlloom.run_files import write_text
 from rlloom.trainer.checkpoint import (
     CONFIG_FILE,
-    WEIGHTS_DIR,
     TrainerState,
-    final_is_weights_only,
     load_checkpoint,
     prepare_run_dir,
     resolve_resume,
     save_checkpoint,
 )
-from rlloom.trainer.export import link_run_hf, save_run_hf
 from rlloom.trainer.model_folder import check_tokenizer
 from rlloom.trainer.preflight import (
     check_logging_backends,
@@ -64,7 +61,7 @@ from rlloom.trainer.preflight import (
     check_resume_config,
     model_hf_config,
 )
-from rlloom.trainer.run import hf_due, save_due, seed_everything
+from rlloom.trainer.run import save_step, seed_everything
 from rlloom.trainer.run_lock import RunDirLock
 from rlloom.trainer.sft_data import conversation_samples, sft_conversations
 from rlloom.trainer.stop import RunStopped, StopSignals
@@ -224,12 +221,7 @@ def _run_sft(cfg: RunConfig, conversations: list[Conversation], resume_from: Pat
                 metrics["memory/peak_gib"] = peak_memory_gib(resolve_device(cfg).type)
                 loggers.log(state.step, metrics)
                 is_last = state.step == cfg.trainer.total_steps
-                weights_only = cfg.trainer.save_weights_only or (is_last and final_is_weights_only(cfg))
-                saved = checkpoint(weights_only) if save_due(cfg, state.step, is_last) else None
-                if hf_due(cfg, state.step, is_last) and saved is not None and (saved / WEIGHTS_DIR).is_dir():
-                    link_run_hf(saved / WEIGHTS_DIR, cfg, state.step)  # the same files: no second copy
-                elif hf_due(cfg, state.step, is_last):
-                    save_run_hf(train, cfg, state.step)
+                saved = save_step(cfg, train, state.step, is_last, checkpoint)
                 if stop.signum and not is_last:  # a Ctrl-C or SIGTERM arrived during this step
                     raise RunStopped(
                         stop.signum, state.step, saved or checkpoint(cfg.trainer.save_weights_only)
