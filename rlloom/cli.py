@@ -1,7 +1,8 @@
-"""The `rlloom` command: `train`, `eval`, `export`, `plan`, `config show`, `config doc`, `plot`,
+"""The `rlloom` command: `train`, `sft`, `eval`, `export`, `plan`, `config show`, `config doc`, `plot`,
 `init-model` and `compare-layers`.
 
 rlloom train RECIPE_OR_YAML [section.key=value ...]
+rlloom sft RECIPE_OR_YAML [section.key=value ...]
 rlloom eval MODEL_OR_RUN DATA [section.key=value ...] [--samples N] [--temperature T] [--responses FILE]
 rlloom export RUN_DIR_OR_CHECKPOINT OUT [--dtype auto|float32|bfloat16|float16]
 rlloom config show RECIPE_OR_YAML [section.key=value ...]
@@ -15,7 +16,7 @@ A user error (`UserError`: config, data file, model path, start-up checks) print
 `rlloom: error: ...`, and exits 2; internal bugs keep their traceback. Ctrl-C or SIGTERM during a
 run's steps finishes the step, writes a checkpoint and exits 128 + the signal's number with one line
 saying where to continue (trainer/stop.py); Ctrl-C elsewhere, or a second one, prints one line too.
-`train` goes on when its stdout or stderr is a pipe whose reader is gone (`| tee` ended by the same
+`train` and `sft` go on when their stdout or stderr is a pipe whose reader is gone (`| tee` ended by the same
 Ctrl-C; observability/pipes.py); the other commands stop quietly there, as `cat` does.
 """
 
@@ -46,6 +47,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     train.add_argument("config", help="recipe name or YAML file")
     train.add_argument("overrides", nargs="*", default=[], help=_OVERRIDES_HELP)
+    sft = sub.add_parser(
+        "sft",
+        help="run supervised fine-tuning",
+        description="Supervised fine-tuning on chat conversations (data.task=jsonl or parquet, the messages "
+        "under data.messages_key; or the arithmetic task's answers): the NLL of the assistant tokens, on RL's "
+        f"training engine, checkpoints and layouts. Recipes: {recipes}.",
+    )
+    sft.add_argument("config", help="recipe name or YAML file")
+    sft.add_argument("overrides", nargs="*", default=[], help=_OVERRIDES_HELP)
 
     config = sub.add_parser("config", help="inspect configs", description="Inspect configs.")
     config_sub = config.add_subparsers(dest="config_command", required=True)
@@ -238,7 +248,7 @@ def _plan_usage_error(message: str) -> NoReturn:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "train":  # `| tee` and Ctrl-C: the run finishes its step without its console
+    if args.command in ("train", "sft"):  # `| tee` and Ctrl-C: the run finishes its step without its console
         from rlloom.observability.pipes import console_may_close
 
         with console_may_close():
@@ -268,14 +278,15 @@ def _compare_layers(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    """`rlloom train`: 1 when every update was skipped, 128 + the signal after a stop."""
+    """`rlloom train` and `rlloom sft`: 1 when every update was skipped, 128 + the signal after a stop."""
     from rlloom.config.loading import load_config
     from rlloom.trainer.run import TrainingStalled, run
+    from rlloom.trainer.sft import run_sft
     from rlloom.trainer.stop import RunStopped
 
     cfg = load_config(args.config, args.overrides)
     try:
-        run(cfg)
+        run_sft(cfg) if args.command == "sft" else run(cfg)
     except TrainingStalled as e:
         print(f"rlloom: error: {e}", file=sys.stderr)
         return 1
@@ -362,6 +373,7 @@ def _command(args: argparse.Namespace) -> int:
 
 _INTERRUPTED = {
     "train": "a run keeps its checkpoints up to the last one written: continue with trainer.resume=auto",
+    "sft": "a run keeps its checkpoints up to the last one written: continue with trainer.resume=auto",
     "eval": "no report was written",
     "export": "the output folder may be incomplete: remove it and export again",
     "plan": "nothing was written",

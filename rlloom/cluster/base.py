@@ -77,6 +77,11 @@ class TrainGroup(Protocol):
         steps of several mini-batches (a sum stays a sum, a max a max)."""
         ...
 
+    def update_sft(self, batch: RolloutBatch, normalizer: float) -> Pending[dict[str, Metric]]:
+        """One optimizer step of supervised fine-tuning (`rlloom sft`): the NLL of the batch's masked
+        tokens over `normalizer` (the whole batch's); its metrics carry their reductions."""
+        ...
+
     def offload(self) -> Pending[None]:
         """Move what the training engines hold on the GPU to the host (colocated placement, before
         the rollout wakes)."""

@@ -1,12 +1,13 @@
 """The factory the controller builds its groups with: one process for cluster.mode=inline (local.py),
-Ray actors placed as placement.py plans (ray.py; Ray imported only then) for cluster.mode=ray."""
+Ray actors placed as placement.py plans (ray.py; Ray imported only then) for cluster.mode=ray.
+`rlloom sft` builds the training group alone (`build_train_group`): no rollout, no weight sync."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from rlloom.cluster.base import CriticGroup, RolloutGroup, TrainGroup, WeightSync
-from rlloom.cluster.placement import plan_placement
+from rlloom.cluster.placement import plan_placement, train_only_placement
 from rlloom.config import RunConfig
 from rlloom.heap import freeze_heap, thaw_heap
 
@@ -44,3 +45,16 @@ def build_groups(cfg: RunConfig) -> Groups:
 
         train, rollout, sync, critic = build_local_groups(cfg)
     return Groups(train=train, rollout=rollout, sync=sync, critic=critic)
+
+
+def build_train_group(cfg: RunConfig) -> TrainGroup:
+    """The training ranks alone (supervised fine-tuning), in the layout of the `parallel` section:
+    one process for cluster.mode=inline, `cluster.num_workers` Ray actors for cluster.mode=ray."""
+    if cfg.cluster.mode == "ray":
+        from rlloom.cluster.ray import build_ray_train_group
+
+        return build_ray_train_group(cfg, train_only_placement(cfg))
+    from rlloom.cluster.local import LocalTrainGroup
+    from rlloom.workers.train import TrainWorker
+
+    return LocalTrainGroup(TrainWorker(cfg))

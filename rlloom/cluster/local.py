@@ -44,6 +44,9 @@ class LocalTrainGroup:
     def update_policy(self, update: PolicyUpdate) -> Done[dict[str, Metric]]:
         return Done(self.worker.update_policy(update))
 
+    def update_sft(self, batch: RolloutBatch, normalizer: float) -> Done[dict[str, Metric]]:
+        return Done(self.worker.update_sft(batch, normalizer))
+
     def offload(self) -> Done[None]:
         return Done(self.worker.offload())
 

@@ -81,3 +81,9 @@ def plan_placement(cfg: RunConfig) -> Placement:
         replicas=replicas,
         node_groups=groups,
     )
+
+
+def train_only_placement(cfg: RunConfig) -> Placement:
+    """`cluster.num_workers` training slots and no rollout ranks (`rlloom sft`)."""
+    train = list(range(cfg.cluster.num_workers))
+    return Placement(colocated=True, train_slots=train, rollout_slots=[], replicas=[])

@@ -75,6 +75,9 @@ class RayTrainGroup:
     def update_policy(self, update: PolicyUpdate) -> Refs:
         return self._all("update_policy", update)
 
+    def update_sft(self, batch: RolloutBatch, normalizer: float) -> Refs:
+        return self._all("update_sft", batch, normalizer)
+
     def offload(self) -> Refs:
         return self._all("offload")
 
@@ -235,6 +238,16 @@ def _build(
     sync = BroadcastSync(cfg, train, rollout) if broadcast else InPlaceSync(train, rollout)
     critic = RayCriticGroup(actors, tslots) if cfg.algorithm.uses_critic else None
     return train, rollout, sync, critic
+
+
+def build_ray_train_group(cfg: RunConfig, placement: Placement) -> RayTrainGroup:
+    """Start one actor per training slot and join the training world (`rlloom sft`: no rollout)."""
+    actors = Actors(cfg, placement)
+    slots = placement.train_slots
+    master = actors.addresses[slots[0]]
+    refs = [actors.slots[s].start_train.remote(i, len(slots), master) for i, s in enumerate(slots)]
+    actors.wait(refs, "setup (training)", slots)
+    return RayTrainGroup(actors, slots)
 
 
 def join_sync_group(cfg: RunConfig, actors: Actors, senders: list[int], receivers: list[int]) -> None:

@@ -30,7 +30,7 @@ class AlgorithmConfig:
     dual_clip_c: float = 0.0
     """Dual-clip constant (> 1 enables it; 0 disables)."""
     agg_mode: AggMode = "token-mean"
-    """How per-token losses reduce to the step loss."""
+    """How per-token losses reduce to the step loss (`rlloom sft`: token-mean or seq-mean-token-mean)."""
     norm_constant: int = 0
     """Normaliser for seq-mean-token-sum-norm; 0 means rollout.max_new_tokens."""
     kl_kind: Literal["k1", "k2", "k3", "abs"] = "k3"

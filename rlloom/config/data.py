@@ -18,6 +18,9 @@ class DataConfig:
     """Field holding the prompt: a string or a list of chat messages."""
     answer_key: str = "answer"
     """Field holding the ground truth."""
+    messages_key: str = "messages"
+    """`rlloom sft`: the field holding each row's conversation, a list of {role, content} chat messages
+    with at least one assistant message (the tokens trained on)."""
     max_prompt_length: int = 256
     """Prompts longer than this (in tokens, after templating) are skipped and counted."""
     chat_template: bool = True

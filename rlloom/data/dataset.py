@@ -123,7 +123,7 @@ def _parsed(
 ) -> tuple[RawPrompt, ...]:
     """The usable rows of the last file parsed (its size and modification time in the key: a
     changed file is parsed again)."""
-    numbered = _parquet_rows(Path(path)) if fmt == "parquet" else _jsonl_rows(Path(path))
+    numbered = file_rows(Path(path), fmt)
     unit = "row" if fmt == "parquet" else "line"
     prompts: list[RawPrompt] = []
     bad: list[BadRow] = []
@@ -189,6 +189,11 @@ def _prompt_problem(prompt: object) -> str:
                 return f"prompt message {i} has role {message['role'][:40]!r}, not one of {', '.join(ROLES)}"
         return ""
     return f"prompt must be a non-empty string or list of {{role, content}} messages, got {type(prompt).__name__}"
+
+
+def file_rows(path: Path, fmt: FileFormat) -> list[tuple[int, object]]:
+    """(line or row number, decoded object or BadRow) for each row of a jsonl or parquet file."""
+    return _parquet_rows(path) if fmt == "parquet" else _jsonl_rows(path)
 
 
 def _jsonl_rows(path: Path) -> list[tuple[int, object]]:

@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-from rlloom.data.dataset import DataError, PromptItem
+from rlloom.data.dataset import DataError
+
+Item = TypeVar("Item")
+"""What a source hands out: a `PromptItem` (RL), or a tokenized conversation's samples (`rlloom sft`)."""
 
 Position = tuple[int, int]
 """Where a prompt was drawn: (epoch, offset in that epoch's order)."""
@@ -38,7 +41,7 @@ def epoch_order(num_items: int, *, seed: int, epoch: int, shuffle: bool = True) 
     return order
 
 
-class PromptSource:
+class PromptSource(Generic[Item]):
     """Hands out prompts in batches, epoch after epoch, from a seed.
 
     Example: `src = PromptSource(items, seed=0)`; `batch = src.next_batch(8)`;
@@ -46,9 +49,9 @@ class PromptSource:
     """
 
     def __init__(
-        self, items: Sequence[PromptItem], *, seed: int = 0, shuffle: bool = True, num_too_long: int = 0
+        self, items: Sequence[Item], *, seed: int = 0, shuffle: bool = True, num_too_long: int = 0
     ) -> None:
-        self.items: tuple[PromptItem, ...] = tuple(items)
+        self.items: tuple[Item, ...] = tuple(items)
         self.seed = seed
         self.shuffle = shuffle
         self.num_too_long = num_too_long
@@ -62,7 +65,7 @@ class PromptSource:
     def __len__(self) -> int:
         return len(self.items)
 
-    def next_batch(self, num_prompts: int) -> list[PromptItem]:
+    def next_batch(self, num_prompts: int) -> list[Item]:
         """The next `num_prompts` prompts, moving into the next epoch(s) when this one runs out."""
         return [self.item_at(p) for p in self.next_positions(num_prompts)]
 
@@ -83,7 +86,7 @@ class PromptSource:
             self.cursor += take
         return positions
 
-    def item_at(self, position: Position) -> PromptItem:
+    def item_at(self, position: Position) -> Item:
         epoch, offset = position
         return self.items[self._epoch_order(epoch)[offset]]
 

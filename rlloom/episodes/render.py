@@ -32,13 +32,20 @@ class Rendered:
 
 
 def render_conversation(
-    tokenizer: Any, messages: list[Message], *, tools: list[dict[str, Any]] | None
+    tokenizer: Any,
+    messages: list[Message],
+    *,
+    tools: list[dict[str, Any]] | None,
+    add_generation_prompt: bool = True,
 ) -> Rendered:
-    """The whole conversation as the model sees it, ending with the assistant's generation prompt."""
+    """The whole conversation as the model sees it, ending with the assistant's generation prompt
+    (without it: ending with the last message's turn, as `rlloom sft` renders an assistant's answer)."""
     kwargs = {"tools": tools} if tools else {}
     marked = mark(messages, control_pattern(control_tokens(tokenizer)))
     return Rendered(
-        tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False, **kwargs)
+        tokenizer.apply_chat_template(
+            marked, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+        )
     )
 
 

@@ -34,6 +34,7 @@ from rlloom.observability.logger import Logger
 
 # (label, metric key, format) shown in this order when present.
 FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("sft_loss", "sft/loss", "{:.4f}"),  # rlloom sft
     ("reward", "reward/trained_mean", "{:.3f}"),
     ("acc", "train/accuracy", "{:.3f}"),
     ("eval_acc", "eval/accuracy", "{:.3f}"),

@@ -15,7 +15,7 @@ import random
 
 from rlloom.config import DataConfig
 from rlloom.data.chat import PromptTokenizer, tokenize_prompts
-from rlloom.data.dataset import DataError, RawPrompt, load_prompt_file
+from rlloom.data.dataset import DataError, PromptItem, RawPrompt, load_prompt_file
 from rlloom.data.source import PromptSource
 from rlloom.tasks.arithmetic import arithmetic_prompts
 from rlloom.tasks.countdown import countdown_prompts
@@ -62,7 +62,7 @@ def split_file_rows(rows: list[RawPrompt], *, num_eval: int, seed: int, split: S
 
 def build_task_source(
     data_cfg: DataConfig, tokenizer: PromptTokenizer, split: Split = "train"
-) -> PromptSource:
+) -> PromptSource[PromptItem]:
     """The tokenized prompts of one split as a `PromptSource` (shuffled for train, in order for eval)."""
     raws = task_prompts(data_cfg, split)
     tokenized = tokenize_prompts(

@@ -254,12 +254,16 @@ def _resume_checkpoint(cfg: RunConfig) -> Path | None:
 
 
 def load_checkpoint(
-    train_group: TrainGroup, weight_sync: WeightSync, path: Path, *, critic_group: CriticGroup | None = None
+    train_group: TrainGroup,
+    weight_sync: WeightSync | None,
+    path: Path,
+    *,
+    critic_group: CriticGroup | None = None,
 ) -> TrainerState:
     """Restore the training engines (and the critic's) from `path`, sync the restored weights and
-    version into the rollout group (the same sync as after a step), and return the trainer state
-    saved with them. The reference model is not touched: it stays the initial policy, as in the
-    uninterrupted run."""
+    version into the rollout group (the same sync as after a step; `rlloom sft` has no rollout and
+    passes no `weight_sync`), and return the trainer state saved with them. The reference model is
+    not touched: it stays the initial policy, as in the uninterrupted run."""
     raw = json.loads((path / "trainer_state.json").read_text())
     if critic_group is not None and not (path / CRITIC_DIR).is_dir():
         raise ConfigError(
@@ -270,7 +274,8 @@ def load_checkpoint(
     train_group.load(str(path / ENGINE_DIR)).result()
     if critic_group is not None:
         critic_group.load(str(path / CRITIC_DIR)).result()
-    weight_sync.sync()
+    if weight_sync is not None:
+        weight_sync.sync()
     return TrainerState(
         step=raw["step"],
         data_state=raw["data_state"],

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from rlloom.agents.build import build_agent_driver
-from rlloom.cluster import WorkerFailure
+from rlloom.cluster.base import TrainGroup
 from rlloom.cluster.build import Groups, build_groups
 from rlloom.config import RunConfig
 from rlloom.config.loading import to_dict, to_yaml
@@ -208,7 +208,7 @@ def _run(cfg: RunConfig, resume_from: Path | None, restarts: int = 0) -> RunResu
                 loggers.log_samples(state.step, sample_records(state.step, picked))
                 if is_last and num_skipped == state.step - first_step + 1:
                     raise _stalled(cfg, first_step, state.step)
-                saved = _save_step(cfg, groups, state.step, is_last, checkpoint)
+                saved = save_step(cfg, groups.train, state.step, is_last, checkpoint)
                 if stop.signum and not is_last:  # a Ctrl-C or SIGTERM arrived during this step
                     if loop is not None:  # a no-op unless the signal came after the step's own check
                         loop.drain(state.step)
@@ -294,16 +294,17 @@ def _step_context(
     )
 
 
-def _save_step(
-    cfg: RunConfig, groups: Groups, step: int, is_last: bool, checkpoint: Callable[[bool], Path]
+def save_step(
+    cfg: RunConfig, train: TrainGroup, step: int, is_last: bool, checkpoint: Callable[[bool], Path]
 ) -> Path | None:
-    """The checkpoint and Hugging Face folder due after `step`; the checkpoint written, if any."""
+    """The checkpoint and Hugging Face folder due after `step` (of RL, or of `rlloom sft`); the
+    checkpoint written, if any."""
     weights_only = cfg.trainer.save_weights_only or (is_last and final_is_weights_only(cfg))
     saved = checkpoint(weights_only) if _save_due(cfg, step, is_last) else None
     if _hf_due(cfg, step, is_last) and saved is not None and (saved / WEIGHTS_DIR).is_dir():
         link_run_hf(saved / WEIGHTS_DIR, cfg, step)  # the same files: no second copy
     elif _hf_due(cfg, step, is_last):
-        save_run_hf(groups.train, cfg, step)
+        save_run_hf(train, cfg, step)
     return saved
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from rlloom.algorithms.objective import make_loss_fn
+from rlloom.algorithms.sft import make_sft_loss_fn
 from rlloom.config import RunConfig
 from rlloom.data.types import PolicyUpdate, RolloutBatch
 from rlloom.devices import resolve_device, resolve_dtype
@@ -119,6 +120,14 @@ class TrainWorker:
             loss_normalizer=update.normalizer,
             options=self._options(with_entropy=True),
         )
+        return update_metrics(values)
+
+    def update_sft(self, batch: RolloutBatch, normalizer: float) -> dict[str, Metric]:
+        """One optimizer step of supervised fine-tuning (`rlloom sft`) on `batch`, whose loss mask marks
+        the assistant tokens; `normalizer`: the whole batch's (`rlloom.algorithms.sft.sft_normalizer`)."""
+        maybe_fail("update_policy", self.engine.version, self.rank)
+        loss_fn = make_sft_loss_fn(batch.response_mask(), self.cfg.algorithm.agg_mode)
+        values = self.engine.train_step(batch, loss_fn, loss_normalizer=normalizer)  # temperature 1
         return update_metrics(values)
 
     def named_weights(

@@ -5,6 +5,7 @@ from collections.abc import Callable
 from rlloom.config.recipes.arithmetic import (
     arithmetic_demo,
     arithmetic_retry,
+    arithmetic_sft,
     arithmetic_smoke,
     calculator_tools,
     dapo_arithmetic,
@@ -15,6 +16,7 @@ RECIPES: dict[str, Callable[[], RunConfig]] = {
     "arithmetic_demo": arithmetic_demo,
     "arithmetic_smoke": arithmetic_smoke,
     "arithmetic_retry": arithmetic_retry,
+    "arithmetic_sft": arithmetic_sft,
     "calculator_tools": calculator_tools,
     "dapo_arithmetic": dapo_arithmetic,
 }

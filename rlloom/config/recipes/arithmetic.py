@@ -37,6 +37,21 @@ def arithmetic_smoke() -> RunConfig:
     )
 
 
+def arithmetic_sft() -> RunConfig:
+    """Supervised fine-tuning (`rlloom sft arithmetic_sft`) of the demo's model on the arithmetic task's
+    training problems, each answered with its number (the evaluation problems held out), before RL:
+    `rlloom train arithmetic_demo model.path=runs/arithmetic_sft/hf/step_000008`. A short fine-tune
+    (8 steps of 16 problems) teaches the answer's form; RL then improves the sums."""
+    cfg = arithmetic_demo()
+    return dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(cfg.train, lr=1e-5),
+        trainer=dataclasses.replace(
+            cfg.trainer, total_steps=8, prompts_per_step=16, run_dir="runs/arithmetic_sft"
+        ),
+    )
+
+
 def dapo_arithmetic() -> RunConfig:
     """DAPO variant: clip-higher, token-mean, dynamic sampling, overlong shaping."""
     cfg = arithmetic_demo()
