@@ -72,3 +72,24 @@ def test_a_turn_that_reuses_cached_blocks_samples_what_a_recomputed_one_does(tin
     )
     cached.update_weights(hf_named_tensors(cached.model), version=1)  # new weights: nothing stale is reused
     assert not cached.block_manager.cached
+
+
+def test_a_prefill_served_by_the_cache_is_budgeted_by_its_new_tokens():
+    """Next turns of 40 tokens, 36 of them cached: 4 new each. A budget of 64 padded new tokens would
+    admit 16 of them in one prefill (a budget counting every token admits 1); the key budget of
+    8 x 64 gathered keys stops it at 12."""
+    from rlloom.engines.rollout.native.scheduler import Scheduler
+
+    bm = BlockManager(num_blocks=512, block_size=4, enable_prefix_caching=True)  # no eviction
+    history = [_seq(i, [i + 1] * 36) for i in range(14)]
+    for seq in history:  # each turn's 36 tokens computed, then freed: 9 full blocks remembered
+        bm.allocate(seq)
+        seq.num_cached_tokens = 36
+        bm.free(seq)
+    sched = Scheduler(bm, max_num_seqs=32, max_num_batched_tokens=64, max_model_len=128, eos_token_ids=[])
+    for i in range(14):
+        sched.add(_seq(10 + i, [i + 1] * 36 + [90] * 4))
+    batch = sched.schedule()
+    assert batch is not None and batch.is_prefill
+    assert [s.num_tokens - s.num_cached_tokens for s in batch.seqs] == [4] * 12  # 13 x 40 keys > 512
+    assert len(sched.waiting) == 2

@@ -82,21 +82,30 @@ class BlockManager:
         """Room to prefill all of `seq`'s tokens (its forks share these blocks)."""
         return self.blocks_for(seq.num_tokens) <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence) -> None:
-        """Blocks for all of `seq`'s tokens; with prefix caching, the cached blocks its tokens start
-        with (never the last token's: the prefill must compute it to sample the next) are shared and
-        counted in `seq.num_cached_tokens`."""
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """With prefix caching, the cached blocks `seq`'s tokens start with (never the last token's:
+        the prefill must compute it to sample the next); taken by `allocate(seq, prefix)`."""
+        if not self.enable_prefix_caching:
+            return []
+        blocks, h, size, tokens = [], 0, self.block_size, seq.token_ids
+        for i in range((seq.num_tokens - 1) // size):
+            h = hash((h, tuple(tokens[i * size : (i + 1) * size])))
+            block = self.cached.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def allocate(self, seq: Sequence, prefix: list[int] | None = None) -> None:
+        """Blocks for all of `seq`'s tokens: the cached `prefix` (`cached_prefix(seq)` when not
+        given), shared and counted in `seq.num_cached_tokens`, then fresh ones."""
         assert not seq.block_table, seq.seq_id
-        table: list[int] = []
+        table = self.cached_prefix(seq) if prefix is None else list(prefix)
+        for block in table:
+            if self.ref_counts[block] == 0:
+                self.claimed.add(block)
+            self.ref_counts[block] += 1
         if self.enable_prefix_caching:
-            for h in self._hashes(seq.token_ids, (seq.num_tokens - 1) // self.block_size):
-                block = self.cached.get(h)
-                if block is None:
-                    break
-                if self.ref_counts[block] == 0:
-                    self.claimed.add(block)
-                self.ref_counts[block] += 1
-                table.append(block)
             seq.num_cached_tokens = len(table) * self.block_size
             self.num_cached_hits += seq.num_cached_tokens
         table += [self._take() for _ in range(self.blocks_for(seq.num_tokens) - len(table))]

@@ -223,9 +223,10 @@ class ModelRunner:
                 output_index_N=self._tensor(output_index),
             )
         )
-        hidden_ND = self.model.hidden_states(
-            self._tensor(ids), position_ids=self._tensor(positions), attn=self.backend
-        )
+        # The compiled layers take any token count: a prefill through them launches a few fused
+        # kernels a layer instead of dozens (an eager prefill step was host-bound on an H200).
+        forward = self.compiled_forward or self.model.hidden_states
+        hidden_ND = forward(self._tensor(ids), position_ids=self._tensor(positions), attn=self.backend)
         self._record_routes()
         return hidden_ND[self._tensor(last)]
 

@@ -2,8 +2,9 @@
 
 Each step is either a prefill or a decode:
 - prefill: admit waiting sequences, oldest first, while the running set stays within
-  `max_num_seqs` (a leader counts with its forks), the prefill's sequences padded to its longest
-  one within `max_num_batched_tokens`, and the block manager has blocks for all of their tokens;
+  `max_num_seqs` (a leader counts with its forks), the prefill's new tokens padded to the most of
+  any sequence within `max_num_batched_tokens` (tokens the prefix cache holds are not new), the keys
+  it gathers within `8 * max_num_batched_tokens`, and the block manager has blocks for all tokens;
 - decode: one token for every running sequence. When a sequence needs a block and none is free, the
   most recently admitted running sequence is preempted by recompute: its blocks are freed and it goes
   back to the front of the waiting queue, to be prefilled later with its prompt and the tokens it
@@ -58,6 +59,9 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_batched_keys = 8 * max_num_batched_tokens
+        """Keys a prefill gathers per layer (sequences x the longest); a prompt prefilled whole has as
+        many keys as new tokens, so only prefills served by the prefix cache come near it."""
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
         self.decode = decode
@@ -75,23 +79,31 @@ class Scheduler:
         """The next step's batch, or None when nothing can run."""
         seqs: list[Sequence] = []
         num_seqs = len(self.running)
-        longest = 0
+        widest_query = widest_keys = 0
+        bm = self.block_manager
         while self.waiting:
             seq = self.waiting[0]
             if num_seqs + seq.group_size > self.max_num_seqs:
                 break
-            # The attention pads every sequence to the longest one: budget the padded tokens.
-            if seqs and (len(seqs) + 1) * max(longest, seq.num_tokens) > self.max_num_batched_tokens:
+            prefix = bm.cached_prefix(seq)
+            query = seq.num_tokens - len(prefix) * bm.block_size
+            # The attention pads every sequence's new tokens to the most of any, and gathers every
+            # sequence's keys up to the longest: budget both (a next turn served by the prefix cache
+            # has few new tokens and many keys).
+            if seqs and (
+                (len(seqs) + 1) * max(widest_query, query) > self.max_num_batched_tokens
+                or (len(seqs) + 1) * max(widest_keys, seq.num_tokens) > self.max_num_batched_keys
+            ):
                 break
-            if not self.block_manager.can_allocate(seq):
+            if not bm.can_allocate(seq):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(seq)
+            bm.allocate(seq, prefix)
             seq.status = Status.RUNNING
             self.running.append(seq)
             seqs.append(seq)
             num_seqs += seq.group_size
-            longest = max(longest, seq.num_tokens)
+            widest_query, widest_keys = max(widest_query, query), max(widest_keys, seq.num_tokens)
         if seqs:
             rows, source = [], []
             for i, seq in enumerate(seqs):
