@@ -62,6 +62,28 @@ def _parser() -> argparse.ArgumentParser:
         "(docs/config.md is this output).",
     )
 
+    _add_eval_parser(sub)
+    _add_export_parser(sub)
+    plot = sub.add_parser(
+        "plot", help="plot a run's curves", description="Write RUN_DIR/curves.png from metrics.jsonl."
+    )
+    plot.add_argument("run_dir", help="run folder holding metrics.jsonl")
+    init = sub.add_parser(
+        "init-model",
+        help="write a tiny random test model",
+        description="Write a tiny random model with a character tokenizer as a Hugging Face folder, for "
+        "trying settings and parallel layouts on a CPU in seconds (model.path=DIR): tiny-dense (Qwen3), "
+        "tiny-moe (Qwen3-MoE, 8 experts) or tiny-mla (DeepSeek-V3: MLA attention, MoE with a shared expert).",
+    )
+    init.add_argument("kind", choices=("tiny-dense", "tiny-moe", "tiny-mla"))
+    init.add_argument("out", help="new or empty output folder")
+    init.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    init.add_argument("--hidden", type=int, default=32, help="hidden size, a multiple of 8 (default 32)")
+    _add_plan_parser(sub)
+    return parser
+
+
+def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
     evaluate = sub.add_parser(
         "eval",
         help="score a model or run on a dataset",
@@ -87,6 +109,8 @@ def _parser() -> argparse.ArgumentParser:
         help="also write every answer and its score to this new jsonl file (an existing path is refused)",
     )
 
+
+def _add_export_parser(sub: argparse._SubParsersAction) -> None:
     export = sub.add_parser(
         "export",
         help="write a run's trained model as a Hugging Face folder",
@@ -108,24 +132,6 @@ def _parser() -> argparse.ArgumentParser:
         help="export the critic of a PPO run (algorithm.estimator=gae) instead: a value model "
         "(transformers' *ForTokenClassification, one label) that critic.model_path loads",
     )
-
-    plot = sub.add_parser(
-        "plot", help="plot a run's curves", description="Write RUN_DIR/curves.png from metrics.jsonl."
-    )
-    plot.add_argument("run_dir", help="run folder holding metrics.jsonl")
-    init = sub.add_parser(
-        "init-model",
-        help="write a tiny random test model",
-        description="Write a tiny random model with a character tokenizer as a Hugging Face folder, for "
-        "trying settings and parallel layouts on a CPU in seconds (model.path=DIR): tiny-dense (Qwen3), "
-        "tiny-moe (Qwen3-MoE, 8 experts) or tiny-mla (DeepSeek-V3: MLA attention, MoE with a shared expert).",
-    )
-    init.add_argument("kind", choices=("tiny-dense", "tiny-moe", "tiny-mla"))
-    init.add_argument("out", help="new or empty output folder")
-    init.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
-    init.add_argument("--hidden", type=int, default=32, help="hidden size, a multiple of 8 (default 32)")
-    _add_plan_parser(sub)
-    return parser
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:

@@ -8,7 +8,8 @@ done (its results exist only in memory); a stage that a setting turns off (ref_l
 term) still fires at its place in the step.
 
 Driver stages, in step order: generate, rewards, old_logprobs, ref_logprobs, advantages, train (all
-policy updates done, weights not yet synced), sync; then save_engine (the engine state of the step's
+policy updates done, weights not yet synced), sync (the step's `StageTimer` fires them as each
+stage ends: `at_stage_end`); then save_engine (the engine state of the step's
 checkpoint is written, the checkpoint's manifest is not) and after_checkpoint. Worker stages: update_policy
 (before an optimizer step; there STEP counts optimizer steps, the policy version, and RANK picks the
 training rank) and rollout (a rollout worker's generate or stream_add call has started; STEP is the
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -66,3 +68,15 @@ def maybe_fail(stage: str, step: int, rank: int = 0) -> None:
         return
     if fault.stage == stage and fault.step == step and fault.rank in (None, rank):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def at_stage_end(step: int) -> Callable[[str], None]:
+    """The RL step's `StageTimer(on_end=...)` hook: `maybe_fail(stage, step)` as each of its stages
+    ends. Generation scores the samples as they finish, so the end of `generate` is also `rewards`'."""
+
+    def fire(stage: str) -> None:
+        maybe_fail(stage, step)
+        if stage == "generate":
+            maybe_fail("rewards", step)
+
+    return fire

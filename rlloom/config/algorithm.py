@@ -95,6 +95,12 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         check_finite(self, "algorithm")
+        self._check_clipping()
+        self._check_kl()
+        self._check_estimators()
+
+    def _check_clipping(self) -> None:
+        """The policy loss's clip ranges and its normaliser."""
         check(0 <= self.eps_low < 1, "algorithm.eps_low", self.eps_low, "must be in [0, 1)", "use 0.2")
         check(
             self.eps_high >= 0,
@@ -117,6 +123,9 @@ class AlgorithmConfig:
             "must be >= 0",
             "use 0 for max_new_tokens",
         )
+
+    def _check_kl(self) -> None:
+        """The KL term: in the loss or in the reward, with a fixed or an adaptive coefficient."""
         check(
             self.kl_coef >= 0,
             "algorithm.kl_coef",
@@ -124,7 +133,6 @@ class AlgorithmConfig:
             "must be >= 0",
             "use 0 to disable the KL loss",
         )
-        check(0 < self.gamma <= 1, "algorithm.gamma", self.gamma, "must be in (0, 1]", "use 1.0")
         if self.kl_in_reward:
             check(
                 self.estimator in ("gae", "reinforce_pp"),
@@ -150,6 +158,10 @@ class AlgorithmConfig:
         )
         check(self.kl_target > 0, "algorithm.kl_target", self.kl_target, "must be > 0", "use 0.1")
         check(self.kl_horizon > 0, "algorithm.kl_horizon", self.kl_horizon, "must be > 0", "use 10000")
+
+    def _check_estimators(self) -> None:
+        """Returns and advantages, the entropy bonus, the overlong penalty, IS corrections, sampling rounds."""
+        check(0 < self.gamma <= 1, "algorithm.gamma", self.gamma, "must be in (0, 1]", "use 1.0")
         check(0 <= self.lam <= 1, "algorithm.lam", self.lam, "must be in [0, 1]", "use 1.0 or 0.95")
         check(
             self.entropy_coef >= 0,

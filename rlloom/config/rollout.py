@@ -111,6 +111,12 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         check_finite(self, "rollout")
+        self._check_sampling()
+        self._check_engine()
+        self._check_episodes()
+
+    def _check_sampling(self) -> None:
+        """How responses are sampled, in training and in evaluation."""
         check(
             self.n_samples >= 1,
             "rollout.n_samples",
@@ -146,6 +152,16 @@ class RolloutConfig:
             "must be >= 1",
             "use a positive length",
         )
+        check(
+            self.eval_temperature >= 0,
+            "rollout.eval_temperature",
+            self.eval_temperature,
+            "must be >= 0",
+            "use 0 for greedy evaluation",
+        )
+
+    def _check_engine(self) -> None:
+        """The engine's KV cache, batch, tensor parallelism and quantization."""
         check(self.block_size >= 1, "rollout.block_size", self.block_size, "must be >= 1", "use 16")
         check(
             self.num_blocks >= 0,
@@ -170,19 +186,15 @@ class RolloutConfig:
             "use 1 (one GPU per rollout engine) or the number of GPUs one engine spans, e.g. 2",
         )
         check(
-            self.eval_temperature >= 0,
-            "rollout.eval_temperature",
-            self.eval_temperature,
-            "must be >= 0",
-            "use 0 for greedy evaluation",
-        )
-        check(
             self.quantization == "none" or self.tp == 1,
             "rollout.quantization",
             self.quantization,
             f"fp8 rollout is not built for tensor-parallel replicas (rollout.tp={self.tp})",
             "use rollout.tp=1 with fp8, or rollout.quantization=none",
         )
+
+    def _check_episodes(self) -> None:
+        """Multi-turn episodes: environment workers, time limits, turn and token budgets."""
         check(
             self.env_workers >= 0,
             "rollout.env_workers",

@@ -54,6 +54,30 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _check_parallel_world(self.parallel, self.cluster)
+        self._check_micro_batches()
+        if self.data.task in ("jsonl", "parquet"):
+            check(
+                bool(self.data.path),
+                "data.path",
+                self.data.path,
+                f"data.task={self.data.task} needs a dataset file",
+                "set data.path=/path/to/file",
+            )
+        if self.algorithm.estimator in ("grpo", "dr_grpo", "rloo") and self.rollout.n_samples < 2:
+            check(
+                False,
+                "rollout.n_samples",
+                self.rollout.n_samples,
+                f"estimator {self.algorithm.estimator} needs groups of 2 or more",
+                "set rollout.n_samples=4 or more",
+            )
+        self._check_modes()
+        self._check_rollout_replicas()
+        self._check_sync_transport()
+        self._check_step_batch()
+
+    def _check_micro_batches(self) -> None:
+        """What context and pipeline parallelism ask of the training micro-batches."""
         check(  # the same rule as rlloom.parallel.cp.check_cp_layout, at start-up
             self.parallel.cp == 1 or self.train.share_prompts is not True,
             "train.share_prompts",
@@ -81,22 +105,9 @@ class RunConfig:
             f"be a multiple of {shares}",
             f"set train.max_tokens_per_micro_batch={-(-budget // shares) * shares}",
         )
-        if self.data.task in ("jsonl", "parquet"):
-            check(
-                bool(self.data.path),
-                "data.path",
-                self.data.path,
-                f"data.task={self.data.task} needs a dataset file",
-                "set data.path=/path/to/file",
-            )
-        if self.algorithm.estimator in ("grpo", "dr_grpo", "rloo") and self.rollout.n_samples < 2:
-            check(
-                False,
-                "rollout.n_samples",
-                self.rollout.n_samples,
-                f"estimator {self.algorithm.estimator} needs groups of 2 or more",
-                "set rollout.n_samples=4 or more",
-            )
+
+    def _check_modes(self) -> None:
+        """Settings that act only in the asynchronous modes."""
         check(
             self.rollout.partial == "finish" or self.trainer.mode == "async",
             "rollout.partial",
@@ -113,8 +124,9 @@ class RunConfig:
             "are the same weights)",
             "set trainer.mode=async, or algorithm.decoupled_ppo=false",
         )
-        self._check_rollout_replicas()
-        self._check_sync_transport()
+
+    def _check_step_batch(self) -> None:
+        """Settings bounded by a step's batch or a response's length."""
         check(
             self.algorithm.overlong_buffer <= self.rollout.max_new_tokens,
             "algorithm.overlong_buffer",

@@ -28,6 +28,7 @@ from torch import nn
 
 from rlloom.config import UserError
 from rlloom.models.args import ModelArgs
+from rlloom.models.families import FAMILIES
 from rlloom.models.fp8 import Fp8Rows, Fp8Weights, load_rows
 from rlloom.models.layers import FusedLinear
 
@@ -47,68 +48,19 @@ _TOP = {
     "model.norm.weight": "norm.weight",
     "lm_head.weight": "output.weight",
 }
-_NORMS = {
-    "input_layernorm.weight": "attention_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-}
-_GQA = {
-    f"self_attn.{hf}_proj.{p}": f"attention.w{nat}.{p}"
-    for hf, nat in zip("qkvo", "qkvo")
-    for p in ("weight", "bias")
-} | {
-    "self_attn.q_norm.weight": "attention.q_norm.weight",
-    "self_attn.k_norm.weight": "attention.k_norm.weight",
-}
-_MLA = {
-    "self_attn.q_proj.weight": "attention.wq.weight",
-    "self_attn.q_a_proj.weight": "attention.wq_a.weight",
-    "self_attn.q_a_proj.bias": "attention.wq_a.bias",
-    "self_attn.q_a_layernorm.weight": "attention.q_norm.weight",
-    "self_attn.q_b_proj.weight": "attention.wq_b.weight",
-    "self_attn.kv_a_proj_with_mqa.weight": "attention.wkv_a.weight",
-    "self_attn.kv_a_proj_with_mqa.bias": "attention.wkv_a.bias",
-    "self_attn.kv_a_layernorm.weight": "attention.kv_norm.weight",
-    "self_attn.kv_b_proj.weight": "attention.wkv_b.weight",
-    "self_attn.o_proj.weight": "attention.wo.weight",
-    "self_attn.o_proj.bias": "attention.wo.bias",
-}
-_MLP = {
-    "mlp.gate_proj.weight": "feed_forward.w1.weight",
-    "mlp.down_proj.weight": "feed_forward.w2.weight",
-    "mlp.up_proj.weight": "feed_forward.w3.weight",
-}
-_QWEN_MOE = {
-    "mlp.gate.weight": "moe.router.gate.weight",
-    "mlp.gate.e_score_correction_bias": "moe.router.expert_bias",
-    "mlp.shared_experts.gate_proj.weight": "moe.shared_experts.w1.weight",
-    "mlp.shared_experts.down_proj.weight": "moe.shared_experts.w2.weight",
-    "mlp.shared_experts.up_proj.weight": "moe.shared_experts.w3.weight",
-}
-_MIXTRAL_MOE = {"block_sparse_moe.gate.weight": "moe.router.gate.weight"}
-# (HF expert prefix inside a layer, {HF projection name: native stacked parameter}).
-_QWEN_EXPERTS = ("mlp.experts.", {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"})
-_MIXTRAL_EXPERTS = ("block_sparse_moe.experts.", {"w1": "w1", "w2": "w2", "w3": "w3"})
-
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _NATIVE_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 _STACKED_RE = re.compile(r"^moe\.experts\.(w[123])$")
 
 
 class StateDictAdapter:
-    """Name mapping for one architecture (chosen by `args.model_type`)."""
+    """Name mapping for one architecture (its family's names: rlloom/models/families/)."""
 
     def __init__(self, args: ModelArgs) -> None:
         self.args = args
-        layer_map = dict(_NORMS)
-        layer_map |= _MLA if args.mla is not None else _GQA
-        layer_map |= _MLP
-        experts = None
-        if args.model_type == "mixtral":
-            layer_map |= _MIXTRAL_MOE
-            experts = _MIXTRAL_EXPERTS
-        elif args.moe is not None:
-            layer_map |= _QWEN_MOE
-            experts = _QWEN_EXPERTS
+        self.family = FAMILIES[args.model_type]
+        layer_map = dict(self.family.names.layer)
+        experts = self.family.names.experts
         self._layer_hf_to_native = layer_map
         self._layer_native_to_hf = {v: k for k, v in layer_map.items()}
         self._experts = experts
@@ -119,13 +71,9 @@ class StateDictAdapter:
         )
 
     def is_mtp_layer(self, hf_name: str) -> bool:
-        """DeepSeek-V3 multi-token-prediction layers sit after the last decoder layer."""
+        """Multi-token-prediction layers (DeepSeek-V3) sit after the last decoder layer."""
         m = _LAYER_RE.match(hf_name)
-        return (
-            self.args.model_type == "deepseek_v3"
-            and m is not None
-            and int(m.group(1)) >= self.args.num_layers
-        )
+        return self.family.mtp_layers and m is not None and int(m.group(1)) >= self.args.num_layers
 
     def from_hf(self, hf_name: str) -> NativeKey | None:
         """Native key of an HF tensor name, or None when the name is not part of this architecture."""

@@ -6,15 +6,16 @@ raises a ValueError naming the field for anything we do not implement (an unknow
 active sliding window, an unknown RoPE scaling type) instead of silently computing something else.
 
 Supported `model_type`s: llama, qwen2, qwen3 (dense); qwen3_moe, mixtral (MoE with softmax
-routing); deepseek_v3 (MLA attention, sigmoid group-limited routing, shared experts).
+routing); deepseek_v3 (MLA attention, sigmoid group-limited routing, shared experts). What differs
+between them is read by their family's module (rlloom/models/families/); this module reads the rest.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -166,14 +167,17 @@ class ModelArgs:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
         """Build from a `config.json` dict; ValueError for anything not supported."""
+        from rlloom.models.families import FAMILIES  # the families build on this module's records
+
         model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if model_type not in FAMILIES:
             raise ValueError(
                 f"config.json model_type={model_type!r} (architectures={cfg.get('architectures')}) is not "
-                f"supported by rlloom.models; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}. "
+                f"supported by rlloom.models; supported model types: {', '.join(FAMILIES)}. "
                 "Fix: use a checkpoint of a supported family or add an adapter in rlloom/models/."
             )
-        _check_no_sliding_window(cfg)
+        family = FAMILIES[model_type]
+        _check_no_sliding_window(cfg, family.sliding_window)
         if cfg.get("mlp_bias"):
             raise ValueError(
                 "config.json mlp_bias=true is not supported (rule: MLP projections have no bias). "
@@ -184,9 +188,10 @@ class ModelArgs:
                 f"config.json hidden_act={cfg['hidden_act']!r} is not supported (rule: 'silu', SwiGLU). "
                 "Fix: use a checkpoint with SwiGLU MLPs."
             )
+        own = family.args(cfg)
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-        mla = _mla_args(cfg) if model_type == "deepseek_v3" else None
+        mla = own.mla
         if mla is not None:
             head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         rope_dim = mla.qk_rope_head_dim if mla is not None else head_dim
@@ -201,34 +206,18 @@ class ModelArgs:
             intermediate_size=cfg["intermediate_size"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=_attention_bias(cfg, model_type),
-            attention_out_bias=model_type != "qwen2" and _attention_bias(cfg, model_type),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            rope=rope_args(
-                cfg, rope_dim, interleaved=model_type == "deepseek_v3" and cfg.get("rope_interleave", True)
-            ),
-            moe=_moe_args(cfg, model_type),
+            attention_bias=own.attention_bias,
+            attention_out_bias=own.attention_out_bias,
+            qk_norm=own.qk_norm,
+            rope=rope_args(cfg, rope_dim, interleaved=own.rope_interleaved),
+            moe=own.moe,
             mla=mla,
         )
 
 
-def _attention_bias(cfg: dict[str, Any], model_type: str) -> bool:
-    if model_type == "qwen2":
-        return True  # Qwen2 always has q/k/v biases (and no o bias).
-    if model_type == "mixtral":
-        return False
-    return bool(cfg.get("attention_bias", False))
-
-
-def _check_no_sliding_window(cfg: dict[str, Any]) -> None:
+def _check_no_sliding_window(cfg: dict[str, Any], family_window: Callable[[dict[str, Any]], bool]) -> None:
     layer_types = cfg.get("layer_types") or []
-    if layer_types:
-        uses_window = any(t != "full_attention" for t in layer_types)
-    elif cfg.get("model_type") == "mixtral":
-        window = cfg.get("sliding_window")
-        uses_window = window is not None and window < cfg.get("max_position_embeddings", 0)
-    else:
-        uses_window = bool(cfg.get("use_sliding_window"))
+    uses_window = any(t != "full_attention" for t in layer_types) if layer_types else family_window(cfg)
     if uses_window:
         raise ValueError(
             f"config.json asks for sliding-window attention (sliding_window={cfg.get('sliding_window')}, "
@@ -281,58 +270,4 @@ def rope_args(cfg: dict[str, Any], dim: int, *, interleaved: bool = False) -> Ro
         attention_factor=p.get("attention_factor"),
         truncate=bool(p.get("truncate", True)),
         interleaved=bool(interleaved),
-    )
-
-
-def _moe_args(cfg: dict[str, Any], model_type: str) -> MoEArgs | None:
-    num_layers = cfg["num_hidden_layers"]
-    if model_type == "qwen3_moe":
-        step = cfg.get("decoder_sparse_step", 1)
-        dense = set(cfg.get("mlp_only_layers") or [])
-        sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
-        return MoEArgs(
-            num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
-            top_k=cfg["num_experts_per_tok"],
-            intermediate_size=cfg["moe_intermediate_size"],
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-            sparse_layers=sparse,
-        )
-    if model_type == "mixtral":
-        return MoEArgs(
-            num_experts=cfg.get("num_local_experts") or cfg["num_experts"],
-            top_k=cfg["num_experts_per_tok"],
-            intermediate_size=cfg["intermediate_size"],
-            norm_topk_prob=True,  # Mixtral always renormalises the top-k softmax weights.
-            sparse_layers=tuple(range(num_layers)),
-        )
-    if model_type == "deepseek_v3":
-        if cfg.get("topk_method", "noaux_tc") != "noaux_tc":
-            raise ValueError(
-                f"config.json topk_method={cfg['topk_method']!r} is not supported (rule: 'noaux_tc'). "
-                "Fix: use a DeepSeek-V3 style checkpoint."
-            )
-        first_dense = cfg.get("first_k_dense_replace", 0)
-        return MoEArgs(
-            num_experts=cfg["n_routed_experts"],
-            top_k=cfg["num_experts_per_tok"],
-            intermediate_size=cfg["moe_intermediate_size"],
-            score_func="sigmoid",
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-            num_groups=cfg.get("n_group") or 1,
-            topk_groups=cfg.get("topk_group") or 1,
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-            score_bias=True,
-            num_shared_experts=cfg.get("n_shared_experts") or 0,
-            sparse_layers=tuple(range(first_dense, num_layers)),
-        )
-    return None
-
-
-def _mla_args(cfg: dict[str, Any]) -> MLAArgs:
-    return MLAArgs(
-        q_lora_rank=cfg.get("q_lora_rank"),
-        kv_lora_rank=cfg["kv_lora_rank"],
-        qk_nope_head_dim=cfg["qk_nope_head_dim"],
-        qk_rope_head_dim=cfg["qk_rope_head_dim"],
-        v_head_dim=cfg["v_head_dim"],
     )

@@ -8,6 +8,9 @@
     logger.log(step, timer.seconds())    # {"time/generate_s": 3.1, "time/train_s": 5.4}
     timer.reset()
 
+`on_end(stage)`, when given, is called as each stage's body finishes without an error: the RL step
+fires its fault-injection points there (rlloom/faults.py), at the end of the stage they name.
+
 CUDA kernels run asynchronously, so without a synchronize a stage would be charged only for the
 time to enqueue its kernels and the next stage for the rest. With `sync_cuda` (the default when a
 CUDA device is in use) the timer synchronizes the current device when a stage starts and ends.
@@ -16,7 +19,7 @@ CUDA device is in use) the timer synchronizes the current device when a stage st
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -27,9 +30,10 @@ from rlloom.observability.metrics import Max
 class StageTimer:
     """Collects seconds per stage; entering the same stage twice in one step adds up."""
 
-    def __init__(self, sync_cuda: bool | None = None) -> None:
+    def __init__(self, sync_cuda: bool | None = None, *, on_end: Callable[[str], None] | None = None) -> None:
         """`sync_cuda=None` synchronizes only when CUDA is available and already initialised."""
         self._sync_cuda = sync_cuda
+        self._on_end = on_end
         self._seconds: dict[str, float] = {}
 
     def _sync(self) -> None:
@@ -56,6 +60,8 @@ class StageTimer:
             self._sync()
             key = f"time/{stage}_s"
             self._seconds[key] = self._seconds.get(key, 0.0) + time.perf_counter() - start
+        if self._on_end is not None:
+            self._on_end(stage)
 
     def seconds(self) -> dict[str, float]:
         """`{"time/<stage>_s": seconds}` for every stage timed since the last reset."""

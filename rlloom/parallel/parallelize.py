@@ -56,26 +56,51 @@ def parallelize(
     `root` is the module FSDP makes its root when it wraps `model` (the training engine's policy
     head); default `model`. Returns the FSDP root (`root` or `model` unsharded when `dims` is None).
     """
-    if dims is None:
-        apply_ac(model, ac_mode, ac_every_k)
-        if compile_layers:
-            apply_compile(model)
-        return root if root is not None else model
-    dims.check_model(model.args)
-    if dims.pp > 1:
-        raise ValueError(
-            f"parallelize: pipeline parallelism (pp={dims.pp}) cuts the model into stages. Fix: call "
-            "parallelize_pp instead."
-        )
-    if dims.tp > 1:
+    if dims is not None:
+        dims.check_model(model.args)
+        if dims.pp > 1:
+            raise ValueError(
+                f"parallelize: pipeline parallelism (pp={dims.pp}) cuts the model into stages. Fix: call "
+                "parallelize_pp instead."
+            )
+    return _apply_in_order(
+        model,
+        dims,
+        root=root if root is not None else model,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        ac_mode=ac_mode,
+        ac_every_k=ac_every_k,
+        compile_layers=compile_layers,
+        reshard_after_forward=reshard_after_forward,
+    )
+
+
+def _apply_in_order(
+    model: nn.Module,
+    dims: ParallelDims | None,
+    *,
+    root: nn.Module,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    ac_mode: ACMode,
+    ac_every_k: int,
+    compile_layers: bool,
+    reshard_after_forward: bool,
+) -> FSDPModule | nn.Module:
+    """Steps 1-5 of the module docstring, in that order, on `model` (a whole model or one pipeline
+    stage's), FSDP rooted at `root`; without `dims` only AC and compile (and `root` is returned)."""
+    if dims is not None and dims.tp > 1:
         apply_tp(model, dims.tp_mesh(), experts_parallel=dims.ep > 1)
-    if dims.ep > 1:
+    if dims is not None and dims.ep > 1:
         apply_ep(model, dims.ep_mesh())
     apply_ac(model, ac_mode, ac_every_k)
     if compile_layers:
         apply_compile(model)
+    if dims is None:
+        return root
     return apply_fsdp(
-        root if root is not None else model,
+        root,
         dims.dp_shard_mesh(),
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
@@ -110,21 +135,16 @@ def parallelize_pp(
     dims.check_model(model.args)
 
     def parallelize_stage(stage: nn.Module) -> nn.Module:
-        if dims.tp > 1:
-            apply_tp(stage.model, dims.tp_mesh(), experts_parallel=dims.ep > 1)
-        if dims.ep > 1:
-            apply_ep(stage.model, dims.ep_mesh())
-        apply_ac(stage.model, ac_mode, ac_every_k)
-        if compile_layers:
-            apply_compile(stage.model)
-        return apply_fsdp(
-            stage,
-            dims.dp_shard_mesh(),
+        return _apply_in_order(
+            stage.model,
+            dims,
+            root=stage,
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
+            ac_mode=ac_mode,
+            ac_every_k=ac_every_k,
+            compile_layers=compile_layers,
             reshard_after_forward=False,
-            layers_of=stage.model,
-            expert_mesh=dims.efsdp_mesh() if dims.ep > 1 else None,
         )
 
     stages, pipe = apply_pp(

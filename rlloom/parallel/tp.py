@@ -1,5 +1,6 @@
 """Tensor and sequence parallelism (Megatron-LM, Shoeybi et al. 2019; Korthikanti et al. 2022) as
-DTensor plans kept as data, one per model family.
+DTensor plans kept as data, one per building block (a model family is a choice of blocks:
+rlloom/models/families/).
 
 Layout of the residual stream (the packed [N, D] stream the training engine runs; N must be a
 multiple of tp): sharded over tokens (Shard(0), "sequence parallel") between blocks, where only
@@ -9,7 +10,7 @@ width), the output and down projections row-wise, and their partial sums are red
 onto the token shards. The embedding and the lm head are sharded over the vocabulary (Shard(0) of
 the [V, D] weight); the head never gathers full logits (see `vocab_parallel.py`).
 
-Families:
+Blocks:
 - dense GQA (Llama, Qwen2 with q/k/v biases, Qwen3 with QK-norm): the QK-norms run on the local
   heads with a replicated weight whose gradient is summed over the TP ranks.
 - Qwen3-MoE / Mixtral: the same attention; the MoE layer runs on all tokens of the TP group with

@@ -142,32 +142,8 @@ def stage_memory(
 
     t = work.max_tokens_per_gpu / (layout.tp * layout.cp)  # tokens per GPU (sequence parallel)
     seq = work.max_tokens_per_gpu / layout.cp
-    in_flight = layout.pp - stage  # 1F1B: the first stage holds pp micro-batches
-    if work.recompute_every_k == 1:
-        saved = sum(n * _saved_per_token(c, costs.hidden_size, work, True) for c, n in present)
-    else:  # every k-th layer of the stage is checkpointed
-        saved = sum(
-            _saved_per_token(
-                costs.layers[i], costs.hidden_size, work, (i - layers.start) % work.recompute_every_k == 0
-            )
-            for i in layers
-        )
-    eager = 1.0 if work.compiled else EAGER_ACTIVATION_FACTOR
-    act = work.compute_bytes
-    activations = act * t * saved * in_flight * eager
-    largest = max(c.act_none for c, _ in present)
-    working = act * t * largest * (1.5 if work.recompute == "full" else 0.5) * eager  # recomputed + grads
-    if layout.cp > 1:
-        working += _cp_attention_bytes(costs, layout, work.max_tokens_per_gpu)
-    last_layer = activations / max(1, len(layers))  # the saved input of the backward's last layer
-
-    comm = NCCL_BUFFERS_GB * GB if layout.world > 1 else 0.0
-    if layout.tp > 1:  # sequence-parallel all-gather of a layer input
-        comm += 2 * 2 * seq * costs.hidden_size
-    if layout.ep > 1 and any(c.is_moe for c, _ in present):  # all-to-all send and receive
-        comm += 2 * 2 * t * costs.top_k * costs.hidden_size
-    if layout.pp > 1:  # p2p activation and gradient buffers
-        comm += 2 * 2 * t * costs.hidden_size
+    activations, working, last_layer = _activation_bytes(costs, layers, stage, layout, work, t)
+    comm = _comm_bytes(costs, layout, work, present, t, seq)
 
     fsdp = layout.cp * layout.dp
 
@@ -188,23 +164,13 @@ def stage_memory(
             gathered_root=gathered_root, reduce_extra=reduce_extra,
             nccl=NCCL_BUFFERS_GB * GB if layout.world > 1 else 0.0, last_layer=last_layer,
         )  # fmt: skip
-    # the optimizer step: every fp32 gradient, and the engine's trial of the update on one slice of
-    # at most TRIAL_CHUNK elements (parameter, two moments, the isfinite flags: 13 bytes an element;
-    # engines/train/native/step_guard.py) before it applies the step
-    fsdp_vh = costs.vocab_size * costs.hidden_size / shard if trained.root else 0.0
-    largest = max(fsdp_vh, trained.layer / 3 / fsdp)  # a layer's largest matrix: about a third of it
-    phases["step"] = Breakdown(
-        shards,
-        4 * trained.params,
-        optimizer,
-        0.0,
-        13 * min(TRIAL_CHUNK, largest) + (NCCL_BUFFERS_GB * GB if layout.world > 1 else 0.0),
-    )
+    phases["step"] = _step_phase(costs, layout, trained, shards, optimizer)
     if is_last:
         # the logprob head's backward, before any layer's: every saved activation, the final norm's
         # fp32 input and compute-dtype output, the fp32 weight-gradient accumulator, and as buffers
         # the selected hidden states and their gradient and the [chunk, V] logits and gradients
         # (bf16 on CUDA, as every activation here: `act` bytes an element)
+        act = work.compute_bytes
         selected = work.response_fraction * seq
         chunks = _head_chunk_tokens(selected, work.logprob_chunk_tokens)
         phases["head"] = Breakdown(
@@ -217,6 +183,72 @@ def stage_memory(
     phase = max(phases, key=lambda name: phases[name].total)
     bd = phases[phase]
     return Breakdown(*(x / GB for x in astuple(bd))), phase, trained.params, shards + optimizer
+
+
+def _step_phase(
+    costs: ModelCosts, layout: Layout, trained: Trained, shards: float, optimizer: float
+) -> Breakdown:
+    """The optimizer step's memory (`shards`, `optimizer`: the stage's parameter shards and moments)."""
+    shard = layout.tp * layout.cp * layout.dp
+    fsdp = layout.cp * layout.dp
+    # the optimizer step: every fp32 gradient, and the engine's trial of the update on one slice of
+    # at most TRIAL_CHUNK elements (parameter, two moments, the isfinite flags: 13 bytes an element;
+    # engines/train/native/step_guard.py) before it applies the step
+    fsdp_vh = costs.vocab_size * costs.hidden_size / shard if trained.root else 0.0
+    largest = max(fsdp_vh, trained.layer / 3 / fsdp)  # a layer's largest matrix: about a third of it
+    return Breakdown(
+        shards,
+        4 * trained.params,
+        optimizer,
+        0.0,
+        13 * min(TRIAL_CHUNK, largest) + (NCCL_BUFFERS_GB * GB if layout.world > 1 else 0.0),
+    )
+
+
+def _activation_bytes(
+    costs: ModelCosts, layers: range, stage: int, layout: Layout, work: Workload, t: float
+) -> tuple[float, float, float]:
+    """Activation bytes of one stage (`t` tokens per GPU): (saved by the micro-batches in flight, the
+    working memory of one layer's recompute and backward, the saved input of the backward's last layer)."""
+    present = layer_kinds(costs, layers)
+    in_flight = layout.pp - stage  # 1F1B: the first stage holds pp micro-batches
+    if work.recompute_every_k == 1:
+        saved = sum(n * _saved_per_token(c, costs.hidden_size, work, True) for c, n in present)
+    else:  # every k-th layer of the stage is checkpointed
+        saved = sum(
+            _saved_per_token(
+                costs.layers[i], costs.hidden_size, work, (i - layers.start) % work.recompute_every_k == 0
+            )
+            for i in layers
+        )
+    eager = 1.0 if work.compiled else EAGER_ACTIVATION_FACTOR
+    act = work.compute_bytes  # bytes an element: bf16 on CUDA, fp32 on CPU
+    activations = act * t * saved * in_flight * eager
+    largest = max(c.act_none for c, _ in present)
+    working = act * t * largest * (1.5 if work.recompute == "full" else 0.5) * eager  # recomputed + grads
+    if layout.cp > 1:
+        working += _cp_attention_bytes(costs, layout, work.max_tokens_per_gpu)
+    last_layer = activations / max(1, len(layers))  # the saved input of the backward's last layer
+    return activations, working, last_layer
+
+
+def _comm_bytes(
+    costs: ModelCosts,
+    layout: Layout,
+    work: Workload,
+    present: list[tuple[LayerCost, int]],
+    t: float,
+    seq: float,
+) -> float:
+    """Communication buffers of one stage: NCCL's own, and what TP, EP and PP send and receive."""
+    comm = NCCL_BUFFERS_GB * GB if layout.world > 1 else 0.0
+    if layout.tp > 1:  # sequence-parallel all-gather of a layer input
+        comm += 2 * 2 * seq * costs.hidden_size
+    if layout.ep > 1 and any(c.is_moe for c, _ in present):  # all-to-all send and receive
+        comm += 2 * 2 * t * costs.top_k * costs.hidden_size
+    if layout.pp > 1:  # p2p activation and gradient buffers
+        comm += 2 * 2 * t * costs.hidden_size
+    return comm
 
 
 def _fsdp_phases(

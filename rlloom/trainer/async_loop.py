@@ -53,8 +53,10 @@ from typing import Any
 
 from rlloom.config import RunConfig
 from rlloom.data.types import Sample
-from rlloom.faults import maybe_fail
+from rlloom.faults import at_stage_end
+from rlloom.observability.timers import StageTimer
 from rlloom.trainer.rollout import RolloutResult
+from rlloom.trainer.rollout_jobs import Job
 from rlloom.trainer.rollout_stream import RolloutStream
 from rlloom.trainer.step import StepContext, rl_step
 from rlloom.trainer.stop import StopSignals
@@ -160,7 +162,7 @@ class AsyncLoop:
         self.cfg = ctx.cfg
         self.source = ctx.source
         self.stream = ctx.stream
-        self.ctx = _with_sync(dataclasses.replace(ctx, cfg=async_config(ctx.cfg)), self.stream)
+        self.ctx = ctx
         self.next_index: int | None = None
         """Batch index of the next job to admit (None: the first step's)."""
 
@@ -169,32 +171,32 @@ class AsyncLoop:
         checkpoint does, before the step's metrics are counted (run.py then stops)."""
         cfg, stream = self.cfg, self.stream
         start, busy_before, discarded_before = time.perf_counter(), stream.busy_s, stream.tokens_discarded
-        if self.next_index is None:
-            self.next_index = step
-        while len(stream.admitted()) < capacity(cfg) and self.next_index < cfg.trainer.total_steps:
-            stream.submit(self.next_index)
-            self.next_index += 1
-        stream.start()  # after the admissions: the first decode batch holds every admitted job
-        jobs = stream.admitted()
-        stream.wait_until(lambda: stream.is_complete(jobs[0]))
-        job = stream.take()
-        generate_s = time.perf_counter() - start
-        maybe_fail("generate", step)
-        maybe_fail("rewards", step)
+        timer = StageTimer(sync_cuda=False, on_end=at_stage_end(step))  # the rollout keeps the GPU busy
+        with timer("generate"):
+            jobs = self._admit(step)
+            stream.wait_until(lambda: stream.is_complete(jobs[0]))
+            job = stream.take()
 
-        train_version = _train_version(self.ctx)
+        train_version = self.ctx.train_group.version
         samples, metrics = split_stale(job.batch(cfg), cfg, train_version)
         metrics.update(token_staleness(samples, cfg, train_version))
         metrics.update(job.rollout_metrics())
         rollout = RolloutResult(samples=samples, metrics=dict(metrics))
-        metrics.update(rl_step(self.ctx, step, rollout=rollout))
+        # The training half of the synchronous step, with the asynchronous modes' overrides: off-policy
+        # correction on and the rollout awake (`async_config`), the new weights applied between the
+        # stream's decode steps (`_StreamSync`).
+        train_ctx = dataclasses.replace(
+            self.ctx, cfg=async_config(cfg), weight_sync=_StreamSync(stream, self.ctx.weight_sync.sync)
+        )
+        metrics.update(rl_step(train_ctx, step, rollout=rollout))
+        self.ctx.kl_coef = train_ctx.kl_coef  # the adaptive KL controller's next coefficient
         if drains_after(cfg, step + 1) or (stop is not None and stop.signum is not None):
             self.drain(step + 1)
         total_s = time.perf_counter() - start
         train_s = sum(metrics.get(f"time/{k}_s", 0.0) for k in TRAIN_STAGES)
         metrics.update(
             {
-                "time/generate_s": generate_s,
+                **timer.seconds(),
                 "time/step_s": total_s,
                 "perf/step_tok_per_s": metrics.get("perf/tokens", 0.0) / max(total_s, 1e-9),
                 "perf/train_idle_frac": max(0.0, 1 - train_s / total_s),
@@ -205,6 +207,17 @@ class AsyncLoop:
         metrics["perf/rollout_idle_frac"] = max(0.0, 1 - (stream.busy_s - busy_before) / total_s)
         return metrics
 
+    def _admit(self, step: int) -> list[Job]:
+        """Admit jobs up to the queue's capacity and start the stream; the jobs admitted, oldest first."""
+        cfg, stream = self.cfg, self.stream
+        if self.next_index is None:
+            self.next_index = step
+        while len(stream.admitted()) < capacity(cfg) and self.next_index < cfg.trainer.total_steps:
+            stream.submit(self.next_index)
+            self.next_index += 1
+        stream.start()  # after the admissions: the first decode batch holds every admitted job
+        return stream.admitted()
+
     def drain(self, steps_done: int) -> None:
         """Drop what is in flight and give its prompts back to the source, so that the next step
         admits batch `steps_done` again: before a checkpoint (scheduled, or a stop's), an evaluation
@@ -212,15 +225,3 @@ class AsyncLoop:
         if dropped := self.stream.drop_all():
             self.source.give_back(dropped)
             self.next_index = steps_done
-
-
-# ---- where the loop meets the groups -------------------------------------------------------------
-
-
-def _train_version(ctx: StepContext) -> int:
-    return ctx.train_group.version
-
-
-def _with_sync(ctx: StepContext, stream: RolloutStream) -> StepContext:
-    """`ctx` whose weight sync runs between the stream's decode steps (`RolloutStream.update_weights`)."""
-    return dataclasses.replace(ctx, weight_sync=_StreamSync(stream, ctx.weight_sync.sync))

@@ -1,5 +1,6 @@
 """From scored samples to the policy update: advantages, IS weights and the loss normaliser; with a
-critic (estimator gae) also the critic's regression targets.
+critic (estimator gae) also the critic's regression targets. `advantage_stage` is the RL step's
+advantage stage in one call.
 
 The controller computes everything that needs the whole batch once, into a `PolicyUpdate`
 (rlloom/data/types.py); the training engine then calls `rlloom.algorithms.objective.make_loss_fn`'s
@@ -8,9 +9,12 @@ loss per micro-batch with the rows it holds. Shape legend: B samples, T response
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from rlloom.algorithms import (
+    adaptive_kl_coef,
     gae_advantages,
     grpo_advantages,
     loss_normalizer,
@@ -20,9 +24,72 @@ from rlloom.algorithms import (
     rloo_advantages,
 )
 from rlloom.algorithms.kl import kl_estimate
-from rlloom.algorithms.objective import correction_weights, is_correction
+from rlloom.algorithms.objective import correction_weights, is_correction, value_normalizer
 from rlloom.config import AlgorithmConfig
-from rlloom.data.types import PolicyUpdate, RolloutBatch
+from rlloom.data.types import PolicyUpdate, RolloutBatch, ValueUpdate
+
+
+@dataclass(frozen=True, slots=True)
+class Advantages:
+    """What the advantage stage hands to the update stage."""
+
+    update: PolicyUpdate
+    """The policy's update: advantages, IS weights, the loss normaliser of the whole batch."""
+    value_update: ValueUpdate | None
+    """The critic's regression targets (PPO with a critic); None without a critic."""
+    kl_coef: float | None
+    """The KL coefficient of the next step: the adaptive controller's new one
+    (algorithm.kl_ctrl=adaptive), else the one passed in."""
+    metrics: dict[str, float]
+
+
+def advantage_stage(
+    algo: AlgorithmConfig,
+    batch: RolloutBatch,
+    *,
+    norm_constant: int,
+    old_logp_BT: torch.Tensor | None,
+    ref_logp_BT: torch.Tensor | None,
+    values_BT: torch.Tensor | None,
+    kl_coef: float | None,
+) -> Advantages:
+    """The step's advantages: token rewards where the estimator needs them (a critic's `values_BT`,
+    or algorithm.kl_in_reward's penalty at `kl_coef`, None for algorithm.kl_coef), then GAE and the
+    critic's targets with a critic, else the critic-free estimator; the IS weights and the
+    normaliser (`build_update`). Old and reference logprobs [B, T] are None where not computed."""
+    metrics: dict[str, float] = {}
+    adv_BT = value_update = None
+    if values_BT is not None or algo.kl_in_reward:  # rewards on every token
+        coef = algo.kl_coef if kl_coef is None else kl_coef
+        rewards_BT, reward_metrics = token_rewards(algo, batch, old_logp_BT, ref_logp_BT, kl_coef=coef)
+        metrics.update(reward_metrics)
+        if algo.kl_ctrl == "adaptive":  # the next step's coefficient
+            observed = reward_metrics["reward/kl"]
+            kl_coef = adaptive_kl_coef(
+                coef, observed, len(batch), target=algo.kl_target, horizon=algo.kl_horizon
+            )
+        if values_BT is None:  # reinforce_pp
+            adv_BT = compute_advantages(algo, batch, rewards_BT)
+        else:  # PPO with a critic: GAE, and the critic's targets
+            mask_BT = batch.response_mask()
+            adv_BT, returns_BT = gae_targets(algo, batch, values_BT, rewards_BT)
+            metrics.update(value_metrics(values_BT, returns_BT, mask_BT))
+            value_update = ValueUpdate(
+                batch=batch,
+                old_values_BT=values_BT,
+                returns_BT=returns_BT,
+                normalizer=value_normalizer(mask_BT),
+            )
+    update, update_metrics = build_update(
+        algo,
+        batch,
+        norm_constant=norm_constant,
+        old_logp_BT=old_logp_BT,
+        ref_logp_BT=ref_logp_BT,
+        advantages_BT=adv_BT,
+    )
+    metrics.update(update_metrics)
+    return Advantages(update=update, value_update=value_update, kl_coef=kl_coef, metrics=metrics)
 
 
 def outcome_token_rewards(batch: RolloutBatch) -> torch.Tensor:

@@ -10,18 +10,23 @@ their times; the first generated token's, counted from process start, is also th
 
 from __future__ import annotations
 
+import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from rlloom.cluster.build import build_groups
+from rlloom.cluster.build import Groups, build_groups
 from rlloom.config import RunConfig
 from rlloom.config.loading import to_dict, to_yaml
 from rlloom.data.control_tokens import ResponseDecoder
+from rlloom.data.dataset import PromptItem
+from rlloom.data.source import PromptSource
 from rlloom.data.types import Sample
 from rlloom.devices import resolve_device
 from rlloom.episodes.build import build_episode_driver
@@ -34,6 +39,7 @@ from rlloom.observability.samples import pick_samples, sample_records
 from rlloom.observability.startup import first_token_s
 from rlloom.plan.check import check_fits
 from rlloom.rewards.build import build_reward_runner
+from rlloom.rewards.runner import RewardRunner
 from rlloom.run_files import write_text
 from rlloom.tasks.build import build_task_source
 from rlloom.trainer.async_loop import AsyncLoop
@@ -54,6 +60,8 @@ from rlloom.trainer.preflight import check_before_loading, check_resume_config, 
 from rlloom.trainer.run_lock import RunDirLock
 from rlloom.trainer.step import StepContext, rl_step, update_was_skipped
 from rlloom.trainer.stop import RunStopped, StopSignals
+
+log = logging.getLogger(__name__)
 
 
 class TrainingStalled(RuntimeError):
@@ -91,66 +99,26 @@ def run(cfg: RunConfig) -> RunResult:
 
 
 def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
-    log = init_logger()
+    init_logger()
     start = time.perf_counter()
     seed_everything(cfg.trainer.seed)
     run_dir = Path(cfg.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text(run_dir / CONFIG_FILE, to_yaml(cfg))
 
-    phase = time.perf_counter()
-    tokenizer = load_tokenizer(cfg.model.path)
-    source = build_task_source(cfg.data, tokenizer, "train")
-    eval_items = list(build_task_source(cfg.data, tokenizer, "eval").items)
-    log.info(
-        "start-up: tokenizer and data %.1f s (%d train, %d eval prompts)",
-        time.perf_counter() - phase,
-        len(source),
-        len(eval_items),
-    )
-    columns = {name for item in (*source.items, *eval_items) for name in item.metadata}
-    runner = build_reward_runner(cfg.reward, task=cfg.data.task, columns=columns)
-    decode = ResponseDecoder.of(tokenizer)  # control tokens inside a response stay visible
-    stop_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    if warning := check_fits(cfg):  # before any GPU memory is taken (rlloom plan, docs/plan.md)
-        log.warning(warning)
-    phase = time.perf_counter()
-    groups = build_groups(cfg)  # the training and rollout groups, placed as cluster.placement says
-    log.info("start-up: model and engines %.1f s (%s)", time.perf_counter() - phase, cfg.model.path)
+    data = _load_data(cfg)
+    source, eval_items, runner, decode = data.source, data.eval_items, data.runner, data.decode
+    groups = _build_groups(cfg)
     picked: list[Sample] = []
 
     def keep_samples(samples: list[Sample]) -> None:  # the few of each step's samples that are logged
         picked[:] = pick_samples(samples, cfg.logging.samples_per_step)
 
-    train_stop = [] if cfg.rollout.ignore_eos else stop_token_ids  # evaluation still stops at EOS
-    ctx = StepContext(
-        cfg=cfg,
-        train_group=groups.train,
-        rollout_group=groups.rollout,
-        weight_sync=groups.sync,
-        source=source,
-        runner=runner,
-        decode=decode,
-        stop_token_ids=train_stop,
-        on_samples=keep_samples,
-        critic_group=groups.critic,
-        episodes=build_episode_driver(cfg, tokenizer, stop_token_ids, decode),
-    )
+    ctx = _step_context(cfg, groups, data, keep_samples)
 
     state = TrainerState(step=0, data_state=source.state_dict())
     if resume_from is not None:
-        state = load_checkpoint(groups.train, groups.sync, resume_from, critic_group=groups.critic)
-        source.load_state_dict(state.data_state)
-        if cfg.algorithm.kl_ctrl == "adaptive":
-            ctx.kl_coef = state.kl_coef  # the controller goes on where it was
-        log.info("resumed from %s at step %d", resume_from, state.step)
-        if state.step >= cfg.trainer.total_steps:
-            log.warning(
-                "the run is already at step %d of trainer.total_steps=%d: nothing to train. To train "
-                "further, raise trainer.total_steps.",
-                state.step,
-                cfg.trainer.total_steps,
-            )
+        state = _resume(cfg, ctx, groups, resume_from)
     loggers = build_loggers(
         cfg.logging,
         run_dir,
@@ -169,19 +137,12 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
         return path
 
     run_eval = lambda: evaluate(
-        groups.rollout, eval_items, runner, decode, cfg, stop_token_ids=stop_token_ids
+        groups.rollout, eval_items, runner, decode, cfg, stop_token_ids=data.stop_token_ids
     )
     saved: Path | None = None
     try:
         if state.step == 0 and state.accuracy_before is None and eval_items:
-            phase = time.perf_counter()
-            before = run_eval()
-            log.info(
-                "start-up: first evaluation %.1f s (%d prompts; includes the rollout engine's first-use "
-                "set-up: compilation and CUDA graphs where enabled)",
-                time.perf_counter() - phase,
-                len(eval_items),
-            )
+            before = _first_evaluation(run_eval, len(eval_items))
             state.accuracy_before = before["eval/accuracy"]
             loggers.log(0, before)
         after: dict[str, float] = {}
@@ -196,9 +157,7 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
                 num_skipped += update_was_skipped(metrics)
                 metrics["memory/peak_gib"] = peak_memory_gib(resolve_device(cfg).type)
                 is_last = state.step == cfg.trainer.total_steps
-                if eval_items and (
-                    is_last or (cfg.trainer.eval_every and state.step % cfg.trainer.eval_every == 0)
-                ):
+                if eval_items and _due(cfg.trainer.eval_every, state.step, is_last):
                     after = run_eval()
                     metrics.update(after)
                 if state.step == first_step and (seconds := first_token_s()) is not None:
@@ -206,18 +165,8 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
                 loggers.log(state.step, metrics)
                 loggers.log_samples(state.step, sample_records(state.step, picked))
                 if is_last and num_skipped == state.step - first_step + 1:
-                    raise TrainingStalled(
-                        f"every policy update of steps {first_step}-{state.step} was skipped because the loss, the "
-                        f"gradient norm or the new parameters were not finite (train.lr={cfg.train.lr:g}); the "
-                        "weights never changed and no final checkpoint was written. Fix: lower train.lr, or look "
-                        "for inf/NaN in the rewards and advantages (metrics.jsonl)."
-                    )
-                weights_only = cfg.trainer.save_weights_only or (is_last and final_is_weights_only(cfg))
-                saved = checkpoint(weights_only) if _save_due(cfg, state.step, is_last) else None
-                if _hf_due(cfg, state.step, is_last) and saved is not None and (saved / WEIGHTS_DIR).is_dir():
-                    link_run_hf(saved / WEIGHTS_DIR, cfg, state.step)  # the same files: no second copy
-                elif _hf_due(cfg, state.step, is_last):
-                    save_run_hf(groups.train, cfg, state.step)
+                    raise _stalled(cfg, first_step, state.step)
+                saved = _save_step(cfg, groups, state.step, is_last, checkpoint)
                 if stop.signum and not is_last:  # a Ctrl-C or SIGTERM arrived during this step
                     if loop is not None:  # a no-op unless the signal came after the step's own check
                         loop.drain(state.step)
@@ -225,17 +174,145 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
                         stop.signum, state.step, saved or checkpoint(cfg.trainer.save_weights_only)
                     )
     finally:
-        loggers.close()
-        runner.close()
-        if ctx.episodes is not None:
-            ctx.episodes.calls.close()
-        groups.close()
-    seconds = time.perf_counter() - start
+        for part in (loggers, runner, ctx.episodes and ctx.episodes.calls, groups):
+            if part is not None:
+                part.close()
+    return _summary(cfg, run_dir, state, after.get("eval/accuracy"), saved, time.perf_counter() - start)
+
+
+@dataclass(frozen=True, slots=True)
+class _Data:
+    """What the run reads before it builds any engine: prompts, tokenizer, rewards."""
+
+    tokenizer: Any
+    source: PromptSource
+    eval_items: list[PromptItem]
+    runner: RewardRunner
+    decode: ResponseDecoder
+    """Control tokens inside a response stay visible."""
+    stop_token_ids: list[int]
+    """The tokenizer's EOS (evaluation stops there; training too unless rollout.ignore_eos)."""
+
+
+def _load_data(cfg: RunConfig) -> _Data:
+    """The tokenizer, the training and evaluation prompts and their reward (a start-up phase, logged)."""
+    phase = time.perf_counter()
+    tokenizer = load_tokenizer(cfg.model.path)
+    source = build_task_source(cfg.data, tokenizer, "train")
+    eval_items = list(build_task_source(cfg.data, tokenizer, "eval").items)
+    log.info(
+        "start-up: tokenizer and data %.1f s (%d train, %d eval prompts)",
+        time.perf_counter() - phase,
+        len(source),
+        len(eval_items),
+    )
+    columns = {name for item in (*source.items, *eval_items) for name in item.metadata}
+    return _Data(
+        tokenizer=tokenizer,
+        source=source,
+        eval_items=eval_items,
+        runner=build_reward_runner(cfg.reward, task=cfg.data.task, columns=columns),
+        decode=ResponseDecoder.of(tokenizer),
+        stop_token_ids=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [],
+    )
+
+
+def _build_groups(cfg: RunConfig) -> Groups:
+    """The training and rollout groups, placed as cluster.placement says (a start-up phase, logged),
+    after the memory check of `rlloom plan` (docs/plan.md), before any GPU memory is taken."""
+    if warning := check_fits(cfg):
+        log.warning(warning)
+    phase = time.perf_counter()
+    groups = build_groups(cfg)
+    log.info("start-up: model and engines %.1f s (%s)", time.perf_counter() - phase, cfg.model.path)
+    return groups
+
+
+def _step_context(
+    cfg: RunConfig, groups: Groups, data: _Data, on_samples: Callable[[list[Sample]], None]
+) -> StepContext:
+    return StepContext(
+        cfg=cfg,
+        train_group=groups.train,
+        rollout_group=groups.rollout,
+        weight_sync=groups.sync,
+        source=data.source,
+        runner=data.runner,
+        decode=data.decode,
+        stop_token_ids=[] if cfg.rollout.ignore_eos else data.stop_token_ids,  # evaluation still stops at EOS
+        on_samples=on_samples,
+        critic_group=groups.critic,
+        episodes=build_episode_driver(cfg, data.tokenizer, data.stop_token_ids, data.decode),
+    )
+
+
+def _save_step(
+    cfg: RunConfig, groups: Groups, step: int, is_last: bool, checkpoint: Callable[[bool], Path]
+) -> Path | None:
+    """The checkpoint and Hugging Face folder due after `step`; the checkpoint written, if any."""
+    weights_only = cfg.trainer.save_weights_only or (is_last and final_is_weights_only(cfg))
+    saved = checkpoint(weights_only) if _save_due(cfg, step, is_last) else None
+    if _hf_due(cfg, step, is_last) and saved is not None and (saved / WEIGHTS_DIR).is_dir():
+        link_run_hf(saved / WEIGHTS_DIR, cfg, step)  # the same files: no second copy
+    elif _hf_due(cfg, step, is_last):
+        save_run_hf(groups.train, cfg, step)
+    return saved
+
+
+def _resume(cfg: RunConfig, ctx: StepContext, groups: Groups, resume_from: Path) -> TrainerState:
+    """The state of the checkpoint `resume_from`, loaded into the groups, the prompt source and (with
+    the adaptive KL controller) the step context."""
+    state = load_checkpoint(groups.train, groups.sync, resume_from, critic_group=groups.critic)
+    ctx.source.load_state_dict(state.data_state)
+    if cfg.algorithm.kl_ctrl == "adaptive":
+        ctx.kl_coef = state.kl_coef  # the controller goes on where it was
+    log.info("resumed from %s at step %d", resume_from, state.step)
+    if state.step >= cfg.trainer.total_steps:
+        log.warning(
+            "the run is already at step %d of trainer.total_steps=%d: nothing to train. To train "
+            "further, raise trainer.total_steps.",
+            state.step,
+            cfg.trainer.total_steps,
+        )
+    return state
+
+
+def _first_evaluation(run_eval: Callable[[], dict[str, float]], num_prompts: int) -> dict[str, float]:
+    """The evaluation before training (a start-up phase, logged with its time)."""
+    phase = time.perf_counter()
+    before = run_eval()
+    log.info(
+        "start-up: first evaluation %.1f s (%d prompts; includes the rollout engine's first-use "
+        "set-up: compilation and CUDA graphs where enabled)",
+        time.perf_counter() - phase,
+        num_prompts,
+    )
+    return before
+
+
+def _stalled(cfg: RunConfig, first_step: int, step: int) -> TrainingStalled:
+    return TrainingStalled(
+        f"every policy update of steps {first_step}-{step} was skipped because the loss, the "
+        f"gradient norm or the new parameters were not finite (train.lr={cfg.train.lr:g}); the "
+        "weights never changed and no final checkpoint was written. Fix: lower train.lr, or look "
+        "for inf/NaN in the rewards and advantages (metrics.jsonl)."
+    )
+
+
+def _summary(
+    cfg: RunConfig,
+    run_dir: Path,
+    state: TrainerState,
+    accuracy_after: float | None,
+    saved: Path | None,
+    seconds: float,
+) -> RunResult:
+    """The run's result, printed as its one summary line."""
     result = RunResult(
         steps=state.step,
         seconds=seconds,
         accuracy_before=state.accuracy_before,
-        accuracy_after=after.get("eval/accuracy"),
+        accuracy_after=accuracy_after,
         run_dir=run_dir,
     )
     size = (

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlloom.algorithms import adaptive_kl_coef, loss_normalizer
+from rlloom.algorithms import loss_normalizer
 from rlloom.algorithms.objective import value_normalizer
 from rlloom.cluster.base import CriticGroup, RolloutGroup, TrainGroup, WeightSync
 from rlloom.config import RunConfig
@@ -28,17 +28,11 @@ from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.source import PromptSource
 from rlloom.data.types import PolicyUpdate, RolloutBatch, Sample, ValueUpdate
 from rlloom.episodes.driver import EpisodeDriver
-from rlloom.faults import maybe_fail
+from rlloom.faults import at_stage_end
 from rlloom.observability.metrics import MetricsAccumulator
 from rlloom.observability.timers import StageTimer
 from rlloom.rewards.runner import RewardRunner
-from rlloom.trainer.policy import (
-    build_update,
-    compute_advantages,
-    gae_targets,
-    token_rewards,
-    value_metrics,
-)
+from rlloom.trainer.policy import advantage_stage
 from rlloom.trainer.rollout import RolloutResult, trained_reward_metrics
 from rlloom.trainer.rollout_stream import RolloutStream, collect_rollouts
 
@@ -90,101 +84,89 @@ def is_single_pass(cfg: RunConfig) -> bool:
 
 
 def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -> dict[str, float]:
-    """One step; with `rollout` given (the asynchronous loop generated it) the step trains on it."""
+    """One step; with `rollout` given (the asynchronous loop generated it) the step trains on it.
+    Each stage's fault-injection point fires as its timer stops (`faults.at_stage_end`)."""
     cfg, train_group, rollout_group = ctx.cfg, ctx.train_group, ctx.rollout_group
     # Colocated, the rollout frees its KV cache for training; separate, it has its own GPUs.
     hand_over = cfg.rollout.sleep_during_train and cfg.cluster.placement == "colocated"
-    timer = StageTimer()
+    timer = StageTimer(on_end=at_stage_end(step))
     metrics: dict[str, float] = {}
 
-    with timer("generate"):
-        if rollout is None:
+    if rollout is None:
+        with timer("generate"):
             rollout = collect_rollouts(ctx.stream, step)
-            maybe_fail("generate", step)
-            maybe_fail("rewards", step)
     metrics.update(rollout.metrics)
     if ctx.on_samples is not None:
         ctx.on_samples(rollout.samples)
     if not rollout.samples:  # dynamic sampling found no informative group: nothing to learn from
-        metrics.update(timer.seconds())
-        metrics["train/skipped_step"] = 1.0
-        return metrics
+        return metrics | timer.seconds() | {"train/skipped_step": 1.0}
     metrics.update(trained_reward_metrics(rollout.samples))
     batch = RolloutBatch(rollout.samples)
     if hand_over:
         with timer("rollout_sleep"):
             rollout_group.sleep().result()  # the KV cache's memory goes to training until the sync
 
-    old_logp_BT = None
-    # else the loss detaches its own (and weights IS from them); a KL reward needs them before the update
-    need_old = not is_single_pass(cfg) or cfg.algorithm.kl_in_reward
     with timer("old_logprobs"):
-        if cfg.algorithm.use_rollout_logprobs:
-            old_logp_BT = batch.rollout_logprobs()
-        elif need_old:
-            # Per first-epoch mini-batch, so the forward sees exactly the micro-batches its update will:
-            # the first update's importance ratio is then exactly 1.
-            parts = [
-                train_group.old_logprobs(batch.select(rows))
-                for rows in mini_batch_rows(cfg, len(batch), epoch=0)
-            ]
-            old_logp_BT = torch.cat([p.result() for p in parts])
-    maybe_fail("old_logprobs", step)
+        old_logp_BT = old_logprobs(cfg, train_group, batch)
     with timer("ref_logprobs"):
         ref_logp_BT = train_group.ref_logprobs(batch).result() if cfg.algorithm.kl_coef > 0 else None
-    maybe_fail("ref_logprobs", step)
-    critic = ctx.critic_group
-    values_BT = adv_BT = value_update = None
+    critic, values_BT = ctx.critic_group, None
     if critic is not None:
         with timer("values"):
             values_BT = critic.values(batch).result()
+    norm_constant = cfg.algorithm.norm_constant or cfg.rollout.max_new_tokens
     with timer("advantages"):
-        norm_constant = cfg.algorithm.norm_constant or cfg.rollout.max_new_tokens
-        if values_BT is not None or cfg.algorithm.kl_in_reward:  # rewards on every token
-            algo = cfg.algorithm
-            kl_coef = algo.kl_coef if ctx.kl_coef is None else ctx.kl_coef
-            rewards_BT, reward_metrics = token_rewards(algo, batch, old_logp_BT, ref_logp_BT, kl_coef=kl_coef)
-            metrics.update(reward_metrics)
-            if algo.kl_ctrl == "adaptive":  # the next step's coefficient
-                observed = reward_metrics["reward/kl"]
-                ctx.kl_coef = adaptive_kl_coef(
-                    kl_coef, observed, len(batch), target=algo.kl_target, horizon=algo.kl_horizon
-                )
-            if values_BT is None:  # reinforce_pp
-                adv_BT = compute_advantages(algo, batch, rewards_BT)
-            else:  # PPO with a critic: GAE, and the critic's targets
-                adv_BT, returns_BT = gae_targets(algo, batch, values_BT, rewards_BT)
-                metrics.update(value_metrics(values_BT, returns_BT, batch.response_mask()))
-                normalizer = value_normalizer(batch.response_mask())
-                value_update = ValueUpdate(
-                    batch=batch, old_values_BT=values_BT, returns_BT=returns_BT, normalizer=normalizer
-                )
-        update, adv_metrics = build_update(
+        adv = advantage_stage(
             cfg.algorithm,
             batch,
             norm_constant=norm_constant,
             old_logp_BT=old_logp_BT,
             ref_logp_BT=ref_logp_BT,
-            advantages_BT=adv_BT,
+            values_BT=values_BT,
+            kl_coef=ctx.kl_coef,
         )
-    metrics.update(adv_metrics)
-    maybe_fail("advantages", step)
+    ctx.kl_coef = adv.kl_coef
+    metrics.update(adv.metrics)
     if old_logp_BT is not None:
         metrics.update(logprob_gap(old_logp_BT, batch))
 
     with timer("train"):
-        # the critic's warm-up steps (critic.warmup_steps) train only the critic
-        policy_due = critic is None or step >= cfg.critic.warmup_steps
+        policy_due = critic is None or step >= cfg.critic.warmup_steps  # warm-up: the critic alone
         metrics.update(
             update_policy(
                 cfg,
                 train_group if policy_due else None,
-                update,
+                adv.update,
                 norm_constant,
                 seed=step,
-                critic=None if value_update is None else (critic, value_update),
+                critic=None if adv.value_update is None else (critic, adv.value_update),
             )
         )
+        warn_if_skipped(metrics, step)
+    with timer("sync"):
+        if hand_over:
+            rollout_group.wake().result()
+        metrics.update(ctx.weight_sync.sync())
+    return metrics | throughput(timer.seconds(), batch, train_group.version)
+
+
+def old_logprobs(cfg: RunConfig, train_group: TrainGroup, batch: RolloutBatch) -> torch.Tensor | None:
+    """[B, T] logprobs of the policy before the update: the rollout's (algorithm.use_rollout_logprobs),
+    a forward's when several updates or a KL reward need them, else None (a single pass: the loss
+    detaches its own forward's, and weights IS from them)."""
+    if cfg.algorithm.use_rollout_logprobs:
+        return batch.rollout_logprobs()
+    if is_single_pass(cfg) and not cfg.algorithm.kl_in_reward:
+        return None
+    # Per first-epoch mini-batch, so the forward sees exactly the micro-batches its update will:
+    # the first update's importance ratio is then exactly 1.
+    parts = [
+        train_group.old_logprobs(batch.select(rows)) for rows in mini_batch_rows(cfg, len(batch), epoch=0)
+    ]
+    return torch.cat([p.result() for p in parts])
+
+
+def warn_if_skipped(metrics: dict[str, float], step: int) -> None:
     if metrics.get("train/skipped_step", 0.0) > 0:
         log.warning(
             "step %d: %.0f%% of its optimizer steps were skipped because the loss, the gradient norm or the "
@@ -192,20 +174,17 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
             step + 1,
             100 * metrics["train/skipped_step"],
         )
-    maybe_fail("train", step)
-    with timer("sync"):
-        if hand_over:
-            rollout_group.wake().result()
-        metrics.update(ctx.weight_sync.sync())
-    maybe_fail("sync", step)
 
-    seconds = timer.seconds()
-    metrics.update(seconds)
-    metrics["time/step_s"] = sum(seconds.values())
-    metrics["perf/tokens"] = float(batch.num_tokens)
-    metrics["perf/step_tok_per_s"] = batch.num_tokens / max(metrics["time/step_s"], 1e-9)
-    metrics["policy/version"] = float(train_group.version)
-    return metrics
+
+def throughput(seconds: dict[str, float], batch: RolloutBatch, version: int) -> dict[str, float]:
+    """The step's stage times, its total, its tokens per second and the policy version it ends at."""
+    step_s = sum(seconds.values())
+    return seconds | {
+        "time/step_s": step_s,
+        "perf/tokens": float(batch.num_tokens),
+        "perf/step_tok_per_s": batch.num_tokens / max(step_s, 1e-9),
+        "policy/version": float(version),
+    }
 
 
 def update_was_skipped(metrics: dict[str, float]) -> bool:

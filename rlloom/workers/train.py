@@ -16,7 +16,7 @@ from rlloom.algorithms.objective import make_loss_fn
 from rlloom.config import RunConfig
 from rlloom.data.types import PolicyUpdate, RolloutBatch
 from rlloom.devices import resolve_device, resolve_dtype
-from rlloom.engines.train.base import WeightLayout
+from rlloom.engines.train.base import ForwardOptions, WeightLayout
 from rlloom.engines.train.build import build_reference, build_train_engine
 from rlloom.engines.train.hf_folder import save_hf_folder
 from rlloom.faults import maybe_fail
@@ -65,15 +65,17 @@ class TrainWorker:
         """Optimizer steps applied: the policy version of the training weights."""
         return self.engine.version
 
-    @property
-    def _replay(self) -> bool:
-        return self.cfg.algorithm.routing_replay == "rollout"
+    def _options(self, *, with_entropy: bool = False) -> ForwardOptions:
+        """The policy's forward: at the rollout's temperature, routed as the rollout was when asked."""
+        return ForwardOptions(
+            temperature=self.cfg.rollout.temperature,
+            with_entropy=with_entropy,
+            routing_replay=self.cfg.algorithm.routing_replay == "rollout",
+        )
 
     def old_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """[B, T] logprobs of the response tokens under the current policy (CPU, fp32)."""
-        logp_BT, _ = self.engine.forward_logprobs(
-            batch, temperature=self.cfg.rollout.temperature, routing_replay=self._replay
-        )
+        logp_BT, _ = self.engine.forward_logprobs(batch, self._options())
         return logp_BT.cpu()
 
     def ref_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
@@ -82,7 +84,9 @@ class TrainWorker:
             raise RuntimeError(
                 "ref_logprobs needs the reference policy, built only when algorithm.kl_coef > 0"
             )
-        logp_BT, _ = self.ref.forward_logprobs(batch, temperature=self.cfg.rollout.temperature)
+        logp_BT, _ = self.ref.forward_logprobs(
+            batch, ForwardOptions(temperature=self.cfg.rollout.temperature)
+        )
         return logp_BT.cpu()
 
     def update_policy(self, update: PolicyUpdate) -> dict[str, Metric]:
@@ -93,9 +97,7 @@ class TrainWorker:
             update.batch,
             loss_fn,
             loss_normalizer=update.normalizer,
-            temperature=self.cfg.rollout.temperature,
-            with_entropy=True,
-            routing_replay=self._replay,
+            options=self._options(with_entropy=True),
         )
         return update_metrics(values)
 

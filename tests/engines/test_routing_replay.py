@@ -19,6 +19,7 @@ from rlloom import models  # noqa: E402
 from rlloom.config import TrainEngineConfig  # noqa: E402
 from rlloom.data.types import RolloutBatch, Sample  # noqa: E402
 from rlloom.engines.rollout.native import NativeEngine, SamplingParams  # noqa: E402
+from rlloom.engines.train.base import ForwardOptions
 from rlloom.engines.train.native import NativeTrainEngine  # noqa: E402
 
 
@@ -141,7 +142,7 @@ def test_replayed_training_logprobs_follow_the_recorded_experts(rollout, moe_pat
         TrainEngineConfig(share_prompts=share_prompts, max_tokens_per_micro_batch=budget),
         models.from_pretrained(moe_path),
     )
-    replayed, _ = train.forward_logprobs(rb, routing_replay=True)
+    replayed, _ = train.forward_logprobs(rb, options=ForwardOptions(routing_replay=True))
     own, _ = train.forward_logprobs(rb)
     reference = models.from_pretrained(moe_path)
     for b, s in enumerate(samples):
@@ -157,11 +158,11 @@ def test_training_with_the_rollout_routes_matches_the_rollout(rollout, moe_path)
     train = NativeTrainEngine(
         TrainEngineConfig(max_tokens_per_micro_batch=64), models.from_pretrained(moe_path)
     )
-    logp, _ = train.forward_logprobs(rb, routing_replay=True)
+    logp, _ = train.forward_logprobs(rb, options=ForwardOptions(routing_replay=True))
     mask = rb.response_mask()
     assert (logp - rb.rollout_logprobs())[mask].abs().max() < 1e-5
     zero = lambda logp_bT, ent, rows: ((logp_bT * 0.0).sum(), {})
-    metrics = train.train_step(rb, zero, loss_normalizer=1.0, routing_replay=True)
+    metrics = train.train_step(rb, zero, loss_normalizer=1.0, options=ForwardOptions(routing_replay=True))
     assert metrics["moe/route_mismatch_frac"] == pytest.approx(0.0, abs=1e-9)
     scrambled_batch = RolloutBatch(scrambled(rb.samples, train.model.args.moe.num_experts))
     metrics = train.train_step(scrambled_batch, zero, loss_normalizer=1.0)
@@ -174,7 +175,7 @@ def test_replay_without_routes_is_refused(tmp_path):
     train = NativeTrainEngine(TrainEngineConfig(), models.from_pretrained(save(tiny_dense(), tmp_path)))
     rb = RolloutBatch([Sample(prompt_ids=[1, 2], response_ids=[3])])
     with pytest.raises(ValueError, match="routing_replay"):
-        train.forward_logprobs(rb, routing_replay=True)
+        train.forward_logprobs(rb, options=ForwardOptions(routing_replay=True))
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])

@@ -164,6 +164,7 @@ def test_bf16_train_engine_logprobs_and_step(tmp_path):
     from rlloom.algorithms import aggregate_loss_sum, loss_normalizer
     from rlloom.config import TrainEngineConfig
     from rlloom.data.types import RolloutBatch, Sample
+    from rlloom.engines.train.base import ForwardOptions
     from rlloom.engines.train.native import NativeTrainEngine
 
     folder = _hf_folder("dense", tmp_path)
@@ -187,7 +188,7 @@ def test_bf16_train_engine_logprobs_and_step(tmp_path):
     assert rel_err(got[mask], want[mask]) < 2e-2
     norm = loss_normalizer(mask, "token-mean")
     loss_fn = lambda logp, ent, rows: (aggregate_loss_sum(-logp, mask[rows].cuda(), "token-mean"), {})
-    m = gpu.train_step(batch, loss_fn, loss_normalizer=norm, with_entropy=True)
+    m = gpu.train_step(batch, loss_fn, loss_normalizer=norm, options=ForwardOptions(with_entropy=True))
     assert m["train/skipped_step"] == 0.0 and 0 < m["perf/mfu"] < 1
     after, _ = gpu.forward_logprobs(batch)
     assert after[mask].mean() > got[mask].mean()  # one step of maximum likelihood raised them

@@ -19,6 +19,7 @@ from test_train_parallel_gloo import MODE, batches, cfg, compare, full_grads, fu
 from train_engine_helpers import PolicyLoss  # noqa: E402
 
 from rlloom.algorithms.losses import loss_normalizer  # noqa: E402
+from rlloom.engines.train.base import ForwardOptions
 from rlloom.engines.train.native import NativeTrainEngine  # noqa: E402
 from rlloom.parallel import ParallelDims  # noqa: E402
 
@@ -31,9 +32,14 @@ def run(family: str, dims: ParallelDims | None, **settings: object) -> dict:
     config = dataclasses.replace(cfg(), share_prompts=False, **settings)
     engine = NativeTrainEngine(config, tiny_model(family), parallel_dims=dims)
     data = batches(moe)
-    logp, entropy = engine.forward_logprobs(data[0], with_entropy=True)
+    logp, entropy = engine.forward_logprobs(data[0], options=ForwardOptions(with_entropy=True))
     loss, normalizer = PolicyLoss(data[0], MODE), loss_normalizer(data[0].response_mask(), MODE)
-    engine.forward_backward(data[0], loss, loss_normalizer=normalizer, with_entropy=True, routing_replay=moe)
+    engine.forward_backward(
+        data[0],
+        loss,
+        loss_normalizer=normalizer,
+        options=ForwardOptions(with_entropy=True, routing_replay=moe),
+    )
     grads = full_grads(engine)
     metrics = [step(engine, b, moe) for b in data[:2]]
     keys = ("train/loss", "train/grad_norm", "train/tokens", "train/computed_tokens", "train/response_tokens")

@@ -37,6 +37,7 @@ from rlloom.config import (  # noqa: E402
     load_config,  # noqa: E402
 )
 from rlloom.data.types import RolloutBatch  # noqa: E402
+from rlloom.engines.train.base import ForwardOptions
 from rlloom.engines.train.native import NativeTrainEngine  # noqa: E402
 from rlloom.parallel import ParallelDims  # noqa: E402
 from rlloom.parallel.cp import balance_chunks, fixed_shares  # noqa: E402
@@ -73,7 +74,10 @@ def step_routed(engine: NativeTrainEngine, i: int, replay: bool = False) -> dict
     batch = routed(batches(True)[i])
     loss, normalizer = PolicyLoss(batch, MODE), loss_normalizer(batch.response_mask(), MODE)
     return engine.train_step(
-        batch, loss, loss_normalizer=normalizer, with_entropy=True, routing_replay=replay
+        batch,
+        loss,
+        loss_normalizer=normalizer,
+        options=ForwardOptions(with_entropy=True, routing_replay=replay),
     )
 
 
@@ -81,10 +85,17 @@ def run_routed(engine: NativeTrainEngine) -> dict:
     """`test_pp_engine.run` on batches with rollout routes: logprobs and the first step with the
     routes replayed, the second comparing them (moe/route_mismatch_frac)."""
     data = [routed(b) for b in batches(True)]
-    logp, entropy = engine.forward_logprobs(data[0], with_entropy=True, routing_replay=True)
+    logp, entropy = engine.forward_logprobs(
+        data[0], options=ForwardOptions(with_entropy=True, routing_replay=True)
+    )
     normalizer = loss_normalizer(data[0].response_mask(), MODE)
     loss = PolicyLoss(data[0], MODE)
-    engine.forward_backward(data[0], loss, loss_normalizer=normalizer, with_entropy=True, routing_replay=True)
+    engine.forward_backward(
+        data[0],
+        loss,
+        loss_normalizer=normalizer,
+        options=ForwardOptions(with_entropy=True, routing_replay=True),
+    )
     if engine.pipe is not None:
         engine.pipe.clip_grad_norm_(0.0)
     grads = full_grads(engine)

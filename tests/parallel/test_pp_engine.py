@@ -28,6 +28,7 @@ from rlloom.config import (  # noqa: E402
     TrainEngineConfig,
     load_config,  # noqa: E402
 )
+from rlloom.engines.train.base import ForwardOptions
 from rlloom.engines.train.build import check_parallel
 from rlloom.engines.train.native import NativeTrainEngine  # noqa: E402
 from rlloom.models.model import CausalLM  # noqa: E402
@@ -72,14 +73,21 @@ def engine_for(pp: int, world: int = 2, layers: int = 2, **par) -> NativeTrainEn
 def step(engine: NativeTrainEngine, i: int) -> dict[str, float]:
     batch = batches(False)[i]
     normalizer = loss_normalizer(batch.response_mask(), MODE)
-    return engine.train_step(batch, PolicyLoss(batch, MODE), loss_normalizer=normalizer, with_entropy=True)
+    return engine.train_step(
+        batch, PolicyLoss(batch, MODE), loss_normalizer=normalizer, options=ForwardOptions(with_entropy=True)
+    )
 
 
 def run(engine: NativeTrainEngine) -> dict:
     data = batches(False)
-    logp, entropy = engine.forward_logprobs(data[0], with_entropy=True)
+    logp, entropy = engine.forward_logprobs(data[0], options=ForwardOptions(with_entropy=True))
     normalizer = loss_normalizer(data[0].response_mask(), MODE)
-    engine.forward_backward(data[0], PolicyLoss(data[0], MODE), loss_normalizer=normalizer, with_entropy=True)
+    engine.forward_backward(
+        data[0],
+        PolicyLoss(data[0], MODE),
+        loss_normalizer=normalizer,
+        options=ForwardOptions(with_entropy=True),
+    )
     if engine.pipe is not None:
         engine.pipe.clip_grad_norm_(0.0)  # sums the tied embedding's two gradients (measures only)
     grads = full_grads(engine)

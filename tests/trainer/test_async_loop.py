@@ -76,10 +76,11 @@ def spy_on_versions(monkeypatch, weights_of):
     rollout's weights under each policy version. `weights_of(ctx)` returns (rollout version, rollout
     weights, training weights) at the start of a step (after the in-flight update)."""
     import rlloom.trainer.async_loop as loop_mod
+    import rlloom.trainer.policy as policy_mod
     import rlloom.trainer.step as step_mod
 
     seen = {"weights": {}, "trained": [], "updates": []}
-    real_step, real_build = loop_mod.rl_step, step_mod.build_update
+    real_step, real_build = loop_mod.rl_step, policy_mod.build_update
 
     def spy_step(ctx, step, rollout):
         version, held, sent = weights_of(ctx)
@@ -96,7 +97,7 @@ def spy_on_versions(monkeypatch, weights_of):
         return update, metrics
 
     monkeypatch.setattr(loop_mod, "rl_step", spy_step)
-    monkeypatch.setattr(step_mod, "build_update", spy_build)
+    monkeypatch.setattr(policy_mod, "build_update", spy_build)
     # The separate old-logprob forward, so the update carries the IS weights checked below (a
     # single pass computes them in the loss: test_single_pass_is_correction_in_the_loss_... shows
     # that this is the same run).

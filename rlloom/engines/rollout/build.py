@@ -10,11 +10,10 @@ import torch
 import torch.distributed as dist
 
 from rlloom.config import ConfigError, RunConfig
-from rlloom.devices import available_memory_bytes, resolve_device, resolve_dtype
+from rlloom.devices import resolve_device, resolve_dtype
 from rlloom.engines.rollout.base import RolloutEngine
-from rlloom.engines.rollout.native.model_runner import kv_bytes_per_block
 from rlloom.engines.rollout.native.tensor_parallel import tp_problem
-from rlloom.engines.rollout.native.validation import kv_cache_problem
+from rlloom.engines.rollout.native.validation import kv_cache_blocks
 from rlloom.models import from_pretrained, load_decoder
 from rlloom.models.args import ModelArgs
 from rlloom.models.fp8 import FP8_NEEDS_EXPERTS
@@ -103,20 +102,11 @@ def check_kv_cache(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
             f"model.path={cfg.model.path!r} cannot run here: {' '.join(str(e).split())}"
         ) from None
     ro = cfg.rollout
-    per_block = kv_bytes_per_block(args, ro.block_size, resolve_dtype(cfg, device))
-    setting, value = (
-        ("rollout.num_blocks", ro.num_blocks)
-        if ro.num_blocks
-        else ("rollout.kv_cache_memory_gb", ro.kv_cache_memory_gb)
+    kv_cache_blocks(
+        args,
+        num_blocks=ro.num_blocks,
+        kv_cache_memory_gb=ro.kv_cache_memory_gb,
+        block_size=ro.block_size,
+        dtype=resolve_dtype(cfg, device),
+        device=device,
     )
-    problem = kv_cache_problem(
-        setting,
-        value,
-        num_blocks=ro.num_blocks or int(ro.kv_cache_memory_gb * 1024**3) // per_block,
-        extra_blocks=1,
-        bytes_per_block=per_block,
-        available_bytes=available_memory_bytes(device),
-        device=str(device),
-    )
-    if problem is not None:
-        raise ConfigError(problem)

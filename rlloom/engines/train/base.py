@@ -42,6 +42,23 @@ class WeightLayout:
     of it: `torch.chunk(full, tp, d)[tp_rank]`; None: it yields the tensor whole."""
 
 
+@dataclass(frozen=True, slots=True)
+class ForwardOptions:
+    """How a training forward scores the response tokens: one record from the engine's entry points
+    down to the head, in place of the same keywords at every level."""
+
+    temperature: float = 1.0
+    """Divides the logits: the rollout's sampling temperature, so both score the same policy."""
+    with_entropy: bool = False
+    """Also compute each response token's entropy (the loss's entropy term and metrics)."""
+    routing_replay: bool = False
+    """An MoE model routes each token to the experts the rollout recorded (algorithm.routing_replay)."""
+
+
+PLAIN_FORWARD = ForwardOptions()
+"""Temperature 1, no entropy, the model's own routing (the engine methods' default)."""
+
+
 class TrainEngine(Protocol):
     """What the controller may call on a training engine (all data-parallel ranks call each one)."""
 
@@ -59,12 +76,7 @@ class TrainEngine(Protocol):
         ...
 
     def forward_logprobs(
-        self,
-        batch: RolloutBatch,
-        *,
-        temperature: float = 1.0,
-        with_entropy: bool = False,
-        routing_replay: bool = False,
+        self, batch: RolloutBatch, options: ForwardOptions = PLAIN_FORWARD
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """fp32 [B, T] logprobs (and entropies) of the response tokens, 0 where masked."""
         ...
@@ -79,9 +91,7 @@ class TrainEngine(Protocol):
         loss_fn: LossFn,
         *,
         loss_normalizer: float,
-        temperature: float = 1.0,
-        with_entropy: bool = False,
-        routing_replay: bool = False,
+        options: ForwardOptions = PLAIN_FORWARD,
     ) -> dict[str, float]:
         """One optimizer step on the global batch; loss = sum of loss_fn sums / loss_normalizer."""
         ...

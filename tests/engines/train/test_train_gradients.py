@@ -9,6 +9,7 @@ from train_engine_helpers import PolicyLoss, load_tiny, make_batch, make_tiny_ch
 
 from rlloom.algorithms.losses import AGG_MODES, aggregate_loss, loss_normalizer
 from rlloom.config import TrainEngineConfig
+from rlloom.engines.train.base import ForwardOptions
 from rlloom.engines.train.native import NativeTrainEngine
 
 
@@ -37,7 +38,7 @@ def test_forward_logprobs_match_full_forward(ckpt):
     batch = make_batch(6, seed=1)
     engine = NativeTrainEngine(TrainEngineConfig(max_tokens_per_micro_batch=30), load_tiny(ckpt))
     ref = reference_logprobs(load_tiny(ckpt), batch, temperature=0.7).detach()
-    logp, entropy = engine.forward_logprobs(batch, temperature=0.7, with_entropy=True)
+    logp, entropy = engine.forward_logprobs(batch, options=ForwardOptions(temperature=0.7, with_entropy=True))
     assert logp.shape == (6, batch.T) and entropy.shape == (6, batch.T)
     torch.testing.assert_close(logp, ref, atol=1e-5, rtol=0)
     assert (entropy[~batch.response_mask()] == 0).all() and (entropy[batch.response_mask()] > 0).all()
@@ -83,7 +84,9 @@ def test_activation_checkpointing_keeps_gradients(ckpt):
         engine = NativeTrainEngine(
             TrainEngineConfig(activation_checkpointing=ac, max_tokens_per_micro_batch=40), model
         )
-        engine.forward_backward(batch, loss_fn, loss_normalizer=normalizer, with_entropy=True)
+        engine.forward_backward(
+            batch, loss_fn, loss_normalizer=normalizer, options=ForwardOptions(with_entropy=True)
+        )
         grads.append(
             {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()}
         )

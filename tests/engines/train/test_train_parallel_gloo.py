@@ -24,6 +24,7 @@ from train_engine_helpers import PolicyLoss, make_batch  # noqa: E402
 from rlloom.algorithms.losses import loss_normalizer  # noqa: E402
 from rlloom.config import TrainEngineConfig  # noqa: E402
 from rlloom.data.types import RolloutBatch, Sample  # noqa: E402
+from rlloom.engines.train.base import ForwardOptions
 from rlloom.engines.train.native import NativeTrainEngine  # noqa: E402
 from rlloom.parallel import ParallelDims  # noqa: E402
 
@@ -69,7 +70,9 @@ def cfg() -> TrainEngineConfig:
 def step(engine: NativeTrainEngine, batch: RolloutBatch, moe: bool) -> dict[str, float]:
     loss = PolicyLoss(batch, MODE)
     normalizer = loss_normalizer(batch.response_mask(), MODE)
-    return engine.train_step(batch, loss, loss_normalizer=normalizer, with_entropy=True, routing_replay=moe)
+    return engine.train_step(
+        batch, loss, loss_normalizer=normalizer, options=ForwardOptions(with_entropy=True, routing_replay=moe)
+    )
 
 
 def full_weights(engine: NativeTrainEngine) -> dict[str, torch.Tensor]:
@@ -94,10 +97,15 @@ def run_layout(family: str, dims: ParallelDims | None) -> tuple[NativeTrainEngin
     moe = family.endswith("moe")
     engine = NativeTrainEngine(cfg(), tiny_model(family), parallel_dims=dims)
     data = batches(moe)
-    logp, entropy = engine.forward_logprobs(data[0], with_entropy=True)
+    logp, entropy = engine.forward_logprobs(data[0], options=ForwardOptions(with_entropy=True))
     loss = PolicyLoss(data[0], MODE)
     normalizer = loss_normalizer(data[0].response_mask(), MODE)
-    engine.forward_backward(data[0], loss, loss_normalizer=normalizer, with_entropy=True, routing_replay=moe)
+    engine.forward_backward(
+        data[0],
+        loss,
+        loss_normalizer=normalizer,
+        options=ForwardOptions(with_entropy=True, routing_replay=moe),
+    )
     grads = full_grads(engine)
     metrics = [step(engine, b, moe) for b in data[:2]]
     keys = ("train/loss", "train/grad_norm", "train/tokens", "train/response_tokens", "loss/ratio_high_frac")

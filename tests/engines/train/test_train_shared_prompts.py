@@ -15,6 +15,7 @@ from transformers import DeepseekV3Config, Qwen3Config
 from rlloom.algorithms.losses import loss_normalizer
 from rlloom.config import TrainEngineConfig
 from rlloom.data.types import RolloutBatch, Sample
+from rlloom.engines.train.base import ForwardOptions
 from rlloom.engines.train.native import NativeTrainEngine
 from rlloom.engines.train.native.microbatch import shared_prompt_units
 from rlloom.models import CausalLM, ModelArgs, attention_ops
@@ -220,8 +221,12 @@ def test_forward_logprobs_on_equals_off():
     batch = grouped_batch(11)
     for budget in _budgets(batch):
         on, off = _engines(budget)
-        logp_on, ent_on = on.forward_logprobs(batch, temperature=0.8, with_entropy=True)
-        logp_off, ent_off = off.forward_logprobs(batch, temperature=0.8, with_entropy=True)
+        logp_on, ent_on = on.forward_logprobs(
+            batch, options=ForwardOptions(temperature=0.8, with_entropy=True)
+        )
+        logp_off, ent_off = off.forward_logprobs(
+            batch, options=ForwardOptions(temperature=0.8, with_entropy=True)
+        )
         torch.testing.assert_close(logp_on, logp_off, atol=1e-5, rtol=0, msg=f"budget {budget}")
         torch.testing.assert_close(ent_on, ent_off, atol=1e-5, rtol=0, msg=f"budget {budget}")
 

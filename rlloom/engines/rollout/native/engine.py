@@ -35,36 +35,28 @@ import json
 import os
 import random
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from rlloom.config import ConfigError, RolloutConfig
-from rlloom.devices import available_memory_bytes, to_device
+from rlloom.config import RolloutConfig
+from rlloom.devices import to_device
 from rlloom.engines.rollout.base import Completion, SamplingParams
 from rlloom.engines.rollout.native.block_manager import BlockManager
-from rlloom.engines.rollout.native.model_runner import ModelRunner, kv_bytes_per_block
+from rlloom.engines.rollout.native.in_flight import HostBuffers, InFlight, launched, route_spans
+from rlloom.engines.rollout.native.model_runner import ModelRunner
 from rlloom.engines.rollout.native.sampler import Sampler, SamplingRows, noise_key
 from rlloom.engines.rollout.native.scheduler import Batch, Scheduler
 from rlloom.engines.rollout.native.sequence import Sequence, Status
 from rlloom.engines.rollout.native.tensor_parallel import TPShards, shard_model, shared_seed
 from rlloom.engines.rollout.native.tp_weights import load_sharded, shard_dims_by_hf_name
-from rlloom.engines.rollout.native.validation import (
-    kv_cache_problem,
-    request_problem,
-)
+from rlloom.engines.rollout.native.validation import kv_cache_blocks, request_problem
 from rlloom.engines.rollout.native.vocab_parallel import VocabParallelSampler
 from rlloom.models.args import ModelArgs
 from rlloom.models.fp8 import FP8_NEEDS_EXPERTS, quantize_fp8_
 from rlloom.models.moe import use_inference_kernel_
 from rlloom.observability.startup import mark_first_token
-
-
-def _check(ok: bool, name: str, value: object, rule: str, fix: str) -> None:
-    if not ok:
-        raise ValueError(f"NativeEngine {name}={value!r} is invalid: {rule}. Fix: {fix}.")
 
 
 def _eos_ids(model: torch.nn.Module) -> list[int]:
@@ -80,25 +72,31 @@ def _eos_ids(model: torch.nn.Module) -> list[int]:
     return sorted(set(found))
 
 
-@dataclass(slots=True)
-class _InFlight:
-    """A launched step whose sampled tokens are on their way to the host."""
+def _prepare(
+    model: torch.nn.Module, quantization: str, tp_group: dist.ProcessGroup | None
+) -> TPShards | None:
+    """Ready `model` for decoding in place: fp8 experts (quantization="fp8"; the one check that needs
+    the model), the inference kernel for MoE layers, this rank's shard under tensor parallelism
+    (returned; None without)."""
+    if quantization == "fp8" and quantize_fp8_(model) == 0:
+        raise ValueError(
+            f"NativeEngine quantization='fp8' is invalid: {FP8_NEEDS_EXPERTS}. Fix: use none for a dense model."
+        )
+    use_inference_kernel_(model)  # decode's expert products near the memory bound (models/moe.py)
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return None
+    assert quantization == "none", "fp8 is not built for tensor-parallel replicas (rollout.quantization)"
+    return getattr(model, "tp_shards", None) or shard_model(model, tp_group)
 
-    rows: list[Sequence]
-    offsets: list[int]
-    """Where each row's pending token sits in its `output_ids` (`Scheduler.launched`)."""
-    token_ids_R: torch.Tensor
-    """The sampled tokens on the device: the next step's forward reads its pending tokens here."""
-    host_token_ids_R: torch.Tensor
-    host_logprobs_R: torch.Tensor
-    copied: torch.cuda.Event | None
-    """Recorded after the device-to-host copies (None on CPU, where they are done already)."""
-    row_source: list[int]
-    """Each row's sequence in the forward (`Batch.row_source`)."""
-    route_spans: list[tuple[int, int, int]]
-    """MoE: per sequence of the forward, (first position, positions, first row of `routes`)."""
-    routes: torch.Tensor | None
-    """MoE: [rows of the forward, MoE layers, K] experts used, on the host once `copied`."""
+
+def _sampler(
+    device: torch.device, seed: int | None, tp: TPShards | None, tp_group: dist.ProcessGroup | None
+) -> Sampler | VocabParallelSampler:
+    """The engine's sampler: seeded at random when `seed` is None, the one seed of every rank of a
+    tensor-parallel replica (`shared_seed`), which samples from its vocabulary slice."""
+    if tp is None:
+        return Sampler(device, seed if seed is not None else random.randrange(2**62))
+    return VocabParallelSampler(device, shared_seed(seed, tp_group, device), tp)
 
 
 class NativeEngine:
@@ -132,77 +130,22 @@ class NativeEngine:
         finished sequences' full blocks for later requests that start with the same tokens (multi-turn
         episodes: a trajectory's next turn; block_manager.py); it is off for MoE models, whose prefill
         must compute every position to report the experts it chose."""
-        _check(max_model_len >= 2, "max_model_len", max_model_len, "must be >= 2", "e.g. 2048")
-        _check(
-            num_blocks >= 0, "num_blocks", num_blocks, "must be >= 0", "use 0 to size by kv_cache_memory_gb"
-        )
-        _check(kv_cache_memory_gb > 0, "kv_cache_memory_gb", kv_cache_memory_gb, "must be > 0", "e.g. 1.0")
-        _check(block_size >= 1, "block_size", block_size, "must be >= 1", "use 16")
-        _check(max_num_seqs >= 1, "max_num_seqs", max_num_seqs, "must be >= 1", "e.g. 256")
-        _check(
-            max_num_batched_tokens >= 1,
-            "max_num_batched_tokens",
-            max_num_batched_tokens,
-            "must be >= 1",
-            "e.g. 16384",
-        )
-        _check(
-            quantization in ("none", "fp8"), "quantization", quantization, "must be none or fp8", "use none"
-        )
-        if quantization == "fp8":
-            _check(
-                tp_group is None or dist.get_world_size(tp_group) == 1,
-                "quantization",
-                quantization,
-                "fp8 is not built for tensor-parallel replicas",
-                "use one rank per replica, or none",
-            )
-            _check(
-                quantize_fp8_(model) > 0,
-                "quantization",
-                quantization,
-                FP8_NEEDS_EXPERTS,
-                "use none for a dense model",
-            )
-        use_inference_kernel_(model)  # decode's expert products near the memory bound (models/moe.py)
+        # The settings were checked where the run config was read (rlloom/config/rollout.py).
+        assert max_model_len >= 2 and max_num_batched_tokens >= 1, (max_model_len, max_num_batched_tokens)
         self.model = model.eval()
         self.device = next(model.parameters()).device
-        self.tp: TPShards | None = None
+        self.tp = _prepare(model, quantization, tp_group)
         """This rank's part of a tensor-parallel replica (None: the whole model on one device)."""
-        if tp_group is not None and dist.get_world_size(tp_group) > 1:
-            self.tp = getattr(model, "tp_shards", None) or shard_model(model, tp_group)
-            seed = shared_seed(seed, tp_group, self.device)
-        dtype = next(model.parameters()).dtype
-        per_block = kv_bytes_per_block(model.args, block_size, dtype)
-        setting, value = (
-            ("rollout.num_blocks", num_blocks)
-            if num_blocks
-            else ("rollout.kv_cache_memory_gb", kv_cache_memory_gb)
-        )
-        if num_blocks == 0:
-            num_blocks = int(kv_cache_memory_gb * 1024**3) // per_block
-            _check(
-                num_blocks >= 1,
-                "kv_cache_memory_gb",
-                kv_cache_memory_gb,
-                "holds less than one KV block",
-                "raise it",
-            )
-        problem = kv_cache_problem(
-            setting,
-            value,
+        num_blocks = kv_cache_blocks(
+            model.args,
             num_blocks=num_blocks,
-            extra_blocks=1,  # the model runner's scratch block
-            bytes_per_block=per_block,
-            available_bytes=available_memory_bytes(self.device),
-            device=str(self.device),
+            kv_cache_memory_gb=kv_cache_memory_gb,
+            block_size=block_size,
+            dtype=next(model.parameters()).dtype,
+            device=self.device,
         )
-        if problem is not None:
-            raise ConfigError(problem)
-        self.max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs
+        self.max_model_len, self.max_num_seqs, self.decode = max_model_len, max_num_seqs, decode
         self.enable_prefix_sharing = enable_prefix_sharing
-        self.decode = decode
         self.policy_version = 0
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -225,18 +168,12 @@ class NativeEngine:
         )
         if self.runner.route_dtype is not None:  # routes of cached positions would be missing
             self.block_manager.enable_prefix_caching = False
-        seed = seed if seed is not None else random.randrange(2**62)
-        self.sampler = (
-            Sampler(self.device, seed)
-            if self.tp is None
-            else VocabParallelSampler(self.device, seed, self.tp)
-        )
+        self.sampler = _sampler(self.device, seed, self.tp, tp_group)
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._ready: list[Completion] = []
-        self._in_flight: _InFlight | None = None
-        self._host_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        """Two pinned (token, logprob) buffers on CUDA, used by alternate steps."""
+        self._in_flight: InFlight | None = None
+        self._host = HostBuffers(max_num_seqs)
         self._offloaded = False
         self.last_batch: Batch | None = None
         """The batch the last step() ran (None if it ran nothing): for benchmarks and metrics."""
@@ -388,68 +325,23 @@ class NativeEngine:
         ready, self._ready = self._ready, []
         return ready
 
-    def _launch(self, batch: Batch, previous: _InFlight | None) -> _InFlight:
+    def _launch(self, batch: Batch, previous: InFlight | None) -> InFlight:
         """Queue `batch`'s forward and sampling on the device and record it as launched."""
         rows = self._sampling_rows(batch)  # host work and copies queued before the forward
         self.runner.copy_blocks(self.block_manager.take_pending_copies())
-        spans = _route_spans(batch)
+        spans = route_spans(batch)
         logits_SV = self.runner.run(
             batch.seqs, batch.is_prefill, None if previous is None else previous.token_ids_R
         )
-        routes = self.runner.last_routes
         if batch.row_source != list(range(len(batch.seqs))):
             logits_SV = logits_SV[to_device(torch.tensor(batch.row_source), logits_SV.device)]
         token_ids_R, logprobs_R = self.sampler(logits_SV, rows)
         offsets = self.scheduler.launched(batch)
-        if token_ids_R.device.type != "cuda":
-            # A copy: graph outputs are static buffers that the next step's replay overwrites.
-            routes = None if routes is None else routes.clone()
-            return _InFlight(
-                batch.rows,
-                offsets,
-                token_ids_R,
-                token_ids_R,
-                logprobs_R,
-                None,
-                batch.row_source,
-                spans,
-                routes,
-            )
-        if not self._host_buffers:
-            self._host_buffers = [
-                (
-                    torch.empty(self.max_num_seqs, dtype=torch.int64, pin_memory=True),
-                    torch.empty(self.max_num_seqs, dtype=torch.float32, pin_memory=True),
-                )
-                for _ in range(2)
-            ]
-        self._host_buffers.reverse()  # the other buffer than the step still being read
-        R = len(batch.rows)
-        host_tokens, host_logprobs = (buf[:R] for buf in self._host_buffers[0])
-        host_tokens.copy_(token_ids_R, non_blocking=True)
-        host_logprobs.copy_(logprobs_R, non_blocking=True)
-        if routes is not None:  # pinned memory comes from torch's caching host allocator
-            routes = torch.empty(routes.shape, dtype=routes.dtype, pin_memory=True).copy_(
-                routes, non_blocking=True
-            )
-        copied = torch.cuda.Event()
-        copied.record()
-        return _InFlight(
-            batch.rows,
-            offsets,
-            token_ids_R,
-            host_tokens,
-            host_logprobs,
-            copied,
-            batch.row_source,
-            spans,
-            routes,
-        )
+        return launched(batch, spans, offsets, token_ids_R, logprobs_R, self.runner.last_routes, self._host)
 
-    def _resolve(self, step: _InFlight) -> None:
+    def _resolve(self, step: InFlight) -> None:
         """Wait for a launched step's tokens and record them (finished sequences go to `_ready`)."""
-        if step.copied is not None:
-            step.copied.synchronize()
+        step.wait()
         if step.routes is not None:  # before the tokens: a sequence that finishes now takes them along
             # One split for the whole step (the spans tile the forward's rows in order): a slice per
             # row was about a third of the host's work per decode step at 256 sequences.
@@ -578,15 +470,3 @@ class NativeEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
-
-
-def _route_spans(batch: Batch) -> list[tuple[int, int, int]]:
-    """Per sequence of the forward: (first position, positions, first row) of its tokens in the
-    forward's input: a prefill feeds every uncached token, a decode the last one."""
-    spans, offset = [], 0
-    for seq in batch.seqs:
-        start = seq.num_cached_tokens if batch.is_prefill else seq.num_tokens - 1
-        n = seq.num_tokens - start
-        spans.append((start, n, offset))
-        offset += n
-    return spans

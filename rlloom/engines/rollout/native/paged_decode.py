@@ -306,6 +306,42 @@ def decode_config(num_seqs: int, num_kv_heads: int, max_keys: int) -> tuple[int,
     return 64, 1
 
 
+def _shared_prefix_parts(
+    q_SHD: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables_SB: torch.Tensor,
+    shared_prefix: SharedPrefix,
+    scale: float,
+    block_size: int,
+    *,
+    tile: int,
+    num_warps: int,
+    precision: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's shared keys read once for all its members: per sequence and query head the
+    unnormalised output [S, Hq, Dv] and (max, sum) [S, Hq, 2] over the shared prefix, fp32, which
+    the decode kernel merges with the sequence's own keys."""
+    S, Hq, D = q_SHD.shape
+    Hkv, Dv = k_cache.shape[1], v_cache.shape[2]
+    G = Hq // Hkv
+    d_pad, dv_pad = triton.next_power_of_2(D), triton.next_power_of_2(Dv)
+    members, g_pow2 = shared_prefix.members_GM, triton.next_power_of_2(G)
+    assert members.is_contiguous() and shared_prefix.start_S.is_contiguous(), "pass contiguous tensors"
+    assert shared_prefix.num_keys_G.is_contiguous(), "pass contiguous tensors"
+    prefix_acc = torch.empty(S, Hq, Dv, dtype=torch.float32, device=q_SHD.device)
+    prefix_ml = torch.empty(S, Hq, 2, dtype=torch.float32, device=q_SHD.device)
+    _shared_prefix_kernel[(members.shape[0], Hkv)](
+        q_SHD, k_cache, v_cache, block_tables_SB, members, shared_prefix.num_keys_G, prefix_acc,
+        prefix_ml, scale, Hq, q_SHD.stride(0), q_SHD.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), block_tables_SB.stride(0),
+        G=G, G_POW2=g_pow2, M=members.shape[1], ROWS=max(16, members.shape[1] * g_pow2), D=D, D_PAD=d_pad, DV=Dv,
+        DV_PAD=dv_pad, BLOCK_SIZE=block_size, TILE=tile, DOT_PRECISION=precision,
+        num_warps=num_warps,
+    )  # fmt: skip
+    return prefix_acc, prefix_ml
+
+
 def paged_decode(
     q_SHD: torch.Tensor,
     k_cache: torch.Tensor,
@@ -355,19 +391,10 @@ def paged_decode(
     if shared_prefix is not None:
         if num_splits != 1:
             raise ValueError(f"paged_decode: shared_prefix needs num_splits=1, got {num_splits}")
-        members, g_pow2 = shared_prefix.members_GM, triton.next_power_of_2(G)
-        assert members.is_contiguous() and shared_prefix.start_S.is_contiguous(), "pass contiguous tensors"
-        assert shared_prefix.num_keys_G.is_contiguous(), "pass contiguous tensors"
-        prefix_acc = torch.empty(S, Hq, Dv, dtype=torch.float32, device=q_SHD.device)
-        prefix_ml = torch.empty(S, Hq, 2, dtype=torch.float32, device=q_SHD.device)
         start_S = shared_prefix.start_S
-        _shared_prefix_kernel[(members.shape[0], Hkv)](
-            q_SHD, k_cache, v_cache, block_tables_SB, members, shared_prefix.num_keys_G, prefix_acc,
-            prefix_ml, scale, Hq, q_SHD.stride(0), q_SHD.stride(1), k_cache.stride(0), k_cache.stride(1),
-            v_cache.stride(0), v_cache.stride(1), block_tables_SB.stride(0),
-            G=G, G_POW2=g_pow2, M=members.shape[1], ROWS=max(16, members.shape[1] * g_pow2), D=D, D_PAD=d_pad, DV=Dv,
-            DV_PAD=dv_pad, BLOCK_SIZE=block_size, TILE=prefix_tile, DOT_PRECISION=precision,
-            num_warps=prefix_warps,
+        prefix_acc, prefix_ml = _shared_prefix_parts(
+            q_SHD, k_cache, v_cache, block_tables_SB, shared_prefix, scale, block_size,
+            tile=prefix_tile, num_warps=prefix_warps, precision=precision,
         )  # fmt: skip
     new_k, new_v, new_slots = new_kv if new_kv is not None else (q_SHD, q_SHD, num_keys_S)
     if new_kv is not None:

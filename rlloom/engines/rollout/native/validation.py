@@ -1,15 +1,24 @@
-"""Which requests the engine rejects, and why: one message per request, naming the value, rule and fix.
+"""What the engine validates, once: each request (which ones it rejects, and why: one message per
+request, naming the value, rule and fix) and the size of its KV cache.
 
 A rejected request comes back as completions with finish_reason "abort" and `error` set to the
 message, while the rest of the batch proceeds (see engine.py). The KV cache the engine is asked for
-is checked once, before it is allocated, against the memory the device has free (`kv_cache_problem`):
-a cache larger than that would be killed by the OOM killer without a message.
+is sized here (`kv_cache_blocks`) and checked, before it is allocated, against the memory the device
+has free (`kv_cache_problem`): a cache larger than that would be killed by the OOM killer without a
+message. The settings themselves (rollout.block_size, num_blocks, ...) are checked where they are
+read, in rlloom/config/rollout.py.
 """
 
 from __future__ import annotations
 
+import torch
+
+from rlloom.config import ConfigError
+from rlloom.devices import available_memory_bytes
 from rlloom.engines.rollout.base import SamplingParams
 from rlloom.engines.rollout.native.block_manager import BlockManager
+from rlloom.engines.rollout.native.model_runner import kv_bytes_per_block
+from rlloom.models.args import ModelArgs
 
 
 def request_problem(
@@ -51,6 +60,45 @@ def request_problem(
             "kv_cache_memory_gb, or lower max_new_tokens."
         )
     return None
+
+
+def kv_cache_blocks(
+    args: ModelArgs,
+    *,
+    num_blocks: int,
+    kv_cache_memory_gb: float,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int:
+    """The KV cache's blocks for a model of `args` (a tensor-parallel rank's own heads): `num_blocks`,
+    or with 0 as many as `kv_cache_memory_gb` holds. Raises ConfigError, naming the rollout setting
+    that asked for it, when that is less than one block or more than `device` has free."""
+    per_block = kv_bytes_per_block(args, block_size, dtype)
+    setting, value = (
+        ("rollout.num_blocks", num_blocks)
+        if num_blocks
+        else ("rollout.kv_cache_memory_gb", kv_cache_memory_gb)
+    )
+    if num_blocks == 0:
+        num_blocks = int(kv_cache_memory_gb * 1024**3) // per_block
+        if num_blocks < 1:
+            raise ConfigError(
+                f"{setting}={value!r} is invalid: it holds less than one KV block of {per_block} bytes. "
+                "Fix: raise it."
+            )
+    problem = kv_cache_problem(
+        setting,
+        value,
+        num_blocks=num_blocks,
+        extra_blocks=1,  # the model runner's scratch block
+        bytes_per_block=per_block,
+        available_bytes=available_memory_bytes(device),
+        device=str(device),
+    )
+    if problem is not None:
+        raise ConfigError(problem)
+    return num_blocks
 
 
 def kv_cache_problem(

@@ -45,7 +45,7 @@ from torch import nn
 from rlloom.config import ParallelConfig, TrainEngineConfig
 from rlloom.config.train import shares_prompts
 from rlloom.data.types import RolloutBatch
-from rlloom.engines.train.base import LossFn, WeightLayout
+from rlloom.engines.train.base import PLAIN_FORWARD, ForwardOptions, LossFn, WeightLayout
 from rlloom.engines.train.native.checkpoint import EXPERTS
 from rlloom.engines.train.native.flops import active_body_params
 from rlloom.engines.train.native.layout import EngineLayout
@@ -68,6 +68,38 @@ from rlloom.parallel import ParallelDims, init_distributed
 from rlloom.parallel.cp import check_cp_layout
 from rlloom.parallel.pp import Pipeline
 from rlloom.parallel.tp_shard import exported
+
+
+def _shards(
+    cfg: TrainEngineConfig, parallel_dims: ParallelDims | None, *, frozen: bool, compute_dtype: torch.dtype
+) -> bool:
+    """Whether FSDP2 wraps the model. One device computes below fp32 on bf16 copies of its whole fp32
+    model, without FSDP (parallel/mixed_precision.py: faster); FSDP2 shards, casts and reduces across
+    ranks, and on one device too when the run offloads its optimizer to save GPU memory (FSDP's
+    copies are one layer at a time: 2 bytes a parameter less at the peak)."""
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    lean = cfg.optimizer_offload and not frozen and compute_dtype != torch.float32
+    return world_size > 1 or parallel_dims is not None or lean
+
+
+def _master_weights(
+    model: nn.Module, cfg: TrainEngineConfig, *, compute_dtype: torch.dtype, frozen: bool, head: str
+) -> nn.Module:
+    """`model` in the dtypes it trains in, with LoRA adapters when cfg.lora_rank asks (policy only).
+    Trained parameters are the fp32 master weights; a frozen reference keeps the compute dtype."""
+    if frozen:
+        return model.to(compute_dtype).requires_grad_(False)
+    model = model.float()
+    if cfg.lora_rank and head == "policy":
+        apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_target_modules)
+        # A frozen weight needs no fp32 master: it is kept in the compute dtype (2 bytes a
+        # parameter instead of 4, and on one device no compute copy each step). FSDP2 shards
+        # and gathers it as it is; only the trained adapters must share one dtype in a unit.
+        with torch.no_grad():
+            for p in model.parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(compute_dtype)
+    return model
 
 
 class NativeTrainEngine:
@@ -112,28 +144,10 @@ class NativeTrainEngine:
         self.frozen = frozen
         """A forward-only reference: weights in the compute dtype, no gradients, no optimizer."""
         lr_at(0, cfg, total_steps)  # fail now, not at the first step, on a schedule without total_steps
-        world_size = (
-            dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-        )
-        # One device computes below fp32 on bf16 copies of its whole fp32 model, without FSDP
-        # (parallel/mixed_precision.py: faster); FSDP2 shards, casts and reduces across ranks, and on
-        # one device too when the run offloads its optimizer to save GPU memory (FSDP's copies are
-        # one layer at a time: 2 bytes a parameter less at the peak).
-        lean = cfg.optimizer_offload and not frozen and self.compute_dtype != torch.float32
-        self.sharded = world_size > 1 or parallel_dims is not None or lean
+        self.sharded = _shards(cfg, parallel_dims, frozen=frozen, compute_dtype=self.compute_dtype)
 
-        # Trained parameters are the fp32 master weights; a frozen reference keeps the compute dtype.
-        self.model = model.to(self.compute_dtype).requires_grad_(False) if frozen else model.float()
+        self.model = _master_weights(model, cfg, compute_dtype=self.compute_dtype, frozen=frozen, head=head)
         self._body_params = active_body_params(self.model)  # before expert parallelism splits experts
-        if cfg.lora_rank and not frozen and head == "policy":
-            apply_lora(self.model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_target_modules)
-            # A frozen weight needs no fp32 master: it is kept in the compute dtype (2 bytes a
-            # parameter instead of 4, and on one device no compute copy each step). FSDP2 shards
-            # and gathers it as it is; only the trained adapters must share one dtype in a unit.
-            with torch.no_grad():
-                for p in self.model.parameters():
-                    if not p.requires_grad:
-                        p.data = p.data.to(self.compute_dtype)
         self.module = (
             ValueHead(self.model, value_score)
             if head == "value"
@@ -217,47 +231,33 @@ class NativeTrainEngine:
 
     @torch.no_grad()
     def forward_logprobs(
-        self,
-        batch: RolloutBatch,
-        *,
-        temperature: float = 1.0,
-        with_entropy: bool = False,
-        routing_replay: bool = False,
+        self, batch: RolloutBatch, options: ForwardOptions = PLAIN_FORWARD
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs (and entropies) of the batch's response tokens: fp32 [B, T] on CPU, 0 where masked.
 
         Every data-parallel rank passes the same global batch and gets the whole result. With
-        `routing_replay` an MoE model routes each token to the experts the rollout recorded.
+        `options.routing_replay` an MoE model routes each token to the experts the rollout recorded.
         """
         self._expect_head("policy", "forward_logprobs")
-        return self._forward(
-            batch, temperature=temperature, with_entropy=with_entropy, routing_replay=routing_replay
-        )
+        return self._forward(batch, options)
 
     @torch.no_grad()
     def forward_values(self, batch: RolloutBatch) -> torch.Tensor:
         """A critic's (head `value`) values before each response token: fp32 [B, T] on CPU, 0 where
         masked; every data-parallel rank gets the whole result. An MoE critic routes by itself."""
         self._expect_head("value", "forward_values")
-        return self._forward(batch, temperature=1.0, with_entropy=False, routing_replay=False)[0]
+        return self._forward(batch, PLAIN_FORWARD)[0]
 
     def _expect_head(self, head: str, method: str) -> None:
         if self.head != head:
             raise ValueError(f"{method} needs an engine with head={head!r}; this one has head={self.head!r}")
 
     def _forward(
-        self, batch: RolloutBatch, *, temperature: float, with_entropy: bool, routing_replay: bool
+        self, batch: RolloutBatch, options: ForwardOptions
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._set_mode(False)
         micro_batches, filler = plan_batch(batch, self.cfg, self.layout, self.device)
-        logp_BT, entropy_BT = self._runner.logprobs(
-            batch,
-            micro_batches,
-            filler,
-            temperature=temperature,
-            with_entropy=with_entropy,
-            routing_replay=routing_replay,
-        )
+        logp_BT, entropy_BT = self._runner.logprobs(batch, micro_batches, filler, options)
         if self.dp_size > 1:  # each row was computed on exactly one rank and is 0 elsewhere
             for t in (logp_BT, entropy_BT):
                 if t is not None:
@@ -270,9 +270,7 @@ class NativeTrainEngine:
         loss_fn: LossFn,
         *,
         loss_normalizer: float,
-        temperature: float = 1.0,
-        with_entropy: bool = False,
-        routing_replay: bool = False,
+        options: ForwardOptions = PLAIN_FORWARD,
     ) -> dict[str, float]:
         """Replace the gradients with those of sum(loss_sum over micro-batches) / loss_normalizer.
 
@@ -293,9 +291,7 @@ class NativeTrainEngine:
             filler,
             loss_fn,
             loss_normalizer=loss_normalizer,
-            temperature=temperature,
-            with_entropy=with_entropy,
-            routing_replay=routing_replay,
+            options=options,
         )
 
     def train_step(
@@ -304,21 +300,12 @@ class NativeTrainEngine:
         loss_fn: LossFn,
         *,
         loss_normalizer: float,
-        temperature: float = 1.0,
-        with_entropy: bool = False,
-        routing_replay: bool = False,
+        options: ForwardOptions = PLAIN_FORWARD,
     ) -> dict[str, float]:
         """One optimizer step on the global batch; returns the step's metrics (same on every rank)."""
         reset_peak_memory(self.device)
         start = time.perf_counter()
-        metrics = self.forward_backward(
-            batch,
-            loss_fn,
-            loss_normalizer=loss_normalizer,
-            temperature=temperature,
-            with_entropy=with_entropy,
-            routing_replay=routing_replay,
-        )
+        metrics = self.forward_backward(batch, loss_fn, loss_normalizer=loss_normalizer, options=options)
         lr = lr_at(self.version, self.cfg, self.total_steps)
         grad_norm = clip_grads(
             self.optimizer,

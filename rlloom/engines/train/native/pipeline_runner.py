@@ -21,7 +21,7 @@ from torch import nn
 from rlloom.algorithms._validate import deferred_finite_checks
 from rlloom.config import ParallelConfig, TrainEngineConfig
 from rlloom.data.types import RolloutBatch
-from rlloom.engines.train.base import LossFn
+from rlloom.engines.train.base import ForwardOptions, LossFn
 from rlloom.engines.train.native.layout import EngineLayout
 from rlloom.engines.train.native.moe_balance import MoEBalance, moe_layers_of
 from rlloom.engines.train.native.pipeline import PipeBatch, from_last_stage, merge_moe_metrics, stage_view
@@ -120,23 +120,20 @@ class PipelineRunner:
         batch: RolloutBatch,
         micro_batches: list[list[int] | None],
         filler: int,
-        *,
-        temperature: float,
-        with_entropy: bool,
-        routing_replay: bool,
+        options: ForwardOptions,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logp_BT (entropy_BT) on the device: this dp rank's rows filled, 0 elsewhere (`filler` is
         unused: `PipeBatch` runs the fillers)."""
         logp_BT = torch.zeros(len(batch), batch.T, dtype=torch.float32, device=self.device)
-        entropy_BT = torch.zeros_like(logp_BT) if with_entropy else None
+        entropy_BT = torch.zeros_like(logp_BT) if options.with_entropy else None
         pb = PipeBatch.of(
-            batch, micro_batches, share_prompts=self.cfg.share_prompts, replay_routes=routing_replay
+            batch, micro_batches, share_prompts=self.cfg.share_prompts, replay_routes=options.routing_replay
         )
         out = self.pipe.forward_logprobs(
             pb.micro_batches,
-            temperature=temperature,
-            with_entropy=entropy_BT is not None,
-            replay_routes=routing_replay,
+            temperature=options.temperature,
+            with_entropy=options.with_entropy,
+            replay_routes=options.routing_replay,
         )
         for i, (logp_K, entropy_K) in enumerate(out):
             if pb.rows[i] is None:
@@ -155,14 +152,12 @@ class PipelineRunner:
         loss_fn: LossFn,
         *,
         loss_normalizer: float,
-        temperature: float,
-        with_entropy: bool,
-        routing_replay: bool,
+        options: ForwardOptions,
     ) -> dict[str, float]:
         """`loss_fn` runs on the last stage's rank, whose metrics (reduced over its dp ranks) every pp
         rank returns."""
         pb = PipeBatch.of(
-            batch, micro_batches, share_prompts=self.cfg.share_prompts, replay_routes=routing_replay
+            batch, micro_batches, share_prompts=self.cfg.share_prompts, replay_routes=options.routing_replay
         )
         records: list[dict[str, Metric]] = []
 
@@ -200,9 +195,9 @@ class PipelineRunner:
                 self.pipe.forward_backward(
                     pb.micro_batches,
                     pipe_loss,
-                    temperature=temperature,
-                    with_entropy=with_entropy,
-                    replay_routes=routing_replay,
+                    temperature=options.temperature,
+                    with_entropy=options.with_entropy,
+                    replay_routes=options.routing_replay,
                 )
             if balance is not None:  # the real tokens this rank's stages routed (padding not counted)
                 balance.add_loads(torch.stack([feed.moe_loads[str(i)] for i in balance.layers]))

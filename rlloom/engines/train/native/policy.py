@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from rlloom.data.types import PackedTensors, RolloutBatch
 from rlloom.devices import to_device
+from rlloom.engines.train.base import ForwardOptions
 from rlloom.models.attention_ops import TreePlan
 from rlloom.models.logprobs import token_logprobs
 from rlloom.parallel.cp import CPShard, check_cp_layout
@@ -50,11 +51,9 @@ class PolicyHead(nn.Module):
         max_seqlen: int,
         positions_K: torch.Tensor,
         targets_K: torch.Tensor,
-        temperature: float,
-        with_entropy: bool,
+        options: ForwardOptions,
         tree: TreePlan | None = None,
         routes_NLK: torch.Tensor | None = None,
-        replay_routes: bool = False,
         cp: CPShard | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """fp32 log p(targets_K[k] | what position positions_K[k] attends to) [K], and entropy [K] or None.
@@ -63,8 +62,8 @@ class PolicyHead(nn.Module):
         (positions may repeat: a shared prompt's last position predicts the first token of each
         branch); tree: the shared-prompt layout built on the host (a `TreePlan`: FSDP leaves it
         alone, where it would copy tensors to the GPU), or None for plain packed sequences;
-        routes_NLK: the rollout's experts per position for MoE models (compared, or with
-        replay_routes replayed: see rlloom/models/moe.py); cp: under context parallelism, this rank's
+        options: temperature, entropy, routing replay; routes_NLK: the rollout's experts per
+        position for MoE models (compared, or with routing replay replayed: see rlloom/models/moe.py); cp: under context parallelism, this rank's
         share of the stream (the inputs and positions are then local, and the shard's attention
         replaces cu_seqlens).
         """
@@ -76,7 +75,7 @@ class PolicyHead(nn.Module):
             max_seqlen,
             tree,
             routes_NLK,
-            replay_routes,
+            options.routing_replay,
             cp,
         )
         num_selected = positions_K.shape[0]
@@ -93,18 +92,18 @@ class PolicyHead(nn.Module):
                 hidden_ND[positions_K],
                 weight_VD,
                 targets_K,
-                temperature=temperature,
+                temperature=options.temperature,
                 chunk_tokens=self.chunk_tokens,
-                with_entropy=with_entropy,
+                with_entropy=options.with_entropy,
             )
         else:
             logp_K, entropy_K = token_logprobs(
                 hidden_ND[positions_K],
                 weight_VD,
                 targets_K,
-                temperature=temperature,
+                temperature=options.temperature,
                 chunk_tokens=self.chunk_tokens,
-                with_entropy=with_entropy,
+                with_entropy=options.with_entropy,
                 fused=self.fused_head,
             )
         if num_selected == 0:
@@ -142,16 +141,14 @@ def run_micro_batch(
     module: nn.Module,
     batch: RolloutBatch,
     device: torch.device,
-    temperature: float,
-    with_entropy: bool,
+    options: ForwardOptions,
     *,
     share_prompts: bool = False,
-    replay_routes: bool = False,
     pad_multiple: int = 1,
     cp_group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
     """Pack `batch` (one micro-batch; shared-prompt layout with `share_prompts`), run `module` (a
-    PolicyHead, maybe FSDP-wrapped) on it; with `replay_routes` an MoE model uses the experts the
+    PolicyHead, maybe FSDP-wrapped) on it with `options`; with routing replay an MoE model uses the experts the
     rollout recorded in the samples (routing replay); the stream is padded to a multiple of
     `pad_multiple` tokens (the tensor-parallel degree). With `cp_group` (context parallelism) each
     rank runs its share of the stream (`rlloom.parallel.cp.CPShard`, padded to `pad_multiple`) and
@@ -176,7 +173,7 @@ def run_micro_batch(
         num_tokens = shard.num_real
     mask_bT = packed.response_mask_BT
     flat_K = mask_bT.flatten().nonzero().squeeze(1)
-    if replay_routes and packed.routes_NLK is None:
+    if options.routing_replay and packed.routes_NLK is None:
         raise ValueError(
             "algorithm.routing_replay=rollout needs the experts the rollout chose, but a sample has no "
             "routed_experts (a dense model, or samples not made by the rollout engine). Fix: set "
@@ -199,11 +196,9 @@ def run_micro_batch(
         packed.max_seqlen,
         to_device(positions_K, device),
         to_device(targets_K, device),
-        temperature,
-        with_entropy,
+        options,
         tree,
         None if routes_NLK is None else to_device(routes_NLK, device),
-        replay_routes,
         shard,
     )
     if shard is not None:

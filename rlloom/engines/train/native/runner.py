@@ -27,7 +27,7 @@ from rlloom.algorithms._validate import deferred_finite_checks
 from rlloom.config import ParallelConfig, TrainEngineConfig
 from rlloom.data.types import RolloutBatch
 from rlloom.devices import to_device
-from rlloom.engines.train.base import LossFn
+from rlloom.engines.train.base import ForwardOptions, LossFn
 from rlloom.engines.train.native.layout import EngineLayout
 from rlloom.engines.train.native.moe_balance import MoEBalance
 from rlloom.engines.train.native.plan import computed_tokens
@@ -105,18 +105,14 @@ class MicroBatchRunner:
         self,
         batch: RolloutBatch,
         indices: list[int],
-        temperature: float,
-        with_entropy: bool,
-        routing_replay: bool = False,
+        options: ForwardOptions,
     ) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
         return run_micro_batch(
             self.module,
             batch.select(indices),
             self.device,
-            temperature,
-            with_entropy,
+            options,
             share_prompts=self.cfg.share_prompts,
-            replay_routes=routing_replay,
             pad_multiple=self.layout.tp,
             cp_group=self.layout.cp_group if self.layout.cp > 1 else None,
         )
@@ -126,19 +122,14 @@ class MicroBatchRunner:
         batch: RolloutBatch,
         micro_batches: list[list[int] | None],
         filler: int,
-        *,
-        temperature: float,
-        with_entropy: bool,
-        routing_replay: bool,
+        options: ForwardOptions,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logp_BT (entropy_BT) on the device: this dp rank's rows filled, 0 elsewhere."""
         logp_BT = torch.zeros(len(batch), batch.T, dtype=torch.float32, device=self.device)
-        entropy_BT = torch.zeros_like(logp_BT) if with_entropy else None
+        entropy_BT = torch.zeros_like(logp_BT) if options.with_entropy else None
         with self.computing():
             for mb in micro_batches:
-                logp_bT, entropy_bT, _, _ = self.run(
-                    batch, mb or [filler], temperature, with_entropy, routing_replay
-                )
+                logp_bT, entropy_bT, _, _ = self.run(batch, mb or [filler], options)
                 if mb is None:
                     continue
                 rows = to_device(torch.tensor(mb), self.device)
@@ -157,9 +148,7 @@ class MicroBatchRunner:
         loss_fn: LossFn,
         *,
         loss_normalizer: float,
-        temperature: float,
-        with_entropy: bool,
-        routing_replay: bool,
+        options: ForwardOptions,
     ) -> dict[str, float]:
         """Accumulate the gradients of sum(loss_sum) / loss_normalizer; the metrics reduced over
         micro-batches and dp ranks."""
@@ -174,9 +163,7 @@ class MicroBatchRunner:
                 set_last(i == len(micro_batches) - 1)
                 recording = balance.recording(mb is not None) if balance else contextlib.nullcontext()
                 with recording:
-                    logp_bT, entropy_bT, num_tokens, num_response = self.run(
-                        batch, mb or [filler], temperature, with_entropy, routing_replay
-                    )
+                    logp_bT, entropy_bT, num_tokens, num_response = self.run(batch, mb or [filler], options)
                 if mb is None:
                     # Zero-weight filler: same collectives as a real micro-batch, no contribution.
                     (logp_bT.sum() * 0.0).backward()

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from rlloom.engines.train.base import ForwardOptions
 from rlloom.engines.train.native.policy import stream_hidden_states
 from rlloom.models.attention_ops import TreePlan
 from rlloom.parallel.cp import CPShard
@@ -47,15 +48,13 @@ class ValueHead(nn.Module):
         max_seqlen: int,
         positions_K: torch.Tensor,
         targets_K: torch.Tensor,
-        temperature: float,
-        with_entropy: bool,
+        options: ForwardOptions,
         tree: TreePlan | None = None,
         routes_NLK: torch.Tensor | None = None,
-        replay_routes: bool = False,
         cp: CPShard | None = None,
     ) -> tuple[torch.Tensor, None]:
         """fp32 values [K] at `positions_K` and None (no entropy); arguments as `PolicyHead.forward`'s
-        (`targets_K`, `temperature` and `with_entropy` are not used). Under tensor parallelism the
+        (`targets_K`, and `options` but for its routing replay, are not used). Under tensor parallelism the
         hidden states come as token shards: every TP rank gathers the stream and runs the (replicated)
         head on all K positions, so each computes the same values and the same head gradients, and
         the gradient of its own token shard flows back."""
@@ -67,7 +66,7 @@ class ValueHead(nn.Module):
             max_seqlen,
             tree,
             routes_NLK,
-            replay_routes,
+            options.routing_replay,
             cp,
         )
         if isinstance(hidden_ND, DTensor):  # tensor parallel: token shards

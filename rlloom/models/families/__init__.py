@@ -1,0 +1,23 @@
+"""One home per model family (torchtitan's per-model folders are the example): each module here
+holds a family's reading of config.json (its `ModelArgs` fields) and its Hugging Face weight names,
+and `FAMILIES` registers it. Adding a family built from the existing blocks (GQA or MLA attention,
+dense MLP, MoE) is a module here plus its line below; tensor parallelism, training and rollout,
+follows from those blocks (see `base.Family`).
+"""
+
+from __future__ import annotations
+
+from rlloom.models.families.base import Family, FamilyArgs, WeightNames
+from rlloom.models.families.deepseek_v3 import DEEPSEEK_V3
+from rlloom.models.families.dense import DENSE
+from rlloom.models.families.mixtral import MIXTRAL
+from rlloom.models.families.qwen3_moe import QWEN3_MOE
+
+FAMILIES: dict[str, Family] = {
+    model_type: family
+    for family in (DENSE, QWEN3_MOE, MIXTRAL, DEEPSEEK_V3)
+    for model_type in family.model_types
+}
+"""config.json `model_type` -> its family."""
+
+__all__ = ["FAMILIES", "Family", "FamilyArgs", "WeightNames"]

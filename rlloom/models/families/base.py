@@ -1,0 +1,89 @@
+"""What a model family declares (`Family`), and the Hugging Face weight names of the building blocks
+several families share: decoder-layer norms, GQA attention, the dense SwiGLU MLP, and the Qwen-style
+MoE layer (router, score-correction bias, shared experts, one tensor per expert).
+
+Natively the experts of a layer are stacked: `layers.3.moe.experts.w1` [E, I, D]; expert j is row j.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rlloom.models.args import MLAArgs, MoEArgs
+
+NORMS = {
+    "input_layernorm.weight": "attention_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+GQA = {
+    f"self_attn.{hf}_proj.{p}": f"attention.w{nat}.{p}"
+    for hf, nat in zip("qkvo", "qkvo")
+    for p in ("weight", "bias")
+} | {
+    "self_attn.q_norm.weight": "attention.q_norm.weight",
+    "self_attn.k_norm.weight": "attention.k_norm.weight",
+}
+DENSE_MLP = {
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+}
+QWEN_MOE = {
+    "mlp.gate.weight": "moe.router.gate.weight",
+    "mlp.gate.e_score_correction_bias": "moe.router.expert_bias",
+    "mlp.shared_experts.gate_proj.weight": "moe.shared_experts.w1.weight",
+    "mlp.shared_experts.down_proj.weight": "moe.shared_experts.w2.weight",
+    "mlp.shared_experts.up_proj.weight": "moe.shared_experts.w3.weight",
+}
+QWEN_EXPERTS = ("mlp.experts.", {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"})
+"""(HF prefix of the experts inside a layer, {HF projection name: native stacked parameter})."""
+
+
+@dataclass(frozen=True, slots=True)
+class WeightNames:
+    """A family's Hugging Face tensor names inside a decoder layer (`model.layers.N.<name>`)."""
+
+    layer: Mapping[str, str]
+    """HF name -> native name, for every tensor but the routed experts'."""
+    experts: tuple[str, Mapping[str, str]] | None = None
+    """Routed experts, one HF tensor each: (prefix, {HF projection: native stacked parameter})."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FamilyArgs:
+    """The `ModelArgs` fields whose reading from config.json differs between families."""
+
+    attention_bias: bool = False
+    """Biases on the q/k/v projections (MLA: on q_a, kv_a and o)."""
+    attention_out_bias: bool = False
+    """Bias on the output projection."""
+    qk_norm: bool = False
+    moe: MoEArgs | None = None
+    mla: MLAArgs | None = None
+    rope_interleaved: bool = False
+
+
+def uses_sliding_window(cfg: dict[str, Any]) -> bool:
+    """Whether config.json asks for sliding-window attention (`use_sliding_window`)."""
+    return bool(cfg.get("use_sliding_window"))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class Family:
+    """One model family: everything rlloom knows about it. Its tensor parallelism needs nothing here:
+    the training plan (rlloom/parallel/tp.py) and the rollout split (engines/rollout/native/
+    tensor_parallel.py) are written per building block (GQA or MLA attention, dense MLP, MoE), which
+    `args` selects through the `mla` and `moe` it returns."""
+
+    model_types: tuple[str, ...]
+    """The config.json `model_type`s it reads."""
+    args: Callable[[dict[str, Any]], FamilyArgs]
+    """Its part of `ModelArgs.from_hf_config`: config.json -> the family-specific fields (ValueError
+    for what rlloom does not implement)."""
+    names: WeightNames
+    sliding_window: Callable[[dict[str, Any]], bool] = uses_sliding_window
+    """How its config.json asks for sliding-window attention (when it has no `layer_types`)."""
+    mtp_layers: bool = False
+    """Its checkpoints carry multi-token-prediction layers after the last decoder layer (skipped)."""
