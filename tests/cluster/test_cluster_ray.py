@@ -49,7 +49,6 @@ def cfg_for(ckpt: Path, run_dir: Path, *extra: str):
             "data.num_train=64",
             "rollout.max_new_tokens=5",
             "logging.console=false",
-            "rollout.kv_cache_memory_gb=0.05",  # per rank: 200k tokens of the tiny model, not 1 GiB to zero
             *CHANGING,
             *extra,
         ],
