@@ -6,21 +6,11 @@ saved by transformers, and a fast tokenizer with a chat template and an end-of-t
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-# One intra-op thread in the test process and every process it starts (fork servers, Ray workers,
-# subprocess runs), set before torch is imported: the tests' tensors are tiny, and two threads each
-# in processes that already share two cores wait on each other. A smoke run of the CLI took 47 s
-# with one thread against 61-71 s with two on the shared 2-core machine (2026-11-29).
-os.environ["OMP_NUM_THREADS"] = "1"
+import pytest
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from rlloom.models.tiny import write_tiny_model  # noqa: E402
-
-torch.set_num_threads(1)  # in case a plugin imported torch before the variable was set
+from rlloom.models.tiny import write_tiny_model
 
 
 def build_tiny_checkpoint(

@@ -31,6 +31,14 @@ FAST = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 DYNAMIC = [  # a reward that ties in most groups: dynamic sampling drops them and draws more rounds
     "reward.name=async_reward:starts_with_digit",
     "algorithm.dynamic_sampling=true",

@@ -54,8 +54,17 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: one intra-op thread costs a third of the CPU time of two on a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
-def straight(tiny_checkpoint, tmp_path_factory) -> tuple[list[dict], dict[str, torch.Tensor]]:
+def straight(one_thread, tiny_checkpoint, tmp_path_factory) -> tuple[list[dict], dict[str, torch.Tensor]]:
     """Metrics and final weights of the uninterrupted run."""
     tmp = tmp_path_factory.mktemp("straight")
     run(tiny_cfg(tiny_checkpoint, tmp / "run", *EXACT, f"trainer.total_steps={TOTAL}"))
@@ -118,7 +127,7 @@ def _launcher(conn) -> None:
             code = 1
             try:
                 os.environ.update(env)
-                torch.set_num_threads(1)  # as in the test process (tests/conftest.py)
+                torch.set_num_threads(1)  # as in the test process (see `one_thread`)
                 stderr = os.open(f"{run_dir}.stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
                 os.dup2(stderr, 2)  # what the user would read
                 for fd in closed:  # a pipe whose reader is gone, as `| tee` after Ctrl-C
