@@ -1,4 +1,5 @@
-"""The `rlloom` command: `train`, `eval`, `export`, `plan`, `config show`, `config doc`, `plot` and `init-model`.
+"""The `rlloom` command: `train`, `eval`, `export`, `plan`, `config show`, `config doc`, `plot`,
+`init-model` and `compare-layers`.
 
 rlloom train RECIPE_OR_YAML [section.key=value ...]
 rlloom eval MODEL_OR_RUN DATA [section.key=value ...] [--samples N] [--temperature T] [--responses FILE]
@@ -7,6 +8,7 @@ rlloom config show RECIPE_OR_YAML [section.key=value ...]
 rlloom config doc
 rlloom plot RUN_DIR
 rlloom init-model tiny-dense|tiny-moe|tiny-mla DIR [--layers N] [--hidden H]
+rlloom compare-layers MODEL --prompt TEXT [--max-new-tokens N] [--seed S] [--device cpu|cuda] [--dtype D] [--exact]
 rlloom plan MODEL --gpus N --gpu-memory-gb G [--critic] [--check tp=..,pp=..,cp=..,ep=..,offload=F] [--json]
 
 A user error (`UserError`: config, data file, model path, start-up checks) prints one line,
@@ -64,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
 
     _add_eval_parser(sub)
     _add_export_parser(sub)
+    _add_serve_parser(sub)
     plot = sub.add_parser(
         "plot", help="plot a run's curves", description="Write RUN_DIR/curves.png from metrics.jsonl."
     )
@@ -79,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     init.add_argument("out", help="new or empty output folder")
     init.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
     init.add_argument("--hidden", type=int, default=32, help="hidden size, a multiple of 8 (default 32)")
+    _add_compare_parser(sub)
     _add_plan_parser(sub)
     return parser
 
@@ -132,6 +136,41 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
         help="export the critic of a PPO run (algorithm.estimator=gae) instead: a value model "
         "(transformers' *ForTokenClassification, one label) that critic.model_path loads",
     )
+
+
+def _add_compare_parser(sub: argparse._SubParsersAction) -> None:
+    compare = sub.add_parser(
+        "compare-layers",
+        help="compare the rollout's decode with the training forward, layer by layer",
+        description="Sample a response to PROMPT with the rollout engine, recompute it with the training "
+        "forward, and print each layer's largest hidden-state difference and the first layer that differs "
+        "(rlloom/engines/compare_layers.py). MODEL: a Hugging Face folder, e.g. RUN_DIR/hf/step_N.",
+    )
+    compare.add_argument("model", help="model folder")
+    compare.add_argument("--prompt", required=True, help="prompt text (tokenized as is, no chat template)")
+    compare.add_argument("--max-new-tokens", type=int, default=16, help="response tokens (default 16)")
+    compare.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    compare.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    compare.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    compare.add_argument(
+        "--exact", action="store_true", help="both sides with rollout.match_training's numerics (CPU)"
+    )
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model or run on an OpenAI-compatible endpoint",
+        description="Serve a model (Hugging Face folder, run folder or checkpoint) on the OpenAI-compatible "
+        "endpoint training uses for rollout.agent: GET /v1/models, POST /v1/chat/completions and "
+        "/v1/completions. A run's own settings are used; overrides apply last. Needs rlloom[serve].",
+    )
+    serve.add_argument("model", help="Hugging Face folder, run folder or checkpoint")
+    serve.add_argument(
+        "overrides", nargs="*", default=[], help="dotted overrides such as rollout.max_new_tokens=512"
+    )
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: any free port)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -242,6 +281,11 @@ def _command(args: argparse.Namespace) -> int:
             print(report.table())
             print(report.json_line())
             return 0
+        if args.command == "serve":
+            from rlloom.trainer.serve_model import serve_model
+
+            serve_model(args.model, args.overrides, host=args.host, port=args.port)
+            return 0
         if args.command == "init-model":
             from rlloom.models.tiny import write_tiny_model
             from rlloom.trainer.export import check_output
@@ -254,6 +298,24 @@ def _command(args: argparse.Namespace) -> int:
                     layers=args.layers,
                 )
             )
+            return 0
+        if args.command == "compare-layers":
+            import torch
+
+            from rlloom.engines.compare_layers import compare_layers
+            from rlloom.models import load_tokenizer
+
+            prompt_ids = load_tokenizer(args.model)(args.prompt)["input_ids"]
+            report = compare_layers(
+                args.model,
+                prompt_ids,
+                max_new_tokens=args.max_new_tokens,
+                seed=args.seed,
+                device=args.device,
+                dtype=getattr(torch, args.dtype),
+                exact=args.exact,
+            )
+            print(report.table())
             return 0
         if args.command == "export":
             from rlloom.trainer.export import export_checkpoint
@@ -294,8 +356,10 @@ _INTERRUPTED = {
     "export": "the output folder may be incomplete: remove it and export again",
     "plan": "nothing was written",
     "plot": "nothing was written",
+    "serve": "the endpoint stopped",
     "config": "nothing was written",
     "init-model": "the output folder may be incomplete: remove it and run again",
+    "compare-layers": "nothing was written",
 }
 
 

@@ -49,3 +49,36 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests that use `ray_cluster` run after all others (in their collected order), so one Ray
     start serves them all and is shut down when they end."""
     items.sort(key=lambda item: "ray_cluster" in getattr(item, "fixturenames", ()))
+
+
+@pytest.fixture
+def restore_determinism():
+    """Puts torch's process-wide deterministic-mode settings back after a test that turns them on
+    (`rlloom.determinism.enable_determinism`, also called by an in-process `run`)."""
+    import os
+
+    import torch
+
+    cuda, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.utils.deterministic.fill_uninitialized_memory,
+        cuda.allow_tf32,
+        cudnn.allow_tf32,
+        cuda.allow_bf16_reduced_precision_reduction,
+        cuda.allow_fp16_reduced_precision_reduction,
+        cudnn.deterministic,
+        cudnn.benchmark,
+        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    )
+    yield
+    torch.use_deterministic_algorithms(saved[0])
+    torch.utils.deterministic.fill_uninitialized_memory = saved[1]
+    cuda.allow_tf32, cudnn.allow_tf32 = saved[2], saved[3]
+    cuda.allow_bf16_reduced_precision_reduction = saved[4]
+    cuda.allow_fp16_reduced_precision_reduction = saved[5]
+    cudnn.deterministic, cudnn.benchmark = saved[6], saved[7]
+    if saved[8] is None:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    else:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = saved[8]

@@ -10,13 +10,13 @@ from pathlib import Path
 ROOT = Path(__file__).parents[1] / "rlloom"
 
 LAYERS = [
-    {"devices", "config", "faults", "compile_cache", "heap", "run_files"},
+    {"devices", "determinism", "config", "faults", "compile_cache", "heap", "run_files"},
     {"data", "observability"},
     {"algorithms", "models", "tasks", "rewards"},
     {"parallel"},
     {"engines"},
     {"workers"},
-    {"cluster", "weight_sync", "episodes"},
+    {"cluster", "weight_sync", "episodes", "agents"},
     {"trainer", "plan"},
     {"cli"},
 ]

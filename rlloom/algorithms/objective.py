@@ -24,6 +24,7 @@ from rlloom.algorithms.losses import cispo_loss, gspo_loss, ppo_clip_loss, value
 from rlloom.config import AlgorithmConfig
 from rlloom.data.types import ISCorrection, PolicyUpdate, ValueUpdate
 from rlloom.devices import to_device
+from rlloom.observability.metrics import Max
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], tuple[torch.Tensor, Mapping[str, Any]]]
 """loss_fn(logp_bT, entropy_bT | None, mb_indices_b) -> (loss_sum, metrics), called per micro-batch.
@@ -114,6 +115,7 @@ def make_loss_fn(algo: AlgorithmConfig, update: PolicyUpdate) -> LossFn:
             gap_bT = (logp_bT.detach() - rows(rollout_BT)).abs()
             count = mask_bT.sum().clamp(min=1)
             metrics["rollout/logp_gap_abs"] = (gap_bT * mask_bT).sum() / count
+            metrics["rollout/logp_gap_max"] = Max(gap_bT.masked_fill(mask_bT == 0, 0.0).amax())
             metrics["rollout/token_mult_prob_error"] = (torch.exp(gap_bT) * mask_bT).sum() / count
         if entropy_bT is not None:
             metrics["actor/entropy"] = ((entropy_bT * mask_bT).sum() / mask_bT.sum().clamp(min=1)).detach()

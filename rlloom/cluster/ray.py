@@ -25,6 +25,7 @@ from rlloom.cluster.placement import Placement, rollout_tp
 from rlloom.cluster.ray_generate import QueuedGeneration
 from rlloom.config import RunConfig
 from rlloom.data.types import PolicyUpdate, RolloutBatch, ValueUpdate
+from rlloom.determinism import determinism_env
 from rlloom.engines.rollout import SamplingParams
 from rlloom.workers.flights import StreamRequest, StreamResult
 
@@ -66,6 +67,7 @@ class Actors:
         self.wait([self.pg.ready()], "placement group", [-1])
         # The actors see the driver's RLLOOM_/NCCL_/TORCH_ settings, also in a cluster joined by address.
         env = {k: v for k, v in os.environ.items() if k.startswith(("RLLOOM_", "NCCL_", "TORCH_"))}
+        env.update(determinism_env(cfg.trainer.deterministic))  # set before the actor's CUDA starts
         actor_cls = ray.remote(num_cpus=1, num_gpus=1 if use_gpu else 0, runtime_env={"env_vars": env})(
             SlotActor
         )

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from rlloom.cluster.local import sync_in_place
 from rlloom.config import RunConfig
+from rlloom.determinism import enable_determinism
 from rlloom.devices import resolve_device, resolve_dtype
 from rlloom.heap import freeze_heap
 from rlloom.observability.log import init_logger
@@ -74,6 +75,7 @@ class SlotActor:
 
     def __init__(self, cfg: RunConfig) -> None:
         init_logger()  # its start-up phases (first generated token) reach the driver's output
+        enable_determinism(cfg.trainer.deterministic)
         self.cfg = cfg
         self.train: TrainWorker | None = None
         self.critic: CriticWorker | None = None

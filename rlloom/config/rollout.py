@@ -63,6 +63,14 @@ class RolloutConfig:
     routers stay in the model dtype, and a dense model is refused. Training stays bf16/fp32, so the
     rollout's logprobs differ more from training's: watch `rollout/token_mult_prob_error` and
     correct with `algorithm.is_correction`. Needs rollout.tp=1."""
+    match_training: bool = False
+    """Each sampled token's rollout logprob equals, bit for bit, the logprob the training forward
+    computes for it at the same weights: both engines run batch-invariant numerics
+    (rlloom/models/exact.py: fixed-order products, reductions and attention whatever the batch,
+    prefill or decode), so `rollout/logp_gap_max` reads 0.0 and the old-logprob forward is skipped
+    (the rollout's logprobs are pi_old). CPU only in this version (refused on a GPU), and slow: for
+    tests and tiny models. Needs rollout.temperature=1.0, rollout.quantization=none, rollout.tp=1
+    and one training rank."""
 
     env: str = ""
     """Multi-turn environment, "module:Class" (imported like reward plug-ins: next to the YAML file,
@@ -73,12 +81,24 @@ class RolloutConfig:
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the environment's constructor."""
     env_workers: int = 4
-    """Worker processes that run environment and tool calls isolated from the trainer (a hang past
+    """Worker processes that run environment and tool calls (or agents: one a trajectory at a time) isolated from the trainer (a hang past
     env_timeout_s, a crash or sys.exit fails that trajectory only); 0 runs them in threads of the
     trainer, for cheap trusted environments (which must then be thread-safe)."""
     env_timeout_s: float = 60.0
     """Longest environment call (reset or one step); a call past it ends its trajectory with
     reward.default_score, counted in rollout/env_errors."""
+    agent: str = ""
+    """An agent program to train, "module:function" (imported like `env`): `async def run_agent(base_url,
+    row, sampling) -> float | dict | None`, called once per trajectory with the base URL of an
+    OpenAI-compatible session on the policy (`http://127.0.0.1:PORT/sessions/<id>/v1`), the data row,
+    and the OpenAI client's sampling arguments (model, temperature, top_p, max_tokens). Every request
+    the agent sends there is recorded token for token and trained on; it returns the reward (or
+    `{"reward": ..., "metrics": {...}}`), or None to let the reward function score its last answer.
+    Runs in the environment workers (env_workers); needs `pip install "rlloom[serve]"`. Excludes
+    `env` and `tools`."""
+    agent_timeout_s: float = 600.0
+    """Longest run of one agent (all of its trajectory); past it, or when the agent raises, exits or
+    returns something else, its trajectory gets reward.default_score, counted in rollout/agent_errors."""
     tools: list[str] = field(default_factory=list)
     """Tools the policy may call, ["module:function", ...]: plain functions with type hints and a
     Google-style docstring (their JSON schemas are rendered by the chat template). Without `env`, a
@@ -106,8 +126,8 @@ class RolloutConfig:
 
     @property
     def multi_turn(self) -> bool:
-        """Episodes of several turns (an environment or tools) instead of single-turn generation."""
-        return bool(self.env or self.tools)
+        """Episodes of several turns (an environment, tools or an agent) instead of single-turn generation."""
+        return bool(self.env or self.tools or self.agent)
 
     def __post_init__(self) -> None:
         check_finite(self, "rollout")
@@ -202,7 +222,14 @@ class RolloutConfig:
             "must be >= 0",
             "e.g. 4 (0: inline)",
         )
-        for name in ("env_timeout_s", "tool_timeout_s"):
+        check(
+            not self.agent or not (self.env or self.tools),
+            "rollout.agent",
+            self.agent,
+            f"an agent runs its own loop, so it excludes rollout.env={self.env!r} and rollout.tools={self.tools}",
+            "leave rollout.env and rollout.tools empty (the agent calls its own tools)",
+        )
+        for name in ("env_timeout_s", "tool_timeout_s", "agent_timeout_s"):
             value = getattr(self, name)
             check(value > 0, f"rollout.{name}", value, "must be > 0 seconds", "e.g. 30")
         check(self.max_turns >= 1, "rollout.max_turns", self.max_turns, "must be >= 1", "e.g. 4")

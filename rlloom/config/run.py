@@ -75,6 +75,8 @@ class RunConfig:
         self._check_rollout_replicas()
         self._check_sync_transport()
         self._check_step_batch()
+        if self.rollout.match_training:
+            self._check_match_training()
 
     def _check_micro_batches(self) -> None:
         """What context and pipeline parallelism ask of the training micro-batches."""
@@ -169,6 +171,34 @@ class RunConfig:
             f"cluster.placement={placement} runs only the {runs} transport, and {transport} needs "
             f"cluster.placement={needs}",
             f"set sync.transport=auto (or {runs}), or cluster.placement={needs}{prerequisites}",
+        )
+
+    def _check_match_training(self) -> None:
+        """rollout.match_training: the layouts whose logprobs are exact in this version."""
+        r, p = self.rollout, self.parallel
+        check(
+            r.temperature == 1.0,
+            "rollout.temperature",
+            r.temperature,
+            "rollout.match_training needs 1.0 (the sampler divides by it and the training head "
+            "multiplies by its inverse: two roundings)",
+            "set rollout.temperature=1.0 or rollout.match_training=false",
+        )
+        check(
+            r.quantization == "none",
+            "rollout.quantization",
+            r.quantization,
+            "rollout.match_training needs the rollout's weights to be training's",
+            "set rollout.quantization=none",
+        )
+        one = self.cluster.num_workers == 1 and r.tp == 1 and p.tp == p.cp == p.pp == p.ep == 1
+        check(
+            one,
+            "rollout.match_training",
+            True,
+            "is exact with one training rank and rollout.tp=1 in this version (cluster.num_workers="
+            f"{self.cluster.num_workers}, rollout.tp={r.tp}, parallel tp/cp/pp/ep={p.tp}/{p.cp}/{p.pp}/{p.ep})",
+            "set cluster.num_workers=1, rollout.tp=1 and the parallel degrees to 1, or rollout.match_training=false",
         )
 
     def _check_rollout_replicas(self) -> None:

@@ -39,6 +39,12 @@ class TrainerConfig:
     """Keep only the newest k complete checkpoints in run_dir/checkpoints (0 = keep every one)."""
     seed: int = 0
     """Global seed (sampling, shuffling, initialisation); 0 <= seed <= 2**32-1."""
+    deterministic: bool = False
+    """Every process of the run takes torch's deterministic kernels (`torch.use_deterministic_algorithms`,
+    cuBLAS workspace config, no TF32 or split-K reduced-precision GEMMs, cuDNN deterministic;
+    rlloom/determinism.py), so on a GPU two runs of one config, or a run and its kill -9 plus resume,
+    give the same metrics and weights bit for bit (single-turn trainer.mode=sync; the CPU is
+    reproducible without it). Slower backward passes on CUDA."""
     resume_allow_changes: bool = False
     """Resume even when the config differs from the checkpoint's in a setting that changes the run
     (see `rlloom.config.resume.FREE_TO_CHANGE` for the settings that may always change)."""

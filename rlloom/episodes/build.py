@@ -27,7 +27,7 @@ def env_spec(cfg: RunConfig) -> EnvSpec:
 
 def check_episodes(cfg: RunConfig) -> None:
     """The environment and tools of a multi-turn run import and fit their contract."""
-    if not cfg.rollout.multi_turn:
+    if not (cfg.rollout.env or cfg.rollout.tools):
         return
     if not cfg.data.chat_template:
         raise ConfigError(
@@ -43,7 +43,7 @@ def check_episodes(cfg: RunConfig) -> None:
 def build_episode_driver(
     cfg: RunConfig, tokenizer: Any, stop_token_ids: list[int], decode: Callable[[list[int]], str]
 ) -> EpisodeDriver | None:
-    if not cfg.rollout.multi_turn:
+    if not (cfg.rollout.env or cfg.rollout.tools):
         return None
     ro = cfg.rollout
     spec = env_spec(cfg)

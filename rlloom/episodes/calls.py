@@ -74,6 +74,17 @@ class EnvSpec:
     def tool_schemas(self) -> list[dict[str, Any]]:
         return [tool_schema(fn) for fn in self.tool_functions().values()]
 
+    @property
+    def what(self) -> str:
+        """What the workers run, for messages."""
+        return self.env or "the tools"
+
+    def preload(self) -> None:
+        """Import the environment and the tools (a worker does so before it says it is ready)."""
+        self.tool_functions()
+        if self.env:
+            import_object(self.env, setting="rollout.env", import_dir=self.import_dir)
+
     def build(self) -> Any:
         if not self.env:
             return ToolEnv(self.tool_functions(), parser=self.tool_parser, timeout_s=self.tool_timeout_s)
@@ -115,6 +126,10 @@ class EnvSpec:
                 f"rollout.env_kwargs={self.env_kwargs!r} do not fit {self.env}'s constructor ({e}); fix: "
                 "pass the arguments its __init__ takes"
             ) from e
+
+    def call(self, env: Any, state: dict[str, Any], method: str, arg: Any) -> Any:
+        """One call on a built environment (what a worker runs for each task)."""
+        return call_env(env, state, method, arg)
 
 
 def call_env(env: Any, state: dict[str, Any], method: str, arg: Any) -> Any:
@@ -159,9 +174,11 @@ class _Task:
 
 
 class EnvCalls:
-    """Runs environment calls isolated (worker processes) or inline (threads); `submit` then `poll`."""
+    """Runs environment calls isolated (worker processes) or inline (threads); `submit` then `poll`.
+    `spec` is an `EnvSpec`, or any picklable record with its `what`, `preload()`, `build()` and
+    `call(...)` (an agent's, agents/spec.py)."""
 
-    def __init__(self, spec: EnvSpec, *, num_workers: int, timeout_s: float) -> None:
+    def __init__(self, spec: Any, *, num_workers: int, timeout_s: float) -> None:
         self.spec, self.timeout_s = spec, timeout_s
         self.isolated = num_workers > 0
         self._pending: deque[_Task] = deque()
@@ -223,7 +240,7 @@ class EnvCalls:
         try:
             env, state = (self.spec.build(), {}) if task.env is None else task.env
             return EnvResult(
-                key=task.key, value=call_env(env, state, task.method, task.arg), env=(env, state)
+                key=task.key, value=self.spec.call(env, state, task.method, task.arg), env=(env, state)
             )
         except (Exception, SystemExit) as e:  # noqa: BLE001 - the trajectory fails, the run goes on
             return EnvResult(key=task.key, error=f"{type(e).__name__}: {e}"[:1000])
@@ -281,9 +298,7 @@ class EnvCalls:
             self._workers[k].ready = True
             return
         if isinstance(message, tuple) and message[0] == "load_error":
-            raise RuntimeError(
-                f"an environment worker cannot load {self.spec.env or 'the tools'}: {message[1]}"
-            )
+            raise RuntimeError(f"an environment worker cannot load {self.spec.what}: {message[1]}")
         for task_id, kind, payload in message:
             busy = self._busy[k]
             if busy is None or busy[0] != task_id:

@@ -229,6 +229,9 @@ class EpisodeDriver:
         self.groups.clear()
         self.epoch += 1
 
+    def close(self) -> None:
+        self.calls.close()
+
     # ---- helpers --------------------------------------------------------------------------------
 
     def _request(self, key: Any, j: int, *, turn: int) -> TurnRequest:

@@ -5,7 +5,7 @@ dies with the trainer).
 Protocol over the socket: it receives `(sys_path, pickled EnvSpec)` and answers `("ready", None,
 None)` (or `("load_error", text, None)`); then, for each task `(task_id, env_bytes, method, arg)`, it
 rebuilds the environment and its state (`env_bytes`: the pickled pair; None: a new environment from
-the spec and an empty state), calls the method (awaiting it when it is `async def`), checks what it
+the spec and an empty state), calls the method through `spec.call` (an agent's spec runs the agent) (awaiting it when it is `async def`), checks what it
 returned, and answers `[(task_id, "ok", (value, pickled (environment, state)))]` or
 `[(task_id, "error", text)]`. `None` asks it to
 exit. The environment is pickled between calls, so its attributes persist and any worker can run any
@@ -38,12 +38,11 @@ def main() -> None:
         sys_path, pickled_spec = conn.recv()
         sys.path[:] = sys_path
         spec = pickle.loads(pickled_spec)
+        spec.preload()  # plug-ins import now: their import time never counts against a call's deadline
     except (Exception, SystemExit) as e:
         conn.send(("load_error", f"{type(e).__name__}: {e}"[:500], None))
         return
     conn.send(("ready", None, None))
-    from rlloom.episodes.calls import call_env  # after the path is set: plug-ins import like in the trainer
-
     while True:
         try:
             task = conn.recv()
@@ -54,7 +53,7 @@ def main() -> None:
         task_id, env_bytes, method, arg = task
         try:
             env, state = (spec.build(), {}) if env_bytes is None else pickle.loads(env_bytes)
-            value = call_env(env, state, method, arg)
+            value = spec.call(env, state, method, arg)
             conn.send([(task_id, "ok", (value, pickle.dumps((env, state))))])
         except (Exception, SystemExit) as e:  # noqa: BLE001 - the trajectory fails, the worker goes on
             conn.send([(task_id, "error", f"{type(e).__name__}: {e}"[:1000])])

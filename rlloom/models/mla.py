@@ -12,7 +12,8 @@ Two forms of the same function:
   multi-query attention with one cached "head" per token of R + Dr channels ([normed c_kv | roped
   k_pe]) whose values are its first R channels. That is what the KV cache holds: 576 numbers per
   token and layer for DeepSeek-V3 instead of 128 heads x (192 + 128) expanded. The scores are the
-  same sums, q_nope . (W_uk c) = (W_uk^T q_nope) . c, taken in another order. With YaRN the
+  same sums, q_nope . (W_uk c) = (W_uk^T q_nope) . c, taken in another order. Under
+  `rollout.match_training` (models/exact.py) training takes this form as well. With YaRN the
 softmax scale is qk_head_dim^-0.5 * mscale(factor, mscale_all_dim)^2, as in the reference code.
 The two latent norms use eps 1e-6 regardless of rms_norm_eps, as the reference does.
 
@@ -26,6 +27,7 @@ from torch import nn
 
 from rlloom.models.args import ModelArgs
 from rlloom.models.attention_ops import AttnLayout, attend
+from rlloom.models.exact import is_exact
 from rlloom.models.layers import RMSNorm, apply_rope, yarn_mscale
 
 
@@ -66,7 +68,8 @@ class MLAttention(nn.Module):
         q = q.unflatten(-1, (self.num_heads, self.nope_dim + self.rope_dim))
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         c_kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        if layout.kind == "backend":
+        # rollout.match_training: training takes the rollout's form too, so a token's sums are the same
+        if layout.kind == "backend" or is_exact():
             return self._latent_attention(q_nope, q_pe, c_kv, k_pe, cos, sin, layout)
         kv = self.wkv_b(self.kv_norm(c_kv)).unflatten(-1, (self.num_heads, self.nope_dim + self.v_dim))
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from rlloom.agents.build import check_agent
 from rlloom.config import ConfigError, RunConfig
 from rlloom.config.loading import load_config
 from rlloom.config.resume import run_changing_differences
@@ -86,6 +87,7 @@ def check_before_loading(cfg: RunConfig) -> None:
     check_data(cfg)
     check_logging_backends(cfg)
     check_episodes(cfg)
+    check_agent(cfg)
 
 
 LOGGING_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}

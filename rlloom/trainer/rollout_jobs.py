@@ -84,7 +84,8 @@ class Job:
 
 def episode_metrics(episodes: list[dict[str, Any]]) -> dict[str, float]:
     """rollout/turns_mean, tool_calls_mean, tool_errors (sum), env_errors (sum), env_tokens_mean
-    (masked tokens per trajectory) and env/<name> (each environment metric's mean)."""
+    (masked tokens per trajectory), agent_errors (sum; agent runs) and env/<name> (each environment's
+    or agent's metric's mean)."""
     n = len(episodes)
     out = {
         "rollout/turns_mean": sum(e["turns"] for e in episodes) / n,
@@ -93,6 +94,8 @@ def episode_metrics(episodes: list[dict[str, Any]]) -> dict[str, float]:
         "rollout/env_errors": float(sum(e["env_error"] is not None for e in episodes)),
         "rollout/env_tokens_mean": sum(e["env_tokens"] for e in episodes) / n,
     }
+    if any("agent_error" in e for e in episodes):
+        out["rollout/agent_errors"] = float(sum(e.get("agent_error") is not None for e in episodes))
     names = sorted({k for e in episodes for k in e["env_metrics"]} - {"tool_calls", "tool_errors"})
     for name in names:
         out[f"env/{name}"] = sum(e["env_metrics"].get(name, 0.0) for e in episodes) / n

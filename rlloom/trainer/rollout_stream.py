@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rlloom.agents.driver import AgentDriver
 from rlloom.cluster.base import RolloutGroup
 from rlloom.config import RunConfig
 from rlloom.data.control_tokens import ResponseDecoder
@@ -71,11 +72,12 @@ class RolloutStream:
         runner: RewardRunner,
         decode: ResponseDecoder,
         stop_token_ids: list[int],
-        episodes: EpisodeDriver | None = None,
+        episodes: EpisodeDriver | AgentDriver | None = None,
     ) -> None:
         self.group, self.cfg, self.source = group, cfg, source
         self.episodes = episodes
-        """Multi-turn episodes; None for single-turn generation."""
+        """Multi-turn episodes (an environment, tools, or an agent's sessions: the same calls); None
+        for single-turn generation."""
         self.turns: dict[str, tuple[str, int]] = {}
         """Multi-turn: request id of a later turn -> (its prompt's request id, trajectory)."""
         self.runner, self.decode, self.stop_token_ids = runner, decode, stop_token_ids

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlloom.agents.build import build_agent_driver
 from rlloom.cluster.build import Groups, build_groups
 from rlloom.config import RunConfig
 from rlloom.config.loading import to_dict, to_yaml
@@ -28,6 +29,7 @@ from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.dataset import PromptItem
 from rlloom.data.source import PromptSource
 from rlloom.data.types import Sample
+from rlloom.determinism import enable_determinism, timing_caveat
 from rlloom.devices import resolve_device
 from rlloom.episodes.build import build_episode_driver
 from rlloom.faults import check_fault_env, maybe_fail
@@ -88,6 +90,7 @@ def run(cfg: RunConfig) -> RunResult:
     start-up checks; a resume must continue the same run (see `check_resume_config`)."""
     init_logger()
     check_fault_env()
+    enable_determinism(cfg.trainer.deterministic)  # before anything runs on a GPU (cuBLAS's setting)
     cfg = fit_multi_turn_budget(cfg)
     with RunDirLock(cfg.trainer.run_dir):
         prepare_run_dir(cfg.trainer.run_dir)
@@ -174,7 +177,7 @@ def _run(cfg: RunConfig, resume_from: Path | None) -> RunResult:
                         stop.signum, state.step, saved or checkpoint(cfg.trainer.save_weights_only)
                     )
     finally:
-        for part in (loggers, runner, ctx.episodes and ctx.episodes.calls, groups):
+        for part in (loggers, runner, ctx.episodes, groups):
             if part is not None:
                 part.close()
     return _summary(cfg, run_dir, state, after.get("eval/accuracy"), saved, time.perf_counter() - start)
@@ -222,6 +225,8 @@ def _build_groups(cfg: RunConfig) -> Groups:
     after the memory check of `rlloom plan` (docs/plan.md), before any GPU memory is taken."""
     if warning := check_fits(cfg):
         log.warning(warning)
+    if warning := timing_caveat(cfg):
+        log.warning(warning)
     phase = time.perf_counter()
     groups = build_groups(cfg)
     log.info("start-up: model and engines %.1f s (%s)", time.perf_counter() - phase, cfg.model.path)
@@ -242,7 +247,11 @@ def _step_context(
         stop_token_ids=[] if cfg.rollout.ignore_eos else data.stop_token_ids,  # evaluation still stops at EOS
         on_samples=on_samples,
         critic_group=groups.critic,
-        episodes=build_episode_driver(cfg, data.tokenizer, data.stop_token_ids, data.decode),
+        episodes=(
+            build_agent_driver(cfg, data.tokenizer, data.stop_token_ids)
+            if cfg.rollout.agent
+            else build_episode_driver(cfg, data.tokenizer, data.stop_token_ids, data.decode)
+        ),
     )
 
 

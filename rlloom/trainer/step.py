@@ -153,11 +153,14 @@ def rl_step(ctx: StepContext, step: int, rollout: RolloutResult | None = None) -
 def old_logprobs(cfg: RunConfig, train_group: TrainGroup, batch: RolloutBatch) -> torch.Tensor | None:
     """[B, T] logprobs of the policy before the update: the rollout's (algorithm.use_rollout_logprobs),
     a forward's when several updates or a KL reward need them, else None (a single pass: the loss
-    detaches its own forward's, and weights IS from them)."""
+    detaches its own forward's, and weights IS from them). Under rollout.match_training the forward's
+    would equal the rollout's bit for bit, so they are taken instead."""
     if cfg.algorithm.use_rollout_logprobs:
         return batch.rollout_logprobs()
     if is_single_pass(cfg) and not cfg.algorithm.kl_in_reward:
         return None
+    if cfg.rollout.match_training:
+        return batch.rollout_logprobs()
     # Per first-epoch mini-batch, so the forward sees exactly the micro-batches its update will:
     # the first update's importance ratio is then exactly 1.
     parts = [
@@ -244,13 +247,19 @@ def mini_batch_rows(cfg: RunConfig, num_samples: int, *, epoch: int, seed: int =
 
 
 def logprob_gap(old_logp_BT: torch.Tensor, batch: RolloutBatch) -> dict[str, float]:
-    """Train-vs-rollout logprob gap over valid tokens: mean |dlogp| and mean exp|dlogp| (NeMo-RL's
-    token_mult_prob_error; 1.0 when the two agree)."""
+    """Train-vs-rollout logprob gap over valid tokens: mean |dlogp|, max |dlogp| (0.0 exactly when
+    every token's two logprobs are equal) and mean exp|dlogp| (NeMo-RL's token_mult_prob_error; 1.0
+    when the two agree)."""
     mask = batch.response_mask()
     diff = (old_logp_BT - batch.rollout_logprobs())[mask].abs().double()
     if diff.numel() == 0:
-        return {"rollout/logp_gap_abs": 0.0, "rollout/token_mult_prob_error": 1.0}
+        return {
+            "rollout/logp_gap_abs": 0.0,
+            "rollout/logp_gap_max": 0.0,
+            "rollout/token_mult_prob_error": 1.0,
+        }
     return {
         "rollout/logp_gap_abs": float(diff.mean()),
+        "rollout/logp_gap_max": float(diff.max()),
         "rollout/token_mult_prob_error": float(diff.exp().mean()),
     }

@@ -23,7 +23,7 @@ from rlloom.faults import maybe_fail
 from rlloom.observability.metrics import Max, Mean, Metric, Sum
 
 _SUMS = ("train/tokens", "train/computed_tokens", "train/response_tokens", "time/train_step_s")
-_MAXES = ("memory/", "train/num_micro_batches", "moe/load_max_over_mean")
+_MAXES = ("memory/", "train/num_micro_batches", "moe/load_max_over_mean", "rollout/logp_gap_max")
 _PER_TOKEN = ("loss/", "actor/", "rollout/", "moe/route_mismatch_frac")
 
 

@@ -78,6 +78,7 @@ def test_three_turn_environment_through_the_cli(tiny_checkpoint, tmp_path):
         assert m["rollout/env_tokens_mean"] > 0 and m["env/steps"] == 3.0 and m["reward/mean"] == 1.0
         # training's logprobs of the sampled tokens equal the rollout's: the bookkeeping is exact
         assert abs(m["rollout/token_mult_prob_error"] - 1.0) < 1e-5
+        assert m["rollout/logp_gap_max"] < 1e-5  # over the loss-masked tokens only: env tokens have none
     records = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
     for r in records:
         assert r["turns"] == 3

@@ -83,7 +83,7 @@ def test_two_steps_log_every_metric_and_checkpoint(tiny_checkpoint, tmp_path, ca
         "loss/clipfrac_low", "loss/clipfrac_high", "loss/approx_kl", "actor/entropy", "train/grad_norm",
         "train/lr", "time/generate_s", "time/train_s", "time/sync_s", "time/step_s", "sync/ms",
         "sync/ms_per_gb", "perf/step_tok_per_s", "memory/peak_gib", "policy/version",
-        "rollout/logp_gap_abs", "rollout/token_mult_prob_error",
+        "rollout/logp_gap_abs", "rollout/logp_gap_max", "rollout/token_mult_prob_error",
     ]:  # fmt: skip
         assert key in step, key
     assert step["policy/version"] == 1 and records[2]["policy/version"] == 2
@@ -91,6 +91,7 @@ def test_two_steps_log_every_metric_and_checkpoint(tiny_checkpoint, tmp_path, ca
     assert 0 < step["perf/first_token_s"] < seconds_since_process_start()
     assert "perf/first_token_s" not in records[2]
     assert 0 <= step["rollout/logp_gap_abs"] < 1e-4 and 1 <= step["rollout/token_mult_prob_error"] < 1 + 1e-4
+    assert step["rollout/logp_gap_abs"] <= step["rollout/logp_gap_max"] < 1e-4
     assert "eval/accuracy" in records[0] and "eval/accuracy" in records[2]
     assert (tmp_path / "run" / "checkpoints" / "step_000002" / "manifest.json").is_file()
 

@@ -56,9 +56,10 @@ def build_rollout_engine(
 def check_rollout(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
     """Raise ConfigError for what the rollout backend can tell about the model of `hf_config` (its
     config.json) before loading it: rollout.tp splits it evenly, rollout.quantization=fp8 has experts
-    to quantize, and (inline) the KV cache asked for fits in the device's free memory."""
+    to quantize, rollout.match_training runs on the CPU, and (inline) the KV cache asked for fits in the device's free memory."""
     check_rollout_tp(cfg, hf_config)
     check_rollout_quantization(cfg, hf_config)
+    check_match_training(cfg)
     if cfg.cluster.mode == "inline":  # ray workers check their own devices when they build engines
         check_kv_cache(cfg, hf_config)
 
@@ -88,6 +89,23 @@ def check_rollout_quantization(cfg: RunConfig, hf_config: dict[str, Any]) -> Non
         raise ConfigError(
             f"rollout.quantization={cfg.rollout.quantization!r} is invalid for {cfg.model.path} "
             f"({args.model_type}): {FP8_NEEDS_EXPERTS}. Fix: use rollout.quantization=none."
+        )
+
+
+def check_match_training(cfg: RunConfig) -> None:
+    """rollout.match_training's batch-invariant numerics (models/exact.py) exist on the CPU only."""
+    if not cfg.rollout.match_training:
+        return
+    try:
+        device = resolve_device(cfg)
+    except ValueError:
+        return  # a device that is not there is reported on its own
+    if device.type != "cpu":
+        raise ConfigError(
+            "rollout.match_training is exact on the CPU only in this version; the run would use "
+            f"{device.type} (cluster.device={cfg.cluster.device}), where the batch-invariant kernels are "
+            "not built yet. Fix: set rollout.match_training=false (watch rollout/logp_gap_max), or "
+            "cluster.device=cpu."
         )
 
 

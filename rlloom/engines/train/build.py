@@ -66,7 +66,10 @@ def _native(
 
 def build_train_engine(cfg: RunConfig, *, device: torch.device, dtype: torch.dtype) -> TrainEngine:
     """This rank's training engine: the policy with its optimizer, in the run's parallel layout."""
-    return _native(cfg, cfg.train, cfg.model.path, device=device, dtype=dtype)
+    engine = _native(cfg, cfg.train, cfg.model.path, device=device, dtype=dtype)
+    if cfg.rollout.match_training:  # one rank, no PP (config checks): the module is the PolicyHead
+        engine.module.exact = True  # the rollout's numerics (models/exact.py)
+    return engine
 
 
 def build_reference(cfg: RunConfig, *, device: torch.device, dtype: torch.dtype) -> TrainEngine:

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rlloom.engines.rollout.native.paged_decode import SharedPrefix, paged_decode
+from rlloom.models.exact import is_exact
 
 
 @dataclass(slots=True)
@@ -154,6 +155,8 @@ class PagedAttention:
                 f"{self.k_cache.shape[0]} layers: call prepare() before every forward"
             )
         self._layer += 1
+        if is_exact():  # rollout.match_training: its numerics must reach the op's body (eager, CPU)
+            return self.run_layer(layer, q_NHD, k_NHD, v_NHD, scale)
         return paged_attention_op(q_NHD, k_NHD, v_NHD, self.handle, layer, scale)
 
     def run_layer(

@@ -54,6 +54,7 @@ from rlloom.engines.rollout.native.tp_weights import load_sharded, shard_dims_by
 from rlloom.engines.rollout.native.validation import kv_cache_blocks, request_problem
 from rlloom.engines.rollout.native.vocab_parallel import VocabParallelSampler
 from rlloom.models.args import ModelArgs
+from rlloom.models.exact import exact_numerics
 from rlloom.models.fp8 import FP8_NEEDS_EXPERTS, quantize_fp8_
 from rlloom.models.moe import use_inference_kernel_
 from rlloom.observability.startup import mark_first_token
@@ -119,6 +120,7 @@ class NativeEngine:
         seed: int | None = None,
         tp_group: dist.ProcessGroup | None = None,
         quantization: str = "none",
+        exact: bool = False,
     ) -> None:
         """Wrap a loaded `rlloom.models.CausalLM`; `decode(token_ids) -> str` enables stop strings.
         `quantization="fp8"` quantizes the model's routed experts in place (`rlloom.models.fp8`;
@@ -129,10 +131,13 @@ class NativeEngine:
         its vocabulary slice (vocab_parallel.py). `enable_prefix_caching` keeps the keys and values of
         finished sequences' full blocks for later requests that start with the same tokens (multi-turn
         episodes: a trajectory's next turn; block_manager.py); it is off for MoE models, whose prefill
-        must compute every position to report the experts it chose."""
+        must compute every position to report the experts it chose. `exact` runs the forward and
+        the sampler's logprobs with batch-invariant numerics (rlloom/models/exact.py; CPU)."""
         # The settings were checked where the run config was read (rlloom/config/rollout.py).
         assert max_model_len >= 2 and max_num_batched_tokens >= 1, (max_model_len, max_num_batched_tokens)
         self.model = model.eval()
+        self.exact = exact
+        """Batch-invariant numerics: a token's logprob equals the training forward's (rollout.match_training)."""
         self.device = next(model.parameters()).device
         self.tp = _prepare(model, quantization, tp_group)
         """This rank's part of a tensor-parallel replica (None: the whole model on one device)."""
@@ -223,6 +228,7 @@ class NativeEngine:
             seed=seed,
             tp_group=tp_group,
             quantization=config.quantization,
+            exact=config.match_training,
         )
 
     # ---- step-level API -------------------------------------------------------------------------
@@ -330,12 +336,13 @@ class NativeEngine:
         rows = self._sampling_rows(batch)  # host work and copies queued before the forward
         self.runner.copy_blocks(self.block_manager.take_pending_copies())
         spans = route_spans(batch)
-        logits_SV = self.runner.run(
-            batch.seqs, batch.is_prefill, None if previous is None else previous.token_ids_R
-        )
-        if batch.row_source != list(range(len(batch.seqs))):
-            logits_SV = logits_SV[to_device(torch.tensor(batch.row_source), logits_SV.device)]
-        token_ids_R, logprobs_R = self.sampler(logits_SV, rows)
+        with exact_numerics(self.exact):
+            logits_SV = self.runner.run(
+                batch.seqs, batch.is_prefill, None if previous is None else previous.token_ids_R
+            )
+            if batch.row_source != list(range(len(batch.seqs))):
+                logits_SV = logits_SV[to_device(torch.tensor(batch.row_source), logits_SV.device)]
+            token_ids_R, logprobs_R = self.sampler(logits_SV, rows)
         offsets = self.scheduler.launched(batch)
         return launched(batch, spans, offsets, token_ids_R, logprobs_R, self.runner.last_routes, self._host)
 

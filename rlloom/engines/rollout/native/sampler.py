@@ -280,7 +280,15 @@ class Sampler:
         if bool((rows.top_p_R < 1).any()):
             sorted_RV, order_RV = scores_RV.sort(dim=-1, descending=True)
             probs_RV = sorted_RV.softmax(dim=-1)
-            mass_before_RV = probs_RV.cumsum(dim=-1) - probs_RV
+            mass_before_RV = _cumsum(probs_RV) - probs_RV
             drop_sorted_RV = mass_before_RV >= rows.top_p_R[:, None]
             drop_RV |= torch.zeros_like(drop_sorted_RV).scatter_(1, order_RV, drop_sorted_RV)
         return z_RV.masked_fill(drop_RV, float("-inf"))
+
+
+def _cumsum(x_RV: torch.Tensor) -> torch.Tensor:
+    """Cumulative sums along the vocabulary. torch's CUDA scan of floats has no deterministic variant
+    (it raises under `torch.use_deterministic_algorithms`), so deterministic mode scans on the CPU."""
+    if x_RV.is_cuda and torch.are_deterministic_algorithms_enabled():
+        return x_RV.cpu().cumsum(dim=-1).to(x_RV.device)
+    return x_RV.cumsum(dim=-1)

@@ -28,6 +28,7 @@ from rlloom.data.types import PackedTensors, RolloutBatch
 from rlloom.devices import to_device
 from rlloom.engines.train.base import ForwardOptions
 from rlloom.models.attention_ops import TreePlan
+from rlloom.models.exact import exact_numerics
 from rlloom.models.logprobs import token_logprobs
 from rlloom.parallel.cp import CPShard, check_cp_layout
 from rlloom.parallel.vocab_parallel import vocab_parallel_token_logprobs
@@ -42,6 +43,8 @@ class PolicyHead(nn.Module):
         self.chunk_tokens = chunk_tokens
         self.fused_head = fused_head
         """Run the head's elementwise passes as Triton kernels (CUDA; see models/logprobs.py)."""
+        self.exact = False
+        """Batch-invariant numerics in the forward (rollout.match_training; models/exact.py)."""
 
     def forward(
         self,
@@ -67,6 +70,25 @@ class PolicyHead(nn.Module):
         share of the stream (the inputs and positions are then local, and the shard's attention
         replaces cu_seqlens).
         """
+        with exact_numerics(self.exact):
+            return self._logprobs(
+                input_ids_N, position_ids_N, cu_seqlens, max_seqlen, positions_K, targets_K, options, tree,
+                routes_NLK, cp,
+            )  # fmt: skip
+
+    def _logprobs(
+        self,
+        input_ids_N: torch.Tensor,
+        position_ids_N: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        positions_K: torch.Tensor,
+        targets_K: torch.Tensor,
+        options: ForwardOptions,
+        tree: TreePlan | None,
+        routes_NLK: torch.Tensor | None,
+        cp: CPShard | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden_ND = stream_hidden_states(
             self.model,
             input_ids_N,

@@ -1,0 +1,1 @@
+"""Agents trained through an OpenAI-compatible endpoint (`rollout.agent`, `rlloom serve`)."""

@@ -1,0 +1,339 @@
+"""`AgentDriver`: agents on the rollout stream (`rollout.agent`), in the episode driver's place.
+
+The stream (trainer/rollout_stream.py) calls it as it calls `EpisodeDriver`:
+1. `begin(key, item, sampling)`: one session per trajectory, each with its base URL on the endpoint,
+   and the agent started on it in a worker (`EnvCalls`, agents/spec.py);
+2. `poll()`: the endpoint's requests become engine requests (`TurnRequest`s on the prompt's replica:
+   a session's requests stick to one replica and its KV cache); finished agents end their trajectory;
+3. `on_turn(key, r, completion, versions)`: engine request r came back: its tokens join the session's
+   ledger (agents/ledger.py) and, once every choice of the HTTP request is in, the request is answered;
+4. `finished(key)` once every agent of the group has ended and none of its requests is in flight,
+   then `take(key, group_id)`: each session's samples, its reward the agent's (or None: the reward
+   function scores the session's last answer; `reward.default_score` when the agent failed).
+
+Budgets: a session's request beyond `rollout.max_turns` generation requests, or whose prompt leaves
+no room in the context budget (`rollout.max_total_tokens`), is answered with no tokens and finish
+reason "length". Sampling: the run's temperature, top_p and top_k (the ledger must hold the policy's
+own samples; a request's other values are ignored, with one warning); max_tokens capped at
+`rollout.max_new_tokens` and the room left; seeds from (the prompt's seed, trajectory, request,
+choice) unless the request gives one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from rlloom.agents.api import Answer, ApiError, Choice, GenRequest
+from rlloom.agents.ledger import Fork, Ledger
+from rlloom.agents.server import Call, Endpoint
+from rlloom.agents.spec import AgentResult
+from rlloom.agents.turns import Formats, assistant_message, make_choice, render_prompt
+from rlloom.data.dataset import PromptItem
+from rlloom.data.types import Sample
+from rlloom.engines.rollout import Completion, SamplingParams
+from rlloom.episodes.calls import EnvCalls, EnvResult
+from rlloom.episodes.driver import TurnRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class AgentSettings:
+    max_turns: int
+    max_total_tokens: int
+    per_turn: bool
+    """`rollout.multi_turn_samples=per_turn`: every request its own sample."""
+    default_score: float = 0.0
+
+
+@dataclass(kw_only=True, slots=True)
+class _Session:
+    key: Any
+    j: int
+    ledger: Ledger
+    done: bool = False
+    error: str | None = None
+    result: AgentResult | None = None
+    tool_calls: int = 0
+
+
+@dataclass(kw_only=True, slots=True)
+class _Group:
+    item: PromptItem
+    sampling: SamplingParams
+    sessions: list[_Session]
+    ids: list[str]
+    done: int = 0
+    in_flight: int = 0
+    """Engine requests sent and not back yet."""
+
+
+@dataclass(kw_only=True, slots=True)
+class _Pending:
+    """One HTTP request being generated: its choices as they come back."""
+
+    call: Call
+    session: _Session
+    fork: Fork
+    choices: list[Choice | None]
+
+
+class AgentDriver:
+    def __init__(
+        self,
+        *,
+        settings: AgentSettings,
+        calls: EnvCalls,
+        endpoint: Endpoint,
+        fmt: Formats,
+        stop_token_ids: list[int],
+    ) -> None:
+        self.settings, self.calls, self.endpoint, self.fmt = settings, calls, endpoint, fmt
+        self.stop_token_ids = stop_token_ids
+        self.groups: dict[Any, _Group] = {}
+        self.sessions: dict[str, _Session] = {}
+        self.engine: dict[int, tuple[_Pending, int]] = {}
+        """Engine request id -> (its HTTP request, which choice)."""
+        self._ids = itertools.count()
+        self.epoch = 0
+        self._warned = False
+
+    # ---- start ----------------------------------------------------------------------------------
+
+    def begin(self, key: Any, item: PromptItem, sampling: SamplingParams) -> None:
+        """Open a session per trajectory and start its agent."""
+        n = max(sampling.n, 1)
+        ids = [secrets.token_hex(8) for _ in range(n)]
+        sessions = [
+            _Session(
+                key=key, j=j, ledger=Ledger(tokenizer=self.fmt.tokenizer, extend=not self.settings.per_turn)
+            )
+            for j in range(n)
+        ]
+        self.groups[key] = _Group(item=item, sampling=sampling, sessions=sessions, ids=ids)
+        self.sessions.update(zip(ids, sessions))
+        row = {"prompt": item.prompt, "ground_truth": item.ground_truth, **item.metadata}
+        kwargs = {
+            "model": self.endpoint.model_id,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "max_tokens": sampling.max_new_tokens,
+        }
+        for j, sid in enumerate(ids):
+            self.calls.submit(
+                (self.epoch, key, j), None, "run", (self.endpoint.session_url(sid), row, dict(kwargs))
+            )
+
+    # ---- requests and answers -------------------------------------------------------------------
+
+    def poll(self, timeout_s: float) -> list[TurnRequest]:
+        """Engine requests for the endpoint's new requests; agents that ended end their trajectory."""
+        out = [t for call in self.endpoint.take() for t in self._on_call(call)]
+        for result in self.calls.poll(0.0 if out else timeout_s):
+            epoch, key, j = result.key
+            if epoch == self.epoch and key in self.groups:
+                self._on_agent(self.groups[key], j, result)
+        return out
+
+    def _on_call(self, call: Call) -> list[TurnRequest]:
+        session = self.sessions.get(call.session or "")
+        if session is None or session.done:
+            call.reply(ApiError(404, f"no session {call.session!r} (its agent ended, or it never existed)"))
+            return []
+        group, req, ledger = self.groups[session.key], call.request, session.ledger
+        try:
+            fork = ledger.fork(render_prompt(self.fmt, req))
+        except Exception as e:  # noqa: BLE001 - a template error on the agent's messages is its request's
+            call.reply(
+                ApiError(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}")
+            )
+            return []
+        room = self.settings.max_total_tokens - len(fork.prompt_ids)
+        if room < 1 or ledger.requests >= self.settings.max_turns:
+            empty = Choice(token_ids=[], logprobs=[], pieces=[], text="", finish_reason="length")
+            call.reply(Answer(choices=[empty] * req.n, prompt_tokens=len(fork.prompt_ids)))
+            return []
+        self._warn_sampling(req, group.sampling)
+        pending = _Pending(call=call, session=session, fork=fork, choices=[None] * req.n)
+        out = []
+        for i in range(req.n):
+            r = next(self._ids)
+            self.engine[r] = (pending, i)
+            group.in_flight += 1
+            sampling = self._sampling(group.sampling, req, session, i, room)
+            # The admitted load of a trajectory is its first request's (the stream's count).
+            first = ledger.requests == 0 and i == 0
+            out.append(
+                TurnRequest(
+                    key=session.key,
+                    j=r,
+                    prompt_ids=fork.prompt_ids,
+                    sampling=sampling,
+                    turn=0 if first else 1,
+                )
+            )
+        ledger.requests += 1
+        return out
+
+    def _sampling(
+        self, base: SamplingParams, req: GenRequest, s: _Session, i: int, room: int
+    ) -> SamplingParams:
+        if req.seed is not None:
+            seed = (req.seed * 1_000_003 + i) % (2**31 - 1)
+        elif base.seed is not None:
+            seed = (base.seed * 1_000_003 + s.j * 7_919 + s.ledger.requests * 131 + i) % (2**31 - 1)
+        else:
+            seed = None
+        limit = min(req.max_tokens or base.max_new_tokens, base.max_new_tokens, room)
+        return dataclasses.replace(
+            base, n=1, seed=seed, max_new_tokens=limit, stop_strings=[*base.stop_strings, *req.stop]
+        )
+
+    def _warn_sampling(self, req: GenRequest, base: SamplingParams) -> None:
+        asked = {"temperature": req.temperature, "top_p": req.top_p}
+        run = {"temperature": base.temperature, "top_p": base.top_p}
+        if not self._warned and any(v is not None and v != run[k] for k, v in asked.items()):
+            self._warned = True
+            log.warning(
+                "an agent asked for %s; training sessions sample with the run's rollout.temperature=%g and "
+                "rollout.top_p=%g (the policy's own samples), so the request's values are ignored",
+                {k: v for k, v in asked.items() if v is not None},
+                base.temperature,
+                base.top_p,
+            )
+
+    def on_turn(self, key: Any, r: int, c: Completion, versions: list[int]) -> None:
+        """Engine request r came back: record its tokens; answer the HTTP request once it is whole."""
+        pending, i = self.engine.pop(r)
+        group = self.groups[key]
+        group.in_flight -= 1
+        session, req = pending.session, pending.call.request
+        if session.done:
+            return  # its agent ended meanwhile: nobody reads the answer, and nothing is trained on it
+        choice = make_choice(self.fmt, req, list(c.token_ids), list(c.logprobs), c.finish_reason)
+        if choice.token_ids:
+            messages = [*req.messages, assistant_message(choice)] if req.kind == "chat" else []
+            session.ledger.record(
+                pending.fork,
+                choice.token_ids,
+                choice.logprobs,
+                versions[: len(choice.token_ids)],
+                finish_reason="length" if choice.finish_reason == "length" else "stop",
+                messages=messages,
+                routed_experts=c.routed_experts,
+            )
+        session.tool_calls += len(choice.tool_calls)
+        pending.choices[i] = choice
+        if all(ch is not None for ch in pending.choices):
+            pending.call.reply(
+                Answer(choices=list(pending.choices), prompt_tokens=len(pending.fork.prompt_ids))
+            )
+
+    def _on_agent(self, group: _Group, j: int, result: EnvResult) -> None:
+        session = group.sessions[j]
+        session.done = True
+        if result.error is not None:
+            session.error = f"the agent failed: {result.error}"
+            log.warning("rollout.agent: trajectory %d of prompt %s: %s", j, group.item.index, session.error)
+        else:
+            session.result = result.value
+        group.done += 1
+
+    # ---- the stream's view ----------------------------------------------------------------------
+
+    @property
+    def waiting(self) -> bool:
+        """Agents are running (their requests may arrive at any time)."""
+        return self.calls.num_in_flight > 0
+
+    def finished(self, key: Any) -> bool:
+        group = self.groups.get(key)
+        return group is not None and group.done == len(group.sessions) and group.in_flight == 0
+
+    def take(self, key: Any, group_id: int) -> list[Sample]:
+        """The samples of a finished group; forgets the group."""
+        group = self.groups.pop(key)
+        for sid in group.ids:
+            self.sessions.pop(sid, None)
+        return [s for session in group.sessions for s in self._samples(group, session, group_id)]
+
+    def forget(self) -> None:
+        """Drop every group (the stream dropped its requests): waiting requests get a 503."""
+        for pending, _ in self.engine.values():
+            pending.call.reply(ApiError(503, "the rollout was dropped (the run is stopping or restarting)"))
+        for session in self.sessions.values():
+            session.done = True
+        self.groups.clear()
+        self.sessions.clear()
+        self.engine.clear()
+        self.epoch += 1
+
+    def close(self) -> None:
+        self.calls.close()
+        self.endpoint.close()
+
+    # ---- samples --------------------------------------------------------------------------------
+
+    def _samples(self, group: _Group, session: _Session, group_id: int) -> list[Sample]:
+        item, ledger = group.item, session.ledger
+        leaves = [b for b in ledger.leaves() if b.segment.response_ids]
+        reward = self.settings.default_score if session.error else session.result.reward
+        episode = {
+            "turns": ledger.requests,
+            "tool_calls": session.tool_calls,
+            "tool_errors": 0,
+            "env_error": None,
+            "agent_error": session.error,
+            "env_tokens": sum(len(b.segment.loss_mask) - sum(b.segment.loss_mask) for b in leaves),
+            "env_metrics": {} if session.result is None else dict(session.result.metrics),
+        }
+        answer_ids = list(ledger.last.answer_ids) if ledger.last is not None else []
+        if not leaves:  # the agent generated nothing: one empty sample, so the group keeps its size
+            stop = self.stop_token_ids[0] if self.stop_token_ids else 0
+            return [
+                Sample(
+                    prompt_ids=list(item.prompt_ids),
+                    response_ids=[stop],
+                    rollout_logprobs=[0.0],
+                    loss_mask=[0],
+                    group_id=group_id,
+                    token_versions=[0],
+                    metadata=self._metadata(item, [], answer_ids, reward, episode),
+                )
+            ]
+        return [
+            Sample(
+                prompt_ids=list(b.segment.prompt_ids),
+                response_ids=list(b.segment.response_ids),
+                rollout_logprobs=list(b.segment.logprobs),
+                loss_mask=list(b.segment.loss_mask),
+                group_id=group_id,
+                finish_reason=b.finish_reason,
+                policy_version=b.segment.versions[0],
+                token_versions=list(b.segment.versions),
+                routed_experts=b.segment.routed_experts,
+                trajectory_id=group_id * 1_000 + session.j if len(leaves) > 1 else None,
+                metadata=self._metadata(item, b.messages, answer_ids, reward, episode),
+            )
+            for b in leaves
+        ]
+
+    @staticmethod
+    def _metadata(
+        item: PromptItem, messages: list, answer_ids: list[int], reward: float | None, episode: dict
+    ) -> dict:
+        return {
+            "ground_truth": item.ground_truth,
+            "index": item.index,
+            "prompt": item.prompt,
+            "columns": item.metadata,
+            "messages": [dict(m) for m in messages],
+            "answer_ids": answer_ids,
+            "env_reward": reward,
+            "episode": episode,
+        }

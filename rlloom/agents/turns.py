@@ -1,0 +1,108 @@
+"""One request's way through the model: its prompt as the chat template renders it (or the
+completion's text or ids), and the engine's sampled tokens back as an OpenAI `Choice` (the content
+the run's response decoding gives, a request's `stop` string and what follows it cut off, tool calls
+parsed as in multi-turn episodes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rlloom.agents.api import Choice, GenRequest
+from rlloom.data.control_tokens import ResponseDecoder
+from rlloom.episodes.render import Rendered, encode, render_conversation
+from rlloom.episodes.tools import TOOL_PARSERS, strip_tool_calls
+
+
+@dataclass(frozen=True, slots=True)
+class Formats:
+    """How the served model reads and writes text."""
+
+    tokenizer: Any
+    decode: ResponseDecoder
+    """The run's response decoding: control tokens inside a response visible, a final one left out."""
+    tool_parser: str = "hermes"
+    renders_tool_calls: bool = False
+    """The chat template writes an assistant message's `tool_calls` itself (Qwen's does): the content
+    given back then holds only the text around the calls, so the next request renders the same text."""
+
+    @classmethod
+    def of(cls, tokenizer: Any, tool_parser: str = "hermes") -> Formats:
+        template = getattr(tokenizer, "chat_template", "") or ""
+        return cls(
+            tokenizer=tokenizer,
+            decode=ResponseDecoder.of(tokenizer),
+            tool_parser=tool_parser,
+            renders_tool_calls="tool_calls" in template,
+        )
+
+
+def render_prompt(fmt: Formats, req: GenRequest) -> Rendered | list[int]:
+    """What the model reads: the rendered conversation (chat), the prompt text, or its ids."""
+    if req.kind == "chat":
+        return render_conversation(fmt.tokenizer, req.messages, tools=req.tools)
+    if isinstance(req.prompt, list):
+        return list(req.prompt)
+    return Rendered(req.prompt)  # unmarked: a raw prompt's control-token strings are the model's own
+
+
+def prompt_ids(fmt: Formats, prompt: Rendered | list[int]) -> list[int]:
+    return list(prompt) if isinstance(prompt, list) else encode(fmt.tokenizer, prompt)
+
+
+def _kept(fmt: Formats, ids: list[int], text: str) -> list[int]:
+    """The longest head of `ids` whose text is a head of `text` (the tokens before a stop string)."""
+    for m in range(len(ids), -1, -1):
+        if text.startswith(fmt.tokenizer.decode(ids[:m], skip_special_tokens=False)):
+            return ids[:m]
+    return []
+
+
+def pieces(fmt: Formats, ids: list[int]) -> list[str]:
+    """Each token's text, so that the pieces add up to the decoded text (a token that ends inside a
+    multi-byte character gets "", the next one the character); a final control token gets ""."""
+    body = fmt.decode.body(ids)
+    out, prev = [], ""
+    for k in range(len(body)):
+        text = fmt.tokenizer.decode(body[: k + 1], skip_special_tokens=False)
+        if text.endswith("\ufffd"):
+            out.append("")
+            continue
+        out.append(text[len(prev) :])
+        prev = text
+    return out + [""] * (len(ids) - len(body))
+
+
+def make_choice(
+    fmt: Formats, req: GenRequest, token_ids: list[int], logprobs: list[float], finish_reason: str
+) -> Choice:
+    """The engine's sampled tokens as a `Choice`. A request's `stop` string ends the content there
+    (OpenAI's rule: the stop string is not returned) and only the tokens before it are kept: those
+    are what the model reads back when the agent sends the conversation again."""
+    ids, lps = list(token_ids), list(logprobs)
+    text = fmt.decode(ids)
+    cuts = [text.find(s) for s in req.stop if s in text]
+    if cuts and finish_reason == "stop":
+        text = text[: min(cuts)]
+        ids = _kept(fmt, ids, text)
+        lps = lps[: len(ids)]
+    calls = []
+    if req.parse_tools:
+        calls, _ = TOOL_PARSERS[fmt.tool_parser](text)
+    choice = Choice(
+        token_ids=ids,
+        logprobs=lps,
+        pieces=pieces(fmt, ids) if req.stream or req.logprobs else [],
+        text=strip_tool_calls(text) if calls and fmt.renders_tool_calls else text,
+        tool_calls=calls,
+        finish_reason="tool_calls" if calls and finish_reason == "stop" else finish_reason,
+    )
+    return choice
+
+
+def assistant_message(choice: Choice) -> dict[str, Any]:
+    """The assistant message the choice adds to the conversation (samples.jsonl's `messages`)."""
+    message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+    if choice.tool_calls:
+        message["tool_calls"] = [c.as_message_entry() for c in choice.tool_calls]
+    return message

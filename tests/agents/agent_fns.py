@@ -1,0 +1,42 @@
+"""Agents the endpoint tests load by "module:function" (this folder is their import_dir)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from openai import AsyncOpenAI
+
+
+async def two_turns(base_url, row, sampling):
+    """Two chat turns with a tool message between them, through the official client."""
+    async with AsyncOpenAI(base_url=base_url, api_key="none") as client:
+        messages = [{"role": "user", "content": row["prompt"]}]
+        first = await client.chat.completions.create(messages=messages, **sampling)
+        messages.append({"role": "assistant", "content": first.choices[0].message.content})
+        messages.append({"role": "tool", "content": "42"})
+        await client.chat.completions.create(messages=messages, **sampling)
+    return None
+
+
+async def faulty(base_url, row, sampling):
+    """Fails as the row's prompt ends: hang, exit, crash, raise, garbage, or fine (reward 1)."""
+    async with AsyncOpenAI(base_url=base_url, api_key="none") as client:
+        await client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **sampling)
+    how = row["ground_truth"]
+    if how == "hang":
+        time.sleep(1000)
+    if how == "exit":
+        sys.exit(3)
+    if how == "crash":
+        os._exit(1)
+    if how == "raise":
+        raise RuntimeError("the agent broke")
+    if how == "garbage":
+        return "not a reward"
+    return {"reward": 1.0, "metrics": {"calls": 1.0}}
+
+
+def one_argument(base_url):
+    """The wrong shape: an agent takes (base_url, row, sampling)."""

@@ -1,0 +1,120 @@
+"""Agents trained as a user starts them: `rlloom train` with `rollout.agent` naming a function that
+talks to its session through the official `openai` client; the ledger's tokens are exact (training's
+logprobs equal the rollout's), and agents that fail cost only their trajectory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlloom.cli import main
+
+HERE = Path(__file__).parent
+
+
+def _train(ckpt: Path, run_dir: Path, *extra: str) -> list[dict]:
+    args = [
+        f"model.path={ckpt}",
+        f"trainer.run_dir={run_dir}",
+        "data.num_train=64",
+        "data.num_eval=0",
+        "rollout.max_new_tokens=8",
+        "logging.console=false",
+        "trainer.save_hf_every=-1",
+        f"reward.import_dir={HERE}",
+        *extra,
+    ]
+    assert main(["train", "arithmetic_smoke", *args]) == 0
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_an_openai_client_agent_trains_on_its_exact_tokens(tiny_checkpoint, tmp_path):
+    run = tmp_path / "run"
+    metrics = _train(
+        tiny_checkpoint, run, "rollout.agent=agent_fns:two_turns", "trainer.total_steps=2", "train.lr=1e-2"
+    )
+    assert len(metrics) == 2
+    for m in metrics:
+        assert m["rollout/turns_mean"] == 2.0 and m["rollout/agent_errors"] == 0.0
+        # one sample per session: the second request extended the first (the tool message masked)
+        assert m["rollout/env_tokens_mean"] > 0
+        # training's logprobs of the sampled tokens equal the rollout's: the ledger is exact
+        assert abs(m["rollout/token_mult_prob_error"] - 1.0) < 1e-5
+    records = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    for r in records:
+        assert r["turns"] == 2
+        assert [m["role"] for m in r["messages"]] == ["user", "assistant", "tool", "assistant"]
+        assert r["messages"][2]["content"] == "42" and r["response"] == r["messages"][3]["content"]
+
+
+def test_per_turn_samples_are_exact_too(tiny_checkpoint, tmp_path):
+    metrics = _train(
+        tiny_checkpoint,
+        tmp_path / "run",
+        "rollout.agent=agent_fns:two_turns",
+        "rollout.multi_turn_samples=per_turn",
+        "trainer.total_steps=1",
+    )
+    assert metrics[0]["rollout/turns_mean"] == 2.0
+    assert metrics[0]["rollout/env_tokens_mean"] == 0.0  # each request its own sample: nothing masked
+    assert abs(metrics[0]["rollout/token_mult_prob_error"] - 1.0) < 1e-5
+
+
+def test_failing_agents_cost_only_their_trajectory(tiny_checkpoint, tmp_path):
+    kinds = ["ok", "hang", "exit", "crash", "raise", "garbage"]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"row {k}", "answer": k}) + "\n" for k in kinds))
+    metrics = _train(
+        tiny_checkpoint,
+        tmp_path / "run",
+        "rollout.agent=agent_fns:faulty",
+        "rollout.agent_timeout_s=10",
+        "rollout.n_samples=2",
+        "rollout.env_workers=6",
+        "trainer.prompts_per_step=6",
+        "trainer.total_steps=1",
+        "data.task=jsonl",
+        f"data.path={data}",
+        "data.num_train=6",
+        "reward.default_score=-1",
+    )
+    m = metrics[0]
+    assert m["rollout/agent_errors"] == 10.0 and m["env/calls"] == 2 / 12
+    assert m["reward/mean"] == (2.0 - 10.0) / 12  # the good agents' 1.0, default_score for the rest
+
+
+def test_bad_agents_are_one_line_before_the_model_loads(tiny_checkpoint, tmp_path, capsys):
+    for setting, expected in [
+        ("rollout.agent=agent_fns:missing", "has no 'missing'"),
+        ("rollout.agent=agent_fns:one_argument", "wrong signature"),
+        ("rollout.agent=no_such_module:run", "cannot import module"),
+        ("rollout.agent=agent_fns", "is not 'module:name'"),
+    ]:
+        args = [
+            f"model.path={tiny_checkpoint}",
+            f"trainer.run_dir={tmp_path / 'run'}",
+            f"reward.import_dir={HERE}",
+        ]
+        assert main(["train", "arithmetic_smoke", *args, setting]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("rlloom: error: rollout.agent=") and expected in err[0], (
+            err
+        )
+    both = ["rollout.agent=agent_fns:two_turns", "rollout.env=x:Y", f"model.path={tiny_checkpoint}"]
+    assert main(["train", "arithmetic_smoke", *both]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "excludes rollout.env" in err[0]
+
+
+@pytest.mark.slow  # a Ray start: 30-90 s on 2 cores
+def test_an_agent_on_ray_equals_inline(ray_cluster, tiny_checkpoint, tmp_path):
+    args = ["rollout.agent=agent_fns:two_turns", "trainer.total_steps=2", "train.lr=3e-2"]
+    inline = _train(tiny_checkpoint, tmp_path / "inline", *args)
+    on_ray = _train(tiny_checkpoint, tmp_path / "ray", *args, "cluster.mode=ray", "cluster.num_workers=1")
+    for a, b in zip(inline, on_ray, strict=True):
+        for k, v in a.items():
+            if k.startswith(("time/", "perf/", "memory/", "sync/")):
+                continue
+            assert abs(v - b[k]) <= 1e-5 * abs(v) + 1e-7, (a["step"], k, v, b[k])

@@ -1,0 +1,174 @@
+"""The OpenAI-compatible endpoint through the official `openai` client, on the tiny model served in
+this process (the serve loop of `rlloom serve`): streaming equals non-streaming, n choices, stop
+strings, concurrent requests, logprobs, the context budget, and OpenAI-style 4xx bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import openai
+import pytest
+import torch
+
+from rlloom.agents.api import parse_chat
+from rlloom.agents.serve import Limits, serve
+from rlloom.agents.server import Endpoint
+from rlloom.agents.turns import Formats
+from rlloom.config import load_config
+from rlloom.engines.rollout.build import build_rollout_engine
+from rlloom.models import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def url(tiny_checkpoint):
+    cfg = load_config(
+        None, [f"model.path={tiny_checkpoint}", "data.max_prompt_length=64", "rollout.max_new_tokens=16"]
+    )
+    tokenizer = load_tokenizer(str(tiny_checkpoint))
+    engine = build_rollout_engine(cfg, device=torch.device("cpu"), dtype=torch.float32)
+    limits = Limits(
+        max_total_tokens=cfg.longest_sequence,
+        max_new_tokens=16,
+        stop_token_ids=[tokenizer.eos_token_id],
+        stop_strings=[],
+    )
+    endpoint = Endpoint(model_id="tiny", sessions_only=False)
+    endpoint.start()
+    done = threading.Event()
+    thread = threading.Thread(
+        target=serve, args=(engine, endpoint, Formats.of(tokenizer), limits), kwargs={"stop": done.is_set}
+    )
+    thread.start()
+    yield endpoint.url + "/v1"
+    done.set()
+    thread.join(10)
+    endpoint.close()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def test_models_lists_the_policy(url):
+    assert [m.id for m in client(url).models.list().data] == ["tiny"]
+
+
+def test_streaming_gives_the_non_streaming_tokens(url):
+    args = dict(model="tiny", messages=HI, max_tokens=12, temperature=1.0, seed=7, logprobs=True)
+    whole = client(url).chat.completions.create(**args).choices[0]
+    chunks = [c for c in client(url).chat.completions.create(**args, stream=True) if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == whole.message.content and len(text) > 0
+    streamed_lps = [t.logprob for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert streamed_lps == [t.logprob for t in whole.logprobs.content]
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason
+
+
+def test_n_choices_are_the_seeded_samples(url):
+    args = dict(model="tiny", messages=HI, max_tokens=10, temperature=1.0, seed=3)
+    three = client(url).chat.completions.create(**args, n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    texts = [c.message.content for c in three.choices]
+    assert len(set(texts)) == 3  # three draws, not one copied
+    assert [c.message.content for c in client(url).chat.completions.create(**args, n=3).choices] == texts
+
+
+def test_stop_strings_end_the_answer_before_them(url):
+    args = dict(model="tiny", messages=HI, max_tokens=16, temperature=1.0, seed=11)
+    free = client(url).chat.completions.create(**args).choices[0].message.content
+    stop = free[3]
+    cut = client(url).chat.completions.create(**args, stop=[stop]).choices[0]
+    assert cut.message.content == free[: free.index(stop)] and cut.finish_reason == "stop"
+    text = client(url).completions.create(
+        model="tiny", prompt="abc", max_tokens=16, temperature=1.0, seed=11, stop=stop
+    )
+    assert stop not in text.choices[0].text
+
+
+def test_concurrent_requests_answer_as_alone(url):
+    prompts = [f"question {i}" for i in range(6)]
+
+    async def ask(c, p):
+        r = await c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": p}], max_tokens=8, temperature=0
+        )
+        return r.choices[0].message.content
+
+    async def together():
+        async with openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0) as c:
+            return await asyncio.gather(*(ask(c, p) for p in prompts))
+
+    alone = [
+        client(url)
+        .chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": p}], max_tokens=8, temperature=0
+        )
+        .choices[0]
+        .message.content
+        for p in prompts
+    ]
+    assert asyncio.run(together()) == alone
+
+
+def test_over_the_budget_is_length_not_an_error(url):
+    r = client(url).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x" * 200}], max_tokens=4
+    )
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.content == ""
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0]"),
+        ({"messages": HI, "temperature": "hot"}, "temperature"),
+        ({"messages": HI, "n": 0}, "n"),
+        ({"messages": HI, "stop": [""]}, "stop"),
+        ({"messages": HI, "top_logprobs": 3}, "top_logprobs"),
+        ({"messages": HI, "tools": [{"type": "function"}]}, "tools"),
+    ],
+)
+def test_a_malformed_request_gets_an_openai_400(url, body, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client(url).chat.completions.create(model="tiny", **body)
+    assert e.value.status_code == 400 and e.value.body["param"] == param and e.value.body["message"]
+
+
+def test_bad_json_and_unknown_routes_get_openai_bodies(url):
+    import httpx
+
+    r = httpx.post(
+        url + "/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(url + "/embeddings")
+    assert r.status_code == 404 and "error" in r.json() and "Traceback" not in r.text
+
+
+def test_tool_calls_are_parsed_and_sent_back_as_dict_arguments():
+    req = parse_chat(
+        {
+            "messages": [
+                {"role": "user", "content": "add"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "2"},
+            ],
+            "tools": [{"type": "function", "function": {"name": "add", "parameters": {}}}],
+        }
+    )
+    assert req.parse_tools and req.messages[1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}],
+    }
