@@ -14,25 +14,29 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, replace
 
 import torch
 
-from rlloom.config import RunConfig
+from rlloom.config import ConfigError, RunConfig
+from rlloom.devices import available_memory_bytes
 from rlloom.models.args import ModelArgs
 from rlloom.models.checkpoint import resolve_path
 from rlloom.plan.counts import lora_params, model_costs, value_model_params
 from rlloom.plan.inputs import Hardware, Layout, Workload
-from rlloom.plan.memory import GB, estimate
+from rlloom.plan.memory import GB, Estimate, estimate
 
 _RECOMPUTE = {"off": "none", "full": "full", "every_k": "full"}
 
 
 def run_layout(
-    cfg: RunConfig, critic_params: float = 0.0, lora_params: float = 0.0
+    cfg: RunConfig, critic_params: float = 0.0, lora_params: float = 0.0, *, on_cuda: bool = True
 ) -> tuple[Layout, Workload]:
     """The layout and workload a run with `cfg` trains with (`critic_params`: PPO's critic's
-    parameter count, 0 without one; `lora_params`: the LoRA adapters', 0 for full fine-tuning)."""
+    parameter count, 0 without one; `lora_params`: the LoRA adapters', 0 for full fine-tuning;
+    `on_cuda`: False for a CPU run, which computes eagerly and, with model.dtype=auto, in fp32)."""
     par, train = cfg.parallel, cfg.train
+    fp32 = cfg.model.dtype == "float32" or (cfg.model.dtype == "auto" and not on_cuda)
     offload = train.optimizer_offload_fraction if train.optimizer_offload else 0.0
     every_k = train.ac_every_k if train.activation_checkpointing == "every_k" else 1
     colocated = cfg.cluster.placement == "colocated"
@@ -41,7 +45,8 @@ def run_layout(
         recompute=_RECOMPUTE[train.activation_checkpointing],
         recompute_every_k=every_k,
         logprob_chunk_tokens=train.logprob_chunk_tokens,
-        compiled=train.compile,
+        compiled=train.compile and on_cuda,
+        compute_bytes=4 if fp32 else 2,
         colocated_rollout=colocated,
         rollout_weights_on_gpu=True,
         rollout_model_parallel=cfg.rollout.tp,
@@ -64,8 +69,11 @@ def run_layout(
     return layout, work
 
 
-def fit_warning(cfg: RunConfig, gpu_memory_gb: float, cpu_memory_gb: float = 0.0) -> str | None:
-    """A one-line warning when the memory model says `cfg` will not fit GPUs of `gpu_memory_gb`."""
+def run_estimate(
+    cfg: RunConfig, memory_gb: float, cpu_memory_gb: float = 0.0, *, on_cuda: bool = True, tokens: int = 0
+) -> Estimate:
+    """The memory model's estimate of `cfg`'s layout on devices of `memory_gb` (`tokens`: a
+    micro-batch's tokens instead of the run's)."""
     args = _args(cfg.model.path)
     costs = model_costs(args)
     critic = 0.0
@@ -74,21 +82,108 @@ def fit_warning(cfg: RunConfig, gpu_memory_gb: float, cpu_memory_gb: float = 0.0
     adapters = 0.0
     if cfg.train.lora_rank:
         adapters = lora_params(args, cfg.train.lora_rank, cfg.train.lora_target_modules)
-    layout, work = run_layout(cfg, critic, adapters)
+    layout, work = run_layout(cfg, critic, adapters, on_cuda=on_cuda)
+    if tokens:
+        work = replace(work, max_tokens_per_gpu=tokens)
     hw = Hardware(
         gpus=layout.world,
-        gpu_memory_gb=gpu_memory_gb,
+        gpu_memory_gb=memory_gb,
         gpus_per_node=layout.world,
         cpu_memory_gb_per_node=cpu_memory_gb,
     )
-    est = estimate(costs, layout, hw, work)
+    return estimate(costs, layout, hw, work)
+
+
+def fit_warning(cfg: RunConfig, gpu_memory_gb: float, cpu_memory_gb: float = 0.0) -> str | None:
+    """A one-line warning when the memory model says `cfg` will not fit GPUs of `gpu_memory_gb`."""
+    est = run_estimate(cfg, gpu_memory_gb, cpu_memory_gb)
     if est.fits:
         return None
     return (
-        f"the memory model predicts this run will not fit ({layout.short()}): {'; '.join(est.problems)}. "
+        f"the memory model predicts this run will not fit ({est.layout.short()}): {'; '.join(est.problems)}. "
         "Fix: lower train.max_tokens_per_micro_batch, set train.activation_checkpointing=full or "
         "train.optimizer_offload=true, or see `rlloom plan` (docs/plan.md)."
     )
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    """The memory one training rank of the run may take."""
+
+    per_rank_gb: float
+    where: str
+    """What that is, for the error: "a GPU has 79.1 GiB" or "this host has 23.0 GiB available
+    shared by 2 ranks"."""
+    on_cuda: bool
+
+    @property
+    def limit_gb(self) -> float:
+        """The predicted peak above which a run is refused: the GPU's memory, or on CPU the rank's
+        share of the host's available memory times CPU_OVERESTIMATE."""
+        return self.per_rank_gb * (1.0 if self.on_cuda else CPU_OVERESTIMATE)
+
+
+CPU_OVERESTIMATE = 1.5
+"""How far the memory model over-predicts a CPU run: it counts bf16 parameter copies and GPU buffers,
+and eager activations by a factor measured in bf16 on a GPU. The demo (arithmetic_demo, one step,
+2048-token micro-batches) peaked at 4.7 GiB resident against 7.5 GiB predicted (2026-11-29); a
+refusal must be sure, so a CPU run is refused only beyond this factor of its share."""
+
+
+def memory_problem(cfg: RunConfig, memory: DeviceMemory) -> str | None:
+    """One line when the memory model's peak of a training rank (model states, one micro-batch's
+    activations and logits, the colocated rollout's weights) exceeds `memory`, naming the setting to
+    change; None when it fits."""
+    tokens = micro_batch_tokens(cfg)  # what a micro-batch can hold, not the budget (a refusal is sure)
+    need = run_estimate(cfg, memory.per_rank_gb, on_cuda=memory.on_cuda, tokens=tokens)
+    if need.gpu_memory_gb <= memory.limit_gb:
+        return None
+    # what the rank holds besides the micro-batch: the peak of a one-token micro-batch
+    states = run_estimate(cfg, memory.per_rank_gb, on_cuda=memory.on_cuda, tokens=1).gpu_memory_gb
+    fitting = _largest_fitting_tokens(cfg, memory, tokens)
+    layout, longest = need.layout.short(), cfg.longest_sequence
+    if fitting >= longest:
+        return (
+            f"train.max_tokens_per_micro_batch={cfg.train.max_tokens_per_micro_batch} is too large here: "
+            f"a training rank ({layout}) needs about {need.gpu_memory_gb:.1f} GiB with a micro-batch of "
+            f"{tokens} tokens ({need.gpu_memory_gb - states:.1f} GiB of it the micro-batch's activations and "
+            f"logits), and {memory.where}. Fix: lower train.max_tokens_per_micro_batch to {fitting} or "
+            "less, or split a micro-batch over more ranks (raise parallel.tp or parallel.cp)."
+        )
+    return (
+        f"cluster.num_workers={cfg.cluster.num_workers} is too few here: a training rank ({layout}) needs "
+        f"more than {memory.limit_gb:.1f} GiB even with a micro-batch of one {longest}-token sequence "
+        f"({states:.1f} GiB for the model states, optimizer and rollout weights alone), and {memory.where}. "
+        "Fix: shard the model over more ranks (raise cluster.num_workers, with parallel.tp or parallel.pp), "
+        "set train.optimizer_offload=true or train.lora_rank, or shorten the sequences "
+        "(data.max_prompt_length, rollout.max_new_tokens); `rlloom plan` lists layouts that fit "
+        "(docs/plan.md)."
+    )
+
+
+def micro_batch_tokens(cfg: RunConfig) -> int:
+    """Most tokens one micro-batch holds: the budget (pipeline stages pad every micro-batch to it),
+    no more than a whole step's sequences, and at least one sequence (a longer one goes alone, never
+    cut)."""
+    budget, longest = cfg.train.max_tokens_per_micro_batch, cfg.longest_sequence
+    if cfg.parallel.pp > 1:
+        return budget
+    step = cfg.trainer.prompts_per_step * cfg.rollout.n_samples * longest
+    return max(longest, min(budget, step))
+
+
+def _largest_fitting_tokens(cfg: RunConfig, memory: DeviceMemory, tokens: int) -> int:
+    """The largest micro-batch below `tokens` whose estimate fits `memory` (0 if none), by bisection
+    (the peak grows with the tokens)."""
+    limit_gb = memory.limit_gb
+    low, high = 0, tokens  # low fits (or is 0), high does not
+    while high - low > max(1, low // 100):  # to 1%: the fix names a round enough number
+        mid = (low + high) // 2
+        if run_estimate(cfg, limit_gb, on_cuda=memory.on_cuda, tokens=mid).gpu_memory_gb <= limit_gb:
+            low = mid
+        else:
+            high = mid
+    return low - low % 1024 if low >= 2048 else low  # a round number
 
 
 def _args(path: str) -> ModelArgs:
@@ -101,6 +196,30 @@ def device_memory_gb(cfg: RunConfig) -> tuple[float, float] | None:
         return None
     gpu = torch.cuda.get_device_properties(0).total_memory / GB
     return gpu, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
+
+
+def rank_memory(cfg: RunConfig) -> DeviceMemory:
+    """What one training rank may take: a whole GPU, or on CPU the host's available memory shared by
+    every rank of the run (Ray's actors run on this host; separate rollout slots take a share too)."""
+    memory = device_memory_gb(cfg)
+    if memory is not None:
+        return DeviceMemory(memory[0], f"a GPU has {memory[0]:.1f} GiB", on_cuda=True)
+    ranks = cfg.cluster.num_workers + (
+        cfg.cluster.rollout_workers if cfg.cluster.placement == "separate" else 0
+    )
+    available = available_memory_bytes(torch.device("cpu")) / GB
+    shared = f" shared by {ranks} ranks" if ranks > 1 else ""
+    return DeviceMemory(
+        available / ranks, f"this host has {available:.1f} GiB available{shared}", on_cuda=False
+    )
+
+
+def check_memory(cfg: RunConfig) -> None:
+    """Refuse at start-up, in one line, a layout whose training peak exceeds the device's memory
+    (on CUDA the GPU's, on CPU the available host memory), instead of an out-of-memory crash later."""
+    problem = memory_problem(cfg, rank_memory(cfg))
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def check_fits(cfg: RunConfig) -> str | None:

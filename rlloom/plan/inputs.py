@@ -81,6 +81,9 @@ class Workload:
     the fp32 gradients the earlier ones accumulated (so 2 and more peak alike); 1 is a step of one."""
     compiled: bool = True
     """Decoder layers run torch.compile'd (rlloom's default on CUDA); eager ones save more."""
+    compute_bytes: int = 2
+    """Bytes of one activation or logit element: 2 for bf16 (rlloom's compute dtype on CUDA), 4 for
+    fp32 (its default on CPU). Parameter copies are counted in bf16 either way."""
     colocated_rollout: bool = True
     """A rollout engine shares the GPUs; it needs its weights and a KV cache between training steps."""
     rollout_weights_on_gpu: bool = False

@@ -167,16 +167,18 @@ def stage_memory(
     phases["step"] = _step_phase(costs, layout, trained, shards, optimizer)
     if is_last:
         # the logprob head's backward, before any layer's: every saved activation, the final norm's
-        # fp32 input and bf16 output, the fp32 weight-gradient accumulator, and as buffers the
-        # selected hidden states and their gradient and the [chunk, V] bf16 logits and gradients
+        # fp32 input and compute-dtype output, the fp32 weight-gradient accumulator, and as buffers
+        # the selected hidden states and their gradient and the [chunk, V] logits and gradients
+        # (bf16 on CUDA, as every activation here: `act` bytes an element)
+        act = work.compute_bytes
         selected = work.response_fraction * seq
         chunks = _head_chunk_tokens(selected, work.logprob_chunk_tokens)
         phases["head"] = Breakdown(
             shards + (2 * trained.params if copies else gathered_root),
             earlier + 4 * trained.head,
             optimizer,
-            activations + (4 + 2) * t * costs.hidden_size,
-            comm + 2 * 2 * selected * costs.hidden_size + 2 * chunks * costs.vocab_size / layout.tp,
+            activations + (4 + act) * t * costs.hidden_size,
+            comm + 2 * act * selected * costs.hidden_size + act * chunks * costs.vocab_size / layout.tp,
         )
     phase = max(phases, key=lambda name: phases[name].total)
     bd = phases[phase]
@@ -220,9 +222,10 @@ def _activation_bytes(
             for i in layers
         )
     eager = 1.0 if work.compiled else EAGER_ACTIVATION_FACTOR
-    activations = 2 * t * saved * in_flight * eager
+    act = work.compute_bytes  # bytes an element: bf16 on CUDA, fp32 on CPU
+    activations = act * t * saved * in_flight * eager
     largest = max(c.act_none for c, _ in present)
-    working = 2 * t * largest * (1.5 if work.recompute == "full" else 0.5) * eager  # recomputed + grads
+    working = act * t * largest * (1.5 if work.recompute == "full" else 0.5) * eager  # recomputed + grads
     if layout.cp > 1:
         working += _cp_attention_bytes(costs, layout, work.max_tokens_per_gpu)
     last_layer = activations / max(1, len(layers))  # the saved input of the backward's last layer

@@ -9,6 +9,9 @@
 - The parallel degrees (parallel.tp/ep/...) divide the model's heads, KV heads, experts, vocabulary
   and layers as each technique needs, every factor printed (the training backend's
   `engines/train/build.check_parallel`).
+- A training rank's memory peak, as `rlloom plan`'s memory model predicts it for the run's layout
+  (model states, one micro-batch's activations and logits, the colocated rollout), fits the GPU,
+  or on CPU the host memory available to each rank (`plan.check.check_memory`).
 - rollout.quantization=fp8 has routed experts to quantize (an MoE model), and rollout.tp splits the
   model evenly: it divides the attention heads, the KV heads (or is a multiple of them) and the MLP
   and expert widths (the rollout backend's `engines/rollout/build.check_rollout`).
@@ -45,6 +48,7 @@ from rlloom.engines.rollout.build import check_rollout
 from rlloom.engines.train.build import check_parallel
 from rlloom.episodes.build import check_episodes
 from rlloom.models.checkpoint import VALUE_MODEL_SUFFIXES
+from rlloom.plan.check import check_memory
 from rlloom.rewards.build import check_model_term
 from rlloom.rewards.registry import get_reward_fn
 from rlloom.tasks.build import default_reward_name, task_prompts
@@ -84,6 +88,7 @@ def check_before_loading(cfg: RunConfig) -> None:
     check_parallel(cfg, hf_config)
     check_critic(cfg, hf_config)
     check_teacher(cfg, hf_config)
+    check_memory(cfg)
     check_data(cfg)
     check_logging_backends(cfg)
     check_episodes(cfg)

@@ -216,6 +216,7 @@ def test_rlloom_train_starts_from_an_fp8_checkpoint_and_saves_unquantized(tiny_c
         f"model.path={fp8}",
         "trainer.total_steps=1",
         f"trainer.run_dir={run}",
+        "data.num_train=16",  # not the recipe's 10000 prompts to tokenize
     ]
     assert main(argv) == 0
     capsys.readouterr()

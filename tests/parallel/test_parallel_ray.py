@@ -40,6 +40,7 @@ def cfg_for(ckpt: Path, run_dir: Path, *extra: str):
             "algorithm.routing_replay=rollout",
             "algorithm.entropy_coef=0.01",  # rewards of a random model are 0: the entropy term trains it
             "logging.console=false",
+            "rollout.kv_cache_memory_gb=0.05",  # per rank: 200k tokens of the tiny model, not 1 GiB to zero
             *extra,
         ],
     )

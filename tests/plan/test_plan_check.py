@@ -1,4 +1,5 @@
-"""The trainer's start-up warning: `check_fits(cfg)` on the run's layout."""
+"""The trainer's start-up memory checks on the run's layout: `check_fits(cfg)` warns (the memory
+model's margins), `check_memory(cfg)` refuses a peak beyond the device's memory in one line."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from rlloom.cli import main
 from rlloom.config import load_config
 from rlloom.plan import check
 from rlloom.plan.published import CONFIG_DIR
@@ -107,3 +109,61 @@ def test_the_critic_state_matches_its_measurement_on_one_gpu():
                  tie_word_embeddings=True, max_position_embeddings=4096)  # fmt: skip
     critic = value_model_params(model_costs(ModelArgs.from_hf_config(shape)))
     assert sum(critic_state_gb(critic, Layout())) == pytest.approx(61.95 - 55.28, rel=0.01)
+
+
+HUGE_MICRO_BATCH = ["rollout.n_samples=20000", "train.max_tokens_per_micro_batch=100000000"]
+"""A step of 2 x 20000 sequences of 264 tokens, all in one micro-batch: about 70 GiB of activations on
+the tiny model on CPU (fp32, eager); its samples need only 1.3 GiB of host memory."""
+
+
+def train_line(ckpt: Path, tmp_path: Path, *extra: str) -> list[str]:
+    return ["train", "arithmetic_smoke", f"model.path={ckpt}", f"trainer.run_dir={tmp_path / 'run'}",
+            "logging.console=false", "data.num_eval=2", "data.num_train=16", *extra]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "layout, shared",
+    [
+        ([], ""),
+        (["cluster.mode=ray", "cluster.num_workers=2", "parallel.tp=2"], "shared by 2 ranks"),
+        (["cluster.mode=ray", "cluster.num_workers=2", "parallel.pp=2"], "shared by 2 ranks"),
+    ],
+    ids=["one_rank", "tp2", "pp2"],
+)
+def test_a_micro_batch_the_host_cannot_hold_is_one_line_at_start_up(
+    layout, shared, tiny_checkpoint, tmp_path, capsys, monkeypatch
+):
+    # a host with 4 GiB available (the check reads MemAvailable; fixed here so that the case
+    # does not depend on the machine); Ray is not started: the check runs before anything is built
+    monkeypatch.setattr(check, "available_memory_bytes", lambda device: 4 * 2**30)
+    rc = main(train_line(tiny_checkpoint, tmp_path, *HUGE_MICRO_BATCH, *layout))
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    line = lines[0]
+    assert line.startswith("rlloom: error: train.max_tokens_per_micro_batch=100000000 is too large here"), (
+        line
+    )
+    assert "this host has 4.0 GiB available" in line and shared in line, line
+    assert "Fix: lower train.max_tokens_per_micro_batch to " in line, line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    # the budget the line proposes passes the check; one far above it does not
+    fitting = int(line.split("Fix: lower train.max_tokens_per_micro_batch to ")[1].split()[0])
+    base = [f"model.path={tiny_checkpoint}", *HUGE_MICRO_BATCH, *layout]
+    memory = check.rank_memory(load_config("arithmetic_smoke", base))
+    for budget, fits in [(fitting, True), (2 * fitting, False)]:
+        cfg = load_config("arithmetic_smoke", [*base, f"train.max_tokens_per_micro_batch={budget}"])
+        assert (check.memory_problem(cfg, memory) is None) == fits, budget
+
+
+def test_model_states_a_gpu_cannot_hold_name_the_workers(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    # a GPU of 0.5 GiB: the smoke recipe's rollout keeps its 1 GiB KV cache while training
+    # (rollout.sleep_during_train=false), so no micro-batch fits: the line names the layout instead
+    monkeypatch.setattr(check, "device_memory_gb", lambda cfg: (0.5, 0.0))
+    rc = main(train_line(tiny_checkpoint, tmp_path))
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("rlloom: error: cluster.num_workers=1 is too few here"), lines[0]
+    assert "a GPU has 0.5 GiB" in lines[0] and "one 264-token sequence" in lines[0], lines[0]
+    assert "train.optimizer_offload=true" in lines[0] and "rlloom plan" in lines[0], lines[0]

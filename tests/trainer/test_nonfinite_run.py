@@ -26,6 +26,7 @@ def test_every_step_non_finite_stops_with_error_and_saves_only_finite_weights(
             "trainer.total_steps=2",
             "trainer.save_every=1",
             "data.num_eval=0",
+            "data.num_train=16",  # not the recipe's 10000 prompts to tokenize
             "rollout.max_new_tokens=5",
             "rollout.num_blocks=64",
             "logging.console=false",
