@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from rlloom.agents.build import build_agent_driver
+from rlloom.cluster import WorkerFailure
 from rlloom.cluster.base import TrainGroup
 from rlloom.cluster.build import Groups, build_groups
 from rlloom.config import RunConfig
