@@ -236,6 +236,11 @@ class EngineStream:
                 self._record(self.engine.step())  # nothing else is scheduled: only the aborted come out
             finally:
                 self._aborting = False
+        while self.engine.has_unfinished():
+            # Every request finished, but the engine launched one more step before it knew (its steps
+            # are pipelined): settle it, or the engine's next user (an evaluation's `generate`) finds
+            # it still busy. The step's tokens belong to finished sequences: nothing comes out.
+            self._record(self.engine.step())
         return False
 
     def _wait_for(self, ready: Callable[[], bool], what: str) -> None:

@@ -120,3 +120,24 @@ def test_tp2_replica_follows_rank_0(tiny_checkpoint, tmp_path):
     # out of step on purpose: rank 1 lacks a request that rank 0 admitted
     assert "acted on 2 requests that this rank was not given" in (tmp_path / "out.1").read_text()
     assert "one decode step has not ended in 2.0 s" in (tmp_path / "out.0").read_text()
+
+
+def test_an_abort_after_every_request_finished_settles_the_engines_last_step(tiny_checkpoint):
+    """The engine's steps are pipelined: the step that finishes the last sequence has launched one
+    more. An abort arriving then (the synchronous step's `idle` after its job completed) must settle
+    that step, or the next `generate` (the evaluation) finds the engine busy."""
+    from rlloom.workers.stream import StepCommand
+
+    engine = _engine(tiny_checkpoint)
+    stream = EngineStream(engine)
+    every_token = list(range(engine.model.args.vocab_size))  # the first token stops it, unforeseen
+    engine.add_request(
+        [5, 6, 7], SamplingParams(max_new_tokens=8, stop_token_ids=every_token), request_id="a"
+    )
+    while not (done := engine.step()):
+        pass
+    assert done[0].request_id == "a" and engine.has_unfinished()  # a launched step is still in flight
+    with stream._cond:
+        assert stream._apply(StepCommand(abort=True)) is False
+    assert not engine.has_unfinished()
+    assert len(engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))) == 1
