@@ -16,6 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rlloom.models.arg_parts import MLAArgs, MoEArgs
+from rlloom.models.families import FAMILIES
+
+__all__ = ["KVCacheShape", "MLAArgs", "ModelArgs", "MoEArgs", "RopeArgs", "rope_args"]
+
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -51,50 +56,6 @@ class RopeArgs:
     """yarn: round the correction range to whole channels."""
     interleaved: bool = False
     """Rotate channel pairs (2i, 2i+1) instead of halves (DeepSeek-V3 `rope_interleave`)."""
-
-
-@dataclass(kw_only=True, slots=True)
-class MoEArgs:
-    """Mixture-of-experts feed-forward layers."""
-
-    num_experts: int
-    """Routed experts per MoE layer."""
-    top_k: int
-    """Experts per token."""
-    intermediate_size: int
-    """Hidden width of one routed expert."""
-    score_func: str = "softmax"
-    """softmax (Qwen3-MoE, Mixtral) or sigmoid (DeepSeek-V3)."""
-    norm_topk_prob: bool = True
-    """Renormalise the top-k weights to sum to one."""
-    num_groups: int = 1
-    """DeepSeek-V3 `n_group`: experts are split into groups for group-limited routing."""
-    topk_groups: int = 1
-    """DeepSeek-V3 `topk_group`: groups a token may route into."""
-    routed_scaling_factor: float = 1.0
-    """Multiplier of the routed weights (DeepSeek-V3)."""
-    score_bias: bool = False
-    """DeepSeek-V3 `e_score_correction_bias`: a per-expert bias used for choosing, not weighting."""
-    num_shared_experts: int = 0
-    """Always-on experts, fused into one MLP of width num_shared_experts * intermediate_size."""
-    sparse_layers: tuple[int, ...] = ()
-    """Indices of the decoder layers that are MoE; the others use the dense MLP."""
-
-
-@dataclass(kw_only=True, slots=True)
-class MLAArgs:
-    """DeepSeek-V3 multi-head latent attention."""
-
-    q_lora_rank: int | None
-    """Rank of the query low-rank projection; None projects queries directly."""
-    kv_lora_rank: int
-    """Width of the compressed key/value latent."""
-    qk_nope_head_dim: int
-    """Per-head query/key channels without RoPE."""
-    qk_rope_head_dim: int
-    """Per-head query/key channels with RoPE (the rope key is shared by all heads)."""
-    v_head_dim: int
-    """Per-head value channels."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -167,8 +128,6 @@ class ModelArgs:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
         """Build from a `config.json` dict; ValueError for anything not supported."""
-        from rlloom.models.families import FAMILIES  # the families build on this module's records
-
         model_type = cfg.get("model_type")
         if model_type not in FAMILIES:
             raise ValueError(

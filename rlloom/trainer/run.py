@@ -135,22 +135,33 @@ def _stopped(cfg: RunConfig, restarts: int) -> str:
     return f"The run stopped{used}; restart with trainer.resume=auto to continue from the last checkpoint."
 
 
-def _run(cfg: RunConfig, resume_from: Path | None, restarts: int = 0) -> RunResult:
-    """The run from `resume_from` (None: the start); `restarts`: the training restarts before it."""
+def start_run_dir(cfg: RunConfig) -> Path:
+    """Logging, seeds, and the run directory with the run's config in it."""
     init_logger()
-    start = time.perf_counter()
     seed_everything(cfg.trainer.seed)
     run_dir = Path(cfg.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text(run_dir / CONFIG_FILE, to_yaml(cfg))
+    return run_dir
 
+
+def _build_groups_or_close(cfg: RunConfig, runner: RewardRunner) -> Groups:
+    """The run's groups; a start that fails closes the reward runner first (its worker processes
+    must not outlive it, nor pile up over restarts)."""
+    try:
+        return _build_groups(cfg)
+    except BaseException:
+        runner.close()
+        raise
+
+
+def _run(cfg: RunConfig, resume_from: Path | None, restarts: int = 0) -> RunResult:
+    """The run from `resume_from` (None: the start); `restarts`: the training restarts before it."""
+    start = time.perf_counter()
+    run_dir = start_run_dir(cfg)
     data = _load_data(cfg)
     source, eval_items, runner, decode = data.source, data.eval_items, data.runner, data.decode
-    try:
-        groups = _build_groups(cfg)
-    except BaseException:
-        runner.close()  # its worker processes must not outlive a start that failed (and restarts)
-        raise
+    groups = _build_groups_or_close(cfg, runner)
     picked: list[Sample] = []
 
     def keep_samples(samples: list[Sample]) -> None:  # the few of each step's samples that are logged

@@ -30,7 +30,7 @@ from rlloom.algorithms.sft import SFT_AGG_MODES, sft_normalizer
 from rlloom.cluster.base import TrainGroup
 from rlloom.cluster.build import build_train_group
 from rlloom.config import ConfigError, RunConfig
-from rlloom.config.loading import to_dict, to_yaml
+from rlloom.config.loading import to_dict
 from rlloom.data.conversations import Conversation
 from rlloom.data.dataset import DataError
 from rlloom.data.source import PromptSource
@@ -45,9 +45,7 @@ from rlloom.observability.loggers import build_loggers, run_name
 from rlloom.observability.memory import peak_memory_gib
 from rlloom.observability.metrics import MetricsAccumulator
 from rlloom.observability.timers import StageTimer
-from rlloom.run_files import write_text
 from rlloom.trainer.checkpoint import (
-    CONFIG_FILE,
     TrainerState,
     load_checkpoint,
     prepare_run_dir,
@@ -61,7 +59,7 @@ from rlloom.trainer.preflight import (
     check_resume_config,
     model_hf_config,
 )
-from rlloom.trainer.run import save_step, seed_everything
+from rlloom.trainer.run import save_step, start_run_dir
 from rlloom.trainer.run_lock import RunDirLock
 from rlloom.trainer.sft_data import conversation_samples, sft_conversations
 from rlloom.trainer.stop import RunStopped, StopSignals
@@ -160,12 +158,9 @@ def sft_step(train: TrainGroup, source: PromptSource[Row], cfg: RunConfig) -> di
 
 
 def _run_sft(cfg: RunConfig, conversations: list[Conversation], resume_from: Path | None) -> SFTResult:
-    log = init_logger()
     start = time.perf_counter()
-    seed_everything(cfg.trainer.seed)
-    run_dir = Path(cfg.trainer.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_text(run_dir / CONFIG_FILE, to_yaml(cfg))
+    run_dir = start_run_dir(cfg)
+    log = init_logger()
 
     phase = time.perf_counter()
     rows = tokenize_rows(cfg, conversations, load_tokenizer(cfg.model.path))
@@ -212,12 +207,7 @@ def _run_sft(cfg: RunConfig, conversations: list[Conversation], resume_from: Pat
                     freeze_heap()
                     train.freeze_heap().result()
                 losses.append(metrics["sft/loss"])
-                if metrics.get("train/skipped_step", 0.0) > 0:
-                    log.warning(
-                        "step %d: its optimizer step was skipped because the loss, the gradient norm or the new "
-                        "parameters were not finite; the parameters and the optimizer state did not change",
-                        state.step,
-                    )
+                _warn_if_skipped(metrics, state.step)
                 metrics["memory/peak_gib"] = peak_memory_gib(resolve_device(cfg).type)
                 loggers.log(state.step, metrics)
                 is_last = state.step == cfg.trainer.total_steps
@@ -243,6 +233,15 @@ def _run_sft(cfg: RunConfig, conversations: list[Conversation], resume_from: Pat
         flush=True,
     )
     return result
+
+
+def _warn_if_skipped(metrics: dict[str, float], step: int) -> None:
+    if metrics.get("train/skipped_step", 0.0) > 0:
+        init_logger().warning(
+            "step %d: its optimizer step was skipped because the loss, the gradient norm or the new "
+            "parameters were not finite; the parameters and the optimizer state did not change",
+            step,
+        )
 
 
 def _fmt(x: float | None) -> str:

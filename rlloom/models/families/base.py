@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rlloom.models.args import MLAArgs, MoEArgs
+from rlloom.models.arg_parts import MLAArgs, MoEArgs
 
 NORMS = {
     "input_layernorm.weight": "attention_norm.weight",

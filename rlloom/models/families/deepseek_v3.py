@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlloom.models.args import MLAArgs, MoEArgs
+from rlloom.models.arg_parts import MLAArgs, MoEArgs
 from rlloom.models.families.base import (
     DENSE_MLP,
     NORMS,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlloom.models.args import MoEArgs
+from rlloom.models.arg_parts import MoEArgs
 from rlloom.models.families.base import (
     DENSE_MLP,
     GQA,

@@ -1,0 +1,51 @@
+"""The optional parts of `ModelArgs` (args.py): a mixture of experts and multi-head latent
+attention. Their own module because the families (families/) build them from a config.json and
+args.py builds on the families: records below both keep the imports one way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True, slots=True)
+class MoEArgs:
+    """Mixture-of-experts feed-forward layers."""
+
+    num_experts: int
+    """Routed experts per MoE layer."""
+    top_k: int
+    """Experts per token."""
+    intermediate_size: int
+    """Hidden width of one routed expert."""
+    score_func: str = "softmax"
+    """softmax (Qwen3-MoE, Mixtral) or sigmoid (DeepSeek-V3)."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k weights to sum to one."""
+    num_groups: int = 1
+    """DeepSeek-V3 `n_group`: experts are split into groups for group-limited routing."""
+    topk_groups: int = 1
+    """DeepSeek-V3 `topk_group`: groups a token may route into."""
+    routed_scaling_factor: float = 1.0
+    """Multiplier of the routed weights (DeepSeek-V3)."""
+    score_bias: bool = False
+    """DeepSeek-V3 `e_score_correction_bias`: a per-expert bias used for choosing, not weighting."""
+    num_shared_experts: int = 0
+    """Always-on experts, fused into one MLP of width num_shared_experts * intermediate_size."""
+    sparse_layers: tuple[int, ...] = ()
+    """Indices of the decoder layers that are MoE; the others use the dense MLP."""
+
+
+@dataclass(kw_only=True, slots=True)
+class MLAArgs:
+    """DeepSeek-V3 multi-head latent attention."""
+
+    q_lora_rank: int | None
+    """Rank of the query low-rank projection; None projects queries directly."""
+    kv_lora_rank: int
+    """Width of the compressed key/value latent."""
+    qk_nope_head_dim: int
+    """Per-head query/key channels without RoPE."""
+    qk_rope_head_dim: int
+    """Per-head query/key channels with RoPE (the rope key is shared by all heads)."""
+    v_head_dim: int
+    """Per-head value channels."""
