@@ -86,4 +86,5 @@ def plan_placement(cfg: RunConfig) -> Placement:
 def train_only_placement(cfg: RunConfig) -> Placement:
     """`cluster.num_workers` training slots and no rollout ranks (`rlloom sft`)."""
     train = list(range(cfg.cluster.num_workers))
-    return Placement(colocated=True, train_slots=train, rollout_slots=[], replicas=[])
+    groups = runs_of(train, math.lcm(cfg.parallel.tp, cfg.parallel.ep))
+    return Placement(colocated=True, train_slots=train, rollout_slots=[], replicas=[], node_groups=groups)

@@ -14,6 +14,9 @@ def stage_ranges(num_layers: int, pp: int, first: int = 0, last: int = 0) -> lis
     """Decoder layers of each pipeline stage: first and last as given (0: even), the middle ones even."""
     if pp == 1:
         return [range(num_layers)]
+    if pp == 2:  # two stages: the one not given holds the rest (as parallel/pp_stages.py splits)
+        first = first or num_layers - (last or num_layers // 2)
+        last = last or num_layers - first
     first = first or num_layers // pp
     last = last or num_layers // pp
     rest = num_layers - first - last

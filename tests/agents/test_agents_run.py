@@ -117,4 +117,6 @@ def test_an_agent_on_ray_equals_inline(ray_cluster, tiny_checkpoint, tmp_path):
         for k, v in a.items():
             if k.startswith(("time/", "perf/", "memory/", "sync/")):
                 continue
-            assert abs(v - b[k]) <= 1e-5 * abs(v) + 1e-7, (a["step"], k, v, b[k])
+            # the train-rollout gap is float32 rounding (~1e-7 either way): an absolute bound
+            tol = 2e-6 if k.startswith("rollout/logp_gap") else 1e-5 * abs(v) + 1e-7
+            assert abs(v - b[k]) <= tol, (a["step"], k, v, b[k])

@@ -167,3 +167,14 @@ def test_model_states_a_gpu_cannot_hold_name_the_workers(tiny_checkpoint, tmp_pa
     assert lines[0].startswith("rlloom: error: cluster.num_workers=1 is too few here"), lines[0]
     assert "a GPU has 0.5 GiB" in lines[0] and "one 264-token sequence" in lines[0], lines[0]
     assert "train.optimizer_offload=true" in lines[0] and "rlloom plan" in lines[0], lines[0]
+
+
+def test_two_stages_with_one_size_given_split_as_training_does():
+    """`parallel.pp_first_stage_layers=1` alone on 4 layers and pp=2 is a valid layout (the last
+    stage holds the other 3); the start-up memory check estimated it with an "impossible" split."""
+    from rlloom.parallel.pp_stages import split_layers
+    from rlloom.plan.stages import stage_ranges
+
+    assert stage_ranges(4, 2, first=1) == split_layers(4, 2, first_stage_layers=1) == [range(1), range(1, 4)]
+    assert stage_ranges(4, 2, last=3) == [range(1), range(1, 4)]
+    assert stage_ranges(5, 2) == [range(3), range(3, 5)]
