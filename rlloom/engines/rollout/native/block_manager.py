@@ -23,6 +23,7 @@ forgets every hash (new weights make the cached keys and values stale).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 
 from rlloom.engines.rollout.native.sequence import Sequence
 
@@ -87,9 +88,8 @@ class BlockManager:
         the prefill must compute it to sample the next); taken by `allocate(seq, prefix)`."""
         if not self.enable_prefix_caching:
             return []
-        blocks, h, size, tokens = [], 0, self.block_size, seq.token_ids
-        for i in range((seq.num_tokens - 1) // size):
-            h = hash((h, tuple(tokens[i * size : (i + 1) * size])))
+        blocks = []
+        for h in self._hashes(seq.token_ids, (seq.num_tokens - 1) // self.block_size):
             block = self.cached.get(h)
             if block is None:
                 break
@@ -111,13 +111,13 @@ class BlockManager:
         table += [self._take() for _ in range(self.blocks_for(seq.num_tokens) - len(table))]
         seq.block_table = table
 
-    def _hashes(self, token_ids: list[int], num_blocks: int) -> list[int]:
-        """The chained hash of each of the first `num_blocks` full blocks of `token_ids`."""
-        out, h, size = [], 0, self.block_size
+    def _hashes(self, token_ids: list[int], num_blocks: int) -> Iterator[int]:
+        """The chained hash of each of the first `num_blocks` full blocks of `token_ids`, computed as
+        they are read (a lookup stops at its first miss)."""
+        h, size = 0, self.block_size
         for i in range(num_blocks):
             h = hash((h, tuple(token_ids[i * size : (i + 1) * size])))
-            out.append(h)
-        return out
+            yield h
 
     def _remember(self, seq: Sequence) -> None:
         """Remember the full blocks of `seq` whose keys and values are computed (before it frees them)."""
