@@ -12,9 +12,15 @@ policy updates done, weights not yet synced), sync (the step's `StageTimer` fire
 stage ends: `at_stage_end`); then save_engine (the engine state of the step's
 checkpoint is written, the checkpoint's manifest is not) and after_checkpoint. Worker stages: update_policy
 (before an optimizer step; there STEP counts optimizer steps, the policy version, and RANK picks the
+training rank), save (a training rank has written its engine state into the checkpoint's temporary
+folder, and the call has not returned: no manifest seals it; STEP is the policy version, RANK the
 training rank) and rollout (a rollout worker's generate or stream_add call has started; STEP is the
 policy version its weights hold, RANK the rollout rank). Unset in normal runs; reading one variable
 costs nothing.
+
+With `RLLOOM_FAULT_ONCE=FILE` as well, the fault fires only in the process that creates FILE (the
+first to reach it): a Ray run that restarts itself (`trainer.max_restarts`) reaches the same stage,
+step and rank again in a fresh actor, which then lives.
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ from rlloom.config import ConfigError
 
 STEP_STAGES = ("generate", "rewards", "old_logprobs", "ref_logprobs", "advantages", "train", "sync")
 SAVE_STAGES = ("save_engine", "after_checkpoint")
-WORKER_STAGES = ("update_policy", "rollout")
+WORKER_STAGES = ("update_policy", "save", "rollout")
 STAGES = STEP_STAGES + SAVE_STAGES + WORKER_STAGES
 ENV = "RLLOOM_FAULT"
+ONCE_ENV = "RLLOOM_FAULT_ONCE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +73,20 @@ def maybe_fail(stage: str, step: int, rank: int = 0) -> None:
     fault = parse_fault(os.environ.get(ENV, ""))
     if fault is None:
         return
-    if fault.stage == stage and fault.step == step and fault.rank in (None, rank):
+    if fault.stage == stage and fault.step == step and fault.rank in (None, rank) and _first_to_fire():
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _first_to_fire() -> bool:
+    """True unless `RLLOOM_FAULT_ONCE` names a file that exists; creates it."""
+    once = os.environ.get(ONCE_ENV, "")
+    if not once:
+        return True
+    try:
+        os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def at_stage_end(step: int) -> Callable[[str], None]:

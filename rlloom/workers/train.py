@@ -170,6 +170,7 @@ class TrainWorker:
 
     def save(self, path: str) -> None:
         self.engine.save(path)
+        maybe_fail("save", self.engine.version, self.rank)
 
     def load(self, path: str) -> None:
         """Restore the policy (weights, optimizer, version). The reference is not touched: it stays

@@ -4,7 +4,8 @@ imports nothing of rlloom (reward plug-ins run in worker processes, which import
 With KILL_ACTOR=ROLE:RANK:STEP and KILL_ACTOR_DIR=RUN_DIR set, the first reward call after step
 STEP is logged in RUN_DIR/metrics.jsonl (the next step's first scored group, while its other
 prompts may still be in flight) sends SIGKILL to the pid that RUN_DIR/actors.json gives the actor
-of that role and rank, once per run folder (RUN_DIR/killed holds the kill's time.time() and pid).
+of that role and rank, once per run folder (RUN_DIR/killed-ROLE-RANK holds the kill's time.time()
+and pid). KILL_ACTOR may name several kills, comma-separated: "rollout:0:1,train:0:2".
 """
 
 
@@ -21,14 +22,17 @@ def _maybe_kill() -> None:
     import time
     from pathlib import Path
 
-    spec, run_dir = os.environ.get("KILL_ACTOR", ""), Path(os.environ.get("KILL_ACTOR_DIR", "."))
-    if not spec or (run_dir / "killed").exists() or not (run_dir / "metrics.jsonl").exists():
+    specs, run_dir = os.environ.get("KILL_ACTOR", ""), Path(os.environ.get("KILL_ACTOR_DIR", "."))
+    if not specs or not (run_dir / "metrics.jsonl").exists():
         return
-    role, rank, step = spec.split(":")
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    if not any(r["step"] == int(step) for r in rows):
+    for spec in specs.split(","):
+        role, rank, step = spec.split(":")
+        marker = run_dir / f"killed-{role}-{rank}"
+        if marker.exists() or not any(r["step"] == int(step) for r in rows):
+            continue
+        actors = json.loads((run_dir / "actors.json").read_text())
+        pid = next(a["pid"] for a in actors if a["role"] == role and a["rank"] == int(rank))
+        marker.write_text(f"{time.time()} {pid}\n")
+        os.kill(pid, signal.SIGKILL)
         return
-    actors = json.loads((run_dir / "actors.json").read_text())
-    pid = next(a["pid"] for a in actors if a["role"] == role and a["rank"] == int(rank))
-    (run_dir / "killed").write_text(f"{time.time()} {pid}\n")
-    os.kill(pid, signal.SIGKILL)

@@ -11,6 +11,7 @@ end of step 2) next to the uninterrupted run's step time (docs/benchmarks.md).
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -103,17 +104,24 @@ def inline(tiny_checkpoint, tmp_path_factory) -> Path:
     return run_dir
 
 
-def kill(monkeypatch, run_dir: Path, who: str) -> None:
-    """Kill actor `who` ("rollout:0") at the first sample scored after step 1."""
-    monkeypatch.setenv("KILL_ACTOR", f"{who}:1")
+def kill(monkeypatch, run_dir: Path, *who: str) -> None:
+    """Kill actor `who` ("rollout:0") at the first sample scored after step 1; a second one after step 2."""
+    monkeypatch.setenv("KILL_ACTOR", ",".join(f"{w}:{step}" for step, w in enumerate(who, 1)))
     monkeypatch.setenv("KILL_ACTOR_DIR", str(run_dir))
 
 
-def report(label: str, run_dir: Path, times: dict[int, float]) -> None:
-    killed_at, pid = (run_dir / "killed").read_text().split()
-    step = min(s for s, t in times.items() if t > float(killed_at))
-    recovery = times[step] - float(killed_at)
-    print(f"\n{label}: kill -9 of pid {pid} -> step {step} done in {recovery:.1f} s", flush=True)
+def killed(run_dir: Path, who: str) -> tuple[float, int]:
+    """When and which pid kill_reward.py killed for `who` ("rollout:0")."""
+    at, pid = (run_dir / f"killed-{who.replace(':', '-')}").read_text().split()
+    return float(at), int(pid)
+
+
+def report(label: str, run_dir: Path, times: dict[int, float], who: str) -> None:
+    killed_at, pid = killed(run_dir, who)
+    step = min(s for s, t in times.items() if t > killed_at)
+    print(
+        f"\n{label}: kill -9 of pid {pid} -> step {step} done in {times[step] - killed_at:.1f} s", flush=True
+    )
 
 
 def test_a_killed_rollout_actor_is_replaced_and_the_run_equals_one_process(
@@ -121,11 +129,10 @@ def test_a_killed_rollout_actor_is_replaced_and_the_run_equals_one_process(
 ):
     kill(monkeypatch, tmp_path, "rollout:0")
     run(cfg_for(tiny_checkpoint, tmp_path, *SEPARATE))
-    report("rollout restart", tmp_path, step_times)
-    killed = int((tmp_path / "killed").read_text().split()[1])
+    report("rollout restart", tmp_path, step_times, "rollout:0")
     actors = json.loads((tmp_path / "actors.json").read_text())
     assert {(a["role"], a["rank"]) for a in actors} == {("train", 0), ("rollout", 0)}
-    assert killed not in {a["pid"] for a in actors}  # rewritten with the new actor
+    assert killed(tmp_path, "rollout:0")[1] not in {a["pid"] for a in actors}  # rewritten with the new actor
     rows = metrics(tmp_path)
     assert [r.get("cluster/rollout_restarts") for r in rows] == [None, None, 1.0]
     assert all("cluster/train_restarts" not in r for r in rows)
@@ -137,24 +144,48 @@ def test_a_killed_training_actor_restarts_the_run_from_its_checkpoint(
 ):
     kill(monkeypatch, tmp_path, "train:0")
     run(cfg_for(tiny_checkpoint, tmp_path, *SEPARATE))
-    report("training restart", tmp_path, step_times)
+    report("training restart", tmp_path, step_times, "train:0")
     rows = metrics(tmp_path)
     assert [r.get("cluster/train_restarts") for r in rows] == [None, None, 1.0]
     assert_same_run(inline, tmp_path)
 
 
-def test_a_killed_rollout_actor_in_one_step_off_restarts_from_the_checkpoint(
-    tiny_checkpoint, tmp_path, monkeypatch, step_times
+def test_a_training_actor_killed_during_a_save_restarts_from_the_newest_complete_checkpoint(
+    tiny_checkpoint, inline, tmp_path, monkeypatch, capsys
 ):
-    """In the asynchronous modes the training weights move on while the rollout generates, so its
-    requests are not sent again under newer weights: the run restarts from its checkpoint, where a
-    scheduled checkpoint drained what was in flight, and equals the uninterrupted run."""
-    mode = ("trainer.mode=one_step_off",)
-    run(cfg_for(tiny_checkpoint, tmp_path / "inline", *mode, steps=3))
-    kill(monkeypatch, tmp_path / "ray", "rollout:0")
-    run(cfg_for(tiny_checkpoint, tmp_path / "ray", *SEPARATE, *mode, steps=3))
-    report("one_step_off rollout kill", tmp_path / "ray", step_times)
+    """kill -9 of the training actor in step 2's save, its engine state written into the temporary
+    folder but not sealed by a manifest: the restart loads step 1's checkpoint, never the partial one,
+    and the run ends as the uninterrupted one with no temporary folder left."""
+    monkeypatch.setenv("RLLOOM_FAULT", f"save:{2 * STEPS}:0")  # policy version 4: two updates a step
+    monkeypatch.setenv("RLLOOM_FAULT_ONCE", str(tmp_path / "fired"))
+    run(cfg_for(tiny_checkpoint, tmp_path / "run", *SEPARATE))
+    assert (tmp_path / "fired").exists()
+    err = capsys.readouterr().err
+    assert re.search(
+        r"training restart 1 of .* failed in stage 'save'.* start again from \S+step_000001\n", err
+    )
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    rows = metrics(tmp_path / "run")
+    assert [r.get("cluster/train_restarts") for r in rows] == [None, None, 1.0]
+    assert_same_run(inline, tmp_path / "run")
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "async"])
+def test_killed_rollout_and_training_actors_in_an_asynchronous_mode_restart_from_the_checkpoint(
+    mode, tiny_checkpoint, tmp_path, monkeypatch, step_times
+):
+    """In the asynchronous modes the training weights move on while the rollout generates, so a dead
+    rollout's requests are not sent again under newer weights: a rollout killed in step 2, like a
+    training actor killed in step 3, restarts the run from its checkpoint (a scheduled checkpoint
+    drains what is in flight), and the run equals the uninterrupted one: the prompts of every step
+    (the samples' metrics) and the final weights."""
+    args = (f"trainer.mode={mode}",)
+    run(cfg_for(tiny_checkpoint, tmp_path / "inline", *args, steps=3))
+    kill(monkeypatch, tmp_path / "ray", "rollout:0", "train:0")
+    run(cfg_for(tiny_checkpoint, tmp_path / "ray", *SEPARATE, *args, steps=3))
+    report(f"{mode} rollout kill", tmp_path / "ray", step_times, "rollout:0")
+    report(f"{mode} training kill", tmp_path / "ray", step_times, "train:0")
     rows = metrics(tmp_path / "ray")
-    assert max(r.get("cluster/train_restarts", 0) for r in rows) == 1.0
+    assert [r.get("cluster/train_restarts") for r in rows] == [None, None, 1.0, 2.0]
     assert all("cluster/rollout_restarts" not in r for r in rows)
     assert_same_run(tmp_path / "inline", tmp_path / "ray", steps=3)
