@@ -29,6 +29,11 @@ class WorkerFailure(RuntimeError):
     """A worker died, raised or hung; the message names its rank, host and stage."""
 
 
+class NoRoom(WorkerFailure):
+    """The Ray cluster's alive nodes cannot hold the run's layout (a node was lost): no restart would
+    start, so the run stops and says what to add."""
+
+
 class Pending(Protocol[T_co]):
     """A result on its way (a Ray object ref, or a value already computed in this process)."""
 

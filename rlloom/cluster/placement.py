@@ -83,6 +83,21 @@ def plan_placement(cfg: RunConfig) -> Placement:
     )
 
 
+def missing_room(group_sizes: list[int], node_slots: list[int]) -> str | None:
+    """Why nodes of `node_slots` slots each cannot hold node groups of `group_sizes` slots (each group
+    on one node), or None when they may. Checks what is necessary, not a full packing: enough slots
+    in all, and a node as large as the largest group. Example: ([1, 1], [1]) -> "it needs 2 slots
+    (node groups of 1, 1), its alive nodes have 1 (the largest 1)"."""
+    need, have = sum(group_sizes), sum(node_slots)
+    largest = max(node_slots, default=0)
+    if need <= have and max(group_sizes, default=0) <= largest:
+        return None
+    sizes = ", ".join(map(str, group_sizes))
+    return (
+        f"it needs {need} slots (node groups of {sizes}), its alive nodes have {have} (the largest {largest})"
+    )
+
+
 def train_only_placement(cfg: RunConfig) -> Placement:
     """`cluster.num_workers` training slots and no rollout ranks (`rlloom sft`)."""
     train = list(range(cfg.cluster.num_workers))

@@ -5,7 +5,8 @@ replica's actor dies or hangs and the group has a `recover` (separate placement,
 `recover(replica)` starts a fresh actor in its place and syncs it to the current weights; the held
 requests are sent again with their same seeds, so they make the same samples, and a sample that was
 delivered before the failure is not delivered twice. At most `trainer.max_restarts` replacements a
-run; past that, or without a `recover`, the failure goes up to the controller.
+run; past that, or without a `recover`, the failure goes up to the controller, as does a replacement
+the cluster has no room for (`NoRoom`: its node was lost).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import ray
 
 from rlloom.cluster.ray_generate import QueuedGeneration
-from rlloom.cluster.ray_slots import Actors, Refs, SlotFailure, first
+from rlloom.cluster.ray_slots import Actors, NoRoom, Refs, SlotFailure, first
 from rlloom.engines.rollout import SamplingParams
 from rlloom.workers.flights import StreamRequest, StreamResult
 
@@ -90,7 +91,10 @@ class RayRolloutGroup:
             raise failure
         self.restarts += 1
         start = time.monotonic()
-        self.recover(replica)
+        try:
+            self.recover(replica)
+        except NoRoom as e:
+            raise NoRoom(f"{failure}, and {e}") from e
         self.resend.add(replica)
         log.warning(
             "rollout restart %d of trainer.max_restarts=%d: %s; replica %d replaced in %.1f s, %d requests "

@@ -6,6 +6,10 @@ Every actor is logged at start-up with its role, rank, node, pid and device, and
 written to `RUN_DIR/actors.json` (rewritten whenever an actor is replaced):
 `[{"role": "train", "rank": 0, "node_ip": "10.0.0.2", "node_id": "8f...", "pid": 4242, "device": "cuda:3"}, ...]`
 (`node_id` tells apart two nodes on one machine, which share an ip).
+
+Before actors are placed (at the start, at a restart, for a replacement) and while they wait for
+their place, a cluster that lost a node must still have room for the layout on its alive nodes;
+when it does not, `NoRoom` stops the run at once instead of waiting `cluster.timeout_s` for a slot.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlloom.cluster.base import WorkerFailure
-from rlloom.cluster.placement import Placement
+from rlloom.cluster.base import NoRoom, WorkerFailure
+from rlloom.cluster.placement import Placement, missing_room
 from rlloom.cluster.ray_actor import SlotActor
 from rlloom.config import RunConfig
 from rlloom.determinism import determinism_env
@@ -76,6 +80,7 @@ class Actors:
                 include_dashboard=False,
                 log_to_driver=True,
             )
+        self.node_groups = placement.node_groups
         self.labels = [_label(placement, s) for s in range(placement.num_slots)]
         self.roles = [
             slot_roles(placement, s, critic=cfg.algorithm.uses_critic) for s in range(placement.num_slots)
@@ -90,9 +95,10 @@ class Actors:
 
     def _place(self, cfg: RunConfig, placement: Placement) -> None:
         bundle = {"GPU": 1, "CPU": 1} if self.use_gpu else {"CPU": 1}
+        self.check_room()
         self.pgs = [placement_group([bundle] * len(g), strategy="STRICT_PACK") for g in placement.node_groups]
         self.bundles = {s: (pg, i) for pg, g in zip(self.pgs, placement.node_groups) for i, s in enumerate(g)}
-        self.wait([pg.ready() for pg in self.pgs], "placement group", [-1] * len(self.pgs))
+        self.wait([pg.ready() for pg in self.pgs], "placement group", [-1] * len(self.pgs), watch_room=True)
         # The actors see the driver's RLLOOM_/NCCL_/TORCH_ settings, also in a cluster joined by address.
         env = {k: v for k, v in os.environ.items() if k.startswith(("RLLOOM_", "NCCL_", "TORCH_"))}
         env.update(determinism_env(cfg.trainer.deterministic))  # set before the actor's CUDA starts
@@ -110,9 +116,25 @@ class Actors:
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
         return self.actor_cls.options(scheduling_strategy=strategy).remote(self.cfg)
 
+    def check_room(self) -> None:
+        """Raise `NoRoom` when a node of the cluster is no longer alive and the alive ones cannot hold
+        the layout's node groups (one GPU, or on CPU one CPU, a slot). A cluster that lost no node
+        is waited on, up to `cluster.timeout_s`: an autoscaler may be adding the nodes."""
+        nodes = ray.nodes()
+        lost = [f"{n['NodeID'][:8]} ({n['NodeManagerAddress']})" for n in nodes if not n["Alive"]]
+        kind = "GPU" if self.use_gpu else "CPU"
+        alive = [int(n["Resources"].get(kind, 0)) for n in nodes if n["Alive"]]
+        why = missing_room([len(g) for g in self.node_groups], alive)
+        if why is None or not lost:
+            return
+        raise NoRoom(
+            f"the Ray cluster has no room for the run's layout ({kind} slots): {why}; nodes no longer "
+            f"alive: {', '.join(lost)}. Fix: add a node to the cluster (ray start --address=HEAD_IP:PORT)"
+        )
+
     def _describe(self, slots: list[int]) -> None:
         """Ask the actors of `slots` where they run; log each and rewrite actors.json."""
-        infos = self.wait([self.slots[s].address.remote() for s in slots], "start", slots)
+        infos = self.wait([self.slots[s].address.remote() for s in slots], "start", slots, watch_room=True)
         for s, (ip, port, pid, node_id, device) in zip(slots, infos):
             self.hosts[s] = f"{ip} (pid {pid})"
             self.addresses[s] = (ip, port)
@@ -130,6 +152,7 @@ class Actors:
         """Kill the actor of `slot` (dead or hung) and start a fresh one in its place (the same bundle
         of its node group); the caller builds its workers."""
         ray.kill(self.slots[slot], no_restart=True)
+        self.check_room()
         self.slots[slot] = self._new_actor(slot)
         self._describe([slot])
 
@@ -137,15 +160,20 @@ class Actors:
         """Refs of `method(*args)` on each slot's actor (no waiting)."""
         return [getattr(self.slots[s], method).remote(*args) for s in slots]
 
-    def wait(self, refs: list[Any], stage: str, slots: list[int]) -> list[Any]:
+    def wait(self, refs: list[Any], stage: str, slots: list[int], *, watch_room: bool = False) -> list[Any]:
         """Results of `refs` (ref i from `slots[i]`) in order; the first failure or a wait of more than
-        `cluster.timeout_s` raises `SlotFailure`."""
+        `cluster.timeout_s` raises `SlotFailure`. `watch_room`: actors wait for their place, so the
+        cluster's room is checked every second (a lost node is seen at once, not at the timeout)."""
         index = {ref: i for i, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
         pending = list(refs)
         deadline = time.monotonic() + self.timeout_s
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
+            left = max(deadline - time.monotonic(), 0)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=min(left, 1.0) if watch_room else left)
+            if not ready and watch_room and left > 1.0:
+                self.check_room()
+                continue
             if not ready:
                 raise self.late([slots[index[r]] for r in pending], stage)
             i = index[ready[0]]

@@ -11,7 +11,9 @@ A worker that fails for good (`WorkerFailure`: a training actor, or a rollout re
 group could not replace) restarts the run in this process, up to `trainer.max_restarts` times:
 the groups are torn down and built again, the newest checkpoint is loaded (none: from the start)
 and the run goes on, exactly as `trainer.resume=auto` would continue it. One line says why (the
-failure names the rank, its node and the stage); `cluster/train_restarts` counts them.
+failure names the rank, its node and the stage); `cluster/train_restarts` counts them. When the
+cluster's alive nodes no longer have room for the layout (`NoRoom`: a node was lost), the run stops
+at once with one line naming the failure, the lost nodes and how to continue.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import numpy as np
 import torch
 
 from rlloom.agents.build import build_agent_driver
-from rlloom.cluster import WorkerFailure
+from rlloom.cluster import NoRoom, WorkerFailure
 from rlloom.cluster.base import TrainGroup
 from rlloom.cluster.build import Groups, build_groups
 from rlloom.config import RunConfig
@@ -107,14 +109,15 @@ def run(cfg: RunConfig) -> RunResult:
         if resume_from is not None:
             check_resume_config(resume_from, cfg)
         check_before_loading(cfg)
-        restarts = 0
+        restarts, cause = 0, None
         while True:
             try:
                 return _run(cfg, resume_from, restarts)
             except WorkerFailure as e:
-                if restarts >= cfg.trainer.max_restarts:
-                    raise WorkerFailure(f"{str(e).rstrip('.')}. {_stopped(cfg, restarts)}") from e
-                restarts += 1
+                if restarts >= cfg.trainer.max_restarts or isinstance(e, NoRoom):
+                    lost = f"{cause}, and {e}" if isinstance(e, NoRoom) and cause else str(e)
+                    raise WorkerFailure(f"{lost.rstrip('.')}. {_stopped(cfg, restarts)}") from e
+                restarts, cause = restarts + 1, e
                 resume_from = newest_checkpoint(cfg)
                 log.warning(
                     "training restart %d of trainer.max_restarts=%d: %s; the groups start again from %s",

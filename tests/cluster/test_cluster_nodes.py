@@ -1,13 +1,16 @@
 """A real two-node Ray cluster on one machine: a head and a second node started with `ray start`
 (each with one CPU slot of its own and a resource label), joined by `cluster.address`. A run with
 one training and one rollout actor has to use both nodes; it equals the one-process run, and
-actors.json names both nodes. The nodes are stopped in teardown (SIGTERM to the `ray start
---block` processes this module started, which stop what they started)."""
+actors.json names both nodes. Stopping a node mid-run (`ray stop` on it: SIGTERM to its `ray start
+--block`, which stops what it started) loses its actor: the run goes on where the layout still fits
+(a third node), else stops in one line. The nodes left are stopped in teardown the same way."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -15,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -55,8 +59,10 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def ray_start(log: Path, *args: str) -> subprocess.Popen:
-    """`ray start --block` with one CPU and its own ports; returns once the node is up."""
+def ray_start(log: Path, *args: str, attempts: int = 3) -> subprocess.Popen:
+    """`ray start --block` with one CPU and its own ports; returns once the node is up. Ray gives a
+    raylet 30 s to register, which a busy 2-core machine can miss: a node that gave up is started
+    again (its session killed first)."""
     manager, objects, metrics, agent, agent_grpc, env_agent = free_ports(6)
     cmd = [
         str(Path(sys.executable).parent / "ray"),
@@ -76,42 +82,83 @@ def ray_start(log: Path, *args: str) -> subprocess.Popen:
         node = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=ENV)
     deadline = time.monotonic() + 180
     while "Ray runtime started" not in log.read_text():
-        assert node.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+        exited = node.poll() is not None
+        if exited and "timed out during startup" in log.read_text() and attempts > 1:
+            with contextlib.suppress(ProcessLookupError):  # the raylet it left, in the session started for it
+                os.killpg(node.pid, signal.SIGKILL)
+            return ray_start(log, *args, attempts=attempts - 1)
+        assert not exited and time.monotonic() < deadline, log.read_text()[-2000:]
         time.sleep(0.5)
     return node
 
 
+@dataclass
+class Nodes:
+    """The module's cluster: its address and the `ray start --block` process of each node, by label."""
+
+    address: str
+    procs: dict[str, subprocess.Popen]
+    logs: Path
+
+    def add(self, label: str) -> None:
+        """Start one more node (one CPU slot, resource `label`) in the cluster."""
+        args = (f"--address={self.address}", f'--resources={{"{label}": 1}}')
+        self.procs[label] = ray_start(self.logs / f"{label}.log", *args)
+
+    def stop(self, label: str) -> None:
+        """`ray stop` on that node alone: its `ray start --block` stops the processes it started."""
+        node = self.procs[label]
+        node.send_signal(signal.SIGTERM)
+        try:
+            node.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(node.pid, signal.SIGKILL)  # the session this module started for it
+
+    def label_of(self, pid: int) -> str:
+        """The node whose processes include `pid` (an actor: a child of its node's raylet)."""
+        by_pid = {p.pid: label for label, p in self.procs.items()}
+        while pid > 1 and pid not in by_pid:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        return by_pid[pid]
+
+
 @pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory) -> str:
-    """The address of a head node (label `head`) and a second node (label `second`)."""
+def two_nodes(tmp_path_factory) -> Nodes:
+    """A head node (label `head`) and a second node (label `second`)."""
     import ray
 
     logs = tmp_path_factory.mktemp("nodes")
     temp_dir = tempfile.mkdtemp(prefix="rn", dir="/tmp")  # short: Ray's socket paths have a length limit
     (port,) = free_ports(1)
     ip = ray.util.get_node_ip_address()
-    nodes = []
+    nodes = Nodes(f"{ip}:{port}", {}, logs)
     try:
-        nodes.append(
-            ray_start(
-                logs / "head.log",
-                "--head",
-                f"--port={port}",
-                "--include-dashboard=false",
-                f"--temp-dir={temp_dir}",
-                '--resources={"head": 1}',
-            )
+        nodes.procs["head"] = ray_start(
+            logs / "head.log",
+            "--head",
+            f"--port={port}",
+            "--include-dashboard=false",
+            f"--temp-dir={temp_dir}",
+            '--resources={"head": 1}',
         )
-        nodes.append(ray_start(logs / "second.log", f"--address={ip}:{port}", '--resources={"second": 1}'))
-        yield f"{ip}:{port}"
+        nodes.add("second")
+        yield nodes
     finally:
-        for node in reversed(nodes):
-            node.send_signal(signal.SIGTERM)
-            try:
-                node.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(node.pid, signal.SIGKILL)  # the session this module started for it
+        for label in reversed(list(nodes.procs)):
+            nodes.stop(label)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def inline(tiny_checkpoint, tmp_path_factory) -> Path:
+    """The one-process run the runs over nodes are compared with."""
+    run_dir = tmp_path_factory.mktemp("inline")
+    run(
+        load_config(
+            "arithmetic_smoke", [f"model.path={tiny_checkpoint}", f"trainer.run_dir={run_dir}", *ARGS]
+        )
+    )
+    return run_dir
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -119,15 +166,27 @@ def metrics(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(SKIP)} for r in rows]
 
 
-def test_a_run_over_two_nodes_equals_the_one_process_run(tiny_checkpoint, two_nodes, tmp_path):
-    inline = tmp_path / "inline"
-    run(
-        load_config("arithmetic_smoke", [f"model.path={tiny_checkpoint}", f"trainer.run_dir={inline}", *ARGS])
-    )
+def assert_same_run(a: Path, b: Path) -> None:
+    ma, mb = metrics(a), metrics(b)
+    assert [r["step"] for r in ma] == [r["step"] for r in mb] == list(range(STEPS + 1))
+    for ra, rb in zip(ma, mb):
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), (ra["step"], k)
+    wa, wb = (checkpoint_model_tensors(checkpoint_dir(x, STEPS)) for x in (a, b))
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=5e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def train_cmd(ckpt: Path, run_dir: Path, address: str, *extra: str) -> list[str]:
+    cmd = [sys.executable, "-m", "rlloom.cli", "train", "arithmetic_smoke", f"model.path={ckpt}"]
+    cmd += [f"trainer.run_dir={run_dir}", *ARGS, "cluster.mode=ray", f"cluster.address={address}"]
+    return cmd + ["cluster.placement=separate", "cluster.num_workers=1", "cluster.rollout_workers=1", *extra]
+
+
+def test_a_run_over_two_nodes_equals_the_one_process_run(tiny_checkpoint, two_nodes, inline, tmp_path):
     nodes = tmp_path / "nodes"
-    cmd = [sys.executable, "-m", "rlloom.cli", "train", "arithmetic_smoke", f"model.path={tiny_checkpoint}"]
-    cmd += [f"trainer.run_dir={nodes}", *ARGS, "cluster.mode=ray", f"cluster.address={two_nodes}"]
-    cmd += ["cluster.placement=separate", "cluster.num_workers=1", "cluster.rollout_workers=1"]
+    cmd = train_cmd(tiny_checkpoint, nodes, two_nodes.address)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -135,13 +194,63 @@ def test_a_run_over_two_nodes_equals_the_one_process_run(tiny_checkpoint, two_no
     assert sorted((a["role"], a["rank"]) for a in actors) == [("rollout", 0), ("train", 0)]
     assert len({a["node_id"] for a in actors}) == 2, actors  # one slot per node: both are used
     assert all(a["device"] == "cpu" and a["pid"] > 0 and a["node_ip"] for a in actors)
+    assert_same_run(inline, nodes)
 
-    ma, mb = metrics(inline), metrics(nodes)
-    assert [r["step"] for r in ma] == [r["step"] for r in mb] == list(range(STEPS + 1))
-    for ra, rb in zip(ma, mb):
-        assert ra.keys() == rb.keys()
-        for k in ra:
-            assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), (ra["step"], k)
-    wa, wb = (checkpoint_model_tensors(checkpoint_dir(x, STEPS)) for x in (inline, nodes))
-    for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=5e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+def run_stopping_a_node(nodes: Nodes, cmd: list[str], run_dir: Path) -> tuple[subprocess.Popen, str, float]:
+    """Start `cmd`; once step 1 is logged, stop a node (never the head) that holds one of its
+    actors. Returns the finished run, the role it lost and the time of the stop."""
+    with (run_dir.parent / f"{run_dir.name}.err").open("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, env=ENV)
+        deadline = time.monotonic() + 400
+        log = run_dir / "metrics.jsonl"
+        while not (log.exists() and any(json.loads(x)["step"] == 1 for x in log.read_text().splitlines())):
+            assert proc.poll() is None and time.monotonic() < deadline, Path(err.name).read_text()[-3000:]
+            time.sleep(0.2)
+        actors = json.loads((run_dir / "actors.json").read_text())
+        role, label = next(
+            (a["role"], nodes.label_of(a["pid"])) for a in actors if nodes.label_of(a["pid"]) != "head"
+        )
+        stopped = time.monotonic()
+        nodes.stop(label)
+        del nodes.procs[label]
+        proc.wait(600)
+        err.seek(0)
+        proc.stderr_text = err.read()
+    return proc, role, stopped
+
+
+def test_stopping_a_node_mid_run_goes_on_where_the_layout_fits_else_stops_in_one_line(
+    tiny_checkpoint, two_nodes, inline, tmp_path
+):
+    """`ray stop` of a node holding an actor once step 1 is logged. With a third node the layout still
+    fits: the lost rollout actor is replaced, or the run restarts from its checkpoint, on the nodes
+    left, and the run equals the one-process run. Then, with the head and one node left, stopping
+    that node leaves no room: the run stops at once (not at cluster.timeout_s) with one line naming
+    the lost actor and node and how to continue."""
+    two_nodes.add("third")
+    cmd = train_cmd(tiny_checkpoint, tmp_path / "fits", two_nodes.address, "trainer.save_every=1")
+    done, role, stopped = run_stopping_a_node(two_nodes, cmd, tmp_path / "fits")
+    assert done.returncode == 0, done.stderr_text[-3000:]
+    print(f"\nnode stop ({role} lost): run done {time.monotonic() - stopped:.1f} s after", flush=True)
+    restarts = {
+        k: max(r.get(k, 0) for r in metrics(tmp_path / "fits"))
+        for k in ("cluster/train_restarts", "cluster/rollout_restarts")
+    }
+    assert restarts == {
+        "cluster/train_restarts": float(role == "train"),
+        "cluster/rollout_restarts": float(role == "rollout"),
+    }
+    assert_same_run(inline, tmp_path / "fits")
+
+    cmd = train_cmd(tiny_checkpoint, tmp_path / "short", two_nodes.address, "cluster.timeout_s=300")
+    done, role, stopped = run_stopping_a_node(two_nodes, cmd, tmp_path / "short")
+    assert time.monotonic() - stopped < 120, "the lost room should be seen at once"
+    lines = [x for x in done.stderr_text.splitlines() if x.startswith("rlloom: ")]
+    assert done.returncode == 1 and len(lines) == 1, done.stderr_text[-3000:]
+    assert re.fullmatch(
+        rf"rlloom: worker failure: {'training' if role == 'train' else 'rollout'} rank 0 on .* failed in stage .*"
+        r"no room for the run's layout \(CPU slots\): it needs 2 slots .* its alive nodes have 1 .*"
+        r"nodes no longer alive: .*add a node to the cluster .*restart with trainer.resume=auto.*",
+        lines[0],
+    ), lines[0]

@@ -164,7 +164,10 @@ def test_a_training_actor_killed_during_a_save_restarts_from_the_newest_complete
     assert re.search(
         r"training restart 1 of .* failed in stage 'save'.* start again from \S+step_000001\n", err
     )
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
+        "step_000001",
+        "step_000002",
+    ]
     rows = metrics(tmp_path / "run")
     assert [r.get("cluster/train_restarts") for r in rows] == [None, None, 1.0]
     assert_same_run(inline, tmp_path / "run")

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from rlloom.cluster.placement import plan_placement, replica_ranks
+from rlloom.cluster.placement import missing_room, plan_placement, replica_ranks
 from rlloom.config import ConfigError, load_config
 from rlloom.observability.metrics import Max, Mean, MetricsAccumulator, Sum
 from rlloom.workers.train import update_metrics
@@ -52,6 +52,21 @@ def test_node_groups_keep_tensor_and_expert_parallel_ranks_and_replicas_on_one_n
     p = plan_placement(cfg(*ray4, *separate, "parallel.tp=2"))
     assert p.node_groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert sorted(s for g in p.node_groups for s in g) == list(range(p.num_slots))
+
+
+def test_a_cluster_without_room_for_the_node_groups_is_named():
+    """What a lost node leaves is checked before actors wait for a place (cluster/ray_slots.py)."""
+    assert missing_room([1, 1], [1, 1]) is None
+    assert missing_room([2, 1], [2, 1, 5]) is None
+    assert (
+        missing_room([1, 1], [1])
+        == "it needs 2 slots (node groups of 1, 1), its alive nodes have 1 (the largest 1)"
+    )
+    assert (
+        missing_room([2], [1, 1])
+        == "it needs 2 slots (node groups of 2), its alive nodes have 2 (the largest 1)"
+    )
+    assert missing_room([1], []) is not None
 
 
 @pytest.mark.parametrize(
