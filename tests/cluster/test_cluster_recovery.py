@@ -139,37 +139,29 @@ def test_a_killed_rollout_actor_is_replaced_and_the_run_equals_one_process(
     assert_same_run(inline, tmp_path)
 
 
-def test_a_killed_training_actor_restarts_the_run_from_its_checkpoint(
-    tiny_checkpoint, inline, tmp_path, monkeypatch, step_times
+def test_a_training_actor_killed_mid_step_and_during_a_save_restarts_from_the_newest_complete_checkpoint(
+    tiny_checkpoint, inline, tmp_path, monkeypatch, step_times, capsys
 ):
-    kill(monkeypatch, tmp_path, "train:0")
-    run(cfg_for(tiny_checkpoint, tmp_path, *SEPARATE))
-    report("training restart", tmp_path, step_times, "train:0")
-    rows = metrics(tmp_path)
-    assert [r.get("cluster/train_restarts") for r in rows] == [None, None, 1.0]
-    assert_same_run(inline, tmp_path)
-
-
-def test_a_training_actor_killed_during_a_save_restarts_from_the_newest_complete_checkpoint(
-    tiny_checkpoint, inline, tmp_path, monkeypatch, capsys
-):
-    """kill -9 of the training actor in step 2's save, its engine state written into the temporary
-    folder but not sealed by a manifest: the restart loads step 1's checkpoint, never the partial one,
-    and the run ends as the uninterrupted one with no temporary folder left."""
+    """kill -9 of the training actor in the middle of step 2, then (in the restarted run) in step 2's
+    save, its engine state written into the temporary folder but not sealed by a manifest: each
+    restart loads step 1's checkpoint, never the partial one, and the run ends as the uninterrupted
+    one with no temporary folder left."""
+    kill(monkeypatch, tmp_path / "run", "train:0")
     monkeypatch.setenv("RLLOOM_FAULT", f"save:{2 * STEPS}:0")  # policy version 4: two updates a step
     monkeypatch.setenv("RLLOOM_FAULT_ONCE", str(tmp_path / "fired"))
     run(cfg_for(tiny_checkpoint, tmp_path / "run", *SEPARATE))
+    report("training restart", tmp_path / "run", step_times, "train:0")
     assert (tmp_path / "fired").exists()
     err = capsys.readouterr().err
-    assert re.search(
-        r"training restart 1 of .* failed in stage 'save'.* start again from \S+step_000001\n", err
-    )
+    for n, stage in ((1, r"'\w+'"), (2, "'save'")):
+        restart = rf"training restart {n} of .* failed in stage {stage}.* start again from \S+step_000001\n"
+        assert re.search(restart, err), restart
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
         "step_000001",
         "step_000002",
     ]
     rows = metrics(tmp_path / "run")
-    assert [r.get("cluster/train_restarts") for r in rows] == [None, None, 1.0]
+    assert [r.get("cluster/train_restarts") for r in rows] == [None, None, 2.0]
     assert_same_run(inline, tmp_path / "run")
 
 
