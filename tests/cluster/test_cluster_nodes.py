@@ -1,9 +1,9 @@
-"""A real two-node Ray cluster on one machine: a head and a second node started with `ray start`
+"""A real Ray cluster of three nodes on one machine: a head and two nodes started with `ray start`
 (each with one CPU slot of its own and a resource label), joined by `cluster.address`. A run with
-one training and one rollout actor has to use both nodes; it equals the one-process run, and
-actors.json names both nodes. Stopping a node mid-run (`ray stop` on it: SIGTERM to its `ray start
+one training and one rollout actor has to use two nodes; it equals the one-process run, and
+actors.json names both. Stopping a node mid-run (`ray stop` on it: SIGTERM to its `ray start
 --block`, which stops what it started) loses its actor: the run goes on where the layout still fits
-(a third node), else stops in one line. The nodes left are stopped in teardown the same way."""
+(a node to spare), else stops in one line. The nodes left are stopped in teardown the same way."""
 
 from __future__ import annotations
 
@@ -123,8 +123,8 @@ class Nodes:
 
 
 @pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory) -> Nodes:
-    """A head node (label `head`) and a second node (label `second`)."""
+def ray_nodes(tmp_path_factory) -> Nodes:
+    """A head node (label `head`) and two more nodes (labels `second`, `third`), one CPU slot each."""
     import ray
 
     logs = tmp_path_factory.mktemp("nodes")
@@ -142,6 +142,7 @@ def two_nodes(tmp_path_factory) -> Nodes:
             '--resources={"head": 1}',
         )
         nodes.add("second")
+        nodes.add("third")  # room to lose one node: started here, before the runs load the machine
         yield nodes
     finally:
         for label in reversed(list(nodes.procs)):
@@ -184,9 +185,9 @@ def train_cmd(ckpt: Path, run_dir: Path, address: str, *extra: str) -> list[str]
     return cmd + ["cluster.placement=separate", "cluster.num_workers=1", "cluster.rollout_workers=1", *extra]
 
 
-def test_a_run_over_two_nodes_equals_the_one_process_run(tiny_checkpoint, two_nodes, inline, tmp_path):
+def test_a_run_over_two_nodes_equals_the_one_process_run(tiny_checkpoint, ray_nodes, inline, tmp_path):
     nodes = tmp_path / "nodes"
-    cmd = train_cmd(tiny_checkpoint, nodes, two_nodes.address)
+    cmd = train_cmd(tiny_checkpoint, nodes, ray_nodes.address)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -221,16 +222,15 @@ def run_stopping_a_node(nodes: Nodes, cmd: list[str], run_dir: Path) -> tuple[su
 
 
 def test_stopping_a_node_mid_run_goes_on_where_the_layout_fits_else_stops_in_one_line(
-    tiny_checkpoint, two_nodes, inline, tmp_path
+    tiny_checkpoint, ray_nodes, inline, tmp_path
 ):
-    """`ray stop` of a node holding an actor once step 1 is logged. With a third node the layout still
-    fits: the lost rollout actor is replaced, or the run restarts from its checkpoint, on the nodes
+    """`ray stop` of a node holding an actor once step 1 is logged. With the third node the layout
+    still fits: the lost rollout actor is replaced, or the run restarts from its checkpoint, on the nodes
     left, and the run equals the one-process run. Then, with the head and one node left, stopping
     that node leaves no room: the run stops at once (not at cluster.timeout_s) with one line naming
     the lost actor and node and how to continue."""
-    two_nodes.add("third")
-    cmd = train_cmd(tiny_checkpoint, tmp_path / "fits", two_nodes.address, "trainer.save_every=1")
-    done, role, stopped = run_stopping_a_node(two_nodes, cmd, tmp_path / "fits")
+    cmd = train_cmd(tiny_checkpoint, tmp_path / "fits", ray_nodes.address, "trainer.save_every=1")
+    done, role, stopped = run_stopping_a_node(ray_nodes, cmd, tmp_path / "fits")
     assert done.returncode == 0, done.stderr_text[-3000:]
     print(f"\nnode stop ({role} lost): run done {time.monotonic() - stopped:.1f} s after", flush=True)
     restarts = {
@@ -243,8 +243,8 @@ def test_stopping_a_node_mid_run_goes_on_where_the_layout_fits_else_stops_in_one
     }
     assert_same_run(inline, tmp_path / "fits")
 
-    cmd = train_cmd(tiny_checkpoint, tmp_path / "short", two_nodes.address, "cluster.timeout_s=300")
-    done, role, stopped = run_stopping_a_node(two_nodes, cmd, tmp_path / "short")
+    cmd = train_cmd(tiny_checkpoint, tmp_path / "short", ray_nodes.address, "cluster.timeout_s=300")
+    done, role, stopped = run_stopping_a_node(ray_nodes, cmd, tmp_path / "short")
     assert time.monotonic() - stopped < 120, "the lost room should be seen at once"
     lines = [x for x in done.stderr_text.splitlines() if x.startswith("rlloom: ")]
     assert done.returncode == 1 and len(lines) == 1, done.stderr_text[-3000:]
