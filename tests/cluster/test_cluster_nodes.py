@@ -43,8 +43,8 @@ ARGS = (
     "rollout.max_new_tokens=5",
     "logging.console=false",
     "train.lr=3e-2",
-    "reward.name=resume_reward:digit_share",
-    f"reward.import_dir={Path(__file__).parents[1] / 'trainer'}",
+    "reward.name=kill_reward:digit_share_killing",  # the share of digits; holds a run as HOLD_DIR says
+    f"reward.import_dir={Path(__file__).parent}",
     "reward.num_workers=1",
 )
 
@@ -198,14 +198,16 @@ def test_a_run_over_two_nodes_equals_the_one_process_run(tiny_checkpoint, ray_no
     assert_same_run(inline, nodes)
 
 
-def run_stopping_a_node(nodes: Nodes, cmd: list[str], run_dir: Path) -> tuple[subprocess.Popen, str, float]:
-    """Start `cmd`; once step 1 is logged, stop a node (never the head) that holds one of its
-    actors. Returns the finished run, the role it lost and the time of the stop."""
+def run_stopping_a_node(nodes: Nodes, cmd: list[str], run_dir: Path) -> tuple[int, str, str, float]:
+    """Run `cmd`, held in step 2 (kill_reward.py) while a node (never the head) holding one of its
+    actors is stopped. Returns the exit code, stderr, the role lost and the time of the stop."""
+    run_dir.mkdir()
     with (run_dir.parent / f"{run_dir.name}.err").open("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, env=ENV)
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=err, env={**ENV, "HOLD_DIR": str(run_dir)}
+        )
         deadline = time.monotonic() + 400
-        log = run_dir / "metrics.jsonl"
-        while not (log.exists() and any(json.loads(x)["step"] == 1 for x in log.read_text().splitlines())):
+        while not (run_dir / "held").exists():
             assert proc.poll() is None and time.monotonic() < deadline, Path(err.name).read_text()[-3000:]
             time.sleep(0.2)
         actors = json.loads((run_dir / "actors.json").read_text())
@@ -215,23 +217,23 @@ def run_stopping_a_node(nodes: Nodes, cmd: list[str], run_dir: Path) -> tuple[su
         stopped = time.monotonic()
         nodes.stop(label)
         del nodes.procs[label]
+        (run_dir / "go").write_text("")
         proc.wait(600)
         err.seek(0)
-        proc.stderr_text = err.read()
-    return proc, role, stopped
+        return proc.returncode, err.read(), role, stopped
 
 
 def test_stopping_a_node_mid_run_goes_on_where_the_layout_fits_else_stops_in_one_line(
     tiny_checkpoint, ray_nodes, inline, tmp_path
 ):
-    """`ray stop` of a node holding an actor once step 1 is logged. With the third node the layout
+    """`ray stop` of a node holding an actor in step 2 (the run held there while it stops). With the third node the layout
     still fits: the lost rollout actor is replaced, or the run restarts from its checkpoint, on the nodes
     left, and the run equals the one-process run. Then, with the head and one node left, stopping
     that node leaves no room: the run stops at once (not at cluster.timeout_s) with one line naming
     the lost actor and node and how to continue."""
     cmd = train_cmd(tiny_checkpoint, tmp_path / "fits", ray_nodes.address, "trainer.save_every=1")
-    done, role, stopped = run_stopping_a_node(ray_nodes, cmd, tmp_path / "fits")
-    assert done.returncode == 0, done.stderr_text[-3000:]
+    code, err, role, stopped = run_stopping_a_node(ray_nodes, cmd, tmp_path / "fits")
+    assert code == 0, err[-3000:]
     print(f"\nnode stop ({role} lost): run done {time.monotonic() - stopped:.1f} s after", flush=True)
     restarts = {
         k: max(r.get(k, 0) for r in metrics(tmp_path / "fits"))
@@ -244,10 +246,10 @@ def test_stopping_a_node_mid_run_goes_on_where_the_layout_fits_else_stops_in_one
     assert_same_run(inline, tmp_path / "fits")
 
     cmd = train_cmd(tiny_checkpoint, tmp_path / "short", ray_nodes.address, "cluster.timeout_s=300")
-    done, role, stopped = run_stopping_a_node(ray_nodes, cmd, tmp_path / "short")
+    code, err, role, stopped = run_stopping_a_node(ray_nodes, cmd, tmp_path / "short")
     assert time.monotonic() - stopped < 120, "the lost room should be seen at once"
-    lines = [x for x in done.stderr_text.splitlines() if x.startswith("rlloom: ")]
-    assert done.returncode == 1 and len(lines) == 1, done.stderr_text[-3000:]
+    lines = [x for x in err.splitlines() if x.startswith("rlloom: ")]
+    assert code == 1 and len(lines) == 1, err[-3000:]
     assert re.fullmatch(
         rf"rlloom: worker failure: {'training' if role == 'train' else 'rollout'} rank 0 on .* failed in stage .*"
         r"no room for the run's layout \(CPU slots\): it needs 2 slots .* its alive nodes have 1 .*"
