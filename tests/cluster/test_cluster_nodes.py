@@ -106,20 +106,46 @@ class Nodes:
         self.procs[label] = ray_start(self.logs / f"{label}.log", *args)
 
     def stop(self, label: str) -> None:
-        """`ray stop` on that node alone: its `ray start --block` stops the processes it started."""
+        """`ray stop` on that node alone: SIGTERM to each of its processes (its `ray start --block`
+        stops the raylet and the rest it started), then SIGKILL to what is left (its workers)."""
         node = self.procs[label]
-        node.send_signal(signal.SIGTERM)
+        family = descendants(node.pid)
+        for pid in [node.pid, *family]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
         try:
             node.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(node.pid, signal.SIGKILL)  # the session this module started for it
+        for pid in family:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def label_of(self, pid: int) -> str:
         """The node whose processes include `pid` (an actor: a child of its node's raylet)."""
         by_pid = {p.pid: label for label, p in self.procs.items()}
         while pid > 1 and pid not in by_pid:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            pid = parent(pid)
         return by_pid[pid]
+
+
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def descendants(root: int) -> list[int]:
+    """The processes below `root` (children, their children, ...)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                children.setdefault(parent(int(entry.name)), []).append(int(entry.name))
+    out, todo = [], [root]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
 
 
 @pytest.fixture(scope="module")
