@@ -34,7 +34,7 @@ STEPS = 2
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
 """The nodes and the driver agree on no token: a head started by `ray start` asks for one by
 default, which a second node of the same machine does not send unless told."""
-SKIP = ("time/", "perf/", "sync/ms", "memory/")
+SKIP = ("time/", "perf/", "sync/ms", "memory/", "cluster/")
 ARGS = (
     "trainer.total_steps=2",
     "trainer.prompts_per_step=4",
@@ -188,9 +188,12 @@ def inline(tiny_checkpoint, tmp_path_factory) -> Path:
     return run_dir
 
 
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def metrics(run_dir: Path) -> list[dict]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(SKIP)} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(SKIP)} for r in rows(run_dir)]
 
 
 def assert_same_run(a: Path, b: Path) -> None:
@@ -262,7 +265,7 @@ def test_stopping_a_node_mid_run_goes_on_where_the_layout_fits_else_stops_in_one
     assert code == 0, err[-3000:]
     print(f"\nnode stop ({role} lost): run done {time.monotonic() - stopped:.1f} s after", flush=True)
     restarts = {
-        k: max(r.get(k, 0) for r in metrics(tmp_path / "fits"))
+        k: max(r.get(k, 0) for r in rows(tmp_path / "fits"))
         for k in ("cluster/train_restarts", "cluster/rollout_restarts")
     }
     assert restarts == {
