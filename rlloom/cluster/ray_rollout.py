@@ -94,7 +94,7 @@ class RayRolloutGroup:
         try:
             self.recover(replica)
         except NoRoom as e:
-            raise NoRoom(f"{failure}, and {e}") from e
+            raise NoRoom(f"{str(failure).rstrip('.')}, and {e}") from e
         self.resend.add(replica)
         log.warning(
             "rollout restart %d of trainer.max_restarts=%d: %s; replica %d replaced in %.1f s, %d requests "

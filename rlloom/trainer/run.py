@@ -115,7 +115,7 @@ def run(cfg: RunConfig) -> RunResult:
                 return _run(cfg, resume_from, restarts)
             except WorkerFailure as e:
                 if restarts >= cfg.trainer.max_restarts or isinstance(e, NoRoom):
-                    lost = f"{cause}, and {e}" if isinstance(e, NoRoom) and cause else str(e)
+                    lost = f"{str(cause).rstrip('.')}, and {e}" if isinstance(e, NoRoom) and cause else str(e)
                     raise WorkerFailure(f"{lost.rstrip('.')}. {_stopped(cfg, restarts)}") from e
                 restarts, cause = restarts + 1, e
                 resume_from = newest_checkpoint(cfg)
