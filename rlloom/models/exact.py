@@ -143,11 +143,13 @@ class _ExactOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
-        cuda = bool(args) and isinstance(args[0], torch.Tensor) and uses_kernels(args[0])
+        if not (args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()):
+            return func(*args, **kwargs)  # integer and boolean sums are exact in any order
+        cuda = uses_kernels(args[0])
         ops = _cuda() if cuda else _CPU
-        if not cuda and func in _UNARY and args[0].is_floating_point():
+        if not cuda and func in _UNARY:
             return _double(func)(args[0])
-        if not cuda and func is aten.pow.Tensor_Scalar and args[0].is_floating_point() and args[1] != 2:
+        if not cuda and func is aten.pow.Tensor_Scalar and args[1] != 2:
             return func(args[0].double(), args[1]).to(args[0].dtype)
         if func is aten.mm.default or func is aten.bmm.default:
             return ops.mm(*args)

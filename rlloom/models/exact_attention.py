@@ -159,8 +159,9 @@ def attend_runs(
     num_runs, tiles_per_run = runs.q_len.shape[0], triton.cdiv(max(runs.max_q, 1), queries)
     if N == 0 or num_runs == 0:
         return out
+    index = (x.contiguous() for x in (runs.kv_index, runs.q_start, runs.q_len, runs.k_base, runs.k_len))
     _attention_kernel[(num_runs * tiles_per_run, Hkv)](
-        q, k, v, out, runs.kv_index, runs.q_start, runs.q_len, runs.k_base, runs.k_len,
+        q, k, v, out, *index,
         scale, tiles_per_run, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2],
         G=G, G_PAD=g_pad, QUERIES=queries, ROWS=queries * g_pad, D=D, D_PAD=max(16, triton.next_power_of_2(D)),
         DV=Dv, DV_PAD=max(16, triton.next_power_of_2(Dv)), BLOCK_N=BLOCK_N,
