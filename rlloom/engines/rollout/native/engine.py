@@ -136,8 +136,7 @@ class NativeEngine:
         # The settings were checked where the run config was read (rlloom/config/rollout.py).
         assert max_model_len >= 2 and max_num_batched_tokens >= 1, (max_model_len, max_num_batched_tokens)
         self.model = model.eval()
-        self.exact = exact
-        """Batch-invariant numerics: a token's logprob equals the training forward's (rollout.match_training)."""
+        self.exact = exact  # rollout.match_training: a token's logprob equals the training forward's
         self.device = next(model.parameters()).device
         self.tp = _prepare(model, quantization, tp_group)
         """This rank's part of a tensor-parallel replica (None: the whole model on one device)."""
