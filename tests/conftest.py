@@ -43,7 +43,14 @@ def ray_cluster():
     slots); a run joins it instead of starting its own. The Ray tests run one after another and the
     last one shuts it down (see below), so the instance does not idle beside the rest of the suite."""
     ray = pytest.importorskip("ray", reason="needs the ray extra: pip install 'rlloom[ray]'")
-    ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False)
+    for attempt in range(3):  # Ray gives its raylet a fixed 30 s to register: a busy machine misses it
+        try:
+            ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False)
+            break
+        except Exception:  # Ray raises a bare Exception for it
+            ray.shutdown()
+            if attempt == 2:
+                raise
     yield
     ray.shutdown()
 
