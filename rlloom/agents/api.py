@@ -3,8 +3,10 @@ OpenAI-style 4xx body naming the field), and a generation's `Choice`s written ba
 completion or a completion, whole or as server-sent-event chunks.
 
 Only what the engine can honour is accepted: text content (a list of text parts is joined), tools and
-`tool_choice` (calls are parsed from the response with `rollout.tool_parser`'s format; "required" or a
-named function is not enforced by constrained decoding), temperature, top_p, max_tokens /
+`tool_choice` (calls are parsed from the response with `rollout.tool_parser`'s format; "none": not
+parsed; "required" or a named function: the answer starts with that format's call opening, written
+after the prompt (`turns.render_prompt`), so the model writes a call's arguments; its JSON is the
+model's, not constrained), temperature, top_p, max_tokens /
 max_completion_tokens, stop, n, seed, logprobs (the sampled tokens' own; `top_logprobs` > 0 is
 refused), stream (with `stream_options.include_usage`). Fields the engine has no use for (`user`,
 penalties, `response_format`, ...) are ignored, as most OpenAI-compatible servers do.
@@ -55,6 +57,10 @@ class GenRequest:
     tools: list[dict[str, Any]] | None = None
     parse_tools: bool = False
     """Parse tool calls out of the response (tools given and tool_choice is not "none")."""
+    force_tool: str | None = None
+    """`tool_choice` "required" ("") or a named function (its name): the answer starts with the
+    opening of a call (of that function), written after the prompt, so it is a call; None: the model
+    chooses ("auto") or calls none ("none": calls are not parsed)."""
     temperature: float | None = None
     top_p: float | None = None
     max_tokens: int | None = None
@@ -208,25 +214,43 @@ def normalize_messages(messages: Any) -> list[Message]:
     return out
 
 
-def _tools(body: dict) -> tuple[list[dict[str, Any]] | None, bool]:
+def _tools(body: dict) -> tuple[list[dict[str, Any]] | None, bool, str | None]:
+    """The tools, whether calls are parsed from the answer, and the call `tool_choice` forces ("":
+    any tool, "required"; a name: that function; None: the model chooses)."""
     tools = body.get("tools")
-    if tools is None or tools == []:
-        return None, False
-    if not isinstance(tools, list) or not all(
-        isinstance(t, dict)
-        and isinstance(t.get("function"), dict)
-        and isinstance(t["function"].get("name"), str)
-        for t in tools
+    tools = None if tools == [] else tools
+    if tools is not None and (
+        not isinstance(tools, list)
+        or not all(
+            isinstance(t, dict)
+            and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str)
+            for t in tools
+        )
     ):
         raise _bad("'tools' must be a list of {'type': 'function', 'function': {'name': ...}}", "tools")
-    choice = body.get("tool_choice", "auto")
+    choice = body.get("tool_choice")
+    if choice is None:
+        return tools, tools is not None, None
     named = isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str)
-    if choice not in ("none", "auto", "required") and not named:
+    if choice not in ("none", "auto", "required") and not (
+        named and choice.get("type", "function") == "function"
+    ):
         raise _bad(
-            f"'tool_choice' must be 'none', 'auto', 'required' or a named function, not {choice!r}",
+            "'tool_choice' must be 'none', 'auto', 'required' or "
+            f"{{'type': 'function', 'function': {{'name': ...}}}}, not {choice!r}",
             "tool_choice",
         )
-    return tools, choice != "none"
+    if tools is None and choice != "none":
+        raise _bad(
+            f"'tool_choice'={choice!r} needs 'tools': give the functions the model may call", "tool_choice"
+        )
+    if named and choice["function"]["name"] not in [t["function"]["name"] for t in tools]:
+        raise _bad(
+            f"'tool_choice' names {choice['function']['name']!r}, which is not one of 'tools'", "tool_choice"
+        )
+    force = choice["function"]["name"] if named else "" if choice == "required" else None
+    return tools, tools is not None and choice != "none", force
 
 
 def parse_chat(body: Any) -> GenRequest:
@@ -241,13 +265,14 @@ def parse_chat(body: Any) -> GenRequest:
             "'top_logprobs' > 0 is not served: the engine records each sampled token's logprob only",
             "top_logprobs",
         )
-    tools, parse_tools = _tools(body)
+    tools, parse_tools, force_tool = _tools(body)
     messages = normalize_messages(body.get("messages"))
     return GenRequest(
         kind="chat",
         messages=messages,
         tools=tools,
         parse_tools=parse_tools,
+        force_tool=force_tool,
         logprobs=logprobs,
         **_common(body),
     )

@@ -11,7 +11,7 @@ from typing import Any
 from rlloom.agents.api import Choice, GenRequest
 from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.episodes.render import Rendered, encode, render_conversation
-from rlloom.episodes.tools import TOOL_PARSERS, strip_tool_calls
+from rlloom.episodes.tools import TOOL_OPENINGS, TOOL_PARSERS, strip_tool_calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,10 +37,17 @@ class Formats:
         )
 
 
+def opening(fmt: Formats, req: GenRequest) -> str:
+    """The text a forced `tool_choice` writes at the start of the answer ("" when none is forced)."""
+    return "" if req.force_tool is None else TOOL_OPENINGS[fmt.tool_parser](req.force_tool)
+
+
 def render_prompt(fmt: Formats, req: GenRequest) -> Rendered | list[int]:
-    """What the model reads: the rendered conversation (chat), the prompt text, or its ids."""
+    """What the model reads: the rendered conversation (chat) and a forced call's opening (the
+    template's own text, unmarked), the prompt text, or its ids."""
     if req.kind == "chat":
-        return render_conversation(fmt.tokenizer, req.messages, tools=req.tools)
+        rendered = render_conversation(fmt.tokenizer, req.messages, tools=req.tools)
+        return Rendered(rendered.marked + opening(fmt, req))
     if isinstance(req.prompt, list):
         return list(req.prompt)
     return Rendered(req.prompt)  # unmarked: a raw prompt's control-token strings are the model's own
@@ -87,6 +94,7 @@ def make_choice(
         ids = _kept(fmt, ids, text)
         lps = lps[: len(ids)]
     calls = []
+    text = opening(fmt, req) + text  # a forced call's opening is the answer's, written by the prompt
     if req.parse_tools:
         calls, _ = TOOL_PARSERS[fmt.tool_parser](text)
     choice = Choice(
