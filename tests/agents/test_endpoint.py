@@ -70,6 +70,25 @@ def test_streaming_gives_the_non_streaming_tokens(url):
     assert chunks[-1].choices[0].finish_reason == whole.finish_reason
 
 
+def test_a_stream_sends_tokens_while_they_are_sampled(url, monkeypatch):
+    import time
+
+    import rlloom.agents.serve as serve_module
+
+    finished = []  # when the serve loop saw the completion come back from the engine
+    make_choice_ = serve_module.make_choice
+    monkeypatch.setattr(
+        serve_module, "make_choice", lambda *a: finished.append(time.monotonic()) or make_choice_(*a)
+    )
+    args = dict(model="tiny", messages=HI, max_tokens=16, temperature=1.0, seed=5, stream=True)
+    arrived = []
+    for c in client(url).chat.completions.create(**args):
+        if c.choices and c.choices[0].delta.content:
+            arrived.append(time.monotonic())
+    assert len(finished) == 1 and len(arrived) > 2
+    assert sum(t < finished[0] for t in arrived) > 1, "the tokens came only with the finished answer"
+
+
 def test_n_choices_are_the_seeded_samples(url):
     args = dict(model="tiny", messages=HI, max_tokens=10, temperature=1.0, seed=3)
     three = client(url).chat.completions.create(**args, n=3)
