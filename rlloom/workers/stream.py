@@ -101,8 +101,12 @@ class EngineStream:
     def poll(self, timeout_s: float) -> list[StreamResult | Partial]:
         """The samples finished since the last poll, after the tokens so far of those still going
         that asked for them; waiting up to `timeout_s` for the first one (at once on ranks other than
-        0, which report none); raises the thread's failure, or a hang."""
-        self._news.wait(timeout_s if self.rank == 0 else 0)
+        0, which report none); raises the thread's failure, or a hang. Rank 0 with no news returns
+        at once, not waiting for the step in flight to end (the caller goes back to its other work:
+        an agent's requests, environment results)."""
+        if self.rank == 0 and not self._news.wait(timeout_s):
+            self._check_progress()
+            return []
         with self._held():
             self._news.clear()
             self._raise()
