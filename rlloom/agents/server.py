@@ -59,6 +59,17 @@ class Call:
     """Give a streaming request the tokens sampled so far (before `reply`); from any thread."""
 
 
+async def _until_answer(first: Delta | Answer, events: asyncio.Queue) -> AsyncIterator[Delta | Answer]:
+    """A streaming request's events up to its `Answer` (an error after the first tokens ends it)."""
+    event = first
+    while not isinstance(event, Answer):
+        yield event
+        event = await events.get()
+        if isinstance(event, ApiError):
+            return
+    yield event
+
+
 class Endpoint:
     """The HTTP server; `start()` binds it (port 0: a free port), `take()` yields its calls."""
 
@@ -129,6 +140,21 @@ class Endpoint:
             self._thread.join(10.0)
         self._server = self._thread = None
 
+    async def _submit(self, session: str | None, req: Any) -> tuple[Delta | Answer, asyncio.Queue]:
+        """Hand the request to the engine's thread; its first event (an `ApiError` raised) and the
+        queue the rest arrive in."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Delta | Answer | ApiError] = asyncio.Queue()
+
+        def put(event: Delta | Answer | ApiError) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        self._inbox.put(Call(session=session, request=req, reply=put, send=put))
+        first = await events.get()
+        if isinstance(first, ApiError):
+            raise first
+        return first, events
+
     # ---- the app -------------------------------------------------------------------------------
 
     def _app(self) -> Any:
@@ -175,33 +201,14 @@ class Endpoint:
                 raise ApiError(
                     404, "this endpoint serves training sessions only: use the base URL rlloom gave the agent"
                 )
-            loop = asyncio.get_running_loop()
-            events: asyncio.Queue[Delta | Answer | ApiError] = asyncio.Queue()
-
-            def put(event: Delta | Answer | ApiError) -> None:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-
-            self._inbox.put(Call(session=session, request=req, reply=put, send=put))
-            first = await events.get()
-            if isinstance(first, ApiError):
-                raise first
+            first, events = await self._submit(session, req)
             if req.stream:
-
-                async def rest() -> AsyncIterator[Delta | Answer]:
-                    event = first
-                    while not isinstance(event, Answer):
-                        yield event
-                        event = await events.get()
-                        if isinstance(event, ApiError):  # after the first tokens: the stream just ends
-                            return
-                    yield event
-
                 return StreamingResponse(
-                    stream_events(req, rest(), model=self.model_id), media_type="text/event-stream"
+                    stream_events(req, _until_answer(first, events), model=self.model_id),
+                    media_type="text/event-stream",
                 )
-            answer = first
             build = chat_response if kind == "chat" else completion_response
-            return JSONResponse(build(req, answer, model=self.model_id))
+            return JSONResponse(build(req, first, model=self.model_id))
 
         for prefix in ("/v1", "/sessions/{session}/v1"):
             app.get(f"{prefix}/models")(lambda session=None: models())
