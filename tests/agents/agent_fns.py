@@ -34,30 +34,6 @@ async def streamed_then_whole(base_url, row, sampling):
     return {"metrics": {"chunks": float(len(chunks))}}
 
 
-async def kills_its_replica(base_url, row, sampling):
-    """`two_turns`, the first agent to get its first answer killing the rollout actor (kill -9 of
-    its pid in RUN_DIR/actors.json, RUN_DIR from AGENT_KILL_DIR) before it asks again."""
-    import json
-    import signal
-    from pathlib import Path
-
-    async with AsyncOpenAI(base_url=base_url, api_key="none") as client:
-        messages = [{"role": "user", "content": row["prompt"]}]
-        first = await client.chat.completions.create(messages=messages, **sampling)
-        run_dir = Path(os.environ["AGENT_KILL_DIR"])
-        try:
-            os.close(os.open(run_dir / "killed", os.O_CREAT | os.O_EXCL))
-        except FileExistsError:
-            pass
-        else:
-            actors = json.loads((run_dir / "actors.json").read_text())
-            os.kill(next(a["pid"] for a in actors if a["role"] == "rollout"), signal.SIGKILL)
-        messages.append({"role": "assistant", "content": first.choices[0].message.content})
-        messages.append({"role": "tool", "content": "42"})
-        await client.chat.completions.create(messages=messages, **sampling)
-    return None
-
-
 async def faulty(base_url, row, sampling):
     """Fails as the row's prompt ends: hang, exit, crash, raise, garbage, or fine (reward 1)."""
     async with AsyncOpenAI(base_url=base_url, api_key="none") as client:

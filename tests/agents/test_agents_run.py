@@ -140,26 +140,3 @@ def test_an_agent_on_ray_equals_inline(ray_cluster, tiny_checkpoint, tmp_path):
             # the train-rollout gap is float32 rounding (~1e-7 either way): an absolute bound
             tol = 2e-6 if k.startswith("rollout/logp_gap") else 1e-5 * abs(v) + 1e-7
             assert abs(v - b[k]) <= tol, (a["step"], k, v, b[k])
-
-
-@pytest.mark.slow  # a Ray start and an actor's replacement: 60-120 s on 2 cores
-def test_a_replica_killed_under_its_sessions_costs_no_trajectory(
-    ray_cluster, tiny_checkpoint, tmp_path, monkeypatch
-):
-    run = tmp_path / "run"
-    monkeypatch.setenv("AGENT_KILL_DIR", str(run))  # the agents' worker processes inherit it
-    metrics = _train(
-        tiny_checkpoint,
-        run,
-        "rollout.agent=agent_fns:kills_its_replica",
-        "trainer.total_steps=2",
-        "cluster.mode=ray",
-        "cluster.placement=separate",
-        "cluster.num_workers=1",
-        "cluster.rollout_workers=1",
-        "cluster.timeout_s=300",
-    )
-    assert (run / "killed").exists() and metrics[-1]["cluster/rollout_restarts"] == 1
-    for m in metrics:  # every session's requests were answered: by the replica, or by its replacement
-        assert m["rollout/turns_mean"] == 2.0 and m["rollout/agent_errors"] == 0.0
-        assert abs(m["rollout/token_mult_prob_error"] - 1.0) < 1e-5
