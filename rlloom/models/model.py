@@ -111,9 +111,12 @@ class CausalLM(nn.Module):
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
         image_embeds: torch.Tensor | None = None,
+        image_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token embeddings [.., D], each image token's replaced by its image feature row in order:
-        `image_embeds` [M, D], or the tower run on `pixel_values` and `image_grid_thw`."""
+        `image_embeds` [M, D], or the tower run on `pixel_values` and `image_grid_thw`. The image
+        tokens are those with the placeholder id, or the flat stream's rows `image_index` [M] (the
+        rollout's: a generated placeholder id is text)."""
         h = self.tok_embeddings(input_ids)
         if image_embeds is None and pixel_values is not None:
             if self.visual is None:
@@ -124,8 +127,16 @@ class CausalLM(nn.Module):
             image_embeds = self.visual(pixel_values, image_grid_thw)
         if image_embeds is None:
             return h
-        is_image = (input_ids == self.args.vision.image_token_id).unsqueeze(-1)
-        return h.masked_scatter(is_image, image_embeds.to(h.dtype))
+        if image_index is not None:
+            return h.index_put((image_index,), image_embeds.to(h.dtype))
+        is_image = input_ids == self.args.vision.image_token_id
+        if int(is_image.sum()) != image_embeds.shape[0]:
+            raise ValueError(
+                f"the input holds {int(is_image.sum())} image tokens (id {self.args.vision.image_token_id}) but "
+                f"its images give {image_embeds.shape[0]} feature rows. Fix: build the prompt with the "
+                "processor, one placeholder run per image."
+            )
+        return h.masked_scatter(is_image.unsqueeze(-1), image_embeds.to(h.dtype))
 
     def moe_token_counts(self) -> dict[int, torch.Tensor]:
         """Layer index -> [num_experts] tokens routed to each expert in the last forward."""
@@ -172,6 +183,7 @@ class CausalLM(nn.Module):
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
         image_embeds: torch.Tensor | None = None,
+        image_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states [.., D] (no lm head); arguments as in `forward`, plus `layers`:
         the decoder layers to run instead of `self.layers` (the rollout's compiled ones), and `tree`:
@@ -183,7 +195,7 @@ class CausalLM(nn.Module):
         layout, position_ids = _layout(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask, attn)
         if tree is not None or prefix_lens is not None or branch_lens is not None:
             layout = _tree_layout(layout, prefix_lens, branch_lens, input_ids.device, tree)
-        h = self.embed(input_ids, pixel_values, image_grid_thw, image_embeds)
+        h = self.embed(input_ids, pixel_values, image_grid_thw, image_embeds, image_index)
         cos, sin = self.rope(position_ids, h.dtype, axes3=position_ids.dim() > input_ids.dim())
         moe_index = 0
         for layer in self.layers if layers is None else layers:

@@ -46,7 +46,10 @@ def patch_positions(grid: Grid, merge: int) -> torch.Tensor:
     for t, h, w in grid:
         rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
         block = (h // merge, merge, w // merge, merge)
-        rows, cols = rows.reshape(block).transpose(1, 2).flatten(), cols.reshape(block).transpose(1, 2).flatten()
+        rows, cols = (
+            rows.reshape(block).transpose(1, 2).flatten(),
+            cols.reshape(block).transpose(1, 2).flatten(),
+        )
         out.append(torch.stack([rows, cols], dim=-1).repeat(t, 1))
     return torch.cat(out)
 

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from rlloom.config import RolloutConfig
+from rlloom.data.images import ImageInputs
 from rlloom.devices import to_device
 from rlloom.engines.rollout.base import Completion, SamplingParams
 from rlloom.engines.rollout.native.block_manager import BlockManager
@@ -52,6 +53,7 @@ from rlloom.engines.rollout.native.sequence import Sequence, Status
 from rlloom.engines.rollout.native.tensor_parallel import TPShards, shard_model, shared_seed
 from rlloom.engines.rollout.native.tp_weights import load_sharded, shard_dims_by_hf_name
 from rlloom.engines.rollout.native.validation import kv_cache_blocks, request_problem
+from rlloom.engines.rollout.native.vision import request_vision
 from rlloom.engines.rollout.native.vocab_parallel import VocabParallelSampler
 from rlloom.models.args import ModelArgs
 from rlloom.models.exact import exact_numerics
@@ -173,6 +175,8 @@ class NativeEngine:
         )
         if self.runner.route_dtype is not None:  # routes of cached positions would be missing
             self.block_manager.enable_prefix_caching = False
+        if model.args.vision is not None:  # cached blocks are keyed on token ids, and every image's
+            self.block_manager.enable_prefix_caching = False  # placeholders are the same ids
         self.sampler = _sampler(self.device, seed, self.tp, tp_group)
         self._seq_ids, self._arrivals = itertools.count(), itertools.count()
         self._ready: list[Completion] = []
@@ -239,11 +243,15 @@ class NativeEngine:
         *,
         request_id: str | None = None,
         prompt_index: int | None = None,
+        images: ImageInputs | None = None,
     ) -> str:
-        """Queue `sampling.n` completions of one prompt; returns the request id (made if not given)."""
+        """Queue `sampling.n` completions of one prompt; returns the request id (made if not given).
+        `images`: the prompt's processed images (a vision-language model), encoded here once for
+        all n samples."""
         arrival = next(self._arrivals)
         request_id = f"req-{arrival}" if request_id is None else request_id
         prompt_index = arrival if prompt_index is None else prompt_index
+        vision, error = request_vision(self.model, prompt_ids, images)
         seqs = [
             Sequence(
                 seq_id=next(self._seq_ids),
@@ -253,10 +261,11 @@ class NativeEngine:
                 prompt_ids=list(prompt_ids),
                 params=sampling,
                 policy_version=self.policy_version,
+                vision=vision,
             )
             for j in range(max(sampling.n, 1))
         ]
-        error = self._request_problem(prompt_ids, sampling)
+        error = error or self._request_problem(prompt_ids, sampling)
         if error is not None:
             for seq in seqs:
                 seq.status, seq.finish_reason, seq.error = Status.FINISHED, "abort", error
@@ -290,6 +299,7 @@ class NativeEngine:
         request_id: str,
         prompt_index: int,
         sample_index: int,
+        images: ImageInputs | None = None,
     ) -> str:
         """Continue one sample from the tokens it had when it was aborted (e.g. across a weight
         update): its KV cache is rebuilt by a prefill of prompt + `output_ids` under the current
@@ -297,7 +307,8 @@ class NativeEngine:
         position len(output_ids) with the same seeded noise (`sample_index` as before). The
         completion carries the current policy version; `sampling.n` is ignored (one sample). MoE:
         its routes are those of the resuming weights for every position (the prefill recomputes them)."""
-        error = self._request_problem(prompt_ids, sampling)
+        vision, error = request_vision(self.model, prompt_ids, images)
+        error = error or self._request_problem(prompt_ids, sampling)
         if error is not None or len(logprobs) != len(output_ids):
             raise ValueError(
                 error or f"resume_request: {len(logprobs)} logprobs for {len(output_ids)} output tokens"
@@ -312,6 +323,7 @@ class NativeEngine:
             policy_version=self.policy_version,
             output_ids=list(output_ids),
             logprobs=list(logprobs),
+            vision=vision,
         )
         self.scheduler.add(seq)
         return request_id
@@ -392,9 +404,13 @@ class NativeEngine:
     # ---- batch API ------------------------------------------------------------------------------
 
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams | list[SamplingParams],
+        images: list[ImageInputs | None] | None = None,
     ) -> list[Completion]:
-        """Completions of every prompt, ordered by (prompt index, sample index)."""
+        """Completions of every prompt, ordered by (prompt index, sample index); `images`: each
+        prompt's, or None."""
         per_prompt = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(
@@ -406,7 +422,7 @@ class NativeEngine:
                 "generate: requests added with add_request are still in flight. Fix: step() them out first."
             )
         for i, (prompt, params) in enumerate(zip(prompts, per_prompt)):
-            self.add_request(prompt, params, request_id=str(i), prompt_index=i)
+            self.add_request(prompt, params, request_id=str(i), prompt_index=i, images=images and images[i])
         out: list[Completion] = []
         while self.has_unfinished():
             out += self.step()
