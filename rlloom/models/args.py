@@ -181,6 +181,13 @@ class ModelArgs:
         )
 
 
+def language_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """config.json with the language model's fields at the top level, where the start-up checks and
+    the planner read them (a vision-language config nests them under `text_config`)."""
+    family = FAMILIES.get(cfg.get("model_type"))  # type: ignore[arg-type]
+    return cfg if family is None else family.text_config(cfg)
+
+
 def _check_no_sliding_window(cfg: dict[str, Any], family_window: Callable[[dict[str, Any]], bool]) -> None:
     layer_types = cfg.get("layer_types") or []
     uses_window = any(t != "full_attention" for t in layer_types) if layer_types else family_window(cfg)
