@@ -87,3 +87,12 @@ def test_export_loads_in_transformers(pair, tmp_path):
     images = processed_images((150, 90))
     ids = vl_prompt(images["image_grid_thw"], 2)
     assert_close(_hf_logits(again, ids, images), _hf_logits(hf, ids, images), atol=0)
+
+
+def test_planner_counts_the_vision_tower(pair):
+    from rlloom.plan.counts import model_costs
+
+    _, native, _ = pair
+    costs = model_costs(native.args)
+    assert costs.tower_params == sum(p.numel() for p in native.visual.parameters())
+    assert costs.total_params == sum(p.numel() for p in native.parameters())

@@ -102,6 +102,13 @@ def _sampler(
     return VocabParallelSampler(device, shared_seed(seed, tp_group, device), tp)
 
 
+def _caches_prefixes(model: torch.nn.Module, runner: ModelRunner) -> bool:
+    """Whether finished blocks may serve later requests: not for MoE models (the routes of cached
+    positions would be missing) nor vision-language ones (blocks are keyed on token ids, and every
+    image's placeholders are the same ids)."""
+    return runner.route_dtype is None and model.args.vision is None
+
+
 class NativeEngine:
     def __init__(
         self,
@@ -173,10 +180,8 @@ class NativeEngine:
             enforce_eager=enforce_eager,
             compile=compile,
         )
-        if self.runner.route_dtype is not None:  # routes of cached positions would be missing
+        if not _caches_prefixes(model, self.runner):
             self.block_manager.enable_prefix_caching = False
-        if model.args.vision is not None:  # cached blocks are keyed on token ids, and every image's
-            self.block_manager.enable_prefix_caching = False  # placeholders are the same ids
         self.sampler = _sampler(self.device, seed, self.tp, tp_group)
         self._seq_ids, self._arrivals = itertools.count(), itertools.count()
         self._ready: list[Completion] = []
