@@ -139,9 +139,8 @@ class NativeEngine:
         same arguments) this rank keeps its shard of the model (tensor_parallel.py) and samples from
         its vocabulary slice (vocab_parallel.py). `enable_prefix_caching` keeps the keys and values of
         finished sequences' full blocks for later requests that start with the same tokens (multi-turn
-        episodes: a trajectory's next turn; block_manager.py); it is off for MoE models, whose prefill
-        must compute every position to report the experts it chose. `exact` runs the forward and
-        the sampler's logprobs with batch-invariant numerics (rlloom/models/exact.py), eagerly."""
+        episodes: a trajectory's next turn; block_manager.py), except where `_caches_prefixes` says no.
+        `exact` runs the forward and the sampler's logprobs with batch-invariant numerics, eagerly."""
         # The settings were checked where the run config was read (rlloom/config/rollout.py).
         assert max_model_len >= 2 and max_num_batched_tokens >= 1, (max_model_len, max_num_batched_tokens)
         self.model = model.eval()
