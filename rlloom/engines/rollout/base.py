@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 from rlloom.config import RolloutConfig
+from rlloom.data.images import ImageInputs
 from rlloom.data.types import FinishReason
 from rlloom.models.args import ModelArgs
 
@@ -147,9 +148,14 @@ class RolloutEngine(Protocol):
         """The whole model's architecture (a tensor-parallel rank's `model` holds a slice of it)."""
         ...
 
-    def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> list[Completion]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: list[SamplingParams],
+        images: list[ImageInputs | None] | None = None,
+    ) -> list[Completion]:
         """Completions of every prompt (n each), in prompt order; rejected requests come back with
-        finish_reason "abort" and `error` set."""
+        finish_reason "abort" and `error` set. `images`: each prompt's (a vision-language model)."""
         ...
 
     def add_request(
@@ -159,8 +165,10 @@ class RolloutEngine(Protocol):
         *,
         request_id: str | None = None,
         prompt_index: int | None = None,
+        images: ImageInputs | None = None,
     ) -> str:
-        """Queue `sampling.n` completions of one prompt; returns the request id (made if not given)."""
+        """Queue `sampling.n` completions of one prompt; returns the request id (made if not given);
+        `images`: the prompt's, encoded once for its n samples."""
         ...
 
     def resume_request(
@@ -173,6 +181,7 @@ class RolloutEngine(Protocol):
         request_id: str,
         prompt_index: int,
         sample_index: int,
+        images: ImageInputs | None = None,
     ) -> str:
         """Continue one aborted sample from its tokens so far under the current weights (its KV cache
         rebuilt by a prefill); the given tokens and logprobs stay as they are."""
