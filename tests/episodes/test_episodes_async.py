@@ -14,28 +14,32 @@ from test_episodes_run import ENV, HERE, _train
 import rlloom.trainer.async_loop as loop_mod
 
 ASYNC = ["trainer.mode=async", "trainer.max_staleness=1", "trainer.total_steps=3"]
-TRAIN_S = 1.0
-"""How long each test's trainer holds the step before training (a long update)."""
 
 
 def spy_on_training(monkeypatch, *, hold_s: float = 0.0) -> dict:
-    """Each trained step's (rollout version, rollout weights, samples) and the windows during which
-    the trainer held the step for `hold_s` before training it (the pump alone runs the stream then)."""
+    """Each trained step's samples and the rollout's weights under its version, and the window from
+    the step's start (held `hold_s` longer: a slow update) to its weight update: in it the controller
+    trains and nothing but the stream's pump moves the rollout's bookkeeping on."""
     from rlloom.models.adapter import hf_named_tensors
+    from rlloom.trainer.rollout_stream import RolloutStream
 
     seen: dict = {"windows": [], "weights": {}, "trained": []}
-    real_step = loop_mod.rl_step
+    real_step, real_update = loop_mod.rl_step, RolloutStream.update_weights
 
     def spy_step(ctx, step, rollout):
         engine = ctx.rollout_group.worker.engine
         seen["weights"][engine.policy_version] = {k: v.clone() for k, v in hf_named_tensors(engine.model)}
         seen["trained"].append(rollout.samples)
-        start = time.time()
+        seen["windows"].append([time.time(), None])
         time.sleep(hold_s)
-        seen["windows"].append((start, time.time()))
         return real_step(ctx, step, rollout=rollout)
 
+    def spy_update(stream, sync):
+        seen["windows"][-1][1] = time.time()
+        return real_update(stream, sync)
+
     monkeypatch.setattr(loop_mod, "rl_step", spy_step)
+    monkeypatch.setattr(RolloutStream, "update_weights", spy_update)
     return seen
 
 
@@ -44,9 +48,10 @@ def test_later_turns_go_on_while_the_async_trainer_trains(tiny_checkpoint, tmp_p
     steps come back and their next turns are generated, so a trajectory takes several steps inside
     one update (with nothing keeping the stream going it takes at most the one already submitted)."""
     log = tmp_path / "steps.log"
-    seen = spy_on_training(monkeypatch, hold_s=TRAIN_S)
-    kwargs = f"rollout.env_kwargs={{turns: 8, delay_s: 0.02, log: '{log}'}}"
-    _train(tiny_checkpoint, tmp_path / "run", *ENV, "rollout.env=episode_envs:Timed", kwargs, *ASYNC)
+    seen = spy_on_training(monkeypatch, hold_s=0.5)
+    kwargs = f"rollout.env_kwargs={{turns: 6, delay_s: 0.02, log: '{log}'}}"
+    _train(tiny_checkpoint, tmp_path / "run", *ENV, "rollout.env=episode_envs:Timed", kwargs,
+           "trainer.prompts_per_step=1", *ASYNC)  # fmt: skip
     steps = [(line.split()[0], float(line.split()[1])) for line in log.read_text().splitlines()]
     inside = Counter(
         (traj, w) for traj, t in steps for w, (start, end) in enumerate(seen["windows"]) if start <= t <= end
