@@ -8,8 +8,9 @@ import threading
 import time
 from collections import Counter
 
+import pytest
 import torch
-from test_episodes_run import ENV, HERE, _train
+from test_episodes_run import ENV, HERE, _close, _train
 
 import rlloom.trainer.async_loop as loop_mod
 
@@ -30,6 +31,7 @@ def spy_on_training(monkeypatch, *, hold_s: float = 0.0) -> dict:
         engine = ctx.rollout_group.worker.engine
         seen["weights"][engine.policy_version] = {k: v.clone() for k, v in hf_named_tensors(engine.model)}
         seen["trained"].append(rollout.samples)
+        seen["stream"] = ctx.stream
         seen["windows"].append([time.time(), None])
         time.sleep(hold_s)
         return real_step(ctx, step, rollout=rollout)
@@ -70,7 +72,7 @@ def test_a_turn_in_flight_at_the_weight_update_is_resumed_exactly(tiny_checkpoin
     from rlloom.engines.rollout.native.engine import NativeEngine
     from rlloom.workers.rollout import RolloutWorker
 
-    loading, clashes = threading.Event(), []
+    loading, clashes, crossed = threading.Event(), [], []
     real_decode, real_sync, real_add = NativeEngine.step, LocalSync.sync, RolloutWorker.stream_add
 
     def slow_decode(engine):  # a turn is then still decoding when its update arrives, on any machine
@@ -87,7 +89,9 @@ def test_a_turn_in_flight_at_the_weight_update_is_resumed_exactly(tiny_checkpoin
     def sync(self):  # the weights move while the pump runs: nothing may reach the engine meanwhile
         loading.set()
         try:
-            time.sleep(0.2)
+            # environment steps in flight come back meanwhile: the pump would send their next turns
+            crossed.append(seen["stream"].episodes.waiting)
+            time.sleep(0.3)
             return real_sync(self)
         finally:
             loading.clear()
@@ -101,8 +105,8 @@ def test_a_turn_in_flight_at_the_weight_update_is_resumed_exactly(tiny_checkpoin
         tmp_path / "run",
         f"reward.import_dir={HERE}",
         "data.num_eval=0",
-        "rollout.env=episode_envs:Turns",
-        "rollout.env_kwargs={turns: 4}",
+        "rollout.env=episode_envs:Timed",  # environment steps in flight at the update, coming back during it
+        f"rollout.env_kwargs={{turns: 6, delay_s: 0.1, log: '{tmp_path / 'steps.log'}'}}",
         "rollout.max_new_tokens=16",
         "rollout.stop_strings=[a,e,o,'1','2']",  # turns of differing lengths, most ending with "stop"
         "rollout.partial=abort_resume",
@@ -110,7 +114,7 @@ def test_a_turn_in_flight_at_the_weight_update_is_resumed_exactly(tiny_checkpoin
         *ASYNC,
     )
     assert sum(m["async/tokens_interrupted"] for m in metrics) > 0
-    assert not clashes, clashes
+    assert any(crossed) and not clashes, (crossed, clashes)
     for m in metrics:
         assert m["rollout/env_errors"] == 0 and 1 <= m["rollout/turns_mean"] <= 4
         assert m["rollout/env_tokens_mean"] > 0
@@ -143,3 +147,16 @@ def test_a_turn_in_flight_at_the_weight_update_is_resumed_exactly(tiny_checkpoin
                 at = [t for t in sampled if versions[t] == v]
                 torch.testing.assert_close(torch.tensor(s.rollout_logprobs)[at], logp[at], atol=1e-5, rtol=0)
     assert crossing > 0  # some turn was aborted at an update and resumed under the new weights
+
+
+@pytest.mark.slow  # a Ray start: 30-90 s on 2 cores
+def test_multi_turn_one_step_off_on_ray_equals_inline(ray_cluster, tiny_checkpoint, tmp_path):
+    """The pump drives the rollout actors from its own thread of the controller: one_step_off
+    (partial=finish, so timing cannot change a sample) with separate placement equals inline."""
+    kwargs = f"rollout.env_kwargs={{turns: 4, delay_s: 0.01, log: '{tmp_path / 'steps.log'}'}}"
+    args = [*ENV, "rollout.env=episode_envs:Timed", kwargs, "trainer.mode=one_step_off",
+            "trainer.total_steps=3", "train.lr=3e-2"]  # fmt: skip
+    inline = _train(tiny_checkpoint, tmp_path / "inline", *args)
+    separate = _train(tiny_checkpoint, tmp_path / "separate", *args, "cluster.mode=ray",
+                      "cluster.num_workers=1", "cluster.placement=separate", "cluster.rollout_workers=1")  # fmt: skip
+    _close(inline, separate, rel=1e-5)
