@@ -384,10 +384,11 @@ def test_a_signal_in_an_async_mode_drains_then_resume_equals_the_run_checkpointe
         assert_same_weights(*weights)
         return
     # Later turns join the decode batch as their environments return, so batches (and the last bits of
-    # their float sums) differ from run to run: the same samples, metrics within float noise.
+    # their float sums) differ from run to run: the same samples, metrics within float noise (which
+    # Adam's normalised steps at lr 3e-2 carry into the weights: 3e-5 seen after 4 steps).
     assert max(m["rollout/turns_mean"] for m in expected) > 1  # trajectories went past one turn
     assert [m.keys() for m in resumed] == [m.keys() for m in expected]
     for a, b in zip(resumed, expected):
         assert a == pytest.approx(b, rel=1e-4, abs=1e-6), a["step"]
     for k in weights[0]:
-        torch.testing.assert_close(weights[0][k], weights[1][k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(weights[0][k], weights[1][k], rtol=0, atol=3e-4)
