@@ -116,7 +116,7 @@ def test_a_turn_in_flight_at_the_weight_update_is_resumed_exactly(tiny_checkpoin
     assert sum(m["async/tokens_interrupted"] for m in metrics) > 0
     assert any(crossed) and not clashes, (crossed, clashes)
     for m in metrics:
-        assert m["rollout/env_errors"] == 0 and 1 <= m["rollout/turns_mean"] <= 4
+        assert m["rollout/env_errors"] == 0 and 1 <= m["rollout/turns_mean"] <= 6
         assert m["rollout/env_tokens_mean"] > 0
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, torch_dtype=torch.float32)
