@@ -70,7 +70,7 @@ class RolloutConfig:
     prefill or decode), so `rollout/logp_gap_max` reads 0.0 and the old-logprob forward is skipped
     (the rollout's logprobs are pi_old). CPU only in this version (refused on a GPU), and slow: for
     tests and tiny models. Needs rollout.temperature=1.0, rollout.quantization=none, rollout.tp=1
-    and one training rank."""
+    and parallel degrees 1 (data-parallel training ranks are exact)."""
 
     env: str = ""
     """Multi-turn environment, "module:Class" (imported like reward plug-ins: next to the YAML file,
