@@ -159,4 +159,6 @@ def test_multi_turn_one_step_off_on_ray_equals_inline(ray_cluster, tiny_checkpoi
     inline = _train(tiny_checkpoint, tmp_path / "inline", *args)
     separate = _train(tiny_checkpoint, tmp_path / "separate", *args, "cluster.mode=ray",
                       "cluster.num_workers=1", "cluster.placement=separate", "cluster.rollout_workers=1")  # fmt: skip
-    _close(inline, separate, rel=1e-5)
+    gap = "rollout/logp_gap_max"  # a max of float noise (5e-7 against 1e-6 seen): not comparable relatively
+    _close([m | {gap: 0.0} for m in inline], [m | {gap: 0.0} for m in separate], rel=1e-5)
+    assert all(m[gap] < 1e-5 for m in inline + separate)
