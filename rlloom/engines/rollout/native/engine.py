@@ -168,7 +168,6 @@ class NativeEngine:
             block_size=block_size,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
-            # Exact numerics are eager (models/exact.py): no CUDA graphs, no compiled layers.
             enforce_eager=enforce_eager or exact,
             compile=compile and not exact,
         )
