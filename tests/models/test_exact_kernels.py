@@ -126,6 +126,7 @@ print("ok")
 
 
 def test_rollout_logprobs_on_the_kernels_equal_the_packed_training_forward():
-    """Prefill with shared prompt blocks, decode batches of four, 4-slot blocks against 64-key blocks:
-    every sampled token's logprob is the packed forward's."""
+    """Prefill with shared prompt blocks, decode batches of four, 4-slot cache blocks: every sampled
+    token's logprob is the packed forward's (the sequences fit one 64-key block; runs over several,
+    decoded and prefilled in chunks, are the kernels test's)."""
     run_in_triton_interpreter(ENGINE_SCRIPT)
