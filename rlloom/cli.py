@@ -10,7 +10,7 @@ rlloom config doc
 rlloom plot RUN_DIR
 rlloom init-model tiny-dense|tiny-moe|tiny-mla DIR [--layers N] [--hidden H]
 rlloom compare-layers MODEL --prompt TEXT [--max-new-tokens N] [--seed S] [--device cpu|cuda] [--dtype D] [--exact]
-rlloom plan MODEL --gpus N --gpu-memory-gb G [--critic] [--check tp=..,pp=..,cp=..,ep=..,offload=F] [--json]
+rlloom plan MODEL --gpus N --gpu-memory-gb G [--critic] [--teacher T] [--reward-model R] [--check tp=..,pp=..,cp=..,ep=..,offload=F] [--json]
 
 A user error (`UserError`: config, data file, model path, start-up checks) prints one line,
 `rlloom: error: ...`, and exits 2; internal bugs keep their traceback. Ctrl-C or SIGTERM during a
@@ -223,6 +223,22 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="PPO with a critic (algorithm.estimator=gae) started from the same model: its weights and "
         "moments stay on the GPUs beside the policy's",
+    )
+    plan.add_argument(
+        "--teacher",
+        metavar="MODEL",
+        help="on-policy distillation's teacher (teacher.path), named as MODEL is: forward-only on the "
+        "training GPUs beside the policy, its weights in the compute dtype",
+    )
+    plan.add_argument(
+        "--teacher-offload",
+        action="store_true",
+        help="the teacher's weights wait on the host between its forwards (teacher.offload)",
+    )
+    plan.add_argument(
+        "--reward-model",
+        metavar="MODEL",
+        help="a reward model (reward.model_path), named as MODEL is: whole on the first GPU (the trainer's)",
     )
     plan.add_argument(
         "--lora-rank",

@@ -72,7 +72,7 @@ class RolloutConfig:
     on CUDA dense models, with Triton kernels of one fixed configuration (MoE and MLA models are
     refused there). Both engines then run eagerly: train.compile, rollout.compile and the decode
     CUDA graphs are off. Needs rollout.temperature=1.0, rollout.quantization=none, rollout.tp=1 and
-    one training rank."""
+    parallel degrees 1 (data-parallel training ranks are exact)."""
 
     env: str = ""
     """Multi-turn environment, "module:Class" (imported like reward plug-ins: next to the YAML file,

@@ -162,14 +162,23 @@ def packed_attention(
     max_seqlen: int | None = None,
 ) -> torch.Tensor:
     """Block-diagonal causal attention over a packed stream -> [N, Hq, Dv]."""
-    if (
-        q_NHD.is_cuda
-        and q_NHD.dtype in (torch.bfloat16, torch.float16)
-        and q_NHD.shape[-1] == v_NHD.shape[-1]
-    ):
+    if flash_varlen_fits(q_NHD, v_NHD):
         return _varlen_cuda(q_NHD, k_NHD, v_NHD, scale, cu_seqlens, max_seqlen)
     gqa = q_NHD.shape[1] != k_NHD.shape[1]
     return _per_sequence(q_NHD, k_NHD, v_NHD, scale, cu_seqlens.tolist(), gqa)
+
+
+def flash_varlen_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether FlashAttention's varlen kernel takes these heads: CUDA, bf16/fp16, equal q/v head
+    dims, a multiple of 8 up to 256 (the kernel refuses other sizes; a tiny MLA config has 12)."""
+    d = q.shape[-1]
+    return (
+        q.is_cuda
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and d == v.shape[-1]
+        and d % 8 == 0
+        and d <= 256
+    )
 
 
 def _per_sequence(
@@ -356,11 +365,7 @@ def tree_attention(
 ) -> torch.Tensor:
     """Attention over a tree stream -> [N, Hq, Dv] (kernels: see the module docstring)."""
     gqa = q_NHD.shape[1] != k_NHD.shape[1]
-    if (
-        q_NHD.is_cuda
-        and q_NHD.dtype in (torch.bfloat16, torch.float16)
-        and q_NHD.shape[-1] == v_NHD.shape[-1]
-    ):
+    if flash_varlen_fits(q_NHD, v_NHD):
         cu_q, cu_k, kv_index, max_q, max_k = tree.varlen()
         return varlen_causal(q_NHD, k_NHD[kv_index], v_NHD[kv_index], scale, cu_q, cu_k, max_q, max_k)
     outs = []

@@ -35,6 +35,7 @@ from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.dataset import PromptItem
 from rlloom.data.source import Position, PromptSource
 from rlloom.data.types import Sample
+from rlloom.engines.rollout import Partial
 from rlloom.episodes.driver import EpisodeDriver, TurnRequest
 from rlloom.rewards.runner import RewardRunner
 from rlloom.trainer.rollout import RolloutResult
@@ -171,7 +172,11 @@ class RolloutStream:
                     break
             self._send()
 
-    def _record(self, result: StreamResult) -> None:
+    def _record(self, result: StreamResult | Partial) -> None:
+        if isinstance(result, Partial):  # an agent's streaming request: its tokens so far
+            request_id, j = self.turns.get(result.request_id, (result.request_id, result.sample_index))
+            self.episodes.on_progress(j, result)
+            return
         c = result.completion
         request_id, j = self.turns.pop(c.request_id, (c.request_id, c.sample_index))
         request = self.requests[request_id]
@@ -203,6 +208,7 @@ class RolloutStream:
                 prompt_ids=list(turn.prompt_ids),
                 sampling=turn.sampling,
                 prompt_index=request.order % ROUND_STRIDE,
+                progress=turn.progress,
             )
         )
 

@@ -199,6 +199,7 @@ def test_match_training_on_cuda_gives_a_zero_gap_at_every_step(tmp_path):
 
 def test_match_training_refuses_moe_models_on_cuda(tmp_path, capsys):
     ckpt = write_tiny_model("tiny-moe", tmp_path / "ckpt", seed=0, hidden=64, layers=2)
+    capsys.readouterr()  # the writer's progress bar
     args = tiny_args(ckpt, tmp_path / "run", "cluster.device=cuda", "rollout.match_training=true")
     assert main(["train", "arithmetic_smoke", *args]) == 2
     err = capsys.readouterr().err

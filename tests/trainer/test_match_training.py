@@ -89,6 +89,13 @@ def test_exact_on_the_asynchronous_stream(tiny_moe_checkpoint, tmp_path):
     assert gaps(tiny_moe_checkpoint, tmp_path / "run", *extra) == [0.0, 0.0]
 
 
+def test_exact_under_data_parallelism_on_ray(ray_cluster, tiny_checkpoint, tmp_path):
+    """Two training ranks (FSDP over gloo) and two colocated rollout replicas: each rank's forward
+    is one process's numerics, so the gap stays 0.0 with the synced weights of step 2."""
+    ray = ["rollout.match_training=true", "cluster.mode=ray", "cluster.num_workers=2"]
+    assert gaps(tiny_checkpoint, tmp_path / "dp", *ray) == [0.0, 0.0]
+
+
 def test_match_training_refuses_what_it_cannot_make_exact(tiny_checkpoint, tmp_path, capsys, monkeypatch):
     import rlloom.engines.rollout.build as rollout_build
 
@@ -99,6 +106,11 @@ def test_match_training_refuses_what_it_cannot_make_exact(tiny_checkpoint, tmp_p
     ]
     assert main([*base, "rollout.temperature=0.7"]) == 2
     assert "rlloom: error: rollout.temperature=0.7" in capsys.readouterr().err
+    assert main([*base, "cluster.mode=ray", "cluster.num_workers=2", "parallel.tp=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "rlloom: error: rollout.match_training=True is invalid: its exact numerics cover data"
+    )
     monkeypatch.setattr(rollout_build, "resolve_device", lambda cfg: torch.device("mps"))
     assert main(base) == 2
     err = capsys.readouterr().err

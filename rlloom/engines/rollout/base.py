@@ -16,7 +16,7 @@ proceeds, so one bad prompt never costs a whole rollout.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -119,6 +119,17 @@ class Completion:
     the model used (uint8, or int16 beyond 256 experts); None for dense models and aborted requests."""
 
 
+@dataclass(frozen=True, slots=True)
+class Partial:
+    """The tokens one unfinished sample has so far (`RolloutEngine.partial`): what a streaming
+    client is sent while the sample is generated."""
+
+    request_id: str
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+
+
 class RolloutEngine(Protocol):
     """What a rollout worker, its stream (workers/stream.py) and the weight syncs may call on a
     rollout engine (every rank of a tensor-parallel replica calls each method with the same
@@ -173,6 +184,11 @@ class RolloutEngine(Protocol):
 
     def has_unfinished(self) -> bool:
         """Whether any request added is not yet out of `step`."""
+        ...
+
+    def partial(self, request_ids: Collection[str]) -> list[Partial]:
+        """The tokens so far of the unfinished samples of these requests (those of a step not yet
+        resolved left out)."""
         ...
 
     def abort(self, request_ids: Iterable[str]) -> None:

@@ -34,7 +34,7 @@ import itertools
 import json
 import os
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 import torch
@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from rlloom.config import RolloutConfig
 from rlloom.devices import to_device
-from rlloom.engines.rollout.base import Completion, SamplingParams
+from rlloom.engines.rollout.base import Completion, Partial, SamplingParams
 from rlloom.engines.rollout.native.block_manager import BlockManager
 from rlloom.engines.rollout.native.in_flight import HostBuffers, InFlight, launched, route_spans
 from rlloom.engines.rollout.native.model_runner import ModelRunner
@@ -136,8 +136,7 @@ class NativeEngine:
         # The settings were checked where the run config was read (rlloom/config/rollout.py).
         assert max_model_len >= 2 and max_num_batched_tokens >= 1, (max_model_len, max_num_batched_tokens)
         self.model = model.eval()
-        self.exact = exact
-        """Batch-invariant numerics: a token's logprob equals the training forward's (rollout.match_training)."""
+        self.exact = exact  # rollout.match_training: a token's logprob equals the training forward's
         self.device = next(model.parameters()).device
         self.tp = _prepare(model, quantization, tp_group)
         """This rank's part of a tensor-parallel replica (None: the whole model on one device)."""
@@ -382,6 +381,20 @@ class NativeEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._ready) or self._in_flight is not None
+
+    def partial(self, request_ids: Collection[str]) -> list[Partial]:
+        """The resolved tokens of the unfinished samples of `request_ids` (a launched step's pending
+        tokens, `sequence.pending`, are the last ones and are left out)."""
+        out = []
+        for leader in (*self.scheduler.running, *self.scheduler.waiting):
+            for seq in (leader, *leader.forks):
+                if seq.request_id not in request_ids or seq.finish_reason is not None:
+                    continue
+                k = len(seq.output_ids)
+                while k and seq.output_ids[k - 1] < 0:
+                    k -= 1
+                out.append(Partial(seq.request_id, seq.sample_index, seq.output_ids[:k], seq.logprobs[:k]))
+        return out
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """End these requests; their completions (tokens so far, "abort") come out of the next step()."""
