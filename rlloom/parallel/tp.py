@@ -189,15 +189,31 @@ def _style(split: Split, args: ModelArgs, experts_parallel: bool) -> ParallelSty
     raise AssertionError(split)
 
 
-def layer_plan(args: ModelArgs, layer: nn.Module, experts_parallel: bool = False) -> dict[str, ParallelStyle]:
-    """The DTensor plan of one decoder layer (keys relative to it), read from its family's plan:
-    each block whose modules the plan names (attention, the dense MLP) gathers its token shards
-    first. `experts_parallel` when `ep.apply_ep` splits the experts over ranks that include the TP
-    ranks."""
-    held = _held(args, layer)
+def layer_plan(args: ModelArgs, held: LayerPlan, experts_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The DTensor plan of one decoder layer (keys relative to it) from the entries of its family's
+    plan that the layer holds (`_held`): each block whose modules the plan names (attention, the
+    dense MLP) gathers its token shards first. `experts_parallel` when `ep.apply_ep` splits the
+    experts over ranks that include the TP ranks."""
     blocks = {path.rpartition(".")[0] for path in held} - {""}
     plan: dict[str, ParallelStyle] = {block: GatherTokens() for block in sorted(blocks)}
     return plan | {path: _style(split, args, experts_parallel) for path, split in held.items()}
+
+
+def _after_plan(layer: nn.Module, held: LayerPlan, tp_mesh: DeviceMesh, experts_parallel: bool) -> None:
+    """What a split layer needs beyond its styles: a block with column-split heads counts its local
+    heads (the model reshapes its projections into them); with expert parallelism an MoE layer's
+    router and shared experts sum their gradients over the TP ranks (`MoETokens`)."""
+    split_blocks = {
+        path.rpartition(".")[0] for path, how in held.items() if how in (Split.COLUMN, Split.KV_COLUMN)
+    }
+    for block in map(layer.get_submodule, split_blocks - {""}):
+        for heads in ("num_heads", "num_kv_heads"):
+            if hasattr(block, heads):
+                setattr(block, heads, getattr(block, heads) // tp_mesh.size())
+    for path, how in held.items():
+        if experts_parallel and how is Split.EXPERTS:
+            moe = layer.get_submodule(path)
+            _sum_grads_over(moe, tp_mesh.get_group(), skip=moe.experts)
 
 
 def root_plan(args: ModelArgs, model: nn.Module) -> dict[str, ParallelStyle]:
@@ -239,16 +255,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, experts_parallel: bool = 
     trainable = {name: p.requires_grad for name, p in model.named_parameters()}
     parallelize_module(model, tp_mesh, root_plan(args, model))
     for _, layer in layer_items(decoder_layers(model)):
-        parallelize_module(layer, tp_mesh, layer_plan(args, layer, experts_parallel))
+        held = _held(args, layer)
+        parallelize_module(layer, tp_mesh, layer_plan(args, held, experts_parallel))
         _place_adapters(layer, tp_mesh)
-        for path, split in _held(args, layer).items():
-            if experts_parallel and split is Split.EXPERTS:
-                moe = layer.get_submodule(path)
-                _sum_grads_over(moe, tp_mesh.get_group(), skip=moe.experts)
-        attention = layer.attention
-        attention.num_heads //= tp  # the model reshapes its projections into local heads
-        if hasattr(attention, "num_kv_heads"):
-            attention.num_kv_heads //= tp
+        _after_plan(layer, held, tp_mesh, experts_parallel)
     for name, param in model.named_parameters():
         # torch's parallel styles wrap what they distribute as new, trainable parameters: LoRA's
         # frozen base (and a frozen reference) must stay frozen

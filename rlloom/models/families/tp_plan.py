@@ -61,9 +61,9 @@ GQA_TP: LayerPlan = {
     "attention.wk": KV_COLUMN,
     "attention.wv": KV_COLUMN,
     "attention.wo": ROW,
-    "attention.q_norm": Split.HEAD_NORM,  # q/k [N, local heads, head_dim]
-    "attention.k_norm": Split.HEAD_NORM,
 }
+QK_NORM_TP: LayerPlan = {"attention.q_norm": Split.HEAD_NORM, "attention.k_norm": Split.HEAD_NORM}
+"""Qwen3's norms over each head of q and k [N, local heads, head_dim]."""
 MLP: LayerPlan = {"w1": COLUMN, "w3": COLUMN, "w2": ROW}
 """The SwiGLU MLP (gate w1, up w3, down w2), relative to the MLP: the dense layer's and, in the
 rollout, the shared experts' and every routed expert's."""

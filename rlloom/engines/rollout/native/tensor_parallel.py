@@ -278,12 +278,10 @@ def shard_model(model: nn.Module, group: dist.ProcessGroup) -> TPShards:
     for i, layer in enumerate(model.layers):
         sharder.layer(layer, f"layers.{i}", plan)
     start, rows = sharder.vocabulary(args.vocab_size)
-    attention = model.layers[0].attention
-    model.args = dataclasses.replace(
-        args,
-        num_heads=attention.num_heads,
-        num_kv_heads=getattr(attention, "num_kv_heads", attention.num_heads),
-    )
+    # This rank's heads (MLA's are its KV heads too); one KV head where tp exceeds the model's.
+    heads = args.num_heads // size
+    kv_heads = heads if args.mla is not None else max(1, args.num_kv_heads // size)
+    model.args = dataclasses.replace(args, num_heads=heads, num_kv_heads=kv_heads)
     model.tp_shards = TPShards(group, sharder.rank, size, args, start, rows, sharder.slices)
     return model.tp_shards
 
