@@ -136,3 +136,15 @@ def test_training_and_rollout_tp_split_each_module_as_its_family_plan_says(two_f
                 assert module.weight.placements == (TRAINING_PLACEMENT[split],), (name, key, split)
                 cut = slices.get(f"{key}.weight")
                 assert (cut and cut.dim) == ROLLOUT_DIM.get(split), (name, key, split, cut)
+
+
+def test_the_tp_engines_name_no_module_of_a_layer():
+    """Training and rollout TP read which module splits how from the families' plans only: neither
+    names a module of a decoder layer (`"wq"`, `"attention.wo"`, `"moe"`) in a string of its own."""
+    names = {part for family in FAMILIES.values() for path in family.tp for part in (path, *path.split("."))}
+    found = []
+    for path in (ROOT / "parallel" / "tp.py", ROOT / "engines" / "rollout" / "native" / "tensor_parallel.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.value!r}")
+    assert not found, "layer modules named outside the families' tp plans:\n" + "\n".join(found)
