@@ -24,6 +24,10 @@ Packed kernels by device:
 - CUDA with bf16/fp16 and equal q/v head dims: `torch.nn.attention.varlen.varlen_attn`
   (FlashAttention varlen; causal through window (-1, 0)); untested here (no GPU in CI).
 
+Under rollout.match_training on CUDA (`is_exact()`), every layout goes to one batch-invariant kernel
+instead (`exact_cuda_attention`, models/exact_attention.py), the one the rollout's paged attention
+uses then, so a token's attention output does not depend on the layout or the batch.
+
 Tree kernels (`TreePlan` holds the structure, built once per forward and shared by all layers):
 - CPU and other cases: per segment, causal SDPA when it has at most one branch, else one SDPA with
   an explicit [L, L] bool mask. Measured on 2 CPU cores (SmolLM2 shapes, forward + backward, prompt
@@ -52,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from rlloom.devices import to_device
+from rlloom.models.exact import is_exact, uses_kernels
 
 
 class AttnBackend(Protocol):
@@ -86,12 +91,44 @@ def attend(
     """Causal attention of q [.., Hq, Dqk] over k [.., Hkv, Dqk], v [.., Hkv, Dv] -> [.., Hq, Dv]."""
     if layout.kind == "backend":
         return layout.backend.attn(q, k, v, scale)
+    if is_exact() and uses_kernels(q):
+        return exact_cuda_attention(q, k, v, scale, layout)
     if layout.kind == "padded":
         return padded_attention(q, k, v, scale)
     if layout.kind == "tree":
         return tree_attention(q, k, v, scale, layout.tree)
     assert layout.kind == "packed", layout.kind
     return packed_attention(q, k, v, scale, layout.cu_seqlens, layout.max_seqlen)
+
+
+def exact_cuda_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, layout: AttnLayout
+) -> torch.Tensor:
+    """rollout.match_training on CUDA: the batch-invariant kernel (models/exact_attention.py) over the
+    layout's runs, the rollout's paged kernel for every query; its gradient is the plain kernel's."""
+    from rlloom.models import exact_attention  # Triton: imported where it runs
+
+    if layout.kind == "padded":  # B runs of T rows (right padding: pads come after every real key)
+        B, T = q.shape[:2]
+        cu = torch.arange(B + 1, dtype=torch.int32, device=q.device) * T
+        packed = AttnLayout("packed", cu_seqlens=cu, max_seqlen=T)
+        out = exact_cuda_attention(*(x.flatten(0, 1) for x in (q, k, v)), scale, packed)
+        return out.unflatten(0, (B, T))
+    if layout.kind == "tree":
+        cu_q, cu_k, kv_index, max_q, _ = layout.tree.varlen()
+        runs = exact_attention.varlen_runs(*(to_device(x, q.device) for x in (cu_q, cu_k, kv_index)), max_q)
+
+        def reference(q_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor) -> torch.Tensor:
+            return tree_attention(q_, k_, v_, scale, layout.tree)
+    else:
+        cu = to_device(layout.cu_seqlens, q.device)
+        max_seqlen = layout.max_seqlen if layout.max_seqlen is not None else int((cu[1:] - cu[:-1]).max())
+        runs = exact_attention.packed_runs(cu, max_seqlen, q.shape[0])
+
+        def reference(q_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor) -> torch.Tensor:
+            return packed_attention(q_, k_, v_, scale, cu, max_seqlen)
+
+    return exact_attention.attention(q, k, v, scale, runs, reference)
 
 
 def padded_attention(
@@ -125,14 +162,23 @@ def packed_attention(
     max_seqlen: int | None = None,
 ) -> torch.Tensor:
     """Block-diagonal causal attention over a packed stream -> [N, Hq, Dv]."""
-    if (
-        q_NHD.is_cuda
-        and q_NHD.dtype in (torch.bfloat16, torch.float16)
-        and q_NHD.shape[-1] == v_NHD.shape[-1]
-    ):
+    if flash_varlen_fits(q_NHD, v_NHD):
         return _varlen_cuda(q_NHD, k_NHD, v_NHD, scale, cu_seqlens, max_seqlen)
     gqa = q_NHD.shape[1] != k_NHD.shape[1]
     return _per_sequence(q_NHD, k_NHD, v_NHD, scale, cu_seqlens.tolist(), gqa)
+
+
+def flash_varlen_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether FlashAttention's varlen kernel takes these heads: CUDA, bf16/fp16, equal q/v head
+    dims, a multiple of 8 up to 256 (the kernel refuses other sizes; a tiny MLA config has 12)."""
+    d = q.shape[-1]
+    return (
+        q.is_cuda
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and d == v.shape[-1]
+        and d % 8 == 0
+        and d <= 256
+    )
 
 
 def _per_sequence(
@@ -319,11 +365,7 @@ def tree_attention(
 ) -> torch.Tensor:
     """Attention over a tree stream -> [N, Hq, Dv] (kernels: see the module docstring)."""
     gqa = q_NHD.shape[1] != k_NHD.shape[1]
-    if (
-        q_NHD.is_cuda
-        and q_NHD.dtype in (torch.bfloat16, torch.float16)
-        and q_NHD.shape[-1] == v_NHD.shape[-1]
-    ):
+    if flash_varlen_fits(q_NHD, v_NHD):
         cu_q, cu_k, kv_index, max_q, max_k = tree.varlen()
         return varlen_causal(q_NHD, k_NHD[kv_index], v_NHD[kv_index], scale, cu_q, cu_k, max_q, max_k)
     outs = []

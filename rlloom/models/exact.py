@@ -1,11 +1,11 @@
-"""Batch-invariant numerics on the CPU (`rollout.match_training`): inside `exact_numerics()` every
+"""Batch-invariant numerics (`rollout.match_training`): inside `exact_numerics()` every
 op that reduces computes each output element in one fixed order that depends only on that element's
 own inputs, never on how many rows share the call, where the row sits, or how long the padded key
 axis is. The rollout engine (paged prefill and decode, shared prompts, any batch) and the training
 forward (packed sequences, shared-prompt trees) then give a token the same hidden states, logits and
 logprob, bit for bit.
 
-How each kind of op is made invariant:
+How each kind of op is made invariant on the CPU:
 - matrix products (mm, addmm, bmm): the products are exact elementwise multiplies and the sum over
   K is `tree_sum`, a halving tree over K padded with zeros to a power of two. Zero padding at the end
   leaves a halving tree's result unchanged, so the sum is also invariant to fused projections (each
@@ -23,13 +23,24 @@ How each kind of op is made invariant:
 
 Slow (every product is materialised): for tests and tiny models on the CPU. Backward passes are not
 changed (the mode is only entered around forwards).
+
+On CUDA the same ops are replaced by Triton kernels of one fixed configuration (`exact_kernels.py`:
+the matrix products, sums, means, log-sum-exp, softmax, log-softmax), and attention, which reaches
+torch there through FlashAttention's varlen call or the rollout's paged kernel rather than SDPA, is
+routed by its callers (`attention_ops.attend`, the rollout's `PagedAttention`) to one kernel for
+packed, shared-prompt and paged layouts (`exact_attention.py`). Elementwise CUDA kernels compute
+every element by the same code whatever its index, so they run as they are. Both engines run eager
+under the mode (no torch.compile, no CUDA graphs): a compiled graph would fuse elementwise work and
+round differently from the other engine's.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,16 +64,53 @@ def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x[..., 0]
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[..., M, K] @ [..., K, N] with each output a tree sum over K."""
-    return tree_sum(a.unsqueeze(-1) * b.unsqueeze(-3), dim=-2)
+def _mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """[..., M, K] @ [..., K, N] (+ bias) with each output a tree sum over K."""
+    product = tree_sum(a.unsqueeze(-1) * b.unsqueeze(-3), dim=-2)
+    return product if bias is None else bias + product
 
 
-def _logsumexp(z: torch.Tensor, dim: int) -> torch.Tensor:
-    m = z.amax(dim=dim, keepdim=True)
+def _double(fn):  # noqa: ANN001, ANN202
+    """`fn` evaluated in float64 and rounded back (the CPU's vectorised and scalar paths agree there)."""
+    return lambda x: fn(x.double()).to(x.dtype)
+
+
+def _cpu_logsumexp(z: torch.Tensor) -> torch.Tensor:
+    m = z.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    s = tree_sum((z - m).double().exp().to(z.dtype), dim)
-    return (s.double().log().to(z.dtype)) + m.squeeze(dim)
+    s = tree_sum(_double(torch.exp)(z - m), -1)
+    return _double(torch.log)(s) + m.squeeze(-1)
+
+
+@dataclass(frozen=True, slots=True)
+class _Numerics:
+    """The batch-invariant primitives of one device, from which every replaced op is built."""
+
+    mm: Callable[..., torch.Tensor]
+    """(a [..., M, K], b [..., K, N], bias [N] | None) -> [..., M, N]"""
+    sum_last: Callable[[torch.Tensor], torch.Tensor]
+    """x [..., C] -> [...] (the last dim summed)"""
+    logsumexp_last: Callable[[torch.Tensor], torch.Tensor]
+    """z [..., C] -> [...]"""
+    exp: Callable[[torch.Tensor], torch.Tensor]
+
+
+_CPU = _Numerics(_mm, lambda x: tree_sum(x, -1), _cpu_logsumexp, _double(torch.exp))
+
+
+@functools.cache
+def _cuda() -> _Numerics:
+    """The Triton kernels of `exact_kernels.py` (imported on first use: CPU installs lack Triton)."""
+    from rlloom.models import exact_kernels as k
+
+    def on_rows(row_op):  # noqa: ANN001, ANN202
+        return lambda x: row_op(x.reshape(-1, x.shape[-1])).reshape(x.shape[:-1])
+
+    return _Numerics(k.matmul, on_rows(k.row_sum), on_rows(k.row_logsumexp), torch.exp)
+
+
+def _logsumexp(ops: _Numerics, z: torch.Tensor, dim: int) -> torch.Tensor:
+    return ops.logsumexp_last(z.movedim(dim, -1))
 
 
 def _dims(x: torch.Tensor, dim: Any) -> list[int]:
@@ -71,12 +119,14 @@ def _dims(x: torch.Tensor, dim: Any) -> list[int]:
     return sorted(d % x.dim() for d in ([dim] if isinstance(dim, int) else dim))
 
 
-def _sum(x: torch.Tensor, dim: Any, keepdim: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor:
+def _sum(
+    ops: _Numerics, x: torch.Tensor, dim: Any, keepdim: bool = False, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     dims = _dims(x, dim)
     if dtype is not None:
         x = x.to(dtype)
     moved = x.movedim(dims, list(range(x.dim() - len(dims), x.dim())))
-    out = tree_sum(moved.reshape(*moved.shape[: x.dim() - len(dims)], -1), dim=-1)
+    out = ops.sum_last(moved.reshape(*moved.shape[: x.dim() - len(dims)], -1))
     if keepdim:
         for d in dims:
             out = out.unsqueeze(d)
@@ -88,40 +138,45 @@ _UNARY |= {aten.silu.default, aten.cos.default, aten.sin.default, aten.tanh.defa
 
 
 class _ExactOps(TorchDispatchMode):
-    """The reductions and transcendental functions of the forward, replaced (module docstring)."""
+    """The reductions (and on the CPU the transcendental functions) of the forward, replaced
+    (module docstring)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
-        if func in _UNARY and args[0].is_floating_point():
-            return func(args[0].double()).to(args[0].dtype)
-        if func is aten.pow.Tensor_Scalar and args[0].is_floating_point() and args[1] != 2:
+        if not (args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()):
+            return func(*args, **kwargs)  # integer and boolean sums are exact in any order
+        cuda = uses_kernels(args[0])
+        ops = _cuda() if cuda else _CPU
+        if not cuda and func in _UNARY:
+            return _double(func)(args[0])
+        if not cuda and func is aten.pow.Tensor_Scalar and args[1] != 2:
             return func(args[0].double(), args[1]).to(args[0].dtype)
         if func is aten.mm.default or func is aten.bmm.default:
-            return _mm(*args)
+            return ops.mm(*args)
         if func is aten.addmm.default:
             bias, a, b = args
             beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
             assert beta == 1 and alpha == 1, "exact addmm: only beta = alpha = 1 (F.linear)"
-            return bias + _mm(a, b)
+            return ops.mm(a, b, bias) if bias.dim() == 1 else bias + ops.mm(a, b)
         if func is aten.sum.dim_IntList:
-            return _sum(*args, **kwargs)
+            return _sum(ops, *args, **kwargs)
         if func is aten.sum.default:
-            return _sum(args[0], None, dtype=kwargs.get("dtype"))
+            return _sum(ops, args[0], None, dtype=kwargs.get("dtype"))
         if func is aten.mean.dim:
             x, dims = args[0], _dims(args[0], args[1])
             count = math.prod(x.shape[d] for d in dims)
-            return _sum(*args, **kwargs) / count
+            return _sum(ops, *args, **kwargs) / count
         if func is aten.logsumexp.default:
             x, dims = args[0], _dims(args[0], args[1])
             assert len(dims) == 1, "exact logsumexp: one dim"
-            out = _logsumexp(x, dims[0])
+            out = _logsumexp(ops, x, dims[0])
             return out.unsqueeze(dims[0]) if (len(args) > 2 and args[2]) or kwargs.get("keepdim") else out
         if func is aten._log_softmax.default:
             x, dim = args[0], args[1] % args[0].dim()
-            return x - _logsumexp(x, dim).unsqueeze(dim)
+            return x - _logsumexp(ops, x, dim).unsqueeze(dim)
         if func is aten._softmax.default:
             x, dim = args[0], args[1] % args[0].dim()
-            return (x - _logsumexp(x, dim).unsqueeze(dim)).double().exp().to(x.dtype)
+            return ops.exp(x - _logsumexp(ops, x, dim).unsqueeze(dim))
         return func(*args, **kwargs)
 
 
@@ -171,6 +226,8 @@ class _ExactAttention(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         if func is F.scaled_dot_product_attention:
+            # On CUDA the callers route attention to exact_attention.py's kernel themselves.
+            assert not uses_kernels(args[0]), "exact numerics on CUDA: attention must not reach SDPA"
             return exact_attention(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 
@@ -179,6 +236,13 @@ _depth = 0
 """How many `exact_numerics()` blocks are open, in any thread. A plain global, not thread-local: a
 compiled layer (training's, on CUDA) reads it as a guarded constant, where a thread-local would break
 its graph. Only runs with rollout.match_training open one, and then every thread wants it."""
+
+
+def uses_kernels(x: torch.Tensor) -> bool:
+    """Whether exact numerics compute with `x` through the Triton kernels (CUDA tensors), not the
+    CPU's tree sums: the one test of the ops here, of attention_ops.attend and of the rollout's
+    paged attention (a test on the CPU replaces it to run the kernels in Triton's interpreter)."""
+    return x.is_cuda
 
 
 def is_exact() -> bool:

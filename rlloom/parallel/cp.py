@@ -68,7 +68,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rlloom.devices import to_device
-from rlloom.models.attention_ops import VarlenRuns, varlen_causal, varlen_runs
+from rlloom.models.attention_ops import VarlenRuns, flash_varlen_fits, varlen_causal, varlen_runs
 from rlloom.parallel.distributed import all_gather_rows, all_gather_tensor
 
 
@@ -291,8 +291,9 @@ class CPShard:
         return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x.contiguous()
 
     def use_varlen(self, q: torch.Tensor) -> bool:
-        """Whether the FlashAttention varlen kernel runs (CUDA, bf16/fp16) instead of the reference."""
-        return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+        """Whether the FlashAttention varlen kernel runs (CUDA, bf16/fp16, a head width it takes; v
+        is padded to q's) instead of the reference."""
+        return flash_varlen_fits(q, q)
 
     def gather_selected(self, values_k: torch.Tensor, mine_K: torch.Tensor) -> torch.Tensor:
         """Values [K] at every selected position from this rank's values [k] at the positions it holds

@@ -9,15 +9,17 @@ pass (one mini-batch) is where the loss compares its own forward with the rollou
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import string
 from pathlib import Path
 
 import pytest
 import torch
-from test_trainer_loop import read_metrics, tiny_args
+from test_trainer_loop import read_metrics, tiny_args, tiny_cfg
 
 from rlloom.cli import main
+from rlloom.config import ConfigError
 from rlloom.engines.rollout.native import scheduler as scheduler_mod
 from rlloom.models.tiny import write_tiny_model
 
@@ -87,6 +89,13 @@ def test_exact_on_the_asynchronous_stream(tiny_moe_checkpoint, tmp_path):
     assert gaps(tiny_moe_checkpoint, tmp_path / "run", *extra) == [0.0, 0.0]
 
 
+def test_exact_under_data_parallelism_on_ray(ray_cluster, tiny_checkpoint, tmp_path):
+    """Two training ranks (FSDP over gloo) and two colocated rollout replicas: each rank's forward
+    is one process's numerics, so the gap stays 0.0 with the synced weights of step 2."""
+    ray = ["rollout.match_training=true", "cluster.mode=ray", "cluster.num_workers=2"]
+    assert gaps(tiny_checkpoint, tmp_path / "dp", *ray) == [0.0, 0.0]
+
+
 def test_match_training_refuses_what_it_cannot_make_exact(tiny_checkpoint, tmp_path, capsys, monkeypatch):
     import rlloom.engines.rollout.build as rollout_build
 
@@ -97,11 +106,40 @@ def test_match_training_refuses_what_it_cannot_make_exact(tiny_checkpoint, tmp_p
     ]
     assert main([*base, "rollout.temperature=0.7"]) == 2
     assert "rlloom: error: rollout.temperature=0.7" in capsys.readouterr().err
-    monkeypatch.setattr(rollout_build, "resolve_device", lambda cfg: torch.device("cuda", 0))
+    assert main([*base, "cluster.mode=ray", "cluster.num_workers=2", "parallel.tp=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "rlloom: error: rollout.match_training=True is invalid: its exact numerics cover data"
+    )
+    monkeypatch.setattr(rollout_build, "resolve_device", lambda cfg: torch.device("mps"))
     assert main(base) == 2
     err = capsys.readouterr().err
-    assert err.startswith("rlloom: error: rollout.match_training is exact on the CPU only in this version")
+    assert err.startswith("rlloom: error: rollout.match_training=true is exact on the CPU and on CUDA GPUs")
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_match_training_on_cuda_takes_dense_models_only(
+    tiny_checkpoint, tiny_moe_checkpoint, tmp_path, monkeypatch
+):
+    """CUDA has batch-invariant kernels for dense models (tests/gpu/test_exact_gpu.py runs them);
+    MoE models' grouped expert products have none yet: one line before anything loads."""
+    import rlloom.engines.rollout.build as rollout_build
+
+    def read_hf_config(ckpt: Path) -> dict:
+        return json.loads((ckpt / "config.json").read_text())
+
+    monkeypatch.setattr(rollout_build, "resolve_device", lambda cfg: torch.device("cuda", 0))
+    dense = tiny_cfg(tiny_checkpoint, tmp_path / "a", "rollout.match_training=true")
+    if importlib.util.find_spec("triton") is None:  # CPU-only installs
+        with pytest.raises(ConfigError, match=r"^rollout.match_training=true needs Triton on CUDA"):
+            rollout_build.check_match_training(dense, read_hf_config(tiny_checkpoint))
+    else:
+        rollout_build.check_match_training(dense, read_hf_config(tiny_checkpoint))
+    moe = tiny_cfg(tiny_moe_checkpoint, tmp_path / "b", "rollout.match_training=true")
+    with pytest.raises(
+        ConfigError, match=r"^rollout.match_training=true is exact on CUDA for dense models .* MoE"
+    ):
+        rollout_build.check_match_training(moe, read_hf_config(tiny_moe_checkpoint))
 
 
 def test_the_old_logprob_forward_is_skipped(tiny_checkpoint, tmp_path, monkeypatch):

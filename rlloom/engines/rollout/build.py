@@ -4,6 +4,7 @@ ask it what the backend can tell before any model loads (`check_rollout`)."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
@@ -56,10 +57,10 @@ def build_rollout_engine(
 def check_rollout(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
     """Raise ConfigError for what the rollout backend can tell about the model of `hf_config` (its
     config.json) before loading it: rollout.tp splits it evenly, rollout.quantization=fp8 has experts
-    to quantize, rollout.match_training runs on the CPU, and (inline) the KV cache asked for fits in the device's free memory."""
+    to quantize, rollout.match_training has its kernels on the device, and (inline) the KV cache asked for fits in the device's free memory."""
     check_rollout_tp(cfg, hf_config)
     check_rollout_quantization(cfg, hf_config)
-    check_match_training(cfg)
+    check_match_training(cfg, hf_config)
     if cfg.cluster.mode == "inline":  # ray workers check their own devices when they build engines
         check_kv_cache(cfg, hf_config)
 
@@ -92,21 +93,36 @@ def check_rollout_quantization(cfg: RunConfig, hf_config: dict[str, Any]) -> Non
         )
 
 
-def check_match_training(cfg: RunConfig) -> None:
-    """rollout.match_training's batch-invariant numerics (models/exact.py) exist on the CPU only."""
+def check_match_training(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
+    """rollout.match_training's batch-invariant numerics (models/exact.py) run on the CPU for every
+    model, and on CUDA for dense models (Triton kernels: models/exact_kernels.py, exact_attention.py);
+    MoE models' grouped expert products and MLA's attention have no such CUDA kernels yet."""
     if not cfg.rollout.match_training:
         return
     try:
         device = resolve_device(cfg)
+        args = ModelArgs.from_hf_config(hf_config)
     except ValueError:
-        return  # a device that is not there is reported on its own
-    if device.type != "cpu":
-        raise ConfigError(
-            "rollout.match_training is exact on the CPU only in this version; the run would use "
-            f"{device.type} (cluster.device={cfg.cluster.device}), where the batch-invariant kernels are "
-            "not built yet. Fix: set rollout.match_training=false (watch rollout/logp_gap_max), or "
-            "cluster.device=cpu."
+        return  # a device that is not there, or a broken config.json, is reported on its own
+    kind = "a MoE" if args.moe is not None else "an MLA" if args.mla is not None else None
+    where = f"{device.type} (cluster.device={cfg.cluster.device})"
+    if device.type == "cpu":
+        return
+    if device.type != "cuda":
+        problem = f"is exact on the CPU and on CUDA GPUs in this version; the run would use {where}"
+    elif kind is not None:
+        problem = (
+            f"is exact on CUDA for dense models in this version; {cfg.model.path} is {kind} model "
+            f"({args.model_type}), whose batch-invariant GPU kernels are not built yet"
         )
+    elif importlib.util.find_spec("triton") is None:
+        problem = "needs Triton on CUDA (its batch-invariant kernels are Triton's); it is not installed"
+    else:
+        return
+    raise ConfigError(
+        f"rollout.match_training=true {problem}. Fix: set rollout.match_training=false (watch "
+        "rollout/logp_gap_max), or cluster.device=cpu."
+    )
 
 
 def check_kv_cache(cfg: RunConfig, hf_config: dict[str, Any]) -> None:

@@ -66,9 +66,13 @@ def _native(
 
 def build_train_engine(cfg: RunConfig, *, device: torch.device, dtype: torch.dtype) -> TrainEngine:
     """This rank's training engine: the policy with its optimizer, in the run's parallel layout."""
-    engine = _native(cfg, cfg.train, cfg.model.path, device=device, dtype=dtype)
-    if cfg.rollout.match_training:  # one rank, no PP (config checks): the module is the PolicyHead
-        engine.module.exact = True  # the rollout's numerics (models/exact.py)
+    if not cfg.rollout.match_training:
+        return _native(cfg, cfg.train, cfg.model.path, device=device, dtype=dtype)
+    # The rollout's numerics (models/exact.py), eager as the rollout's are: a compiled layer would
+    # fuse and round differently. One rank, no PP (config checks): the module is the PolicyHead.
+    train = dataclasses.replace(cfg.train, compile=False)
+    engine = _native(cfg, train, cfg.model.path, device=device, dtype=dtype)
+    engine.module.exact = True
     return engine
 
 

@@ -29,6 +29,11 @@ whose `attn` is a deliberate graph break (vLLM's piecewise compilation splits at
 way); no index crosses it, so no index becomes a constant of a traced frame, and Dynamo traces one
 layer instead of the whole model.
 
+Under rollout.match_training on CUDA (`is_exact()` at `prepare`), every forward, prefill or decode,
+runs the training forward's batch-invariant kernel instead (models/exact_attention.py): each
+sequence is a run whose keys are its slots in position order (`paged_runs`), so a token's output is
+the bits training computes for it.
+
 Shape legend: N new tokens, S sequences, Q most new tokens of a sequence (1 in decode), K key slots
 gathered per sequence (a multiple of the block size), Hq/Hkv heads, G = Hq / Hkv, D/Dv head dims.
 """
@@ -38,13 +43,17 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rlloom.engines.rollout.native.paged_decode import SharedPrefix, paged_decode
-from rlloom.models.exact import is_exact
+from rlloom.models.exact import is_exact, uses_kernels
+
+if TYPE_CHECKING:
+    from rlloom.models.exact_attention import Runs
 
 
 @dataclass(slots=True)
@@ -122,6 +131,8 @@ class PagedAttention:
         self._num_keys_S: torch.Tensor | None = None
         self._kv_slots_SK: torch.Tensor | None = None
         self._mask_S1QK: torch.Tensor | None = None
+        self._exact_runs: Runs | None = None
+        """rollout.match_training on CUDA: this forward's sequences as the exact kernel's runs."""
 
     def caches(self) -> list[torch.Tensor]:
         """The tensors that hold the cache (the keys alone when the values are a view of them)."""
@@ -131,6 +142,10 @@ class PagedAttention:
         """Set the context of the next forward and derive the per-batch gather index and mask."""
         self.context = context
         self._layer = 0
+        self._exact_runs = None
+        if is_exact() and uses_kernels(context.block_tables_SB):
+            self._exact_runs = paged_runs(context, self.block_size)
+            return
         if self.use_decode_kernel and context.query_pos_SQ.shape[1] == 1:
             self._num_keys_S = context.query_pos_SQ[:, 0] + 1
             return
@@ -155,7 +170,7 @@ class PagedAttention:
                 f"{self.k_cache.shape[0]} layers: call prepare() before every forward"
             )
         self._layer += 1
-        if is_exact():  # rollout.match_training: its numerics must reach the op's body (eager, CPU)
+        if is_exact():  # rollout.match_training: its numerics must reach the op's body (eager)
             return self.run_layer(layer, q_NHD, k_NHD, v_NHD, scale)
         return paged_attention_op(q_NHD, k_NHD, v_NHD, self.handle, layer, scale)
 
@@ -166,6 +181,12 @@ class PagedAttention:
         assert ctx is not None
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         k_NHD, v_NHD = k_NHD.to(k_cache.dtype), v_NHD.to(v_cache.dtype)
+        if self._exact_runs is not None:  # the training forward's kernel (models/exact_attention.py)
+            from rlloom.models.exact_attention import attend_runs  # Triton: imported where it runs
+
+            k_cache.index_copy_(0, ctx.slot_mapping_N, k_NHD)
+            v_cache.index_copy_(0, ctx.slot_mapping_N, v_NHD)
+            return attend_runs(q_NHD.to(k_cache.dtype), k_cache, v_cache, scale, self._exact_runs)
         if self._num_keys_S is not None:
             # One query per sequence: query_index and output_index are the identity here, and the
             # kernel stores the new k/v in the cache itself.
@@ -196,6 +217,25 @@ class PagedAttention:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         out = out.reshape(S, Hkv, Q, G, -1).permute(0, 2, 1, 3, 4).reshape(S * Q, Hq, -1)
         return out[ctx.output_index_N]
+
+
+def paged_runs(ctx: AttnContext, block_size: int) -> Runs:
+    """The exact kernel's runs of a paged forward: sequence s is run s, its new tokens (rows
+    query_index_SQ[s, 0].. of the stream, consecutive positions from query_pos_SQ[s, 0]) the run's
+    queries, and the slots of its positions 0, 1, ... (through its block table) the run's keys."""
+    from rlloom.models.exact_attention import Runs  # Triton: imported where it runs
+
+    S, Q = ctx.query_index_SQ.shape
+    tables_SB = ctx.block_tables_SB
+    num_keys = tables_SB.shape[1] * block_size
+    key_pos_K = torch.arange(num_keys, device=tables_SB.device)
+    slots_SK = tables_SB[:, key_pos_K // block_size] * block_size + key_pos_K % block_size
+    first_pos_S = ctx.query_pos_SQ[:, 0]
+    # Padding entries hold position 0, never first + i for i >= 1.
+    in_run_SQ = ctx.query_pos_SQ == first_pos_S[:, None] + torch.arange(Q, device=tables_SB.device)
+    q_len_S = in_run_SQ.sum(dim=1)
+    k_base_S = torch.arange(S, device=tables_SB.device) * num_keys
+    return Runs(ctx.query_index_SQ[:, 0], q_len_S, k_base_S, first_pos_S + q_len_S, slots_SK.reshape(-1), Q)
 
 
 class PiecewiseAttention:

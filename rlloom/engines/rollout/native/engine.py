@@ -132,7 +132,7 @@ class NativeEngine:
         finished sequences' full blocks for later requests that start with the same tokens (multi-turn
         episodes: a trajectory's next turn; block_manager.py); it is off for MoE models, whose prefill
         must compute every position to report the experts it chose. `exact` runs the forward and
-        the sampler's logprobs with batch-invariant numerics (rlloom/models/exact.py; CPU)."""
+        the sampler's logprobs with batch-invariant numerics (rlloom/models/exact.py), eagerly."""
         # The settings were checked where the run config was read (rlloom/config/rollout.py).
         assert max_model_len >= 2 and max_num_batched_tokens >= 1, (max_model_len, max_num_batched_tokens)
         self.model = model.eval()
@@ -168,8 +168,9 @@ class NativeEngine:
             block_size=block_size,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
-            enforce_eager=enforce_eager,
-            compile=compile,
+            # Exact numerics are eager (models/exact.py): no CUDA graphs, no compiled layers.
+            enforce_eager=enforce_eager or exact,
+            compile=compile and not exact,
         )
         if self.runner.route_dtype is not None:  # routes of cached positions would be missing
             self.block_manager.enable_prefix_caching = False

@@ -17,8 +17,9 @@ the uniforms come from Triton's Philox (vocabulary index 4c + i takes output i o
 and rows without top-k/top-p (the RL case) go through fused kernels that read the model-dtype
 logits once: each (row, vocabulary chunk) computes its softmax statistics, noise and best score in
 one pass, and a small kernel per row combines the chunks into the token and its logprob; with
-top-k/top-p the torch path below runs on the same noise. On CPU the uniforms come from a torch
-generator seeded with the key.
+top-k/top-p, and under rollout.match_training (whose logprob must be the training head's
+log-softmax, models/exact.py), the torch path below runs on the same noise. On CPU the uniforms come
+from a torch generator seeded with the key.
 
 Shape legend: R sampled rows, V vocabulary.
 """
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from rlloom.devices import to_device
+from rlloom.models.exact import is_exact
 
 try:
     import triton
@@ -205,7 +207,7 @@ class Sampler:
         if self.use_triton and logits_RV.is_cuda:
             keys = [self.host_rng.getrandbits(63) if k is None else k for k in rows.noise_keys]
             keys_R = to_device(torch.tensor(keys, dtype=torch.int64), logits_RV.device)
-            if not rows.truncate:
+            if not rows.truncate and not is_exact():
                 return self._fused(logits_RV, rows.temperature_R, keys_R)
         logits_RV = logits_RV.float()
         greedy_R = rows.temperature_R == 0

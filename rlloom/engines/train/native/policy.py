@@ -133,7 +133,9 @@ class PolicyHead(StreamHead):
                 temperature=options.temperature,
                 chunk_tokens=self.chunk_tokens,
                 with_entropy=options.with_entropy,
-                fused=self.fused_head,
+                # Exact: the log-sum-exp of exact numerics, the sampler's (the Triton passes split
+                # the vocabulary their own way).
+                fused=self.fused_head and not self.exact,
             )
         if num_selected == 0:
             logp_K = logp_K[:0]

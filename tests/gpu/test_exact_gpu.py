@@ -1,0 +1,206 @@
+"""rollout.match_training on a GPU: the batch-invariant Triton kernels (models/exact_kernels.py,
+models/exact_attention.py) against torch's kernels (within bf16 tolerance) and against themselves
+with the same rows in another batch (bit for bit), and `rlloom train` on a tiny dense model in bf16
+whose `rollout/logp_gap_max` reads 0.0 at every step (the default kernels' gap is > 0 on the same
+run, so the check can fail). Skipped without a GPU.
+
+The shapes are Qwen3-0.6B's (hidden 1024, 16 query / 8 kv heads of 128, vocabulary 151936), where
+cuBLAS and FlashAttention pick different kernels for different row counts."""
+
+from __future__ import annotations
+
+import json
+import string
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+
+from test_trainer_loop import read_metrics, tiny_args  # noqa: E402
+
+from rlloom.cli import main  # noqa: E402
+from rlloom.models.attention_ops import TreePlan, packed_attention  # noqa: E402
+from rlloom.models.tiny import write_tiny_model  # noqa: E402
+
+CUDA, BF16 = torch.device("cuda"), torch.bfloat16
+
+
+def randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    return (torch.randn(*shape, generator=g, device=CUDA) * scale).to(BF16)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, rel: float = 2e-2) -> None:
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= rel * ref.float().abs().max().item(), err
+
+
+def test_matmul_is_torchs_product_and_batch_invariant():
+    from rlloom.models.exact_kernels import matmul
+
+    a, w, bias = randn(1000, 1024, seed=0), randn(3072, 1024, seed=1, scale=0.03), randn(3072, seed=2)
+    full = matmul(a, w.t(), bias)
+    assert full.dtype == BF16
+    assert_close(full, F.linear(a, w, bias))
+    for rows in (slice(0, 1), slice(7, 8), slice(3, 70), slice(500, 1000)):
+        assert torch.equal(matmul(a[rows], w.t(), bias), full[rows]), rows
+    # row 7 among other rows, at another place in the tile
+    mixed = torch.cat([randn(37, 1024, seed=3), a[7:8], randn(200, 1024, seed=4)])
+    assert torch.equal(matmul(mixed, w.t(), bias)[37], full[7])
+    # the rollout's fused projections (one product over stacked weights) equal training's separate ones
+    fused = matmul(a, torch.cat([w, w[:512]]).t())
+    assert torch.equal(fused[:, :3072], matmul(a, w.t())) and torch.equal(
+        fused[:, 3072:], matmul(a, w[:512].t())
+    )
+    # the lm head's shape
+    head = randn(151936, 1024, seed=5, scale=0.03)
+    logits = matmul(a[:64], head.t())
+    assert_close(logits, a[:64] @ head.t())
+    assert torch.equal(matmul(a[5:6], head.t()), logits[5:6])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_row_reductions_match_torch_and_are_batch_invariant(dtype):
+    from rlloom.models.exact_kernels import row_logsumexp, row_sum
+
+    x = (torch.randn(300, 151936, device=CUDA) * 4).to(dtype)
+    for op, ref in ((row_sum, x.float().sum(-1)), (row_logsumexp, x.float().logsumexp(-1))):
+        full = op(x)
+        assert full.dtype == dtype
+        assert_close(full, ref, rel=1e-2 if dtype == BF16 else 1e-5)
+        assert torch.equal(op(x[9:10]), full[9:10]) and torch.equal(op(x[100:300]), full[100:300])
+
+
+def packed_qkv(lens: list[int], seed: int) -> tuple[torch.Tensor, ...]:
+    n = sum(lens)
+    q, k, v = randn(n, 16, 128, seed=seed), randn(n, 8, 128, seed=seed + 1), randn(n, 8, 128, seed=seed + 2)
+    cu = torch.tensor([0, *lens], device=CUDA).cumsum(0).to(torch.int32)
+    return q, k, v, cu
+
+
+def test_attention_packed_is_flash_attention_and_batch_invariant():
+    from rlloom.models.exact_attention import attend_runs, packed_runs
+
+    lens = [300, 1, 77, 1024, 16]
+    q, k, v, cu = packed_qkv(lens, seed=0)
+    out = attend_runs(q, k, v, 0.088, packed_runs(cu, max(lens), q.shape[0]))
+    assert_close(out, packed_attention(q, k, v, 0.088, cu, max(lens)))
+    # the 77-token sequence alone, and behind other sequences
+    s = slice(301, 378)
+    alone = attend_runs(q[s], k[s], v[s], 0.088, packed_runs(cu.new_tensor([0, 77]), 77, 77))
+    assert torch.equal(alone, out[s])
+    q2, k2, v2, _ = packed_qkv([500], seed=9)
+    cat = [torch.cat([x2, x[s]]) for x, x2 in ((q, q2), (k, k2), (v, v2))]
+    behind = attend_runs(*cat, 0.088, packed_runs(cu.new_tensor([0, 500, 577]), 500, 577))
+    assert torch.equal(behind[500:], out[s])
+
+
+def test_attention_paged_prefill_and_decode_equal_the_packed_forward():
+    """A sequence's queries through a block table (prefill in chunks, then decode steps in batches
+    with other sequences) give the packed forward's bits."""
+    from rlloom.models.exact_attention import Runs, attend_runs, packed_runs
+
+    length, bs = 200, 16
+    q, k, v, cu = packed_qkv([length], seed=3)
+    packed = attend_runs(q, k, v, 0.088, packed_runs(cu, length, length))
+    blocks = torch.randperm(64, device=CUDA)[: length // bs + 1]
+    slots = (blocks[:, None] * bs + torch.arange(bs, device=CUDA)).flatten()
+    k_cache = torch.full((64 * bs, 8, 128), float("nan"), dtype=BF16, device=CUDA)  # unwritten: NaN
+    v_cache = torch.full_like(k_cache, float("nan"))
+    k_cache[slots[:length]], v_cache[slots[:length]] = k, v
+    # a second sequence's table: the written cache rows in another order
+    other = torch.cat([slots[:length].flip(0), slots[length:]])
+    for first, n in ((0, length), (0, 37), (37, 100), (150, 50), (length - 1, 1), (63, 1), (64, 1)):
+        runs = Runs(
+            q_start=torch.tensor([0, n], device=CUDA),
+            q_len=torch.tensor([n, 1], device=CUDA),
+            k_base=torch.tensor([0, slots.numel()], device=CUDA),
+            k_len=torch.tensor([first + n, 5], device=CUDA),
+            kv_index=torch.cat([slots, other]),
+            max_q=n,
+        )
+        qs = torch.cat([q[first : first + n], q[:1]])
+        out = attend_runs(qs, k_cache, v_cache, 0.088, runs)
+        assert not out.isnan().any()
+        assert torch.equal(out[:n], packed[first : first + n]), (first, n)
+
+
+def test_attention_tree_branches_equal_their_own_sequences():
+    """Shared-prompt packing (training) gives each branch the bits of prompt + branch alone."""
+    from rlloom.models.attention_ops import AttnLayout, exact_cuda_attention
+    from rlloom.models.exact_attention import attend_runs, packed_runs
+
+    prompt, branches = 90, [40, 1, 130]
+    q, k, v, _ = packed_qkv([prompt + sum(branches)], seed=5)
+    tree = TreePlan(
+        torch.tensor([0, prompt + sum(branches)], dtype=torch.int32),
+        torch.tensor([prompt]),
+        torch.tensor(branches),
+        device=CUDA,
+    )
+    out = exact_cuda_attention(q, k, v, 0.088, AttnLayout("tree", tree=tree))
+    start = prompt
+    for r in branches:
+        rows = torch.cat([torch.arange(prompt), torch.arange(start, start + r)]).to(CUDA)
+        n = prompt + r
+        alone = attend_runs(
+            q[rows], k[rows], v[rows], 0.088, packed_runs(torch.tensor([0, n], device=CUDA), n, n)
+        )
+        assert torch.equal(alone[prompt:], out[start : start + r])
+        assert torch.equal(alone[:prompt], out[:prompt])
+        start += r
+
+
+def test_attention_backward_is_flash_attentions_gradient():
+    from rlloom.models.attention_ops import AttnLayout, exact_cuda_attention
+
+    lens = [100, 33]
+    q, k, v, cu = packed_qkv(lens, seed=7)
+    grad = randn(*q.shape, seed=11)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = exact_cuda_attention(*leaves, 0.088, AttnLayout("packed", cu_seqlens=cu, max_seqlen=100))
+    out.backward(grad)
+    ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    packed_attention(*ref_leaves, 0.088, cu, 100).backward(grad)
+    for got, ref in zip(leaves, ref_leaves):
+        assert_close(got.grad, ref.grad)
+
+
+STOP_ANY = "rollout.stop_strings=" + json.dumps(list(string.ascii_letters + string.digits))
+RUN = [
+    "cluster.device=cuda",
+    "trainer.total_steps=2",
+    "train.lr=3e-2",
+    "data.num_eval=0",
+    "trainer.save_hf_every=-1",
+    "rollout.max_new_tokens=12",
+    STOP_ANY,  # the random model's responses end at different lengths
+    "train.max_tokens_per_micro_batch=256",  # several micro-batches
+]
+
+
+def gaps(ckpt: Path, run_dir: Path, *extra: str) -> list[float]:
+    assert main(["train", "arithmetic_smoke", *tiny_args(ckpt, run_dir, *RUN, *extra)]) == 0
+    found = [m["rollout/logp_gap_max"] for m in read_metrics(run_dir) if "rollout/logp_gap_max" in m]
+    assert len(found) == 2
+    return found
+
+
+def test_match_training_on_cuda_gives_a_zero_gap_at_every_step(tmp_path):
+    ckpt = write_tiny_model("tiny-dense", tmp_path / "ckpt", seed=0, hidden=128, layers=2)
+    assert gaps(ckpt, tmp_path / "exact", "rollout.match_training=true") == [0.0, 0.0]
+    assert max(gaps(ckpt, tmp_path / "default")) > 0.0
+
+
+def test_match_training_refuses_moe_models_on_cuda(tmp_path, capsys):
+    ckpt = write_tiny_model("tiny-moe", tmp_path / "ckpt", seed=0, hidden=64, layers=2)
+    capsys.readouterr()  # the writer's progress bar
+    args = tiny_args(ckpt, tmp_path / "run", "cluster.device=cuda", "rollout.match_training=true")
+    assert main(["train", "arithmetic_smoke", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlloom: error: rollout.match_training=true is exact on CUDA for dense models")
