@@ -23,7 +23,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check rlloom tests benchmarks
 
 test: lint
-	$(PY) -m pytest -q --durations=15
+	@# Two workers, a module per unit and the Ray tests as one unit (tests/conftest.py).
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15
 
 demo: $(STAMP)
 	@# A fresh run folder each time: a run directory holds one run (see trainer.resume).

@@ -8,9 +8,9 @@ rlloom export RUN_DIR_OR_CHECKPOINT OUT [--dtype auto|float32|bfloat16|float16]
 rlloom config show RECIPE_OR_YAML [section.key=value ...]
 rlloom config doc
 rlloom plot RUN_DIR
-rlloom init-model tiny-dense|tiny-moe|tiny-mla DIR [--layers N] [--hidden H]
+rlloom init-model tiny-dense|tiny-moe|tiny-mla|tiny-vl DIR [--layers N] [--hidden H]
 rlloom compare-layers MODEL --prompt TEXT [--max-new-tokens N] [--seed S] [--device cpu|cuda] [--dtype D] [--exact]
-rlloom plan MODEL --gpus N --gpu-memory-gb G [--critic] [--check tp=..,pp=..,cp=..,ep=..,offload=F] [--json]
+rlloom plan MODEL --gpus N --gpu-memory-gb G [--critic] [--teacher T] [--reward-model R] [--check tp=..,pp=..,cp=..,ep=..,offload=F] [--json]
 
 A user error (`UserError`: config, data file, model path, start-up checks) prints one line,
 `rlloom: error: ...`, and exits 2; internal bugs keep their traceback. Ctrl-C or SIGTERM during a
@@ -31,6 +31,7 @@ from typing import NoReturn
 from rlloom.cluster import WorkerFailure
 from rlloom.config import UserError
 from rlloom.engines.train.sealed import CheckpointError
+from rlloom.models.tiny import TINY_KINDS
 
 _OVERRIDES_HELP = "dotted overrides such as algorithm.eps_high=0.28 trainer.total_steps=50"
 
@@ -86,9 +87,10 @@ def _parser() -> argparse.ArgumentParser:
         help="write a tiny random test model",
         description="Write a tiny random model with a character tokenizer as a Hugging Face folder, for "
         "trying settings and parallel layouts on a CPU in seconds (model.path=DIR): tiny-dense (Qwen3), "
-        "tiny-moe (Qwen3-MoE, 8 experts) or tiny-mla (DeepSeek-V3: MLA attention, MoE with a shared expert).",
+        "tiny-moe (Qwen3-MoE, 8 experts), tiny-mla (DeepSeek-V3: MLA attention, MoE with a shared expert) "
+        "or tiny-vl (Qwen2.5-VL: a vision tower, M-RoPE).",
     )
-    init.add_argument("kind", choices=("tiny-dense", "tiny-moe", "tiny-mla"))
+    init.add_argument("kind", choices=TINY_KINDS)
     init.add_argument("out", help="new or empty output folder")
     init.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
     init.add_argument("--hidden", type=int, default=32, help="hidden size, a multiple of 8 (default 32)")
@@ -223,6 +225,22 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="PPO with a critic (algorithm.estimator=gae) started from the same model: its weights and "
         "moments stay on the GPUs beside the policy's",
+    )
+    plan.add_argument(
+        "--teacher",
+        metavar="MODEL",
+        help="on-policy distillation's teacher (teacher.path), named as MODEL is: forward-only on the "
+        "training GPUs beside the policy, its weights in the compute dtype",
+    )
+    plan.add_argument(
+        "--teacher-offload",
+        action="store_true",
+        help="the teacher's weights wait on the host between its forwards (teacher.offload)",
+    )
+    plan.add_argument(
+        "--reward-model",
+        metavar="MODEL",
+        help="a reward model (reward.model_path), named as MODEL is: whole on the first GPU (the trainer's)",
     )
     plan.add_argument(
         "--lora-rank",

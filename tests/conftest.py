@@ -6,6 +6,9 @@ saved by transformers, and a fast tokenizer with a chat template and an end-of-t
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,18 +40,66 @@ def tiny_moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def ray_cluster():
     """One local Ray instance for every Ray test of the session (each start costs 5-10 s of CPU on
     two cores, and five modules need one). Five CPUs: the largest layout (4 training + 1 rollout
-    slots); a run joins it instead of starting its own. The Ray tests run last (see below), so the
-    instance does not idle beside the rest of the suite."""
+    slots); a run joins it instead of starting its own. The Ray tests run one after another and the
+    last one shuts it down (see below), so the instance does not idle beside the rest of the suite."""
     ray = pytest.importorskip("ray", reason="needs the ray extra: pip install 'rlloom[ray]'")
-    ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False)
+    for attempt in range(3):  # Ray gives its raylet a fixed 30 s to register: a busy machine misses it
+        try:
+            ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False)
+            break
+        except Exception:  # Ray raises a bare Exception for it
+            ray.shutdown()
+            if attempt == 2:
+                raise
     yield
     ray.shutdown()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests that use `ray_cluster` run after all others (in their collected order), so one Ray
-    start serves them all and is shut down when they end."""
-    items.sort(key=lambda item: "ray_cluster" in getattr(item, "fixturenames", ()))
+def _uses_ray(item: pytest.Item | None) -> bool:
+    return item is not None and "ray_cluster" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests that use `ray_cluster` run one after another, so one Ray start serves them all and
+    is shut down when they end: after all others in one process; first under `make test`'s xdist
+    workers (`--dist loadgroup`, see `ModuleScheduling`), whose Ray unit is the longest."""
+    xdist = config.getoption("loadgroup", False)  # set in an xdist worker by `--dist loadgroup`
+    items.sort(key=lambda item: _uses_ray(item) != xdist)
+
+
+@pytest.hookimpl(trylast=True)  # after the test's own fixtures are torn down
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """The last Ray test shuts Ray down, so its processes do not idle beside the tests that follow
+    in the same process (the session fixture's own teardown comes only at the session's end)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and _uses_ray(item) and not _uses_ray(nextitem):
+        ray.shutdown()
+
+
+if importlib.util.find_spec("xdist") is not None:  # the dev extra's pytest-xdist (`make test`)
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        """`make test`'s schedule over two xdist workers: a module is a unit (its tests run on one
+        worker, so a module-scoped baseline run that several tests compare with is built once), and
+        every module that uses `ray_cluster` joins one unit, so one worker starts Ray once and Ray's
+        processes never run twice side by side. The units go out in the collected order, the Ray
+        unit (the longest) first. Built here because the controller sees test ids only (xdist's own
+        `xdist_group` suffix is not applied under pytest 9.2)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "ray" if _module_uses_ray(self.config.rootpath / module) else module
+
+    @functools.cache
+    def _module_uses_ray(path: Path) -> bool:
+        return path.suffix == ".py" and "ray_cluster" in path.read_text()
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 (xdist's Scheduling)
+        if config.getoption("dist") != "loadgroup":
+            return None
+        config.option.loadscopereorder = False  # the collected order: the Ray unit first
+        return ModuleScheduling(config, log)
 
 
 @pytest.fixture

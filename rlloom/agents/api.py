@@ -1,10 +1,12 @@
 """The OpenAI wire format: a request body checked into a `GenRequest` (or an `ApiError` with the
 OpenAI-style 4xx body naming the field), and a generation's `Choice`s written back as a chat
-completion or a completion, whole or as server-sent-event chunks.
+completion or a completion, whole or as server-sent-event chunks sent while it is generated.
 
 Only what the engine can honour is accepted: text content (a list of text parts is joined), tools and
-`tool_choice` (calls are parsed from the response with `rollout.tool_parser`'s format; "required" or a
-named function is not enforced by constrained decoding), temperature, top_p, max_tokens /
+`tool_choice` (calls are parsed from the response with `rollout.tool_parser`'s format; "none": not
+parsed; "required" or a named function: the answer starts with that format's call opening, written
+after the prompt (`turns.render_prompt`), so the model writes a call's arguments; its JSON is the
+model's, not constrained), temperature, top_p, max_tokens /
 max_completion_tokens, stop, n, seed, logprobs (the sampled tokens' own; `top_logprobs` > 0 is
 refused), stream (with `stream_options.include_usage`). Fields the engine has no use for (`user`,
 penalties, `response_format`, ...) are ignored, as most OpenAI-compatible servers do.
@@ -16,7 +18,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -55,6 +57,10 @@ class GenRequest:
     tools: list[dict[str, Any]] | None = None
     parse_tools: bool = False
     """Parse tool calls out of the response (tools given and tool_choice is not "none")."""
+    force_tool: str | None = None
+    """`tool_choice` "required" ("") or a named function (its name): the answer starts with the
+    opening of a call (of that function), written after the prompt, so it is a call; None: the model
+    chooses ("auto") or calls none ("none": calls are not parsed)."""
     temperature: float | None = None
     top_p: float | None = None
     max_tokens: int | None = None
@@ -80,6 +86,15 @@ class Choice:
     tool_calls: list[ToolCall] = field(default_factory=list)
     finish_reason: str = "stop"
     """"stop", "length" or "tool_calls"."""
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """Tokens of choice `index` sampled since the last delta (a streaming request's progress)."""
+
+    index: int
+    pieces: list[str]
+    logprobs: list[float]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -208,25 +223,43 @@ def normalize_messages(messages: Any) -> list[Message]:
     return out
 
 
-def _tools(body: dict) -> tuple[list[dict[str, Any]] | None, bool]:
+def _tools(body: dict) -> tuple[list[dict[str, Any]] | None, bool, str | None]:
+    """The tools, whether calls are parsed from the answer, and the call `tool_choice` forces ("":
+    any tool, "required"; a name: that function; None: the model chooses)."""
     tools = body.get("tools")
-    if tools is None or tools == []:
-        return None, False
-    if not isinstance(tools, list) or not all(
-        isinstance(t, dict)
-        and isinstance(t.get("function"), dict)
-        and isinstance(t["function"].get("name"), str)
-        for t in tools
+    tools = None if tools == [] else tools
+    if tools is not None and (
+        not isinstance(tools, list)
+        or not all(
+            isinstance(t, dict)
+            and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str)
+            for t in tools
+        )
     ):
         raise _bad("'tools' must be a list of {'type': 'function', 'function': {'name': ...}}", "tools")
-    choice = body.get("tool_choice", "auto")
+    choice = body.get("tool_choice")
+    if choice is None:
+        return tools, tools is not None, None
     named = isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str)
-    if choice not in ("none", "auto", "required") and not named:
+    if choice not in ("none", "auto", "required") and not (
+        named and choice.get("type", "function") == "function"
+    ):
         raise _bad(
-            f"'tool_choice' must be 'none', 'auto', 'required' or a named function, not {choice!r}",
+            "'tool_choice' must be 'none', 'auto', 'required' or "
+            f"{{'type': 'function', 'function': {{'name': ...}}}}, not {choice!r}",
             "tool_choice",
         )
-    return tools, choice != "none"
+    if tools is None and choice != "none":
+        raise _bad(
+            f"'tool_choice'={choice!r} needs 'tools': give the functions the model may call", "tool_choice"
+        )
+    if named and choice["function"]["name"] not in [t["function"]["name"] for t in tools]:
+        raise _bad(
+            f"'tool_choice' names {choice['function']['name']!r}, which is not one of 'tools'", "tool_choice"
+        )
+    force = choice["function"]["name"] if named else "" if choice == "required" else None
+    return tools, tools is not None and choice != "none", force
 
 
 def parse_chat(body: Any) -> GenRequest:
@@ -241,13 +274,14 @@ def parse_chat(body: Any) -> GenRequest:
             "'top_logprobs' > 0 is not served: the engine records each sampled token's logprob only",
             "top_logprobs",
         )
-    tools, parse_tools = _tools(body)
+    tools, parse_tools, force_tool = _tools(body)
     messages = normalize_messages(body.get("messages"))
     return GenRequest(
         kind="chat",
         messages=messages,
         tools=tools,
         parse_tools=parse_tools,
+        force_tool=force_tool,
         logprobs=logprobs,
         **_common(body),
     )
@@ -358,9 +392,13 @@ def _event(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def stream_events(req: GenRequest, answer: Answer, *, model: str) -> Iterator[str]:
-    """The answer as server-sent events: a chunk per sampled token of each choice (its text piece
-    and logprob), the tool calls and the finish reason, the usage when asked, then `[DONE]`."""
+async def stream_events(
+    req: GenRequest, events: AsyncIterator[Delta | Answer], *, model: str
+) -> AsyncIterator[str]:
+    """The request as server-sent events while it is generated: each choice's role, then a chunk
+    per token (its text piece and logprob) of every `Delta`, then at the `Answer` the rest of each
+    choice's content (a chunk per token when its pieces make the content, else one chunk), its tool
+    calls and finish reason, the usage when asked, and `[DONE]`."""
     chat = req.kind == "chat"
     head = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
@@ -376,12 +414,7 @@ def stream_events(req: GenRequest, answer: Answer, *, model: str) -> Iterator[st
             body = {"index": i, "text": delta.get("content", ""), "finish_reason": finish, "logprobs": lp}
         return _event({**head, "choices": [body]})
 
-    for i, c in enumerate(answer.choices):
-        if chat:
-            yield chunk(i, {"role": "assistant", "content": ""}, None, None)
-        # The pieces add up to the whole text only without parsed tool calls (they are cut out of it).
-        pieces = c.pieces if not c.tool_calls and "".join(c.pieces) == c.text else [c.text]
-        lps = c.logprobs if len(pieces) == len(c.logprobs) else [None] * len(pieces)
+    def tokens(i: int, pieces: list[str], lps: list[float | None]) -> Iterator[str]:
         for piece, lp in zip(pieces, lps):
             logprobs = None
             if req.logprobs and lp is not None:
@@ -389,11 +422,32 @@ def stream_events(req: GenRequest, answer: Answer, *, model: str) -> Iterator[st
                 logprobs = _chat_logprobs(one) if chat else {"tokens": [piece], "token_logprobs": [lp]}
             if piece or logprobs:
                 yield chunk(i, {"content": piece}, None, logprobs)
-        if c.tool_calls:
-            yield chunk(
-                i, {"tool_calls": [_call_entry(t, k) for k, t in enumerate(c.tool_calls)]}, None, None
-            )
-        yield chunk(i, {}, c.finish_reason, None)
-    if req.include_usage:
-        yield _event({**head, "choices": [], "usage": _usage(answer)})
+
+    sent_tokens, sent_text = [0] * req.n, [""] * req.n
+    if chat:
+        for i in range(req.n):
+            yield chunk(i, {"role": "assistant", "content": ""}, None, None)
+    async for event in events:
+        if isinstance(event, Delta):
+            sent_tokens[event.index] += len(event.pieces)
+            sent_text[event.index] += "".join(event.pieces)
+            for line in tokens(event.index, event.pieces, list(event.logprobs)):
+                yield line
+            continue
+        for i, c in enumerate(event.choices):
+            k, sent = sent_tokens[i], sent_text[i]
+            # The pieces add up to the content only without parsed tool calls (cut out of it) or a
+            # forced call's opening (written by the prompt).
+            if "".join(c.pieces) == c.text and "".join(c.pieces[:k]) == sent:
+                for line in tokens(i, c.pieces[k:], list(c.logprobs[k:])):
+                    yield line
+            elif c.text[len(sent) :]:
+                yield chunk(i, {"content": c.text[len(sent) :]}, None, None)
+            if c.tool_calls:
+                calls = [_call_entry(t, k) for k, t in enumerate(c.tool_calls)]
+                yield chunk(i, {"tool_calls": calls}, None, None)
+            yield chunk(i, {}, c.finish_reason, None)
+        if req.include_usage:
+            yield _event({**head, "choices": [], "usage": _usage(event)})
+        break
     yield "data: [DONE]\n\n"

@@ -6,7 +6,8 @@ The stream (trainer/rollout_stream.py) calls it as it calls `EpisodeDriver`:
 2. `poll()`: the endpoint's requests become engine requests (`TurnRequest`s on the prompt's replica:
    a session's requests stick to one replica and its KV cache); finished agents end their trajectory;
 3. `on_turn(key, r, completion, versions)`: engine request r came back: its tokens join the session's
-   ledger (agents/ledger.py) and, once every choice of the HTTP request is in, the request is answered;
+   ledger (agents/ledger.py) and, once every choice of the HTTP request is in, the request is answered
+   (a streaming request was sent its tokens as they were sampled: `on_progress`);
 4. `finished(key)` once every agent of the group has ended and none of its requests is in flight,
    then `take(key, group_id)`: each session's samples, its reward the agent's (or None: the reward
    function scores the session's last answer; `reward.default_score` when the agent failed).
@@ -28,14 +29,14 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from rlloom.agents.api import Answer, ApiError, Choice, GenRequest
+from rlloom.agents.api import Answer, ApiError, Choice, Delta, GenRequest
 from rlloom.agents.ledger import Fork, Ledger
 from rlloom.agents.server import Call, Endpoint
 from rlloom.agents.spec import AgentResult
-from rlloom.agents.turns import Formats, assistant_message, make_choice, render_prompt
+from rlloom.agents.turns import Formats, StreamCursor, assistant_message, make_choice, render_prompt
 from rlloom.data.dataset import PromptItem
 from rlloom.data.types import Sample
-from rlloom.engines.rollout import Completion, SamplingParams
+from rlloom.engines.rollout import Completion, Partial, SamplingParams
 from rlloom.episodes.calls import EnvCalls, EnvResult, GroupCalls, prompt_row
 from rlloom.episodes.driver import TurnRequest
 
@@ -81,6 +82,8 @@ class _Pending:
     session: _Session
     fork: Fork
     choices: list[Choice | None]
+    cursors: list[StreamCursor]
+    """A streaming request: what of each choice was sent so far."""
 
 
 class AgentDriver:
@@ -155,7 +158,8 @@ class AgentDriver:
             call.reply(Answer(choices=[empty] * req.n, prompt_tokens=len(fork.prompt_ids)))
             return []
         self._warn_sampling(req, group.sampling)
-        pending = _Pending(call=call, session=session, fork=fork, choices=[None] * req.n)
+        cursors = [StreamCursor(fmt=self.fmt, req=req) for _ in range(req.n if req.stream else 0)]
+        pending = _Pending(call=call, session=session, fork=fork, choices=[None] * req.n, cursors=cursors)
         out = []
         for i in range(req.n):
             r = next(self._ids)
@@ -171,6 +175,7 @@ class AgentDriver:
                     prompt_ids=fork.prompt_ids,
                     sampling=sampling,
                     turn=0 if first else 1,
+                    progress=req.stream,
                 )
             )
         ledger.requests += 1
@@ -202,6 +207,15 @@ class AgentDriver:
                 base.temperature,
                 base.top_p,
             )
+
+    def on_progress(self, r: int, partial: Partial) -> None:
+        """Engine request r's tokens so far (a streaming request): send what may be sent of them."""
+        pending, i = self.engine.get(r, (None, 0))
+        if pending is None or pending.session.done:
+            return
+        pieces, logprobs = pending.cursors[i].advance(partial.token_ids, partial.logprobs)
+        if pieces:
+            pending.call.send(Delta(index=i, pieces=pieces, logprobs=logprobs))
 
     def on_turn(self, key: Any, r: int, c: Completion, versions: list[int]) -> None:
         """Engine request r came back: record its tokens; answer the HTTP request once it is whole."""

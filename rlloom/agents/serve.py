@@ -1,6 +1,7 @@
 """`serve(engine, endpoint, fmt, limits)`: the endpoint outside training (`rlloom serve`): each request
 is one engine request (its n choices the prompt's samples) on the step-level stream
-(workers/stream.py), so requests are batched together as they arrive. No ledger is kept; sampling is
+(workers/stream.py), so requests are batched together as they arrive; a streaming request is sent
+its tokens as they are sampled. No ledger is kept; sampling is
 the request's (OpenAI's defaults: temperature 1, top_p 1), its max_tokens capped by the context
 budget."""
 
@@ -10,10 +11,10 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rlloom.agents.api import Answer, ApiError, Choice, GenRequest
+from rlloom.agents.api import Answer, ApiError, Choice, Delta, GenRequest
 from rlloom.agents.server import Call, Endpoint
-from rlloom.agents.turns import Formats, make_choice, prompt_ids, render_prompt
-from rlloom.engines.rollout import RolloutEngine, SamplingParams
+from rlloom.agents.turns import Formats, StreamCursor, make_choice, prompt_ids, render_prompt
+from rlloom.engines.rollout import Partial, RolloutEngine, SamplingParams
 from rlloom.workers.flights import StreamRequest
 from rlloom.workers.stream import EngineStream
 
@@ -37,6 +38,8 @@ class _Pending:
     request: GenRequest
     prompt_tokens: int
     choices: list[Choice | None]
+    cursors: list[StreamCursor]
+    """A streaming request: what of each choice was sent so far."""
 
 
 def _start(call: Call, fmt: Formats, limits: Limits, request_id: str) -> StreamRequest | Answer | ApiError:
@@ -59,7 +62,18 @@ def _start(call: Call, fmt: Formats, limits: Limits, request_id: str) -> StreamR
         stop_strings=[*limits.stop_strings, *req.stop],
         seed=req.seed,
     )
-    return StreamRequest(request_id=request_id, prompt_ids=ids, sampling=sampling, prompt_index=0)
+    return StreamRequest(
+        request_id=request_id, prompt_ids=ids, sampling=sampling, prompt_index=0, progress=req.stream
+    )
+
+
+def _send(p: _Pending | None, partial: Partial) -> None:
+    """Send a streaming request what may be sent of a choice's tokens so far."""
+    if p is None or not p.request.stream:
+        return
+    pieces, logprobs = p.cursors[partial.sample_index].advance(partial.token_ids, partial.logprobs)
+    if pieces:
+        p.call.send(Delta(index=partial.sample_index, pieces=pieces, logprobs=logprobs))
 
 
 def serve(
@@ -81,11 +95,15 @@ def serve(
                 request=call.request,
                 prompt_tokens=len(started.prompt_ids),
                 choices=[None] * call.request.n,
+                cursors=[StreamCursor(fmt=fmt, req=call.request) for _ in range(call.request.n)],
             )
             stream.add([started])
         if not pending:
             continue
         for result in stream.poll(0.01):
+            if isinstance(result, Partial):
+                _send(pending.get(result.request_id), result)
+                continue
             c = result.completion
             p = pending.get(c.request_id)
             if p is None:

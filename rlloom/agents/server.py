@@ -3,7 +3,8 @@ event loop of its own, in the process that drives the rollout engine.
 
 It only speaks HTTP: a request is checked (`api.parse_*`; a bad one gets the OpenAI-style 4xx body at
 once), handed over as a `Call` to the thread that owns the engine (`take`), and its handler awaits
-the `Answer` that thread gives back with `Call.reply`. Routes, each also under
+the `Answer` that thread gives back with `Call.reply` (a streaming request also the `Delta`s of
+its tokens as they are sampled, `Call.send`, each sent on at once). Routes, each also under
 `/sessions/<id>/v1/...` (a training session's base URL: the session's requests are its ledger's):
 `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions`.
 """
@@ -15,13 +16,14 @@ import logging
 import queue
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from rlloom.agents.api import (
     Answer,
     ApiError,
+    Delta,
     chat_response,
     completion_response,
     parse_chat,
@@ -53,6 +55,19 @@ class Call:
     """The checked request (`api.GenRequest`)."""
     reply: Callable[[Answer | ApiError], None]
     """Give the answer (or an error) back to the waiting handler; callable from any thread, once."""
+    send: Callable[[Delta], None]
+    """Give a streaming request the tokens sampled so far (before `reply`); from any thread."""
+
+
+async def _until_answer(first: Delta | Answer, events: asyncio.Queue) -> AsyncIterator[Delta | Answer]:
+    """A streaming request's events up to its `Answer` (an error after the first tokens ends it)."""
+    event = first
+    while not isinstance(event, Answer):
+        yield event
+        event = await events.get()
+        if isinstance(event, ApiError):
+            return
+    yield event
 
 
 class Endpoint:
@@ -125,6 +140,21 @@ class Endpoint:
             self._thread.join(10.0)
         self._server = self._thread = None
 
+    async def _submit(self, session: str | None, req: Any) -> tuple[Delta | Answer, asyncio.Queue]:
+        """Hand the request to the engine's thread; its first event (an `ApiError` raised) and the
+        queue the rest arrive in."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Delta | Answer | ApiError] = asyncio.Queue()
+
+        def put(event: Delta | Answer | ApiError) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        self._inbox.put(Call(session=session, request=req, reply=put, send=put))
+        first = await events.get()
+        if isinstance(first, ApiError):
+            raise first
+        return first, events
+
     # ---- the app -------------------------------------------------------------------------------
 
     def _app(self) -> Any:
@@ -171,22 +201,14 @@ class Endpoint:
                 raise ApiError(
                     404, "this endpoint serves training sessions only: use the base URL rlloom gave the agent"
                 )
-            loop = asyncio.get_running_loop()
-            future: asyncio.Future = loop.create_future()
-
-            def reply(result: Answer | ApiError) -> None:
-                loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
-
-            self._inbox.put(Call(session=session, request=req, reply=reply))
-            answer = await future
-            if isinstance(answer, ApiError):
-                raise answer
+            first, events = await self._submit(session, req)
             if req.stream:
                 return StreamingResponse(
-                    stream_events(req, answer, model=self.model_id), media_type="text/event-stream"
+                    stream_events(req, _until_answer(first, events), model=self.model_id),
+                    media_type="text/event-stream",
                 )
             build = chat_response if kind == "chat" else completion_response
-            return JSONResponse(build(req, answer, model=self.model_id))
+            return JSONResponse(build(req, first, model=self.model_id))
 
         for prefix in ("/v1", "/sessions/{session}/v1"):
             app.get(f"{prefix}/models")(lambda session=None: models())

@@ -11,7 +11,7 @@ from typing import Any
 from rlloom.agents.api import Choice, GenRequest
 from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.episodes.render import Rendered, encode, render_conversation
-from rlloom.episodes.tools import TOOL_PARSERS, strip_tool_calls
+from rlloom.episodes.tools import TOOL_OPENINGS, TOOL_PARSERS, strip_tool_calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,10 +37,17 @@ class Formats:
         )
 
 
+def opening(fmt: Formats, req: GenRequest) -> str:
+    """The text a forced `tool_choice` writes at the start of the answer ("" when none is forced)."""
+    return "" if req.force_tool is None else TOOL_OPENINGS[fmt.tool_parser](req.force_tool)
+
+
 def render_prompt(fmt: Formats, req: GenRequest) -> Rendered | list[int]:
-    """What the model reads: the rendered conversation (chat), the prompt text, or its ids."""
+    """What the model reads: the rendered conversation (chat) and a forced call's opening (the
+    template's own text, unmarked), the prompt text, or its ids."""
     if req.kind == "chat":
-        return render_conversation(fmt.tokenizer, req.messages, tools=req.tools)
+        rendered = render_conversation(fmt.tokenizer, req.messages, tools=req.tools)
+        return Rendered(rendered.marked + opening(fmt, req))
     if isinstance(req.prompt, list):
         return list(req.prompt)
     return Rendered(req.prompt)  # unmarked: a raw prompt's control-token strings are the model's own
@@ -87,6 +94,7 @@ def make_choice(
         ids = _kept(fmt, ids, text)
         lps = lps[: len(ids)]
     calls = []
+    text = opening(fmt, req) + text  # a forced call's opening is the answer's, written by the prompt
     if req.parse_tools:
         calls, _ = TOOL_PARSERS[fmt.tool_parser](text)
     choice = Choice(
@@ -98,6 +106,60 @@ def make_choice(
         finish_reason="tool_calls" if calls and finish_reason == "stop" else finish_reason,
     )
     return choice
+
+
+@dataclass(kw_only=True, slots=True)
+class StreamCursor:
+    """What of one streaming choice's tokens so far may be sent before it finishes: every token
+    but the newest (it may be the final stop token, whose text is left out), up to where a request's
+    `stop` string may begin (the content ends before it) and, when tool calls are cut out of the
+    content (`Formats.renders_tool_calls`), up to where a call may begin and without the whitespace
+    the content's strip would drop (an answer that starts with whitespace, or a forced call, is sent
+    at its end). The pieces sent are those `pieces` gives for the finished choice."""
+
+    fmt: Formats
+    req: GenRequest
+    sent: int = 0
+    """Tokens sent."""
+    text: str = ""
+    """Their text (the pieces sent, joined)."""
+
+    def advance(self, token_ids: list[int], logprobs: list[float]) -> tuple[list[str], list[float]]:
+        """The pieces (and logprobs) of the tokens that may be sent now and were not sent before."""
+        ids = token_ids[:-1]
+        if len(ids) <= self.sent or self.req.force_tool is not None:
+            return [], []
+        decode = self.fmt.tokenizer.decode
+        limit = self._safe(decode(ids, skip_special_tokens=False))
+        out, lps = [], []
+        for k in range(self.sent, len(ids)):
+            text = decode(ids[: k + 1], skip_special_tokens=False)
+            piece = "" if text.endswith("\ufffd") else text[len(self.text) :]
+            if len(self.text) + len(piece) > limit:
+                break
+            out.append(piece)
+            lps.append(logprobs[k])
+            self.text += piece
+            self.sent = k + 1
+        return out, lps
+
+    def _safe(self, text: str) -> int:
+        """How much of `text` (the tokens so far) the finished content surely starts with."""
+        strips = self.req.parse_tools and self.fmt.renders_tool_calls
+        if strips and text[:1].isspace():
+            return 0
+        marks = [*self.req.stop, *([TOOL_OPENINGS[self.fmt.tool_parser]("").strip()] if strips else [])]
+        cut = len(text)
+        for mark in marks:
+            at = text.find(mark)
+            if at >= 0:
+                cut = min(cut, at)
+                continue
+            held = next(
+                (n for n in range(min(len(mark) - 1, len(text)), 0, -1) if text.endswith(mark[:n])), 0
+            )
+            cut = min(cut, len(text) - held)
+        return len(text[:cut].rstrip()) if strips else cut
 
 
 def assistant_message(choice: Choice) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Generic, Protocol, TypeVar
 import torch
 
 from rlloom.data.types import PolicyUpdate, RolloutBatch, ValueUpdate
-from rlloom.engines.rollout import Completion, SamplingParams
+from rlloom.engines.rollout import Completion, Partial, SamplingParams
 from rlloom.observability.metrics import Metric
 from rlloom.workers.flights import StreamRequest, StreamResult
 
@@ -143,8 +143,9 @@ class RolloutGroup(Protocol):
         in the background from now on (the asynchronous loop)."""
         ...
 
-    def stream_poll(self, timeout_s: float) -> list[StreamResult]:
-        """The samples every replica finished since the last poll (waiting up to `timeout_s`)."""
+    def stream_poll(self, timeout_s: float) -> list[StreamResult | Partial]:
+        """The samples every replica finished since the last poll (waiting up to `timeout_s`), after
+        the tokens so far of unfinished ones whose request asked for them (`StreamRequest.progress`)."""
         ...
 
     def stream_abort(self) -> int:

@@ -11,7 +11,7 @@ import torch
 from rlloom.cluster.base import Done
 from rlloom.config import RunConfig
 from rlloom.data.types import PolicyUpdate, RolloutBatch, ValueUpdate
-from rlloom.engines.rollout import Completion, SamplingParams
+from rlloom.engines.rollout import Completion, Partial, SamplingParams
 from rlloom.heap import freeze_heap
 from rlloom.observability.metrics import Metric
 from rlloom.weight_sync.base import checksum_enabled
@@ -107,7 +107,7 @@ class LocalRolloutGroup:
     def stream_add(self, replica: int, requests: list[StreamRequest]) -> None:
         self.worker.stream_add(requests)
 
-    def stream_poll(self, timeout_s: float) -> list[StreamResult]:
+    def stream_poll(self, timeout_s: float) -> list[StreamResult | Partial]:
         return self.worker.stream_poll(timeout_s)
 
     def stream_abort(self) -> int:

@@ -19,7 +19,7 @@ import ray
 
 from rlloom.cluster.ray_generate import QueuedGeneration
 from rlloom.cluster.ray_slots import Actors, Refs, SlotFailure, first
-from rlloom.engines.rollout import SamplingParams
+from rlloom.engines.rollout import Partial, SamplingParams
 from rlloom.workers.flights import StreamRequest, StreamResult
 
 log = logging.getLogger(__name__)
@@ -119,10 +119,14 @@ class RayRolloutGroup:
             replica = self.resend.pop()
             self._send(replica, list(self.held[replica].values()))
 
-    def _fresh(self, results: list[StreamResult]) -> list[StreamResult]:
-        """The results not delivered before (a request sent again makes its samples again)."""
+    def _fresh(self, results: list[StreamResult | Partial]) -> list[StreamResult | Partial]:
+        """The results not delivered before (a request sent again makes its samples again); the
+        tokens so far of unfinished samples pass (a re-run sample's start again)."""
         out = []
         for x in results:
+            if isinstance(x, Partial):
+                out.append(x)
+                continue
             c = x.completion
             got = self.delivered.get(c.request_id)
             if got is None or c.sample_index in got:
@@ -139,7 +143,7 @@ class RayRolloutGroup:
         self._send(replica, requests)
         self._resend()
 
-    def stream_poll(self, timeout_s: float) -> list[StreamResult]:
+    def stream_poll(self, timeout_s: float) -> list[StreamResult | Partial]:
         results = [x for _, xs in self._streams("stream_poll", timeout_s, extra_s=timeout_s) for x in xs]
         self._resend()
         return self._fresh(results)

@@ -22,11 +22,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rlloom.config import UserError
+from rlloom.data.images import image_problem, row_image_refs
 
 logger = logging.getLogger(__name__)
 
-Message = dict[str, str]
-"""A chat message: {"role": "system" | "user" | "assistant" | "tool", "content": text}."""
+Message = dict[str, Any]
+"""A chat message: {"role": "system" | "user" | "assistant" | "tool", "content": text}, or content as a
+list of parts `{"type": "text", "text": ...}` and `{"type": "image", "image": path}` (data/images.py)."""
 
 ROLES = ("system", "user", "assistant", "tool")
 """The roles a row's chat message may have. Anything else is refused: a template may write the role
@@ -60,6 +62,8 @@ class RawPrompt:
     metadata: dict[str, Any] = field(default_factory=dict)
     """Every field of the row (the prompt and answer included, as the row holds them: reward
     functions get each under its own name), or task details (operands, solution)."""
+    images: tuple[str, ...] = ()
+    """The row's picture files in prompt order (relative paths resolved against the data file's folder)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -131,7 +135,11 @@ def _parsed(
         if isinstance(row, BadRow):
             bad.append(row)
             continue
-        parsed = parse_row(row, index=index, prompt_key=prompt_key, answer_key=answer_key)
+        parsed = parse_row(
+            row, index=index, prompt_key=prompt_key, answer_key=answer_key, base=Path(path).parent
+        )
+        if not isinstance(parsed, str):
+            parsed = _checked_images(parsed, Path(path), f"{unit} {line}")
         if isinstance(parsed, str):
             bad.append(BadRow(line, parsed))
         else:
@@ -147,8 +155,26 @@ def _parsed(
     return tuple(prompts)
 
 
-def parse_row(row: object, *, index: int, prompt_key: str, answer_key: str) -> RawPrompt | str:
-    """One decoded row as a `RawPrompt`, or the reason it is unusable."""
+def _checked_images(prompt: RawPrompt, path: Path, where: str) -> RawPrompt | str:
+    """The prompt when Pillow reads each of its pictures (else the reason: a bad row); DataError for a
+    missing picture file, which stops the start-up."""
+    for image in map(Path, prompt.images):
+        if not image.is_file():
+            raise DataError(
+                f"data.path={str(path)!r} {where} names image {str(image)!r}, which is not a file (relative "
+                f"paths are read from {str(path.parent)!r}). Fix: correct the path or put the picture there"
+            )
+        problem = image_problem(image)
+        if problem:
+            return problem
+    return prompt
+
+
+def parse_row(
+    row: object, *, index: int, prompt_key: str, answer_key: str, base: Path = Path(".")
+) -> RawPrompt | str:
+    """One decoded row as a `RawPrompt`, or the reason it is unusable (`base`: the folder relative
+    image paths are read from)."""
     if not isinstance(row, dict):
         return f"row is a {type(row).__name__}, not an object"
     if prompt_key not in row:
@@ -163,8 +189,15 @@ def parse_row(row: object, *, index: int, prompt_key: str, answer_key: str) -> R
     problem = _prompt_problem(prompt)
     if problem:
         return problem
+    refs = row_image_refs(row, prompt)
+    if isinstance(refs, str):
+        return refs
     return RawPrompt(
-        prompt=prompt, ground_truth=ground_truth_text(row[answer_key]), index=index, metadata=row
+        prompt=prompt,
+        ground_truth=ground_truth_text(row[answer_key]),
+        index=index,
+        metadata=row,
+        images=tuple(str(base / ref) for ref in refs),
     )
 
 
@@ -182,13 +215,26 @@ def _prompt_problem(prompt: object) -> str:
             if not (
                 isinstance(message, dict)
                 and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)
+                and (isinstance(message.get("content"), str) or _parts(message.get("content")))
             ):
-                return f"prompt message {i} is not a {{role, content}} object of strings"
+                return f"prompt message {i} is not a {{role, content}} object of strings (or text and image parts)"
             if message["role"] not in ROLES:
                 return f"prompt message {i} has role {message['role'][:40]!r}, not one of {', '.join(ROLES)}"
         return ""
     return f"prompt must be a non-empty string or list of {{role, content}} messages, got {type(prompt).__name__}"
+
+
+def _parts(content: object) -> bool:
+    """Content as a non-empty list of `{"type": "text", "text": str}` and `{"type": "image", ...}` parts."""
+    return (
+        isinstance(content, list)
+        and bool(content)
+        and all(
+            isinstance(p, dict)
+            and (p.get("type") == "image" or (p.get("type") == "text" and isinstance(p.get("text"), str)))
+            for p in content
+        )
+    )
 
 
 def file_rows(path: Path, fmt: FileFormat) -> list[tuple[int, object]]:

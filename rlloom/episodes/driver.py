@@ -51,6 +51,8 @@ class TurnRequest:
     sampling: SamplingParams
     turn: int = 0
     """Turns the trajectory generated before this one (0: its first)."""
+    progress: bool = False
+    """Report the tokens as they are sampled (`AgentDriver.on_progress`: a streaming request)."""
 
 
 @dataclass(kw_only=True, slots=True)

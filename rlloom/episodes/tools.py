@@ -70,8 +70,16 @@ def strip_tool_calls(text: str) -> str:
     return _HERMES.sub("", text).strip()
 
 
+def hermes_opening(name: str) -> str:
+    """The start of a call in the Hermes format: of function `name`, or of any ("")."""
+    return "<tool_call>\n" + (f'{{"name": {json.dumps(name)}, "arguments": ' if name else "")
+
+
 TOOL_PARSERS: dict[str, Callable[[str], tuple[list[ToolCall], list[str]]]] = {"hermes": parse_hermes}
-"""`rollout.tool_parser` -> parser; a family with another format adds one function and one entry."""
+"""`rollout.tool_parser` -> parser; a family with another format adds one function and one entry
+here and in `TOOL_OPENINGS`."""
+TOOL_OPENINGS: dict[str, Callable[[str], str]] = {"hermes": hermes_opening}
+"""`rollout.tool_parser` -> the text that starts a call (what a forced `tool_choice` writes)."""
 
 
 def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:

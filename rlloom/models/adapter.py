@@ -70,6 +70,11 @@ class StateDictAdapter:
             else None
         )
 
+    def _is_tower(self, name: str) -> bool:
+        """A vision tower's tensor: the same name natively and in the checkpoint."""
+        prefix = self.family.tower_prefix
+        return prefix is not None and name.startswith(prefix)
+
     def is_mtp_layer(self, hf_name: str) -> bool:
         """Multi-token-prediction layers (DeepSeek-V3) sit after the last decoder layer."""
         m = _LAYER_RE.match(hf_name)
@@ -79,6 +84,8 @@ class StateDictAdapter:
         """Native key of an HF tensor name, or None when the name is not part of this architecture."""
         if hf_name in _TOP:
             return _TOP[hf_name], None
+        if self._is_tower(hf_name):
+            return hf_name, None
         m = _LAYER_RE.match(hf_name)
         if m is None:
             return None
@@ -96,6 +103,8 @@ class StateDictAdapter:
         for hf, nat in _TOP.items():
             if nat == native_name:
                 return hf
+        if self._is_tower(native_name):
+            return native_name
         m = _NATIVE_LAYER_RE.match(native_name)
         assert m is not None, native_name
         layer, rest = m.group(1), m.group(2)

@@ -1,5 +1,5 @@
-"""The optional parts of `ModelArgs` (args.py): a mixture of experts and multi-head latent
-attention. Their own module because the families (families/) build them from a config.json and
+"""The optional parts of `ModelArgs` (args.py): a mixture of experts, multi-head latent
+attention and a vision tower. Their own module because the families (families/) build them from a config.json and
 args.py builds on the families: records below both keep the imports one way."""
 
 from __future__ import annotations
@@ -49,3 +49,29 @@ class MLAArgs:
     """Per-head query/key channels with RoPE (the rope key is shared by all heads)."""
     v_head_dim: int
     """Per-head value channels."""
+
+
+@dataclass(kw_only=True, slots=True)
+class VisionArgs:
+    """Qwen2.5-VL's vision tower (config.json `vision_config`) and the image tokens of its prompts."""
+
+    depth: int
+    """Vision transformer blocks."""
+    hidden_size: int
+    intermediate_size: int
+    """Width of each block's SwiGLU MLP (with biases)."""
+    num_heads: int
+    out_hidden_size: int
+    """Width of the merged patch features: the language model's hidden size."""
+    in_channels: int = 3
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    """Side of the square of patches merged into one language-model token."""
+    window_size: int = 112
+    """Side of an attention window in pixels (blocks not in `fullatt_block_indexes`)."""
+    fullatt_block_indexes: tuple[int, ...] = ()
+    """Blocks that attend over the whole image instead of windows."""
+    rope_theta: float = 10000.0
+    image_token_id: int
+    """The placeholder token each merged patch's features replace."""

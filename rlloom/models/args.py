@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlloom.models.arg_parts import MLAArgs, MoEArgs
+from rlloom.models.arg_parts import MLAArgs, MoEArgs, VisionArgs
 from rlloom.models.families import FAMILIES
 
-__all__ = ["KVCacheShape", "MLAArgs", "ModelArgs", "MoEArgs", "RopeArgs", "rope_args"]
+__all__ = ["KVCacheShape", "MLAArgs", "ModelArgs", "MoEArgs", "RopeArgs", "VisionArgs", "rope_args"]
 
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -56,6 +56,9 @@ class RopeArgs:
     """yarn: round the correction range to whole channels."""
     interleaved: bool = False
     """Rotate channel pairs (2i, 2i+1) instead of halves (DeepSeek-V3 `rope_interleave`)."""
+    mrope_section: tuple[int, ...] | None = None
+    """M-RoPE (Qwen2.5-VL): consecutive frequency pairs driven by the temporal, height and width
+    position (e.g. 16, 24, 24 of 64 pairs); None for one position per token."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -102,6 +105,8 @@ class ModelArgs:
     rope: RopeArgs
     moe: MoEArgs | None = None
     mla: MLAArgs | None = None
+    vision: VisionArgs | None = None
+    """A vision tower whose image features replace the prompt's image tokens (Qwen2.5-VL)."""
     fused_projections: bool = False
     """Layout, not architecture: q/k/v (GQA) and the dense MLP's gate/up run as one matmul each
     (`layers.FusedLinear`). The rollout engine's models use it; checkpoints are the same."""
@@ -136,6 +141,7 @@ class ModelArgs:
                 "Fix: use a checkpoint of a supported family or add an adapter in rlloom/models/."
             )
         family = FAMILIES[model_type]
+        cfg = family.text_config(cfg)
         _check_no_sliding_window(cfg, family.sliding_window)
         if cfg.get("mlp_bias"):
             raise ValueError(
@@ -168,10 +174,18 @@ class ModelArgs:
             attention_bias=own.attention_bias,
             attention_out_bias=own.attention_out_bias,
             qk_norm=own.qk_norm,
-            rope=rope_args(cfg, rope_dim, interleaved=own.rope_interleaved),
+            rope=rope_args(cfg, rope_dim, interleaved=own.rope_interleaved, mrope_section=own.mrope_section),
             moe=own.moe,
             mla=mla,
+            vision=own.vision,
         )
+
+
+def language_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """config.json with the language model's fields at the top level, where the start-up checks and
+    the planner read them (a vision-language config nests them under `text_config`)."""
+    family = FAMILIES.get(cfg.get("model_type"))  # type: ignore[arg-type]
+    return cfg if family is None else family.text_config(cfg)
 
 
 def _check_no_sliding_window(cfg: dict[str, Any], family_window: Callable[[dict[str, Any]], bool]) -> None:
@@ -194,11 +208,15 @@ def _rope_dict(cfg: dict[str, Any]) -> dict[str, Any]:
         params.setdefault(key, value)
     if "rope_type" not in params:
         params["rope_type"] = params.get("type", "default")
+    if params["rope_type"] == "mrope":  # the Hub's Qwen2.5-VL name for default frequencies, 3-D positions
+        params["rope_type"] = "default"
     params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     return params
 
 
-def rope_args(cfg: dict[str, Any], dim: int, *, interleaved: bool = False) -> RopeArgs:
+def rope_args(
+    cfg: dict[str, Any], dim: int, *, interleaved: bool = False, mrope_section: tuple[int, ...] | None = None
+) -> RopeArgs:
     """RopeArgs for `dim` rotated channels from an HF config dict."""
     p = _rope_dict(cfg)
     rope_type = p["rope_type"]
@@ -229,4 +247,5 @@ def rope_args(cfg: dict[str, Any], dim: int, *, interleaved: bool = False) -> Ro
         attention_factor=p.get("attention_factor"),
         truncate=bool(p.get("truncate", True)),
         interleaved=bool(interleaved),
+        mrope_section=mrope_section,
     )

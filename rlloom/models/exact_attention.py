@@ -46,7 +46,8 @@ BLOCK_N, MIN_ROWS, WARPS = 64, 16, 4
 
 @dataclass(slots=True)
 class Runs:
-    """The query runs of one attention call (module docstring); int tensors on the device."""
+    """The query runs of one attention call (module docstring); int tensors on the device (the
+    builders make them int32, as the kernel takes them)."""
 
     q_start: torch.Tensor
     """[U] first row of q of each run."""
@@ -57,22 +58,31 @@ class Runs:
     k_len: torch.Tensor
     """[U] keys of each run."""
     kv_index: torch.Tensor
-    """[M] int64 row of k/v of each key."""
+    """[M] row of k/v of each key."""
     max_q: int
     """The most queries of a run (sizes the grid)."""
+
+
+def int32(x: torch.Tensor) -> torch.Tensor:
+    """A run tensor as the kernel takes it: contiguous int32 (a no-op for the builders' tensors). One
+    dtype for every caller, so training and rollout launch the same compiled kernel."""
+    return x if x.dtype == torch.int32 and x.is_contiguous() else x.to(torch.int32).contiguous()
 
 
 def packed_runs(cu_seqlens: torch.Tensor, max_seqlen: int, num_tokens: int) -> Runs:
     """Sequences packed back to back (`cu_seqlens` [S + 1] over `num_tokens` rows), each a causal
     run over its own rows."""
-    rows = torch.arange(num_tokens, dtype=torch.int64, device=cu_seqlens.device)
+    rows = torch.arange(num_tokens, dtype=torch.int32, device=cu_seqlens.device)
     return varlen_runs(cu_seqlens, cu_seqlens, rows, max_seqlen)
 
 
 def varlen_runs(cu_q: torch.Tensor, cu_k: torch.Tensor, kv_index: torch.Tensor, max_q: int) -> Runs:
     """Runs in FlashAttention varlen form: run u's queries are rows cu_q[u]..cu_q[u + 1] and its keys
     kv_index[cu_k[u]:cu_k[u + 1]] (queries at the end of the keys, as `TreePlan.varlen` builds)."""
-    return Runs(cu_q[:-1], cu_q[1:] - cu_q[:-1], cu_k[:-1], cu_k[1:] - cu_k[:-1], kv_index, max_q)
+    cu_q, cu_k = int32(cu_q), int32(cu_k)
+    return Runs(
+        int32(cu_q[:-1]), cu_q[1:] - cu_q[:-1], int32(cu_k[:-1]), cu_k[1:] - cu_k[:-1], int32(kv_index), max_q
+    )
 
 
 @triton.jit(do_not_specialize=["tiles_per_run"])
@@ -159,7 +169,7 @@ def attend_runs(
     num_runs, tiles_per_run = runs.q_len.shape[0], triton.cdiv(max(runs.max_q, 1), queries)
     if N == 0 or num_runs == 0:
         return out
-    index = (x.contiguous() for x in (runs.kv_index, runs.q_start, runs.q_len, runs.k_base, runs.k_len))
+    index = (int32(x) for x in (runs.kv_index, runs.q_start, runs.q_len, runs.k_base, runs.k_len))
     _attention_kernel[(num_runs * tiles_per_run, Hkv)](
         q, k, v, out, *index,
         scale, tiles_per_run, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2],

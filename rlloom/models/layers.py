@@ -151,8 +151,16 @@ class RotaryEmbedding(nn.Module):
         self.init_buffers()
         return self
 
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, position_ids: torch.Tensor, dtype: torch.dtype, *, axes3: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [..., dim] of position_ids [...]; with `axes3` (M-RoPE) position_ids is [3, ...]
+        (temporal, height, width) and each `mrope_section` of frequency pairs reads its axis."""
         freqs = position_ids.float().unsqueeze(-1) * self.inv_freq.float()
+        if axes3:
+            assert self.args.mrope_section is not None, "3-D positions need mrope_section"
+            parts = freqs.split(list(self.args.mrope_section), dim=-1)
+            freqs = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
         return cos.to(dtype), sin.to(dtype)

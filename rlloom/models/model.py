@@ -1,8 +1,9 @@
 """CausalLM: the native decoder-only transformer shared by the training and rollout engines.
 
 Architecture only; Hugging Face names live in `adapter.py` and file I/O in `checkpoint.py`.
-One class covers Llama/Qwen2/Qwen3 (GQA + SwiGLU), Qwen3-MoE/Mixtral (MoE layers) and DeepSeek-V3
-(MLA + MoE with shared experts after `first_k_dense_replace` dense layers).
+One class covers Llama/Qwen2/Qwen3 (GQA + SwiGLU), Qwen3-MoE/Mixtral (MoE layers), DeepSeek-V3
+(MLA + MoE with shared experts after `first_k_dense_replace` dense layers) and Qwen2.5-VL (a Qwen2
+decoder with M-RoPE and a vision tower, `vision.py`, whose features replace the image tokens).
 
 Inputs (see docs/CONTRACTS.md):
 - padded: input_ids [B, T] (+ attention_mask [B, T] bool, right padding) -> logits [B, T, V]
@@ -10,6 +11,10 @@ Inputs (see docs/CONTRACTS.md):
 - shared-prompt packed: the same plus prefix_lens [S] and branch_lens [Z] (each segment a prompt
   followed by branches that attend to the prompt and to themselves; see `attention_ops`)
 - backend: input_ids [N], position_ids [N], attn=<object with .attn(q, k, v, scale), called once per layer>
+- images (a model with a vision tower): any of the above plus pixel_values [P, C*T*ps*ps] and
+  image_grid_thw [I, 3] (the processor's), or the tower's output image_embeds [M, D]; position_ids then
+  carry a leading axis of 3 (M-RoPE, `mrope.py`): [3, N] or [3, B, T]. Positions without that axis
+  are text positions (all three axes equal).
 
 Rotary tables are recomputed buffers: after materialising from the meta device call
 `init_buffers()`.
@@ -29,6 +34,7 @@ from rlloom.models.attention_ops import AttnLayout, TreePlan, check_right_padded
 from rlloom.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from rlloom.models.mla import MLAttention
 from rlloom.models.moe import MoE
+from rlloom.models.vision import VisionTower
 
 
 def unwrapped_name(name: str) -> str:
@@ -86,6 +92,7 @@ class CausalLM(nn.Module):
         self.output = (
             None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         )
+        self.visual = VisionTower(args.vision) if args.vision is not None else None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -95,6 +102,41 @@ class CausalLM(nn.Module):
     def init_buffers(self) -> None:
         """Recompute non-persistent buffers (RoPE inverse frequencies) after `to_empty`."""
         self.rope.init_buffers()
+        if self.visual is not None:
+            self.visual.init_buffers()
+
+    def embed(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
+        image_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Token embeddings [.., D], each image token's replaced by its image feature row in order:
+        `image_embeds` [M, D], or the tower run on `pixel_values` and `image_grid_thw`. The image
+        tokens are those with the placeholder id, or the flat stream's rows `image_index` [M] (the
+        rollout's: a generated placeholder id is text)."""
+        h = self.tok_embeddings(input_ids)
+        if image_embeds is None and pixel_values is not None:
+            if self.visual is None:
+                raise ValueError(
+                    f"pixel_values given to a {self.args.model_type} model, which has no vision tower. "
+                    "Fix: use a vision-language checkpoint (Qwen2.5-VL) or drop the images."
+                )
+            image_embeds = self.visual(pixel_values, image_grid_thw)
+        if image_embeds is None:
+            return h
+        if image_index is not None:
+            return h.index_put((image_index,), image_embeds.to(h.dtype))
+        is_image = input_ids == self.args.vision.image_token_id
+        if int(is_image.sum()) != image_embeds.shape[0]:
+            raise ValueError(
+                f"the input holds {int(is_image.sum())} image tokens (id {self.args.vision.image_token_id}) but "
+                f"its images give {image_embeds.shape[0]} feature rows. Fix: build the prompt with the "
+                "processor, one placeholder run per image."
+            )
+        return h.masked_scatter(is_image.unsqueeze(-1), image_embeds.to(h.dtype))
 
     def moe_token_counts(self) -> dict[int, torch.Tensor]:
         """Layer index -> [num_experts] tokens routed to each expert in the last forward."""
@@ -138,18 +180,23 @@ class CausalLM(nn.Module):
         routes_NLK: torch.Tensor | None = None,
         replay_routes: bool = False,
         layers: Sequence[nn.Module] | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
+        image_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states [.., D] (no lm head); arguments as in `forward`, plus `layers`:
         the decoder layers to run instead of `self.layers` (the rollout's compiled ones), and `tree`:
         the shared-prompt structure as a `TreePlan` the caller built on the host, instead of
         prefix_lens/branch_lens (a wrapper such as FSDP would copy those tensors to the GPU, and
         reading them back there costs a host sync); and `routes_NLK` [N, MoE layers, K], the experts
-        the rollout chose per token (-1 = none), replayed with `replay_routes` (see moe.py)."""
+        the rollout chose per token (-1 = none), replayed with `replay_routes` (see moe.py); images
+        as `embed` takes them."""
         layout, position_ids = _layout(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask, attn)
         if tree is not None or prefix_lens is not None or branch_lens is not None:
             layout = _tree_layout(layout, prefix_lens, branch_lens, input_ids.device, tree)
-        h = self.tok_embeddings(input_ids)
-        cos, sin = self.rope(position_ids, h.dtype)
+        h = self.embed(input_ids, pixel_values, image_grid_thw, image_embeds, image_index)
+        cos, sin = self.rope(position_ids, h.dtype, axes3=position_ids.dim() > input_ids.dim())
         moe_index = 0
         for layer in self.layers if layers is None else layers:
             if layer.moe is not None and routes_NLK is not None:
@@ -172,6 +219,9 @@ class CausalLM(nn.Module):
         branch_lens: torch.Tensor | None = None,
         routes_NLK: torch.Tensor | None = None,
         replay_routes: bool = False,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, T, V] (padded input) or [N, V] (packed or backend input).
 
@@ -191,6 +241,9 @@ class CausalLM(nn.Module):
             branch_lens=branch_lens,
             routes_NLK=routes_NLK,
             replay_routes=replay_routes,
+            pixel_values=pixel_values,
+            image_grid_thw=image_grid_thw,
+            image_embeds=image_embeds,
         )
         return h @ self.lm_head_weight.T
 

@@ -1,8 +1,9 @@
-"""Tiny random test models: `rlloom init-model tiny-dense|tiny-moe|tiny-mla DIR`.
+"""Tiny random test models: `rlloom init-model tiny-dense|tiny-moe|tiny-mla|tiny-vl DIR`.
 
 Each is a Hugging Face folder saved by transformers (a Qwen3, a Qwen3-MoE with 8 experts of which 2
-per token, or a DeepSeek-V3 with MLA attention, one dense layer and then MoE layers with a shared
-expert and grouped routing), a few hundred kilobytes of random weights with a character-level fast
+per token, a DeepSeek-V3 with MLA attention, one dense layer and then MoE layers with a shared
+expert and grouped routing, or a Qwen2.5-VL with a two-block vision tower, its image processor's
+preprocessor_config.json and the vision tokens in its vocabulary), a few hundred kilobytes of random weights with a character-level fast
 tokenizer (every printable character a token, a chat template, `<|im_end|>` as end of turn). They
 learn nothing useful; they are for trying settings and parallel layouts on a CPU in seconds. The
 tests build their fixtures with the same function (tests/conftest.py).
@@ -16,29 +17,34 @@ from typing import Literal
 
 from rlloom.config import ConfigError
 
-TinyKind = Literal["tiny-dense", "tiny-moe", "tiny-mla"]
-TINY_KINDS: tuple[str, ...] = ("tiny-dense", "tiny-moe", "tiny-mla")
+TinyKind = Literal["tiny-dense", "tiny-moe", "tiny-mla", "tiny-vl"]
+TINY_KINDS: tuple[str, ...] = ("tiny-dense", "tiny-moe", "tiny-mla", "tiny-vl")
 SPECIAL = ["<pad>", "<|im_start|>", "<|im_end|>"]
+VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+"""Qwen2.5-VL's: an image is <|vision_start|>, one <|image_pad|> per merged patch, <|vision_end|>."""
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 
-def char_tokenizer():  # noqa: ANN201 (transformers' PreTrainedTokenizerFast, imported lazily)
-    """A fast tokenizer with one token per printable character, a chat template and an end-of-turn token."""
+def char_tokenizer(*, vision: bool = False):  # noqa: ANN201 (transformers' PreTrainedTokenizerFast, lazily)
+    """A fast tokenizer with one token per printable character, a chat template and an end-of-turn
+    token (`vision`: and Qwen2.5-VL's three vision tokens, at the end of the vocabulary)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
-    vocab = {tok: i for i, tok in enumerate(SPECIAL + chars)}
+    vocab = {tok: i for i, tok in enumerate(SPECIAL + chars + (VISION_TOKENS if vision else []))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token="<pad>", eos_token="<|im_end|>", bos_token=None, unk_token="<pad>"
     )
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": ["<|im_start|>"] + (VISION_TOKENS if vision else [])}
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -47,6 +53,8 @@ def tiny_config(kind: TinyKind, *, vocab_size: int, eos: int, pad: int, hidden: 
     """The transformers config of a tiny model of `kind` (4 attention heads, 2 KV heads for GQA)."""
     from transformers import DeepseekV3Config, Qwen3Config, Qwen3MoeConfig
 
+    if kind == "tiny-vl":
+        return tiny_vl_config(vocab_size=vocab_size, eos=eos, pad=pad, hidden=hidden, layers=layers)
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -83,12 +91,42 @@ def tiny_config(kind: TinyKind, *, vocab_size: int, eos: int, pad: int, hidden: 
     return Qwen3Config(**gqa, **common)
 
 
+def tiny_vl_config(*, vocab_size: int, eos: int, pad: int, hidden: int, layers: int):  # noqa: ANN201
+    """A Qwen2.5-VL: the decoder as the other tiny models (M-RoPE over its hidden / 8 frequency
+    pairs), a two-block tower of width 32 with 56-pixel windows in its first block; the vision
+    tokens are the vocabulary's last three."""
+    from transformers import Qwen2_5_VLConfig
+
+    pairs = hidden // 8
+    spatial = pairs // 4
+    text = dict(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=eos,
+        pad_token_id=pad, bos_token_id=None, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "mrope_section": [pairs - 2 * spatial, spatial, spatial]},
+    )  # fmt: skip
+    vision = dict(
+        depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=hidden, window_size=56,
+        fullatt_block_indexes=[1],
+    )  # fmt: skip
+    start, image, end = range(vocab_size - 3, vocab_size)
+    return Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=image, video_token_id=pad,
+        vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=True,
+    )  # fmt: skip
+
+
 def write_tiny_model(
     kind: str, path: str | Path, *, seed: int = 0, hidden: int = 32, layers: int = 2
 ) -> Path:
     """Write a tiny random model of `kind` (TINY_KINDS) with the character tokenizer into `path`."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import (
+        AutoModelForCausalLM,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLImageProcessorPil,
+    )
 
     if kind not in TINY_KINDS:
         raise ConfigError(f"model kind {kind!r} is unknown. Fix: use one of {', '.join(TINY_KINDS)}.")
@@ -97,15 +135,22 @@ def write_tiny_model(
             f"--hidden {hidden} --layers {layers} is invalid: hidden must be a multiple of 8 and >= 16 (4 heads), "
             "layers >= 1. Fix: e.g. --hidden 32 --layers 4."
         )
-    tokenizer = char_tokenizer()
+    tokenizer = char_tokenizer(vision=kind == "tiny-vl")
     vocab = tokenizer.get_vocab()
     config = tiny_config(
         kind, vocab_size=len(vocab), eos=vocab["<|im_end|>"], pad=vocab["<pad>"], hidden=hidden, layers=layers
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    if kind == "tiny-vl":
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    else:
+        model = AutoModelForCausalLM.from_config(config)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    if kind == "tiny-vl":  # small pictures stay small: at most 8 x 8 patches (16 image tokens)
+        Qwen2VLImageProcessorPil(size={"shortest_edge": 28 * 28, "longest_edge": 112 * 112}).save_pretrained(
+            out
+        )
     return out

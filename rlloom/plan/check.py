@@ -2,7 +2,9 @@
 
 The layout is the run's own: `parallel.tp/pp/cp/ep` and its uneven pipeline split, data parallelism
 what `cluster.num_workers` leaves, optimizer offload from train.optimizer_offload(_fraction), LoRA's
-adapters (train.lora_rank) as the only trained parameters, and PPO's critic. With
+adapters (train.lora_rank) as the only trained parameters, PPO's critic, on-policy distillation's
+teacher (teacher.path; on the host between its forwards with teacher.offload) and the reward model
+(reward.model_path, whole on the trainer's device: the first GPU, or the host). With
 cluster.placement=colocated the rollout shares the training GPUs: it keeps a full bf16 weight copy
 (sharded over rollout.tp; its routed experts in fp8 with rollout.quantization=fp8) while training,
 and its KV cache (rollout.kv_cache_memory_gb) too unless rollout.sleep_during_train. With
@@ -30,11 +32,12 @@ _RECOMPUTE = {"off": "none", "full": "full", "every_k": "full"}
 
 
 def run_layout(
-    cfg: RunConfig, critic_params: float = 0.0, lora_params: float = 0.0, *, on_cuda: bool = True
+    cfg: RunConfig, models: ModelParams | None = None, *, on_cuda: bool = True
 ) -> tuple[Layout, Workload]:
-    """The layout and workload a run with `cfg` trains with (`critic_params`: PPO's critic's
-    parameter count, 0 without one; `lora_params`: the LoRA adapters', 0 for full fine-tuning;
-    `on_cuda`: False for a CPU run, which computes eagerly and, with model.dtype=auto, in fp32)."""
+    """The layout and workload a run with `cfg` trains with (`models`: the parameter counts of its
+    models besides the policy, none by default; `on_cuda`: False for a CPU run, which computes eagerly
+    and, with model.dtype=auto, in fp32)."""
+    models = models or ModelParams()
     par, train = cfg.parallel, cfg.train
     fp32 = cfg.model.dtype == "float32" or (cfg.model.dtype == "auto" and not on_cuda)
     offload = train.optimizer_offload_fraction if train.optimizer_offload else 0.0
@@ -53,8 +56,11 @@ def run_layout(
         rollout_kv_cache_gb=cfg.rollout.kv_cache_memory_gb if cfg.rollout.num_blocks == 0 else 0.0,
         rollout_kv_on_gpu=not cfg.rollout.sleep_during_train,
         rollout_quantization=cfg.rollout.quantization,
-        lora_params=lora_params,
-        critic_params=critic_params,
+        lora_params=models.lora,
+        critic_params=models.critic,
+        teacher_params=models.teacher,
+        teacher_offload=cfg.teacher.offload,
+        reward_model_params=models.reward_model,
     )
     layout = Layout(
         tp=par.tp,
@@ -69,20 +75,52 @@ def run_layout(
     return layout, work
 
 
+@dataclass(frozen=True, slots=True)
+class ModelParams:
+    """Parameter counts of a run's models besides the policy; 0 where the run has none."""
+
+    critic: float = 0.0
+    """PPO's critic (algorithm.estimator=gae)."""
+    lora: float = 0.0
+    """The LoRA adapters (train.lora_rank); 0 for full fine-tuning."""
+    teacher: float = 0.0
+    """On-policy distillation's teacher (teacher.path)."""
+    reward_model: float = 0.0
+    """The reward model (reward.model_path)."""
+
+
+def run_models(cfg: RunConfig) -> ModelParams:
+    """The parameter counts of `cfg`'s critic, LoRA adapters, teacher and reward model, from their
+    config.json files. A reward model whose family rlloom's models do not cover (transformers runs
+    any) is not counted."""
+    args = _args(cfg.model.path)
+    critic = value_model_params(model_costs(_args(cfg.critic_model_path))) if cfg.algorithm.uses_critic else 0
+    adapters = (
+        lora_params(args, cfg.train.lora_rank, cfg.train.lora_target_modules) if cfg.train.lora_rank else 0
+    )
+    teacher = model_costs(_args(cfg.teacher.path)).total_params if cfg.uses_teacher else 0
+    reward = 0
+    if cfg.reward.model_path:
+        try:  # the body and a one-label score head: the critic's shape
+            reward = value_model_params(model_costs(_args(cfg.reward.model_path)))
+        except (ValueError, KeyError, TypeError):
+            reward = 0
+    return ModelParams(critic, adapters, teacher, reward)
+
+
 def run_estimate(
-    cfg: RunConfig, memory_gb: float, cpu_memory_gb: float = 0.0, *, on_cuda: bool = True, tokens: int = 0
+    cfg: RunConfig,
+    memory_gb: float,
+    cpu_memory_gb: float = 0.0,
+    *,
+    on_cuda: bool = True,
+    tokens: int = 0,
+    models: ModelParams | None = None,
 ) -> Estimate:
     """The memory model's estimate of `cfg`'s layout on devices of `memory_gb` (`tokens`: a
-    micro-batch's tokens instead of the run's)."""
-    args = _args(cfg.model.path)
-    costs = model_costs(args)
-    critic = 0.0
-    if cfg.algorithm.uses_critic:
-        critic = value_model_params(model_costs(_args(cfg.critic_model_path)))
-    adapters = 0.0
-    if cfg.train.lora_rank:
-        adapters = lora_params(args, cfg.train.lora_rank, cfg.train.lora_target_modules)
-    layout, work = run_layout(cfg, critic, adapters, on_cuda=on_cuda)
+    micro-batch's tokens instead of the run's; `models`: other counts than the run's own)."""
+    costs = model_costs(_args(cfg.model.path))
+    layout, work = run_layout(cfg, models or run_models(cfg), on_cuda=on_cuda)
     if tokens:
         work = replace(work, max_tokens_per_gpu=tokens)
     hw = Hardware(
@@ -138,6 +176,8 @@ def memory_problem(cfg: RunConfig, memory: DeviceMemory) -> str | None:
     need = run_estimate(cfg, memory.per_rank_gb, on_cuda=memory.on_cuda, tokens=tokens)
     if need.gpu_memory_gb <= memory.limit_gb:
         return None
+    if frozen := _frozen_model_problem(cfg, memory, tokens, need):
+        return frozen
     # what the rank holds besides the micro-batch: the peak of a one-token micro-batch
     states = run_estimate(cfg, memory.per_rank_gb, on_cuda=memory.on_cuda, tokens=1).gpu_memory_gb
     fitting = _largest_fitting_tokens(cfg, memory, tokens)
@@ -159,6 +199,43 @@ def memory_problem(cfg: RunConfig, memory: DeviceMemory) -> str | None:
         "(data.max_prompt_length, rollout.max_new_tokens); `rlloom plan` lists layouts that fit "
         "(docs/plan.md)."
     )
+
+
+def _frozen_model_problem(cfg: RunConfig, memory: DeviceMemory, tokens: int, need: Estimate) -> str | None:
+    """The line naming the teacher or the reward model when the run would fit without it (the
+    forward-only model the user added is what to change), with teacher.offload=true as the fix on a
+    GPU where that fits; None when neither is why."""
+    models, where = run_models(cfg), f"a training rank ({need.layout.short()})"
+    for setting, path, without_it in (
+        ("teacher.path", cfg.teacher.path, replace(models, teacher=0.0)),
+        ("reward.model_path", cfg.reward.model_path, replace(models, reward_model=0.0)),
+    ):
+        if without_it == models:
+            continue
+        alone = run_estimate(
+            cfg, memory.per_rank_gb, on_cuda=memory.on_cuda, tokens=tokens, models=without_it
+        )
+        if alone.gpu_memory_gb > memory.limit_gb:
+            continue
+        head = (
+            f"{setting}={path!r} does not fit beside the policy here: {where} needs about "
+            f"{need.gpu_memory_gb:.1f} GiB with it and {alone.gpu_memory_gb:.1f} GiB without, and {memory.where}."
+        )
+        if setting == "reward.model_path":  # whole, on the trainer's device beside the first rank
+            return f"{head} Fix: use a smaller reward model, or lower train.max_tokens_per_micro_batch."
+        if memory.on_cuda and not cfg.teacher.offload:
+            offloaded = replace(cfg, teacher=replace(cfg.teacher, offload=True))
+            off = run_estimate(offloaded, memory.per_rank_gb, tokens=tokens).gpu_memory_gb
+            if off <= memory.limit_gb:
+                return (
+                    f"{head} Fix: set teacher.offload=true (its weights wait on the host between its "
+                    f"forwards; about {off:.1f} GiB then), or shard both models over more ranks."
+                )
+        return (
+            f"{head} Fix: shard both models over more ranks (raise cluster.num_workers, with parallel.tp or "
+            "parallel.pp), or use a smaller teacher."
+        )
+    return None
 
 
 def micro_batch_tokens(cfg: RunConfig) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlloom.models.args import ModelArgs
+from rlloom.models.args import ModelArgs, VisionArgs
 from rlloom.models.lora import parse_targets
 
 
@@ -65,6 +65,9 @@ class ModelCosts:
     """Parameters of the checkpoint's trained part (a tied head counted once)."""
     expert_params: int
     """Routed-expert parameters of all layers."""
+    tower_params: int = 0
+    """A vision tower's parameters (Qwen2.5-VL; in the root unit, with the embedding). Its
+    activations are not modelled: they scale with the images, not the tokens."""
 
 
 ROUTING_PER_COPY = 3 * 4 + 2 + 1
@@ -168,6 +171,7 @@ def model_costs(args: ModelArgs) -> ModelCosts:
             )
         )
     vocab_hidden = args.vocab_size * args.hidden_size
+    tower = vision_tower_params(args.vision) if args.vision is not None else 0
     cp_gathered, cp_run_width = _cp_attention(args)
     body = sum(layer.dense_params + layer.expert_params for layer in layers)
     head = vocab_hidden + args.hidden_size - (vocab_hidden if args.tie_word_embeddings else 0)
@@ -185,9 +189,20 @@ def model_costs(args: ModelArgs) -> ModelCosts:
         mla=args.mla is not None,
         cp_gathered=cp_gathered,
         cp_run_width=cp_run_width,
-        total_params=body + vocab_hidden + head,
+        total_params=body + vocab_hidden + head + tower,
         expert_params=sum(layer.expert_params for layer in layers),
+        tower_params=tower,
     )
+
+
+def vision_tower_params(v: VisionArgs) -> int:
+    """Parameters of Qwen2.5-VL's vision tower (rlloom/models/vision.py)."""
+    h, i = v.hidden_size, v.intermediate_size
+    patch = h * v.in_channels * v.temporal_patch_size * v.patch_size**2
+    block = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * (h * i + i) + (i * h + h)
+    width = h * v.spatial_merge_size**2
+    merger = h + (width * width + width) + (width * v.out_hidden_size + v.out_hidden_size)
+    return patch + v.depth * block + merger
 
 
 def value_model_params(costs: ModelCosts) -> int:

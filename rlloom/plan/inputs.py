@@ -106,3 +106,12 @@ class Workload:
     critic_params: float = 0.0
     """Parameters of PPO's critic (algorithm.estimator=gae), a second model trained on the same GPUs
     in the same layout; 0: no critic."""
+    teacher_params: float = 0.0
+    """Parameters of on-policy distillation's teacher (teacher.path): forward-only on the training
+    GPUs in their layout, in the compute dtype (no master copy, gradients or moments); 0: no teacher."""
+    teacher_offload: bool = False
+    """teacher.offload: the teacher's weights wait on the host and visit the GPUs for its forward,
+    when the policy holds its states alone (no gradients, no activations)."""
+    reward_model_params: float = 0.0
+    """Parameters of the reward model (reward.model_path): forward-only in the trainer's process, on
+    its device (the first GPU; on CPU the host), in the compute dtype; 0: no reward model."""

@@ -7,7 +7,9 @@ master weights) and fp32 gradient shards, gathers bf16 copies one layer at a tim
 prefetched) and keeps the root (embedding, head) gathered for the step; AdamW moments sit on the
 GPU except for the offloaded fraction, whose master copy, moments and pinned gradient staging
 live in host memory (CPU Adam). One GPU without optimizer offload runs without FSDP: whole fp32
-masters and a bf16 copy of every parameter while it computes (phases.py). Units: GB means 2**30 bytes throughout.
+masters and a bf16 copy of every parameter while it computes (phases.py). Forward-only models (the
+teacher of on-policy distillation, the reward model) keep their weights in the compute dtype
+(`frozen_gb`). Units: GB means 2**30 bytes throughout.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ class Estimate:
     peak_phase: str = "head"
     """When the peak stage peaks: "head" (the logprob head's backward, every activation still
     saved), "layers" (a decoder layer's backward) or "reduce" (the root unit's gradient reduce at
-    the end of backward, every gradient present)."""
+    the end of backward, every gradient present) or "teacher" (an offloaded teacher's forward, its
+    weights beside the policy's states)."""
 
     @property
     def gpu_memory_gb(self) -> float:
@@ -98,19 +101,20 @@ def estimate(costs: ModelCosts, layout: Layout, hw: Hardware, work: Workload) ->
     # what the rollout keeps on the GPU while training: its weights (params), its KV cache (buffers)
     weights_kept = rollout.weights_gb if rollout and work.rollout_weights_on_gpu else 0.0
     kv_kept = rollout.kv_cache_gb if rollout and work.rollout_kv_on_gpu else 0.0
-    # PPO's critic is cut into the policy's stages: each pp rank keeps its layers' share
-    critic = [critic_state_gb(work.critic_params * len(r) / len(costs.layers), layout) for r in stages]
-    kept = weights_kept + kv_kept
-    peaks = [bd.total + kept + sum(critic[s]) for s, (bd, *_) in enumerate(results)]
+    # PPO's critic and the teacher are cut into the policy's stages: each pp rank keeps its layers' share
+    shares = [len(r) / len(costs.layers) for r in stages]
+    critic = [critic_state_gb(work.critic_params * f, layout) for f in shares]
+    teacher = [frozen_gb(work.teacher_params * f, layout, work.compute_bytes) for f in shares]
+    # the reward model, whole, on the trainer process's device: the first GPU (a stage-0 rank)
+    reward = frozen_gb(work.reward_model_params, Layout(), work.compute_bytes)
+    peaks_at = [
+        _stage_peak(bd, phase, state, work, weights_kept + critic[s][0] + (reward if s == 0 else 0.0),
+                    critic[s][1], kv_kept, teacher[s])
+        for s, (bd, phase, _, state) in enumerate(results)
+    ]  # fmt: skip
+    peaks = [bd.total for bd, _ in peaks_at]
     worst = max(range(len(peaks)), key=peaks.__getitem__)
-    breakdown, phase, *_ = results[worst]
-    critic_params, critic_optimizer = critic[worst]
-    breakdown = replace(
-        breakdown,
-        params=breakdown.params + weights_kept + critic_params,
-        optimizer=breakdown.optimizer + critic_optimizer,
-        buffers=breakdown.buffers + kv_kept,
-    )
+    breakdown, phase = peaks_at[worst]
     # Host per GPU: offloaded fp32 master + moments + pinned fp32 gradient staging of the trained
     # parameters; while the rollout runs, the training engine's GPU state (parameter shards and
     # moments) waits on the host;
@@ -119,7 +123,10 @@ def estimate(costs: ModelCosts, layout: Layout, hw: Hardware, work: Workload) ->
     offloaded = 16 * layout.offload_fraction * trained
     during_rollout = max(state for *_, state in results) if rollout else 0.0
     during_train = rollout.weights_gb * GB if rollout and not work.rollout_weights_on_gpu else 0.0
-    host_per_gpu = offloaded + max(during_rollout, during_train) + HOST_OVERHEAD_GB_PER_GPU * GB
+    waiting_teacher = max(teacher) * GB if work.teacher_offload else 0.0  # offloaded: on the host
+    host_per_gpu = (
+        offloaded + waiting_teacher + max(during_rollout, during_train) + HOST_OVERHEAD_GB_PER_GPU * GB
+    )
     host = host_per_gpu * min(hw.gpus_per_node, hw.gpus) / GB
     return Estimate(
         layout=layout,
@@ -130,6 +137,44 @@ def estimate(costs: ModelCosts, layout: Layout, hw: Hardware, work: Workload) ->
         problems=tuple(_problems(max(peaks), host, rollout, hw, work)),
         peak_phase=phase,
     )
+
+
+def _stage_peak(
+    bd: Breakdown,
+    phase: str,
+    state: float,
+    work: Workload,
+    kept_params: float,
+    kept_optimizer: float,
+    kv_kept: float,
+    teacher: float,
+) -> tuple[Breakdown, str]:
+    """A stage's peak and its phase, with what stays on the GPU beside the policy's step (`kept_*`:
+    the rollout's weights, the critic's state, the reward model; `kv_kept`: the rollout's KV cache)
+    and the teacher's weights (`teacher` GB): kept through the step, or with teacher.offload present
+    only at its forward ("teacher" phase: the policy's parameter shards and moments, `state` bytes, no
+    gradients or activations), which is the peak when the teacher outweighs them."""
+    kept_teacher = 0.0 if work.teacher_offload else teacher
+    train = replace(
+        bd,
+        params=bd.params + kept_params + kept_teacher,
+        optimizer=bd.optimizer + kept_optimizer,
+        buffers=bd.buffers + kv_kept,
+    )
+    if not (work.teacher_offload and teacher):
+        return train, phase
+    shards = state / GB - bd.optimizer  # the phases share one optimizer term: state = shards + it
+    visit = Breakdown(shards + kept_params + teacher, 0.0, bd.optimizer + kept_optimizer, 0.0, kv_kept)
+    return (visit, "teacher") if visit.total > train.total else (train, phase)
+
+
+def frozen_gb(params: float, layout: Layout, compute_bytes: int) -> float:
+    """GB that a forward-only model of `params` (under PP, a stage's share) keeps on each GPU: its
+    weights in the compute dtype, sharded as the policy's are (tp x cp x dp; whole on one GPU), with no
+    master copy, gradients or moments (engines/train/build.py, `frozen`). Its forward's working set
+    (one gathered layer, one micro-batch's transient activations and logits chunk) is not counted:
+    it exists only between the policy's steps, beside the policy's states alone."""
+    return compute_bytes * params / (layout.tp * layout.cp * layout.dp) / GB
 
 
 def critic_state_gb(critic_params: float, layout: Layout) -> tuple[float, float]:

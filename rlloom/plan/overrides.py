@@ -11,11 +11,18 @@ the line then keeps the run's own)."""
 
 
 def train_overrides(
-    layout: Layout, work: Workload, *, model_path: str, critic: bool, lora_rank: int, lora_targets: str
+    layout: Layout,
+    work: Workload,
+    *,
+    model_path: str,
+    critic: bool,
+    lora_rank: int,
+    lora_targets: str,
+    teacher_offload: bool = False,
 ) -> list[str]:
     """Dotted overrides that give a run `layout` under `work` (the model's own settings aside):
     workers, parallel degrees and stage split, optimizer offload, micro-batch tokens, recompute,
-    rollout quantization, LoRA and the critic. Degrees of 1 and unset options are left out."""
+    rollout quantization, LoRA, the critic and the teacher's offload. Degrees of 1 and unset options are left out."""
     out = [f"model.path={model_path}"]
     if layout.world > 1:  # several processes need Ray (cluster.num_workers = pp x dp x cp x tp)
         out += ["cluster.mode=ray", f"cluster.num_workers={layout.world}"]
@@ -44,4 +51,6 @@ def train_overrides(
         out += [f"train.lora_rank={lora_rank}", f"train.lora_target_modules={lora_targets}"]
     if critic:
         out.append("algorithm.estimator=gae")
+    if teacher_offload:
+        out.append("teacher.offload=true")
     return out

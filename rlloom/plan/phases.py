@@ -116,7 +116,9 @@ def stage_memory(
     is_first, is_last = stage == 0, stage == layout.pp - 1
     shard = layout.tp * layout.cp * layout.dp  # FSDP x TP (dense) = EP x expert FSDP (experts)
     present = layer_kinds(costs, layers)
-    root = (costs.embed_params if is_first else 0) + (costs.head_params if is_last else 0)
+    root = (costs.embed_params + costs.tower_params if is_first else 0) + (
+        costs.head_params if is_last else 0
+    )
     if costs.tied and is_first and is_last:  # one tensor is both the embedding and the head
         root -= costs.embed_params
     stage_params = sum(n * (c.dense_params + c.expert_params) for c, n in present) + root

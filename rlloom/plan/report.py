@@ -31,8 +31,9 @@ from rlloom.plan.search import Candidate, best_split, fit_layout, gpus_needed, s
 CHECK_KEYS = ("tp", "pp", "cp", "ep", "offload")
 
 
-def model_config_file(model: str) -> Path:
-    """The config.json that MODEL names: a folder's, the file itself, or a shipped model's."""
+def model_config_file(model: str, flag: str = "MODEL") -> Path:
+    """The config.json that MODEL (or the model of `flag`) names: a folder's, the file itself, or a
+    shipped model's."""
     path = Path(model)
     file = path / "config.json" if path.is_dir() else path
     if file.is_file():
@@ -40,7 +41,7 @@ def model_config_file(model: str) -> Path:
     shipped = published_config(model) if not path.exists() else None
     if shipped is None:
         raise ConfigError(
-            f"MODEL={model!r} is invalid: not a folder with config.json, a config.json file, nor a model whose "
+            f"{flag}={model!r} is invalid: not a folder with config.json, a config.json file, nor a model whose "
             f"config rlloom ships ({', '.join(published_names())}). Fix: pass a Hugging Face model folder or "
             "its config.json (docs/plan.md says where to get one offline), or one of those names."
         )
@@ -56,26 +57,26 @@ def model_folder_setting(model: str) -> str:
     return "MODEL_DIR"
 
 
-def load_costs(model: str) -> tuple[ModelCosts, dict[str, Any]]:
+def load_costs(model: str, flag: str = "MODEL") -> tuple[ModelCosts, dict[str, Any]]:
     """Costs and the raw config of a Hugging Face folder, a config.json file or a shipped model's
     name (no weights read)."""
-    file = model_config_file(model)
+    file = model_config_file(model, flag)
     try:
         raw = json.loads(file.read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise ConfigError(
-            f"MODEL={model!r} is invalid: {file} is not valid JSON ({e}). Fix: pass the model's Hugging Face "
+            f"{flag}={model!r} is invalid: {file} is not valid JSON ({e}). Fix: pass the model's Hugging Face "
             "config.json."
         ) from None
     try:
         return model_costs(ModelArgs.from_hf_config(raw)), raw
     except KeyError as e:
         raise ConfigError(
-            f"MODEL={model!r} is invalid: its config.json has no {e.args[0]!r} field. "
+            f"{flag}={model!r} is invalid: its config.json has no {e.args[0]!r} field. "
             "Fix: pass the model's complete Hugging Face config.json."
         ) from None
     except ValueError as e:  # unsupported architecture
-        raise ConfigError(f"MODEL={model!r}: {e}") from None
+        raise ConfigError(f"{flag}={model!r}: {e}") from None
 
 
 def parse_check(text: str, gpus: int, costs: ModelCosts) -> Layout:
@@ -342,6 +343,11 @@ def run_plan(args: Any) -> int:
         rollout_quantization=args.rollout_quantization,
         critic_params=value_model_params(costs) if args.critic else 0.0,
         lora_params=adapters,
+        teacher_params=load_costs(args.teacher, "--teacher")[0].total_params if args.teacher else 0.0,
+        teacher_offload=args.teacher_offload,
+        reward_model_params=value_model_params(load_costs(args.reward_model, "--reward-model")[0])
+        if args.reward_model
+        else 0.0,
     )
     check = parse_check(args.check, args.gpus, costs) if args.check is not None else None
     answer = plan(costs, hw, work, check)
@@ -352,6 +358,7 @@ def run_plan(args: Any) -> int:
         critic=args.critic,
         lora_rank=args.lora_rank,
         lora_targets=args.lora_target_modules,
+        teacher_offload=bool(args.teacher) and args.teacher_offload,
     )
     if args.json:
         print(json.dumps(to_json(answer, costs, work, overrides), indent=2))

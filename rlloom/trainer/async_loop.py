@@ -23,8 +23,10 @@ trained is admitted: exactly the synchronous run.
 The producer: rollout_stream.py drives each rollout replica's step-level producer (workers/stream.py:
 a background thread next to the engine, in this process with cluster.mode=inline, in each rollout
 actor with Ray, a rollout.tp > 1 replica's ranks following its rank 0's decision at every decode
-step); continuous batching runs every admitted job together, and all three `rollout.partial` modes
-work inline and on Ray, colocated or separate, at any rollout.tp. Real overlap on GPUs needs the
+step; while the controller trains, the stream's pump, stream_pump.py, books the finished samples and
+sends multi-turn trajectories' next turns); continuous batching runs every admitted job together,
+and all three `rollout.partial` modes work inline and on Ray, colocated or separate, at any
+rollout.tp. Real overlap on GPUs needs the
 rollout on its own GPUs (cluster.mode=ray, cluster.placement=separate); in one process, or
 colocated, the two share them.
 With max_staleness=0, or one_step_off, the samples do not depend on thread timing; with
@@ -188,7 +190,8 @@ class AsyncLoop:
         train_ctx = dataclasses.replace(
             self.ctx, cfg=async_config(cfg), weight_sync=_StreamSync(stream, self.ctx.weight_sync.sync)
         )
-        metrics.update(rl_step(train_ctx, step, rollout=rollout))
+        with stream.pumping():  # the stream's next turns, scores and rounds go on while this trains
+            metrics.update(rl_step(train_ctx, step, rollout=rollout))
         self.ctx.kl_coef = train_ctx.kl_coef  # the adaptive KL controller's next coefficient
         if drains_after(cfg, step + 1) or (stop is not None and stop.signum is not None):
             self.drain(step + 1)

@@ -37,7 +37,7 @@ from typing import Any
 
 from rlloom.config import ConfigError
 from rlloom.data.chat import prompt_messages
-from rlloom.models.args import ModelArgs
+from rlloom.models.args import ModelArgs, language_config
 from rlloom.models.checkpoint import INDEX_FILE, SINGLE_FILE, load_tokenizer, resolve_path
 from rlloom.plan.counts import model_costs
 
@@ -90,7 +90,8 @@ def check_model_folder(path: str, setting: str) -> dict[str, Any]:
 
 
 def read_config(folder: Path, where: str) -> dict[str, Any]:
-    """config.json as a dict: a JSON object, no NaN or Infinity anywhere in it."""
+    """config.json as a dict: a JSON object, no NaN or Infinity anywhere in it; a vision-language
+    model's language fields at the top level (`language_config`)."""
 
     def refuse(constant: str) -> float:
         raise ValueError(f"it holds {constant}, which is not a number a config can use")
@@ -107,7 +108,7 @@ def read_config(folder: Path, where: str) -> dict[str, Any]:
             f"{where} is invalid: {folder / 'config.json'} is a JSON {type(cfg).__name__}, not an object. "
             "Fix: restore the config.json that came with the weights."
         )
-    return cfg
+    return language_config(cfg)
 
 
 def check_sizes(cfg: dict[str, Any], where: str) -> ModelArgs:

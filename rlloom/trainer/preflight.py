@@ -20,7 +20,8 @@
 - The reward function resolves (a built-in name, an importable plug-in, or a weighted sum of them).
 - A dataset file (data.task=jsonl/parquet) has the format its task names, its rows read, at least one
   row holds the prompt and answer columns (data.prompt_key, data.answer_key), and data.num_eval
-  leaves training rows (`check_data`).
+  leaves training rows (`check_data`); rows with pictures name files that exist, and need a
+  vision-language model (`check_images`; training on them is not wired yet and is refused).
 - The logging backends turned on (logging.tensorboard, logging.wandb) are installed.
 - A resume continues the same run: the checkpoint's `config.yaml` differs from this config only in
   the settings of `rlloom.config.resume.FREE_TO_CHANGE`, unless trainer.resume_allow_changes=true
@@ -47,6 +48,7 @@ from rlloom.devices import available_memory_bytes
 from rlloom.engines.rollout.build import check_rollout
 from rlloom.engines.train.build import check_parallel
 from rlloom.episodes.build import check_episodes
+from rlloom.models.args import ModelArgs
 from rlloom.models.checkpoint import VALUE_MODEL_SUFFIXES
 from rlloom.plan.check import check_memory
 from rlloom.rewards.build import check_model_term
@@ -81,6 +83,7 @@ def check_before_loading(cfg: RunConfig) -> None:
     )
     max_positions = hf_config.get("max_position_embeddings")
     check_policy_model(cfg, hf_config)
+    check_vision_layout(cfg, hf_config)
     check_sequence_length(cfg, max_positions if isinstance(max_positions, int) else None)
     check_rollout(cfg, hf_config)
     check_reward(cfg)
@@ -90,6 +93,7 @@ def check_before_loading(cfg: RunConfig) -> None:
     check_teacher(cfg, hf_config)
     check_memory(cfg)
     check_data(cfg)
+    check_images(cfg, hf_config)
     check_logging_backends(cfg)
     check_episodes(cfg)
     check_agent(cfg)
@@ -133,6 +137,28 @@ def check_data(cfg: RunConfig) -> None:
     task_prompts(data, "eval")  # DataError: missing or unreadable file, no usable row, num_eval too large
 
 
+def check_images(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
+    """Rows with pictures need a vision-language model, and (until the prompt pipeline carries
+    images to the engines) are refused for training: the model and the rollout engine take images,
+    the trainer does not yet."""
+    if cfg.data.task not in FILE_SUFFIXES:
+        return
+    rows = task_prompts(cfg.data, "eval") + task_prompts(cfg.data, "train")
+    first = next((r for r in rows if r.images), None)
+    if first is None:
+        return
+    where = f"data.path={cfg.data.path!r} row {first.index + 1} has images ({len(first.images)})"
+    if ModelArgs.from_hf_config(hf_config).vision is None:
+        raise ConfigError(
+            f"{where} but model.path={cfg.model.path!r} is a text-only {hf_config.get('model_type')} model. "
+            "Fix: use a vision-language model (Qwen2.5-VL) or a dataset without images."
+        )
+    raise ConfigError(
+        f"{where}: rlloom train does not train on images yet (the Qwen2.5-VL model and the rollout engine "
+        "take them; the prompt pipeline does not carry them to the engines). Fix: use rows without images."
+    )
+
+
 HOST_BYTES_PER_TOKEN = 128
 """Host memory a step holds per token of its samples, rounded up: the ids and rollout logprobs as
 Python lists (~36 and ~32 bytes an entry), and the batch's [B, T] tensors (mask, advantages, old,
@@ -173,6 +199,23 @@ def check_policy_model(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
             f"model.path={cfg.model.path!r} is invalid: it is a {arch}, a value or reward model without a "
             "vocabulary head, and the policy must be a causal LM. Fix: pass a causal LM checkpoint as "
             "model.path (a value model can start PPO's critic: critic.model_path with algorithm.estimator=gae)."
+        )
+
+
+def check_vision_layout(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
+    """A vision-language model trains and generates at tp = cp = pp = ep = 1 (data parallel only):
+    the sharding plans and the pipeline stages cover the decoder, not the vision tower."""
+    if ModelArgs.from_hf_config(hf_config).vision is None:
+        return
+    p = cfg.parallel
+    split = {"parallel.tp": p.tp, "parallel.cp": p.cp, "parallel.pp": p.pp, "parallel.ep": p.ep}
+    split["rollout.tp"] = cfg.rollout.tp
+    wrong = {k: v for k, v in split.items() if v != 1}
+    if wrong:
+        raise ConfigError(
+            f"{', '.join(f'{k}={v}' for k, v in wrong.items())} is invalid for model.path={cfg.model.path!r}: "
+            f"a {hf_config.get('model_type')} model (with a vision tower) runs data parallel only (tp, cp, pp, "
+            f"ep and rollout.tp 1). Fix: set {' '.join(f'{k}=1' for k in wrong)}."
         )
 
 

@@ -7,8 +7,9 @@ every admitted job together: when the oldest is complete, younger ones are part-
 groups: rollout_jobs.py.
 
 The controller admits jobs (their prompts go to the least loaded replica), polls the finished
-samples while it waits for a job, scores each prompt's group as it completes and draws dynamic
-sampling's next round (a job's only once every older job is complete, so the prompts each job
+samples while it waits for a job (while it trains, the stream's pump does: stream_pump.py; every
+change to the stream holds the pump's lock), scores each prompt's group as it completes and draws
+dynamic sampling's next round (a job's only once every older job is complete, so the prompts each job
 draws do not depend on which responses finish first). New weights arrive between decode steps
 (`update_weights`); `rollout.partial` decides what happens to the requests in flight:
 - finish: they run to the end under the old weights first, then the weights change;
@@ -19,13 +20,14 @@ draws do not depend on which responses finish first). New weights arrive between
 
 Multi-turn episodes (`rollout.env`, `rollout.tools`): an `EpisodeDriver` (episodes/driver.py) owns
 each prompt's trajectories; a finished turn goes to it instead of into the group, its environment
-steps run off this thread while the replicas keep decoding, and each next turn is a request of its
-own on the same replica. A group is scored once all of its trajectories have ended.
+steps run off this thread while the replicas keep decoding (and the controller trains), and each
+next turn is a request of its own on the same replica. A group is scored once all of its trajectories have ended.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from rlloom.agents.driver import AgentDriver
@@ -35,14 +37,18 @@ from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.dataset import PromptItem
 from rlloom.data.source import Position, PromptSource
 from rlloom.data.types import Sample
+from rlloom.engines.rollout import Partial
 from rlloom.episodes.driver import EpisodeDriver, TurnRequest
 from rlloom.rewards.runner import RewardRunner
 from rlloom.trainer.rollout import RolloutResult
 from rlloom.trainer.rollout_jobs import ROUND_STRIDE, Job, add_group, group_id, make_sample, round_sampling
+from rlloom.trainer.stream_pump import Pump
 from rlloom.workers.flights import StreamRequest, StreamResult
 
 POLL_S = 0.2
 """Longest wait of one poll for finished samples (it returns at the first one)."""
+PUMP_POLL_S = 0.05
+"""The pump's (while the controller trains): a weight update waits for one such poll at most."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -90,25 +96,30 @@ class RolloutStream:
         """Samples in flight on each replica."""
         self.tokens_discarded = 0
         """Tokens thrown away by `partial=drop` (and by `drop_all`)."""
+        self.pump = Pump(self._pump_tick)
+        """Every change to the stream holds its lock (`pump.held()`); `pumping()` runs its thread."""
 
     @property
     def busy_s(self) -> float:
         """Seconds the replicas spent in decode steps so far (their mean)."""
-        return self.group.stream_busy_s
+        with self.pump.held():
+            return self.group.stream_busy_s
 
     # ---- admission -------------------------------------------------------------------------------
 
     def submit(self, index: int) -> Job:
         """Admit the job of batch `index`: draw its prompts (generated once `start` is called)."""
-        job = Job(index=index)
-        self.jobs.append(job)
-        self._add_round(job, self.cfg.trainer.prompts_per_step)
-        return job
+        with self.pump.held():
+            job = Job(index=index)
+            self.jobs.append(job)
+            self._add_round(job, self.cfg.trainer.prompts_per_step)
+            return job
 
     def start(self) -> None:
         """Hand the admitted requests to the replicas (after every admission: the first decode batch
         holds every admitted job)."""
-        self._send()
+        with self.pump.held():
+            self._send()
 
     def _add_round(self, job: Job, num_prompts: int) -> None:
         positions = self.source.next_positions(num_prompts)
@@ -150,28 +161,53 @@ class RolloutStream:
 
     def wait_until(self, done: Callable[[], bool]) -> None:
         """Poll the finished samples (starting dynamic sampling's extra rounds) until `done()` holds."""
-        self._send()
-        while not done():
-            if not self.requests:
-                raise RuntimeError("rollout stream: nothing in flight but the awaited jobs are not complete")
-            episodes = self.episodes
-            if episodes is not None:
-                for turn in episodes.poll(0.0):
-                    self._send_turn(turn)
-                self._finish_episodes()
-                self._send()
-            # While environments run, poll the replicas briefly so their results are not kept waiting.
-            waiting = episodes is not None and episodes.waiting
-            for result in self.group.stream_poll(0.01 if waiting else POLL_S):
-                self._record(result)
-            for job in self.jobs:  # dynamic sampling: the next round once a round is done
-                if job.needs_round(self.cfg):
-                    self._add_round(job, job.missing(self.cfg))
-                if not self.is_complete(job):  # younger jobs draw after it: an order timing cannot change
-                    break
+        with self.pump.held():
             self._send()
+            while not done():
+                if not self.requests:
+                    raise RuntimeError(
+                        "rollout stream: nothing in flight but the awaited jobs are not complete"
+                    )
+                self._tick(POLL_S)
 
-    def _record(self, result: StreamResult) -> None:
+    def pumping(self) -> AbstractContextManager[None]:
+        """Keep the stream going in a background thread for the block's duration (the controller
+        trains meanwhile): finished samples booked and scored, environment steps polled, next turns
+        and dynamic sampling's rounds sent, as `wait_until` does (stream_pump.py)."""
+        return self.pump.running()
+
+    def _pump_tick(self) -> bool:
+        """One round of the pump; False with nothing in flight."""
+        if not self.requests:
+            return False
+        self._tick(PUMP_POLL_S)
+        return True
+
+    def _tick(self, poll_s: float) -> None:
+        """One round: environment steps that came back become next turns, finished samples are
+        booked (groups scored), dynamic sampling's next rounds drawn, new requests sent."""
+        episodes = self.episodes
+        if episodes is not None:
+            for turn in episodes.poll(0.0):
+                self._send_turn(turn)
+            self._finish_episodes()
+            self._send()
+        # While environments run, poll the replicas briefly so their results are not kept waiting.
+        waiting = episodes is not None and episodes.waiting
+        for result in self.group.stream_poll(0.01 if waiting else poll_s):
+            self._record(result)
+        for job in self.jobs:  # dynamic sampling: the next round once a round is done
+            if job.needs_round(self.cfg):
+                self._add_round(job, job.missing(self.cfg))
+            if not self.is_complete(job):  # younger jobs draw after it: an order timing cannot change
+                break
+        self._send()
+
+    def _record(self, result: StreamResult | Partial) -> None:
+        if isinstance(result, Partial):  # an agent's streaming request: its tokens so far
+            request_id, j = self.turns.get(result.request_id, (result.request_id, result.sample_index))
+            self.episodes.on_progress(j, result)
+            return
         c = result.completion
         request_id, j = self.turns.pop(c.request_id, (c.request_id, c.sample_index))
         request = self.requests[request_id]
@@ -203,6 +239,7 @@ class RolloutStream:
                 prompt_ids=list(turn.prompt_ids),
                 sampling=turn.sampling,
                 prompt_index=request.order % ROUND_STRIDE,
+                progress=turn.progress,
             )
         )
 
@@ -221,46 +258,53 @@ class RolloutStream:
         treating the requests in flight as `rollout.partial` says; return the sync's metrics and
         async/tokens_interrupted (tokens of aborted requests, resumed or discarded). Every rank of
         every replica is idle while the weights change (`stream_abort` returns then)."""
-        mode = self.cfg.rollout.partial
-        if mode == "finish":
-            self.wait_until(lambda: not self.requests)  # nothing is left to abort
-        self._send()
-        interrupted = self.group.stream_abort()
-        metrics = dict(sync())
-        if mode != "finish":
-            self.tokens_discarded += self.group.stream_resume(keep=mode == "abort_resume")
-        metrics["async/tokens_interrupted"] = float(interrupted)
-        return metrics
+        with self.pump.held():
+            mode = self.cfg.rollout.partial
+            if mode == "finish":
+                self.wait_until(lambda: not self.requests)  # nothing is left to abort
+            self._send()
+            interrupted = self.group.stream_abort()
+            metrics = dict(sync())
+            if mode != "finish":
+                self.tokens_discarded += self.group.stream_resume(keep=mode == "abort_resume")
+            metrics["async/tokens_interrupted"] = float(interrupted)
+            return metrics
 
     def admitted(self) -> list[Job]:
         """The jobs admitted and not yet taken, oldest first."""
-        return list(self.jobs)
+        with self.pump.held():
+            return list(self.jobs)
 
     def take(self) -> Job:
         """Remove and return the oldest job (complete)."""
-        job = self.jobs.pop(0)
-        assert self.is_complete(job), f"job {job.index} taken while {job.outstanding} prompts are in flight"
-        return job
+        with self.pump.held():
+            job = self.jobs.pop(0)
+            assert self.is_complete(job), (
+                f"job {job.index} taken while {job.outstanding} prompts are in flight"
+            )
+            return job
 
     def idle(self) -> None:
         """Wait until every replica's generation thread has ended (nothing may be in flight): the
         engines are then free to sleep or to take new weights outside the stream."""
-        assert not self.requests, f"{len(self.requests)} prompts are still in flight"
-        self.group.stream_abort()
+        with self.pump.held():
+            assert not self.requests, f"{len(self.requests)} prompts are still in flight"
+            self.group.stream_abort()
 
     def drop_all(self) -> list[Position]:
         """Abort every request and forget every job; return the prompt-source positions the dropped
         jobs drew (to give them back: they are drawn again), none when nothing was admitted."""
-        self.unsent.clear()
-        self.tokens_discarded += self.group.stream_drop()
-        self.requests.clear()
-        self.turns.clear()
-        if self.episodes is not None:
-            self.episodes.forget()
-        self.load = [0] * len(self.load)
-        positions = [p for job in self.jobs for p in job.positions]
-        self.jobs.clear()
-        return positions
+        with self.pump.held():
+            self.unsent.clear()
+            self.tokens_discarded += self.group.stream_drop()
+            self.requests.clear()
+            self.turns.clear()
+            if self.episodes is not None:
+                self.episodes.forget()
+            self.load = [0] * len(self.load)
+            positions = [p for job in self.jobs for p in job.positions]
+            self.jobs.clear()
+            return positions
 
 
 def collect_rollouts(stream: RolloutStream, step: int) -> RolloutResult:

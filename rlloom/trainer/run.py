@@ -21,7 +21,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,6 @@ import torch
 
 from rlloom.agents.build import build_agent_driver
 from rlloom.cluster import WorkerFailure
-from rlloom.cluster.base import TrainGroup
 from rlloom.cluster.build import Groups, build_groups
 from rlloom.config import RunConfig
 from rlloom.config.loading import to_dict, to_yaml
@@ -39,13 +38,11 @@ from rlloom.data.dataset import PromptItem
 from rlloom.data.source import PromptSource
 from rlloom.data.types import Sample
 from rlloom.determinism import enable_determinism, timing_caveat
-from rlloom.devices import resolve_device
 from rlloom.episodes.build import build_episode_driver
-from rlloom.faults import check_fault_env, maybe_fail
+from rlloom.faults import check_fault_env
 from rlloom.models import load_tokenizer
 from rlloom.observability.log import init_logger
-from rlloom.observability.loggers import build_loggers, run_name
-from rlloom.observability.memory import peak_memory_gib
+from rlloom.observability.loggers import MultiLogger, build_loggers, run_name
 from rlloom.observability.samples import pick_samples, sample_records
 from rlloom.observability.startup import first_token_s
 from rlloom.plan.check import check_fits
@@ -56,21 +53,18 @@ from rlloom.tasks.build import build_task_source
 from rlloom.trainer.async_loop import AsyncLoop
 from rlloom.trainer.checkpoint import (
     CONFIG_FILE,
-    WEIGHTS_DIR,
     TrainerState,
-    final_is_weights_only,
     folder_gb,
     load_checkpoint,
     prepare_run_dir,
     resolve_resume,
-    save_checkpoint,
 )
 from rlloom.trainer.evaluate import evaluate
-from rlloom.trainer.export import link_run_hf, save_run_hf
+from rlloom.trainer.loop import LoopParts, StepHooks, due, run_steps
 from rlloom.trainer.preflight import check_before_loading, check_resume_config, fit_multi_turn_budget
 from rlloom.trainer.run_lock import RunDirLock
 from rlloom.trainer.step import StepContext, rl_step, update_was_skipped
-from rlloom.trainer.stop import RunStopped, StopSignals
+from rlloom.trainer.stop import StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -180,58 +174,26 @@ def _run(cfg: RunConfig, resume_from: Path | None, restarts: int = 0) -> RunResu
         config=to_dict(cfg),
     )
 
-    def checkpoint(weights_only: bool) -> Path:  # of the step just done
-        state.data_state = source.state_dict()
-        state.kl_coef = ctx.kl_coef
-        path = save_checkpoint(
-            groups.train, cfg, state, weights_only=weights_only, critic_group=groups.critic
-        )
-        maybe_fail("after_checkpoint", state.step)
-        return path
-
     run_eval = lambda: evaluate(
         groups.rollout, eval_items, runner, decode, cfg, stop_token_ids=data.stop_token_ids
     )
-    saved: Path | None = None
+    steps = _RLSteps(
+        ctx=ctx, state=state, groups=groups, loggers=loggers, run_eval=run_eval if eval_items else None,
+        picked=picked, restarts=restarts, first_step=state.step + 1,
+    )  # fmt: skip
     try:
         if state.step == 0 and state.accuracy_before is None and eval_items:
             before = _first_evaluation(run_eval, len(eval_items))
             state.accuracy_before = before["eval/accuracy"]
             loggers.log(0, before)
-        after: dict[str, float] = {}
-        first_step, num_skipped = state.step + 1, 0
-        loop = AsyncLoop(ctx) if cfg.trainer.mode != "sync" else None  # trainer/async_loop.py
-        with StopSignals() as stop:  # Ctrl-C / SIGTERM: finish the step, checkpoint, RunStopped
-            while state.step < cfg.trainer.total_steps:
-                metrics = rl_step(ctx, state.step) if loop is None else loop.step(state.step, stop)
-                state.step += 1
-                if state.step == first_step:  # the warm-up built what stays: later collections skip it
-                    groups.freeze_heap()
-                num_skipped += update_was_skipped(metrics)
-                metrics.update(restart_metrics(restarts, groups.rollout.restarts))
-                metrics["memory/peak_gib"] = peak_memory_gib(resolve_device(cfg).type)
-                is_last = state.step == cfg.trainer.total_steps
-                if eval_items and _due(cfg.trainer.eval_every, state.step, is_last):
-                    after = run_eval()
-                    metrics.update(after)
-                if state.step == first_step and (seconds := first_token_s()) is not None:
-                    metrics["perf/first_token_s"] = seconds  # this process's (None in Ray's driver)
-                loggers.log(state.step, metrics)
-                loggers.log_samples(state.step, sample_records(state.step, picked))
-                if is_last and num_skipped == state.step - first_step + 1:
-                    raise _stalled(cfg, first_step, state.step)
-                saved = save_step(cfg, groups.train, state.step, is_last, checkpoint)
-                if stop.signum and not is_last:  # a Ctrl-C or SIGTERM arrived during this step
-                    if loop is not None:  # a no-op unless the signal came after the step's own check
-                        loop.drain(state.step)
-                    raise RunStopped(
-                        stop.signum, state.step, saved or checkpoint(cfg.trainer.save_weights_only)
-                    )
+        steps.loop = AsyncLoop(ctx) if cfg.trainer.mode != "sync" else None  # trainer/async_loop.py
+        parts = LoopParts(cfg, state, groups.train, source, loggers, groups.critic)
+        saved = run_steps(parts, steps.step, steps.hooks())  # trainer/loop.py
     finally:
         for part in (loggers, runner, ctx.episodes, groups):
             if part is not None:
                 part.close()
-    return _summary(cfg, run_dir, state, after.get("eval/accuracy"), saved, time.perf_counter() - start)
+    return _summary(cfg, run_dir, state, steps.after.get("eval/accuracy"), saved, time.perf_counter() - start)
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,18 +268,52 @@ def _step_context(
     )
 
 
-def save_step(
-    cfg: RunConfig, train: TrainGroup, step: int, is_last: bool, checkpoint: Callable[[bool], Path]
-) -> Path | None:
-    """The checkpoint and Hugging Face folder due after `step` (of RL, or of `rlloom sft`); the
-    checkpoint written, if any."""
-    weights_only = cfg.trainer.save_weights_only or (is_last and final_is_weights_only(cfg))
-    saved = checkpoint(weights_only) if _save_due(cfg, step, is_last) else None
-    if _hf_due(cfg, step, is_last) and saved is not None and (saved / WEIGHTS_DIR).is_dir():
-        link_run_hf(saved / WEIGHTS_DIR, cfg, step)  # the same files: no second copy
-    elif _hf_due(cfg, step, is_last):
-        save_run_hf(train, cfg, step)
-    return saved
+@dataclass(kw_only=True, slots=True)
+class _RLSteps:
+    """RL's step and what it adds to the shared loop (trainer/loop.py): the asynchronous loop, the
+    adaptive KL coefficient the checkpoint keeps, restart counts, evaluation every k, the first
+    token's time, the logged samples and the stall check."""
+
+    ctx: StepContext
+    state: TrainerState
+    groups: Groups
+    loggers: MultiLogger
+    run_eval: Callable[[], dict[str, float]] | None
+    """None: the run has no evaluation prompts."""
+    picked: list[Sample]
+    restarts: int
+    first_step: int
+    loop: AsyncLoop | None = None
+    num_skipped: int = 0
+    after: dict[str, float] = field(default_factory=dict)
+    """The latest evaluation's metrics."""
+
+    def step(self, step: int, stop: StopSignals) -> dict[str, float]:
+        metrics = rl_step(self.ctx, step) if self.loop is None else self.loop.step(step, stop)
+        self.state.kl_coef = self.ctx.kl_coef  # the adaptive controller's, for the checkpoint
+        self.num_skipped += update_was_skipped(metrics)
+        metrics.update(restart_metrics(self.restarts, self.groups.rollout.restarts))
+        return metrics
+
+    def add_metrics(self, step: int, metrics: dict[str, float], is_last: bool) -> None:
+        if self.run_eval is not None and due(self.ctx.cfg.trainer.eval_every, step, is_last):
+            self.after = self.run_eval()
+            metrics.update(self.after)
+        if step == self.first_step and (seconds := first_token_s()) is not None:
+            metrics["perf/first_token_s"] = seconds  # this process's (None in Ray's driver)
+
+    def after_log(self, step: int, is_last: bool) -> None:
+        self.loggers.log_samples(step, sample_records(step, self.picked))
+        if is_last and self.num_skipped == step - self.first_step + 1:
+            raise _stalled(self.ctx.cfg, self.first_step, step)
+
+    def drain(self, step: int) -> None:
+        if self.loop is not None:  # a no-op unless the signal came after the step's own check
+            self.loop.drain(step)
+            self.state.kl_coef = self.ctx.kl_coef
+
+    def hooks(self) -> StepHooks:
+        return StepHooks(self.groups.freeze_heap, self.add_metrics, self.after_log, self.drain)
 
 
 def _resume(cfg: RunConfig, ctx: StepContext, groups: Groups, resume_from: Path) -> TrainerState:
@@ -391,20 +387,6 @@ def restart_metrics(train_restarts: int, rollout_restarts: int) -> dict[str, flo
     """The run's restarts so far, logged from the first one on (a run without failures has none)."""
     counts = {"cluster/train_restarts": train_restarts, "cluster/rollout_restarts": rollout_restarts}
     return {k: float(v) for k, v in counts.items() if v}
-
-
-def _due(every: int, step: int, is_last: bool) -> bool:
-    """A save every `every` steps (0: at the end only) is due after `step`."""
-    return is_last or (every > 0 and step % every == 0)
-
-
-def _save_due(cfg: RunConfig, step: int, is_last: bool) -> bool:
-    return _due(cfg.trainer.save_every, step, is_last)
-
-
-def _hf_due(cfg: RunConfig, step: int, is_last: bool) -> bool:
-    every = cfg.trainer.save_hf_every
-    return every >= 0 and _due(every, step, is_last)  # -1: never
 
 
 def _fmt(x: float | None) -> str:

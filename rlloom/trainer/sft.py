@@ -35,23 +35,16 @@ from rlloom.data.conversations import Conversation
 from rlloom.data.dataset import DataError
 from rlloom.data.source import PromptSource
 from rlloom.data.types import RolloutBatch, Sample
-from rlloom.devices import resolve_device
 from rlloom.engines.train.build import check_parallel
 from rlloom.faults import check_fault_env, maybe_fail
 from rlloom.heap import freeze_heap
 from rlloom.models import load_tokenizer
 from rlloom.observability.log import init_logger
 from rlloom.observability.loggers import build_loggers, run_name
-from rlloom.observability.memory import peak_memory_gib
 from rlloom.observability.metrics import MetricsAccumulator
 from rlloom.observability.timers import StageTimer
-from rlloom.trainer.checkpoint import (
-    TrainerState,
-    load_checkpoint,
-    prepare_run_dir,
-    resolve_resume,
-    save_checkpoint,
-)
+from rlloom.trainer.checkpoint import TrainerState, load_checkpoint, prepare_run_dir, resolve_resume
+from rlloom.trainer.loop import LoopParts, StepHooks, run_steps
 from rlloom.trainer.model_folder import check_tokenizer
 from rlloom.trainer.preflight import (
     check_logging_backends,
@@ -59,10 +52,10 @@ from rlloom.trainer.preflight import (
     check_resume_config,
     model_hf_config,
 )
-from rlloom.trainer.run import save_step, start_run_dir
+from rlloom.trainer.run import start_run_dir
 from rlloom.trainer.run_lock import RunDirLock
 from rlloom.trainer.sft_data import conversation_samples, sft_conversations
-from rlloom.trainer.stop import RunStopped, StopSignals
+from rlloom.trainer.stop import StopSignals
 
 Row = list[Sample]
 """One conversation's samples (one, or one per run of turns the template extends)."""
@@ -189,33 +182,23 @@ def _run_sft(cfg: RunConfig, conversations: list[Conversation], resume_from: Pat
         config=to_dict(cfg),
     )
 
-    def checkpoint(weights_only: bool) -> Path:  # of the step just done
-        state.data_state = source.state_dict()
-        path = save_checkpoint(train, cfg, state, weights_only=weights_only)
-        maybe_fail("after_checkpoint", state.step)
-        return path
-
     losses: list[float] = []
-    first_step = state.step + 1
-    try:
-        with StopSignals() as stop:  # Ctrl-C / SIGTERM: finish the step, checkpoint, RunStopped
-            while state.step < cfg.trainer.total_steps:
-                metrics = sft_step(train, source, cfg)
-                maybe_fail("train", state.step)
-                state.step += 1
-                if state.step == first_step:  # the warm-up built what stays: later collections skip it
-                    freeze_heap()
-                    train.freeze_heap().result()
-                losses.append(metrics["sft/loss"])
-                _warn_if_skipped(metrics, state.step)
-                metrics["memory/peak_gib"] = peak_memory_gib(resolve_device(cfg).type)
-                loggers.log(state.step, metrics)
-                is_last = state.step == cfg.trainer.total_steps
-                saved = save_step(cfg, train, state.step, is_last, checkpoint)
-                if stop.signum and not is_last:  # a Ctrl-C or SIGTERM arrived during this step
-                    raise RunStopped(
-                        stop.signum, state.step, saved or checkpoint(cfg.trainer.save_weights_only)
-                    )
+
+    def step(done: int, _: StopSignals) -> dict[str, float]:
+        metrics = sft_step(train, source, cfg)
+        maybe_fail("train", done)
+        return metrics
+
+    def keep_loss(step: int, metrics: dict[str, float], _: bool) -> None:
+        losses.append(metrics["sft/loss"])
+        _warn_if_skipped(metrics, step)
+
+    def freeze() -> None:
+        freeze_heap()
+        train.freeze_heap().result()
+
+    try:  # trainer/loop.py: checkpoints, Ctrl-C / SIGTERM, logging, as RL's
+        run_steps(LoopParts(cfg, state, train, source, loggers), step, StepHooks(freeze, keep_loss))
     finally:
         loggers.close()
         train.close()

@@ -19,6 +19,8 @@ class StreamRequest:
     sampling: SamplingParams
     prompt_index: int
     """The engine's prompt index (the prompt's position in its round)."""
+    progress: bool = False
+    """Report its samples' tokens after each step (`Partial`s from `poll`: a streaming client)."""
 
 
 @dataclass(kw_only=True, slots=True)

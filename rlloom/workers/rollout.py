@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from rlloom.config import RunConfig
-from rlloom.engines.rollout import Completion, SamplingParams
+from rlloom.engines.rollout import Completion, Partial, SamplingParams
 from rlloom.engines.rollout.build import build_rollout_engine
 from rlloom.faults import maybe_fail
 from rlloom.workers.flights import StreamRequest, StreamResult
@@ -56,7 +56,7 @@ class RolloutWorker:
         maybe_fail("rollout", self.version, self.rank)
         self.stream.add(requests)
 
-    def stream_poll(self, timeout_s: float) -> list[StreamResult]:
+    def stream_poll(self, timeout_s: float) -> list[StreamResult | Partial]:
         return self.stream.poll(timeout_s)
 
     def stream_abort(self) -> int:

@@ -18,7 +18,9 @@ rollout.tp = 1 nothing is sent. Around a weight update (`rollout.partial`), the 
 - `resume(keep=True)`: each sample continues from prompt + its tokens so far, the KV cache rebuilt
   by a prefill under the new weights (abort_resume), or `resume(keep=False)`: its tokens are
   discarded and it starts again under the new weights (drop).
-A finished sample comes out of rank 0's `poll()` with the version of each of its tokens.
+A finished sample comes out of rank 0's `poll()` with the version of each of its tokens; a request
+that asks for `progress` also gets its unfinished samples' tokens so far (`Partial`, the newest of
+each) after every step.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlloom.engines.rollout import Completion, RolloutEngine
+from rlloom.engines.rollout import Completion, Partial, RolloutEngine
 from rlloom.workers.flights import Flight, StreamRequest, StreamResult, partial_tokens, record, resume_all
 
 
@@ -66,6 +68,8 @@ class EngineStream:
         """Requests in flight (flights.py)."""
         self.finished: list[StreamResult] = []
         """Samples finished and not yet polled (rank 0 only)."""
+        self.progress: dict[tuple[str, int], Partial] = {}
+        """The newest tokens so far of the unfinished samples that asked for them, not yet polled."""
         self.busy_s = 0.0
         """Seconds spent in decode steps."""
         self._queued: list[StreamRequest] = []
@@ -94,15 +98,22 @@ class EngineStream:
             self._queued += requests
             self._start()
 
-    def poll(self, timeout_s: float) -> list[StreamResult]:
-        """The samples finished since the last poll, waiting up to `timeout_s` for the first one (at
-        once on ranks other than 0, which report none); raises the thread's failure, or a hang."""
-        self._news.wait(timeout_s if self.rank == 0 else 0)
+    def poll(self, timeout_s: float) -> list[StreamResult | Partial]:
+        """The samples finished since the last poll, after the tokens so far of those still going
+        that asked for them; waiting up to `timeout_s` for the first one (at once on ranks other than
+        0, which report none); raises the thread's failure, or a hang. Rank 0 with no news returns
+        at once, not waiting for the step in flight to end (the caller goes back to its other work:
+        an agent's requests, environment results)."""
+        if self.rank == 0 and not self._news.wait(timeout_s):
+            self._check_progress()
+            return []
         with self._held():
             self._news.clear()
             self._raise()
             out, self.finished = self.finished, []
-        return out
+            progress, self.progress = self.progress, {}
+        done = {(x.completion.request_id, x.completion.sample_index) for x in out}
+        return [p for key, p in progress.items() if key not in done] + out
 
     def abort(self) -> int:
         """Abort every request in flight at the next step boundary (rank 0 decides it for the
@@ -141,6 +152,7 @@ class EngineStream:
             discarded += sum(len(s.completion.token_ids) for s in self.finished)
             self.flights.clear()
             self.finished.clear()
+            self.progress.clear()
             self._queued.clear()
             self._resume = None
         return discarded
@@ -273,7 +285,11 @@ class EngineStream:
 
     def _record(self, completions: list[Completion]) -> None:
         finished = record(self.flights, completions, aborting=self._aborting)
-        if self.rank == 0:
-            self.finished += finished
-        if completions and self.rank == 0:
+        if self.rank != 0:
+            return
+        self.finished += finished
+        watched = {rid for rid, f in self.flights.items() if f.request.progress}
+        partial = self.engine.partial(watched) if watched and not self._aborting else []
+        self.progress.update(((p.request_id, p.sample_index), p) for p in partial if p.token_ids)
+        if completions or partial:
             self._news.set()

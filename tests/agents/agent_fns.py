@@ -20,6 +20,20 @@ async def two_turns(base_url, row, sampling):
     return None
 
 
+async def streamed_then_whole(base_url, row, sampling):
+    """Two chat turns, the first streamed (its content chunks counted: metric `chunks`)."""
+    async with AsyncOpenAI(base_url=base_url, api_key="none") as client:
+        messages = [{"role": "user", "content": row["prompt"]}]
+        chunks = []
+        async for c in await client.chat.completions.create(messages=messages, stream=True, **sampling):
+            if c.choices and c.choices[0].delta.content:
+                chunks.append(c.choices[0].delta.content)
+        messages.append({"role": "assistant", "content": "".join(chunks)})
+        messages.append({"role": "tool", "content": "42"})
+        await client.chat.completions.create(messages=messages, **sampling)
+    return {"metrics": {"chunks": float(len(chunks))}}
+
+
 async def faulty(base_url, row, sampling):
     """Fails as the row's prompt ends: hang, exit, crash, raise, garbage, or fine (reward 1)."""
     async with AsyncOpenAI(base_url=base_url, api_key="none") as client:

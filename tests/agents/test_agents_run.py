@@ -62,6 +62,26 @@ def test_per_turn_samples_are_exact_too(tiny_checkpoint, tmp_path):
     assert abs(metrics[0]["rollout/token_mult_prob_error"] - 1.0) < 1e-5
 
 
+def test_a_streamed_turn_is_sent_while_it_is_sampled_and_trains_exactly(
+    tiny_checkpoint, tmp_path, monkeypatch
+):
+    import rlloom.agents.driver as driver
+
+    deltas = []  # what the driver sent from the engine's progress, before the answers
+    delta = driver.Delta
+    monkeypatch.setattr(driver, "Delta", lambda **kw: deltas.append(kw) or delta(**kw))
+    m = _train(
+        tiny_checkpoint,
+        tmp_path / "run",
+        "rollout.agent=agent_fns:streamed_then_whole",
+        "trainer.total_steps=1",
+    )[0]
+    assert len(deltas) > 1 and m["env/chunks"] > 1
+    assert m["rollout/turns_mean"] == 2.0 and m["rollout/agent_errors"] == 0.0
+    assert m["rollout/env_tokens_mean"] > 0  # the streamed content, sent back, extends the session
+    assert abs(m["rollout/token_mult_prob_error"] - 1.0) < 1e-5
+
+
 def test_failing_agents_cost_only_their_trajectory(tiny_checkpoint, tmp_path):
     kinds = ["ok", "hang", "exit", "crash", "raise", "garbage"]
     data = tmp_path / "rows.jsonl"

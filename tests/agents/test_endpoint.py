@@ -14,9 +14,10 @@ import torch
 from rlloom.agents.api import parse_chat
 from rlloom.agents.serve import Limits, serve
 from rlloom.agents.server import Endpoint
-from rlloom.agents.turns import Formats
+from rlloom.agents.turns import Formats, make_choice, render_prompt
 from rlloom.config import load_config
 from rlloom.engines.rollout.build import build_rollout_engine
+from rlloom.episodes.tools import ToolCall
 from rlloom.models import load_tokenizer
 
 
@@ -51,6 +52,7 @@ def client(url: str) -> openai.OpenAI:
 
 
 HI = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
 
 
 def test_models_lists_the_policy(url):
@@ -66,6 +68,25 @@ def test_streaming_gives_the_non_streaming_tokens(url):
     streamed_lps = [t.logprob for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert streamed_lps == [t.logprob for t in whole.logprobs.content]
     assert chunks[-1].choices[0].finish_reason == whole.finish_reason
+
+
+def test_a_stream_sends_tokens_while_they_are_sampled(url, monkeypatch):
+    import time
+
+    import rlloom.agents.serve as serve_module
+
+    finished = []  # when the serve loop saw the completion come back from the engine
+    make_choice_ = serve_module.make_choice
+    monkeypatch.setattr(
+        serve_module, "make_choice", lambda *a: finished.append(time.monotonic()) or make_choice_(*a)
+    )
+    args = dict(model="tiny", messages=HI, max_tokens=16, temperature=1.0, seed=5, stream=True)
+    arrived = []
+    for c in client(url).chat.completions.create(**args):
+        if c.choices and c.choices[0].delta.content:
+            arrived.append(time.monotonic())
+    assert len(finished) == 1 and len(arrived) > 2
+    assert sum(t < finished[0] for t in arrived) > 1, "the tokens came only with the finished answer"
 
 
 def test_n_choices_are_the_seeded_samples(url):
@@ -131,6 +152,16 @@ def test_over_the_budget_is_length_not_an_error(url):
         ({"messages": HI, "stop": [""]}, "stop"),
         ({"messages": HI, "top_logprobs": 3}, "top_logprobs"),
         ({"messages": HI, "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": HI, "tool_choice": "required"}, "tool_choice"),
+        ({"messages": HI, "tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
+        (
+            {
+                "messages": HI,
+                "tools": TOOLS,
+                "tool_choice": {"type": "function", "function": {"name": "mul"}},
+            },
+            "tool_choice",
+        ),
     ],
 )
 def test_a_malformed_request_gets_an_openai_400(url, body, param):
@@ -172,3 +203,35 @@ def test_tool_calls_are_parsed_and_sent_back_as_dict_arguments():
         "content": "",
         "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}],
     }
+
+
+def test_tool_choice_none_auto_and_a_named_function_decide_the_calls(tiny_checkpoint):
+    tokenizer = load_tokenizer(str(tiny_checkpoint))
+    fmt = Formats.of(tokenizer)
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+
+    def answer(tool_choice, text):
+        req = parse_chat({"messages": HI, "tools": TOOLS, "tool_choice": tool_choice})
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return req, make_choice(fmt, req, ids, [0.0] * len(ids), "stop")
+
+    _, auto = answer("auto", call)
+    assert auto.tool_calls == [ToolCall("add", {"a": 1})] and auto.finish_reason == "tool_calls"
+    _, none = answer("none", call)
+    assert none.tool_calls == [] and none.text == call and none.finish_reason == "stop"
+    # A named function: the prompt ends with the call's opening, so the sampled tokens are its arguments.
+    req, named = answer({"type": "function", "function": {"name": "add"}}, '{"a": 1}}\n</tool_call>')
+    assert render_prompt(fmt, req).text.endswith(
+        '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": '
+    )
+    assert named.tool_calls == auto.tool_calls and named.finish_reason == "tool_calls"
+    assert named.token_ids == tokenizer.encode('{"a": 1}}\n</tool_call>', add_special_tokens=False)
+
+
+def test_a_required_tool_call_starts_the_answer(url):
+    args = dict(model="tiny", messages=HI, tools=TOOLS, max_tokens=4, temperature=0)
+    auto = client(url).chat.completions.create(**args)
+    required = client(url).chat.completions.create(**args, tool_choice="required")
+    opening = "<tool_call>\n"
+    assert required.choices[0].message.content.startswith(opening)
+    assert required.usage.prompt_tokens == auto.usage.prompt_tokens + len(opening)

@@ -5,6 +5,6 @@ build.py picks the backend; `native/` runs rlloom's own model code. Adapters for
 would implement `RolloutEngine` beside it.
 """
 
-from rlloom.engines.rollout.base import Completion, RolloutEngine, SamplingParams
+from rlloom.engines.rollout.base import Completion, Partial, RolloutEngine, SamplingParams
 
-__all__ = ["Completion", "RolloutEngine", "SamplingParams"]
+__all__ = ["Completion", "Partial", "RolloutEngine", "SamplingParams"]

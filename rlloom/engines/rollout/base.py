@@ -16,13 +16,14 @@ proceeds, so one bad prompt never costs a whole rollout.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from rlloom.config import RolloutConfig
+from rlloom.data.images import ImageInputs
 from rlloom.data.types import FinishReason
 from rlloom.models.args import ModelArgs
 
@@ -119,6 +120,17 @@ class Completion:
     the model used (uint8, or int16 beyond 256 experts); None for dense models and aborted requests."""
 
 
+@dataclass(frozen=True, slots=True)
+class Partial:
+    """The tokens one unfinished sample has so far (`RolloutEngine.partial`): what a streaming
+    client is sent while the sample is generated."""
+
+    request_id: str
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+
+
 class RolloutEngine(Protocol):
     """What a rollout worker, its stream (workers/stream.py) and the weight syncs may call on a
     rollout engine (every rank of a tensor-parallel replica calls each method with the same
@@ -136,9 +148,14 @@ class RolloutEngine(Protocol):
         """The whole model's architecture (a tensor-parallel rank's `model` holds a slice of it)."""
         ...
 
-    def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> list[Completion]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: list[SamplingParams],
+        images: list[ImageInputs | None] | None = None,
+    ) -> list[Completion]:
         """Completions of every prompt (n each), in prompt order; rejected requests come back with
-        finish_reason "abort" and `error` set."""
+        finish_reason "abort" and `error` set. `images`: each prompt's (a vision-language model)."""
         ...
 
     def add_request(
@@ -148,8 +165,10 @@ class RolloutEngine(Protocol):
         *,
         request_id: str | None = None,
         prompt_index: int | None = None,
+        images: ImageInputs | None = None,
     ) -> str:
-        """Queue `sampling.n` completions of one prompt; returns the request id (made if not given)."""
+        """Queue `sampling.n` completions of one prompt; returns the request id (made if not given);
+        `images`: the prompt's, encoded once for its n samples."""
         ...
 
     def resume_request(
@@ -162,6 +181,7 @@ class RolloutEngine(Protocol):
         request_id: str,
         prompt_index: int,
         sample_index: int,
+        images: ImageInputs | None = None,
     ) -> str:
         """Continue one aborted sample from its tokens so far under the current weights (its KV cache
         rebuilt by a prefill); the given tokens and logprobs stay as they are."""
@@ -173,6 +193,11 @@ class RolloutEngine(Protocol):
 
     def has_unfinished(self) -> bool:
         """Whether any request added is not yet out of `step`."""
+        ...
+
+    def partial(self, request_ids: Collection[str]) -> list[Partial]:
+        """The tokens so far of the unfinished samples of these requests (those of a step not yet
+        resolved left out)."""
         ...
 
     def abort(self, request_ids: Iterable[str]) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rlloom.models.arg_parts import MLAArgs, MoEArgs
+from rlloom.models.arg_parts import MLAArgs, MoEArgs, VisionArgs
 from rlloom.models.families.tp_plan import LayerPlan
 
 NORMS = {
@@ -64,6 +64,9 @@ class FamilyArgs:
     moe: MoEArgs | None = None
     mla: MLAArgs | None = None
     rope_interleaved: bool = False
+    vision: VisionArgs | None = None
+    mrope_section: tuple[int, ...] | None = None
+    """M-RoPE (Qwen2.5-VL): rotary frequency pairs driven by the temporal, height and width positions."""
 
 
 def uses_sliding_window(cfg: dict[str, Any]) -> bool:
@@ -88,3 +91,8 @@ class Family:
     """How its config.json asks for sliding-window attention (when it has no `layer_types`)."""
     mtp_layers: bool = False
     """Its checkpoints carry multi-token-prediction layers after the last decoder layer (skipped)."""
+    text_config: Callable[[dict[str, Any]], dict[str, Any]] = dict
+    """The language model's config.json fields at the top level (a vision-language config nests
+    them under `text_config`)."""
+    tower_prefix: str | None = None
+    """Top-level prefix of a vision tower's tensors (`visual.`): native and HF names are the same."""

@@ -223,7 +223,7 @@ def paged_runs(ctx: AttnContext, block_size: int) -> Runs:
     """The exact kernel's runs of a paged forward: sequence s is run s, its new tokens (rows
     query_index_SQ[s, 0].. of the stream, consecutive positions from query_pos_SQ[s, 0]) the run's
     queries, and the slots of its positions 0, 1, ... (through its block table) the run's keys."""
-    from rlloom.models.exact_attention import Runs  # Triton: imported where it runs
+    from rlloom.models.exact_attention import Runs, int32  # Triton: imported where it runs
 
     S, Q = ctx.query_index_SQ.shape
     tables_SB = ctx.block_tables_SB
@@ -235,7 +235,14 @@ def paged_runs(ctx: AttnContext, block_size: int) -> Runs:
     in_run_SQ = ctx.query_pos_SQ == first_pos_S[:, None] + torch.arange(Q, device=tables_SB.device)
     q_len_S = in_run_SQ.sum(dim=1)
     k_base_S = torch.arange(S, device=tables_SB.device) * num_keys
-    return Runs(ctx.query_index_SQ[:, 0], q_len_S, k_base_S, first_pos_S + q_len_S, slots_SK.reshape(-1), Q)
+    return Runs(
+        int32(ctx.query_index_SQ[:, 0]),
+        int32(q_len_S),
+        int32(k_base_S),
+        int32(first_pos_S + q_len_S),
+        int32(slots_SK.reshape(-1)),
+        Q,
+    )
 
 
 class PiecewiseAttention:

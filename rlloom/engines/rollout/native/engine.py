@@ -34,15 +34,16 @@ import itertools
 import json
 import os
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from rlloom.config import RolloutConfig
+from rlloom.data.images import ImageInputs
 from rlloom.devices import to_device
-from rlloom.engines.rollout.base import Completion, SamplingParams
+from rlloom.engines.rollout.base import Completion, Partial, SamplingParams
 from rlloom.engines.rollout.native.block_manager import BlockManager
 from rlloom.engines.rollout.native.in_flight import HostBuffers, InFlight, launched, route_spans
 from rlloom.engines.rollout.native.model_runner import ModelRunner
@@ -52,6 +53,7 @@ from rlloom.engines.rollout.native.sequence import Sequence, Status
 from rlloom.engines.rollout.native.tensor_parallel import TPShards, shard_model, shared_seed
 from rlloom.engines.rollout.native.tp_weights import load_sharded, shard_dims_by_hf_name
 from rlloom.engines.rollout.native.validation import kv_cache_blocks, request_problem
+from rlloom.engines.rollout.native.vision import request_vision
 from rlloom.engines.rollout.native.vocab_parallel import VocabParallelSampler
 from rlloom.models.args import ModelArgs
 from rlloom.models.exact import exact_numerics
@@ -100,6 +102,13 @@ def _sampler(
     return VocabParallelSampler(device, shared_seed(seed, tp_group, device), tp)
 
 
+def _caches_prefixes(model: torch.nn.Module, runner: ModelRunner) -> bool:
+    """Whether finished blocks may serve later requests: not for MoE models (the routes of cached
+    positions would be missing) nor vision-language ones (blocks are keyed on token ids, and every
+    image's placeholders are the same ids)."""
+    return runner.route_dtype is None and model.args.vision is None
+
+
 class NativeEngine:
     def __init__(
         self,
@@ -130,14 +139,12 @@ class NativeEngine:
         same arguments) this rank keeps its shard of the model (tensor_parallel.py) and samples from
         its vocabulary slice (vocab_parallel.py). `enable_prefix_caching` keeps the keys and values of
         finished sequences' full blocks for later requests that start with the same tokens (multi-turn
-        episodes: a trajectory's next turn; block_manager.py); it is off for MoE models, whose prefill
-        must compute every position to report the experts it chose. `exact` runs the forward and
-        the sampler's logprobs with batch-invariant numerics (rlloom/models/exact.py), eagerly."""
+        episodes: a trajectory's next turn; block_manager.py), except where `_caches_prefixes` says no.
+        `exact` runs the forward and the sampler's logprobs with batch-invariant numerics, eagerly."""
         # The settings were checked where the run config was read (rlloom/config/rollout.py).
         assert max_model_len >= 2 and max_num_batched_tokens >= 1, (max_model_len, max_num_batched_tokens)
         self.model = model.eval()
-        self.exact = exact
-        """Batch-invariant numerics: a token's logprob equals the training forward's (rollout.match_training)."""
+        self.exact = exact  # rollout.match_training: a token's logprob equals the training forward's
         self.device = next(model.parameters()).device
         self.tp = _prepare(model, quantization, tp_group)
         """This rank's part of a tensor-parallel replica (None: the whole model on one device)."""
@@ -168,11 +175,10 @@ class NativeEngine:
             block_size=block_size,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
-            # Exact numerics are eager (models/exact.py): no CUDA graphs, no compiled layers.
             enforce_eager=enforce_eager or exact,
             compile=compile and not exact,
         )
-        if self.runner.route_dtype is not None:  # routes of cached positions would be missing
+        if not _caches_prefixes(model, self.runner):
             self.block_manager.enable_prefix_caching = False
         self.sampler = _sampler(self.device, seed, self.tp, tp_group)
         self._seq_ids, self._arrivals = itertools.count(), itertools.count()
@@ -240,11 +246,15 @@ class NativeEngine:
         *,
         request_id: str | None = None,
         prompt_index: int | None = None,
+        images: ImageInputs | None = None,
     ) -> str:
-        """Queue `sampling.n` completions of one prompt; returns the request id (made if not given)."""
+        """Queue `sampling.n` completions of one prompt; returns the request id (made if not given).
+        `images`: the prompt's processed images (a vision-language model), encoded here once for
+        all n samples."""
         arrival = next(self._arrivals)
         request_id = f"req-{arrival}" if request_id is None else request_id
         prompt_index = arrival if prompt_index is None else prompt_index
+        vision, error = request_vision(self.model, prompt_ids, images)
         seqs = [
             Sequence(
                 seq_id=next(self._seq_ids),
@@ -254,10 +264,11 @@ class NativeEngine:
                 prompt_ids=list(prompt_ids),
                 params=sampling,
                 policy_version=self.policy_version,
+                vision=vision,
             )
             for j in range(max(sampling.n, 1))
         ]
-        error = self._request_problem(prompt_ids, sampling)
+        error = error or self._request_problem(prompt_ids, sampling)
         if error is not None:
             for seq in seqs:
                 seq.status, seq.finish_reason, seq.error = Status.FINISHED, "abort", error
@@ -291,6 +302,7 @@ class NativeEngine:
         request_id: str,
         prompt_index: int,
         sample_index: int,
+        images: ImageInputs | None = None,
     ) -> str:
         """Continue one sample from the tokens it had when it was aborted (e.g. across a weight
         update): its KV cache is rebuilt by a prefill of prompt + `output_ids` under the current
@@ -298,7 +310,8 @@ class NativeEngine:
         position len(output_ids) with the same seeded noise (`sample_index` as before). The
         completion carries the current policy version; `sampling.n` is ignored (one sample). MoE:
         its routes are those of the resuming weights for every position (the prefill recomputes them)."""
-        error = self._request_problem(prompt_ids, sampling)
+        vision, error = request_vision(self.model, prompt_ids, images)
+        error = error or self._request_problem(prompt_ids, sampling)
         if error is not None or len(logprobs) != len(output_ids):
             raise ValueError(
                 error or f"resume_request: {len(logprobs)} logprobs for {len(output_ids)} output tokens"
@@ -313,6 +326,7 @@ class NativeEngine:
             policy_version=self.policy_version,
             output_ids=list(output_ids),
             logprobs=list(logprobs),
+            vision=vision,
         )
         self.scheduler.add(seq)
         return request_id
@@ -384,6 +398,20 @@ class NativeEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._ready) or self._in_flight is not None
 
+    def partial(self, request_ids: Collection[str]) -> list[Partial]:
+        """The resolved tokens of the unfinished samples of `request_ids` (a launched step's pending
+        tokens, `sequence.pending`, are the last ones and are left out)."""
+        out = []
+        for leader in (*self.scheduler.running, *self.scheduler.waiting):
+            for seq in (leader, *leader.forks):
+                if seq.request_id not in request_ids or seq.finish_reason is not None:
+                    continue
+                k = len(seq.output_ids)
+                while k and seq.output_ids[k - 1] < 0:
+                    k -= 1
+                out.append(Partial(seq.request_id, seq.sample_index, seq.output_ids[:k], seq.logprobs[:k]))
+        return out
+
     def abort(self, request_ids: Iterable[str]) -> None:
         """End these requests; their completions (tokens so far, "abort") come out of the next step()."""
         self._drain()
@@ -393,9 +421,13 @@ class NativeEngine:
     # ---- batch API ------------------------------------------------------------------------------
 
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams | list[SamplingParams],
+        images: list[ImageInputs | None] | None = None,
     ) -> list[Completion]:
-        """Completions of every prompt, ordered by (prompt index, sample index)."""
+        """Completions of every prompt, ordered by (prompt index, sample index); `images`: each
+        prompt's, or None."""
         per_prompt = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(
@@ -407,7 +439,7 @@ class NativeEngine:
                 "generate: requests added with add_request are still in flight. Fix: step() them out first."
             )
         for i, (prompt, params) in enumerate(zip(prompts, per_prompt)):
-            self.add_request(prompt, params, request_id=str(i), prompt_index=i)
+            self.add_request(prompt, params, request_id=str(i), prompt_index=i, images=images and images[i])
         out: list[Completion] = []
         while self.has_unfinished():
             out += self.step()

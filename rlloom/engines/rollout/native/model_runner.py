@@ -53,6 +53,7 @@ from rlloom.engines.rollout.native.paged_decode import (
     shared_prefix_groups,
 )
 from rlloom.engines.rollout.native.sequence import Sequence, take_pending
+from rlloom.engines.rollout.native.vision import prefill_rows
 from rlloom.models.args import ModelArgs
 from rlloom.models.model import CausalLM
 
@@ -103,7 +104,9 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.max_members = max_group_members(model.args.num_heads, model.args.kv_cache.num_heads)
-        self.use_graphs = self.device.type == "cuda" and not enforce_eager
+        # A vision-language model's decode positions are shifted per sequence (M-RoPE's delta), which
+        # the captured graphs' inputs do not carry yet: it decodes eagerly.
+        self.use_graphs = self.device.type == "cuda" and not enforce_eager and model.args.vision is None
         self.compiled_forward = compile_decode_forward(model) if self.use_graphs and compile else None
         """The decode forward the graphs capture when compiled (None: the plain one; one compilation
         per runner: the backend handle stays the same across sleep/wake, so guards keep matching)."""
@@ -226,9 +229,32 @@ class ModelRunner:
         # The compiled layers take any token count: a prefill through them launches a few fused
         # kernels a layer instead of dozens (an eager prefill step was host-bound on an H200).
         forward = self.compiled_forward or self.model.hidden_states
-        hidden_ND = forward(self._tensor(ids), position_ids=self._tensor(positions), attn=self.backend)
+        if self.model.args.vision is not None:
+            hidden_ND = self._prefill_vision(seqs, ids)
+        else:
+            hidden_ND = forward(self._tensor(ids), position_ids=self._tensor(positions), attn=self.backend)
         self._record_routes()
         return hidden_ND[self._tensor(last)]
+
+    def _prefill_vision(self, seqs: list[Sequence], ids: list[int]) -> torch.Tensor:
+        """The prefill forward of a vision-language model: M-RoPE positions [3, N] and the prompts'
+        image features in place of their image tokens (vision.py)."""
+        positions, embeds, index, offset = [], [], [], 0
+        for seq in seqs:
+            start, end = seq.num_cached_tokens, seq.num_tokens
+            pos, rows, offsets = prefill_rows(seq.prompt_ids, seq.vision, start, end)
+            positions.append(pos)
+            if rows is not None and offsets:
+                embeds.append(rows)
+                index += [offset + i for i in offsets]
+            offset += end - start
+        return self.model.hidden_states(
+            self._tensor(ids),
+            position_ids=to_device(torch.cat(positions, dim=1), self.device),
+            attn=self.backend,
+            image_embeds=torch.cat(embeds) if embeds else None,
+            image_index=self._tensor(index) if embeds else None,
+        )
 
     def _decode_rows(self, seqs: list[Sequence]) -> np.ndarray:
         """[S, table_column(M) + B] int64 in the column layout above (B = the longest table, padded
@@ -308,6 +334,10 @@ class ModelRunner:
         )
         tokens_S = staged[:, TOKEN]
         ids_S = tokens_S if pending_R is None else take_pending(tokens_S, pending_R)
-        hidden_SD = self.model.hidden_states(ids_S, position_ids=positions_S, attn=self.backend)
+        rope_S = positions_S
+        if self.model.args.vision is not None:  # M-RoPE: generated tokens sit at index + delta
+            deltas = [0 if s.vision is None else s.vision.delta for s in seqs]
+            rope_S = positions_S + self._tensor(deltas)
+        hidden_SD = self.model.hidden_states(ids_S, position_ids=rope_S, attn=self.backend)
         self._record_routes()
         return hidden_SD

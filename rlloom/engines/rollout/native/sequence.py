@@ -22,6 +22,7 @@ import torch
 
 from rlloom.data.types import FinishReason
 from rlloom.engines.rollout.base import Completion, SamplingParams
+from rlloom.engines.rollout.native.vision import VisionPrompt
 
 
 def pending(row: int) -> int:
@@ -65,6 +66,8 @@ class Sequence:
     """MoE: the experts used at positions 0, 1, ... in order, as [n, MoE layers, K] chunks on CPU."""
     num_routed: int = 0
     """Positions covered by `route_chunks` (a recomputed prefill after preemption keeps the originals)."""
+    vision: VisionPrompt | None = None
+    """The prompt's image features and M-RoPE positions (the same object for the request's n samples)."""
 
     def record_routes(self, start: int, routes: torch.Tensor) -> None:
         """Keep the routes of positions start.. that are not recorded yet."""

@@ -1,0 +1,81 @@
+"""Images in the rollout engine (Qwen2.5-VL): a prompt's image features, computed once when the
+request arrives and shared by its n samples, and the 3-D positions of its tokens.
+
+A prefill of tokens start..end of a sequence takes the feature rows of the prompt's image tokens in
+that range (a re-prefill after preemption, or one that resumes after a weight update, covers any
+part of the prompt) and M-RoPE positions: the prompt's own (`mrope.mrope_positions`), and for
+generated tokens their index + delta on all three axes. Decode steps need only that shift, so they
+run with one position per token (`rope_positions`).
+
+A generated token that happens to be the image placeholder stays a text token (only the prompt's
+placeholders get features), as in transformers' generate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlloom.data.images import ImageInputs
+from rlloom.models.model import CausalLM
+from rlloom.models.mrope import decode_delta, mrope_positions
+
+
+@dataclass(frozen=True, slots=True)
+class VisionPrompt:
+    """What the engine keeps of one prompt's images (one object for the request's n sequences)."""
+
+    embeds_MD: torch.Tensor
+    """[M, D] the tower's features of the prompt's M image tokens, in order, on the model's device."""
+    positions_3T: torch.Tensor
+    """[3, T] long M-RoPE positions of the prompt's T tokens (host)."""
+    image_token_id: int
+
+    @property
+    def delta(self) -> int:
+        """Generated token j (sequence index) sits at position j + delta."""
+        return decode_delta(self.positions_3T)
+
+
+@torch.no_grad()
+def encode_images(model: CausalLM, prompt_ids: list[int], images: ImageInputs) -> VisionPrompt:
+    """Run the vision tower once for a prompt (ValueError when the images do not fit the prompt)."""
+    vision = model.args.vision
+    assert vision is not None and model.visual is not None, "images reach only vision-language models"
+    positions = mrope_positions(prompt_ids, images.grid_thw.tolist(), vision)
+    param = next(model.visual.parameters())
+    embeds = model.visual(images.pixel_values.to(param.device, param.dtype), images.grid_thw)
+    return VisionPrompt(embeds_MD=embeds, positions_3T=positions, image_token_id=vision.image_token_id)
+
+
+def request_vision(
+    model: CausalLM, prompt_ids: list[int], images: ImageInputs | None
+) -> tuple[VisionPrompt | None, str | None]:
+    """(a request's encoded images or None, why its images cannot be used or None)."""
+    if images is None:
+        return None, None
+    if model.args.vision is None:
+        return None, f"the request has images but the {model.args.model_type} model has no vision tower"
+    try:
+        return encode_images(model, prompt_ids, images), None
+    except ValueError as err:
+        return None, str(err)
+
+
+def prefill_rows(
+    prompt_ids: list[int], vision: VisionPrompt | None, start: int, end: int
+) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    """For tokens start..end of a sequence whose prompt is `prompt_ids`: ([3, end - start] positions,
+    [k, D] feature rows of its image tokens or None, their offsets within start..end)."""
+    num_prompt = len(prompt_ids)
+    tail = torch.arange(max(start, num_prompt), end)
+    if vision is None:
+        return torch.arange(start, end).expand(3, -1), None, []
+    head = vision.positions_3T[:, start : min(end, num_prompt)]
+    positions = torch.cat([head, (tail + vision.delta).expand(3, -1)], dim=1)
+    first = sum(1 for t in prompt_ids[:start] if t == vision.image_token_id)
+    offsets = [
+        i - start for i in range(start, min(end, num_prompt)) if prompt_ids[i] == vision.image_token_id
+    ]
+    return positions, vision.embeds_MD[first : first + len(offsets)], offsets
