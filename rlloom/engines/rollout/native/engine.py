@@ -31,11 +31,8 @@ CUDA graphs are captured again on first use).
 from __future__ import annotations
 
 import itertools
-import json
 import os
-import random
 from collections.abc import Callable, Collection, Iterable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -45,68 +42,18 @@ from rlloom.data.images import ImageInputs
 from rlloom.devices import to_device
 from rlloom.engines.rollout.base import Completion, Partial, SamplingParams
 from rlloom.engines.rollout.native.block_manager import BlockManager
+from rlloom.engines.rollout.native.engine_parts import build_sampler, caches_prefixes, eos_ids, prepare
 from rlloom.engines.rollout.native.in_flight import HostBuffers, InFlight, launched, route_spans
 from rlloom.engines.rollout.native.model_runner import ModelRunner
-from rlloom.engines.rollout.native.sampler import Sampler, SamplingRows, noise_key
+from rlloom.engines.rollout.native.sampler import SamplingRows, noise_key
 from rlloom.engines.rollout.native.scheduler import Batch, Scheduler
 from rlloom.engines.rollout.native.sequence import Sequence, Status
-from rlloom.engines.rollout.native.tensor_parallel import TPShards, shard_model, shared_seed
 from rlloom.engines.rollout.native.tp_weights import load_sharded, shard_dims_by_hf_name
 from rlloom.engines.rollout.native.validation import kv_cache_blocks, request_problem
 from rlloom.engines.rollout.native.vision import request_vision
-from rlloom.engines.rollout.native.vocab_parallel import VocabParallelSampler
 from rlloom.models.args import ModelArgs
 from rlloom.models.exact import exact_numerics
-from rlloom.models.fp8 import FP8_NEEDS_EXPERTS, quantize_fp8_
-from rlloom.models.moe import use_inference_kernel_
 from rlloom.observability.startup import mark_first_token
-
-
-def _eos_ids(model: torch.nn.Module) -> list[int]:
-    """EOS ids from config.json and, when the model came from a folder, generation_config.json."""
-    found: list[int] = []
-    sources = [model.hf_config]
-    gen_file = Path(model.source_path or "", "generation_config.json")
-    if model.source_path and gen_file.is_file():
-        sources.append(json.loads(gen_file.read_text()))
-    for cfg in sources:
-        eos = cfg.get("eos_token_id")
-        found += [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    return sorted(set(found))
-
-
-def _prepare(
-    model: torch.nn.Module, quantization: str, tp_group: dist.ProcessGroup | None
-) -> TPShards | None:
-    """Ready `model` for decoding in place: fp8 experts (quantization="fp8"; the one check that needs
-    the model), the inference kernel for MoE layers, this rank's shard under tensor parallelism
-    (returned; None without)."""
-    if quantization == "fp8" and quantize_fp8_(model) == 0:
-        raise ValueError(
-            f"NativeEngine quantization='fp8' is invalid: {FP8_NEEDS_EXPERTS}. Fix: use none for a dense model."
-        )
-    use_inference_kernel_(model)  # decode's expert products near the memory bound (models/moe.py)
-    if tp_group is None or dist.get_world_size(tp_group) == 1:
-        return None
-    assert quantization == "none", "fp8 is not built for tensor-parallel replicas (rollout.quantization)"
-    return getattr(model, "tp_shards", None) or shard_model(model, tp_group)
-
-
-def _sampler(
-    device: torch.device, seed: int | None, tp: TPShards | None, tp_group: dist.ProcessGroup | None
-) -> Sampler | VocabParallelSampler:
-    """The engine's sampler: seeded at random when `seed` is None, the one seed of every rank of a
-    tensor-parallel replica (`shared_seed`), which samples from its vocabulary slice."""
-    if tp is None:
-        return Sampler(device, seed if seed is not None else random.randrange(2**62))
-    return VocabParallelSampler(device, shared_seed(seed, tp_group, device), tp)
-
-
-def _caches_prefixes(model: torch.nn.Module, runner: ModelRunner) -> bool:
-    """Whether finished blocks may serve later requests: not for MoE models (the routes of cached
-    positions would be missing) nor vision-language ones (blocks are keyed on token ids, and every
-    image's placeholders are the same ids)."""
-    return runner.route_dtype is None and model.args.vision is None
 
 
 class NativeEngine:
@@ -139,14 +86,14 @@ class NativeEngine:
         same arguments) this rank keeps its shard of the model (tensor_parallel.py) and samples from
         its vocabulary slice (vocab_parallel.py). `enable_prefix_caching` keeps the keys and values of
         finished sequences' full blocks for later requests that start with the same tokens (multi-turn
-        episodes: a trajectory's next turn; block_manager.py), except where `_caches_prefixes` says no.
+        episodes: a trajectory's next turn; block_manager.py), except where `engine_parts.caches_prefixes` says no.
         `exact` runs the forward and the sampler's logprobs with batch-invariant numerics, eagerly."""
         # The settings were checked where the run config was read (rlloom/config/rollout.py).
         assert max_model_len >= 2 and max_num_batched_tokens >= 1, (max_model_len, max_num_batched_tokens)
         self.model = model.eval()
         self.exact = exact  # rollout.match_training: a token's logprob equals the training forward's
         self.device = next(model.parameters()).device
-        self.tp = _prepare(model, quantization, tp_group)
+        self.tp = prepare(model, quantization, tp_group)
         """This rank's part of a tensor-parallel replica (None: the whole model on one device)."""
         num_blocks = kv_cache_blocks(
             model.args,
@@ -166,7 +113,7 @@ class NativeEngine:
             # A preempted sequence of up to max_model_len tokens must fit in one prefill.
             max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
             max_model_len=max_model_len,
-            eos_token_ids=_eos_ids(model) if eos_token_ids is None else eos_token_ids,
+            eos_token_ids=eos_ids(model) if eos_token_ids is None else eos_token_ids,
             decode=decode,
         )
         self.runner = ModelRunner(
@@ -178,9 +125,9 @@ class NativeEngine:
             enforce_eager=enforce_eager or exact,
             compile=compile and not exact,
         )
-        if not _caches_prefixes(model, self.runner):
+        if not caches_prefixes(model, self.runner):
             self.block_manager.enable_prefix_caching = False
-        self.sampler = _sampler(self.device, seed, self.tp, tp_group)
+        self.sampler = build_sampler(self.device, seed, self.tp, tp_group)
         self._seq_ids, self._arrivals = itertools.count(), itertools.count()
         self._ready: list[Completion] = []
         self._in_flight: InFlight | None = None
