@@ -37,7 +37,7 @@ from rlloom.agents.turns import Formats, StreamCursor, assistant_message, make_c
 from rlloom.data.dataset import PromptItem
 from rlloom.data.types import Sample
 from rlloom.engines.rollout import Completion, Partial, SamplingParams
-from rlloom.episodes.calls import EnvCalls, EnvResult
+from rlloom.episodes.calls import EnvCalls, EnvResult, GroupCalls, prompt_row
 from rlloom.episodes.driver import TurnRequest
 
 log = logging.getLogger(__name__)
@@ -96,14 +96,13 @@ class AgentDriver:
         fmt: Formats,
         stop_token_ids: list[int],
     ) -> None:
-        self.settings, self.calls, self.endpoint, self.fmt = settings, calls, endpoint, fmt
+        self.settings, self.pool, self.endpoint, self.fmt = settings, GroupCalls(calls), endpoint, fmt
         self.stop_token_ids = stop_token_ids
         self.groups: dict[Any, _Group] = {}
         self.sessions: dict[str, _Session] = {}
         self.engine: dict[int, tuple[_Pending, int]] = {}
         """Engine request id -> (its HTTP request, which choice)."""
         self._ids = itertools.count()
-        self.epoch = 0
         self._warned = False
 
     # ---- start ----------------------------------------------------------------------------------
@@ -120,7 +119,7 @@ class AgentDriver:
         ]
         self.groups[key] = _Group(item=item, sampling=sampling, sessions=sessions, ids=ids)
         self.sessions.update(zip(ids, sessions))
-        row = {"prompt": item.prompt, "ground_truth": item.ground_truth, **item.metadata}
+        row = prompt_row(item)
         kwargs = {
             "model": self.endpoint.model_id,
             "temperature": sampling.temperature,
@@ -128,18 +127,15 @@ class AgentDriver:
             "max_tokens": sampling.max_new_tokens,
         }
         for j, sid in enumerate(ids):
-            self.calls.submit(
-                (self.epoch, key, j), None, "run", (self.endpoint.session_url(sid), row, dict(kwargs))
-            )
+            self.pool.submit(key, j, None, "run", (self.endpoint.session_url(sid), row, dict(kwargs)))
 
     # ---- requests and answers -------------------------------------------------------------------
 
     def poll(self, timeout_s: float) -> list[TurnRequest]:
         """Engine requests for the endpoint's new requests; agents that ended end their trajectory."""
         out = [t for call in self.endpoint.take() for t in self._on_call(call)]
-        for result in self.calls.poll(0.0 if out else timeout_s):
-            epoch, key, j = result.key
-            if epoch == self.epoch and key in self.groups:
+        for key, j, result in self.pool.poll(0.0 if out else timeout_s):
+            if key in self.groups:
                 self._on_agent(self.groups[key], j, result)
         return out
 
@@ -263,7 +259,7 @@ class AgentDriver:
     @property
     def waiting(self) -> bool:
         """Agents are running (their requests may arrive at any time)."""
-        return self.calls.num_in_flight > 0
+        return self.pool.waiting
 
     def finished(self, key: Any) -> bool:
         group = self.groups.get(key)
@@ -285,10 +281,10 @@ class AgentDriver:
         self.groups.clear()
         self.sessions.clear()
         self.engine.clear()
-        self.epoch += 1
+        self.pool.forget()
 
     def close(self) -> None:
-        self.calls.close()
+        self.pool.close()
         self.endpoint.close()
 
     # ---- samples --------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any
 
+from rlloom.data.dataset import PromptItem
 from rlloom.episodes.tools import ToolEnv, tool_schema
 from rlloom.episodes.types import as_env_step, check_messages
 from rlloom.rewards.process import WorkerProcess
@@ -321,3 +322,42 @@ class EnvCalls:
         self._busy[k] = None
         self._workers[k].kill()
         self._workers[k] = self._start()
+
+
+def prompt_row(item: PromptItem) -> dict[str, Any]:
+    """The data row an environment's `reset` (or an agent) receives: the prompt, its ground truth
+    and the row's other columns."""
+    return {"prompt": item.prompt, "ground_truth": item.ground_truth, **item.metadata}
+
+
+@dataclass(slots=True)
+class GroupCalls:
+    """A driver's view of the pool (the episode and the agent drivers share it): one call at a time
+    per trajectory `j` of a prompt group `key`, under the current epoch. `forget` starts a new
+    epoch, and the calls of the dropped groups still in flight never come out of `poll`."""
+
+    calls: EnvCalls
+    epoch: int = 0
+
+    def submit(self, key: Any, j: int, env: Any, method: str, arg: Any) -> None:
+        self.calls.submit((self.epoch, key, j), env, method, arg)
+
+    def poll(self, timeout_s: float) -> list[tuple[Any, int, EnvResult]]:
+        """(group key, trajectory, result) of this epoch's calls finished since the last poll."""
+        out = []
+        for result in self.calls.poll(timeout_s):
+            epoch, key, j = result.key
+            if epoch == self.epoch:
+                out.append((key, j, result))
+        return out
+
+    @property
+    def waiting(self) -> bool:
+        """Calls are in flight."""
+        return self.calls.num_in_flight > 0
+
+    def forget(self) -> None:
+        self.epoch += 1
+
+    def close(self) -> None:
+        self.calls.close()

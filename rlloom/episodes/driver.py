@@ -31,7 +31,7 @@ from rlloom.data.chat import prompt_messages
 from rlloom.data.dataset import PromptItem
 from rlloom.data.types import Sample
 from rlloom.engines.rollout import Completion, SamplingParams
-from rlloom.episodes.calls import EnvCalls, EnvResult
+from rlloom.episodes.calls import EnvCalls, EnvResult, GroupCalls, prompt_row
 from rlloom.episodes.render import Rendered, encode, extension_ids, render_conversation
 from rlloom.episodes.tools import TOOL_PARSERS, strip_tool_calls
 from rlloom.episodes.trajectory import Segment, Trajectory, truncate_ids
@@ -94,8 +94,11 @@ class EpisodeDriver:
     """The run's response decoding (control tokens inside a turn visible, its final stop token left
     out): an assistant message's content."""
     groups: dict[Any, _Group] = field(default_factory=dict)
-    epoch: int = 0
-    """Bumped by `forget`: calls submitted before it come back under an older epoch and are ignored."""
+    pool: GroupCalls = field(init=False)
+    """`calls` as the driver uses them: a call per trajectory, those of forgotten groups ignored."""
+
+    def __post_init__(self) -> None:
+        self.pool = GroupCalls(self.calls)
 
     # ---- start ----------------------------------------------------------------------------------
 
@@ -103,9 +106,9 @@ class EpisodeDriver:
         """Build and reset the n environments of one prompt."""
         n = max(sampling.n, 1)
         self.groups[key] = _Group(item=item, sampling=sampling, trajs=[None] * n, resets_left=n)
-        row = {"prompt": item.prompt, "ground_truth": item.ground_truth, **item.metadata}
+        row = prompt_row(item)
         for j in range(n):
-            self.calls.submit((self.epoch, key, j), None, "reset", row)
+            self.pool.submit(key, j, None, "reset", row)
 
     def _on_reset(self, key: Any, j: int, result: EnvResult) -> list[TurnRequest]:
         group = self.groups[key]
@@ -160,7 +163,7 @@ class EpisodeDriver:
         traj.messages.append(message)
         if c.finish_reason != "stop":
             return self._end(key, j, reason=c.finish_reason)
-        self.calls.submit((self.epoch, key, j), traj.env, "step", [dict(m) for m in traj.messages])
+        self.pool.submit(key, j, traj.env, "step", [dict(m) for m in traj.messages])
 
     def _on_step(self, key: Any, j: int, result: EnvResult) -> list[TurnRequest]:
         group = self.groups[key]
@@ -204,10 +207,9 @@ class EpisodeDriver:
     def poll(self, timeout_s: float) -> list[TurnRequest]:
         """Requests for the turns whose environment calls came back."""
         out: list[TurnRequest] = []
-        for result in self.calls.poll(timeout_s):
-            epoch, key, j = result.key
+        for key, j, result in self.pool.poll(timeout_s):
             group = self.groups.get(key)
-            if epoch != self.epoch or group is None:
+            if group is None:
                 continue  # its group was dropped (a drain before a checkpoint)
             out += self._on_reset(key, j, result) if group.trajs[j] is None else self._on_step(key, j, result)
         return out
@@ -215,7 +217,7 @@ class EpisodeDriver:
     @property
     def waiting(self) -> bool:
         """Environment calls are in flight."""
-        return self.calls.num_in_flight > 0
+        return self.pool.waiting
 
     def finished(self, key: Any) -> bool:
         group = self.groups.get(key)
@@ -229,10 +231,10 @@ class EpisodeDriver:
     def forget(self) -> None:
         """Drop every group (the stream dropped its requests); calls in flight are ignored."""
         self.groups.clear()
-        self.epoch += 1
+        self.pool.forget()
 
     def close(self) -> None:
-        self.calls.close()
+        self.pool.close()
 
     # ---- helpers --------------------------------------------------------------------------------
 

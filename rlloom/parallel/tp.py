@@ -1,6 +1,7 @@
 """Tensor and sequence parallelism (Megatron-LM, Shoeybi et al. 2019; Korthikanti et al. 2022) as
-DTensor plans kept as data, one per building block (a model family is a choice of blocks:
-rlloom/models/families/).
+DTensor plans. What is split how is the model family's plan (`Family.tp`, rlloom/models/families/
+tp_plan.py), which the rollout's tensor parallelism reads too; this module turns each `Split` into a
+DTensor style (`_style`).
 
 Layout of the residual stream (the packed [N, D] stream the training engine runs; N must be a
 multiple of tp): sharded over tokens (Shard(0), "sequence parallel") between blocks, where only
@@ -10,16 +11,16 @@ width), the output and down projections row-wise, and their partial sums are red
 onto the token shards. The embedding and the lm head are sharded over the vocabulary (Shard(0) of
 the [V, D] weight); the head never gathers full logits (see `vocab_parallel.py`).
 
-Blocks:
-- dense GQA (Llama, Qwen2 with q/k/v biases, Qwen3 with QK-norm): the QK-norms run on the local
-  heads with a replicated weight whose gradient is summed over the TP ranks.
-- Qwen3-MoE / Mixtral: the same attention; the MoE layer runs on all tokens of the TP group with
-  replicated weights, or, when expert parallelism (`ep.py`) borrows the TP ranks, each rank routes
-  its own token shard to the experts (never split within an expert) and the router's and shared
-  experts' gradients are summed over TP.
-- DeepSeek-V3 MLA: the low-rank q_a/kv_a projections and their norms are replicated, q_b/kv_b
-  column-wise. The rope key k_pe comes out of kv_a and is shared by every head, so its gradient is
-  a partial sum over the TP ranks' heads: the kv_a output all-reduces that slice of its gradient.
+What the splits need beyond a torch style:
+- HEAD_NORM (Qwen3's QK-norms) runs on the local heads with a replicated weight whose gradient is
+  summed over the TP ranks.
+- EXPERTS: the MoE layer runs on all tokens of the TP group with replicated weights, or, when
+  expert parallelism (`ep.py`) borrows the TP ranks, each rank routes its own token shard to the
+  experts (never split within an expert) and the router's and shared experts' gradients are summed
+  over TP.
+- SHARED_KEY (DeepSeek-V3's kv_a): the rope key k_pe comes out of kv_a and is shared by every head,
+  so its gradient is a partial sum over the TP ranks' heads: the kv_a output all-reduces that slice
+  of its gradient. The low-rank q_a/kv_a and their norms are REPLICATED, q_b/kv_b column-wise.
 
 `apply_tp(model, tp_mesh)` distributes the parameters in place and sets each attention module's
 head counts to its local heads. Only the training form of the model is supported (separate
@@ -39,13 +40,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from rlloom.models.args import ModelArgs
+from rlloom.models.families import FAMILIES
+from rlloom.models.families.tp_plan import LayerPlan, Split, held
 from rlloom.models.lora import LoRALinear
 from rlloom.parallel.layers import decoder_layers, layer_items
 
@@ -100,57 +102,22 @@ class ReplicatedSharedKey(Replicated):
         return module
 
 
-def _gather_tokens(num_args: int) -> PrepareModuleInput:
-    """All-gather the first input (the token shards) before a block part; pass the others as they are."""
-    rest = (None,) * (num_args - 1)
-    return PrepareModuleInput(
-        input_layouts=(TOKENS, *rest), desired_input_layouts=(Replicate(), *rest), use_local_output=True
-    )
+class GatherTokens(ParallelStyle):
+    """All-gather a block's first input (the token shards) before the block runs; its other inputs
+    (rope tables, the attention layout) pass as they are."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(_module: nn.Module, args: tuple) -> tuple:
+            x, *rest = args
+            return (_token_shards(x, device_mesh).redistribute(device_mesh, [Replicate()]).to_local(), *rest)
+
+        module.register_forward_pre_hook(gather)
+        return module
 
 
-def _mlp_plan(prefix: str) -> dict[str, ParallelStyle]:
-    return {
-        prefix: _gather_tokens(1),
-        f"{prefix}.w1": ColwiseParallel(),
-        f"{prefix}.w3": ColwiseParallel(),
-        f"{prefix}.w2": RowwiseParallel(output_layouts=TOKENS),
-    }
-
-
-def _gqa_attention_plan(args: ModelArgs) -> dict[str, ParallelStyle]:
-    plan: dict[str, ParallelStyle] = {
-        "attention": _gather_tokens(4),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=TOKENS),
-    }
-    if args.qk_norm:  # q/k [N, local heads, head_dim]: a replicated weight over sharded heads
-        plan["attention.q_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
-        plan["attention.k_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
-    return plan
-
-
-def _mla_attention_plan(args: ModelArgs) -> dict[str, ParallelStyle]:
-    assert args.mla is not None
-    plan: dict[str, ParallelStyle] = {
-        "attention": _gather_tokens(4),
-        "attention.wkv_a": ReplicatedSharedKey(args.mla.qk_rope_head_dim),
-        "attention.kv_norm": Replicated(),
-        "attention.wkv_b": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=TOKENS),
-    }
-    if args.mla.q_lora_rank is None:
-        plan["attention.wq"] = ColwiseParallel()
-    else:
-        plan.update(
-            {
-                "attention.wq_a": Replicated(),
-                "attention.q_norm": Replicated(),
-                "attention.wq_b": ColwiseParallel(),
-            }
-        )
-    return plan
+def _token_shards(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """The packed stream as the DTensor of its token shards (`x` this rank's shard, or already one)."""
+    return x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [TOKENS], run_check=False)
 
 
 class MoETokens(ParallelStyle):
@@ -172,16 +139,14 @@ class MoETokens(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         rank = device_mesh.get_local_rank()
 
-        def shard_of(x: torch.Tensor) -> DTensor:
-            if isinstance(x, DTensor):
-                return x
-            return DTensor.from_local(x, device_mesh, [TOKENS], run_check=False)
-
         def inputs_fn(_module: nn.Module, args: tuple) -> tuple:
             x, *rest = args
             if not self.experts_parallel:
-                return (shard_of(x).redistribute(device_mesh, [Replicate()]).to_local(), *rest)
-            x = shard_of(x).to_local()
+                return (
+                    _token_shards(x, device_mesh).redistribute(device_mesh, [Replicate()]).to_local(),
+                    *rest,
+                )
+            x = _token_shards(x, device_mesh).to_local()
             if rest and rest[0] is not None:
                 rest[0] = rest[0][rank * x.shape[0] : (rank + 1) * x.shape[0]]
             return (x, *rest)
@@ -197,21 +162,58 @@ class MoETokens(ParallelStyle):
         return module
 
 
-def _moe_plan(experts_parallel: bool) -> dict[str, ParallelStyle]:
-    return {"moe": MoETokens(experts_parallel)}
+def _held(args: ModelArgs, layer: nn.Module) -> LayerPlan:
+    """The entries of the layer's family plan (`Family.tp`) for the modules this layer holds."""
+    plan = FAMILIES[args.model_type].tp
+    return {path: split for path, split in plan.items() if held(layer, path) is not None}
 
 
-def layer_plan(args: ModelArgs, layer_idx: int, experts_parallel: bool = False) -> dict[str, ParallelStyle]:
-    """The plan of decoder layer `layer_idx` (keys relative to the layer); `experts_parallel` when
-    `ep.apply_ep` splits the experts over ranks that include the TP ranks."""
-    plan: dict[str, ParallelStyle] = {
-        "attention_norm": SequenceParallel(sequence_dim=0),
-        "ffn_norm": SequenceParallel(sequence_dim=0),
+def _style(split: Split, args: ModelArgs, experts_parallel: bool) -> ParallelStyle:
+    """The DTensor style of one `Split` (the token stream between blocks on Shard(0))."""
+    match split:
+        case Split.COLUMN | Split.KV_COLUMN:
+            return ColwiseParallel()
+        case Split.ROW:
+            return RowwiseParallel(output_layouts=TOKENS)
+        case Split.REPLICATED:
+            return Replicated()
+        case Split.SHARED_KEY:
+            assert args.mla is not None
+            return ReplicatedSharedKey(args.mla.qk_rope_head_dim)
+        case Split.HEAD_NORM:  # [N, local heads, head_dim]: a replicated weight over sharded heads
+            return SequenceParallel(sequence_dim=1, use_local_output=True)
+        case Split.TOKEN_NORM:
+            return SequenceParallel(sequence_dim=0)
+        case Split.EXPERTS:
+            return MoETokens(experts_parallel)
+    raise AssertionError(split)
+
+
+def layer_plan(args: ModelArgs, held: LayerPlan, experts_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The DTensor plan of one decoder layer (keys relative to it) from the entries of its family's
+    plan that the layer holds (`_held`): each block whose modules the plan names (attention, the
+    dense MLP) gathers its token shards first. `experts_parallel` when `ep.apply_ep` splits the
+    experts over ranks that include the TP ranks."""
+    blocks = {path.rpartition(".")[0] for path in held} - {""}
+    plan: dict[str, ParallelStyle] = {block: GatherTokens() for block in sorted(blocks)}
+    return plan | {path: _style(split, args, experts_parallel) for path, split in held.items()}
+
+
+def _after_plan(layer: nn.Module, held: LayerPlan, tp_mesh: DeviceMesh, experts_parallel: bool) -> None:
+    """What a split layer needs beyond its styles: a block with column-split heads counts its local
+    heads (the model reshapes its projections into them); with expert parallelism an MoE layer's
+    router and shared experts sum their gradients over the TP ranks (`MoETokens`)."""
+    split_blocks = {
+        path.rpartition(".")[0] for path, how in held.items() if how in (Split.COLUMN, Split.KV_COLUMN)
     }
-    plan.update(_mla_attention_plan(args) if args.mla is not None else _gqa_attention_plan(args))
-    is_moe = args.moe is not None and layer_idx in args.moe.sparse_layers
-    plan.update(_moe_plan(experts_parallel) if is_moe else _mlp_plan("feed_forward"))
-    return plan
+    for block in map(layer.get_submodule, split_blocks - {""}):
+        for heads in ("num_heads", "num_kv_heads"):
+            if hasattr(block, heads):
+                setattr(block, heads, getattr(block, heads) // tp_mesh.size())
+    for path, how in held.items():
+        if experts_parallel and how is Split.EXPERTS:
+            moe = layer.get_submodule(path)
+            _sum_grads_over(moe, tp_mesh.get_group(), skip=moe.experts)
 
 
 def root_plan(args: ModelArgs, model: nn.Module) -> dict[str, ParallelStyle]:
@@ -252,15 +254,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, experts_parallel: bool = 
             )
     trainable = {name: p.requires_grad for name, p in model.named_parameters()}
     parallelize_module(model, tp_mesh, root_plan(args, model))
-    for key, layer in layer_items(decoder_layers(model)):  # a stage's ModuleDict keys: global indices
-        parallelize_module(layer, tp_mesh, layer_plan(args, int(key), experts_parallel))
+    for _, layer in layer_items(decoder_layers(model)):
+        held = _held(args, layer)
+        parallelize_module(layer, tp_mesh, layer_plan(args, held, experts_parallel))
         _place_adapters(layer, tp_mesh)
-        if experts_parallel and layer.moe is not None:
-            _sum_grads_over(layer.moe, tp_mesh.get_group(), skip=layer.moe.experts)
-        attention = layer.attention
-        attention.num_heads //= tp  # the model reshapes its projections into local heads
-        if hasattr(attention, "num_kv_heads"):
-            attention.num_kv_heads //= tp
+        _after_plan(layer, held, tp_mesh, experts_parallel)
     for name, param in model.named_parameters():
         # torch's parallel styles wrap what they distribute as new, trainable parameters: LoRA's
         # frozen base (and a frozen reference) must stay frozen

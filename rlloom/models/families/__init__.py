@@ -1,8 +1,8 @@
 """One home per model family (torchtitan's per-model folders are the example): each module here
-holds a family's reading of config.json (its `ModelArgs` fields) and its Hugging Face weight names,
-and `FAMILIES` registers it. Adding a family built from the existing blocks (GQA or MLA attention,
-dense MLP, MoE) is a module here plus its line below; tensor parallelism, training and rollout,
-follows from those blocks (see `base.Family`).
+holds a family's reading of config.json (its `ModelArgs` fields), its Hugging Face weight names and
+its tensor-parallel plan (`tp_plan.py`; training and rollout TP both read it), and `FAMILIES`
+registers it. Adding a family built from the existing blocks (GQA or MLA attention, dense MLP, MoE)
+is a module here plus its line below.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlloom.models.arg_parts import MLAArgs, MoEArgs, VisionArgs
+from rlloom.models.families.tp_plan import LayerPlan
 
 NORMS = {
     "input_layernorm.weight": "attention_norm.weight",
@@ -75,10 +76,8 @@ def uses_sliding_window(cfg: dict[str, Any]) -> bool:
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class Family:
-    """One model family: everything rlloom knows about it. Its tensor parallelism needs nothing here:
-    the training plan (rlloom/parallel/tp.py) and the rollout split (engines/rollout/native/
-    tensor_parallel.py) are written per building block (GQA or MLA attention, dense MLP, MoE), which
-    `args` selects through the `mla` and `moe` it returns."""
+    """One model family: everything rlloom knows about it, its tensor-parallel plan included (training
+    and rollout both read `tp`)."""
 
     model_types: tuple[str, ...]
     """The config.json `model_type`s it reads."""
@@ -86,6 +85,8 @@ class Family:
     """Its part of `ModelArgs.from_hf_config`: config.json -> the family-specific fields (ValueError
     for what rlloom does not implement)."""
     names: WeightNames
+    tp: LayerPlan
+    """How each module of its decoder layers splits over tensor-parallel ranks (`tp_plan.Split`)."""
     sliding_window: Callable[[dict[str, Any]], bool] = uses_sliding_window
     """How its config.json asks for sliding-window attention (when it has no `layer_types`)."""
     mtp_layers: bool = False

@@ -16,6 +16,7 @@ from rlloom.models.families.base import (
     FamilyArgs,
     WeightNames,
 )
+from rlloom.models.families.tp_plan import COLUMN, DENSE_MLP_TP, MOE_TP, NORMS_TP, ROW, LayerPlan, Split
 
 MLA = {
     "self_attn.q_proj.weight": "attention.wq.weight",
@@ -31,6 +32,17 @@ MLA = {
     "self_attn.o_proj.bias": "attention.wo.bias",
 }
 """MLA's Hugging Face names (the attention block of this family)."""
+MLA_TP: LayerPlan = {
+    "attention.wq": COLUMN,  # without q-LoRA; with it, q_a and its norm are replicated, q_b split
+    "attention.wq_a": Split.REPLICATED,
+    "attention.q_norm": Split.REPLICATED,
+    "attention.wq_b": COLUMN,
+    "attention.wkv_a": Split.SHARED_KEY,  # the latent and the rope key k_pe, shared by every head
+    "attention.kv_norm": Split.REPLICATED,
+    "attention.wkv_b": COLUMN,  # k_nope and v of each head (the training form: expanded per head)
+    "attention.wo": ROW,
+}
+"""MLA's tensor-parallel plan: by heads where a projection is per head, replicated where it is low rank."""
 
 
 def deepseek_v3_args(cfg: dict[str, Any]) -> FamilyArgs:
@@ -73,5 +85,6 @@ DEEPSEEK_V3 = Family(
     model_types=("deepseek_v3",),
     args=deepseek_v3_args,
     names=WeightNames(NORMS | MLA | DENSE_MLP | QWEN_MOE, QWEN_EXPERTS),
+    tp=NORMS_TP | MLA_TP | DENSE_MLP_TP | MOE_TP,
     mtp_layers=True,
 )

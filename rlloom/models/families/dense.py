@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlloom.models.families.base import DENSE_MLP, GQA, NORMS, Family, FamilyArgs, WeightNames
+from rlloom.models.families.tp_plan import DENSE_MLP_TP, GQA_TP, NORMS_TP, QK_NORM_TP
 
 
 def dense_args(cfg: dict[str, Any]) -> FamilyArgs:
@@ -16,5 +17,8 @@ def dense_args(cfg: dict[str, Any]) -> FamilyArgs:
 
 
 DENSE = Family(
-    model_types=("llama", "qwen2", "qwen3"), args=dense_args, names=WeightNames(NORMS | GQA | DENSE_MLP)
+    model_types=("llama", "qwen2", "qwen3"),
+    args=dense_args,
+    names=WeightNames(NORMS | GQA | DENSE_MLP),
+    tp=NORMS_TP | GQA_TP | QK_NORM_TP | DENSE_MLP_TP,  # QK-norm: Qwen3
 )

@@ -7,6 +7,7 @@ from typing import Any
 
 from rlloom.models.arg_parts import MoEArgs
 from rlloom.models.families.base import DENSE_MLP, GQA, NORMS, Family, FamilyArgs, WeightNames
+from rlloom.models.families.tp_plan import GQA_TP, MOE_TP, NORMS_TP
 
 
 def mixtral_args(cfg: dict[str, Any]) -> FamilyArgs:
@@ -33,5 +34,6 @@ MIXTRAL = Family(
         NORMS | GQA | DENSE_MLP | {"block_sparse_moe.gate.weight": "moe.router.gate.weight"},
         ("block_sparse_moe.experts.", {"w1": "w1", "w2": "w2", "w3": "w3"}),
     ),
+    tp=NORMS_TP | GQA_TP | MOE_TP,  # every layer is an MoE layer
     sliding_window=mixtral_window,
 )

@@ -12,6 +12,7 @@ from typing import Any
 
 from rlloom.models.arg_parts import VisionArgs
 from rlloom.models.families.base import DENSE_MLP, GQA, NORMS, Family, FamilyArgs, WeightNames
+from rlloom.models.families.tp_plan import DENSE_MLP_TP, GQA_TP, NORMS_TP
 
 _MODEL_TYPES = ("qwen2_5_vl",)
 
@@ -65,6 +66,7 @@ QWEN2_5_VL = Family(
     model_types=_MODEL_TYPES,
     args=qwen2_5_vl_args,
     names=WeightNames(NORMS | GQA | DENSE_MLP),
+    tp=NORMS_TP | GQA_TP | DENSE_MLP_TP,  # the decoder's (a vision model runs at tp=1 today: preflight)
     text_config=qwen2_5_vl_text_config,
     tower_prefix="visual.",
 )

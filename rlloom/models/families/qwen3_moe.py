@@ -16,6 +16,7 @@ from rlloom.models.families.base import (
     FamilyArgs,
     WeightNames,
 )
+from rlloom.models.families.tp_plan import DENSE_MLP_TP, GQA_TP, MOE_TP, NORMS_TP, QK_NORM_TP
 
 
 def qwen3_moe_args(cfg: dict[str, Any]) -> FamilyArgs:
@@ -37,4 +38,5 @@ QWEN3_MOE = Family(
     model_types=("qwen3_moe",),
     args=qwen3_moe_args,
     names=WeightNames(NORMS | GQA | DENSE_MLP | QWEN_MOE, QWEN_EXPERTS),
+    tp=NORMS_TP | GQA_TP | QK_NORM_TP | DENSE_MLP_TP | MOE_TP,
 )

@@ -1,7 +1,10 @@
 """Tensor parallelism of one rollout engine: `shard_model` cuts a loaded (fused) CausalLM down to the
 part one rank of a `rollout.tp` group runs, in place; `TPShards` records what each rank holds.
 
-The Megatron scheme (nano-vllm `layers/linear.py` and `layers/embed_head.py` follow it too):
+Which module of a decoder layer splits how is the model family's plan (`Family.tp`, rlloom/models/
+families/tp_plan.py), the one training's tensor parallelism reads too; `_Sharder.block` turns each
+`Split` into a cut. The Megatron scheme (nano-vllm `layers/linear.py` and `layers/embed_head.py`
+follow it too), as the families' plans give it:
 - attention: the fused q/k/v projection is column-parallel by heads (rank r keeps query heads
   [r Hq/tp, (r+1) Hq/tp) and their KV heads), the output projection row-parallel with ONE all-reduce.
   With tp > Hkv each rank keeps the one KV head its query heads read (KV heads replicated tp / Hkv
@@ -41,9 +44,9 @@ from torch import nn
 
 from rlloom.engines.rollout.native.tp_layers import ReducedMoE, RowParallelLinear, VocabParallelEmbedding
 from rlloom.models.args import ModelArgs
-from rlloom.models.attention import Attention
-from rlloom.models.layers import FusedLinear, SwiGLU
-from rlloom.models.mla import MLAttention
+from rlloom.models.families import FAMILIES
+from rlloom.models.families.tp_plan import MLP, LayerPlan, Split, held
+from rlloom.models.layers import FusedLinear
 from rlloom.models.moe import MoE
 
 
@@ -116,6 +119,16 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None, parts: dict[str, in
     return layer
 
 
+def _fused_parts(parent: nn.Module) -> dict[str, str]:
+    """Part name -> the name of the fused projection of `parent` that holds it (`wq` -> `wqkv`)."""
+    return {
+        part: name
+        for name, child in parent.named_children()
+        if isinstance(child, FusedLinear)
+        for part in child.parts
+    }
+
+
 class _Sharder:
     """Walks a model once, replacing modules by their shards and recording each native key's Shard."""
 
@@ -124,23 +137,62 @@ class _Sharder:
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.slices: dict[str, Shard | None] = {}
 
+    def layer(self, layer: nn.Module, prefix: str, plan: LayerPlan) -> None:
+        """Cut one decoder layer as its family's plan says, block by block (the modules it names
+        inside `attention` or `feed_forward`, and the layer's own: norms, the MoE)."""
+        blocks: dict[str, dict[str, Split]] = {}
+        for path, split in plan.items():
+            block, _, name = path.rpartition(".")
+            blocks.setdefault(block, {})[name] = split
+        for block, splits in blocks.items():
+            module = held(layer, block) if block else layer
+            if module is not None:
+                self.block(module, f"{prefix}.{block}" if block else prefix, splits, reduce=True)
+
+    def block(self, parent: nn.Module, prefix: str, splits: dict[str, Split], reduce: bool) -> None:
+        """Cut the children of `parent` that `splits` names (by name; the parts of a fused projection
+        by part name); the row-parallel ones all-reduce their output if `reduce`. An attention block
+        is left counting its local heads."""
+        columns: dict[str, dict[str, tuple[int, int]]] = {}  # holder -> {part: (start, length)}
+        fused = _fused_parts(parent)
+        for name, split in splits.items():
+            holder = fused.get(name, name)
+            child = getattr(parent, holder, None)
+            if child is None:
+                continue  # a module this block lacks
+            if split is Split.ROW:
+                self.row(parent, prefix, name, *self.split(child.weight.shape[1]), reduce=reduce)
+            elif split is Split.EXPERTS:
+                self.moe(child, f"{prefix}.{name}")
+            elif split in (Split.COLUMN, Split.KV_COLUMN):
+                width = child.parts[name] if name in fused else child.weight.shape[0]
+                rows = self.kv_rows(parent, width) if split is Split.KV_COLUMN else self.split(width)
+                columns.setdefault(holder, {})[name] = rows
+        for holder, parts in columns.items():
+            self.column(parent, prefix, holder, parts)
+        if columns and hasattr(parent, "num_heads"):  # the model reshapes its projections into local heads
+            parent.num_heads //= self.size
+            if hasattr(parent, "num_kv_heads"):  # replicated KV heads: one per rank
+                parent.num_kv_heads = max(1, parent.num_kv_heads // self.size)
+
     def column(self, parent: nn.Module, prefix: str, name: str, parts: dict[str, tuple[int, int]]) -> None:
         """Replace `parent.<name>` (a Linear, or FusedLinear whose parts are `parts`' keys) by the
         rows `parts[part] = (start, length)` of each part."""
         layer = getattr(parent, name)
         fused = isinstance(layer, FusedLinear)
-        offsets, ranges, offset = {}, [], 0
-        for part, width in (layer.parts if fused else {name: layer.weight.shape[0]}).items():
-            offsets[part] = offset
+        widths = layer.parts if fused else {name: layer.weight.shape[0]}
+        assert set(parts) == set(widths), f"{prefix}.{name}: the plan splits {set(parts)} of {set(widths)}"
+        ranges, offset = [], 0
+        for part, width in widths.items():  # the fused layer's order, which its forward splits its output in
+            start, length = parts[part]
+            ranges.append((offset + start, length))
             offset += width
-        for part, (start, length) in parts.items():
-            ranges.append((offsets[part] + start, length))
             key = f"{prefix}.{part}" if fused else f"{prefix}.{name}"
             self.slices[f"{key}.weight"] = Shard(0, start, length)
             if layer.bias is not None:
                 self.slices[f"{key}.bias"] = Shard(0, start, length)
         bias = None if layer.bias is None else _rows(layer.bias.data, ranges)
-        local_parts = {part: n for part, (_, n) in parts.items()} if fused else None
+        local_parts = {part: parts[part][1] for part in widths} if fused else None
         setattr(parent, name, _linear(_rows(layer.weight.data, ranges), bias, local_parts))
 
     def row(self, parent: nn.Module, prefix: str, name: str, start: int, length: int, reduce: bool) -> None:
@@ -156,61 +208,36 @@ class _Sharder:
         )
 
     def split(self, total: int) -> tuple[int, int]:
+        """This rank's (start, length) of `total` split evenly (whole heads, when `total` counts heads x D)."""
         n = total // self.size
         return self.rank * n, n
 
-    def attention(self, att: Attention, prefix: str) -> None:
-        hd, hq, hkv = att.head_dim, att.num_heads, att.num_kv_heads
-        q0, q_heads = self.split(hq)
-        if hkv >= self.size:
-            kv0, kv_heads = self.split(hkv)
-        else:  # replicated KV: the one head this rank's query heads read
-            kv0, kv_heads = self.rank * hkv // self.size, 1
-        parts = {
-            "wq": (q0 * hd, q_heads * hd),
-            "wk": (kv0 * hd, kv_heads * hd),
-            "wv": (kv0 * hd, kv_heads * hd),
-        }
-        if att.fused:
-            self.column(att, f"{prefix}.attention", "wqkv", parts)
-        else:
-            for name, rows in parts.items():
-                self.column(att, f"{prefix}.attention", name, {name: rows})
-        self.row(att, f"{prefix}.attention", "wo", q0 * hd, q_heads * hd, reduce=True)
-        att.num_heads, att.num_kv_heads = q_heads, kv_heads
-
-    def mla(self, att: MLAttention, prefix: str) -> None:
-        h0, heads = self.split(att.num_heads)
-        qk, kv = att.nope_dim + att.rope_dim, att.nope_dim + att.v_dim
-        q_name = "wq_b" if att.has_q_lora else "wq"
-        self.column(att, f"{prefix}.attention", q_name, {q_name: (h0 * qk, heads * qk)})
-        self.column(att, f"{prefix}.attention", "wkv_b", {"wkv_b": (h0 * kv, heads * kv)})
-        self.row(att, f"{prefix}.attention", "wo", h0 * att.v_dim, heads * att.v_dim, reduce=True)
-        att.num_heads = heads
-
-    def mlp(self, mlp: SwiGLU, prefix: str, reduce: bool) -> None:
-        i0, width = self.split(mlp.w2.weight.shape[1])
-        if mlp.fused:
-            self.column(mlp, prefix, "w13", {"w1": (i0, width), "w3": (i0, width)})
-        else:
-            self.column(mlp, prefix, "w1", {"w1": (i0, width)})
-            self.column(mlp, prefix, "w3", {"w3": (i0, width)})
-        self.row(mlp, prefix, "w2", i0, width, reduce=reduce)
+    def kv_rows(self, attention: nn.Module, width: int) -> tuple[int, int]:
+        """This rank's rows of a k or v projection: its KV heads, or, with fewer KV heads than ranks,
+        the one KV head its query heads read."""
+        kv_heads = attention.num_kv_heads
+        if kv_heads >= self.size:
+            return self.split(width)
+        head_dim = width // kv_heads
+        return self.rank * kv_heads // self.size * head_dim, head_dim
 
     def moe(self, moe: MoE, prefix: str) -> None:
+        """Every expert's width split like the dense MLP (`MLP`), the router whole, the shared experts
+        split like the MLP without an all-reduce of their own: one after routed + shared combine."""
         experts = moe.experts
-        i0, width = self.split(experts.w1.shape[1])
-        for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
+        for name, split in MLP.items():
+            dim = 1 if split is Split.COLUMN else 2  # stacked gate/up [E, I, D], down [E, D, I]
             full = getattr(experts, name)
+            i0, width = self.split(full.shape[dim])
             setattr(
                 experts,
                 name,
                 nn.Parameter(full.data.narrow(dim, i0, width).contiguous(), requires_grad=False),
             )
             # The adapter's per-expert slot drops the expert dim: gate/up [I, D] rows, down [D, I] columns.
-            self.slices[f"{prefix}.moe.experts.{name}"] = Shard(dim - 1, i0, width)
+            self.slices[f"{prefix}.experts.{name}"] = Shard(dim - 1, i0, width)
         if moe.shared_experts is not None:
-            self.mlp(moe.shared_experts, f"{prefix}.moe.shared_experts", reduce=False)
+            self.block(moe.shared_experts, f"{prefix}.shared_experts", dict(MLP), reduce=False)
         moe.__class__ = ReducedMoE
         moe.group = self.group
 
@@ -247,23 +274,14 @@ def shard_model(model: nn.Module, group: dist.ProcessGroup) -> TPShards:
     if problem is not None:
         raise ValueError(problem)
     sharder = _Sharder(model, group)
+    plan = FAMILIES[args.model_type].tp
     for i, layer in enumerate(model.layers):
-        prefix = f"layers.{i}"
-        if isinstance(layer.attention, MLAttention):
-            sharder.mla(layer.attention, prefix)
-        else:
-            sharder.attention(layer.attention, prefix)
-        if layer.moe is not None:
-            sharder.moe(layer.moe, prefix)
-        else:
-            sharder.mlp(layer.feed_forward, f"{prefix}.feed_forward", reduce=True)
+        sharder.layer(layer, f"layers.{i}", plan)
     start, rows = sharder.vocabulary(args.vocab_size)
-    attention = model.layers[0].attention
-    model.args = dataclasses.replace(
-        args,
-        num_heads=attention.num_heads,
-        num_kv_heads=getattr(attention, "num_kv_heads", attention.num_heads),
-    )
+    # This rank's heads (MLA's are its KV heads too); one KV head where tp exceeds the model's.
+    heads = args.num_heads // size
+    kv_heads = heads if args.mla is not None else max(1, args.num_kv_heads // size)
+    model.args = dataclasses.replace(args, num_heads=heads, num_kv_heads=kv_heads)
     model.tp_shards = TPShards(group, sharder.rank, size, args, start, rows, sharder.slices)
     return model.tp_shards
 

@@ -34,17 +34,12 @@ from rlloom.parallel.cp import CPShard, check_cp_layout
 from rlloom.parallel.vocab_parallel import vocab_parallel_token_logprobs
 
 
-class PolicyHead(nn.Module):
-    """Wraps a CausalLM (`self.model`); `forward` returns logprobs (and entropies) at K positions."""
+class StreamHead(nn.Module):
+    """A CausalLM (`self.model`) read out by a head at K positions of its packed stream, as one module
+    with one `forward`: `PolicyHead` (logprobs) and the critic's `ValueHead` (values) give `head`."""
 
-    def __init__(self, model: nn.Module, *, chunk_tokens: int, fused_head: bool = False) -> None:
-        super().__init__()
-        self.model = model
-        self.chunk_tokens = chunk_tokens
-        self.fused_head = fused_head
-        """Run the head's elementwise passes as Triton kernels (CUDA; see models/logprobs.py)."""
-        self.exact = False
-        """Batch-invariant numerics in the forward (rollout.match_training; models/exact.py)."""
+    exact = False
+    """Batch-invariant numerics in the forward (rollout.match_training; models/exact.py)."""
 
     def forward(
         self,
@@ -59,7 +54,7 @@ class PolicyHead(nn.Module):
         routes_NLK: torch.Tensor | None = None,
         cp: CPShard | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """fp32 log p(targets_K[k] | what position positions_K[k] attends to) [K], and entropy [K] or None.
+        """The head's fp32 [K] results at `positions_K` (and entropy [K] or None).
 
         input_ids_N, position_ids_N: [N]; cu_seqlens: [S + 1] int32; positions_K, targets_K: [K] int64
         (positions may repeat: a shared prompt's last position predicts the first token of each
@@ -71,35 +66,47 @@ class PolicyHead(nn.Module):
         replaces cu_seqlens).
         """
         with exact_numerics(self.exact):
-            return self._logprobs(
-                input_ids_N, position_ids_N, cu_seqlens, max_seqlen, positions_K, targets_K, options, tree,
-                routes_NLK, cp,
-            )  # fmt: skip
+            hidden_ND = self.model.hidden_states(
+                input_ids_N,
+                position_ids=position_ids_N,
+                cu_seqlens=None if cp is not None else cu_seqlens,
+                max_seqlen=max_seqlen,
+                tree=tree,
+                routes_NLK=routes_NLK,
+                replay_routes=options.routing_replay,
+                attn=cp,
+            )
+            return self.head(hidden_ND, positions_K, targets_K, options)
 
-    def _logprobs(
+    def head(
         self,
-        input_ids_N: torch.Tensor,
-        position_ids_N: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        max_seqlen: int,
+        hidden_ND: torch.Tensor,
         positions_K: torch.Tensor,
         targets_K: torch.Tensor,
         options: ForwardOptions,
-        tree: TreePlan | None,
-        routes_NLK: torch.Tensor | None,
-        cp: CPShard | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        hidden_ND = stream_hidden_states(
-            self.model,
-            input_ids_N,
-            position_ids_N,
-            cu_seqlens,
-            max_seqlen,
-            tree,
-            routes_NLK,
-            options.routing_replay,
-            cp,
-        )
+        """The head on the stream's final hidden states [N, D] (token shards under TP) at K positions."""
+        raise NotImplementedError
+
+
+class PolicyHead(StreamHead):
+    """Wraps a CausalLM (`self.model`); `forward` returns logprobs (and entropies) at K positions."""
+
+    def __init__(self, model: nn.Module, *, chunk_tokens: int, fused_head: bool = False) -> None:
+        super().__init__()
+        self.model = model
+        self.chunk_tokens = chunk_tokens
+        self.fused_head = fused_head
+        """Run the head's elementwise passes as Triton kernels (CUDA; see models/logprobs.py)."""
+
+    def head(
+        self,
+        hidden_ND: torch.Tensor,
+        positions_K: torch.Tensor,
+        targets_K: torch.Tensor,
+        options: ForwardOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 log p(targets_K[k] | what position positions_K[k] attends to) [K], and entropy [K] or None."""
         num_selected = positions_K.shape[0]
         if num_selected == 0:
             # Run the head on one position and keep none of it: the result is still connected to
@@ -134,31 +141,6 @@ class PolicyHead(nn.Module):
             logp_K = logp_K[:0]
             entropy_K = entropy_K[:0] if entropy_K is not None else None
         return logp_K, entropy_K
-
-
-def stream_hidden_states(
-    model: nn.Module,
-    input_ids_N: torch.Tensor,
-    position_ids_N: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    tree: TreePlan | None,
-    routes_NLK: torch.Tensor | None,
-    replay_routes: bool,
-    cp: CPShard | None,
-) -> torch.Tensor:
-    """The CausalLM's final hidden states [N, D] of a packed stream as a head module (`PolicyHead`,
-    the critic's `ValueHead`) receives it: under CP the shard's attention replaces cu_seqlens."""
-    return model.hidden_states(
-        input_ids_N,
-        position_ids=position_ids_N,
-        cu_seqlens=None if cp is not None else cu_seqlens,
-        max_seqlen=max_seqlen,
-        tree=tree,
-        routes_NLK=routes_NLK,
-        replay_routes=replay_routes,
-        attn=cp,
-    )
 
 
 def run_micro_batch(

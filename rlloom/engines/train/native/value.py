@@ -1,4 +1,4 @@
-"""`ValueHead`: the critic of PPO as one module with `PolicyHead`'s call signature, so the training
+"""`ValueHead`: the critic of PPO as one module with `PolicyHead`'s `forward` (`StreamHead`), so the training
 engine runs it unchanged (packing, shared prompts, micro-batches, FSDP, CP, checkpoints).
 
 The value model is the causal LM's body with its vocabulary head replaced by a linear `score` head
@@ -19,12 +19,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from rlloom.engines.train.base import ForwardOptions
-from rlloom.engines.train.native.policy import stream_hidden_states
-from rlloom.models.attention_ops import TreePlan
-from rlloom.parallel.cp import CPShard
+from rlloom.engines.train.native.policy import StreamHead
 
 
-class ValueHead(nn.Module):
+class ValueHead(StreamHead):
     """Wraps a CausalLM (`self.model`, its untied lm head dropped); `forward` returns values at K positions.
 
     `score`: a value or reward model's head to start from (`value_model_from_pretrained`: Hugging
@@ -40,35 +38,17 @@ class ValueHead(nn.Module):
                 start = (score or {}).get(f"score.{name}")
                 param.copy_(start) if start is not None else param.zero_()
 
-    def forward(
+    def head(
         self,
-        input_ids_N: torch.Tensor,
-        position_ids_N: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        max_seqlen: int,
+        hidden_ND: torch.Tensor,
         positions_K: torch.Tensor,
         targets_K: torch.Tensor,
         options: ForwardOptions,
-        tree: TreePlan | None = None,
-        routes_NLK: torch.Tensor | None = None,
-        cp: CPShard | None = None,
     ) -> tuple[torch.Tensor, None]:
-        """fp32 values [K] at `positions_K` and None (no entropy); arguments as `PolicyHead.forward`'s
-        (`targets_K`, and `options` but for its routing replay, are not used). Under tensor parallelism the
-        hidden states come as token shards: every TP rank gathers the stream and runs the (replicated)
-        head on all K positions, so each computes the same values and the same head gradients, and
-        the gradient of its own token shard flows back."""
-        hidden_ND = stream_hidden_states(
-            self.model,
-            input_ids_N,
-            position_ids_N,
-            cu_seqlens,
-            max_seqlen,
-            tree,
-            routes_NLK,
-            options.routing_replay,
-            cp,
-        )
+        """fp32 values [K] at `positions_K` and None (no entropy; `targets_K` and `options` are not
+        used). Under tensor parallelism the hidden states come as token shards: every TP rank gathers
+        the stream and runs the (replicated) head on all K positions, so each computes the same
+        values and the same head gradients, and the gradient of its own token shard flows back."""
         if isinstance(hidden_ND, DTensor):  # tensor parallel: token shards
             hidden_ND = hidden_ND.redistribute(hidden_ND.device_mesh, [Replicate()]).to_local()
         num_selected = positions_K.shape[0]
