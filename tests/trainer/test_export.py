@@ -26,6 +26,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+import rlloom.trainer.loop as loop_module
 import rlloom.trainer.run as run_module
 from rlloom.cli import main
 from rlloom.config import TrainEngineConfig, load_config
@@ -196,7 +197,7 @@ def test_save_hf_every_schedule():
     due = lambda every: [
         s
         for s in range(1, 5)
-        if run_module._hf_due(replace(cfg, trainer=replace(cfg.trainer, save_hf_every=every)), s, s == 4)
+        if loop_module._hf_due(replace(cfg, trainer=replace(cfg.trainer, save_hf_every=every)), s, s == 4)
     ]
     assert due(0) == [4] and due(-1) == [] and due(2) == [2, 4] and due(3) == [3, 4]
 
