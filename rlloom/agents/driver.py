@@ -4,7 +4,10 @@ The stream (trainer/rollout_stream.py) calls it as it calls `EpisodeDriver`:
 1. `begin(key, item, sampling)`: one session per trajectory, each with its base URL on the endpoint,
    and the agent started on it in a worker (`EnvCalls`, agents/spec.py);
 2. `poll()`: the endpoint's requests become engine requests (`TurnRequest`s on the prompt's replica:
-   a session's requests stick to one replica and its KV cache); finished agents end their trajectory;
+   a session's requests stick to one replica and its KV cache); finished agents end their trajectory.
+   The sessions' first requests of a group wait for each other (`HOLD_S` at most) and go out as one
+   engine request of n samples when they are equal (the agent sent the same prompt), so the engine
+   prefills the prompt once and forks the samples, as the environment path's first turn does;
 3. `on_turn(key, r, completion, versions)`: engine request r came back: its tokens join the session's
    ledger (agents/ledger.py) and, once every choice of the HTTP request is in, the request is answered
    (a streaming request was sent its tokens as they were sampled: `on_progress`);
@@ -17,7 +20,9 @@ no room in the context budget (`rollout.max_total_tokens`), is answered with no 
 reason "length". Sampling: the run's temperature, top_p and top_k (the ledger must hold the policy's
 own samples; a request's other values are ignored, with one warning); max_tokens capped at
 `rollout.max_new_tokens` and the room left; seeds from (the prompt's seed, trajectory, request,
-choice) unless the request gives one.
+choice) unless the request gives one, as the environment path draws them: session j's first answer is
+sample j of the prompt's seed, whether it went out with its group's or alone (the same tokens either
+way), and its later ones use the environment path's per-turn seeds.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import dataclasses
 import itertools
 import logging
 import secrets
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from rlloom.agents.api import Answer, ApiError, Choice, Delta, GenRequest
@@ -41,6 +47,11 @@ from rlloom.episodes.calls import EnvCalls, EnvResult, GroupCalls, prompt_row
 from rlloom.episodes.driver import TurnRequest
 
 log = logging.getLogger(__name__)
+
+HOLD_S = 1.0
+"""Longest wait of a session's first request for those of its group's running agents (an agent
+still queued for a worker is not waited for; one that is slow to send its first request, no longer)."""
+SEED_MOD = 2**31 - 1
 
 
 @dataclass(kw_only=True, slots=True)
@@ -71,7 +82,10 @@ class _Group:
     ids: list[str]
     done: int = 0
     in_flight: int = 0
-    """Engine requests sent and not back yet."""
+    """Engine samples sent and not back yet."""
+    held: list[_Pending] = field(default_factory=list)
+    """First requests waiting for the group's others (`_release`)."""
+    held_since: float = 0.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -84,6 +98,8 @@ class _Pending:
     choices: list[Choice | None]
     cursors: list[StreamCursor]
     """A streaming request: what of each choice was sent so far."""
+    turns: list[TurnRequest]
+    """Its engine requests (one a choice), until sent."""
 
 
 class AgentDriver:
@@ -100,8 +116,8 @@ class AgentDriver:
         self.stop_token_ids = stop_token_ids
         self.groups: dict[Any, _Group] = {}
         self.sessions: dict[str, _Session] = {}
-        self.engine: dict[int, tuple[_Pending, int]] = {}
-        """Engine request id -> (its HTTP request, which choice)."""
+        self.engine: dict[tuple[int, int], tuple[_Pending, int]] = {}
+        """(engine request id, sample index) -> (its HTTP request, which choice)."""
         self._ids = itertools.count()
         self._warned = False
 
@@ -137,6 +153,11 @@ class AgentDriver:
         for key, j, result in self.pool.poll(0.0 if out else timeout_s):
             if key in self.groups:
                 self._on_agent(self.groups[key], j, result)
+        now, queued = time.monotonic(), self.pool.queued()
+        for group in self.groups.values():
+            waited = all(s.done or s.ledger.requests or (s.key, s.j) in queued for s in group.sessions)
+            if group.held and (waited or now - group.held_since >= HOLD_S):
+                out += self._release(group)
         return out
 
     def _on_call(self, call: Call) -> list[TurnRequest]:
@@ -159,41 +180,81 @@ class AgentDriver:
             return []
         self._warn_sampling(req, group.sampling)
         cursors = [StreamCursor(fmt=self.fmt, req=req) for _ in range(req.n if req.stream else 0)]
-        pending = _Pending(call=call, session=session, fork=fork, choices=[None] * req.n, cursors=cursors)
-        out = []
+        turns = []
         for i in range(req.n):
-            r = next(self._ids)
-            self.engine[r] = (pending, i)
-            group.in_flight += 1
-            sampling = self._sampling(group.sampling, req, session, i, room)
+            sampling, first_sample = self._sampling(group.sampling, req, session, i, room)
             # The admitted load of a trajectory is its first request's (the stream's count).
             first = ledger.requests == 0 and i == 0
-            out.append(
+            turns.append(
                 TurnRequest(
                     key=session.key,
-                    j=r,
+                    j=None,
                     prompt_ids=fork.prompt_ids,
                     sampling=sampling,
                     turn=0 if first else 1,
                     progress=req.stream,
+                    first_sample=first_sample,
                 )
             )
+        pending = _Pending(
+            call=call, session=session, fork=fork, choices=[None] * req.n, cursors=cursors, turns=turns
+        )
+        joinable = ledger.requests == 0 and req.n == 1 and req.seed is None
         ledger.requests += 1
+        if joinable:  # sent with the group's other first requests (`poll`)
+            group.held_since = group.held_since if group.held else time.monotonic()
+            group.held.append(pending)
+            return []
+        out = []
+        for i, turn in enumerate(turns):  # each choice its own engine request (its own seed)
+            r = next(self._ids)
+            self.engine[(r, turn.first_sample)] = (pending, i)
+            group.in_flight += 1
+            out.append(dataclasses.replace(turn, j=r))
         return out
+
+    def _send_joint(self, group: _Group, run: list[_Pending]) -> TurnRequest:
+        """One engine request of n = len(run) samples for the equal first requests of consecutive
+        sessions (one choice each): sample k is session `run[0]`'s j + k."""
+        r, first = next(self._ids), run[0].turns[0]
+        for k, p in enumerate(run):
+            self.engine[(r, first.first_sample + k)] = (p, 0)
+        group.in_flight += len(run)
+        return dataclasses.replace(first, j=r, sampling=dataclasses.replace(first.sampling, n=len(run)))
 
     def _sampling(
         self, base: SamplingParams, req: GenRequest, s: _Session, i: int, room: int
-    ) -> SamplingParams:
+    ) -> tuple[SamplingParams, int]:
+        """Request i's sampling and its first sample index (the noise it draws)."""
+        first_sample = 0
         if req.seed is not None:
-            seed = (req.seed * 1_000_003 + i) % (2**31 - 1)
-        elif base.seed is not None:
-            seed = (base.seed * 1_000_003 + s.j * 7_919 + s.ledger.requests * 131 + i) % (2**31 - 1)
-        else:
+            seed = (req.seed * 1_000_003 + i) % SEED_MOD
+        elif s.ledger.requests == 0 and i == 0:  # the environment path's first turn: sample j of the prompt
+            seed, first_sample = base.seed, s.j
+        elif base.seed is None:
             seed = None
+        else:  # its later turns' seeds (`EpisodeDriver._request`), another choice's apart
+            seed = (base.seed * 1_000_003 + s.j * 7_919 + s.ledger.requests + 131 * i) % SEED_MOD
         limit = min(req.max_tokens or base.max_new_tokens, base.max_new_tokens, room)
-        return dataclasses.replace(
+        sampling = dataclasses.replace(
             base, n=1, seed=seed, max_new_tokens=limit, stop_strings=[*base.stop_strings, *req.stop]
         )
+        return sampling, first_sample
+
+    def _release(self, group: _Group) -> list[TurnRequest]:
+        """Send the held first requests: each run of equal requests of consecutive sessions as one
+        engine request (its prompt prefilled once), the others alone."""
+        held = sorted((p for p in group.held if not p.session.done), key=lambda p: p.session.j)
+        group.held = []
+        out, run = [], []
+        for p in held:
+            if run and (run[-1].session.j + 1 != p.session.j or run[-1].turns[0] != _renumbered(p)):
+                out.append(self._send_joint(group, run))
+                run = []
+            run.append(p)
+        if run:
+            out.append(self._send_joint(group, run))
+        return out
 
     def _warn_sampling(self, req: GenRequest, base: SamplingParams) -> None:
         asked = {"temperature": req.temperature, "top_p": req.top_p}
@@ -210,7 +271,7 @@ class AgentDriver:
 
     def on_progress(self, r: int, partial: Partial) -> None:
         """Engine request r's tokens so far (a streaming request): send what may be sent of them."""
-        pending, i = self.engine.get(r, (None, 0))
+        pending, i = self.engine.get((r, partial.sample_index), (None, 0))
         if pending is None or pending.session.done:
             return
         pieces, logprobs = pending.cursors[i].advance(partial.token_ids, partial.logprobs)
@@ -219,7 +280,7 @@ class AgentDriver:
 
     def on_turn(self, key: Any, r: int, c: Completion, versions: list[int]) -> None:
         """Engine request r came back: record its tokens; answer the HTTP request once it is whole."""
-        pending, i = self.engine.pop(r)
+        pending, i = self.engine.pop((r, c.sample_index))
         group = self.groups[key]
         group.in_flight -= 1
         session, req = pending.session, pending.call.request
@@ -274,7 +335,8 @@ class AgentDriver:
 
     def forget(self) -> None:
         """Drop every group (the stream dropped its requests): waiting requests get a 503."""
-        for pending, _ in self.engine.values():
+        held = [p for group in self.groups.values() for p in group.held]
+        for pending in {id(p): p for p in [*held, *(p for p, _ in self.engine.values())]}.values():
             pending.call.reply(ApiError(503, "the rollout was dropped (the run is stopping or restarting)"))
         for session in self.sessions.values():
             session.done = True
@@ -347,3 +409,10 @@ class AgentDriver:
             "env_reward": reward,
             "episode": episode,
         }
+
+
+def _renumbered(p: _Pending) -> TurnRequest:
+    """The first choice's engine request of a held first request as the previous session's would be
+    (its sample index one less): equal ones join one engine request."""
+    t = p.turns[0]
+    return dataclasses.replace(t, first_sample=t.first_sample - 1)

@@ -197,6 +197,10 @@ class EnvCalls:
     def num_in_flight(self) -> int:
         return len(self._pending) + len(self._running)
 
+    def queued(self) -> set[Any]:
+        """The keys of the calls waiting for a free worker (not started)."""
+        return {task.key for task in self._pending}
+
     def submit(self, key: Any, env: Any, method: str, arg: Any) -> None:
         """Run `method` ("reset" with the row, "step" with the messages) on the environment handle
         `env` (None: a new environment); its `EnvResult` comes out of a later `poll` under `key`."""
@@ -355,6 +359,10 @@ class GroupCalls:
     def waiting(self) -> bool:
         """Calls are in flight."""
         return self.calls.num_in_flight > 0
+
+    def queued(self) -> set[tuple[Any, int]]:
+        """(group key, trajectory) of this epoch's calls not started yet (no worker was free)."""
+        return {(key, j) for epoch, key, j in self.calls.queued() if epoch == self.epoch}
 
     def forget(self) -> None:
         self.epoch += 1

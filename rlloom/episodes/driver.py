@@ -53,6 +53,8 @@ class TurnRequest:
     """Turns the trajectory generated before this one (0: its first)."""
     progress: bool = False
     """Report the tokens as they are sampled (`AgentDriver.on_progress`: a streaming request)."""
+    first_sample: int = 0
+    """The first sample's index (its seeded noise's: `RolloutEngine.add_request`)."""
 
 
 @dataclass(kw_only=True, slots=True)

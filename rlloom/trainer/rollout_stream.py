@@ -86,6 +86,8 @@ class RolloutStream:
         for single-turn generation."""
         self.turns: dict[str, tuple[str, int]] = {}
         """Multi-turn: request id of a later turn -> (its prompt's request id, trajectory)."""
+        self.turn_left: dict[str, int] = {}
+        """Samples of such a request not back yet (an agent group's first requests: one of n)."""
         self.runner, self.decode, self.stop_token_ids = runner, decode, stop_token_ids
         self.jobs: list[Job] = []
         """Jobs admitted and not yet taken, oldest first."""
@@ -209,7 +211,11 @@ class RolloutStream:
             self.episodes.on_progress(j, result)
             return
         c = result.completion
-        request_id, j = self.turns.pop(c.request_id, (c.request_id, c.sample_index))
+        request_id, j = self.turns.get(c.request_id, (c.request_id, c.sample_index))
+        if c.request_id in self.turns:
+            self.turn_left[c.request_id] -= 1
+            if not self.turn_left[c.request_id]:
+                del self.turns[c.request_id], self.turn_left[c.request_id]
         request = self.requests[request_id]
         if c.error is not None:
             raise ValueError(f"rollout rejected prompt {request.item.index}: {c.error}")
@@ -231,6 +237,7 @@ class RolloutStream:
             request.turns_sent += 1
             request_id = f"{turn.key}/{turn.j}.{request.turns_sent}"
             self.turns[request_id] = (turn.key, turn.j)
+            self.turn_left[request_id] = turn.sampling.n
         if turn.turn > 0:  # a first turn's samples were counted when its prompt was admitted
             self.load[request.replica] += turn.sampling.n
         self.unsent.setdefault(request.replica, []).append(
@@ -240,6 +247,7 @@ class RolloutStream:
                 sampling=turn.sampling,
                 prompt_index=request.order % ROUND_STRIDE,
                 progress=turn.progress,
+                first_sample=turn.first_sample,
             )
         )
 
@@ -299,6 +307,7 @@ class RolloutStream:
             self.tokens_discarded += self.group.stream_drop()
             self.requests.clear()
             self.turns.clear()
+            self.turn_left.clear()
             if self.episodes is not None:
                 self.episodes.forget()
             self.load = [0] * len(self.load)

@@ -21,6 +21,8 @@ class StreamRequest:
     """The engine's prompt index (the prompt's position in its round)."""
     progress: bool = False
     """Report its samples' tokens after each step (`Partial`s from `poll`: a streaming client)."""
+    first_sample: int = 0
+    """The first sample's index (`RolloutEngine.add_request`)."""
 
 
 @dataclass(kw_only=True, slots=True)

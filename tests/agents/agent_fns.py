@@ -20,6 +20,29 @@ async def two_turns(base_url, row, sampling):
     return None
 
 
+async def tool_then_done(base_url, row, sampling):
+    """`ToolThenDone` as an agent: a second turn after the tool message "42" unless the first turn
+    ended by length (the environment driver ends such a trajectory)."""
+    async with AsyncOpenAI(base_url=base_url, api_key="none") as client:
+        messages = [{"role": "user", "content": row["prompt"]}]
+        first = await client.chat.completions.create(messages=messages, **sampling)
+        if first.choices[0].finish_reason == "length":
+            return None
+        messages.append({"role": "assistant", "content": first.choices[0].message.content})
+        messages.append({"role": "tool", "content": "42"})
+        await client.chat.completions.create(messages=messages, **sampling)
+    return None
+
+
+class ToolThenDone:
+    """An environment (`rollout.env`): the tool message "42" after the first turn, then done."""
+
+    def step(self, messages, state):
+        if any(m["role"] == "tool" for m in messages):
+            return {"done": True}
+        return {"observations": [{"role": "tool", "content": "42"}]}
+
+
 async def streamed_then_whole(base_url, row, sampling):
     """Two chat turns, the first streamed (its content chunks counted: metric `chunks`)."""
     async with AsyncOpenAI(base_url=base_url, api_key="none") as client:

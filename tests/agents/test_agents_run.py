@@ -33,7 +33,12 @@ def _train(ckpt: Path, run_dir: Path, *extra: str) -> list[dict]:
 def test_an_openai_client_agent_trains_on_its_exact_tokens(tiny_checkpoint, tmp_path):
     run = tmp_path / "run"
     metrics = _train(
-        tiny_checkpoint, run, "rollout.agent=agent_fns:two_turns", "trainer.total_steps=2", "train.lr=1e-2"
+        tiny_checkpoint,
+        run,
+        "rollout.agent=agent_fns:two_turns",
+        "trainer.total_steps=2",
+        "train.lr=1e-2",
+        "trainer.seed=1",
     )
     assert len(metrics) == 2
     for m in metrics:
@@ -80,6 +85,57 @@ def test_a_streamed_turn_is_sent_while_it_is_sampled_and_trains_exactly(
     assert m["rollout/turns_mean"] == 2.0 and m["rollout/agent_errors"] == 0.0
     assert m["rollout/env_tokens_mean"] > 0  # the streamed content, sent back, extends the session
     assert abs(m["rollout/token_mult_prob_error"] - 1.0) < 1e-5
+
+
+def test_an_agent_prefills_and_samples_what_the_environment_path_does(tiny_checkpoint, tmp_path, monkeypatch):
+    """A group's n sessions send the same first request: the engine prefills it once and forks the
+    samples, as for an environment's first turn; the tokens and logprobs are the environment path's."""
+    import rlloom.agents.driver as driver
+    from rlloom.engines.rollout.native.model_runner import ModelRunner
+
+    # Every agent has a worker here: its group's first requests are waited for whatever the load.
+    monkeypatch.setattr(driver, "HOLD_S", 600.0)
+    prefilled = []  # tokens each prefill computed (those the prefix cache held are not)
+    prefill = ModelRunner._prefill
+    monkeypatch.setattr(
+        ModelRunner,
+        "_prefill",
+        lambda self, seqs: (
+            prefilled.append(sum(s.num_tokens - s.num_cached_tokens for s in seqs)) or prefill(self, seqs)
+        ),
+    )
+    runs = {}
+    for kind in ("env", "agent"):
+        prefilled.clear()
+        run = tmp_path / kind
+        plugin = (
+            "rollout.env=agent_fns:ToolThenDone"
+            if kind == "env"
+            else "rollout.agent=agent_fns:tool_then_done"
+        )
+        m = _train(
+            tiny_checkpoint,
+            run,
+            plugin,
+            "rollout.max_new_tokens=24",
+            'rollout.stop_strings=["a","e","i","o"]',
+            "rollout.n_samples=4",
+            "rollout.env_workers=8",
+            "trainer.total_steps=1",
+        )[0]
+        records = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+        runs[kind] = (sum(prefilled), m, [(r["response"], r["turns"]) for r in records])
+    (env_tokens, env, env_records), (agent_tokens, agent, agent_records) = runs["env"], runs["agent"]
+    assert agent_tokens == env_tokens  # before: each session's first request prefilled on its own
+    assert agent["rollout/turns_mean"] == env["rollout/turns_mean"] > 1.0
+    for k in (
+        "response/length_mean",
+        "rollout/env_tokens_mean",
+        "rollout/token_mult_prob_error",
+        "reward/mean",
+    ):
+        assert agent[k] == env[k], k
+    assert agent_records == env_records
 
 
 def test_failing_agents_cost_only_their_trajectory(tiny_checkpoint, tmp_path):

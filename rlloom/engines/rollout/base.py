@@ -166,9 +166,11 @@ class RolloutEngine(Protocol):
         request_id: str | None = None,
         prompt_index: int | None = None,
         images: ImageInputs | None = None,
+        first_sample: int = 0,
     ) -> str:
         """Queue `sampling.n` completions of one prompt; returns the request id (made if not given);
-        `images`: the prompt's, encoded once for its n samples."""
+        `images`: the prompt's, encoded once for its n samples; `first_sample`: the sample index of
+        the first (its seeded noise's; an agent session's lone first request keeps its group's)."""
         ...
 
     def resume_request(

@@ -194,10 +194,13 @@ class NativeEngine:
         request_id: str | None = None,
         prompt_index: int | None = None,
         images: ImageInputs | None = None,
+        first_sample: int = 0,
     ) -> str:
         """Queue `sampling.n` completions of one prompt; returns the request id (made if not given).
         `images`: the prompt's processed images (a vision-language model), encoded here once for
-        all n samples."""
+        all n samples. `first_sample`: the first sample's index (samples are `first_sample + j`:
+        their completions' `sample_index` and seeded noise), so that sample j of a group sent alone
+        draws what it draws as one of the group's n."""
         arrival = next(self._arrivals)
         request_id = f"req-{arrival}" if request_id is None else request_id
         prompt_index = arrival if prompt_index is None else prompt_index
@@ -207,7 +210,7 @@ class NativeEngine:
                 seq_id=next(self._seq_ids),
                 request_id=request_id,
                 prompt_index=prompt_index,
-                sample_index=j,
+                sample_index=first_sample + j,
                 prompt_ids=list(prompt_ids),
                 params=sampling,
                 policy_version=self.policy_version,
