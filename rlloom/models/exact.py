@@ -29,9 +29,10 @@ the matrix products, sums, means, log-sum-exp, softmax, log-softmax), and attent
 torch there through FlashAttention's varlen call or the rollout's paged kernel rather than SDPA, is
 routed by its callers (`attention_ops.attend`, the rollout's `PagedAttention`) to one kernel for
 packed, shared-prompt and paged layouts (`exact_attention.py`). Elementwise CUDA kernels compute
-every element by the same code whatever its index, so they run as they are. Both engines run eager
-under the mode (no torch.compile, no CUDA graphs): a compiled graph would fuse elementwise work and
-round differently from the other engine's.
+every element by the same code whatever its index, so they run as they are. Nothing is compiled
+under the mode: a compiled graph would fuse elementwise work and round differently from the other
+engine's. The rollout's decode still replays CUDA graphs, captured under the mode: a replay launches
+the kernels of the eager forward, with the same bits, without the dispatch mode's Python per op.
 """
 
 from __future__ import annotations

@@ -171,6 +171,27 @@ def test_attention_backward_is_flash_attentions_gradient():
         assert_close(got.grad, ref.grad)
 
 
+def test_exact_decode_replays_cuda_graphs_with_the_eager_bits(tmp_path):
+    """Under the mode the decode replays CUDA graphs of the plain forward (no compiled layers),
+    and a replay gives the eager forward's bits: tokens and logprobs equal, also for a batch the
+    graphs pad (7 prompts x 2 = 14 sequences run in the graph of 16)."""
+    from rlloom.engines.rollout.native import NativeEngine, SamplingParams
+
+    ckpt = write_tiny_model("tiny-dense", tmp_path / "ckpt", seed=0, hidden=128, layers=2)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 60, (n,), generator=gen).tolist() for n in (3, 17, 40, 5, 90, 33, 8)]
+    sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=7, ignore_eos=True)
+    kw = dict(dtype=BF16, device="cuda", max_model_len=256, kv_cache_memory_gb=0.5, exact=True)
+    engine = NativeEngine.from_pretrained(ckpt, **kw)
+    replayed = engine.generate(prompts, sp)
+    assert engine.runner.compiled_forward is None  # the plain forward: compiled layers fuse
+    graphs = engine.runner.graphs
+    assert graphs is not None and any(bs == 16 for bs, _ in graphs.graphs), "no padded decode graph"
+    eager = NativeEngine.from_pretrained(ckpt, enforce_eager=True, **kw).generate(prompts, sp)
+    assert [c.token_ids for c in replayed] == [c.token_ids for c in eager]
+    assert [c.logprobs for c in replayed] == [c.logprobs for c in eager]
+
+
 STOP_ANY = "rollout.stop_strings=" + json.dumps(list(string.ascii_letters + string.digits))
 RUN = [
     "cluster.device=cuda",
