@@ -238,13 +238,15 @@ def test_attention_backward_is_flash_attentions_gradient():
         assert_close(got.grad, ref.grad)
 
 
-def test_exact_decode_replays_cuda_graphs_with_the_eager_bits(tmp_path):
+@pytest.mark.parametrize("kind", ["tiny-dense", "tiny-moe", "tiny-mla"])
+def test_exact_decode_replays_cuda_graphs_with_the_eager_bits(tmp_path, kind):
     """Under the mode the decode replays CUDA graphs of the plain forward (no compiled layers),
     and a replay gives the eager forward's bits: tokens and logprobs equal, also for a batch the
-    graphs pad (7 prompts x 2 = 14 sequences run in the graph of 16)."""
+    graphs pad (7 prompts x 2 = 14 sequences run in the graph of 16; MoE: the padding rows are
+    routed too, and the experts' grouped product keeps a row's bits whatever else its expert got)."""
     from rlloom.engines.rollout.native import NativeEngine, SamplingParams
 
-    ckpt = write_tiny_model("tiny-dense", tmp_path / "ckpt", seed=0, hidden=128, layers=2)
+    ckpt = write_tiny_model(kind, tmp_path / "ckpt", seed=0, hidden=128, layers=2)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 60, (n,), generator=gen).tolist() for n in (3, 17, 40, 5, 90, 33, 8)]
     sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=7, ignore_eos=True)
