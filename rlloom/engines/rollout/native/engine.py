@@ -124,9 +124,7 @@ class NativeEngine:
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             enforce_eager=enforce_eager,
-            # Under the mode the decode graphs capture the plain forward: a replay launches the same
-            # kernels as the eager forward (no fusion), a compiled layer would round differently.
-            compile=compile and not exact,
+            compile=compile and not exact,  # graphs of the plain forward: compiled layers round differently
         )
         if not caches_prefixes(model, self.runner):
             self.block_manager.enable_prefix_caching = False
