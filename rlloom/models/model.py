@@ -268,11 +268,18 @@ def _tower(args: ModelArgs) -> nn.Module | None:
     """The vision tower config.json describes: Qwen3-VL's when it has a learned position table."""
     if args.vision is None:
         return None
-    return VisionTower(args.vision) if args.vision.num_position_embeddings is None else Qwen3VisionTower(args.vision)
+    return (
+        VisionTower(args.vision)
+        if args.vision.num_position_embeddings is None
+        else Qwen3VisionTower(args.vision)
+    )
 
 
 def _deepstack_rows(
-    args: ModelArgs, input_ids: torch.Tensor, image_embeds: torch.Tensor | None, image_index: torch.Tensor | None
+    args: ModelArgs,
+    input_ids: torch.Tensor,
+    image_embeds: torch.Tensor | None,
+    image_index: torch.Tensor | None,
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor] | None:
     """(index of the image tokens in the hidden states, [M, K, D] the DeepStack rows added there after
     decoder layers 0..K-1), or None without DeepStack (Qwen3-VL's, transformers' `_deepstack_process`)."""

@@ -61,7 +61,9 @@ class Qwen3PatchEmbed(PatchEmbed):
     def __init__(self, args: VisionArgs) -> None:
         super().__init__(args)
         kernel = self.shape[1:]
-        self.proj = nn.Conv3d(args.in_channels, args.hidden_size, kernel_size=kernel, stride=kernel, bias=True)
+        self.proj = nn.Conv3d(
+            args.in_channels, args.hidden_size, kernel_size=kernel, stride=kernel, bias=True
+        )
 
 
 class Qwen3VisionMLP(nn.Module):

@@ -38,8 +38,8 @@ from typing import Any
 from rlloom.config import ConfigError
 from rlloom.data.chat import prompt_messages
 from rlloom.models.args import ModelArgs, language_config
-from rlloom.models.families import FAMILIES
 from rlloom.models.checkpoint import INDEX_FILE, SINGLE_FILE, load_tokenizer, resolve_path
+from rlloom.models.families import FAMILIES
 from rlloom.plan.counts import model_costs
 
 SIZE_KEYS = (

@@ -12,8 +12,8 @@ from rlloom.models.families.deepseek_v3 import DEEPSEEK_V3
 from rlloom.models.families.dense import DENSE
 from rlloom.models.families.mixtral import MIXTRAL
 from rlloom.models.families.qwen2_5_vl import QWEN2_5_VL
-from rlloom.models.families.qwen3_vl import QWEN3_VL
 from rlloom.models.families.qwen3_moe import QWEN3_MOE
+from rlloom.models.families.qwen3_vl import QWEN3_VL
 
 FAMILIES: dict[str, Family] = {
     model_type: family

@@ -77,7 +77,10 @@ QWEN3_VL = Family(
     model_types=("qwen3_vl",),
     args=qwen3_vl_args,
     names=WeightNames(NORMS | GQA | DENSE_MLP),
-    tp=NORMS_TP | GQA_TP | QK_NORM_TP | DENSE_MLP_TP,  # the decoder's (a vision model runs at tp=1: preflight)
+    tp=NORMS_TP
+    | GQA_TP
+    | QK_NORM_TP
+    | DENSE_MLP_TP,  # the decoder's (a vision model runs at tp=1: preflight)
     text_config=qwen3_vl_text_config,
     decoder_prefix="model.language_model.",
     tower_prefix="model.visual.",
