@@ -15,9 +15,8 @@ Inputs (see docs/CONTRACTS.md):
 - backend: input_ids [N], position_ids [N], attn=<object with .attn(q, k, v, scale), called once per layer>
 - images (a model with a vision tower): any of the above plus pixel_values [P, C*T*ps*ps] and
   image_grid_thw [I, 3] (the processor's), or the tower's output image_embeds [M, D] (with DeepStack
-  [M, 1 + K, D]); position_ids then
-  carry a leading axis of 3 (M-RoPE, `mrope.py`): [3, N] or [3, B, T]. Positions without that axis
-  are text positions (all three axes equal).
+  [M, 1 + K, D]); position_ids then carry a leading axis of 3 (M-RoPE, `mrope.py`): [3, N] or
+  [3, B, T]. Positions without that axis are text positions (all three axes equal).
 
 Rotary tables are recomputed buffers: after materialising from the meta device call
 `init_buffers()`.
