@@ -34,7 +34,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -226,17 +225,14 @@ def mode_summary(records: list[dict], gen_tokens: int) -> dict[str, float]:
     return out
 
 
-def run_modes(
-    args: argparse.Namespace, child_argv: list[str], emit: Callable[[str], None] = print
-) -> dict[str, list[dict]]:
-    """--modes: each of `args.modes` in a process of its own (this script with `child_argv`, the
-    workload's options), its table lines passed to `emit`; returns each mode's per-step records."""
+def run_modes(args: argparse.Namespace) -> None:
+    """--modes: each mode in a process of its own; one table."""
     gen_tokens = args.prompts * args.samples * args.new_tokens
     rows, all_records = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes:
             out = Path(tmp) / f"{mode}.json"
-            cmd = [sys.executable, __file__, *child_argv, "--out", str(out)]
+            cmd = [sys.executable, __file__, *without_modes(sys.argv[1:]), "--out", str(out)]
             cmd += [f"--set={o}" for o in MODES[mode]]
             print(f"== mode {mode}: {' '.join(cmd[1:])}", flush=True)
             try:  # its step lines shown, its own table not (one table); its stderr passes through
@@ -255,25 +251,26 @@ def run_modes(
             all_records[mode] = json.loads(out.read_text())
             rows.append((mode, mode_summary(all_records[mode], gen_tokens)))
     steps = f"median of steps 2..{args.steps}" if args.steps > 1 else "one step"
-    emit(f"\n| mode ({args.prompts} prompts x {args.samples}, {args.prompt_tokens}+{args.new_tokens} tokens; {steps}) "
-         "| step s | generate s | train s | sync s | rollout tok/s | max rollout/logp_gap_max | "
-         "mean rollout/token_mult_prob_error |")  # fmt: skip
-    emit("|---|---|---|---|---|---|---|---|")
+    print(f"\n| mode ({args.prompts} prompts x {args.samples}, {args.prompt_tokens}+{args.new_tokens} tokens; {steps}) "
+          "| step s | generate s | train s | sync s | rollout tok/s | max rollout/logp_gap_max | "
+          "mean rollout/token_mult_prob_error |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for mode, r in rows:
         name = f"{mode} ({', '.join(MODES[mode])})" if MODES[mode] else mode
         if isinstance(r, str):
-            emit(f"| {name} | {r} | | | | | | |")
+            print(f"| {name} | {r} | | | | | | |")
             continue
-        emit(f"| {name} | {r['time/step_s']:.3f} | {r['time/generate_s']:.3f} | {r['time/train_s']:.3f} | "
-             f"{r['time/sync_s']:.3f} | {r['rollout_tok_s']:.0f} | {r['logp_gap_max']:.3g} | "
-             f"{r['token_mult_prob_error']:.6f} |")  # fmt: skip
+        print(f"| {name} | {r['time/step_s']:.3f} | {r['time/generate_s']:.3f} | {r['time/train_s']:.3f} | "
+              f"{r['time/sync_s']:.3f} | {r['rollout_tok_s']:.0f} | {r['logp_gap_max']:.3g} | "
+              f"{r['token_mult_prob_error']:.6f} |")  # fmt: skip
     base = dict(rows).get("default")
     if isinstance(base, dict):
         for mode, r in rows:
             if mode != "default" and isinstance(r, dict):
-                emit(f"{mode} / default: step {r['time/step_s'] / base['time/step_s']:.2f}x, "
-                     f"rollout tok/s {r['rollout_tok_s'] / base['rollout_tok_s']:.2f}x")  # fmt: skip
-    return all_records
+                print(f"{mode} / default: step {r['time/step_s'] / base['time/step_s']:.2f}x, "
+                      f"rollout tok/s {r['rollout_tok_s'] / base['rollout_tok_s']:.2f}x")  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps(all_records))
 
 
 def main() -> None:
@@ -308,10 +305,7 @@ def main() -> None:
     if args.tiny:
         tiny_shape(args)
     if args.modes:
-        records = run_modes(args, without_modes(sys.argv[1:]))
-        if args.out:
-            Path(args.out).write_text(json.dumps(records))
-        return
+        return run_modes(args)
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_random_qwen3(Path(tmp) / "model", tiny=args.tiny)

@@ -5,9 +5,9 @@ default mode and with match_training, in one table.
    relative error) and against itself with the same rows in another batch (bitwise yes/no).
 2. The GRPO step of bench_e2e.py (random Qwen3-0.6B weights; by default a smaller batch: 32 prompts
    x 8 samples, 128 prompt tokens, 256 new tokens) with the defaults and with
-   rollout.match_training=true: bench_e2e.py's `--modes` table (each mode in a process of its own,
-   a crash or a time-out costs that row only; the largest rollout/logp_gap_max is 0.0 expected with
-   match_training).
+   rollout.match_training=true, each mode in a process of its own (a crash or a time-out costs that
+   row only): median step, generate and train seconds over the steps after the first, rollout tok/s,
+   and the largest rollout/logp_gap_max (0.0 expected with match_training).
 
 Every line is printed as soon as it is known, and the table is written to $OUT/bench_exact.md (and
 the per-step records to $OUT/bench_exact.json) when OUT is set.
@@ -22,7 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import subprocess
 import sys
+import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -136,16 +140,76 @@ def kernel_checks() -> None:
             emit(f"| {name} | error: {type(e).__name__}: {str(e).splitlines()[0][:120]} | |")
 
 
+def run_mode(args: argparse.Namespace) -> None:
+    """One mode's steps in this process; prints one JSON line with the per-step records."""
+    from bench_e2e import e2e_config, e2e_context, tiny_shape, write_random_qwen3
+
+    from rlloom.cluster.build import build_groups
+    from rlloom.trainer.step import rl_step
+
+    if args.tiny:
+        tiny_shape(args)
+    extra = ["rollout.match_training=true"] if args.mode == "match_training" else []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_random_qwen3(Path(tmp) / "model", tiny=args.tiny)
+        cfg = e2e_config(args, model_dir, Path(tmp) / "run", extra)
+        groups = build_groups(cfg)
+        ctx = e2e_context(cfg, groups, args)
+        records = []
+        for step in range(args.steps):
+            m = rl_step(ctx, step)
+            keep = {k: v for k, v in m.items() if k.startswith(("time/", "rollout/logp_gap_max"))}
+            records.append(keep)
+            print(f"{args.mode} step {step}: {json.dumps(keep)}", file=sys.stderr, flush=True)
+        groups.close()
+    print("RECORDS " + json.dumps(records), flush=True)
+
+
+def mode_row(args: argparse.Namespace, mode: str) -> dict | None:
+    """Run `mode` in a child process; emit its row; return its summary (None if it failed)."""
+    cmd = [sys.executable, __file__, "--mode", mode, "--steps", str(args.steps)]
+    cmd += ["--prompts", str(args.prompts), "--samples", str(args.samples)]
+    cmd += ["--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)]
+    cmd += ["--kv-gb", str(args.kv_gb)] + (["--tiny"] if args.tiny else [])
+    start = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.mode_timeout_s)
+    except subprocess.TimeoutExpired:
+        emit(f"| {mode} | timed out after {args.mode_timeout_s} s | | | | |")
+        return None
+    found = [line for line in proc.stdout.splitlines() if line.startswith("RECORDS ")]
+    if proc.returncode != 0 or not found:
+        tail = " / ".join(proc.stderr.strip().splitlines()[-3:])[:300]
+        emit(f"| {mode} | failed (exit {proc.returncode}): {tail} | | | | |")
+        return None
+    records = json.loads(found[0][len("RECORDS ") :])
+    steady = records[1:] or records
+    med = {
+        k: statistics.median(r[k] for r in steady) for k in ("time/step_s", "time/generate_s", "time/train_s")
+    }
+    gap = max(r.get("rollout/logp_gap_max", float("nan")) for r in records)
+    tok_s = args.prompts * args.samples * args.new_tokens / med["time/generate_s"]
+    emit(
+        f"| {mode} | {med['time/step_s']:.3f} | {med['time/generate_s']:.3f} | {med['time/train_s']:.3f} "
+        f"| {tok_s:.0f} | {gap:.3g} |"
+    )
+    print(f"({mode}: {time.time() - start:.0f} s in its process)", flush=True)
+    return {"mode": mode, "records": records, **med, "tok_s": tok_s, "gap": gap}
+
+
 def main() -> None:
-    from bench_e2e import add_shape_args, run_modes, tiny_shape
+    from bench_e2e import add_shape_args, tiny_shape
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_args(parser)
     parser.set_defaults(prompts=32, new_tokens=256)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--mode", choices=["default", "match_training"], help=argparse.SUPPRESS)
     parser.add_argument("--mode-timeout-s", type=int, default=270)
     parser.add_argument("--skip-checks", action="store_true")
     args = parser.parse_args()
+    if args.mode:
+        return run_mode(args)
     if args.tiny:
         tiny_shape(args)
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
@@ -157,14 +221,22 @@ def main() -> None:
             kernel_checks()
         except Exception:  # noqa: BLE001
             emit("kernel checks failed: " + traceback.format_exc().splitlines()[-1])
-    args.modes = ["default", "match_training"]
-    shape = ["--steps", args.steps, "--prompts", args.prompts, "--samples", args.samples]
-    shape += ["--prompt-tokens", args.prompt_tokens, "--new-tokens", args.new_tokens, "--kv-gb", args.kv_gb]
-    records = run_modes(args, [str(a) for a in shape] + (["--tiny"] if args.tiny else []), emit)
+    emit("")
+    emit(
+        f"| mode ({args.prompts} prompts x {args.samples}, {args.new_tokens} new tokens; median of steps 2..{args.steps}) "
+        "| step s | generate s | train s | rollout tok/s | max logp_gap_max |"
+    )
+    emit("|---|---|---|---|---|---|")
+    rows = [mode_row(args, mode) for mode in ("default", "match_training")]
+    if all(rows):
+        base, exact = rows
+        emit("")
+        emit(f"match_training / default: step {exact['time/step_s'] / base['time/step_s']:.2f}x, "
+             f"rollout tok/s {exact['tok_s'] / base['tok_s']:.2f}x")  # fmt: skip
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench_exact.md").write_text("\n".join(LINES) + "\n")
-        (out / "bench_exact.json").write_text(json.dumps(records))
+        (out / "bench_exact.json").write_text(json.dumps([r for r in rows if r]))
 
 
 if __name__ == "__main__":
