@@ -60,7 +60,7 @@ def check_rollout(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
     to quantize, rollout.match_training has its kernels on the device, and (inline) the KV cache asked for fits in the device's free memory."""
     check_rollout_tp(cfg, hf_config)
     check_rollout_quantization(cfg, hf_config)
-    check_match_training(cfg, hf_config)
+    check_match_training(cfg)
     if cfg.cluster.mode == "inline":  # ray workers check their own devices when they build engines
         check_kv_cache(cfg, hf_config)
 
@@ -93,28 +93,21 @@ def check_rollout_quantization(cfg: RunConfig, hf_config: dict[str, Any]) -> Non
         )
 
 
-def check_match_training(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
-    """rollout.match_training's batch-invariant numerics (models/exact.py) run on the CPU for every
-    model, and on CUDA for dense models (Triton kernels: models/exact_kernels.py, exact_attention.py);
-    MoE models' grouped expert products and MLA's attention have no such CUDA kernels yet."""
+def check_match_training(cfg: RunConfig) -> None:
+    """rollout.match_training's batch-invariant numerics (models/exact.py) run on the CPU, and on CUDA
+    through Triton kernels (models/exact_kernels.py, exact_attention.py): dense, MoE and MLA models
+    alike."""
     if not cfg.rollout.match_training:
         return
     try:
         device = resolve_device(cfg)
-        args = ModelArgs.from_hf_config(hf_config)
     except ValueError:
-        return  # a device that is not there, or a broken config.json, is reported on its own
-    kind = "a MoE" if args.moe is not None else "an MLA" if args.mla is not None else None
+        return  # a device that is not there is reported on its own
     where = f"{device.type} (cluster.device={cfg.cluster.device})"
     if device.type == "cpu":
         return
     if device.type != "cuda":
         problem = f"is exact on the CPU and on CUDA GPUs in this version; the run would use {where}"
-    elif kind is not None:
-        problem = (
-            f"is exact on CUDA for dense models in this version; {cfg.model.path} is {kind} model "
-            f"({args.model_type}), whose batch-invariant GPU kernels are not built yet"
-        )
     elif importlib.util.find_spec("triton") is None:
         problem = "needs Triton on CUDA (its batch-invariant kernels are Triton's); it is not installed"
     else:
