@@ -16,12 +16,12 @@ trains. Steps after the first are steady state; the table reports their median.
     python benchmarks/bench_e2e.py --profile-train     # the same for its policy update, + host ops
     python benchmarks/bench_e2e.py --modes default,deterministic,match_training   # one row per mode
 
-`--modes` runs the step once per mode, each in a process of its own (deterministic kernels are a
-process-wide torch setting; match_training runs both engines eagerly): `default`, `deterministic`
-(trainer.deterministic=true) and `match_training` (rollout.match_training=true, exact on CUDA for
-dense models), and prints one table: the median step and its parts over the steps after the
-first, rollout tok/s, and the measured train/rollout logprob gap (the largest rollout/logp_gap_max
-over the steps, and the mean rollout/token_mult_prob_error). A mode that fails or runs past
+`--modes` runs the step once per mode, each in a process of its own (deterministic kernels and
+match_training's numerics are settings of the whole process): `default`, `deterministic`
+(trainer.deterministic=true) and `match_training` (rollout.match_training=true), and prints one
+table: the median step and its parts over the steps after the first, rollout tok/s, and the measured
+train/rollout logprob gap (the largest rollout/logp_gap_max over the steps, and the mean
+rollout/token_mult_prob_error). A mode that fails or runs past
 `--mode-timeout-s` gets a row that says so.
 """
 

@@ -148,25 +148,20 @@ def top_ops(prof: profile, on_gpu: bool, n: int = 12) -> list[tuple[str, float]]
 def print_table(
     metrics: dict, times: dict, top: list, kernel_ms: float, on_gpu: bool, steady_s: float
 ) -> None:
-    """The one table: stages (wall from the step's timer), their parts, the top kernels, idle."""
+    """The one table: stages (wall from the step's timer), their parts, the top kernels, idle. Share
+    of step: a stage's wall time; a part's GPU time (host time on the CPU)."""
     step_ms = metrics["time/step_s"] * 1e3
-    device = "GPU" if on_gpu else "CPU (no kernels)"
-    print(f"\n| part ({device}) | wall ms | GPU kernel ms | share of step |")
+    print(f"\n| part ({'GPU' if on_gpu else 'CPU: no kernels'}) | wall ms | GPU kernel ms | share of step |")
     print("|---|---|---|---|")
-    stages = [
-        k.removeprefix("time/").removesuffix("_s")
-        for k in metrics
-        if k.startswith("time/") and k != "time/step_s"
-    ]
-    for stage in stages:
+    stages = [k.removeprefix("time/").removesuffix("_s") for k in metrics if k.startswith("time/")]
+    for stage in [s for s in stages if (s, "") in times]:
         wall = metrics[f"time/{stage}_s"] * 1e3
-        gpu = times.get((stage, ""), [0.0, 0.0])[1]
+        gpu = times[(stage, "")][1]
         print(f"| {stage} | {wall:.1f} | {gpu:.1f} | {wall / step_ms:.3f} |")
         for (s, part), (host, gpu_part) in sorted(times.items()):
             if s == stage and part:
-                print(
-                    f"| &nbsp;&nbsp;{stage}: {part} (host: launch) | {host:.1f} | {gpu_part:.1f} | {gpu_part / step_ms:.3f} |"
-                )
+                share = (gpu_part if on_gpu else host) / step_ms
+                print(f"| &nbsp;&nbsp;{stage}: {part} (host) | {host:.1f} | {gpu_part:.1f} | {share:.3f} |")
         if on_gpu:
             print(
                 f"| &nbsp;&nbsp;{stage}: GPU idle (host gaps) | {wall - gpu:.1f} | | {(wall - gpu) / step_ms:.3f} |"
@@ -178,10 +173,9 @@ def print_table(
     steady = f"{steady_s * 1e3:.1f}" if steady_s == steady_s else "n/a (needs --steps >= 3)"
     print(f"| step without the profiler (median of the steps before, first left out) | {steady} | | |")
     for name, ms in top:
-        kind = "kernel" if on_gpu else "op (self CPU)"
-        print(f"| {kind}: {name[:90]} | | {ms:.1f} | {ms / step_ms:.3f} |")
+        print(f"| {'kernel' if on_gpu else 'op (self CPU)'}: {name[:90]} | | {ms:.1f} | {ms / step_ms:.3f} |")
     idle = f"{1 - kernel_ms / step_ms:.3f}" if on_gpu else "n/a (CPU)"
-    print(f"| GPU idle fraction of the step | | | {idle} |")  # fmt: skip
+    print(f"| GPU idle fraction of the step | | | {idle} |")
 
 
 def main() -> None:
