@@ -126,15 +126,52 @@ def part_times(events: list) -> dict[tuple[str, str], list[float]]:  # noqa: ANN
     return out
 
 
+def is_annotation(name: str) -> bool:
+    """The GPU-side copies of annotation ranges (ours, the optimizer's) are not kernels."""
+    return name in PARTS or name.startswith((STAGE, "Optimizer."))
+
+
+def kernel_intervals(events: list) -> list[tuple[float, float]]:  # noqa: ANN001
+    """(start, end) in us of every kernel and device copy of the step, sorted by start: by their GPU
+    timestamps, so the kernels of a CUDA graph replay and of the autograd engine's thread count too
+    (neither is a child of the CPU range that caused it)."""
+    spans = [
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type != DeviceType.CPU and not is_annotation(e.name)
+    ]
+    return sorted(spans)
+
+
+def busy_ms(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """ms of [lo, hi] (us) during which at least one of the sorted `spans` runs (overlaps once)."""
+    busy, end = 0.0, lo
+    for start, stop in spans:
+        start, stop = max(start, end), min(stop, hi)
+        if stop > start:
+            busy += stop - start
+            end = stop
+    return busy / 1e3
+
+
+def stage_busy_ms(events: list, spans: list[tuple[float, float]]) -> dict[str, float]:  # noqa: ANN001
+    """stage -> ms the GPU was busy inside the stage's range(s) (the stage timer syncs the device at
+    its end, so a stage's kernels run inside its range)."""
+    out: dict[str, float] = {}
+    for e in events:
+        if e.device_type == DeviceType.CPU and e.name.startswith(STAGE):
+            stage = e.name.removeprefix(STAGE)
+            out[stage] = out.get(stage, 0.0) + busy_ms(spans, e.time_range.start, e.time_range.end)
+    return out
+
+
 def top_ops(prof: profile, on_gpu: bool, n: int = 12) -> list[tuple[str, float]]:
     """The n kernels with the most GPU time (on the CPU: operators by self CPU time), ms."""
     if on_gpu:  # the device-side copies of annotation ranges (ours, the optimizer's) are not kernels
         rows = [
             (e.key, e.self_device_time_total / 1e3)
             for e in prof.key_averages()
-            if e.device_type != DeviceType.CPU
-            and e.key not in PARTS
-            and not e.key.startswith((STAGE, "Optimizer."))
+            if e.device_type != DeviceType.CPU and not is_annotation(e.key)
         ]
     else:
         rows = [
@@ -146,17 +183,19 @@ def top_ops(prof: profile, on_gpu: bool, n: int = 12) -> list[tuple[str, float]]
 
 
 def print_table(
-    metrics: dict, times: dict, top: list, kernel_ms: float, on_gpu: bool, steady_s: float
+    metrics: dict, times: dict, busy: dict, top: list, kernel_ms: float, on_gpu: bool, steady_s: float
 ) -> None:
-    """The one table: stages (wall from the step's timer), their parts, the top kernels, idle. Share
-    of step: a stage's wall time; a part's GPU time (host time on the CPU)."""
+    """The one table: stages (wall from the step's timer; GPU ms: busy time inside the stage, by the
+    kernels' own timestamps), their parts (host ms inside the part's calls; GPU ms: the kernels
+    launched from them, without CUDA graph replays' and the backward thread's), the top kernels,
+    idle. Share of step: a stage's wall time; a part's GPU time (host time on the CPU)."""
     step_ms = metrics["time/step_s"] * 1e3
     print(f"\n| part ({'GPU' if on_gpu else 'CPU: no kernels'}) | wall ms | GPU kernel ms | share of step |")
     print("|---|---|---|---|")
     stages = [k.removeprefix("time/").removesuffix("_s") for k in metrics if k.startswith("time/")]
     for stage in [s for s in stages if (s, "") in times]:
         wall = metrics[f"time/{stage}_s"] * 1e3
-        gpu = times[(stage, "")][1]
+        gpu = busy.get(stage, 0.0)
         print(f"| {stage} | {wall:.1f} | {gpu:.1f} | {wall / step_ms:.3f} |")
         for (s, part), (host, gpu_part) in sorted(times.items()):
             if s == stage and part:
@@ -206,17 +245,19 @@ def main() -> None:
             metrics = rl_step(ctx, args.steps - 1)
         groups.close()
     events = prof.events()
-    # Kernels once each: those launched under top-level CPU events (ranges nest; GPU-side copies
-    # of the annotation ranges are not kernels).
-    kernel_ms = (
-        sum(e.device_time_total for e in events if e.device_type == DeviceType.CPU and e.cpu_parent is None)
-        / 1e3
-    )
+    spans = kernel_intervals(events)
+    kernel_ms = busy_ms(spans, float("-inf"), float("inf"))
     steady = [r["time/step_s"] for r in records[1:]] or [float("nan")]
     print(f"\nprofile_step ({torch.cuda.get_device_name() if on_gpu else 'CPU'}, {args.prompts} prompts x "
           f"{args.samples}, {args.prompt_tokens}+{args.new_tokens} tokens, step {args.steps - 1} profiled)")  # fmt: skip
     print_table(
-        metrics, part_times(events), top_ops(prof, on_gpu), kernel_ms, on_gpu, statistics.median(steady)
+        metrics,
+        part_times(events),
+        stage_busy_ms(events, spans),
+        top_ops(prof, on_gpu),
+        kernel_ms,
+        on_gpu,
+        statistics.median(steady),
     )
     if args.trace:
         prof.export_chrome_trace(args.trace)

@@ -36,3 +36,10 @@ def test_profile_step_table_names_the_parts_of_generate_and_train(
     assert "| GPU idle fraction of the step |" in table and "op (self CPU): aten::" in table
     assert (tmp_path / "t.json").stat().st_size > 0
     assert ModelRunner.run is run and torch.Tensor.backward is backward  # the labels are undone
+
+
+def test_busy_time_counts_overlapping_kernels_once_and_clips_to_the_window() -> None:
+    spans = [(0.0, 1000.0), (500.0, 1500.0), (3000.0, 4000.0), (3200.0, 3300.0)]
+    assert profile_step.busy_ms(spans, float("-inf"), float("inf")) == 2.5
+    assert profile_step.busy_ms(spans, 1200.0, 3500.0) == 0.3 + 0.5
+    assert profile_step.busy_ms(spans, 1500.0, 3000.0) == 0.0
