@@ -128,9 +128,23 @@ def test_match_training_on_cuda_takes_moe_models(tiny_checkpoint, tiny_moe_check
         cfg = tiny_cfg(ckpt, tmp_path / ckpt.name, "rollout.match_training=true")
         if importlib.util.find_spec("triton") is None:  # CPU-only installs
             with pytest.raises(ConfigError, match=r"^rollout.match_training=true needs Triton on CUDA"):
-                rollout_build.check_match_training(cfg)
+                rollout_build.check_match_training(cfg, {})
         else:
-            rollout_build.check_match_training(cfg)
+            rollout_build.check_match_training(cfg, {})
+
+
+def test_match_training_refuses_vision_language_models_in_one_line(tmp_path, capsys):
+    from rlloom.models.tiny import write_tiny_model
+
+    ckpt = write_tiny_model("tiny-vl", tmp_path / "vl", seed=0)
+    capsys.readouterr()  # the writer's progress bar
+    assert (
+        main(["train", "arithmetic_smoke", *tiny_args(ckpt, tmp_path / "run", "rollout.match_training=true")])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert err.startswith("rlloom: error: rollout.match_training=true does not cover vision-language models")
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_the_old_logprob_forward_is_skipped(tiny_checkpoint, tmp_path, monkeypatch):

@@ -60,7 +60,7 @@ def check_rollout(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
     to quantize, rollout.match_training has its kernels on the device, and (inline) the KV cache asked for fits in the device's free memory."""
     check_rollout_tp(cfg, hf_config)
     check_rollout_quantization(cfg, hf_config)
-    check_match_training(cfg)
+    check_match_training(cfg, hf_config)
     if cfg.cluster.mode == "inline":  # ray workers check their own devices when they build engines
         check_kv_cache(cfg, hf_config)
 
@@ -93,12 +93,19 @@ def check_rollout_quantization(cfg: RunConfig, hf_config: dict[str, Any]) -> Non
         )
 
 
-def check_match_training(cfg: RunConfig) -> None:
+def check_match_training(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
     """rollout.match_training's batch-invariant numerics (models/exact.py) run on the CPU, and on CUDA
     through Triton kernels (models/exact_kernels.py, exact_attention.py): dense, MoE and MLA models
-    alike."""
+    alike. Not vision-language models: the rollout computes a prompt's image features once, outside
+    the numerics, where training runs the tower inside them."""
     if not cfg.rollout.match_training:
         return
+    if "vision_config" in hf_config:
+        raise ConfigError(
+            f"rollout.match_training=true does not cover vision-language models in this version "
+            f"({cfg.model.path} is {hf_config.get('model_type', 'one')}: the rollout's image features are "
+            "not batch-invariant). Fix: set rollout.match_training=false (watch rollout/logp_gap_max)."
+        )
     try:
         device = resolve_device(cfg)
     except ValueError:
