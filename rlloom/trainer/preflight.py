@@ -21,7 +21,7 @@
 - A dataset file (data.task=jsonl/parquet) has the format its task names, its rows read, at least one
   row holds the prompt and answer columns (data.prompt_key, data.answer_key), and data.num_eval
   leaves training rows (`check_data`); rows with pictures name files that exist, and need a
-  vision-language model (`check_images`; training on them is not wired yet and is refused).
+  vision-language model (`check_images`).
 - The logging backends turned on (logging.tensorboard, logging.wandb) are installed.
 - A resume continues the same run: the checkpoint's `config.yaml` differs from this config only in
   the settings of `rlloom.config.resume.FREE_TO_CHANGE`, unless trainer.resume_allow_changes=true
@@ -138,9 +138,7 @@ def check_data(cfg: RunConfig) -> None:
 
 
 def check_images(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
-    """Rows with pictures need a vision-language model, and (until the prompt pipeline carries
-    images to the engines) are refused for training: the model and the rollout engine take images,
-    the trainer does not yet."""
+    """Rows with pictures need a vision-language model."""
     if cfg.data.task not in FILE_SUFFIXES:
         return
     rows = task_prompts(cfg.data, "eval") + task_prompts(cfg.data, "train")
@@ -153,10 +151,6 @@ def check_images(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
             f"{where} but model.path={cfg.model.path!r} is a text-only {hf_config.get('model_type')} model. "
             "Fix: use a vision-language model (Qwen2.5-VL) or a dataset without images."
         )
-    raise ConfigError(
-        f"{where}: rlloom train does not train on images yet (the Qwen2.5-VL model and the rollout engine "
-        "take them; the prompt pipeline does not carry them to the engines). Fix: use rows without images."
-    )
 
 
 HOST_BYTES_PER_TOKEN = 128

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rlloom.data.images import ImageInputs
 from rlloom.engines.rollout import Completion, RolloutEngine, SamplingParams
 
 
@@ -21,6 +22,8 @@ class StreamRequest:
     """The engine's prompt index (the prompt's position in its round)."""
     progress: bool = False
     """Report its samples' tokens after each step (`Partial`s from `poll`: a streaming client)."""
+    images: ImageInputs | None = None
+    """The prompt's pictures (a vision-language model), encoded once for its n samples."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -84,6 +87,7 @@ def resume_all(engine: RolloutEngine, flights: dict[str, Flight], *, keep: bool)
                 request_id=request_id,
                 prompt_index=r.prompt_index,
                 sample_index=j,
+                images=r.images,
             )
 
 

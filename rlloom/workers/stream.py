@@ -236,7 +236,11 @@ class EngineStream:
             for r in admitted:
                 self.flights[r.request_id] = Flight(request=r, left=max(r.sampling.n, 1))
                 self.engine.add_request(
-                    r.prompt_ids, r.sampling, request_id=r.request_id, prompt_index=r.prompt_index
+                    r.prompt_ids,
+                    r.sampling,
+                    request_id=r.request_id,
+                    prompt_index=r.prompt_index,
+                    images=r.images,
                 )
         if not command.abort:
             return self.engine.has_unfinished()
