@@ -114,3 +114,32 @@ def test_rollout_logprobs_equal_training_logprobs(vl):
     mask = batch.response_mask()
     gap = (logp_BT - batch.rollout_logprobs())[mask].abs().max()
     assert gap < 1e-5, gap
+
+
+def _loss(batch: RolloutBatch) -> dict:
+    mask_BT = batch.response_mask()
+    loss_fn = lambda logp_bT, entropy_bT, rows: (-(logp_bT * mask_BT[rows]).sum(), {})
+    return dict(loss_fn=loss_fn, loss_normalizer=float(mask_BT.sum()))
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_freeze_vision_keeps_the_tower_as_loaded(vl, freeze):
+    """With train.freeze_vision the tower's parameters get no gradient and no optimizer state and keep
+    their values over two steps while the decoder trains; without it the tower trains on the pictures."""
+    _, path = vl
+    engine = NativeTrainEngine(
+        TrainEngineConfig(lr=1e-2, freeze_vision=freeze), models.from_pretrained(path), total_steps=2
+    )
+    tower = dict(engine.model.visual.named_parameters())
+    start = {name: p.detach().clone() for name, p in tower.items()}
+    decoder = engine.model.norm.weight.detach().clone()
+    batch = _batch()
+    engine.forward_backward(batch, **_loss(batch))
+    assert all((p.grad is None) == freeze for p in tower.values())
+    optimized = {id(p) for p in engine.optimizer.params}
+    assert all((id(p) not in optimized) == freeze for p in tower.values())
+    for _ in range(2):
+        engine.train_step(batch, **_loss(batch))
+    unchanged = [torch.equal(p, start[name]) for name, p in tower.items()]
+    assert all(unchanged) if freeze else not any(unchanged)
+    assert not torch.equal(engine.model.norm.weight, decoder)
