@@ -1,12 +1,14 @@
 """Qwen2.5-VL through `rlloom train` and dataset rows with pictures: a tiny-vl model trains on text
-prompts and its export loads in transformers; rows with images are read with Pillow (unreadable or
-oversized pictures skipped as bad rows), and the start-up refuses, in one line each, a missing picture,
-pictures for a text-only model, image rows for training (not wired yet) and a split layout for a VL model."""
+prompts and on picture rows (two Ray workers under FSDP equal the one-process run) and its export
+loads in transformers and generates; rows with images are read with Pillow (unreadable or oversized
+pictures skipped as bad rows), and the start-up refuses, in one line each, a missing picture, pictures
+for a text-only model and a split layout for a VL model."""
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,9 @@ import rlloom.data.images as images_mod
 from rlloom.cli import main
 from rlloom.data.dataset import DataError, load_prompt_file
 from rlloom.models.tiny import write_tiny_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_trainer_loop import read_metrics  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +87,6 @@ def test_start_up_refuses_image_rows_missing_pictures_and_split_vl_layouts(
     on_file = ["data.task=jsonl", f"data.path={data}", "data.num_eval=1"]
     err = _error(capsys, _args(tiny_checkpoint, tmp_path / "r1", *on_file))
     assert "has images (1) but model.path=" in err and "text-only qwen3 model" in err
-    err = _error(capsys, _args(tiny_vl, tmp_path / "r2", *on_file))
-    assert "does not train on images yet" in err
     missing = _image_rows(tmp_path / "missing", [_row("ok.png"), _row("gone.png")] * 2)
     err = _error(capsys, _args(tiny_vl, tmp_path / "r3", "data.task=jsonl", f"data.path={missing}"))
     assert "gone.png', which is not a file" in err
@@ -107,3 +110,72 @@ def test_vl_model_trains_on_text_and_its_export_loads_in_transformers(tiny_vl, t
     assert not torch.equal(trained[name], start[name])  # the decoder trained
     vision = "model.visual.blocks.0.mlp.up_proj.weight"
     assert torch.equal(trained[vision], start[vision])  # text prompts give the tower no gradient
+
+
+def _picture_rows(folder: Path) -> Path:
+    """Eight rows asking for a picture's colour, drawn with Pillow: chat image parts and an images
+    column, one and two pictures a row."""
+    folder.mkdir(parents=True, exist_ok=True)
+    colours = ["red", "blue", "green", "white"]
+    for i, colour in enumerate(colours):
+        Image.new("RGB", (40 + 16 * i, 56), colour).save(folder / f"{colour}.png")
+    rows = []
+    for i, colour in enumerate(colours * 2):
+        if i % 2:
+            rows.append({"prompt": "Colour?", "images": [f"{colour}.png"], "answer": colour})
+        else:
+            pictures = [{"type": "image", "image": f"{c}.png"} for c in (colour, colours[i // 2 % 4])]
+            text = {"type": "text", "text": "First colour?"}
+            rows.append({"prompt": [{"role": "user", "content": [*pictures, text]}], "answer": colour})
+    path = folder / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")  # the session's one Ray instance
+def test_training_on_pictures_two_ray_workers_match_one_process_and_export_generates(tiny_vl, tmp_path):
+    """`rlloom train` two steps on picture rows at lr 3e-2: the dp=2 run (FSDP over gloo) logs the
+    one-process run's metrics, the rollout's logprobs equal the trainer's, the tower trains, and the
+    exported folder loads in transformers and generates from a picture prompt."""
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+    from rlloom.models.checkpoint import load_image_processing
+
+    data = _picture_rows(tmp_path / "data")
+    dense_reward = ["reward.name=resume_reward:digit_share", f"reward.import_dir={Path(__file__).parent}"]
+    common = [
+        "data.task=jsonl", f"data.path={data}", "data.num_eval=1", "trainer.total_steps=2", "train.lr=3e-2",
+        "algorithm.is_correction=tis", *dense_reward,
+    ]  # fmt: skip
+    assert main(_args(tiny_vl, tmp_path / "one", *common)) == 0
+    ray = ["cluster.mode=ray", "cluster.num_workers=2"]
+    assert main(_args(tiny_vl, tmp_path / "dp2", *common, *ray)) == 0
+    want, got = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "dp2")
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2]  # 0: the first evaluation
+    for a, b in zip(want, got):
+        skip = {k for k in a if k.startswith("sync/")}  # the transport's pieces differ
+        assert a.keys() == b.keys()
+        for k in a.keys() - skip:
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (b["step"], k)
+        if a["step"]:
+            assert a["rollout/logp_gap_abs"] < 1e-5 and b["rollout/logp_gap_abs"] < 1e-5
+    folder = tmp_path / "one" / "hf" / "step_000002"
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder).eval()
+    start = dict(Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_vl).named_parameters())
+    vision = "model.visual.blocks.0.mlp.up_proj.weight"
+    assert not torch.equal(dict(hf.named_parameters())[vision], start[vision])  # the tower trained
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    images = load_image_processing(folder)
+    assert isinstance(images.processor, type(AutoImageProcessor.from_pretrained(folder)))
+    ids, pixels = images.prompt(list(ids), (str(data.parent / "red.png"),))
+    prompt = torch.tensor([ids])
+    with torch.no_grad():
+        out = hf.generate(
+            input_ids=prompt, pixel_values=pixels.pixel_values, image_grid_thw=pixels.grid_thw,
+            mm_token_type_ids=(prompt == images.image_token_id).int(), max_new_tokens=4, do_sample=False,
+        )  # fmt: skip
+    assert out.shape[1] > prompt.shape[1]
