@@ -2,23 +2,26 @@
 prompts and on picture rows (two Ray workers under FSDP equal the one-process run) and its export
 loads in transformers and generates; rows with images are read with Pillow (unreadable or oversized
 pictures skipped as bad rows), and the start-up refuses, in one line each, a missing picture, pictures
-for a text-only model and a split layout for a VL model."""
+for a text-only model, pictures without the chat template, a VL folder without its image processor or
+with a template that writes no image placeholders, and a split layout for a VL model."""
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
+from transformers import AutoTokenizer
 
 import rlloom.data.images as images_mod
 from rlloom.cli import main
 from rlloom.data.dataset import DataError, load_prompt_file
-from rlloom.models.tiny import write_tiny_model
+from rlloom.models.tiny import CHAT_TEMPLATE, write_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_trainer_loop import read_metrics  # noqa: E402
@@ -94,6 +97,20 @@ def test_start_up_refuses_image_rows_missing_pictures_and_split_vl_layouts(
         capsys, _args(tiny_vl, tmp_path / "r4", "rollout.tp=2", "cluster.mode=ray", "cluster.num_workers=2")
     )
     assert "rollout.tp=2 is invalid for model.path=" in err and "data parallel only" in err
+    err = _error(capsys, _args(tiny_vl, tmp_path / "r5", *on_file, "data.chat_template=false"))
+    assert "has images (1) but data.chat_template=false" in err
+    no_processor = tmp_path / "no_processor"
+    shutil.copytree(tiny_vl, no_processor)
+    (no_processor / "preprocessor_config.json").unlink()
+    err = _error(capsys, _args(no_processor, tmp_path / "r6", *on_file))
+    assert "has no preprocessor_config.json" in err
+    text_template = tmp_path / "text_template"
+    shutil.copytree(tiny_vl, text_template)
+    tokenizer = AutoTokenizer.from_pretrained(text_template)
+    tokenizer.chat_template = CHAT_TEMPLATE  # prints a part list as it is: no placeholder
+    tokenizer.save_pretrained(text_template)
+    err = _error(capsys, _args(text_template, tmp_path / "r7", *on_file))
+    assert "writes 0 image placeholders" in err
 
 
 def test_vl_model_trains_on_text_and_its_export_loads_in_transformers(tiny_vl, tmp_path):
