@@ -166,7 +166,7 @@ def test_training_on_pictures_two_ray_workers_match_one_process_and_export_gener
     common = [
         "data.task=jsonl", f"data.path={data}", "data.num_eval=1", "trainer.total_steps=2", "train.lr=3e-2",
         "algorithm.is_correction=tis", *dense_reward,
-        # a micro-batch a prompt: some hold no picture (under dp=2 the tower's stand-in runs there)
+        # a micro-batch a prompt: some hold no picture, so some ranks run micro-batches without the tower
         "train.max_tokens_per_micro_batch=1",
     ]  # fmt: skip
     assert main(_args(tiny_vl, tmp_path / "one", *common)) == 0

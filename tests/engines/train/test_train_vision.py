@@ -41,9 +41,9 @@ def _batch() -> RolloutBatch:
     """Two samples of a two-image prompt, a text prompt, a one-image prompt, then the two-image prompt
     again in another group."""
     two, one = processed_images((100, 70), (60, 130)), processed_images((150, 90), seed=1)
-    prompts = [(vl_prompt(two["image_grid_thw"], 0), two), (torch.randint(0, 280, (9,)), None)]
+    gen = torch.Generator().manual_seed(3)  # the same batch in every process
+    prompts = [(vl_prompt(two["image_grid_thw"], 0), two), (torch.randint(0, 280, (9,), generator=gen), None)]
     prompts.append((vl_prompt(one["image_grid_thw"], 2), one))
-    gen = torch.Generator().manual_seed(3)
     samples = []
     for gid, (ids, images) in enumerate([prompts[0], prompts[0], prompts[1], prompts[2], prompts[0]]):
         response = torch.randint(0, 280, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen)
@@ -143,3 +143,41 @@ def test_freeze_vision_keeps_the_tower_as_loaded(vl, freeze):
     unchanged = [torch.equal(p, start[name]) for name, p in tower.items()]
     assert all(unchanged) if freeze else not any(unchanged)
     assert not torch.equal(engine.model.norm.weight, decoder)
+
+
+def _mixed_pair() -> RolloutBatch:
+    """A picture sample and a text sample: under dp=2 one rank holds no picture at all."""
+    batch = _batch()
+    return RolloutBatch([batch.samples[0], batch.samples[2]])
+
+
+def _dp2_worker(rank: int, port: int, path: str, expected: dict) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": "2"}
+    try:
+        engine = NativeTrainEngine(TrainEngineConfig(lr=1e-2), models.from_pretrained(path), total_steps=2)
+        assert engine.sharded and engine.dp_size == 2
+        batch = _mixed_pair()
+        metrics = engine.train_step(batch, **_loss(batch))
+        assert metrics["train/grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5), (
+            metrics["train/grad_norm"],
+            expected["grad_norm"],
+        )
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_two_ranks_one_without_pictures_equal_one_process(vl):
+    """FSDP2 on gloo, one rank's micro-batches without a picture (its tower gets no gradient): the
+    step's gradient norm (the tower's gradients included) equals the one-process step's."""
+    from procs import free_port, spawn
+
+    _, path = vl
+    single = NativeTrainEngine(TrainEngineConfig(lr=1e-2), models.from_pretrained(path), total_steps=2)
+    batch = _mixed_pair()
+    expected = {"grad_norm": single.train_step(batch, **_loss(batch))["train/grad_norm"]}
+    spawn(_dp2_worker, args=(free_port(), str(path), expected), nprocs=2, join=True)

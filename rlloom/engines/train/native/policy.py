@@ -69,8 +69,7 @@ class StreamHead(nn.Module):
         position for MoE models (compared, or with routing replay replayed: see rlloom/models/moe.py); cp: under context parallelism, this rank's
         share of the stream (the inputs and positions are then local, and the shard's attention
         replaces cu_seqlens); pixel_values, image_grid_thw, image_index_M: the stream's pictures and
-        the rows of its image tokens (a vision-language model; position_ids_N is then [3, N]),
-        or the tower's stand-in (`tower_stand_in`) with image_index_M None.
+        the rows of its image tokens (a vision-language model; position_ids_N is then [3, N]).
         """
         with exact_numerics(self.exact):
             hidden_ND = self.model.hidden_states(
@@ -82,13 +81,10 @@ class StreamHead(nn.Module):
                 routes_NLK=routes_NLK,
                 replay_routes=options.routing_replay,
                 attn=cp,
-                pixel_values=pixel_values if image_index_M is not None else None,
-                image_grid_thw=image_grid_thw if image_index_M is not None else None,
+                pixel_values=pixel_values,
+                image_grid_thw=image_grid_thw,
                 image_index=image_index_M,
             )
-            if image_index_M is None and pixel_values is not None:
-                # the stand-in: every tower parameter joins the graph with a zero gradient
-                hidden_ND = hidden_ND + 0.0 * self.model.visual(pixel_values, image_grid_thw).sum()
             return self.head(hidden_ND, positions_K, targets_K, options)
 
     def head(
@@ -165,7 +161,6 @@ def run_micro_batch(
     share_prompts: bool = False,
     pad_multiple: int = 1,
     cp_group: dist.ProcessGroup | None = None,
-    tower_everywhere: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
     """Pack `batch` (one micro-batch; shared-prompt layout with `share_prompts`), run `module` (a
     PolicyHead, maybe FSDP-wrapped) on it with `options`; with routing replay an MoE model uses the experts the
@@ -174,10 +169,9 @@ def run_micro_batch(
     rank runs its share of the stream (`rlloom.parallel.cp.CPShard`, padded to `pad_multiple`) and
     the logprobs of the whole micro-batch are gathered on every cp rank, each rank's backward
     covering its own positions. A vision-language model sees the samples' pictures: the tower runs
-    on them and the stream takes M-RoPE positions per document (`mrope.stream_positions`); with
-    `tower_everywhere` (data parallel, a trainable tower) a micro-batch without pictures runs the
-    tower on a stand-in picture with a zero gradient, so every rank's FSDP unit reduces the same
-    gradients.
+    on them and the stream takes M-RoPE positions per document (`mrope.stream_positions`). A rank
+    whose micro-batches hold no picture leaves the tower without gradients; FSDP2 reduces the
+    other ranks' (tests/engines/train/test_train_vision.py checks the step against one process).
 
     Returns logp_bT and entropy_bT (or None) on `device`, fp32 [b, T] and 0 where the response mask
     is false, then the number of tokens of the packed stream this rank computed (its share under CP;
@@ -207,7 +201,7 @@ def run_micro_batch(
     if packed.prefix_lens_S is not None and packed.branch_lens_Z is not None:
         tree = TreePlan(packed.cu_seqlens, packed.prefix_lens_S, packed.branch_lens_Z, device)
     ids_N, pos_N, routes_NLK = packed.input_ids_N, packed.position_ids_N, packed.routes_NLK
-    pixels = stream_pixels(packed, module.model.args.vision, tower_everywhere)
+    pixels = stream_pixels(packed, module.model.args.vision)
     if packed.images is not None:
         pos_N = pixels.positions_3N
     positions_K, targets_K = packed.gather_index_BT[mask_bT], packed.target_ids_BT[mask_bT]
@@ -247,11 +241,11 @@ class StreamPixels:
     """A micro-batch's vision inputs for `StreamHead.forward` (all None for a text stream)."""
 
     pixel_values: torch.Tensor | None = None
-    """[P, C*T*ps*ps] the stream's pictures, or a stand-in picture (`tower_stand_in`)."""
+    """[P, C*T*ps*ps] the stream's pictures."""
     grid_thw: torch.Tensor | None = None
     """[I, 3] long."""
     image_index_M: torch.Tensor | None = None
-    """[M] stream rows of the image tokens; None with the stand-in."""
+    """[M] stream rows of the image tokens (a prompt's placeholders; a generated one is text)."""
     positions_3N: torch.Tensor | None = None
     """[3, N] M-RoPE positions of the stream."""
 
@@ -262,25 +256,13 @@ class StreamPixels:
         return move(self.pixel_values), self.grid_thw, move(self.image_index_M)
 
 
-def stream_pixels(packed: PackedTensors, vision: VisionArgs | None, tower_everywhere: bool) -> StreamPixels:
-    """The packed stream's pictures and M-RoPE positions; the stand-in picture when the stream has
-    none and `tower_everywhere`; nothing for a text model."""
-    if vision is None:
-        assert packed.images is None, "pictures reach only vision-language models (start-up checks)"
-        return StreamPixels()
+def stream_pixels(packed: PackedTensors, vision: VisionArgs | None) -> StreamPixels:
+    """The packed stream's pictures and M-RoPE positions (nothing for a stream without pictures)."""
     if packed.images is None:
-        return tower_stand_in(vision) if tower_everywhere else StreamPixels()
+        return StreamPixels()
+    assert vision is not None, "pictures reach only vision-language models (start-up checks)"
     positions_3N, index_M = stream_positions(packed.input_ids_N, packed.position_ids_N, packed.images, vision)
     return StreamPixels(packed.images.pixel_values, packed.images.grid_thw, index_M, positions_3N)
-
-
-def tower_stand_in(vision: VisionArgs) -> StreamPixels:
-    """One zero picture of merge x merge patches (one merged token)."""
-    merge = vision.spatial_merge_size
-    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    return StreamPixels(
-        pixel_values=torch.zeros(merge * merge, width), grid_thw=torch.tensor([[1, merge, merge]])
-    )
 
 
 def pad_stream(packed: PackedTensors, multiple: int) -> PackedTensors:

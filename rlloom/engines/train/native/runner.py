@@ -115,14 +115,7 @@ class MicroBatchRunner:
             share_prompts=self.cfg.share_prompts,
             pad_multiple=self.layout.tp,
             cp_group=self.layout.cp_group if self.layout.cp > 1 else None,
-            tower_everywhere=self.layout.dp_size > 1 and torch.is_grad_enabled() and self.tower_trains,
         )
-
-    @property
-    def tower_trains(self) -> bool:
-        """The model has a vision tower with trained parameters (not train.freeze_vision)."""
-        visual = getattr(self.model, "visual", None)
-        return visual is not None and any(p.requires_grad for p in visual.parameters())
 
     def logprobs(
         self,
