@@ -14,6 +14,15 @@ trains. Steps after the first are steady state; the table reports their median.
     python benchmarks/bench_e2e.py --set algorithm.estimator=gae   # PPO with a critic (same model)
     python benchmarks/bench_e2e.py --profile           # + top device kernels of the last step
     python benchmarks/bench_e2e.py --profile-train     # the same for its policy update, + host ops
+    python benchmarks/bench_e2e.py --modes default,deterministic,match_training   # one row per mode
+
+`--modes` runs the step once per mode, each in a process of its own (deterministic kernels and
+match_training's numerics are settings of the whole process): `default`, `deterministic`
+(trainer.deterministic=true) and `match_training` (rollout.match_training=true), and prints one
+table: the median step and its parts over the steps after the first, rollout tok/s, and the measured
+train/rollout logprob gap (the largest rollout/logp_gap_max over the steps, and the mean
+rollout/token_mult_prob_error). A mode that fails or runs past
+`--mode-timeout-s` gets a row that says so.
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ import argparse
 import json
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -166,6 +177,102 @@ def e2e_context(
     )
 
 
+MODES = {
+    "default": [],
+    "deterministic": ["trainer.deterministic=true"],
+    "match_training": ["rollout.match_training=true"],
+}
+"""`--modes`: each mode's config overrides."""
+
+
+def parse_modes(text: str) -> list[str]:
+    """`--modes` "a,b" -> ["a", "b"], each one of MODES."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(
+            f"modes are a comma-separated list of {', '.join(MODES)}; got {text!r}"
+        )
+    return modes
+
+
+def without_modes(argv: list[str]) -> list[str]:
+    """The command line minus its --modes option (and --out): what each mode's process runs."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--modes", "--out", "--mode-timeout-s"):
+            skip = True
+        elif not a.startswith(("--modes=", "--out=", "--mode-timeout-s=")):
+            out.append(a)
+    return out
+
+
+def mode_summary(records: list[dict], gen_tokens: int) -> dict[str, float]:
+    """One mode's row: medians over the steps after the first, the largest logp_gap_max over all
+    steps, the mean token_mult_prob_error."""
+    steady = records[1:] or records
+    out = {
+        k: statistics.median(r[k] for r in steady)
+        for k in ("time/step_s", "time/generate_s", "time/train_s", "time/sync_s")
+    }
+    out["rollout_tok_s"] = gen_tokens / out["time/generate_s"]
+    out["logp_gap_max"] = max(r.get("rollout/logp_gap_max", float("nan")) for r in records)
+    out["token_mult_prob_error"] = statistics.mean(
+        r.get("rollout/token_mult_prob_error", float("nan")) for r in records
+    )
+    return out
+
+
+def run_modes(args: argparse.Namespace) -> None:
+    """--modes: each mode in a process of its own; one table."""
+    gen_tokens = args.prompts * args.samples * args.new_tokens
+    rows, all_records = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in args.modes:
+            out = Path(tmp) / f"{mode}.json"
+            cmd = [sys.executable, __file__, *without_modes(sys.argv[1:]), "--out", str(out)]
+            cmd += [f"--set={o}" for o in MODES[mode]]
+            print(f"== mode {mode}: {' '.join(cmd[1:])}", flush=True)
+            try:  # its step lines shown, its own table not (one table); its stderr passes through
+                proc = subprocess.run(
+                    cmd, timeout=args.mode_timeout_s or None, stdout=subprocess.PIPE, text=True
+                )
+            except subprocess.TimeoutExpired:
+                rows.append((mode, f"timed out after {args.mode_timeout_s} s"))
+                continue
+            print(
+                "\n".join(line for line in proc.stdout.splitlines() if line.startswith("step ")), flush=True
+            )
+            if proc.returncode != 0 or not out.exists():
+                rows.append((mode, f"failed (exit {proc.returncode}; its error is above)"))
+                continue
+            all_records[mode] = json.loads(out.read_text())
+            rows.append((mode, mode_summary(all_records[mode], gen_tokens)))
+    steps = f"median of steps 2..{args.steps}" if args.steps > 1 else "one step"
+    print(f"\n| mode ({args.prompts} prompts x {args.samples}, {args.prompt_tokens}+{args.new_tokens} tokens; {steps}) "
+          "| step s | generate s | train s | sync s | rollout tok/s | max rollout/logp_gap_max | "
+          "mean rollout/token_mult_prob_error |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for mode, r in rows:
+        name = f"{mode} ({', '.join(MODES[mode])})" if MODES[mode] else mode
+        if isinstance(r, str):
+            print(f"| {name} | {r} | | | | | | |")
+            continue
+        print(f"| {name} | {r['time/step_s']:.3f} | {r['time/generate_s']:.3f} | {r['time/train_s']:.3f} | "
+              f"{r['time/sync_s']:.3f} | {r['rollout_tok_s']:.0f} | {r['logp_gap_max']:.3g} | "
+              f"{r['token_mult_prob_error']:.6f} |")  # fmt: skip
+    base = dict(rows).get("default")
+    if isinstance(base, dict):
+        for mode, r in rows:
+            if mode != "default" and isinstance(r, dict):
+                print(f"{mode} / default: step {r['time/step_s'] / base['time/step_s']:.2f}x, "
+                      f"rollout tok/s {r['rollout_tok_s'] / base['rollout_tok_s']:.2f}x")  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps(all_records))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
@@ -188,9 +295,17 @@ def main() -> None:
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="extra config override"
     )
+    parser.add_argument(
+        "--modes", type=parse_modes, default=None, help=f"comma-separated, of: {', '.join(MODES)} (one table)"
+    )
+    parser.add_argument("--mode-timeout-s", type=int, default=0, help="--modes: seconds per mode (0 = none)")
     args = parser.parse_args()
+    if args.modes and (args.profile or args.profile_train):
+        parser.error("--modes runs each mode in its own process: profile one mode with --set instead")
     if args.tiny:
         tiny_shape(args)
+    if args.modes:
+        return run_modes(args)
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_random_qwen3(Path(tmp) / "model", tiny=args.tiny)

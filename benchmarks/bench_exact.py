@@ -1,13 +1,16 @@
 """rollout.match_training on one GPU: the batch-invariant kernels' checks, then the GRPO step in the
 default mode and with match_training, in one table.
 
-1. Kernel checks (Qwen3-0.6B shapes, bf16): each batch-invariant kernel against torch's (max
-   relative error) and against itself with the same rows in another batch (bitwise yes/no).
+1. Kernel checks (Qwen3-0.6B shapes, bf16; the experts' grouped product at Qwen3-30B-A3B's
+   widths): each batch-invariant kernel against torch's (max relative error) and against itself with
+   the same rows in another batch (bitwise yes/no).
 2. The GRPO step of bench_e2e.py (random Qwen3-0.6B weights; by default a smaller batch: 32 prompts
    x 8 samples, 128 prompt tokens, 256 new tokens) with the defaults and with
    rollout.match_training=true, each mode in a process of its own (a crash or a time-out costs that
    row only): median step, generate and train seconds over the steps after the first, rollout tok/s,
-   and the largest rollout/logp_gap_max (0.0 expected with match_training).
+   and the largest rollout/logp_gap_max (0.0 expected with match_training). With `--moe` the model
+   is a MoE of Qwen3-30B-A3B's width with 4 of its 48 layers (bench_moe.py's random weights; with
+   --tiny its 2-layer toy).
 
 Every line is printed as soon as it is known, and the table is written to $OUT/bench_exact.md (and
 the per-step records to $OUT/bench_exact.json) when OUT is set.
@@ -15,6 +18,7 @@ the per-step records to $OUT/bench_exact.json) when OUT is set.
     python benchmarks/bench_exact.py                    # one H200: checks + both modes
     python benchmarks/bench_exact.py --prompts 64 --new-tokens 512   # bench_e2e's T1 shape
     python benchmarks/bench_exact.py --tiny --steps 2   # a small smoke run
+    python benchmarks/bench_exact.py --moe --skip-checks   # the MoE model in both modes
 """
 
 from __future__ import annotations
@@ -122,11 +126,27 @@ def check_attention_paged() -> tuple[bool, float]:
     return same, 0.0
 
 
+def check_grouped_matmul() -> tuple[bool, float]:
+    """The experts' gate/up product at Qwen3-30B-A3B's widths: a token's row alone in its expert."""
+    from rlloom.models.exact_kernels import grouped_matmul
+
+    experts = 128
+    offsets = (torch.arange(experts, device="cuda") % 41).cumsum(0).to(torch.int32)
+    x, w = _randn(int(offsets[-1]), 2048, seed=10), _randn(experts, 768, 2048, seed=11, scale=0.03)
+    full = grouped_matmul(x, w, offsets)
+    row = int(offsets[39]) + 17  # in expert 40
+    alone = grouped_matmul(x[row : row + 1], w, (torch.arange(experts, device="cuda") >= 40).to(torch.int32))
+    return torch.equal(alone[0], full[row]), _rel(
+        full, torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+    )
+
+
 def kernel_checks() -> None:
     checks: dict[str, Callable[[], tuple[bool, float]]] = {
         "matmul (rows 1/1/297 of 512; fused = separate)": check_matmul,
         "lm head + log-sum-exp (row 1 of 256, V=151936)": check_lm_head,
         "row sum (row 1 of 4096)": check_row_sum,
+        "MoE grouped product (a row alone in its expert)": check_grouped_matmul,
         "attention packed (a sequence alone)": check_attention_packed,
         "attention paged decode/prefill = packed": check_attention_paged,
     }
@@ -151,7 +171,13 @@ def run_mode(args: argparse.Namespace) -> None:
         tiny_shape(args)
     extra = ["rollout.match_training=true"] if args.mode == "match_training" else []
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_random_qwen3(Path(tmp) / "model", tiny=args.tiny)
+        if args.moe:
+            from bench_moe import QWEN3_30B_A3B_8L, TINY, write_random_checkpoint
+
+            config = TINY if args.tiny else QWEN3_30B_A3B_8L | {"num_hidden_layers": 4}
+            model_dir = write_random_checkpoint(Path(tmp) / "model", config)
+        else:
+            model_dir = write_random_qwen3(Path(tmp) / "model", tiny=args.tiny)
         cfg = e2e_config(args, model_dir, Path(tmp) / "run", extra)
         groups = build_groups(cfg)
         ctx = e2e_context(cfg, groups, args)
@@ -170,7 +196,7 @@ def mode_row(args: argparse.Namespace, mode: str) -> dict | None:
     cmd = [sys.executable, __file__, "--mode", mode, "--steps", str(args.steps)]
     cmd += ["--prompts", str(args.prompts), "--samples", str(args.samples)]
     cmd += ["--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)]
-    cmd += ["--kv-gb", str(args.kv_gb)] + (["--tiny"] if args.tiny else [])
+    cmd += ["--kv-gb", str(args.kv_gb)] + (["--tiny"] if args.tiny else []) + (["--moe"] if args.moe else [])
     start = time.time()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.mode_timeout_s)
@@ -207,6 +233,7 @@ def main() -> None:
     parser.add_argument("--mode", choices=["default", "match_training"], help=argparse.SUPPRESS)
     parser.add_argument("--mode-timeout-s", type=int, default=270)
     parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--moe", action="store_true", help="a MoE model (Qwen3-30B-A3B's width, 4 layers)")
     args = parser.parse_args()
     if args.mode:
         return run_mode(args)
@@ -223,7 +250,7 @@ def main() -> None:
             emit("kernel checks failed: " + traceback.format_exc().splitlines()[-1])
     emit("")
     emit(
-        f"| mode ({args.prompts} prompts x {args.samples}, {args.new_tokens} new tokens; median of steps 2..{args.steps}) "
+        f"| mode ({'MoE, ' if args.moe else ''}{args.prompts} prompts x {args.samples}, {args.new_tokens} new tokens; median of steps 2..{args.steps}) "
         "| step s | generate s | train s | rollout tok/s | max logp_gap_max |"
     )
     emit("|---|---|---|---|---|---|")

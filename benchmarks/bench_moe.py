@@ -3,9 +3,10 @@
 GPU (default): random bf16 weights of Qwen3-30B-A3B's width with 8 of its 48 layers (hidden 2048,
 128 experts of width 768, 8 per token, 32 query / 4 KV heads of 128, vocab 151936, untied head):
   - rollout: 128 prompts x 128 tokens -> 256 new tokens, ignore_eos, sampling at T = 1: output
-    tokens/s, the memory-bandwidth bound of the decode steps (every step reads all weights, since a
-    batch of 128 x 8 routed tokens reaches every expert, and every cached key/value), and whether the
-    decode ran as compiled CUDA graphs; transformers' `generate` on the same prompts;
+    tokens/s, the memory-bandwidth bound of the decode steps (decode_bound.py: each step reads the
+    weights every token uses, the routed experts its tokens chose in this run, each once, and every
+    cached key/value), and whether the decode ran as compiled CUDA graphs; transformers' `generate`
+    on the same prompts;
   - train: one optimizer step over 4 micro-batches of <= 4096 packed tokens (fp32 master weights,
     bf16 compute, activation checkpointing off), the same batch as one micro-batch of <= 16384, and
     a 4x larger batch as 4 micro-batches of <= 16384 (one GPU: no FSDP, bf16 copies of the fp32
@@ -38,17 +39,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_rollout import (  # noqa: E402
-    completion_gaps,
-    copy_bandwidth,
-    decode_bound_s,
-    hf_generate,
-    print_table,
-    row,
-    run_engine,
-    weight_bytes,
-)
+from bench_rollout import completion_gaps, copy_bandwidth, hf_generate, print_table, row, run_engine  # noqa: E402
 from bench_train import make_batch, print_profile  # noqa: E402
+from decode_bound import decode_bound_s, weight_bytes  # noqa: E402
 
 from rlloom.algorithms.losses import aggregate_loss_sum, loss_normalizer
 from rlloom.config import TrainEngineConfig
@@ -250,7 +243,7 @@ def bench_rollout(
     engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True))
     bandwidth = copy_bandwidth(device)
     r = run_engine(engine, prompts, SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True))
-    bound = decode_bound_s(engine, prompts_n, prompt_len, new, bandwidth)
+    bound = decode_bound_s(engine.model, engine.runner.dtype, r["decode_rows"], r["completions"], bandwidth)
     mode = (
         "compiled CUDA graphs"
         if engine.runner.graphs is not None and engine.runner.compiled_forward is not None

@@ -3,8 +3,8 @@
 GPU (default): a random bf16 model of Qwen3-0.6B's shape (28 layers, hidden 1024, intermediate 3072,
 16 heads, 8 KV heads, head dim 128, vocab 151936, tied embeddings):
   - 256 prompts x 128 tokens, 512 new tokens, ignore_eos, full-vocabulary sampling (T = 1): output
-    tokens/s, the memory-bandwidth lower bound of the decode steps (weights + KV read per step,
-    divided by the measured device-to-device copy bandwidth) and the engine's ratio to it, and HF
+    tokens/s, the memory-bandwidth lower bound of the decode steps (the bytes each step must read,
+    decode_bound.py, over the measured device-to-device copy bandwidth) and the engine's ratio to it, and HF
     generate on the same workload;
   - the GRPO pattern, 32 prompts x n = 8, with prefix sharing on and off (peak KV blocks in use).
 CPU (`--cpu`): the embedded SmolLM2-135M-Instruct, 64 chat prompts, 32 new tokens, sampling at
@@ -26,9 +26,11 @@ import argparse
 import os
 import tempfile
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from decode_bound import decode_bound_s
 
 from rlloom.engines.rollout.native import NativeEngine, SamplingParams
 
@@ -66,13 +68,16 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run_engine(engine: NativeEngine, prompts: list[list[int]], params: SamplingParams) -> dict[str, float]:
-    """Step loop with timing: total and decode-step seconds, output tokens, peak KV blocks."""
+def run_engine(engine: NativeEngine, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
+    """Step loop with timing: total and decode-step seconds, output tokens, peak KV blocks; and for the
+    decode bound (decode_bound.py), what each decode step fed ("decode_rows": (prompt index, sample
+    index, position) per sequence) and the completions (with an MoE model's routes)."""
     for i, prompt in enumerate(prompts):
         engine.add_request(prompt, params, request_id=str(i), prompt_index=i)
     sync(engine.device)
     start = time.perf_counter()
     decode_s, peak_blocks, tokens = 0.0, 0, 0
+    completions, decode_rows = [], []
     waits_for = None  # the batch whose tokens the next step() reads back (it launches the one after)
     while engine.has_unfinished():
         t0 = time.perf_counter()
@@ -80,10 +85,17 @@ def run_engine(engine: NativeEngine, prompts: list[list[int]], params: SamplingP
         if waits_for is not None and not waits_for.is_prefill:
             decode_s += time.perf_counter() - t0
         waits_for = engine.last_batch
+        if waits_for is not None and not waits_for.is_prefill:
+            # Launched: each sequence's fed token sits at the position before its cached count.
+            decode_rows.append(
+                [(s.prompt_index, s.sample_index, s.num_cached_tokens - 1) for s in waits_for.seqs]
+            )
         peak_blocks = max(peak_blocks, engine.block_manager.num_used_blocks)
         tokens += sum(len(c.token_ids) for c in done)
+        completions += done
     total_s = time.perf_counter() - start
-    return {"s": total_s, "decode_s": decode_s, "tokens": tokens, "peak_blocks": peak_blocks}
+    return {"s": total_s, "decode_s": decode_s, "tokens": tokens, "peak_blocks": peak_blocks,
+            "decode_rows": decode_rows, "completions": completions}  # fmt: skip
 
 
 def hf_generate(
@@ -117,18 +129,6 @@ def copy_bandwidth(device: torch.device) -> float:
         dst.copy_(src)
     sync(device)
     return 2 * src.nbytes * 10 / (time.perf_counter() - start)
-
-
-def decode_bound_s(
-    engine: NativeEngine, batch: int, prompt_len: int, new_tokens: int, bandwidth: float
-) -> float:
-    """Seconds the decode steps need at least: every step reads all weights and every cached key/value."""
-    a = engine.model.args
-    weights = weight_bytes(engine.model)
-    kv_token_bytes = a.num_layers * a.kv_cache.values_per_token * engine.runner.dtype.itemsize
-    steps = range(1, new_tokens)  # the first token comes from the prefill
-    total = sum(weights + batch * (prompt_len + s) * kv_token_bytes for s in steps)
-    return total / bandwidth
 
 
 def row(table: list[tuple[str, ...]], name: str, engine: str, r: dict[str, float], note: str = "") -> None:
@@ -169,11 +169,6 @@ def random_model(
     native = build_model(config, dtype=dtype, device=device, fused_projections=True)
     load_hf_tensors(native, hf.state_dict().items())
     return native.eval(), hf
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the parameters and buffers (an fp8 rollout's experts and their scales are buffers)."""
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
 def completion_gaps(
@@ -234,7 +229,7 @@ def bench_gpu(
     table: list[tuple[str, ...]] = []
     bandwidth = copy_bandwidth(device)
     r = run_engine(engine, prompts, SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True))
-    bound = decode_bound_s(engine, num_prompts, prompt_len, new, bandwidth)
+    bound = decode_bound_s(engine.model, engine.runner.dtype, r["decode_rows"], r["completions"], bandwidth)
     name = f"{num_prompts}x{prompt_len} -> {new}"
     row(table, name, "native", r,
         f"decode {r['decode_s']:.2f}s, bound {bound:.2f}s at {bandwidth / 1e12:.2f} TB/s, ratio "

@@ -27,12 +27,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_rollout import (  # noqa: E402
     QWEN3_06B,
     copy_bandwidth,
-    decode_bound_s,
     logprob_gap,
     random_model,
     run_engine,
-    weight_bytes,
 )
+from decode_bound import decode_bound_s, every_step_bytes  # noqa: E402
 
 from rlloom.engines.rollout.native import NativeEngine, SamplingParams  # noqa: E402
 from rlloom.engines.rollout.native import paged_decode as paged_decode_module  # noqa: E402
@@ -175,7 +174,7 @@ def attention_variants(engine: NativeEngine, bandwidth: float) -> list[tuple[dic
 def end_to_end(engine: NativeEngine, prompts: list[list[int]], new: int, bandwidth: float) -> str:
     """bench_rollout's main workload: output tok/s and decode time against the bandwidth bound."""
     r = run_engine(engine, prompts, SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True))
-    bound = decode_bound_s(engine, len(prompts), len(prompts[0]), new, bandwidth)
+    bound = decode_bound_s(engine.model, engine.runner.dtype, r["decode_rows"], r["completions"], bandwidth)
     return (
         f"{len(prompts)}x{len(prompts[0])} -> {new}: {r['tokens'] / r['s']:,.0f} tok/s, {r['s']:.2f} s; "
         f"decode {r['decode_s']:.2f} s, bound {bound:.2f} s, ratio {bound / r['decode_s']:.2f}"
@@ -251,7 +250,7 @@ def main() -> None:
     idle = profile_steps(engine, args.profiled_steps, args.out)
 
     a = engine.model.args
-    weights = weight_bytes(engine.model)
+    weights = every_step_bytes(engine.model)  # what every decode step reads (decode_bound.py)
     kv_bytes = (
         sum(s.num_tokens for s in seqs) * a.num_layers * a.num_kv_heads * (a.head_dim + a.v_head_dim) * 2
     )

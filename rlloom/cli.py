@@ -8,7 +8,7 @@ rlloom export RUN_DIR_OR_CHECKPOINT OUT [--dtype auto|float32|bfloat16|float16]
 rlloom config show RECIPE_OR_YAML [section.key=value ...]
 rlloom config doc
 rlloom plot RUN_DIR
-rlloom init-model tiny-dense|tiny-moe|tiny-mla|tiny-vl DIR [--layers N] [--hidden H]
+rlloom init-model tiny-dense|tiny-moe|tiny-mla|tiny-vl|tiny-vl3 DIR [--layers N] [--hidden H]
 rlloom compare-layers MODEL --prompt TEXT [--max-new-tokens N] [--seed S] [--device cpu|cuda] [--dtype D] [--exact]
 rlloom plan MODEL --gpus N --gpu-memory-gb G [--critic] [--teacher T] [--reward-model R] [--check tp=..,pp=..,cp=..,ep=..,offload=F] [--json]
 
@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Write a tiny random model with a character tokenizer as a Hugging Face folder, for "
         "trying settings and parallel layouts on a CPU in seconds (model.path=DIR): tiny-dense (Qwen3), "
         "tiny-moe (Qwen3-MoE, 8 experts), tiny-mla (DeepSeek-V3: MLA attention, MoE with a shared expert) "
-        "or tiny-vl (Qwen2.5-VL: a vision tower, M-RoPE).",
+        "tiny-vl (Qwen2.5-VL: a vision tower, M-RoPE) or tiny-vl3 (Qwen3-VL: DeepStack, interleaved M-RoPE).",
     )
     init.add_argument("kind", choices=TINY_KINDS)
     init.add_argument("out", help="new or empty output folder")

@@ -34,10 +34,6 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-import torch._functorch.config
-import torch._inductor.config
-from torch._inductor.runtime.cache_dir_utils import default_cache_dir as torch_default_cache_dir
-
 from rlloom.config import UserError
 
 logger = logging.getLogger(__name__)
@@ -61,6 +57,8 @@ def cache_env(env: Mapping[str, str]) -> dict[str, str]:
     own values where set, else the rlloom directory and its `triton` folder. A TORCHINDUCTOR_CACHE_DIR
     equal to torch's default (/tmp/torchinductor_<user>) counts as unset: importing torch._dynamo
     writes that value into the environment itself."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir as torch_default_cache_dir
+
     inductor = env.get("TORCHINDUCTOR_CACHE_DIR", "")
     if inductor in ("", torch_default_cache_dir()):
         inductor = str(default_cache_dir(env))
@@ -78,6 +76,11 @@ def enable_compile_cache() -> Path | None:
 
 
 def _enable() -> Path | None:
+    # Imported here, not at the top: importing Inductor pulls in Dynamo (about 0.7 s of CPU), which a
+    # process that never compiles (every CPU run, each Ray actor of one) would pay at start-up.
+    import torch._functorch.config
+    import torch._inductor.config
+
     dirs = cache_env(os.environ)
     for name, path in dirs.items():
         try:

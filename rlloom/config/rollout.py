@@ -68,11 +68,13 @@ class RolloutConfig:
     computes for it at the same weights: both engines run batch-invariant numerics
     (rlloom/models/exact.py: fixed-order products, reductions and attention whatever the batch,
     prefill or decode), so `rollout/logp_gap_max` reads 0.0 and the old-logprob forward is skipped
-    (the rollout's logprobs are pi_old). On the CPU every model (slow: for tests and tiny models);
-    on CUDA dense models, with Triton kernels of one fixed configuration (MoE and MLA models are
-    refused there). Both engines then run eagerly: train.compile, rollout.compile and the decode
-    CUDA graphs are off. Needs rollout.temperature=1.0, rollout.quantization=none, rollout.tp=1 and
-    parallel degrees 1 (data-parallel training ranks are exact)."""
+    (the rollout's logprobs are pi_old). Text models (not vision-language ones): on the CPU every
+    family (slow: for tests and tiny models); on CUDA dense, MoE and MLA models, with Triton kernels
+    of one fixed configuration (the experts' grouped product and MLA's latent attention included).
+    train.compile and rollout.compile are then off (a compiled graph fuses and rounds differently);
+    the rollout's decode still replays CUDA graphs, of the plain forward. Needs
+    rollout.temperature=1.0, rollout.quantization=none, rollout.tp=1 and parallel degrees 1
+    (data-parallel training ranks are exact)."""
 
     env: str = ""
     """Multi-turn environment, "module:Class" (imported like reward plug-ins: next to the YAML file,

@@ -43,12 +43,8 @@ logger = logging.getLogger(__name__)
 NativeKey = tuple[str, int | None]
 """(native parameter name, expert index or None)."""
 
-_TOP = {
-    "model.embed_tokens.weight": "tok_embeddings.weight",
-    "model.norm.weight": "norm.weight",
-    "lm_head.weight": "output.weight",
-}
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_TOWER = "visual."
+"""Native prefix of a vision tower's tensors."""
 _NATIVE_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 _STACKED_RE = re.compile(r"^moe\.experts\.(w[123])$")
 
@@ -69,24 +65,27 @@ class StateDictAdapter:
             if experts
             else None
         )
-
-    def _is_tower(self, name: str) -> bool:
-        """A vision tower's tensor: the same name natively and in the checkpoint."""
-        prefix = self.family.tower_prefix
-        return prefix is not None and name.startswith(prefix)
+        decoder = self.family.decoder_prefix
+        self._top = {
+            f"{decoder}embed_tokens.weight": "tok_embeddings.weight",
+            f"{decoder}norm.weight": "norm.weight",
+            "lm_head.weight": "output.weight",
+        }
+        self._layer_re = re.compile(rf"^{re.escape(decoder)}layers\.(\d+)\.(.+)$")
 
     def is_mtp_layer(self, hf_name: str) -> bool:
         """Multi-token-prediction layers (DeepSeek-V3) sit after the last decoder layer."""
-        m = _LAYER_RE.match(hf_name)
+        m = self._layer_re.match(hf_name)
         return self.family.mtp_layers and m is not None and int(m.group(1)) >= self.args.num_layers
 
     def from_hf(self, hf_name: str) -> NativeKey | None:
         """Native key of an HF tensor name, or None when the name is not part of this architecture."""
-        if hf_name in _TOP:
-            return _TOP[hf_name], None
-        if self._is_tower(hf_name):
-            return hf_name, None
-        m = _LAYER_RE.match(hf_name)
+        if hf_name in self._top:
+            return self._top[hf_name], None
+        tower = self.family.tower_prefix
+        if tower is not None and hf_name.startswith(tower):
+            return _TOWER + hf_name.removeprefix(tower), None
+        m = self._layer_re.match(hf_name)
         if m is None:
             return None
         layer, rest = m.group(1), m.group(2)
@@ -100,11 +99,11 @@ class StateDictAdapter:
 
     def hf_name(self, native_name: str, expert: int | None = None) -> str:
         """HF tensor name of a native parameter (or of one expert of a stacked parameter)."""
-        for hf, nat in _TOP.items():
+        for hf, nat in self._top.items():
             if nat == native_name:
                 return hf
-        if self._is_tower(native_name):
-            return native_name
+        if self.family.tower_prefix is not None and native_name.startswith(_TOWER):
+            return self.family.tower_prefix + native_name.removeprefix(_TOWER)
         m = _NATIVE_LAYER_RE.match(native_name)
         assert m is not None, native_name
         layer, rest = m.group(1), m.group(2)
@@ -113,8 +112,8 @@ class StateDictAdapter:
             assert expert is not None and self._experts is not None, native_name
             prefix, projections = self._experts
             proj = next(hf for hf, nat in projections.items() if nat == stacked.group(1))
-            return f"model.layers.{layer}.{prefix}{expert}.{proj}.weight"
-        return f"model.layers.{layer}.{self._layer_native_to_hf[rest]}"
+            return f"{self.family.decoder_prefix}layers.{layer}.{prefix}{expert}.{proj}.weight"
+        return f"{self.family.decoder_prefix}layers.{layer}.{self._layer_native_to_hf[rest]}"
 
     def to_hf(
         self, native_name: str, tensor: torch.Tensor, *, first_expert: int = 0

@@ -53,7 +53,8 @@ class MLAArgs:
 
 @dataclass(kw_only=True, slots=True)
 class VisionArgs:
-    """Qwen2.5-VL's vision tower (config.json `vision_config`) and the image tokens of its prompts."""
+    """A vision tower (config.json `vision_config`: Qwen2.5-VL's, or Qwen3-VL's when
+    `num_position_embeddings` is set) and the image tokens of its prompts."""
 
     depth: int
     """Vision transformer blocks."""
@@ -73,5 +74,11 @@ class VisionArgs:
     fullatt_block_indexes: tuple[int, ...] = ()
     """Blocks that attend over the whole image instead of windows."""
     rope_theta: float = 10000.0
+    num_position_embeddings: int | None = None
+    """Qwen3-VL's tower: a learned square table of patch positions, resampled to each image's grid
+    (no windows, LayerNorm blocks, GELU MLPs; `vision_qwen3.py`). None: Qwen2.5-VL's tower."""
+    deepstack_visual_indexes: tuple[int, ...] = ()
+    """Qwen3-VL's DeepStack: blocks whose merged output is added to the hidden states of the image
+    tokens after decoder layer 0, 1, ... in this order."""
     image_token_id: int
     """The placeholder token each merged patch's features replace."""

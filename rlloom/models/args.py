@@ -59,6 +59,9 @@ class RopeArgs:
     mrope_section: tuple[int, ...] | None = None
     """M-RoPE (Qwen2.5-VL): consecutive frequency pairs driven by the temporal, height and width
     position (e.g. 16, 24, 24 of 64 pairs); None for one position per token."""
+    mrope_interleaved: bool = False
+    """M-RoPE's pairs interleaved (Qwen3-VL): pair j reads height when j % 3 == 1 and j < 3 * section[1],
+    width when j % 3 == 2 and j < 3 * section[2], else the temporal position."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -174,7 +177,13 @@ class ModelArgs:
             attention_bias=own.attention_bias,
             attention_out_bias=own.attention_out_bias,
             qk_norm=own.qk_norm,
-            rope=rope_args(cfg, rope_dim, interleaved=own.rope_interleaved, mrope_section=own.mrope_section),
+            rope=rope_args(
+                cfg,
+                rope_dim,
+                interleaved=own.rope_interleaved,
+                mrope_section=own.mrope_section,
+                mrope_interleaved=own.mrope_interleaved,
+            ),
             moe=own.moe,
             mla=mla,
             vision=own.vision,
@@ -215,7 +224,12 @@ def _rope_dict(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def rope_args(
-    cfg: dict[str, Any], dim: int, *, interleaved: bool = False, mrope_section: tuple[int, ...] | None = None
+    cfg: dict[str, Any],
+    dim: int,
+    *,
+    interleaved: bool = False,
+    mrope_section: tuple[int, ...] | None = None,
+    mrope_interleaved: bool = False,
 ) -> RopeArgs:
     """RopeArgs for `dim` rotated channels from an HF config dict."""
     p = _rope_dict(cfg)
@@ -248,4 +262,5 @@ def rope_args(
         truncate=bool(p.get("truncate", True)),
         interleaved=bool(interleaved),
         mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved,
     )

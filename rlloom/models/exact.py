@@ -6,7 +6,7 @@ forward (packed sequences, shared-prompt trees) then give a token the same hidde
 logprob, bit for bit.
 
 How each kind of op is made invariant on the CPU:
-- matrix products (mm, addmm, bmm): the products are exact elementwise multiplies and the sum over
+- matrix products (mm, addmm, bmm, mm with an out_dtype): the products are exact elementwise multiplies and the sum over
   K is `tree_sum`, a halving tree over K padded with zeros to a power of two. Zero padding at the end
   leaves a halving tree's result unchanged, so the sum is also invariant to fused projections (each
   output column is its own dot product).
@@ -25,13 +25,16 @@ Slow (every product is materialised): for tests and tiny models on the CPU. Back
 changed (the mode is only entered around forwards).
 
 On CUDA the same ops are replaced by Triton kernels of one fixed configuration (`exact_kernels.py`:
-the matrix products, sums, means, log-sum-exp, softmax, log-softmax), and attention, which reaches
+the matrix products, sums, means, log-sum-exp, softmax, log-softmax); the routed experts of MoE
+layers, whose grouped product is not an aten op the mode sees as such, call that file's
+`grouped_matmul` themselves (`moe.GroupedExperts`); and attention, which reaches
 torch there through FlashAttention's varlen call or the rollout's paged kernel rather than SDPA, is
 routed by its callers (`attention_ops.attend`, the rollout's `PagedAttention`) to one kernel for
 packed, shared-prompt and paged layouts (`exact_attention.py`). Elementwise CUDA kernels compute
-every element by the same code whatever its index, so they run as they are. Both engines run eager
-under the mode (no torch.compile, no CUDA graphs): a compiled graph would fuse elementwise work and
-round differently from the other engine's.
+every element by the same code whatever its index, so they run as they are. Nothing is compiled
+under the mode: a compiled graph would fuse elementwise work and round differently from the other
+engine's. The rollout's decode still replays CUDA graphs, captured under the mode: a replay launches
+the kernels of the eager forward, with the same bits, without the dispatch mode's Python per op.
 """
 
 from __future__ import annotations
@@ -64,8 +67,12 @@ def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x[..., 0]
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """[..., M, K] @ [..., K, N] (+ bias) with each output a tree sum over K."""
+def _mm(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """[..., M, K] @ [..., K, N] (+ bias) with each output a tree sum over K (in `out_dtype`)."""
+    if out_dtype is not None:
+        a, b = a.to(out_dtype), b.to(out_dtype)
     product = tree_sum(a.unsqueeze(-1) * b.unsqueeze(-3), dim=-2)
     return product if bias is None else bias + product
 
@@ -87,7 +94,7 @@ class _Numerics:
     """The batch-invariant primitives of one device, from which every replaced op is built."""
 
     mm: Callable[..., torch.Tensor]
-    """(a [..., M, K], b [..., K, N], bias [N] | None) -> [..., M, N]"""
+    """(a [..., M, K], b [..., K, N], bias [N] | None, out_dtype=None) -> [..., M, N]"""
     sum_last: Callable[[torch.Tensor], torch.Tensor]
     """x [..., C] -> [...] (the last dim summed)"""
     logsumexp_last: Callable[[torch.Tensor], torch.Tensor]
@@ -153,6 +160,9 @@ class _ExactOps(TorchDispatchMode):
             return func(args[0].double(), args[1]).to(args[0].dtype)
         if func is aten.mm.default or func is aten.bmm.default:
             return ops.mm(*args)
+        if func is aten.mm.dtype:  # torch.mm(out_dtype=): a MoE router's fp32 logits of bf16 operands
+            a, b, out_dtype = args
+            return ops.mm(a, b, out_dtype=out_dtype)
         if func is aten.addmm.default:
             bias, a, b = args
             beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)

@@ -27,6 +27,11 @@ function up to rounding; only the forward values need to be the rollout's.
 
 Shape legend: N query tokens, R key/value rows (the stream, or the cache's slots), Hq/Hkv heads,
 G = Hq / Hkv, D/Dv head dims, U runs, M entries of kv_index.
+
+Head dims may differ: MLA (DeepSeek-V3) attends under the mode in its absorbed form in both engines
+(models/mla.py), q [N, H, R + Dr] against one latent key head [R, 1, R + Dr] whose values are its
+first R channels (v a view of k: read in place, `_keys_prefix`); D and Dv are padded to powers of
+two separately.
 """
 
 # Triton reads a kernel's annotations as specialisation hints, so its pointer arguments stay bare.
@@ -42,6 +47,10 @@ import triton
 import triton.language as tl
 
 BLOCK_N, MIN_ROWS, WARPS = 64, 16, 4
+WIDE_BLOCK_N, WIDE_STAGES, WIDE_CHANNELS = 16, 2, 512
+"""Key blocks of 16 in a 2-stage pipeline where the padded q/k and v widths together pass 512
+channels (MLA's latent: 1024 + 512), whose 64-key tiles do not fit in an H200's shared memory. A
+function of the model's head widths only, so both engines still run one configuration."""
 
 
 @dataclass(slots=True)
@@ -164,20 +173,31 @@ def attend_runs(
     G = Hq // Hkv
     g_pad = triton.next_power_of_2(G)
     queries = max(MIN_ROWS // g_pad, 1)
-    q, k, v = (x.contiguous() for x in (q_NHD, k_RHD, v_RHD))
+    q, k = q_NHD.contiguous(), k_RHD.contiguous()
+    v = v_RHD if _keys_prefix(v_RHD, k) else v_RHD.contiguous()
     out = torch.empty(N, Hq, Dv, dtype=q.dtype, device=q.device)
     num_runs, tiles_per_run = runs.q_len.shape[0], triton.cdiv(max(runs.max_q, 1), queries)
     if N == 0 or num_runs == 0:
         return out
     index = (int32(x) for x in (runs.kv_index, runs.q_start, runs.q_len, runs.k_base, runs.k_len))
+    d_pad, dv_pad = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(Dv))
+    wide = d_pad + dv_pad > WIDE_CHANNELS
+    stages = {"num_stages": WIDE_STAGES} if wide else {}
     _attention_kernel[(num_runs * tiles_per_run, Hkv)](
         q, k, v, out, *index,
         scale, tiles_per_run, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2],
-        G=G, G_PAD=g_pad, QUERIES=queries, ROWS=queries * g_pad, D=D, D_PAD=max(16, triton.next_power_of_2(D)),
-        DV=Dv, DV_PAD=max(16, triton.next_power_of_2(Dv)), BLOCK_N=BLOCK_N,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=WARPS, enable_fp_fusion=False,
+        G=G, G_PAD=g_pad, QUERIES=queries, ROWS=queries * g_pad, D=D, D_PAD=d_pad, DV=Dv, DV_PAD=dv_pad,
+        BLOCK_N=WIDE_BLOCK_N if wide else BLOCK_N, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=WARPS, enable_fp_fusion=False, **stages,
     )  # fmt: skip
     return out
+
+
+def _keys_prefix(v: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether v is k[..., :Dv] (MLA's values, the latent in the keys' first channels, in training's
+    stream and in the rollout's cache alike): then the kernel reads them in place, with k's strides
+    on both sides, where a copy would cost the rollout its whole cache layer per call."""
+    return v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.shape[:-1] == k.shape[:-1]
 
 
 Reference = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

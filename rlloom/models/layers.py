@@ -159,11 +159,24 @@ class RotaryEmbedding(nn.Module):
         freqs = position_ids.float().unsqueeze(-1) * self.inv_freq.float()
         if axes3:
             assert self.args.mrope_section is not None, "3-D positions need mrope_section"
-            parts = freqs.split(list(self.args.mrope_section), dim=-1)
-            freqs = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
+            if self.args.mrope_interleaved:
+                axis = mrope_pair_axes(self.args.mrope_section, freqs.shape[-1]).to(freqs.device)
+                freqs = torch.where(axis == 1, freqs[1], torch.where(axis == 2, freqs[2], freqs[0]))
+            else:
+                parts = freqs.split(list(self.args.mrope_section), dim=-1)
+                freqs = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
         return cos.to(dtype), sin.to(dtype)
+
+
+def mrope_pair_axes(section: tuple[int, ...], num_pairs: int) -> torch.Tensor:
+    """[num_pairs] the position axis (0 temporal, 1 height, 2 width) each frequency pair reads under
+    interleaved M-RoPE (transformers' Qwen3-VL `recomposition_frequencies`)."""
+    j = torch.arange(num_pairs)
+    height = (j % 3 == 1) & (j < 3 * section[1])
+    width = (j % 3 == 2) & (j < 3 * section[2])
+    return torch.where(height, 1, torch.where(width, 2, 0))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

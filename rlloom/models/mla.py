@@ -101,5 +101,7 @@ class MLAttention(nn.Module):
         k_pe = apply_rope(k_pe.unsqueeze(-2), cos, sin, interleaved=self.interleaved)
         q = torch.cat([q_latent, q_pe], dim=-1)
         k = torch.cat([latent.unsqueeze(-2), k_pe], dim=-1)
-        out_latent = attend(q, k, latent.unsqueeze(-2), self.scale, layout)
+        # The values as a view of the keys' first R channels, as the rollout's cache holds them: the
+        # exact CUDA kernel then reads them in place on both sides (models/exact_attention.py).
+        out_latent = attend(q, k, k[..., : self.kv_lora_rank], self.scale, layout)
         return self.wo(torch.einsum("nhr,hvr->nhv", out_latent, w_uv).flatten(-2))

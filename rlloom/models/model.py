@@ -2,8 +2,10 @@
 
 Architecture only; Hugging Face names live in `adapter.py` and file I/O in `checkpoint.py`.
 One class covers Llama/Qwen2/Qwen3 (GQA + SwiGLU), Qwen3-MoE/Mixtral (MoE layers), DeepSeek-V3
-(MLA + MoE with shared experts after `first_k_dense_replace` dense layers) and Qwen2.5-VL (a Qwen2
-decoder with M-RoPE and a vision tower, `vision.py`, whose features replace the image tokens).
+(MLA + MoE with shared experts after `first_k_dense_replace` dense layers), Qwen2.5-VL (a Qwen2
+decoder with M-RoPE and a vision tower, `vision.py`, whose features replace the image tokens) and
+Qwen3-VL (a Qwen3 decoder with interleaved M-RoPE and `vision_qwen3.py`'s tower, whose DeepStack
+rows are added to the image tokens' hidden states after the first decoder layers).
 
 Inputs (see docs/CONTRACTS.md):
 - padded: input_ids [B, T] (+ attention_mask [B, T] bool, right padding) -> logits [B, T, V]
@@ -12,9 +14,9 @@ Inputs (see docs/CONTRACTS.md):
   followed by branches that attend to the prompt and to themselves; see `attention_ops`)
 - backend: input_ids [N], position_ids [N], attn=<object with .attn(q, k, v, scale), called once per layer>
 - images (a model with a vision tower): any of the above plus pixel_values [P, C*T*ps*ps] and
-  image_grid_thw [I, 3] (the processor's), or the tower's output image_embeds [M, D]; position_ids then
-  carry a leading axis of 3 (M-RoPE, `mrope.py`): [3, N] or [3, B, T]. Positions without that axis
-  are text positions (all three axes equal).
+  image_grid_thw [I, 3] (the processor's), or the tower's output image_embeds [M, D] (with DeepStack
+  [M, 1 + K, D]); position_ids then carry a leading axis of 3 (M-RoPE, `mrope.py`): [3, N] or
+  [3, B, T]. Positions without that axis are text positions (all three axes equal).
 
 Rotary tables are recomputed buffers: after materialising from the meta device call
 `init_buffers()`.
@@ -35,6 +37,7 @@ from rlloom.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from rlloom.models.mla import MLAttention
 from rlloom.models.moe import MoE
 from rlloom.models.vision import VisionTower
+from rlloom.models.vision_qwen3 import Qwen3VisionTower
 
 
 def unwrapped_name(name: str) -> str:
@@ -92,7 +95,7 @@ class CausalLM(nn.Module):
         self.output = (
             None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         )
-        self.visual = VisionTower(args.vision) if args.vision is not None else None
+        self.visual = _tower(args)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -119,14 +122,11 @@ class CausalLM(nn.Module):
         rollout's: a generated placeholder id is text)."""
         h = self.tok_embeddings(input_ids)
         if image_embeds is None and pixel_values is not None:
-            if self.visual is None:
-                raise ValueError(
-                    f"pixel_values given to a {self.args.model_type} model, which has no vision tower. "
-                    "Fix: use a vision-language checkpoint (Qwen2.5-VL) or drop the images."
-                )
-            image_embeds = self.visual(pixel_values, image_grid_thw)
+            image_embeds = self.image_features(pixel_values, image_grid_thw)
         if image_embeds is None:
             return h
+        if image_embeds.dim() == 3:  # DeepStack's rows follow the merged features
+            image_embeds = image_embeds[:, 0]
         if image_index is not None:
             return h.index_put((image_index,), image_embeds.to(h.dtype))
         is_image = input_ids == self.args.vision.image_token_id
@@ -137,6 +137,15 @@ class CausalLM(nn.Module):
                 "processor, one placeholder run per image."
             )
         return h.masked_scatter(is_image.unsqueeze(-1), image_embeds.to(h.dtype))
+
+    def image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        """The vision tower's output, [M, D] or with DeepStack [M, 1 + K, D]."""
+        if self.visual is None:
+            raise ValueError(
+                f"pixel_values given to a {self.args.model_type} model, which has no vision tower. "
+                "Fix: use a vision-language checkpoint (Qwen2.5-VL, Qwen3-VL) or drop the images."
+            )
+        return self.visual(pixel_values, image_grid_thw)
 
     def moe_token_counts(self) -> dict[int, torch.Tensor]:
         """Layer index -> [num_experts] tokens routed to each expert in the last forward."""
@@ -195,15 +204,21 @@ class CausalLM(nn.Module):
         layout, position_ids = _layout(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask, attn)
         if tree is not None or prefix_lens is not None or branch_lens is not None:
             layout = _tree_layout(layout, prefix_lens, branch_lens, input_ids.device, tree)
-        h = self.embed(input_ids, pixel_values, image_grid_thw, image_embeds, image_index)
+        if image_embeds is None and pixel_values is not None:
+            image_embeds = self.image_features(pixel_values, image_grid_thw)
+        h = self.embed(input_ids, image_embeds=image_embeds, image_index=image_index)
+        deepstack = _deepstack_rows(self.args, input_ids, image_embeds, image_index)
         cos, sin = self.rope(position_ids, h.dtype, axes3=position_ids.dim() > input_ids.dim())
         moe_index = 0
-        for layer in self.layers if layers is None else layers:
+        for i, layer in enumerate(self.layers if layers is None else layers):
             if layer.moe is not None and routes_NLK is not None:
                 h = layer(h, cos, sin, layout, routes_NLK[:, moe_index], replay_routes)
                 moe_index += 1
             else:
                 h = layer(h, cos, sin, layout)
+            if deepstack is not None and i < deepstack[1].shape[1]:
+                rows = deepstack[0]
+                h = h.index_put(rows, h[rows] + deepstack[1][:, i].to(h.dtype))
         return self.norm(h)
 
     def forward(
@@ -246,6 +261,32 @@ class CausalLM(nn.Module):
             image_embeds=image_embeds,
         )
         return h @ self.lm_head_weight.T
+
+
+def _tower(args: ModelArgs) -> nn.Module | None:
+    """The vision tower config.json describes: Qwen3-VL's when it has a learned position table."""
+    if args.vision is None:
+        return None
+    return (
+        VisionTower(args.vision)
+        if args.vision.num_position_embeddings is None
+        else Qwen3VisionTower(args.vision)
+    )
+
+
+def _deepstack_rows(
+    args: ModelArgs,
+    input_ids: torch.Tensor,
+    image_embeds: torch.Tensor | None,
+    image_index: torch.Tensor | None,
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor] | None:
+    """(index of the image tokens in the hidden states, [M, K, D] the DeepStack rows added there after
+    decoder layers 0..K-1), or None without DeepStack (Qwen3-VL's, transformers' `_deepstack_process`)."""
+    if image_embeds is None or image_embeds.dim() != 3:
+        return None
+    if image_index is not None:
+        return (image_index,), image_embeds[:, 1:]
+    return torch.nonzero(input_ids == args.vision.image_token_id, as_tuple=True), image_embeds[:, 1:]
 
 
 def _layout(

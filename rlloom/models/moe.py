@@ -21,6 +21,11 @@ backward of each is a gather too), and a token's K expert outputs are summed wit
 in fp32 in one pass (`gather_sum`, a Triton kernel on CUDA): no atomic scatter-adds, so the result
 is deterministic, and on an H200 the combine at 16k tokens took 2 ms per layer as a bf16
 `index_add`.
+Under exact numerics (rollout.match_training, models/exact.py) on CUDA the three products run
+through one batch-invariant Triton kernel (`exact_expert_linear`) in both engines, and a token's
+experts are chosen by a stable sort and listed in expert order (`_top_k`), so the router, each
+expert's product and the combine (K rows summed in that order by `gather_sum`, which never adds
+rows of other tokens) give a token the same bits whatever batch it is in.
 The CUDA path never reads a device value on the host (counts by scatter-add, offsets by cumsum on
 the device), so the rollout engine captures MoE decode steps in CUDA graphs with the compiled
 forward; `bincount` would sync (its output size depends on the data) and break both.
@@ -53,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlloom.models.args import MoEArgs
+from rlloom.models.exact import is_exact, uses_kernels
 from rlloom.models.layers import SwiGLU
 
 
@@ -83,13 +89,13 @@ class Router(nn.Module):
         a = self.args
         if a.score_func == "softmax":
             scores_TE = logits_TE.softmax(dim=-1)
-            own_TK = torch.topk(scores_TE, a.top_k, dim=-1)[1]
+            own_TK = _top_k(scores_TE, a.top_k, sorted=True)
         else:
             scores_TE = logits_TE.sigmoid()
             choice_TE = scores_TE if self.expert_bias is None else scores_TE + self.expert_bias.float()
             if a.num_groups > 1:
                 choice_TE = _keep_top_groups(choice_TE, a.num_groups, a.topk_groups)
-            own_TK = torch.topk(choice_TE, a.top_k, dim=-1, sorted=False)[1]
+            own_TK = _top_k(choice_TE, a.top_k, sorted=False)
         experts_TK = own_TK if replay_TK is None else torch.where(replay_TK >= 0, replay_TK, own_TK)
         weights_TK = scores_TE.gather(1, experts_TK)
         if a.score_func == "softmax":
@@ -130,9 +136,21 @@ def _keep_top_groups(choice_TE: torch.Tensor, num_groups: int, topk_groups: int)
     T, E = choice_TE.shape
     grouped = choice_TE.view(T, num_groups, E // num_groups)
     group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
-    top_groups = torch.topk(group_scores, topk_groups, dim=-1, sorted=False)[1]
+    top_groups = _top_k(group_scores, topk_groups, sorted=False)
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
     return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, E)
+
+
+def _top_k(x_TE: torch.Tensor, k: int, *, sorted: bool) -> torch.Tensor:
+    """[T, k] indices of each row's k largest entries (`sorted`: by decreasing value). Under exact
+    numerics (rollout.match_training) the first k of a stable descending sort (ties: the lower
+    index), in increasing index order, whatever `sorted` asks: torch.topk's CUDA kernels choose an
+    algorithm from the tensor's shape (a multi-block one for few rows), and the order in which it
+    returns the chosen experts, and its choice among equal scores, may change with it; the combine
+    sums a token's expert outputs in this order."""
+    if is_exact():
+        return torch.sort(x_TE, dim=-1, descending=True, stable=True).indices[:, :k].sort(dim=-1).values
+    return torch.topk(x_TE, k, dim=-1, sorted=sorted)[1]
 
 
 def load_balancing_loss(scores_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -168,20 +186,19 @@ class GroupedExperts(nn.Module):
 
     def _mlp(self, xs: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         offsets = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
-        if xs.is_cuda and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-            return self._grouped_mm(xs, offsets)
-        # Elsewhere one product per expert's slice (autograd runs through the slices).
-        h = F.silu(_experts_loop(xs, self.w1, offsets)) * _experts_loop(xs, self.w3, offsets)
-        return _experts_loop(h, self.w2, offsets)
+        linear = self._linear(xs)
+        h = F.silu(linear(xs, self.w1, offsets)) * linear(xs, self.w3, offsets)
+        return linear(h, self.w2, offsets)
 
-    def _grouped_mm(self, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        if self.inference_kernel and not torch.is_grad_enabled():
-            gate = expert_linear(xs, self.w1, offsets)
-            h = F.silu(gate) * expert_linear(xs, self.w3, offsets)
-            return expert_linear(h, self.w2, offsets)
-        gate = torch._grouped_mm(xs, self.w1.transpose(-2, -1), offs=offsets)
-        up = torch._grouped_mm(xs, self.w3.transpose(-2, -1), offs=offsets)
-        return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offsets)
+    def _linear(self, xs: torch.Tensor) -> ExpertLinear:
+        """The experts' product for rows like `xs`: under exact numerics on CUDA the batch-invariant
+        kernel; on CUDA in bf16 `torch._grouped_mm` (the rollout's no-grad forwards: `expert_linear`);
+        elsewhere one product per expert's slice (autograd runs through the slices)."""
+        if is_exact() and uses_kernels(xs):
+            return exact_expert_linear
+        if not (xs.is_cuda and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
+            return _experts_loop
+        return expert_linear if self.inference_kernel and not torch.is_grad_enabled() else _grouped_linear
 
 
 def use_inference_kernel_(model: nn.Module) -> None:
@@ -191,6 +208,49 @@ def use_inference_kernel_(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, GroupedExperts):
             m.inference_kernel = True
+
+
+ExpertLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(x [P, K] rows sorted by expert, w [E, N, K], offsets [E] int32 cumulative row counts) -> [P, N]:
+each expert's slice of rows times w[e].T."""
+
+
+def _grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`ExpertLinear` by one `torch._grouped_mm` (CUDA, bf16; differentiable)."""
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+
+
+def exact_expert_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`ExpertLinear` under exact numerics on CUDA (rollout.match_training): the forward is
+    `exact_kernels.grouped_matmul` (a token's row does not depend on how many rows its expert got),
+    the gradient the plain product's (recomputed in the backward: only the forward values must be
+    the rollout's, as for exact attention)."""
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return _ExactExpertLinear.apply(x, w, offsets)
+    from rlloom.models import exact_kernels  # Triton: imported where it runs
+
+    return exact_kernels.grouped_matmul(x, w, offsets)
+
+
+class _ExactExpertLinear(torch.autograd.Function):
+    """`exact_kernels.grouped_matmul` forward; backward: the gradient of the plain product."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        from rlloom.models import exact_kernels
+
+        ctx.save_for_backward(x, w, offsets)
+        return exact_kernels.grouped_matmul(x, w, offsets)
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # noqa: ANN001
+        x, w, offsets = ctx.saved_tensors
+        grouped = x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+        plain = _grouped_linear if grouped else _experts_loop
+        with torch.enable_grad():
+            x_, w_ = x.detach().requires_grad_(), w.detach().requires_grad_()
+            grad_x, grad_w = torch.autograd.grad(plain(x_, w_, offsets), (x_, w_), grad_y)
+        return grad_x, grad_w, None
 
 
 def _experts_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

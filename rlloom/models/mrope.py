@@ -1,4 +1,5 @@
-"""M-RoPE positions (Qwen2.5-VL): three position ids per token, temporal, height and width.
+"""M-RoPE positions (Qwen2.5-VL; Qwen3-VL's images get the same): three position ids per token,
+temporal, height and width.
 
 Text tokens carry one position on all three axes, counting on from the previous token as in a text
 model. An image's merged tokens (t x h x w squares) carry (start + frame, start + row, start +

@@ -1,9 +1,10 @@
-"""Tiny random test models: `rlloom init-model tiny-dense|tiny-moe|tiny-mla|tiny-vl DIR`.
+"""Tiny random test models: `rlloom init-model tiny-dense|tiny-moe|tiny-mla|tiny-vl|tiny-vl3 DIR`.
 
 Each is a Hugging Face folder saved by transformers (a Qwen3, a Qwen3-MoE with 8 experts of which 2
 per token, a DeepSeek-V3 with MLA attention, one dense layer and then MoE layers with a shared
-expert and grouped routing, or a Qwen2.5-VL with a two-block vision tower, its image processor's
-preprocessor_config.json and the vision tokens in its vocabulary), a few hundred kilobytes of random weights with a character-level fast
+expert and grouped routing, a Qwen2.5-VL with a two-block vision tower, or a Qwen3-VL with a
+two-block tower whose first block feeds DeepStack; the VL models with their image processor's
+preprocessor_config.json and the vision tokens in their vocabulary), a few hundred kilobytes of random weights with a character-level fast
 tokenizer (every printable character a token, a chat template, `<|im_end|>` as end of turn). They
 learn nothing useful; they are for trying settings and parallel layouts on a CPU in seconds. The
 tests build their fixtures with the same function (tests/conftest.py).
@@ -17,11 +18,13 @@ from typing import Literal
 
 from rlloom.config import ConfigError
 
-TinyKind = Literal["tiny-dense", "tiny-moe", "tiny-mla", "tiny-vl"]
-TINY_KINDS: tuple[str, ...] = ("tiny-dense", "tiny-moe", "tiny-mla", "tiny-vl")
+TinyKind = Literal["tiny-dense", "tiny-moe", "tiny-mla", "tiny-vl", "tiny-vl3"]
+TINY_KINDS: tuple[str, ...] = ("tiny-dense", "tiny-moe", "tiny-mla", "tiny-vl", "tiny-vl3")
+VL_KINDS = ("tiny-vl", "tiny-vl3")
 SPECIAL = ["<pad>", "<|im_start|>", "<|im_end|>"]
 VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
-"""Qwen2.5-VL's: an image is <|vision_start|>, one <|image_pad|> per merged patch, <|vision_end|>."""
+"""Qwen2.5-VL's and Qwen3-VL's: an image is <|vision_start|>, one <|image_pad|> per merged patch,
+<|vision_end|>."""
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -61,8 +64,8 @@ def tiny_config(kind: TinyKind, *, vocab_size: int, eos: int, pad: int, hidden: 
     """The transformers config of a tiny model of `kind` (4 attention heads, 2 KV heads for GQA)."""
     from transformers import DeepseekV3Config, Qwen3Config, Qwen3MoeConfig
 
-    if kind == "tiny-vl":
-        return tiny_vl_config(vocab_size=vocab_size, eos=eos, pad=pad, hidden=hidden, layers=layers)
+    if kind in VL_KINDS:
+        return tiny_vl_config(kind, vocab_size=vocab_size, eos=eos, pad=pad, hidden=hidden, layers=layers)
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -99,11 +102,13 @@ def tiny_config(kind: TinyKind, *, vocab_size: int, eos: int, pad: int, hidden: 
     return Qwen3Config(**gqa, **common)
 
 
-def tiny_vl_config(*, vocab_size: int, eos: int, pad: int, hidden: int, layers: int):  # noqa: ANN201
-    """A Qwen2.5-VL: the decoder as the other tiny models (M-RoPE over its hidden / 8 frequency
-    pairs), a two-block tower of width 32 with 56-pixel windows in its first block; the vision
+def tiny_vl_config(kind: TinyKind, *, vocab_size: int, eos: int, pad: int, hidden: int, layers: int):  # noqa: ANN201
+    """A Qwen2.5-VL (tiny-vl): the decoder as the other tiny models (M-RoPE over its hidden / 8
+    frequency pairs), a two-block tower of width 32 with 56-pixel windows in its first block; or a
+    Qwen3-VL (tiny-vl3): a Qwen3 decoder (interleaved M-RoPE), a two-block tower of width 32 with
+    16-pixel patches, a 4 x 4 learned position table and DeepStack from its first block. The vision
     tokens are the vocabulary's last three."""
-    from transformers import Qwen2_5_VLConfig
+    from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
 
     pairs = hidden // 8
     spatial = pairs // 4
@@ -119,6 +124,15 @@ def tiny_vl_config(*, vocab_size: int, eos: int, pad: int, hidden: int, layers: 
         fullatt_block_indexes=[1],
     )  # fmt: skip
     start, image, end = range(vocab_size - 3, vocab_size)
+    if kind == "tiny-vl3":
+        vision = dict(
+            depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=hidden, patch_size=16,
+            num_position_embeddings=16, deepstack_visual_indexes=[0],
+        )  # fmt: skip
+        return Qwen3VLConfig(
+            text_config=text | {"head_dim": hidden // 4}, vision_config=vision, image_token_id=image,
+            video_token_id=pad, vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=True,
+        )  # fmt: skip
     return Qwen2_5_VLConfig(
         text_config=text, vision_config=vision, image_token_id=image, video_token_id=pad,
         vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=True,
@@ -134,6 +148,7 @@ def write_tiny_model(
         AutoModelForCausalLM,
         Qwen2_5_VLForConditionalGeneration,
         Qwen2VLImageProcessorPil,
+        Qwen3VLForConditionalGeneration,
     )
 
     if kind not in TINY_KINDS:
@@ -143,7 +158,7 @@ def write_tiny_model(
             f"--hidden {hidden} --layers {layers} is invalid: hidden must be a multiple of 8 and >= 16 (4 heads), "
             "layers >= 1. Fix: e.g. --hidden 32 --layers 4."
         )
-    tokenizer = char_tokenizer(vision=kind == "tiny-vl")
+    tokenizer = char_tokenizer(vision=kind in VL_KINDS)
     vocab = tokenizer.get_vocab()
     config = tiny_config(
         kind, vocab_size=len(vocab), eos=vocab["<|im_end|>"], pad=vocab["<pad>"], hidden=hidden, layers=layers
@@ -151,14 +166,18 @@ def write_tiny_model(
     torch.manual_seed(seed)
     if kind == "tiny-vl":
         model = Qwen2_5_VLForConditionalGeneration(config)
+    elif kind == "tiny-vl3":
+        model = Qwen3VLForConditionalGeneration(config)
     else:
         model = AutoModelForCausalLM.from_config(config)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    if kind == "tiny-vl":  # small pictures stay small: at most 8 x 8 patches (16 image tokens)
-        Qwen2VLImageProcessorPil(size={"shortest_edge": 28 * 28, "longest_edge": 112 * 112}).save_pretrained(
-            out
-        )
+    if kind in VL_KINDS:  # small pictures stay small: at most 8 x 8 patches (16 image tokens)
+        patch = 14 if kind == "tiny-vl" else 16
+        side = 2 * patch * 4
+        Qwen2VLImageProcessorPil(
+            patch_size=patch, size={"shortest_edge": (2 * patch) ** 2, "longest_edge": side * side}
+        ).save_pretrained(out)
     return out

@@ -196,13 +196,21 @@ def model_costs(args: ModelArgs) -> ModelCosts:
 
 
 def vision_tower_params(v: VisionArgs) -> int:
-    """Parameters of Qwen2.5-VL's vision tower (rlloom/models/vision.py)."""
+    """Parameters of Qwen2.5-VL's vision tower (rlloom/models/vision.py) or Qwen3-VL's
+    (`vision_qwen3.py`: LayerNorms with biases, a two-matrix MLP, a learned position table, a
+    patch bias and one more merger per DeepStack block, normed over the merged width)."""
     h, i = v.hidden_size, v.intermediate_size
     patch = h * v.in_channels * v.temporal_patch_size * v.patch_size**2
-    block = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * (h * i + i) + (i * h + h)
     width = h * v.spatial_merge_size**2
-    merger = h + (width * width + width) + (width * v.out_hidden_size + v.out_hidden_size)
-    return patch + v.depth * block + merger
+    mlp = (width * width + width) + (width * v.out_hidden_size + v.out_hidden_size)
+    attention = (3 * h * h + 3 * h) + (h * h + h)
+    if v.num_position_embeddings is None:
+        block = 2 * h + attention + 2 * (h * i + i) + (i * h + h)
+        return patch + v.depth * block + h + mlp
+    block = 4 * h + attention + (h * i + i) + (i * h + h)
+    deepstack = len(v.deepstack_visual_indexes) * (2 * width + mlp)
+    tower = patch + h + v.num_position_embeddings * h + v.depth * block
+    return tower + 2 * h + mlp + deepstack
 
 
 def value_model_params(costs: ModelCosts) -> int:

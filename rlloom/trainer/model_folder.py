@@ -39,6 +39,7 @@ from rlloom.config import ConfigError
 from rlloom.data.chat import prompt_messages
 from rlloom.models.args import ModelArgs, language_config
 from rlloom.models.checkpoint import INDEX_FILE, SINGLE_FILE, load_tokenizer, resolve_path
+from rlloom.models.families import FAMILIES
 from rlloom.plan.counts import model_costs
 
 SIZE_KEYS = (
@@ -73,7 +74,6 @@ TEMPLATE_TIMEOUT_S = 10.0
 TEMPLATE_MEMORY_BYTES = 2**30
 """Memory the template's child process may take beyond what it starts with (a fork of this one)."""
 TEMPLATE_MAX_CHARS = 2**20
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def check_model_folder(path: str, setting: str) -> dict[str, Any]:
@@ -224,7 +224,8 @@ def check_against_weights(
     args: ModelArgs, cfg: dict[str, Any], shapes: dict[str, list[int]], where: str
 ) -> None:
     """config.json's layers and parameter count against the tensors the weight files hold."""
-    layers = {int(m.group(1)) for name in shapes if (m := _LAYER_RE.match(name))}
+    layer_re = re.compile(rf"^{re.escape(FAMILIES[args.model_type].decoder_prefix)}layers\.(\d+)\.")
+    layers = {int(m.group(1)) for name in shapes if (m := layer_re.match(name))}
     held = sum(1 for i in layers if i < args.num_layers)
     if held < args.num_layers:
         raise ConfigError(

@@ -113,13 +113,9 @@ class Nodes:
         for pid in [node.pid, *family]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             node.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(node.pid, signal.SIGKILL)  # the session this module started for it
-        for pid in family:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill(node, family)
 
     def label_of(self, pid: int) -> str:
         """The node whose processes include `pid` (an actor: a child of its node's raylet)."""
@@ -127,6 +123,16 @@ class Nodes:
         while pid > 1 and pid not in by_pid:
             pid = parent(pid)
         return by_pid[pid]
+
+
+def kill(node: subprocess.Popen, family: list[int]) -> None:
+    """SIGKILL to a node's session (started for it) and to `family`, its processes (its workers)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(node.pid, signal.SIGKILL)
+    for pid in family:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    node.wait()
 
 
 def parent(pid: int) -> int:
@@ -170,9 +176,9 @@ def ray_nodes(tmp_path_factory) -> Nodes:
         nodes.add("second")
         nodes.add("third")  # room to lose one node: started here, before the runs load the machine
         yield nodes
-    finally:
-        for label in reversed(list(nodes.procs)):
-            nodes.stop(label)
+    finally:  # no run is left to see the nodes go: killed at once, not stopped gracefully (~10 s each)
+        for node in nodes.procs.values():
+            kill(node, descendants(node.pid))
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

@@ -13,6 +13,7 @@ import torch
 from test_episodes_run import ENV, HERE, _close, _train
 
 import rlloom.trainer.async_loop as loop_mod
+from tests.version_logprobs import logprobs_under
 
 ASYNC = ["trainer.mode=async", "trainer.max_staleness=1", "trainer.total_steps=3"]
 
@@ -137,13 +138,7 @@ def test_a_turn_in_flight_at_the_weight_update_is_resumed_exactly(tiny_checkpoin
             sampled = [t for turn in turns for t in turn]
             assert [versions[t] for t in sampled] == sorted(versions[t] for t in sampled)
             for v in {versions[t] for t in sampled}:
-                reference.load_state_dict(seen["weights"][v], strict=False)
-                with torch.no_grad():
-                    logits = reference(torch.tensor([s.token_ids])).logits[0].float()
-                P = len(s.prompt_ids)
-                logp = torch.log_softmax(logits[P - 1 : -1], -1).gather(
-                    1, torch.tensor(s.response_ids)[:, None]
-                )[:, 0]
+                logp = logprobs_under(reference, seen["weights"][v], s)
                 at = [t for t in sampled if versions[t] == v]
                 torch.testing.assert_close(torch.tensor(s.rollout_logprobs)[at], logp[at], atol=1e-5, rtol=0)
     assert crossing > 0  # some turn was aborted at an update and resumed under the new weights

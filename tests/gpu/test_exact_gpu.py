@@ -1,8 +1,8 @@
 """rollout.match_training on a GPU: the batch-invariant Triton kernels (models/exact_kernels.py,
 models/exact_attention.py) against torch's kernels (within bf16 tolerance) and against themselves
-with the same rows in another batch (bit for bit), and `rlloom train` on a tiny dense model in bf16
-whose `rollout/logp_gap_max` reads 0.0 at every step (the default kernels' gap is > 0 on the same
-run, so the check can fail). Skipped without a GPU.
+with the same rows in another batch (bit for bit), and `rlloom train` on a tiny dense, Qwen3-MoE and
+DeepSeek-V3 (MLA) model in bf16 whose `rollout/logp_gap_max` reads 0.0 at every step (the default
+kernels' gap is > 0 on the same run, so the check can fail). Skipped without a GPU.
 
 The shapes are Qwen3-0.6B's (hidden 1024, 16 query / 8 kv heads of 128, vocabulary 151936), where
 cuBLAS and FlashAttention pick different kernels for different row counts."""
@@ -74,6 +74,73 @@ def test_row_reductions_match_torch_and_are_batch_invariant(dtype):
         assert full.dtype == dtype
         assert_close(full, ref, rel=1e-2 if dtype == BF16 else 1e-5)
         assert torch.equal(op(x[9:10]), full[9:10]) and torch.equal(op(x[100:300]), full[100:300])
+
+
+def test_grouped_matmul_is_grouped_mm_and_batch_invariant():
+    """The experts' products at Qwen3-30B-A3B's widths (hidden 2048, 128 experts of width 768): the
+    values of torch._grouped_mm, and a token's row the same bits alone in its expert (decode), among
+    few rows and among many (training), at another offset."""
+    from rlloom.models.exact_kernels import grouped_matmul
+
+    E, D, inter = 128, 2048, 768
+    counts = torch.arange(E, device=CUDA) % 41  # 0 to 40 rows an expert, 2470 in all
+    offsets = counts.cumsum(0).to(torch.int32)
+    for w, width in (
+        (randn(E, inter, D, seed=20, scale=0.03), D),
+        (randn(E, D, inter, seed=21, scale=0.03), inter),
+    ):
+        x = randn(int(offsets[-1]), width, seed=22)
+        full = grouped_matmul(x, w, offsets)
+        assert full.dtype == BF16
+        assert_close(full, torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets))
+        e, row = 40, int(offsets[39]) + 17  # expert 40 has 40 rows; its 18th
+        alone = grouped_matmul(x[row : row + 1], w, (torch.arange(E, device=CUDA) >= e).to(torch.int32))
+        assert torch.equal(alone[0], full[row])
+        many = torch.cat([randn(300, width, seed=23), x[row : row + 1], randn(700, width, seed=24)])
+        counts2 = torch.zeros(E, dtype=torch.int64, device=CUDA)
+        counts2[e - 1], counts2[e], counts2[e + 1] = 300, 301, 700  # the row is expert e's last of 301
+        got = grouped_matmul(many, w, counts2.cumsum(0).to(torch.int32))
+        assert torch.equal(got[300], full[row])
+
+
+def test_router_logits_are_a_batch_invariant_fp32_product():
+    """A MoE router's fp32 logits of bf16 operands (torch.mm's out_dtype) under exact numerics."""
+    from rlloom.models.exact import exact_numerics
+    from rlloom.models.moe import router_logits
+
+    x, w = randn(3000, 2048, seed=30), randn(128, 2048, seed=31, scale=0.03)
+    with exact_numerics():
+        full = router_logits(x, w)
+        assert full.dtype == torch.float32
+        assert torch.equal(router_logits(x[5:6], w), full[5:6])
+        assert torch.equal(router_logits(x[100:1100], w), full[100:1100])
+    assert_close(full, x.float() @ w.float().t(), rel=1e-2)
+
+
+def test_attention_mla_latent_paged_equals_packed():
+    """MLA's absorbed form at DeepSeek-V2-Lite's latent widths (16 heads, latent 512 + rope 64; the
+    values the keys' first 512 channels, read in place): FlashAttention-free reference values, and
+    the rollout's decode and prefill chunks over a latent cache give the packed forward's bits."""
+    from rlloom.models.exact_attention import Runs, attend_runs, packed_runs
+
+    length, bs, H, R, Dr = 300, 16, 16, 512, 64
+    q, k = randn(length, H, R + Dr, seed=40), randn(length, 1, R + Dr, seed=41)
+    one = torch.tensor([0, length], device=CUDA)
+    packed = attend_runs(q, k, k[..., :R], 0.07, packed_runs(one, length, length))
+    ref = F.scaled_dot_product_attention(
+        q.transpose(0, 1).float(), k.transpose(0, 1).float(), k[..., :R].transpose(0, 1).float(),
+        is_causal=True, scale=0.07, enable_gqa=True,
+    )  # fmt: skip
+    assert_close(packed, ref.transpose(0, 1))
+    blocks = torch.randperm(64, device=CUDA)[: length // bs + 1]
+    slots = (blocks[:, None] * bs + torch.arange(bs, device=CUDA)).flatten()
+    cache = torch.full((64 * bs, 1, R + Dr), float("nan"), dtype=BF16, device=CUDA)
+    cache[slots[:length]] = k
+    for first, n in ((length - 1, 1), (100, 1), (0, 37), (37, 200)):
+        z = torch.tensor([0], device=CUDA)
+        runs = Runs(z, z + n, z, z + first + n, slots, n)
+        out = attend_runs(q[first : first + n], cache, cache[..., :R], 0.07, runs)
+        assert torch.equal(out, packed[first : first + n]), (first, n)
 
 
 def packed_qkv(lens: list[int], seed: int) -> tuple[torch.Tensor, ...]:
@@ -171,6 +238,29 @@ def test_attention_backward_is_flash_attentions_gradient():
         assert_close(got.grad, ref.grad)
 
 
+@pytest.mark.parametrize("kind", ["tiny-dense", "tiny-moe", "tiny-mla"])
+def test_exact_decode_replays_cuda_graphs_with_the_eager_bits(tmp_path, kind):
+    """Under the mode the decode replays CUDA graphs of the plain forward (no compiled layers),
+    and a replay gives the eager forward's bits: tokens and logprobs equal, also for a batch the
+    graphs pad (7 prompts x 2 = 14 sequences run in the graph of 16; MoE: the padding rows are
+    routed too, and the experts' grouped product keeps a row's bits whatever else its expert got)."""
+    from rlloom.engines.rollout.native import NativeEngine, SamplingParams
+
+    ckpt = write_tiny_model(kind, tmp_path / "ckpt", seed=0, hidden=128, layers=2)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 60, (n,), generator=gen).tolist() for n in (3, 17, 40, 5, 90, 33, 8)]
+    sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=7, ignore_eos=True)
+    kw = dict(dtype=BF16, device="cuda", max_model_len=256, kv_cache_memory_gb=0.5, exact=True)
+    engine = NativeEngine.from_pretrained(ckpt, **kw)
+    replayed = engine.generate(prompts, sp)
+    assert engine.runner.compiled_forward is None  # the plain forward: compiled layers fuse
+    graphs = engine.runner.graphs
+    assert graphs is not None and any(bs == 16 for bs, _ in graphs.graphs), "no padded decode graph"
+    eager = NativeEngine.from_pretrained(ckpt, enforce_eager=True, **kw).generate(prompts, sp)
+    assert [c.token_ids for c in replayed] == [c.token_ids for c in eager]
+    assert [c.logprobs for c in replayed] == [c.logprobs for c in eager]
+
+
 STOP_ANY = "rollout.stop_strings=" + json.dumps(list(string.ascii_letters + string.digits))
 RUN = [
     "cluster.device=cuda",
@@ -197,10 +287,10 @@ def test_match_training_on_cuda_gives_a_zero_gap_at_every_step(tmp_path):
     assert max(gaps(ckpt, tmp_path / "default")) > 0.0
 
 
-def test_match_training_refuses_moe_models_on_cuda(tmp_path, capsys):
-    ckpt = write_tiny_model("tiny-moe", tmp_path / "ckpt", seed=0, hidden=64, layers=2)
-    capsys.readouterr()  # the writer's progress bar
-    args = tiny_args(ckpt, tmp_path / "run", "cluster.device=cuda", "rollout.match_training=true")
-    assert main(["train", "arithmetic_smoke", *args]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("rlloom: error: rollout.match_training=true is exact on CUDA for dense models")
+@pytest.mark.parametrize("kind", ["tiny-moe", "tiny-mla"])
+def test_match_training_on_cuda_gives_moe_and_mla_models_a_zero_gap(tmp_path, kind):
+    """A Qwen3-MoE (softmax routing) and a DeepSeek-V3 (MLA with its latent cache in the rollout, a
+    dense layer, then sigmoid group routing with a shared expert): 0.0 at both steps."""
+    ckpt = write_tiny_model(kind, tmp_path / "ckpt", seed=0, hidden=128, layers=2)
+    assert gaps(ckpt, tmp_path / "exact", "rollout.match_training=true") == [0.0, 0.0]
+    assert max(gaps(ckpt, tmp_path / "default")) > 0.0

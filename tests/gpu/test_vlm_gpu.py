@@ -1,6 +1,6 @@
-"""Qwen2.5-VL on a CUDA GPU against its CPU fp32 reference: the native model's logits on an image
-prompt (the tower's padded-window SDPA on CUDA) and the rollout engine's greedy tokens against
-transformers' generate on the GPU, fp32. Skipped without a GPU."""
+"""Qwen2.5-VL and Qwen3-VL on a CUDA GPU against their CPU fp32 reference: the native model's logits on
+an image prompt (the tower's padded-window SDPA on CUDA; Qwen3-VL's DeepStack rows) and the rollout
+engine's greedy tokens against transformers' generate on the GPU, fp32. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 
 
-def test_vl_logits_and_greedy_rollout_on_cuda(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_vl_logits_and_greedy_rollout_on_cuda(family, tmp_path):
+    from vl3_testutil import processed_images3, tiny_vl3
     from vl_testutil import hf_vl_kwargs, processed_images, tiny_vl, vl_prompt
 
     import rlloom.models as models
@@ -23,9 +25,10 @@ def test_vl_logits_and_greedy_rollout_on_cuda(tmp_path):
     from rlloom.engines.rollout.native import NativeEngine, SamplingParams
     from rlloom.models.mrope import mrope_positions
 
-    hf = tiny_vl()
+    tiny, process = (tiny_vl, processed_images) if family == "qwen2_5_vl" else (tiny_vl3, processed_images3)
+    hf = tiny()
     hf.save_pretrained(tmp_path)
-    im = processed_images((150, 90), (60, 130))
+    im = process((150, 90), (60, 130))
     ids = vl_prompt(im["image_grid_thw"], 0)
     with torch.no_grad():
         ref = hf(input_ids=ids[None], **hf_vl_kwargs(ids, im)).logits[0]
@@ -42,6 +45,29 @@ def test_vl_logits_and_greedy_rollout_on_cuda(tmp_path):
         out = hf.generate(input_ids=ids[None], **hf_vl_kwargs(ids, im), do_sample=False, max_new_tokens=8,
                           min_new_tokens=8, eos_token_id=None, pad_token_id=0)  # fmt: skip
     assert c.token_ids == out[0, len(ids) :].tolist()
+    assert engine.runner.graphs is not None and engine.runner.graphs.graphs, "the VL decode ran eagerly"
+
+
+def test_vl_decode_graphs_shift_each_sequences_positions(tmp_path):
+    """The decode CUDA graphs carry M-RoPE's per-sequence shift: a batch of an image prompt, a
+    two-image prompt and an image-free one decodes to the eager engine's tokens (fp32, greedy)."""
+    from vl_testutil import processed_images, tiny_vl, vl_prompt
+
+    from rlloom.data.images import ImageInputs
+    from rlloom.engines.rollout.native import NativeEngine, SamplingParams
+
+    tiny_vl().save_pretrained(tmp_path)
+    one, two = processed_images((150, 90)), processed_images((60, 130), (90, 90))
+    prompts = [vl_prompt(one["image_grid_thw"], 1).tolist(), vl_prompt(two["image_grid_thw"], 2).tolist()]
+    prompts.append(vl_prompt(torch.zeros(0, 3, dtype=torch.long), 3).tolist())
+    images = [ImageInputs(im["pixel_values"], im["image_grid_thw"]) for im in (one, two)] + [None]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=12)
+    kw = dict(device="cuda", max_model_len=160, num_blocks=64, eos_token_ids=[])
+    graphs = NativeEngine.from_pretrained(tmp_path, **kw)
+    replayed = graphs.generate(prompts, sp, images)
+    assert graphs.runner.graphs is not None and graphs.runner.graphs.graphs
+    eager = NativeEngine.from_pretrained(tmp_path, enforce_eager=True, **kw).generate(prompts, sp, images)
+    assert [c.token_ids for c in replayed] == [c.token_ids for c in eager]
 
 
 def test_vl_training_engine_on_pictures_on_cuda(tmp_path):

@@ -64,14 +64,14 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-
     )
 
 
-def run_in_triton_interpreter(script: str, *paths: Path) -> None:
+def run_in_triton_interpreter(script: str, *paths: Path, argv: tuple[str, ...] = ()) -> None:
     """Run `script` in a subprocess with TRITON_INTERPRET=1 (it must be set before Triton compiles a
-    kernel); `paths` go on PYTHONPATH; the script must print "ok"."""
+    kernel); `paths` go on PYTHONPATH, `argv` are its sys.argv[1:]; the script must print "ok"."""
     env = os.environ | {
         "TRITON_INTERPRET": "1",
         "PYTHONPATH": os.pathsep.join([*map(str, paths), os.environ.get("PYTHONPATH", "")]),
     }
     result = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", script, *argv], env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

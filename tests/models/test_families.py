@@ -59,6 +59,7 @@ def _configs() -> dict[str, dict]:
     dense, moe, mla = config("tiny-dense"), config("tiny-moe"), config("tiny-mla")
     return {
         "qwen2_5_vl": config("tiny-vl"),
+        "qwen3_vl": config("tiny-vl3"),
         "qwen3": dense,
         "qwen2": dense | {"model_type": "qwen2"},
         "llama": dense | {"model_type": "llama", "attention_bias": True},

@@ -39,6 +39,29 @@ def test_init_model_writes_a_model_that_trains_one_step(kind, model_type, tmp_pa
     assert [r["step"] for r in rows] == [1] and rows[0]["train/grad_norm"] > 0
 
 
+def test_init_model_tiny_vl3_trains_a_step_and_its_export_loads_in_transformers(tmp_path, capsys):
+    """tiny-vl3 (Qwen3-VL, its decoder's tensors under `model.language_model.`) passes the start-up
+    checks of its folder, trains on text prompts, and the export loads in transformers."""
+    import torch
+    from transformers import Qwen3VLForConditionalGeneration
+
+    model = tmp_path / "vl3"
+    assert main(["init-model", "tiny-vl3", str(model), "--layers", "2"]) == 0
+    config = json.loads((model / "config.json").read_text())
+    assert config["model_type"] == "qwen3_vl" and config["text_config"]["num_hidden_layers"] == 2
+    run_dir = tmp_path / "run"
+    quick = [o for o in QUICK if not o.startswith("trainer.save_hf_every")]
+    args = ["train", "arithmetic_smoke", f"model.path={model}", f"trainer.run_dir={run_dir}", "train.lr=3e-2"]
+    assert main([*args, *quick]) == 0
+    trained = dict(
+        Qwen3VLForConditionalGeneration.from_pretrained(run_dir / "hf" / "step_000001").named_parameters()
+    )
+    start = dict(Qwen3VLForConditionalGeneration.from_pretrained(model).named_parameters())
+    name = "model.language_model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(trained[name], start[name])
+    assert trained.keys() == start.keys()
+
+
 def test_init_model_refuses_a_folder_in_use_and_bad_sizes(tmp_path, capsys):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "file").write_text("")

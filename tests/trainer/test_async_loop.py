@@ -19,6 +19,7 @@ from test_trainer_loop import read_metrics, tiny_args, tiny_cfg
 from rlloom.models import load_tokenizer
 from rlloom.tasks.build import build_task_source
 from rlloom.trainer.run import run
+from tests.version_logprobs import logprobs_under
 
 FAST = [
     "reward.name=resume_reward:digit_share",  # dense: the advantages are not all zero
@@ -127,13 +128,7 @@ def check_versions_and_logprobs(seen, checkpoint, max_staleness: int = 1) -> int
             assert versions == sorted(versions) and train_version - versions[0] <= max_staleness
             mixed += len(set(versions)) > 1
             for v in set(versions):  # each token's logprob is its producing policy's forward
-                reference.load_state_dict(seen["weights"][v], strict=False)
-                with torch.no_grad():
-                    logits = reference(torch.tensor([s.token_ids])).logits[0].float()
-                P = len(s.prompt_ids)
-                logp = torch.log_softmax(logits[P - 1 : -1], -1).gather(
-                    1, torch.tensor(s.response_ids)[:, None]
-                )[:, 0]
+                logp = logprobs_under(reference, seen["weights"][v], s)
                 at = [t for t, tv in enumerate(versions) if tv == v]
                 torch.testing.assert_close(torch.tensor(s.rollout_logprobs)[at], logp[at], atol=1e-5, rtol=0)
         # the truncated importance weights are proximal / behaviour with these per-token logprobs

@@ -118,28 +118,33 @@ def test_match_training_refuses_what_it_cannot_make_exact(tiny_checkpoint, tmp_p
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
-def test_match_training_on_cuda_takes_dense_models_only(
-    tiny_checkpoint, tiny_moe_checkpoint, tmp_path, monkeypatch
-):
-    """CUDA has batch-invariant kernels for dense models (tests/gpu/test_exact_gpu.py runs them);
-    MoE models' grouped expert products have none yet: one line before anything loads."""
+def test_match_training_on_cuda_takes_moe_models(tiny_checkpoint, tiny_moe_checkpoint, tmp_path, monkeypatch):
+    """CUDA has batch-invariant kernels for dense, MoE and MLA models (tests/gpu/test_exact_gpu.py
+    runs them); what it needs is Triton: one line before anything loads where it is missing."""
     import rlloom.engines.rollout.build as rollout_build
 
-    def read_hf_config(ckpt: Path) -> dict:
-        return json.loads((ckpt / "config.json").read_text())
-
     monkeypatch.setattr(rollout_build, "resolve_device", lambda cfg: torch.device("cuda", 0))
-    dense = tiny_cfg(tiny_checkpoint, tmp_path / "a", "rollout.match_training=true")
-    if importlib.util.find_spec("triton") is None:  # CPU-only installs
-        with pytest.raises(ConfigError, match=r"^rollout.match_training=true needs Triton on CUDA"):
-            rollout_build.check_match_training(dense, read_hf_config(tiny_checkpoint))
-    else:
-        rollout_build.check_match_training(dense, read_hf_config(tiny_checkpoint))
-    moe = tiny_cfg(tiny_moe_checkpoint, tmp_path / "b", "rollout.match_training=true")
-    with pytest.raises(
-        ConfigError, match=r"^rollout.match_training=true is exact on CUDA for dense models .* MoE"
-    ):
-        rollout_build.check_match_training(moe, read_hf_config(tiny_moe_checkpoint))
+    for ckpt in (tiny_checkpoint, tiny_moe_checkpoint):
+        cfg = tiny_cfg(ckpt, tmp_path / ckpt.name, "rollout.match_training=true")
+        if importlib.util.find_spec("triton") is None:  # CPU-only installs
+            with pytest.raises(ConfigError, match=r"^rollout.match_training=true needs Triton on CUDA"):
+                rollout_build.check_match_training(cfg, {})
+        else:
+            rollout_build.check_match_training(cfg, {})
+
+
+def test_match_training_refuses_vision_language_models_in_one_line(tmp_path, capsys):
+    from rlloom.models.tiny import write_tiny_model
+
+    ckpt = write_tiny_model("tiny-vl", tmp_path / "vl", seed=0)
+    capsys.readouterr()  # the writer's progress bar
+    assert (
+        main(["train", "arithmetic_smoke", *tiny_args(ckpt, tmp_path / "run", "rollout.match_training=true")])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert err.startswith("rlloom: error: rollout.match_training=true does not cover vision-language models")
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_the_old_logprob_forward_is_skipped(tiny_checkpoint, tmp_path, monkeypatch):

@@ -94,27 +94,27 @@ def check_rollout_quantization(cfg: RunConfig, hf_config: dict[str, Any]) -> Non
 
 
 def check_match_training(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
-    """rollout.match_training's batch-invariant numerics (models/exact.py) run on the CPU for every
-    model, and on CUDA for dense models (Triton kernels: models/exact_kernels.py, exact_attention.py);
-    MoE models' grouped expert products and MLA's attention have no such CUDA kernels yet."""
+    """rollout.match_training's batch-invariant numerics (models/exact.py) run on the CPU, and on CUDA
+    through Triton kernels (models/exact_kernels.py, exact_attention.py): dense, MoE and MLA models
+    alike. Not vision-language models: the rollout computes a prompt's image features once, outside
+    the numerics, where training runs the tower inside them."""
     if not cfg.rollout.match_training:
         return
+    if "vision_config" in hf_config:
+        raise ConfigError(
+            f"rollout.match_training=true does not cover vision-language models in this version "
+            f"({cfg.model.path} is {hf_config.get('model_type', 'one')}: the rollout's image features are "
+            "not batch-invariant). Fix: set rollout.match_training=false (watch rollout/logp_gap_max)."
+        )
     try:
         device = resolve_device(cfg)
-        args = ModelArgs.from_hf_config(hf_config)
     except ValueError:
-        return  # a device that is not there, or a broken config.json, is reported on its own
-    kind = "a MoE" if args.moe is not None else "an MLA" if args.mla is not None else None
+        return  # a device that is not there is reported on its own
     where = f"{device.type} (cluster.device={cfg.cluster.device})"
     if device.type == "cpu":
         return
     if device.type != "cuda":
         problem = f"is exact on the CPU and on CUDA GPUs in this version; the run would use {where}"
-    elif kind is not None:
-        problem = (
-            f"is exact on CUDA for dense models in this version; {cfg.model.path} is {kind} model "
-            f"({args.model_type}), whose batch-invariant GPU kernels are not built yet"
-        )
     elif importlib.util.find_spec("triton") is None:
         problem = "needs Triton on CUDA (its batch-invariant kernels are Triton's); it is not installed"
     else:

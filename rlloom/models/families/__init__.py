@@ -13,10 +13,11 @@ from rlloom.models.families.dense import DENSE
 from rlloom.models.families.mixtral import MIXTRAL
 from rlloom.models.families.qwen2_5_vl import QWEN2_5_VL
 from rlloom.models.families.qwen3_moe import QWEN3_MOE
+from rlloom.models.families.qwen3_vl import QWEN3_VL
 
 FAMILIES: dict[str, Family] = {
     model_type: family
-    for family in (DENSE, QWEN3_MOE, MIXTRAL, DEEPSEEK_V3, QWEN2_5_VL)
+    for family in (DENSE, QWEN3_MOE, MIXTRAL, DEEPSEEK_V3, QWEN2_5_VL, QWEN3_VL)
     for model_type in family.model_types
 }
 """config.json `model_type` -> its family."""

@@ -67,6 +67,8 @@ class FamilyArgs:
     vision: VisionArgs | None = None
     mrope_section: tuple[int, ...] | None = None
     """M-RoPE (Qwen2.5-VL): rotary frequency pairs driven by the temporal, height and width positions."""
+    mrope_interleaved: bool = False
+    """Those pairs interleaved (Qwen3-VL) instead of consecutive (`RopeArgs.mrope_interleaved`)."""
 
 
 def uses_sliding_window(cfg: dict[str, Any]) -> bool:
@@ -94,5 +96,9 @@ class Family:
     text_config: Callable[[dict[str, Any]], dict[str, Any]] = dict
     """The language model's config.json fields at the top level (a vision-language config nests
     them under `text_config`)."""
+    decoder_prefix: str = "model."
+    """Checkpoint prefix of the decoder's tensors (embedding, layers, final norm): Qwen3-VL's is
+    `model.language_model.`."""
     tower_prefix: str | None = None
-    """Top-level prefix of a vision tower's tensors (`visual.`): native and HF names are the same."""
+    """Checkpoint prefix of a vision tower's tensors (`visual.`, Qwen3-VL's `model.visual.`); natively
+    they are `visual.` and the names after the prefix are the same."""

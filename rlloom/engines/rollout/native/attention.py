@@ -185,7 +185,8 @@ class PagedAttention:
             from rlloom.models.exact_attention import attend_runs  # Triton: imported where it runs
 
             k_cache.index_copy_(0, ctx.slot_mapping_N, k_NHD)
-            v_cache.index_copy_(0, ctx.slot_mapping_N, v_NHD)
+            if not self.values_in_keys:
+                v_cache.index_copy_(0, ctx.slot_mapping_N, v_NHD)
             return attend_runs(q_NHD.to(k_cache.dtype), k_cache, v_cache, scale, self._exact_runs)
         if self._num_keys_S is not None:
             # One query per sequence: query_index and output_index are the identity here, and the

@@ -93,6 +93,11 @@ class DecodeGraphs:
         max_bs = self.batch_sizes[-1]
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        # A vision-language model's rotary positions are the cache positions shifted per sequence
+        # (M-RoPE's delta, filled by `run`); a text model's are the cache positions themselves.
+        self.rope_positions = (
+            torch.zeros(max_bs, dtype=torch.int64, device=device) if model.args.vision else self.positions
+        )
         self.slot_mapping = torch.full((max_bs,), scratch_block * backend.block_size, device=device)
         self.block_tables = torch.full((max_bs, max_blocks_per_seq), scratch_block, device=device)
         self.max_members = max_members = max_group_members(
@@ -119,7 +124,7 @@ class DecodeGraphs:
                 else None,
             )
         )
-        hidden = self.forward(self.input_ids[:bs], position_ids=self.positions[:bs], attn=self.backend)
+        hidden = self.forward(self.input_ids[:bs], position_ids=self.rope_positions[:bs], attn=self.backend)
         # The MoE layers keep their last experts as attributes: stacking them here makes the copy a
         # kernel of the graph, so every replay refreshes this output.
         routes = None if self.route_dtype is None else self.model.last_routes().to(self.route_dtype)
@@ -155,12 +160,16 @@ class DecodeGraphs:
 
     @torch.no_grad()
     def run(
-        self, rows: np.ndarray, pending_R: torch.Tensor | None = None
+        self,
+        rows: np.ndarray,
+        pending_R: torch.Tensor | None = None,
+        rope_delta_B: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Final hidden states [B, D] of one decode step and, for MoE, the experts each row used
         [B, MoE layers, K] (else None); rows [B, table_column(M) + width] int64
         in the column layout above (tables padded with the scratch block). With `pending_R`, token
-        -1 - r stands for `pending_R[r]` (the step in flight's sampled tokens)."""
+        -1 - r stands for `pending_R[r]` (the step in flight's sampled tokens). A vision-language
+        model passes `rope_delta_B` (device, int64): row b's rotary position is its position + delta."""
         first_table = table_column(self.max_members)
         B, width = rows.shape[0], rows.shape[1] - first_table
         bs = next(b for b in self.batch_sizes if b >= B)
@@ -174,6 +183,10 @@ class DecodeGraphs:
         ids = staged_t[:, TOKEN] if pending_R is None else take_pending(staged_t[:, TOKEN], pending_R)
         self.input_ids[:bs].copy_(ids)
         self.positions[:bs].copy_(staged_t[:, POSITION])
+        if self.rope_positions is not self.positions:
+            assert rope_delta_B is not None, "a vision-language decode needs its rotary deltas"
+            self.rope_positions[:bs].copy_(staged_t[:, POSITION])
+            self.rope_positions[:B] += rope_delta_B
         self.slot_mapping[:bs].copy_(staged_t[:, SLOT])
         self.prefix_start[:bs].copy_(staged_t[:, PREFIX_START])
         self.prefix_keys[:bs].copy_(staged_t[:, PREFIX_KEYS])

@@ -87,7 +87,8 @@ class NativeEngine:
         its vocabulary slice (vocab_parallel.py). `enable_prefix_caching` keeps the keys and values of
         finished sequences' full blocks for later requests that start with the same tokens (multi-turn
         episodes: a trajectory's next turn; block_manager.py), except where `engine_parts.caches_prefixes` says no.
-        `exact` runs the forward and the sampler's logprobs with batch-invariant numerics, eagerly."""
+        `exact` runs the forward and the sampler's logprobs with batch-invariant numerics (uncompiled;
+        on CUDA the decode replays CUDA graphs captured under them)."""
         # The settings were checked where the run config was read (rlloom/config/rollout.py).
         assert max_model_len >= 2 and max_num_batched_tokens >= 1, (max_model_len, max_num_batched_tokens)
         self.model = model.eval()
@@ -122,8 +123,8 @@ class NativeEngine:
             block_size=block_size,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
-            enforce_eager=enforce_eager or exact,
-            compile=compile and not exact,
+            enforce_eager=enforce_eager,
+            compile=compile and not exact,  # graphs of the plain forward: compiled layers round differently
         )
         if not caches_prefixes(model, self.runner):
             self.block_manager.enable_prefix_caching = False

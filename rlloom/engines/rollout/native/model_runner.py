@@ -104,9 +104,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.max_members = max_group_members(model.args.num_heads, model.args.kv_cache.num_heads)
-        # A vision-language model's decode positions are shifted per sequence (M-RoPE's delta), which
-        # the captured graphs' inputs do not carry yet: it decodes eagerly.
-        self.use_graphs = self.device.type == "cuda" and not enforce_eager and model.args.vision is None
+        self.use_graphs = self.device.type == "cuda" and not enforce_eager
         self.compiled_forward = compile_decode_forward(model) if self.use_graphs and compile else None
         """The decode forward the graphs capture when compiled (None: the plain one; one compilation
         per runner: the backend handle stays the same across sleep/wake, so guards keep matching)."""
@@ -290,6 +288,13 @@ class ModelRunner:
             rows[:, PREFIX_START : PREFIX_KEYS + 1], rows[:, MEMBERS:first_table] = 0, -1
         return rows
 
+    def _rope_deltas(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """M-RoPE: a decode token of a vision-language prompt sits at its index + delta [S] on the
+        device (None: a text model, whose rotary positions are the cache positions)."""
+        if self.model.args.vision is None:
+            return None
+        return self._tensor([0 if s.vision is None else s.vision.delta for s in seqs])
+
     def _decode(self, seqs: list[Sequence], pending_R: torch.Tensor | None) -> torch.Tensor:
         rows = self._decode_rows(seqs)
         first_table = table_column(self.max_members)
@@ -297,9 +302,10 @@ class ModelRunner:
             pending_R = None  # every input token is known on the host
         else:
             assert pending_R is not None, "a decode input is pending but no step is in flight"
+        rope_delta_S = self._rope_deltas(seqs)
         if self.graphs is not None and self.graphs.fits(len(seqs), rows.shape[1] - first_table):
             try:
-                hidden_SD, routes = self.graphs.run(rows, pending_R)
+                hidden_SD, routes = self.graphs.run(rows, pending_R, rope_delta_S)
                 if self.route_dtype is not None:
                     self.last_routes = routes
                 return hidden_SD
@@ -334,10 +340,7 @@ class ModelRunner:
         )
         tokens_S = staged[:, TOKEN]
         ids_S = tokens_S if pending_R is None else take_pending(tokens_S, pending_R)
-        rope_S = positions_S
-        if self.model.args.vision is not None:  # M-RoPE: generated tokens sit at index + delta
-            deltas = [0 if s.vision is None else s.vision.delta for s in seqs]
-            rope_S = positions_S + self._tensor(deltas)
+        rope_S = positions_S if rope_delta_S is None else positions_S + rope_delta_S
         hidden_SD = self.model.hidden_states(ids_S, position_ids=rope_S, attn=self.backend)
         self._record_routes()
         return hidden_SD

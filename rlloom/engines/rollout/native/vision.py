@@ -27,7 +27,8 @@ class VisionPrompt:
     """What the engine keeps of one prompt's images (one object for the request's n sequences)."""
 
     embeds_MD: torch.Tensor
-    """[M, D] the tower's features of the prompt's M image tokens, in order, on the model's device."""
+    """[M, D] the tower's features of the prompt's M image tokens, in order, on the model's device
+    (Qwen3-VL: [M, 1 + K, D], each token's DeepStack rows with it, so a slice of tokens takes both)."""
     positions_3T: torch.Tensor
     """[3, T] long M-RoPE positions of the prompt's T tokens (host)."""
     image_token_id: int

@@ -1,0 +1,74 @@
+"""benchmarks/bench_e2e.py --modes (issue 42): the GRPO step in the default mode, trainer.deterministic
+and rollout.match_training, each in its own process, in one table with the measured logprob gap."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+from bench_e2e import mode_summary, parse_modes, without_modes  # noqa: E402
+
+
+def record(step_s: float, gap: float, error: float) -> dict[str, float]:
+    parts = {"time/generate_s": step_s / 2, "time/train_s": step_s / 4, "time/sync_s": step_s / 8}
+    return {
+        "time/step_s": step_s,
+        **parts,
+        "rollout/logp_gap_max": gap,
+        "rollout/token_mult_prob_error": error,
+    }
+
+
+def test_mode_summary_medians_after_the_first_step_and_the_largest_gap_of_all() -> None:
+    records = [record(30.0, 0.5, 1.3), record(4.0, 0.1, 1.1), record(6.0, 0.2, 1.2), record(5.0, 0.0, 1.0)]
+    r = mode_summary(records, gen_tokens=1000)
+    assert r["time/step_s"] == 5.0 and r["time/generate_s"] == 2.5  # the compile step left out
+    assert r["rollout_tok_s"] == 1000 / 2.5
+    assert r["logp_gap_max"] == 0.5  # every step counts for the gap
+    assert r["token_mult_prob_error"] == pytest.approx(1.15)
+
+
+def test_each_mode_runs_the_command_line_without_modes_out_and_timeout() -> None:
+    argv = [
+        "--tiny",
+        "--modes",
+        "default,deterministic",
+        "--steps",
+        "2",
+        "--out=x.json",
+        "--mode-timeout-s",
+        "9",
+    ]
+    assert without_modes(argv + ["--set", "a=b"]) == ["--tiny", "--steps", "2", "--set", "a=b"]
+    assert parse_modes("default, match_training") == ["default", "match_training"]
+    with pytest.raises(Exception, match="comma-separated list of default, deterministic, match_training"):
+        parse_modes("default,exact")
+
+
+@pytest.mark.slow
+def test_modes_table_on_cpu_match_training_row_reads_a_zero_gap() -> None:
+    """The CLI at the tiny shape: one table, a row for the mode, whose override reached its process
+    (match_training's gap is exactly 0; the default's at this shape is 9.5e-07)."""
+    env = os.environ | {"PYTHONPATH": str(BENCH.parent)}
+    cmd = [
+        sys.executable,
+        str(BENCH / "bench_e2e.py"),
+        "--tiny",
+        "--steps",
+        "1",
+        "--modes",
+        "default,match_training",
+    ]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("| stage |") == 0  # the modes' own tables are not shown: one table
+    rows = {line.split(" | ")[0].lstrip("| ").split(" (")[0]: line.split(" | ") for line in out.stdout.splitlines()
+            if line.startswith("| match_training")}  # fmt: skip
+    assert set(rows) == {"match_training"}
+    assert rows["match_training"][6] == "0"
