@@ -13,6 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "models"))
+from vl3_testutil import processed_images3, tiny_vl3  # noqa: E402
 from vl_testutil import hf_vl_kwargs, processed_images, tiny_vl, vl_prompt  # noqa: E402
 
 import rlloom.models as models  # noqa: E402
@@ -33,14 +34,22 @@ def vl(tmp_path_factory):
     return hf, path
 
 
+@pytest.fixture(scope="module")
+def vl3(tmp_path_factory):
+    hf = tiny_vl3()
+    path = tmp_path_factory.mktemp("vl3_train")
+    hf.save_pretrained(path)
+    return hf, path
+
+
 def _inputs(images: dict | None) -> ImageInputs | None:
     return ImageInputs(images["pixel_values"], images["image_grid_thw"]) if images else None
 
 
-def _batch() -> RolloutBatch:
+def _batch(processed=processed_images) -> RolloutBatch:
     """Two samples of a two-image prompt, a text prompt, a one-image prompt, then the two-image prompt
-    again in another group."""
-    two, one = processed_images((100, 70), (60, 130)), processed_images((150, 90), seed=1)
+    again in another group (`processed`: the family's image processor)."""
+    two, one = processed((100, 70), (60, 130)), processed((150, 90), seed=1)
     gen = torch.Generator().manual_seed(3)  # the same batch in every process
     prompts = [(vl_prompt(two["image_grid_thw"], 0), two), (torch.randint(0, 280, (9,), generator=gen), None)]
     prompts.append((vl_prompt(one["image_grid_thw"], 2), one))
@@ -70,11 +79,13 @@ def _hf_logprobs(hf, sample: Sample) -> torch.Tensor:
     return logp.gather(1, torch.tensor(sample.response_ids)[:, None]).squeeze(1)
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 @pytest.mark.parametrize("share_prompts", [False, True])
 @pytest.mark.parametrize("budget", [1, 4096])
-def test_packed_image_and_text_documents_equal_transformers(vl, share_prompts, budget):
-    hf, path = vl
-    batch = _batch()
+def test_packed_image_and_text_documents_equal_transformers(request, family, share_prompts, budget):
+    """Qwen3-VL: DeepStack rows reach the image tokens through the same stream rows."""
+    hf, path = request.getfixturevalue("vl" if family == "qwen2_5_vl" else "vl3")
+    batch = _batch(processed_images if family == "qwen2_5_vl" else processed_images3)
     cfg = TrainEngineConfig(max_tokens_per_micro_batch=budget, share_prompts=share_prompts)
     engine = NativeTrainEngine(cfg, models.from_pretrained(path))
     logp_BT, _ = engine.forward_logprobs(batch, options=ForwardOptions(temperature=1.0))
