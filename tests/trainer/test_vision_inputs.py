@@ -1,6 +1,6 @@
 """Qwen2.5-VL through `rlloom train` and dataset rows with pictures: a tiny-vl model trains on text
 prompts and on picture rows (two Ray workers under FSDP equal the one-process run) and its export
-loads in transformers and generates; rows with images are read with Pillow (unreadable or oversized
+loads in transformers and generates, and a tiny Qwen3-VL trains on picture rows; rows with images are read with Pillow (unreadable or oversized
 pictures skipped as bad rows), and the start-up refuses, in one line each, a missing picture, pictures
 for a text-only model, pictures without the chat template, a VL folder without its image processor or
 with a template that writes no image placeholders, and a split layout for a VL model."""
@@ -201,3 +201,23 @@ def test_training_on_pictures_two_ray_workers_match_one_process_and_export_gener
             mm_token_type_ids=(prompt == images.image_token_id).int(), max_new_tokens=4, do_sample=False,
         )  # fmt: skip
     assert out.shape[1] > prompt.shape[1]
+
+
+def test_qwen3_vl_trains_on_pictures(tmp_path):
+    """`rlloom init-model tiny-vl3` (Qwen3-VL, DeepStack) through `rlloom train` on picture rows: the
+    rollout's logprobs equal the trainer's and the tower trains."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    model = write_tiny_model("tiny-vl3", tmp_path / "ckpt")
+    data = _picture_rows(tmp_path / "data")
+    dense_reward = ["reward.name=resume_reward:digit_share", f"reward.import_dir={Path(__file__).parent}"]
+    args = _args(
+        model, tmp_path / "run", "data.task=jsonl", f"data.path={data}", "data.num_eval=1",
+        "trainer.total_steps=2", "train.lr=3e-2", "algorithm.is_correction=tis", *dense_reward,
+    )  # fmt: skip
+    assert main(args) == 0
+    assert all(r["rollout/logp_gap_abs"] < 1e-5 for r in read_metrics(tmp_path / "run") if r["step"])
+    trained = Qwen3VLForConditionalGeneration.from_pretrained(tmp_path / "run" / "hf" / "step_000002")
+    start = dict(Qwen3VLForConditionalGeneration.from_pretrained(model).named_parameters())
+    name = "model.visual.blocks.0.attn.qkv.weight"
+    assert not torch.equal(dict(trained.named_parameters())[name], start[name])
