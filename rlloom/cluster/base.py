@@ -16,6 +16,7 @@ from typing import Generic, Protocol, TypeVar
 
 import torch
 
+from rlloom.data.images import ImageInputs
 from rlloom.data.types import PolicyUpdate, RolloutBatch, ValueUpdate
 from rlloom.engines.rollout import Completion, Partial, SamplingParams
 from rlloom.observability.metrics import Metric
@@ -132,9 +133,15 @@ class RolloutGroup(Protocol):
         """The policy version the replicas hold (the last sync's)."""
         ...
 
-    def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> Pending[list[Completion]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: list[SamplingParams],
+        images: list[ImageInputs | None] | None = None,
+    ) -> Pending[list[Completion]]:
         """Completions of every prompt, in prompt order (`Completion.prompt_index` is the position in
-        `prompts`); requests are spread over the replicas by load."""
+        `prompts`); requests are spread over the replicas by load. `images`: each prompt's pictures
+        (a vision-language model)."""
         ...
 
     num_replicas: int

@@ -10,6 +10,7 @@ import torch
 
 from rlloom.cluster.base import Done
 from rlloom.config import RunConfig
+from rlloom.data.images import ImageInputs
 from rlloom.data.types import PolicyUpdate, RolloutBatch, ValueUpdate
 from rlloom.engines.rollout import Completion, Partial, SamplingParams
 from rlloom.heap import freeze_heap
@@ -98,8 +99,13 @@ class LocalRolloutGroup:
     def version(self) -> int:
         return self.worker.version
 
-    def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> Done[list[Completion]]:
-        return Done(self.worker.generate(prompts, sampling))
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: list[SamplingParams],
+        images: list[ImageInputs | None] | None = None,
+    ) -> Done[list[Completion]]:
+        return Done(self.worker.generate(prompts, sampling, images))
 
     num_replicas = 1
     restarts = 0

@@ -13,6 +13,7 @@ from typing import Any
 
 import ray
 
+from rlloom.data.images import ImageInputs
 from rlloom.engines.rollout import Completion, SamplingParams
 
 CHUNKS_PER_REPLICA = 4
@@ -45,11 +46,12 @@ class QueuedGeneration:
         replicas: list[list[int]],
         prompts: list[list[int]],
         sampling: list[SamplingParams],
+        images: list[ImageInputs | None] | None = None,
         *,
         max_num_seqs: int,
     ) -> None:
         self.actors, self.replicas = actors, replicas
-        self.prompts, self.sampling = prompts, sampling
+        self.prompts, self.sampling, self.images = prompts, sampling, images
         samples = max((s.n for s in sampling), default=1)
         self.chunks = chunk_bounds(len(prompts), len(replicas), min_prompts=max_num_seqs // samples)
         self.todo = deque(range(len(self.chunks)))
@@ -66,9 +68,12 @@ class QueuedGeneration:
         c = self.todo.popleft()
         lo, hi = self.chunks[c]
         prompts, sampling = ray.put(self.prompts[lo:hi]), ray.put(self.sampling[lo:hi])
+        images = None if self.images is None else ray.put(self.images[lo:hi])
         slots = self.replicas[replica]
         self.left[c] = len(slots)
-        for rank, ref in enumerate(self.actors.call(slots, "on_rollout", "generate", prompts, sampling)):
+        for rank, ref in enumerate(
+            self.actors.call(slots, "on_rollout", "generate", prompts, sampling, images)
+        ):
             self.running[ref] = (replica, c, rank)
 
     def _step(self, timeout: float) -> None:

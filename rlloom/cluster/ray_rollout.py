@@ -20,6 +20,7 @@ import ray
 
 from rlloom.cluster.ray_generate import QueuedGeneration
 from rlloom.cluster.ray_slots import Actors, NoRoom, Refs, SlotFailure, first
+from rlloom.data.images import ImageInputs
 from rlloom.engines.rollout import Partial, SamplingParams
 from rlloom.workers.flights import StreamRequest, StreamResult
 
@@ -57,8 +58,15 @@ class RayRolloutGroup:
     def version(self) -> int:
         return self._version
 
-    def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> QueuedGeneration:
-        return QueuedGeneration(self.actors, self.replicas, prompts, sampling, max_num_seqs=self.max_num_seqs)
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: list[SamplingParams],
+        images: list[ImageInputs | None] | None = None,
+    ) -> QueuedGeneration:
+        return QueuedGeneration(
+            self.actors, self.replicas, prompts, sampling, images, max_num_seqs=self.max_num_seqs
+        )
 
     # ---- the step-level producers (every rank of a replica gets each call; its rank 0 speaks) -----
 

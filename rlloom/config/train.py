@@ -89,6 +89,10 @@ class TrainEngineConfig:
     moe_bias_update_rate: float = 0.0
     """DeepSeek-V3 correction-bias update per step (its pre-training used 0.001): under-loaded experts'
     bias rises by this much, over-loaded ones' falls. 0 keeps the checkpoint's bias, as RL runs do."""
+    freeze_vision: bool = False
+    """A vision-language model (Qwen2.5-VL): keep the vision tower (patch embedding, blocks, merger) as
+    loaded: no gradient, no optimizer state. Off, as verl's freeze_vision_tower and TRL's trainers
+    default: the whole model trains unless asked otherwise. No effect on a text-only model."""
     lora_rank: int = 0
     """LoRA: train rank-r adapters on the targeted projections with the rest of the policy frozen
     (0 = full fine-tuning). Gradients and AdamW state exist for the adapters only; the weight sync,

@@ -30,6 +30,7 @@ from rlloom.data.control_tokens import (
     unmarked,
 )
 from rlloom.data.dataset import DataError, Message, PromptItem, RawPrompt
+from rlloom.data.images import ImageInputs, ImageProcessing
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +100,11 @@ def tokenize_prompts(
     chat_template: bool,
     system_prompt: str = "",
     max_prompt_length: int,
+    images: ImageProcessing | None = None,
 ) -> TokenizedPrompts:
     """Template and encode every prompt; those over `max_prompt_length` tokens are skipped and counted.
+    A prompt with pictures needs `images` (a vision-language model's): they are read and processed,
+    and each placeholder the template writes becomes its image's run of tokens (`with_images`).
 
     Raises DataError when prompts were given and none fits.
     """
@@ -110,9 +114,13 @@ def tokenize_prompts(
     too_long: list[int] = []
     tokens = control_tokens(tokenizer)
     for raw in prompts:
+        prompt = raw.prompt if not raw.images else with_image_parts(raw)
         text, ids = encode_prompt(
-            raw.prompt, tokenizer, chat_template=chat_template, system_prompt=system_prompt, tokens=tokens
+            prompt, tokenizer, chat_template=chat_template, system_prompt=system_prompt, tokens=tokens
         )
+        pixels = None
+        if raw.images:
+            ids, pixels = prompt_images(raw, ids, images)
         if len(ids) > max_prompt_length:
             too_long.append(len(ids))
             continue
@@ -124,6 +132,7 @@ def tokenize_prompts(
                 index=raw.index,
                 metadata=dict(raw.metadata),
                 prompt=raw.prompt,
+                images=pixels,
             )
         )
     if too_long and not items:
@@ -140,3 +149,39 @@ def tokenize_prompts(
             max(too_long),
         )
     return TokenizedPrompts(items=items, num_too_long=len(too_long))
+
+
+def with_image_parts(raw: RawPrompt) -> list[Message]:
+    """A prompt with pictures as chat messages with image parts: as the row holds them, or (an
+    `images` column) one image part per picture opening the first user message, so the template
+    writes their placeholders before its text."""
+    if isinstance(raw.prompt, list) and any(
+        isinstance(m.get("content"), list) and any(p.get("type") == "image" for p in m["content"])
+        for m in raw.prompt
+    ):
+        return raw.prompt
+    messages = prompt_messages(raw.prompt)
+    first = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    content = messages[first]["content"]
+    text = content if isinstance(content, list) else [{"type": "text", "text": content}]
+    parts = [{"type": "image", "image": path} for path in raw.images]
+    messages[first] = {**messages[first], "content": parts + text}
+    return messages
+
+
+def prompt_images(
+    raw: RawPrompt, ids: list[int], images: ImageProcessing | None
+) -> tuple[list[int], ImageInputs]:
+    """The prompt's ids with its image placeholders expanded, and its processed pictures."""
+    if images is None:
+        raise DataError(
+            f"prompt {raw.index} has images but the model reads no pictures (no image processor); fix: "
+            "use a vision-language model folder with its preprocessor_config.json, or rows without images"
+        )
+    try:
+        return images.prompt(ids, raw.images)
+    except ValueError as err:
+        raise DataError(
+            f"prompt {raw.index}: {err} after the chat template; fix: set data.chat_template=true with a "
+            "template that writes one image placeholder per image part (as Qwen2.5-VL's does)"
+        ) from err

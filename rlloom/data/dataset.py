@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rlloom.config import UserError
-from rlloom.data.images import image_problem, row_image_refs
+from rlloom.data.images import ImageInputs, image_problem, row_image_refs
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,9 @@ class PromptItem:
     """Every field of the row, or task details; plug-in reward functions get each by name."""
     prompt: str | list[Message] = ""
     """The prompt as the row holds it (text or chat messages); reward functions get it as `prompt`."""
+    images: ImageInputs | None = None
+    """The row's pictures as the model's image processor wrote them (`prompt_ids` then hold one
+    placeholder token per merged patch of each); None for a text prompt."""
 
 
 @dataclass(frozen=True, slots=True)

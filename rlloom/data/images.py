@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,6 +33,26 @@ class ImageInputs:
     """[P, C*T*ps*ps] patches of every image, image after image."""
     grid_thw: torch.Tensor
     """[I, 3] long: each image's (frames, patch rows, patch columns)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ImageProcessing:
+    """How a vision-language model reads a prompt's pictures: transformers' image processor of its
+    folder, the placeholder token its chat template writes once per image, and how many patches
+    (merge x merge) make one language-model token.
+
+    Example: `ImageProcessing(processor=AutoImageProcessor.from_pretrained(path), image_token_id=151655,
+    merge=2)`.
+    """
+
+    processor: Any
+    image_token_id: int
+    merge: int
+
+    def prompt(self, ids: list[int], paths: tuple[str, ...]) -> tuple[list[int], ImageInputs]:
+        """(the prompt ids with each placeholder expanded to its image's token run, the pixels)."""
+        images = read_images(paths, self.processor)
+        return expand_image_tokens(ids, self.image_token_id, images, self.merge), images
 
 
 MAX_IMAGE_PIXELS = 64 * 2**20
@@ -77,3 +98,37 @@ def image_problem(path: Path) -> str:
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         return f"image {path.name} does not read ({type(e).__name__}: {' '.join(str(e).split())[:80]})"
     return ""
+
+
+def read_images(paths: tuple[str, ...], processor: Any) -> ImageInputs:
+    """A prompt's picture files through transformers' image processor (the model folder's
+    `preprocessor_config.json`, `AutoImageProcessor`), as RGB."""
+    from PIL import Image
+
+    pictures = []
+    for path in paths:
+        with Image.open(path) as picture:
+            pictures.append(picture.convert("RGB"))
+    out = processor(images=pictures, return_tensors="pt")
+    return ImageInputs(pixel_values=out["pixel_values"], grid_thw=out["image_grid_thw"].to(torch.long))
+
+
+def expand_image_tokens(ids: list[int], image_token_id: int, images: ImageInputs, merge: int) -> list[int]:
+    """`ids` with its k-th image placeholder token repeated once per merged patch of image k (the
+    chat template writes one placeholder per image; the model replaces each copy with one feature
+    row), as transformers' Qwen2.5-VL processor expands `<|image_pad|>`. ValueError when the
+    placeholders and the images do not pair up."""
+    sizes = [t * h * w // merge**2 for t, h, w in images.grid_thw.tolist()]
+    if ids.count(image_token_id) != len(sizes):
+        raise ValueError(
+            f"the prompt holds {ids.count(image_token_id)} image placeholders for {len(sizes)} image(s)"
+        )
+    out: list[int] = []
+    k = 0
+    for token in ids:
+        if token == image_token_id:
+            out.extend([token] * sizes[k])
+            k += 1
+        else:
+            out.append(token)
+    return out

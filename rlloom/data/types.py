@@ -29,6 +29,8 @@ from typing import Any, Literal
 
 import torch
 
+from rlloom.data.images import ImageInputs
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -71,6 +73,9 @@ class Sample:
     trajectory_id: int | None = None
     """Multi-turn: the samples one trajectory was split into (one per turn, where the chat template
     rewrites earlier turns) share it, so group statistics count the trajectory once; None: its own."""
+    images: ImageInputs | None = None
+    """The prompt's pictures (a vision-language model; one object shared by the prompt's n samples):
+    training runs the vision tower on them as the rollout did. None for a text prompt."""
 
     def __post_init__(self) -> None:
         if self.rollout_logprobs is not None and len(self.rollout_logprobs) != len(self.response_ids):
@@ -116,6 +121,33 @@ class Sample:
         return min(self.token_versions) if self.token_versions else self.policy_version
 
 
+@dataclass(frozen=True, slots=True)
+class SegmentImages:
+    """Where the pictures of one segment of a packed stream sit: the segment's stream rows, its
+    prompt length (only the prompt's placeholders are image tokens), and its images' place in
+    `StreamImages.grid_thw`."""
+
+    start: int
+    end: int
+    prompt_len: int
+    first_image: int
+    num_images: int
+
+
+@dataclass(frozen=True, slots=True)
+class StreamImages:
+    """The pictures of a packed stream: each segment's prompt's once (a shared prompt's too), in
+    stream order. The model turns its text positions into M-RoPE positions per segment
+    (`rlloom.models.mrope.stream_positions`)."""
+
+    pixel_values: torch.Tensor
+    """[P, C*T*ps*ps] the patches of every picture, segment by segment."""
+    grid_thw: torch.Tensor
+    """[I, 3] long: each picture's patch grid."""
+    segments: tuple[SegmentImages, ...]
+    """The segments with pictures."""
+
+
 @dataclass(kw_only=True, slots=True)
 class PackedTensors:
     """Segments concatenated into one stream (no padding); attention is block-diagonal over segments.
@@ -157,6 +189,8 @@ class PackedTensors:
     routes_NLK: torch.Tensor | None = None
     """[N, MoE layers, K] int64 experts the rollout used at each stream position (-1 where it fed no
     token: a sample's last response token); None unless every sample has `routed_experts`."""
+    images: StreamImages | None = None
+    """The pictures of the stream's prompts; None when no sample has any."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -286,6 +320,7 @@ class RolloutBatch:
         ids, pos, tgt, seg_lens, prefix_lens, branch_lens = [], [], [], [], [], []
         with_routes = all(s.routed_experts is not None for s in self.samples)
         routes: list[torch.Tensor] = []
+        pictures: list[tuple[SegmentImages, ImageInputs]] = []
         gather = torch.zeros(len(self.samples), self.T, dtype=torch.int64)
         for members in segments:
             prompt = self.samples[members[0]].prompt_ids
@@ -311,6 +346,10 @@ class RolloutBatch:
                 tgt.extend(response[1:] + [0] if r else [])
             seg_lens.append(len(ids) - offset)
             prefix_lens.append(p)
+            images = self.samples[members[0]].images
+            if images is not None:
+                first = sum(len(x.grid_thw) for _, x in pictures)
+                pictures.append((SegmentImages(offset, len(ids), p, first, len(images.grid_thw)), images))
         cu = torch.zeros(len(seg_lens) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(seg_lens, dtype=torch.int32), 0)
         return PackedTensors(
@@ -325,6 +364,7 @@ class RolloutBatch:
             prefix_lens_S=torch.tensor(prefix_lens, dtype=torch.int32) if share_prompts else None,
             branch_lens_Z=torch.tensor(branch_lens, dtype=torch.int32) if share_prompts else None,
             routes_NLK=torch.cat(routes) if with_routes else None,
+            images=_stream_images(pictures),
         )
 
     def padded(self, pad_id: int = 0) -> PaddedTensors:
@@ -434,3 +474,13 @@ def _positions(sample: Sample, start: int, end: int) -> torch.Tensor:
     if missing <= 0:
         return known
     return torch.cat([known, known.new_full((missing, *sample.routed_experts.shape[1:]), -1)])
+
+
+def _stream_images(pictures: list[tuple[SegmentImages, ImageInputs]]) -> StreamImages | None:
+    if not pictures:
+        return None
+    return StreamImages(
+        pixel_values=torch.cat([x.pixel_values for _, x in pictures]),
+        grid_thw=torch.cat([x.grid_thw for _, x in pictures]),
+        segments=tuple(segment for segment, _ in pictures),
+    )

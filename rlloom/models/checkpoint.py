@@ -35,6 +35,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from rlloom.data.images import ImageProcessing
 from rlloom.models.adapter import CheckpointMismatch, hf_named_tensors, load_hf_tensors, missing_hf_names
 from rlloom.models.args import ModelArgs
 from rlloom.models.fp8_checkpoint import block_fp8_config, dequantized, unquantized_config
@@ -354,6 +355,21 @@ def load_tokenizer(path_or_name: str | os.PathLike) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(resolve_path(path_or_name)))
+
+
+def load_image_processing(path_or_name: str | os.PathLike) -> ImageProcessing | None:
+    """How the checkpoint's model reads pictures (transformers' `AutoImageProcessor` of the folder, its
+    image placeholder token and merge size); None for a text-only model."""
+    folder = resolve_path(path_or_name)
+    vision = ModelArgs.from_hf_config(json.loads((folder / "config.json").read_text())).vision
+    if vision is None:
+        return None
+    from transformers import AutoImageProcessor
+
+    processor = AutoImageProcessor.from_pretrained(str(folder))
+    return ImageProcessing(
+        processor=processor, image_token_id=vision.image_token_id, merge=vision.spatial_merge_size
+    )
 
 
 def load_decoder(path_or_name: str | os.PathLike) -> Callable[[list[int]], str] | None:

@@ -17,8 +17,9 @@ from collections.abc import Sequence
 
 import torch
 
+from rlloom.data.types import StreamImages
 from rlloom.models.arg_parts import VisionArgs
-from rlloom.models.vision import Grid, merged_tokens
+from rlloom.models.vision import Grid, grid_list, merged_tokens
 
 
 def mrope_positions(input_ids: Sequence[int], grid: Grid, args: VisionArgs) -> torch.Tensor:
@@ -60,3 +61,27 @@ def mrope_positions(input_ids: Sequence[int], grid: Grid, args: VisionArgs) -> t
 def decode_delta(positions_3T: torch.Tensor) -> int:
     """What a generated token's position adds to its sequence index: max + 1 - T (0 without images)."""
     return int(positions_3T.max()) + 1 - positions_3T.shape[1] if positions_3T.numel() else 0
+
+
+def stream_positions(
+    input_ids_N: torch.Tensor, position_ids_N: torch.Tensor, images: StreamImages, args: VisionArgs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed stream's M-RoPE positions [3, N] and the stream rows of its image tokens [M] (host
+    tensors), as the rollout computes them per document: a segment with pictures takes its prompt's
+    `mrope_positions`, and a token at text position q >= the prompt length (a response token, in
+    either packed layout) sits at q + delta on all three axes; other segments keep their text
+    positions on all three. Only prompt placeholders are image tokens: a generated placeholder id
+    stays text, as in the rollout."""
+    positions_3N = position_ids_N.expand(3, -1).clone()
+    rows = []
+    grid = grid_list(images.grid_thw)
+    for seg in images.segments:
+        prompt = input_ids_N[seg.start : seg.start + seg.prompt_len].tolist()
+        head_3P = mrope_positions(prompt, grid[seg.first_image : seg.first_image + seg.num_images], args)
+        text_S = position_ids_N[seg.start : seg.end]
+        tail = torch.arange(seg.prompt_len, int(text_S.max()) + 1) + decode_delta(head_3P)
+        table_3Q = torch.cat([head_3P, tail.expand(3, -1)], dim=1)
+        positions_3N[:, seg.start : seg.end] = table_3Q[:, text_S]
+        is_image = torch.tensor(prompt) == args.image_token_id
+        rows.append(is_image.nonzero().squeeze(1) + seg.start)
+    return positions_3N, torch.cat(rows)

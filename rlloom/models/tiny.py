@@ -29,6 +29,14 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for part in m['content'] %}{% if part['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ part['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""Qwen2.5-VL's way with image parts: each writes one placeholder, which the prompt's tokenization
+expands to the image's run of tokens (`rlloom.data.images.expand_image_tokens`)."""
 
 
 def char_tokenizer(*, vision: bool = False):  # noqa: ANN201 (transformers' PreTrainedTokenizerFast, lazily)
@@ -48,7 +56,7 @@ def char_tokenizer(*, vision: bool = False):  # noqa: ANN201 (transformers' PreT
     tokenizer.add_special_tokens(
         {"additional_special_tokens": ["<|im_start|>"] + (VISION_TOKENS if vision else [])}
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = VL_CHAT_TEMPLATE if vision else CHAT_TEMPLATE
     return tokenizer
 
 

@@ -16,6 +16,7 @@ import random
 from rlloom.config import DataConfig
 from rlloom.data.chat import PromptTokenizer, tokenize_prompts
 from rlloom.data.dataset import DataError, PromptItem, RawPrompt, load_prompt_file
+from rlloom.data.images import ImageProcessing
 from rlloom.data.source import PromptSource
 from rlloom.tasks.arithmetic import arithmetic_prompts
 from rlloom.tasks.countdown import countdown_prompts
@@ -61,9 +62,13 @@ def split_file_rows(rows: list[RawPrompt], *, num_eval: int, seed: int, split: S
 
 
 def build_task_source(
-    data_cfg: DataConfig, tokenizer: PromptTokenizer, split: Split = "train"
+    data_cfg: DataConfig,
+    tokenizer: PromptTokenizer,
+    split: Split = "train",
+    images: ImageProcessing | None = None,
 ) -> PromptSource[PromptItem]:
-    """The tokenized prompts of one split as a `PromptSource` (shuffled for train, in order for eval)."""
+    """The tokenized prompts of one split as a `PromptSource` (shuffled for train, in order for eval);
+    `images`: how a vision-language model reads the rows' pictures."""
     raws = task_prompts(data_cfg, split)
     tokenized = tokenize_prompts(
         raws,
@@ -71,6 +76,7 @@ def build_task_source(
         chat_template=data_cfg.chat_template,
         system_prompt=data_cfg.system_prompt,
         max_prompt_length=data_cfg.max_prompt_length,
+        images=images,
     )
     return PromptSource(
         tokenized.items, seed=data_cfg.seed, shuffle=split == "train", num_too_long=tokenized.num_too_long

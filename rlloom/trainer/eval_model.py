@@ -30,6 +30,7 @@ from rlloom.devices import resolve_device, resolve_dtype
 from rlloom.engines.rollout.build import build_rollout_engine
 from rlloom.engines.train.hf_folder import save_hf_folder
 from rlloom.models import load_tokenizer
+from rlloom.models.checkpoint import load_image_processing
 from rlloom.models.embedded import EMBEDDED_NAME
 from rlloom.rewards.build import build_reward_runner
 from rlloom.run_files import open_fd, open_text, write_failed
@@ -137,6 +138,7 @@ def eval_items(cfg: RunConfig, tokenizer: object) -> tuple[list[PromptItem], int
         chat_template=d.chat_template,
         system_prompt=d.system_prompt,
         max_prompt_length=d.max_prompt_length,
+        images=load_image_processing(cfg.model.path),
     )
     return tokenized.items, tokenized.num_too_long
 

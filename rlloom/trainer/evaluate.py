@@ -17,6 +17,7 @@ from rlloom.cluster.base import RolloutGroup
 from rlloom.config import RunConfig
 from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.dataset import PromptItem
+from rlloom.data.images import ImageInputs
 from rlloom.engines.rollout import Completion, SamplingParams
 from rlloom.rewards.calling import RewardInput
 from rlloom.rewards.runner import RewardRunner
@@ -49,7 +50,9 @@ class EvalScores:
         return out
 
 
-Generate = Callable[[list[list[int]], list[SamplingParams]], list[Completion]]
+Generate = Callable[
+    [list[list[int]], list[SamplingParams], list[ImageInputs | None] | None], list[Completion]
+]
 
 
 def score_prompts(
@@ -73,7 +76,8 @@ def score_prompts(
         dataclasses.replace(base, stop_token_ids=stop_token_ids, seed=cfg.trainer.seed + i)
         for i in range(len(items))
     ]
-    completions = generate([it.prompt_ids for it in items], sampling)
+    images = [it.images for it in items] if any(it.images is not None for it in items) else None
+    completions = generate([it.prompt_ids for it in items], sampling, images)
     completions = sorted(completions, key=lambda c: (c.prompt_index, c.sample_index))
     texts = [decode(c.token_ids) for c in completions]
     scored = [(t, items[c.prompt_index]) for t, c in zip(texts, completions)]
@@ -107,5 +111,5 @@ def evaluate(
     """A run's evaluation: `eval/accuracy` (fraction scoring >= 1) and `eval/length_mean`."""
     if not items:
         return {}
-    generate = lambda prompts, sampling: rollout_group.generate(prompts, sampling).result()
+    generate = lambda prompts, sampling, images: rollout_group.generate(prompts, sampling, images).result()
     return score_prompts(generate, items, runner, decode, cfg, stop_token_ids=stop_token_ids).metrics()

@@ -21,7 +21,7 @@
 - A dataset file (data.task=jsonl/parquet) has the format its task names, its rows read, at least one
   row holds the prompt and answer columns (data.prompt_key, data.answer_key), and data.num_eval
   leaves training rows (`check_data`); rows with pictures name files that exist, and need a
-  vision-language model (`check_images`; training on them is not wired yet and is refused).
+  vision-language model (`check_images`).
 - The logging backends turned on (logging.tensorboard, logging.wandb) are installed.
 - A resume continues the same run: the checkpoint's `config.yaml` differs from this config only in
   the settings of `rlloom.config.resume.FREE_TO_CHANGE`, unless trainer.resume_allow_changes=true
@@ -44,12 +44,13 @@ from rlloom.agents.build import check_agent
 from rlloom.config import ConfigError, RunConfig
 from rlloom.config.loading import load_config
 from rlloom.config.resume import run_changing_differences
+from rlloom.data.chat import encode_prompt, with_image_parts
 from rlloom.devices import available_memory_bytes
 from rlloom.engines.rollout.build import check_rollout
 from rlloom.engines.train.build import check_parallel
 from rlloom.episodes.build import check_episodes
 from rlloom.models.args import ModelArgs
-from rlloom.models.checkpoint import VALUE_MODEL_SUFFIXES
+from rlloom.models.checkpoint import VALUE_MODEL_SUFFIXES, load_tokenizer
 from rlloom.plan.check import check_memory
 from rlloom.rewards.build import check_model_term
 from rlloom.rewards.registry import get_reward_fn
@@ -138,9 +139,8 @@ def check_data(cfg: RunConfig) -> None:
 
 
 def check_images(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
-    """Rows with pictures need a vision-language model, and (until the prompt pipeline carries
-    images to the engines) are refused for training: the model and the rollout engine take images,
-    the trainer does not yet."""
+    """Rows with pictures need a vision-language model with its image processor, and the chat
+    template (data.chat_template=true) writing one image placeholder per picture."""
     if cfg.data.task not in FILE_SUFFIXES:
         return
     rows = task_prompts(cfg.data, "eval") + task_prompts(cfg.data, "train")
@@ -153,10 +153,24 @@ def check_images(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
             f"{where} but model.path={cfg.model.path!r} is a text-only {hf_config.get('model_type')} model. "
             "Fix: use a vision-language model (Qwen2.5-VL) or a dataset without images."
         )
-    raise ConfigError(
-        f"{where}: rlloom train does not train on images yet (the Qwen2.5-VL model and the rollout engine "
-        "take them; the prompt pipeline does not carry them to the engines). Fix: use rows without images."
-    )
+    if not cfg.data.chat_template:
+        raise ConfigError(
+            f"{where} but data.chat_template=false: pictures enter a prompt as image parts of chat "
+            "messages, which the chat template turns into placeholders. Fix: set data.chat_template=true."
+        )
+    if not (Path(cfg.model.path) / "preprocessor_config.json").is_file():
+        raise ConfigError(
+            f"{where} but model.path={cfg.model.path!r} has no preprocessor_config.json (the image processor "
+            "that turns pictures into patches). Fix: copy the model release's preprocessor_config.json into it."
+        )
+    image_token = ModelArgs.from_hf_config(hf_config).vision.image_token_id
+    _, ids = encode_prompt(with_image_parts(first), load_tokenizer(cfg.model.path), chat_template=True)
+    if ids.count(image_token) != len(first.images):
+        raise ConfigError(
+            f"{where} but the chat template of model.path={cfg.model.path!r} writes {ids.count(image_token)} "
+            f"image placeholders (token {image_token}) for them. Fix: use a template that renders each "
+            '{"type": "image"} part as <|vision_start|><|image_pad|><|vision_end|>, as Qwen2.5-VL\'s does.'
+        )
 
 
 HOST_BYTES_PER_TOKEN = 128

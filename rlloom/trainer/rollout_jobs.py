@@ -130,6 +130,7 @@ def make_sample(item: PromptItem, gid: int, c: Completion, versions: list[int]) 
         policy_version=versions[0] if versions else c.policy_version,
         token_versions=versions,
         routed_experts=c.routed_experts,
+        images=item.images,
         metadata={
             "ground_truth": item.ground_truth,
             "index": item.index,

@@ -144,7 +144,11 @@ class RolloutStream:
                 self.episodes.begin(request_id, item, params)
                 continue
             request = StreamRequest(
-                request_id=request_id, prompt_ids=list(item.prompt_ids), sampling=params, prompt_index=i
+                request_id=request_id,
+                prompt_ids=list(item.prompt_ids),
+                sampling=params,
+                prompt_index=i,
+                images=item.images,
             )
             self.unsent.setdefault(replica, []).append(request)
         job.outstanding += len(items)

@@ -43,6 +43,7 @@ from rlloom.determinism import enable_determinism, timing_caveat
 from rlloom.episodes.build import build_episode_driver
 from rlloom.faults import check_fault_env
 from rlloom.models import load_tokenizer
+from rlloom.models.checkpoint import load_image_processing
 from rlloom.observability.log import init_logger
 from rlloom.observability.loggers import MultiLogger, build_loggers, run_name
 from rlloom.observability.samples import pick_samples, sample_records
@@ -217,8 +218,9 @@ def _load_data(cfg: RunConfig) -> _Data:
     """The tokenizer, the training and evaluation prompts and their reward (a start-up phase, logged)."""
     phase = time.perf_counter()
     tokenizer = load_tokenizer(cfg.model.path)
-    source = build_task_source(cfg.data, tokenizer, "train")
-    eval_items = list(build_task_source(cfg.data, tokenizer, "eval").items)
+    images = load_image_processing(cfg.model.path)
+    source = build_task_source(cfg.data, tokenizer, "train", images)
+    eval_items = list(build_task_source(cfg.data, tokenizer, "eval", images).items)
     log.info(
         "start-up: tokenizer and data %.1f s (%d train, %d eval prompts)",
         time.perf_counter() - phase,

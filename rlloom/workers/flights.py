@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rlloom.data.images import ImageInputs
 from rlloom.engines.rollout import Completion, RolloutEngine, SamplingParams
 
 
@@ -23,6 +24,8 @@ class StreamRequest:
     """Report its samples' tokens after each step (`Partial`s from `poll`: a streaming client)."""
     first_sample: int = 0
     """The first sample's index (`RolloutEngine.add_request`)."""
+    images: ImageInputs | None = None
+    """The prompt's pictures (a vision-language model), encoded once for its n samples."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -86,6 +89,7 @@ def resume_all(engine: RolloutEngine, flights: dict[str, Flight], *, keep: bool)
                 request_id=request_id,
                 prompt_index=r.prompt_index,
                 sample_index=j,
+                images=r.images,
             )
 
 

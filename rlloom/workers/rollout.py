@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from rlloom.config import RunConfig
+from rlloom.data.images import ImageInputs
 from rlloom.engines.rollout import Completion, Partial, SamplingParams
 from rlloom.engines.rollout.build import build_rollout_engine
 from rlloom.faults import maybe_fail
@@ -47,10 +48,16 @@ class RolloutWorker:
         self.stream = EngineStream(self.engine, group=control_group, timeout_s=cfg.cluster.timeout_s)
         """The step-level producer of the asynchronous loop (idle unless `stream_add` is called)."""
 
-    def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> list[Completion]:
-        """Completions of every prompt in prompt order (`prompt_index` = position in `prompts`)."""
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: list[SamplingParams],
+        images: list[ImageInputs | None] | None = None,
+    ) -> list[Completion]:
+        """Completions of every prompt in prompt order (`prompt_index` = position in `prompts`);
+        `images`: each prompt's pictures (a vision-language model)."""
         maybe_fail("rollout", self.version, self.rank)
-        return self.engine.generate(prompts, sampling)
+        return self.engine.generate(prompts, sampling, images)
 
     def stream_add(self, requests: list[StreamRequest]) -> None:
         maybe_fail("rollout", self.version, self.rank)

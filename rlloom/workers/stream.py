@@ -241,6 +241,7 @@ class EngineStream:
                     request_id=r.request_id,
                     prompt_index=r.prompt_index,
                     first_sample=r.first_sample,
+                    images=r.images,
                 )
         if not command.abort:
             return self.engine.has_unfinished()

@@ -31,9 +31,9 @@ def seen_prompts(monkeypatch):
     seen: list[list[int]] = []
     real = NativeEngine.generate
 
-    def generate(self, prompts, sampling):
+    def generate(self, prompts, sampling, images=None):
         seen.extend(list(p) for p in prompts)
-        return real(self, prompts, sampling)
+        return real(self, prompts, sampling, images)
 
     monkeypatch.setattr(NativeEngine, "generate", generate)
     return seen

@@ -1,22 +1,30 @@
 """Qwen2.5-VL through `rlloom train` and dataset rows with pictures: a tiny-vl model trains on text
-prompts and its export loads in transformers; rows with images are read with Pillow (unreadable or
-oversized pictures skipped as bad rows), and the start-up refuses, in one line each, a missing picture,
-pictures for a text-only model, image rows for training (not wired yet) and a split layout for a VL model."""
+prompts and on picture rows (two Ray workers under FSDP equal the one-process run) and its export
+loads in transformers and generates, and a tiny Qwen3-VL trains on picture rows; rows with images are read with Pillow (unreadable or oversized
+pictures skipped as bad rows), and the start-up refuses, in one line each, a missing picture, pictures
+for a text-only model, pictures without the chat template, a VL folder without its image processor or
+with a template that writes no image placeholders, and a split layout for a VL model."""
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
+from transformers import AutoTokenizer
 
 import rlloom.data.images as images_mod
 from rlloom.cli import main
 from rlloom.data.dataset import DataError, load_prompt_file
-from rlloom.models.tiny import write_tiny_model
+from rlloom.models.tiny import CHAT_TEMPLATE, write_tiny_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_trainer_loop import read_metrics  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +90,6 @@ def test_start_up_refuses_image_rows_missing_pictures_and_split_vl_layouts(
     on_file = ["data.task=jsonl", f"data.path={data}", "data.num_eval=1"]
     err = _error(capsys, _args(tiny_checkpoint, tmp_path / "r1", *on_file))
     assert "has images (1) but model.path=" in err and "text-only qwen3 model" in err
-    err = _error(capsys, _args(tiny_vl, tmp_path / "r2", *on_file))
-    assert "does not train on images yet" in err
     missing = _image_rows(tmp_path / "missing", [_row("ok.png"), _row("gone.png")] * 2)
     err = _error(capsys, _args(tiny_vl, tmp_path / "r3", "data.task=jsonl", f"data.path={missing}"))
     assert "gone.png', which is not a file" in err
@@ -91,6 +97,20 @@ def test_start_up_refuses_image_rows_missing_pictures_and_split_vl_layouts(
         capsys, _args(tiny_vl, tmp_path / "r4", "rollout.tp=2", "cluster.mode=ray", "cluster.num_workers=2")
     )
     assert "rollout.tp=2 is invalid for model.path=" in err and "data parallel only" in err
+    err = _error(capsys, _args(tiny_vl, tmp_path / "r5", *on_file, "data.chat_template=false"))
+    assert "has images (1) but data.chat_template=false" in err
+    no_processor = tmp_path / "no_processor"
+    shutil.copytree(tiny_vl, no_processor)
+    (no_processor / "preprocessor_config.json").unlink()
+    err = _error(capsys, _args(no_processor, tmp_path / "r6", *on_file))
+    assert "has no preprocessor_config.json" in err
+    text_template = tmp_path / "text_template"
+    shutil.copytree(tiny_vl, text_template)
+    tokenizer = AutoTokenizer.from_pretrained(text_template)
+    tokenizer.chat_template = CHAT_TEMPLATE  # prints a part list as it is: no placeholder
+    tokenizer.save_pretrained(text_template)
+    err = _error(capsys, _args(text_template, tmp_path / "r7", *on_file))
+    assert "writes 0 image placeholders" in err
 
 
 def test_vl_model_trains_on_text_and_its_export_loads_in_transformers(tiny_vl, tmp_path):
@@ -107,3 +127,97 @@ def test_vl_model_trains_on_text_and_its_export_loads_in_transformers(tiny_vl, t
     assert not torch.equal(trained[name], start[name])  # the decoder trained
     vision = "model.visual.blocks.0.mlp.up_proj.weight"
     assert torch.equal(trained[vision], start[vision])  # text prompts give the tower no gradient
+
+
+def _picture_rows(folder: Path) -> Path:
+    """Eight rows asking for a picture's colour, drawn with Pillow (chat image parts and an images
+    column, one and two pictures a row), two of them text only."""
+    folder.mkdir(parents=True, exist_ok=True)
+    colours = ["red", "blue", "green", "white"]
+    for i, colour in enumerate(colours):
+        Image.new("RGB", (40 + 16 * i, 56), colour).save(folder / f"{colour}.png")
+    rows = []
+    for i, colour in enumerate(colours * 2):
+        if i % 4 == 3:
+            rows.append({"prompt": f"Say {colour}.", "answer": colour})
+        elif i % 2:
+            rows.append({"prompt": "Colour?", "images": [f"{colour}.png"], "answer": colour})
+        else:
+            pictures = [{"type": "image", "image": f"{c}.png"} for c in (colour, colours[i // 2 % 4])]
+            text = {"type": "text", "text": "First colour?"}
+            rows.append({"prompt": [{"role": "user", "content": [*pictures, text]}], "answer": colour})
+    path = folder / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")  # the session's one Ray instance
+def test_training_on_pictures_two_ray_workers_match_one_process_and_export_generates(tiny_vl, tmp_path):
+    """`rlloom train` two steps on picture and text rows at lr 3e-2: the dp=2 run (FSDP over gloo) logs the
+    one-process run's metrics, the rollout's logprobs equal the trainer's, the tower trains, and the
+    exported folder loads in transformers and generates from a picture prompt."""
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+    from rlloom.models.checkpoint import load_image_processing
+
+    data = _picture_rows(tmp_path / "data")
+    dense_reward = ["reward.name=resume_reward:digit_share", f"reward.import_dir={Path(__file__).parent}"]
+    common = [
+        "data.task=jsonl", f"data.path={data}", "data.num_eval=1", "trainer.total_steps=2", "train.lr=3e-2",
+        "algorithm.is_correction=tis", *dense_reward,
+        # a micro-batch a prompt: some hold no picture, so some ranks run micro-batches without the tower
+        "train.max_tokens_per_micro_batch=1",
+    ]  # fmt: skip
+    assert main(_args(tiny_vl, tmp_path / "one", *common)) == 0
+    ray = ["cluster.mode=ray", "cluster.num_workers=2"]
+    assert main(_args(tiny_vl, tmp_path / "dp2", *common, *ray)) == 0
+    want, got = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "dp2")
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2]  # 0: the first evaluation
+    for a, b in zip(want, got):
+        # the transport's pieces differ, and each rank counts its own micro-batches
+        skip = {k for k in a if k.startswith("sync/")} | {"train/num_micro_batches"}
+        assert a.keys() == b.keys()
+        for k in a.keys() - skip:
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (b["step"], k)
+        if a["step"]:
+            assert a["rollout/logp_gap_abs"] < 1e-5 and b["rollout/logp_gap_abs"] < 1e-5
+    folder = tmp_path / "one" / "hf" / "step_000002"
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder).eval()
+    start = dict(Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_vl).named_parameters())
+    vision = "model.visual.blocks.0.mlp.up_proj.weight"
+    assert not torch.equal(dict(hf.named_parameters())[vision], start[vision])  # the tower trained
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    images = load_image_processing(folder)
+    assert isinstance(images.processor, type(AutoImageProcessor.from_pretrained(folder)))
+    ids, pixels = images.prompt(list(ids), (str(data.parent / "red.png"),))
+    prompt = torch.tensor([ids])
+    with torch.no_grad():
+        out = hf.generate(
+            input_ids=prompt, pixel_values=pixels.pixel_values, image_grid_thw=pixels.grid_thw,
+            mm_token_type_ids=(prompt == images.image_token_id).int(), max_new_tokens=4, do_sample=False,
+        )  # fmt: skip
+    assert out.shape[1] > prompt.shape[1]
+
+
+def test_qwen3_vl_trains_on_pictures(tmp_path):
+    """`rlloom init-model tiny-vl3` (Qwen3-VL, DeepStack) through `rlloom train` on picture rows: the
+    rollout's logprobs equal the trainer's and the tower trains."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    model = write_tiny_model("tiny-vl3", tmp_path / "ckpt")
+    data = _picture_rows(tmp_path / "data")
+    dense_reward = ["reward.name=resume_reward:digit_share", f"reward.import_dir={Path(__file__).parent}"]
+    args = _args(
+        model, tmp_path / "run", "data.task=jsonl", f"data.path={data}", "data.num_eval=1",
+        "trainer.total_steps=2", "train.lr=3e-2", "algorithm.is_correction=tis", *dense_reward,
+    )  # fmt: skip
+    assert main(args) == 0
+    assert all(r["rollout/logp_gap_abs"] < 1e-5 for r in read_metrics(tmp_path / "run") if r["step"])
+    trained = Qwen3VLForConditionalGeneration.from_pretrained(tmp_path / "run" / "hf" / "step_000002")
+    start = dict(Qwen3VLForConditionalGeneration.from_pretrained(model).named_parameters())
+    name = "model.visual.blocks.0.attn.qkv.weight"
+    assert not torch.equal(dict(trained.named_parameters())[name], start[name])

@@ -99,6 +99,8 @@ def _master_weights(
             for p in model.parameters():
                 if not p.requires_grad:
                     p.data = p.data.to(compute_dtype)
+    if cfg.freeze_vision and getattr(model, "visual", None) is not None:
+        model.visual.requires_grad_(False)  # no gradient, no optimizer state: the tower stays as loaded
     return model
 
 

@@ -27,9 +27,11 @@ from torch.distributed.tensor import DTensor, Replicate
 from rlloom.data.types import PackedTensors, RolloutBatch
 from rlloom.devices import to_device
 from rlloom.engines.train.base import ForwardOptions
+from rlloom.models.arg_parts import VisionArgs
 from rlloom.models.attention_ops import TreePlan
 from rlloom.models.exact import exact_numerics
 from rlloom.models.logprobs import token_logprobs
+from rlloom.models.mrope import stream_positions
 from rlloom.parallel.cp import CPShard, check_cp_layout
 from rlloom.parallel.vocab_parallel import vocab_parallel_token_logprobs
 
@@ -53,6 +55,9 @@ class StreamHead(nn.Module):
         tree: TreePlan | None = None,
         routes_NLK: torch.Tensor | None = None,
         cp: CPShard | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        image_index_M: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The head's fp32 [K] results at `positions_K` (and entropy [K] or None).
 
@@ -63,7 +68,8 @@ class StreamHead(nn.Module):
         options: temperature, entropy, routing replay; routes_NLK: the rollout's experts per
         position for MoE models (compared, or with routing replay replayed: see rlloom/models/moe.py); cp: under context parallelism, this rank's
         share of the stream (the inputs and positions are then local, and the shard's attention
-        replaces cu_seqlens).
+        replaces cu_seqlens); pixel_values, image_grid_thw, image_index_M: the stream's pictures and
+        the rows of its image tokens (a vision-language model; position_ids_N is then [3, N]).
         """
         with exact_numerics(self.exact):
             hidden_ND = self.model.hidden_states(
@@ -75,6 +81,9 @@ class StreamHead(nn.Module):
                 routes_NLK=routes_NLK,
                 replay_routes=options.routing_replay,
                 attn=cp,
+                pixel_values=pixel_values,
+                image_grid_thw=image_grid_thw,
+                image_index=image_index_M,
             )
             return self.head(hidden_ND, positions_K, targets_K, options)
 
@@ -159,7 +168,10 @@ def run_micro_batch(
     `pad_multiple` tokens (the tensor-parallel degree). With `cp_group` (context parallelism) each
     rank runs its share of the stream (`rlloom.parallel.cp.CPShard`, padded to `pad_multiple`) and
     the logprobs of the whole micro-batch are gathered on every cp rank, each rank's backward
-    covering its own positions.
+    covering its own positions. A vision-language model sees the samples' pictures: the tower runs
+    on them and the stream takes M-RoPE positions per document (`mrope.stream_positions`). A rank
+    whose micro-batches hold no picture leaves the tower without gradients; FSDP2 reduces the
+    other ranks' (tests/engines/train/test_train_vision.py checks the step against one process).
 
     Returns logp_bT and entropy_bT (or None) on `device`, fp32 [b, T] and 0 where the response mask
     is false, then the number of tokens of the packed stream this rank computed (its share under CP;
@@ -189,6 +201,9 @@ def run_micro_batch(
     if packed.prefix_lens_S is not None and packed.branch_lens_Z is not None:
         tree = TreePlan(packed.cu_seqlens, packed.prefix_lens_S, packed.branch_lens_Z, device)
     ids_N, pos_N, routes_NLK = packed.input_ids_N, packed.position_ids_N, packed.routes_NLK
+    pixels = stream_pixels(packed, module.model.args.vision)
+    if packed.images is not None:
+        pos_N = pixels.positions_3N
     positions_K, targets_K = packed.gather_index_BT[mask_bT], packed.target_ids_BT[mask_bT]
     if shard is not None:
         mine_K, local_K = shard.localize(positions_K)
@@ -206,6 +221,7 @@ def run_micro_batch(
         tree,
         None if routes_NLK is None else to_device(routes_NLK, device),
         shard,
+        *pixels.on(device),
     )
     if shard is not None:
         logp_K = shard.gather_selected(logp_K, mine_K)
@@ -218,6 +234,35 @@ def run_micro_batch(
 
     entropy_bT = spread(entropy_K) if entropy_K is not None else None
     return spread(logp_K), entropy_bT, num_tokens, flat_K.numel()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StreamPixels:
+    """A micro-batch's vision inputs for `StreamHead.forward` (all None for a text stream)."""
+
+    pixel_values: torch.Tensor | None = None
+    """[P, C*T*ps*ps] the stream's pictures."""
+    grid_thw: torch.Tensor | None = None
+    """[I, 3] long."""
+    image_index_M: torch.Tensor | None = None
+    """[M] stream rows of the image tokens (a prompt's placeholders; a generated one is text)."""
+    positions_3N: torch.Tensor | None = None
+    """[3, N] M-RoPE positions of the stream."""
+
+    def on(
+        self, device: torch.device
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        move = lambda x: None if x is None else to_device(x, device)
+        return move(self.pixel_values), self.grid_thw, move(self.image_index_M)
+
+
+def stream_pixels(packed: PackedTensors, vision: VisionArgs | None) -> StreamPixels:
+    """The packed stream's pictures and M-RoPE positions (nothing for a stream without pictures)."""
+    if packed.images is None:
+        return StreamPixels()
+    assert vision is not None, "pictures reach only vision-language models (start-up checks)"
+    positions_3N, index_M = stream_positions(packed.input_ids_N, packed.position_ids_N, packed.images, vision)
+    return StreamPixels(packed.images.pixel_values, packed.images.grid_thw, index_M, positions_3N)
 
 
 def pad_stream(packed: PackedTensors, multiple: int) -> PackedTensors:
