@@ -102,3 +102,16 @@ class Family:
     tower_prefix: str | None = None
     """Checkpoint prefix of a vision tower's tensors (`visual.`, Qwen3-VL's `model.visual.`); natively
     they are `visual.` and the names after the prefix are the same."""
+
+
+def mrope_section(cfg: dict[str, Any], *, default: list[int] | None, family: str) -> tuple[int, ...]:
+    """config.json's M-RoPE split of the rotary frequency pairs (temporal, height, width); `default`
+    where the config names none (transformers' for the family; None: required). ValueError otherwise."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    section = rope.get("mrope_section") or default
+    if not section or len(section) != 3:
+        raise ValueError(
+            f"config.json rope mrope_section={section!r} is not supported (rule: three sizes, temporal, "
+            f"height and width frequency pairs, as [16, 24, 24]). Fix: use a {family} config.json."
+        )
+    return tuple(int(s) for s in section)

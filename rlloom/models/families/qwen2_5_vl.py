@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlloom.models.arg_parts import VisionArgs
-from rlloom.models.families.base import DENSE_MLP, GQA, NORMS, Family, FamilyArgs, WeightNames
+from rlloom.models.families.base import DENSE_MLP, GQA, NORMS, Family, FamilyArgs, WeightNames, mrope_section
 from rlloom.models.families.tp_plan import DENSE_MLP_TP, GQA_TP, NORMS_TP
 
 _MODEL_TYPES = ("qwen2_5_vl",)
@@ -20,17 +20,6 @@ _MODEL_TYPES = ("qwen2_5_vl",)
 def qwen2_5_vl_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The decoder's fields at the top level (transformers 5 nests them under `text_config`)."""
     return {**cfg, **(cfg.get("text_config") or {}), "model_type": cfg["model_type"]}
-
-
-def _mrope_section(cfg: dict[str, Any]) -> tuple[int, ...]:
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    section = rope.get("mrope_section")
-    if not section or len(section) != 3:
-        raise ValueError(
-            f"config.json rope mrope_section={section!r} is not supported (rule: three sizes, temporal, "
-            "height and width frequency pairs, as [16, 24, 24]). Fix: use a Qwen2.5-VL config.json."
-        )
-    return tuple(int(s) for s in section)
 
 
 def vision_args(cfg: dict[str, Any]) -> VisionArgs:
@@ -59,7 +48,11 @@ def vision_args(cfg: dict[str, Any]) -> VisionArgs:
 
 
 def qwen2_5_vl_args(cfg: dict[str, Any]) -> FamilyArgs:
-    return FamilyArgs(attention_bias=True, vision=vision_args(cfg), mrope_section=_mrope_section(cfg))
+    return FamilyArgs(
+        attention_bias=True,
+        vision=vision_args(cfg),
+        mrope_section=mrope_section(cfg, default=None, family="Qwen2.5-VL"),
+    )
 
 
 QWEN2_5_VL = Family(

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlloom.models.arg_parts import VisionArgs
-from rlloom.models.families.base import DENSE_MLP, GQA, NORMS, Family, FamilyArgs, WeightNames
+from rlloom.models.families.base import DENSE_MLP, GQA, NORMS, Family, FamilyArgs, WeightNames, mrope_section
 from rlloom.models.families.tp_plan import DENSE_MLP_TP, GQA_TP, NORMS_TP, QK_NORM_TP
 
 
@@ -21,17 +21,6 @@ def qwen3_vl_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     text = cfg.get("text_config") or {}
     tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     return {**cfg, **text, "model_type": cfg["model_type"], "tie_word_embeddings": tied}
-
-
-def _mrope_section(cfg: dict[str, Any]) -> tuple[int, ...]:
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    section = rope.get("mrope_section") or [24, 20, 20]  # transformers' default when the config has none
-    if len(section) != 3:
-        raise ValueError(
-            f"config.json rope mrope_section={section!r} is not supported (rule: three sizes, temporal, "
-            "height and width frequency pairs, as [24, 20, 20]). Fix: use a Qwen3-VL config.json."
-        )
-    return tuple(int(s) for s in section)
 
 
 def vision_args(cfg: dict[str, Any]) -> VisionArgs:
@@ -68,7 +57,7 @@ def qwen3_vl_args(cfg: dict[str, Any]) -> FamilyArgs:
         attention_out_bias=bias,
         qk_norm=True,
         vision=vision_args(cfg),
-        mrope_section=_mrope_section(cfg),
+        mrope_section=mrope_section(cfg, default=[24, 20, 20], family="Qwen3-VL"),
         mrope_interleaved=True,  # transformers' Qwen3-VL always interleaves (whatever `mrope_interleaved` says)
     )
 
