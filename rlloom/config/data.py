@@ -10,7 +10,7 @@ from rlloom.config.checks import check, check_seed
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
-    task: Literal["arithmetic", "countdown", "jsonl", "parquet"] = "arithmetic"
+    task: Literal["arithmetic", "countdown", "visual_compare", "jsonl", "parquet"] = "arithmetic"
     """Built-in procedural task, or a dataset file (`path`) of prompts and ground truths."""
     path: str = ""
     """Dataset file for task=jsonl/parquet."""
@@ -28,7 +28,7 @@ class DataConfig:
     system_prompt: str = ""
     """Optional system message put before every prompt when chat_template is on."""
     num_digits: int = 2
-    """Arithmetic: digits per operand."""
+    """Arithmetic: digits per operand; visual_compare: digits per number in the picture."""
     operators: str = "+"
     """Arithmetic: operators drawn from, e.g. `+-*`."""
     num_train: int = 10000

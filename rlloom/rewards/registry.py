@@ -1,7 +1,7 @@
 """Reward functions by name: built-ins, plug-ins by dotted path, and weighted sums of both.
 
 `get_reward_fn(name)` accepts
-- a built-in name: `number`, `math`, `countdown`, `format_number`, `format_boxed`, `format_answer`;
+- a built-in name: `number`, `math`, `countdown`, `choice`, `format_number`, `format_boxed`, `format_answer`;
 - a plug-in, "package.module:function": any importable function `(response_text, ground_truth,
   **columns) -> float`, or a batched one `(completions, **columns) -> list[float]` (the calling
   contract is in `rlloom.rewards.calling`). It may also return a bool or an int; the runner turns
@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from rlloom.rewards.calling import signature_problem
+from rlloom.rewards.choice import choice_match
 from rlloom.rewards.countdown import countdown_reward
 from rlloom.rewards.format import format_answer, format_boxed, format_number
 from rlloom.rewards.math_answer import math_answer
@@ -33,6 +34,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "number": number_match,
     "math": math_answer,
     "countdown": countdown_reward,
+    "choice": choice_match,
     "format_number": format_number,
     "format_boxed": format_boxed,
     "format_answer": format_answer,

@@ -21,8 +21,15 @@ from rlloom.data.source import PromptSource
 from rlloom.tasks.arithmetic import arithmetic_prompts
 from rlloom.tasks.countdown import countdown_prompts
 from rlloom.tasks.split import Split
+from rlloom.tasks.visual_compare import visual_compare_prompts
 
-DEFAULT_REWARDS = {"arithmetic": "number", "countdown": "countdown", "jsonl": "math", "parquet": "math"}
+DEFAULT_REWARDS = {
+    "arithmetic": "number",
+    "countdown": "countdown",
+    "visual_compare": "choice",
+    "jsonl": "math",
+    "parquet": "math",
+}
 """The reward function name (`rlloom.rewards.get_reward_fn`) that fits each task."""
 
 
@@ -42,12 +49,22 @@ def task_prompts(data_cfg: DataConfig, split: Split = "train") -> list[RawPrompt
         )
     if cfg.task == "countdown":
         return countdown_prompts(split=split, num_train=cfg.num_train, num_eval=cfg.num_eval, seed=cfg.seed)
+    if cfg.task == "visual_compare":
+        return visual_compare_prompts(
+            split=split,
+            num_train=cfg.num_train,
+            num_eval=cfg.num_eval,
+            num_digits=cfg.num_digits,
+            seed=cfg.seed,
+        )
     if cfg.task in ("jsonl", "parquet"):
         rows = load_prompt_file(
             cfg.path, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, file_format=cfg.task
         )
         return split_file_rows(rows, num_eval=cfg.num_eval, seed=cfg.seed, split=split)
-    raise ValueError(f"data.task={cfg.task!r} is unknown; fix: use arithmetic, countdown, jsonl or parquet")
+    raise ValueError(
+        f"data.task={cfg.task!r} is unknown; fix: use arithmetic, countdown, visual_compare, jsonl or parquet"
+    )
 
 
 def split_file_rows(rows: list[RawPrompt], *, num_eval: int, seed: int, split: Split) -> list[RawPrompt]:

@@ -221,3 +221,21 @@ def test_qwen3_vl_trains_on_pictures(tmp_path):
     start = dict(Qwen3VLForConditionalGeneration.from_pretrained(model).named_parameters())
     name = "model.visual.blocks.0.attn.qkv.weight"
     assert not torch.equal(dict(trained.named_parameters())[name], start[name])
+
+
+def test_visual_compare_recipe_trains_a_step_on_drawn_pictures(tiny_vl, tmp_path, monkeypatch):
+    """`rlloom train visual_compare model.path=<tiny-vl>`: the task draws its pictures, the model
+    evaluates and trains one step on them with the exact `choice` reward."""
+    import rlloom.tasks.visual_compare as task
+
+    monkeypatch.setattr(task, "picture_folder", lambda: tmp_path / "pictures")
+    args = [
+        "train", "visual_compare", f"model.path={tiny_vl}", f"trainer.run_dir={tmp_path / 'run'}",
+        "trainer.total_steps=1", "trainer.prompts_per_step=2", "rollout.n_samples=2", "data.num_train=4",
+        "data.num_eval=2", "logging.console=false", "rollout.kv_cache_memory_gb=0.05",
+    ]  # fmt: skip
+    assert main(args) == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0, 1]  # 0: the first evaluation
+    assert list((tmp_path / "pictures").glob("*.png"))
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["reward"] == float(s["response"] == s["ground_truth"]) for s in samples)

@@ -10,6 +10,7 @@ from rlloom.config.recipes.arithmetic import (
     calculator_tools,
     dapo_arithmetic,
 )
+from rlloom.config.recipes.visual import visual_compare
 from rlloom.config.run import RunConfig
 
 RECIPES: dict[str, Callable[[], RunConfig]] = {
@@ -19,4 +20,5 @@ RECIPES: dict[str, Callable[[], RunConfig]] = {
     "arithmetic_sft": arithmetic_sft,
     "calculator_tools": calculator_tools,
     "dapo_arithmetic": dapo_arithmetic,
+    "visual_compare": visual_compare,
 }
