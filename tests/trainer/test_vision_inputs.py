@@ -223,9 +223,10 @@ def test_qwen3_vl_trains_on_pictures(tmp_path):
     assert not torch.equal(dict(trained.named_parameters())[name], start[name])
 
 
-def test_visual_compare_recipe_trains_a_step_on_drawn_pictures(tiny_vl, tmp_path, monkeypatch):
+def test_visual_compare_recipe_trains_a_step_on_drawn_pictures(tiny_vl, tmp_path, monkeypatch, capsys):
     """`rlloom train visual_compare model.path=<tiny-vl>`: the task draws its pictures, the model
-    evaluates and trains one step on them with the exact `choice` reward."""
+    evaluates and trains one step on them with the exact `choice` reward, and `rlloom eval RUN
+    visual_compare` scores the run's held-out pairs."""
     import rlloom.tasks.visual_compare as task
 
     monkeypatch.setattr(task, "picture_folder", lambda: tmp_path / "pictures")
@@ -239,3 +240,5 @@ def test_visual_compare_recipe_trains_a_step_on_drawn_pictures(tiny_vl, tmp_path
     assert list((tmp_path / "pictures").glob("*.png"))
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert samples and all(s["reward"] == float(s["response"] == s["ground_truth"]) for s in samples)
+    assert main(["eval", str(tmp_path / "run"), "visual_compare"]) == 0  # the run's held-out pairs
+    assert '"prompts": 2' in capsys.readouterr().out
