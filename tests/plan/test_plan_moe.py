@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from rlloom.models.args import ModelArgs, MoEArgs
-from rlloom.models.moe import MoE
+from rlloom.models.moe import MoE, _grouped_linear
 from rlloom.plan.counts import ROUTING_PER_COPY, model_costs
 from rlloom.plan.inputs import Hardware, Layout, Workload
 from rlloom.plan.memory import GB, estimate
@@ -84,7 +84,7 @@ def _compiled_saved_per_token(top_k: int, hidden: int = 256, width: int = 128, t
     # 4 experts: the slope is the same as with 8 (905 vs 906), and tracing the per-expert counts'
     # symbolic shapes takes half the time
     moe = MoE(hidden, MoEArgs(num_experts=4, top_k=top_k, intermediate_size=width)).to(torch.bfloat16)
-    moe.experts._loop = moe.experts._grouped_mm  # the CUDA path: torch._grouped_mm runs on CPU too
+    moe.experts._linear = lambda xs: _grouped_linear  # the CUDA path: torch._grouped_mm runs on CPU too
     param_shapes = {tuple(p.shape) for p in moe.parameters()} | {
         tuple(p.shape[::-1]) for p in moe.parameters()
     }

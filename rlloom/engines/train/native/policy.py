@@ -168,10 +168,9 @@ def run_micro_batch(
     `pad_multiple` tokens (the tensor-parallel degree). With `cp_group` (context parallelism) each
     rank runs its share of the stream (`rlloom.parallel.cp.CPShard`, padded to `pad_multiple`) and
     the logprobs of the whole micro-batch are gathered on every cp rank, each rank's backward
-    covering its own positions. A vision-language model sees the samples' pictures: the tower runs
-    on them and the stream takes M-RoPE positions per document (`mrope.stream_positions`). A rank
-    whose micro-batches hold no picture leaves the tower without gradients; FSDP2 reduces the
-    other ranks' (tests/engines/train/test_train_vision.py checks the step against one process).
+    covering its own positions. A vision-language model's tower runs on the samples' pictures and
+    the stream takes M-RoPE positions per document (`mrope.stream_positions`); a rank without
+    pictures leaves the tower's gradients to FSDP2's reduction (tests/engines/train/test_train_vision.py).
 
     Returns logp_bT and entropy_bT (or None) on `device`, fp32 [b, T] and 0 where the response mask
     is false, then the number of tokens of the packed stream this rank computed (its share under CP;
@@ -200,10 +199,9 @@ def run_micro_batch(
     tree = None
     if packed.prefix_lens_S is not None and packed.branch_lens_Z is not None:
         tree = TreePlan(packed.cu_seqlens, packed.prefix_lens_S, packed.branch_lens_Z, device)
-    ids_N, pos_N, routes_NLK = packed.input_ids_N, packed.position_ids_N, packed.routes_NLK
     pixels = stream_pixels(packed, module.model.args.vision)
-    if packed.images is not None:
-        pos_N = pixels.positions_3N
+    ids_N, routes_NLK = packed.input_ids_N, packed.routes_NLK
+    pos_N = packed.position_ids_N if packed.images is None else pixels.positions_3N
     positions_K, targets_K = packed.gather_index_BT[mask_bT], packed.target_ids_BT[mask_bT]
     if shard is not None:
         mine_K, local_K = shard.localize(positions_K)
