@@ -115,3 +115,22 @@ def mrope_section(cfg: dict[str, Any], *, default: list[int] | None, family: str
             f"height and width frequency pairs, as [16, 24, 24]). Fix: use a {family} config.json."
         )
     return tuple(int(s) for s in section)
+
+
+def vision_fields(cfg: dict[str, Any], *, patch_size: int) -> dict[str, Any]:
+    """The `VisionArgs` fields every Qwen vision tower's config.json `vision_config` names alike
+    (`patch_size`: the family's default where it names none)."""
+    v = cfg["vision_config"]
+    return dict(
+        depth=v["depth"],
+        hidden_size=v["hidden_size"],
+        intermediate_size=v["intermediate_size"],
+        num_heads=v["num_heads"],
+        out_hidden_size=v["out_hidden_size"],
+        in_channels=v.get("in_channels", 3),
+        patch_size=v.get("patch_size", patch_size),
+        temporal_patch_size=v.get("temporal_patch_size", 2),
+        spatial_merge_size=v.get("spatial_merge_size", 2),
+        rope_theta=float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        image_token_id=cfg["image_token_id"],
+    )

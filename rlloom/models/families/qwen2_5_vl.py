@@ -11,7 +11,16 @@ from __future__ import annotations
 from typing import Any
 
 from rlloom.models.arg_parts import VisionArgs
-from rlloom.models.families.base import DENSE_MLP, GQA, NORMS, Family, FamilyArgs, WeightNames, mrope_section
+from rlloom.models.families.base import (
+    DENSE_MLP,
+    GQA,
+    NORMS,
+    Family,
+    FamilyArgs,
+    WeightNames,
+    mrope_section,
+    vision_fields,
+)
 from rlloom.models.families.tp_plan import DENSE_MLP_TP, GQA_TP, NORMS_TP
 
 _MODEL_TYPES = ("qwen2_5_vl",)
@@ -31,19 +40,9 @@ def vision_args(cfg: dict[str, Any]) -> VisionArgs:
             "Fix: use a Qwen2.5-VL checkpoint."
         )
     return VisionArgs(
-        depth=v["depth"],
-        hidden_size=v["hidden_size"],
-        intermediate_size=v["intermediate_size"],
-        num_heads=v["num_heads"],
-        out_hidden_size=v["out_hidden_size"],
-        in_channels=v.get("in_channels", 3),
-        patch_size=v.get("patch_size", 14),
-        temporal_patch_size=v.get("temporal_patch_size", 2),
-        spatial_merge_size=v.get("spatial_merge_size", 2),
+        **vision_fields(cfg, patch_size=14),
         window_size=v.get("window_size", 112),
         fullatt_block_indexes=tuple(v.get("fullatt_block_indexes") or ()),
-        rope_theta=float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-        image_token_id=cfg["image_token_id"],
     )
 
 

@@ -11,7 +11,16 @@ from __future__ import annotations
 from typing import Any
 
 from rlloom.models.arg_parts import VisionArgs
-from rlloom.models.families.base import DENSE_MLP, GQA, NORMS, Family, FamilyArgs, WeightNames, mrope_section
+from rlloom.models.families.base import (
+    DENSE_MLP,
+    GQA,
+    NORMS,
+    Family,
+    FamilyArgs,
+    WeightNames,
+    mrope_section,
+    vision_fields,
+)
 from rlloom.models.families.tp_plan import DENSE_MLP_TP, GQA_TP, NORMS_TP, QK_NORM_TP
 
 
@@ -32,21 +41,10 @@ def vision_args(cfg: dict[str, Any]) -> VisionArgs:
             f"config.json vision_config.hidden_act={act!r} is not supported (rule: 'gelu_pytorch_tanh'). "
             "Fix: use a Qwen3-VL checkpoint."
         )
-    rope = v.get("rope_parameters") or {}
     return VisionArgs(
-        depth=v["depth"],
-        hidden_size=v["hidden_size"],
-        intermediate_size=v["intermediate_size"],
-        num_heads=v["num_heads"],
-        out_hidden_size=v["out_hidden_size"],
-        in_channels=v.get("in_channels", 3),
-        patch_size=v.get("patch_size", 16),
-        temporal_patch_size=v.get("temporal_patch_size", 2),
-        spatial_merge_size=v.get("spatial_merge_size", 2),
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        **vision_fields(cfg, patch_size=16),
         num_position_embeddings=v.get("num_position_embeddings", 2304),
         deepstack_visual_indexes=tuple(v.get("deepstack_visual_indexes", (8, 16, 24))),
-        image_token_id=cfg["image_token_id"],
     )
 
 
