@@ -219,17 +219,19 @@ class RunConfig:
             "rollout.match_training needs the rollout's weights to be training's",
             "set rollout.quantization=none",
         )
-        # Data parallel is exact (each rank's forward is one process's); tensor/expert parallel
-        # training combines its vocabulary slices' softmax statistics otherwise than the rollout
-        # (measured on the CPU: max gap 4.8e-7 at tp=2 into rollout.tp=2 or 1).
-        one = r.tp == 1 and p.tp == p.cp == p.pp == p.ep == 1
+        # Exact layouts (models/exact.py): data and expert parallelism (a rank's forward is one
+        # process's; the all-to-alls move rows and sum nothing), and tp=2 into rollout.tp=2, where both
+        # engines sum a row-parallel product's two partials (a + b = b + a) and take the log-softmax of
+        # the gathered logits. Not cp/pp, other tensor-parallel degrees, tp with ep, or tp into a
+        # rollout of another tp (the partial sums split K otherwise: measured 4.8e-7 on the CPU).
+        tp_ok = (p.tp, r.tp) in ((1, 1), (2, 2)) and not (p.tp > 1 and p.ep > 1)
         check(
-            one,
+            tp_ok and p.cp == p.pp == 1,
             "rollout.match_training",
             True,
-            "its exact numerics cover data parallelism only in this version (rollout.tp="
-            f"{r.tp}, parallel tp/cp/pp/ep={p.tp}/{p.cp}/{p.pp}/{p.ep})",
-            "set rollout.tp=1 and the parallel degrees to 1 (cluster.num_workers may stay), or "
+            "its exact numerics cover data and expert parallelism and parallel.tp=2 into rollout.tp=2 "
+            f"in this version (rollout.tp={r.tp}, parallel tp/cp/pp/ep={p.tp}/{p.cp}/{p.pp}/{p.ep})",
+            "set parallel.tp and rollout.tp to 1 or both to 2 (without parallel.ep), cp and pp to 1, or "
             "rollout.match_training=false",
         )
 

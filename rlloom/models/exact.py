@@ -21,6 +21,13 @@ How each kind of op is made invariant on the CPU:
   (other branches of a shared prompt, the padding of a paged batch), then scores, softmax and the
   weighted sum of values are tree sums over that compacted axis.
 
+Tensor parallelism (training's DTensors): the mode lets DTensor run first, so an op on shards reaches
+it as the local ops of each rank (a row-parallel product: this rank's partial sum over its slice of
+K, then the collective that adds the ranks' partials), as the rollout's tensor-parallel layers compute
+it (`RowParallelLinear`: the local product, then an all-reduce). With two ranks the collective adds
+two partials, a + b, the same bits in any order and either collective; the log-softmax of the
+vocabulary-sharded head is taken over gathered logits on both sides (parallel/vocab_parallel.py).
+
 Slow (every product is materialised): for tests and tiny models on the CPU. Backward passes are not
 changed (the mode is only entered around forwards).
 
@@ -48,6 +55,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -150,6 +158,8 @@ class _ExactOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor splits the op into local ops, which come back here
         if not (args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()):
             return func(*args, **kwargs)  # integer and boolean sums are exact in any order
         cuda = uses_kernels(args[0])

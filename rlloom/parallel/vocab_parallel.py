@@ -14,6 +14,13 @@ logprob, -p (z - lse + H) for the entropy) to the local vocabulary slice; the we
 local (each rank owns its rows), the hidden-state gradient is a sum over the ranks' slices (one
 all-reduce at the end). Values and gradients equal `token_logprobs` on the unsharded head.
 
+Under exact numerics (`rollout.match_training`, models/exact.py) the forward instead gathers each
+chunk's full-vocabulary logits in rank order and takes the one-process head's `chunk_stats` on them,
+as the rollout's tensor-parallel sampler does (engines/rollout/native/vocab_parallel.py): a logit
+column is its own dot product, so both engines see tp = 1's logits and normalise them by the same
+log-sum-exp, where the ranks' statistics combined above round otherwise than it (measured on the
+CPU: gaps of 4.8e-7). It costs a [C, V] gather per chunk; the backward is unchanged.
+
 Shape legend: N tokens, C tokens of a chunk, D hidden, V vocabulary, Vl = V / tp local rows.
 """
 
@@ -22,6 +29,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from rlloom.models.exact import is_exact
+from rlloom.models.logprobs import chunk_stats
 
 
 def _local_stats(
@@ -49,6 +59,22 @@ def _local_stats(
     return sums[1] - lse_C, lse_C, entropy_C
 
 
+def _gathered_stats(
+    hidden_CD: torch.Tensor,
+    weight_VlD: torch.Tensor,
+    targets_C: torch.Tensor,
+    inv_temp: float,
+    with_entropy: bool,
+    group: dist.ProcessGroup,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`_local_stats` under exact numerics: the chunk's full logits [C, V] (the ranks' columns in
+    rank order) through `chunk_stats`, the unsharded head's (module docstring)."""
+    logits_CVl = (hidden_CD @ weight_VlD.T).contiguous()
+    parts = [torch.empty_like(logits_CVl) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, logits_CVl, group=group)
+    return chunk_stats(torch.cat(parts, dim=-1), targets_C, inv_temp, with_entropy)
+
+
 class _VocabParallelHead(torch.autograd.Function):
     @staticmethod
     def forward(  # noqa: ANN205
@@ -69,9 +95,13 @@ class _VocabParallelHead(torch.autograd.Function):
         logps, lses, entropies = [], [], []
         for start in range(0, hidden_ND.shape[0], chunk):
             sl = slice(start, start + chunk)
-            logp, lse, entropy = _local_stats(
-                hidden_ND[sl], weight_VlD, local_N[sl], owned_N[sl], inv_temp, with_entropy, group
-            )
+            if is_exact():
+                stats = _gathered_stats(hidden_ND[sl], weight_VlD, targets_N[sl], inv_temp, with_entropy, group)
+            else:
+                stats = _local_stats(
+                    hidden_ND[sl], weight_VlD, local_N[sl], owned_N[sl], inv_temp, with_entropy, group
+                )
+            logp, lse, entropy = stats
             logps.append(logp)
             lses.append(lse)
             entropies.append(entropy)

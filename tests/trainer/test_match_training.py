@@ -106,15 +106,30 @@ def test_match_training_refuses_what_it_cannot_make_exact(tiny_checkpoint, tmp_p
     ]
     assert main([*base, "rollout.temperature=0.7"]) == 2
     assert "rlloom: error: rollout.temperature=0.7" in capsys.readouterr().err
-    assert main([*base, "cluster.mode=ray", "cluster.num_workers=2", "parallel.tp=2"]) == 2
+    ray = ["cluster.mode=ray", "cluster.num_workers=2"]
+    assert main([*base, *ray, "parallel.tp=2"]) == 2  # into rollout.tp=1: the partial sums differ
     err = capsys.readouterr().err
     assert err.startswith(
-        "rlloom: error: rollout.match_training=True is invalid: its exact numerics cover data"
+        "rlloom: error: rollout.match_training=True is invalid: its exact numerics cover data and expert "
+        "parallelism and parallel.tp=2 into rollout.tp=2"
     )
     monkeypatch.setattr(rollout_build, "resolve_device", lambda cfg: torch.device("mps"))
     assert main(base) == 2
     err = capsys.readouterr().err
     assert err.startswith("rlloom: error: rollout.match_training=true is exact on the CPU and on CUDA GPUs")
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_exact_tensor_parallelism_refuses_moe_models_in_one_line(tiny_moe_checkpoint, tmp_path, capsys):
+    """The rollout splits each expert's width over its tensor-parallel ranks, training runs whole
+    experts: parallel.tp=2 is exact for dense models only (parallel.ep=2 for MoE ones)."""
+    layout = ["cluster.mode=ray", "cluster.num_workers=2", "parallel.tp=2", "rollout.tp=2"]
+    args = tiny_args(tiny_moe_checkpoint, tmp_path / "run", "rollout.match_training=true", *layout)
+    assert main(["train", "arithmetic_smoke", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "rlloom: error: rollout.match_training=true covers parallel.tp=2 for dense models only"
+    )
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 

@@ -106,6 +106,7 @@ def check_match_training(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
             f"({cfg.model.path} is {hf_config.get('model_type', 'one')}: the rollout's image features are "
             "not batch-invariant). Fix: set rollout.match_training=false (watch rollout/logp_gap_max)."
         )
+    _check_exact_tp(cfg, hf_config)
     try:
         device = resolve_device(cfg)
     except ValueError:
@@ -123,6 +124,27 @@ def check_match_training(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
         f"rollout.match_training=true {problem}. Fix: set rollout.match_training=false (watch "
         "rollout/logp_gap_max), or cluster.device=cpu."
     )
+
+
+def _check_exact_tp(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
+    """Exact tensor parallelism (parallel.tp=2 into rollout.tp=2, config/run.py) covers dense models:
+    the rollout splits every expert's width over its ranks and sums the halves, where training's
+    tensor parallelism runs whole experts; DeepSeek-V3's absorbed attention, which exact numerics
+    give training, takes no head-sharded weights."""
+    if cfg.parallel.tp == 1:
+        return
+    try:
+        args = ModelArgs.from_hf_config(hf_config)
+    except ValueError:
+        return  # check_kv_cache or the engine reports the model itself
+    if args.moe is not None or args.mla is not None:
+        raise ConfigError(
+            f"rollout.match_training=true covers parallel.tp={cfg.parallel.tp} for dense models only in "
+            f"this version ({cfg.model.path} is {args.model_type}, with "
+            f"{'mixture-of-experts layers' if args.moe is not None else 'MLA attention'}). Fix: set "
+            "parallel.tp=1 and rollout.tp=1 (parallel.ep=2 is exact for MoE models), or "
+            "rollout.match_training=false."
+        )
 
 
 def check_kv_cache(cfg: RunConfig, hf_config: dict[str, Any]) -> None:

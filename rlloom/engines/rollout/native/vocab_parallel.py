@@ -17,6 +17,9 @@ and logprobs work the same way):
   at tp = 1); the logits and the softmax work are split.
 - top-k / top-p rows need the global order of the candidates: a step with such a row all-gathers
   the logits ([R, V]) and runs `Sampler` on them unchanged. RL runs leave both off (the split path).
+  So does every step under exact numerics (`rollout.match_training`): the logprob is then tp = 1's
+  log-softmax of the full row, which tensor-parallel training computes the same way
+  (rlloom/parallel/vocab_parallel.py), where the combined (max, sum) pairs round otherwise.
 
 Shape legend: R sampled rows, V vocabulary, Vp logits columns of one rank.
 """
@@ -29,6 +32,7 @@ import torch.distributed as dist
 from rlloom.devices import to_device
 from rlloom.engines.rollout.native.sampler import Sampler, SamplingRows
 from rlloom.engines.rollout.native.tensor_parallel import TPShards
+from rlloom.models.exact import is_exact
 
 
 class VocabParallelSampler(Sampler):
@@ -39,7 +43,7 @@ class VocabParallelSampler(Sampler):
     @torch.no_grad()
     def __call__(self, logits_RVp: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's logits columns -> (token_ids_R int64, logprobs_R float32), the same on every rank."""
-        if rows.truncate:
+        if rows.truncate or is_exact():
             return super().__call__(self._gather_vocab(logits_RVp), rows)
         keys_R = None
         if self.use_triton and logits_RVp.is_cuda:  # the keys tp = 1 draws, in the same order
