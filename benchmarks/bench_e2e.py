@@ -15,6 +15,8 @@ trains. Steps after the first are steady state; the table reports their median.
     python benchmarks/bench_e2e.py --profile           # + top device kernels of the last step
     python benchmarks/bench_e2e.py --profile-train     # the same for its policy update, + host ops
     python benchmarks/bench_e2e.py --modes default,deterministic,match_training   # one row per mode
+    python benchmarks/bench_e2e.py --modes default,deterministic,deterministic --workers 2 --set parallel.tp=2
+    python benchmarks/bench_e2e.py --moe --workers 2 --set parallel.ep=2   # Qwen3-30B-A3B width, 8 layers
 
 `--modes` runs the step once per mode, each in a process of its own (deterministic kernels and
 match_training's numerics are settings of the whole process): `default`, `deterministic`
@@ -22,12 +24,18 @@ match_training's numerics are settings of the whole process): `default`, `determ
 table: the median step and its parts over the steps after the first, rollout tok/s, and the measured
 train/rollout logprob gap (the largest rollout/logp_gap_max over the steps, and the mean
 rollout/token_mult_prob_error). A mode that fails or runs past
-`--mode-timeout-s` gets a row that says so.
+`--mode-timeout-s` gets a row that says so. A mode listed twice runs twice, and its second row says
+whether the repeat was identical: every step's metrics but timings (time/, perf/, sync/ms, memory/)
+and a digest of the final weights (both runs save them, `save_hf`), as trainer.deterministic promises.
+
+`--moe` takes a MoE model of Qwen3-30B-A3B's width (bench_moe.py's random weights) with
+`--moe-layers` of its 48 layers (8 by default; --tiny: bench_moe's 2-layer toy).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import statistics
@@ -130,6 +138,17 @@ def add_shape_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiny", action="store_true")
 
 
+def write_model(args: argparse.Namespace, path: Path) -> Path:
+    """The benchmark's random checkpoint: Qwen3-0.6B's shape, or with --moe Qwen3-30B-A3B's width
+    with --moe-layers layers (--tiny: the toys of each)."""
+    if not args.moe:
+        return write_random_qwen3(path, tiny=args.tiny)
+    from bench_moe import QWEN3_30B_A3B_8L, TINY, write_random_checkpoint
+
+    config = TINY if args.tiny else QWEN3_30B_A3B_8L | {"num_hidden_layers": args.moe_layers}
+    return write_random_checkpoint(path, config)
+
+
 def tiny_shape(args: argparse.Namespace) -> None:
     """--tiny: a few short prompts and a small KV cache (CPU smoke runs)."""
     args.prompts, args.samples, args.prompt_tokens, args.new_tokens, args.kv_gb = 4, 4, 16, 16, 0.1
@@ -209,6 +228,10 @@ def without_modes(argv: list[str]) -> list[str]:
     return out
 
 
+NOT_REPEATABLE = ("time/", "perf/", "sync/ms", "memory/")
+"""Metric prefixes a repeated run may change: timings and memory."""
+
+
 def mode_summary(records: list[dict], gen_tokens: int) -> dict[str, float]:
     """One mode's row: medians over the steps after the first, the largest logp_gap_max over all
     steps, the mean token_mult_prob_error."""
@@ -225,52 +248,75 @@ def mode_summary(records: list[dict], gen_tokens: int) -> dict[str, float]:
     return out
 
 
+def repeat_verdict(first: dict, again: dict) -> str:
+    """Whether a repeated mode's run (`{"records": [...], "weights": digest}`) gave the first one's
+    metrics (all but timings) at every step and the same final weights."""
+    for step, (a, b) in enumerate(zip(first["records"], again["records"], strict=True)):
+        a, b = ({k: v for k, v in r.items() if not k.startswith(NOT_REPEATABLE)} for r in (a, b))
+        differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+        if differ:
+            return f"differs: step {step} {differ[0]}" + (f" (+{len(differ) - 1})" if len(differ) > 1 else "")
+    return "identical" if first["weights"] == again["weights"] else "differs: final weights"
+
+
+def run_mode(args: argparse.Namespace, mode: str, out: Path, digest: bool) -> dict | str:
+    """One mode in a process of its own -> its result (`{"records", "weights"}`), or why it has none."""
+    cmd = [sys.executable, __file__, *without_modes(sys.argv[1:]), "--out", str(out)]
+    cmd += [f"--set={o}" for o in MODES[mode]] + (["--weights-digest"] if digest else [])
+    print(f"== mode {mode}: {' '.join(cmd[1:])}", flush=True)
+    try:  # its step lines shown, its own table not (one table); its stderr passes through
+        proc = subprocess.run(cmd, timeout=args.mode_timeout_s or None, stdout=subprocess.PIPE, text=True)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {args.mode_timeout_s} s"
+    print("\n".join(line for line in proc.stdout.splitlines() if line.startswith("step ")), flush=True)
+    if proc.returncode != 0 or not out.exists():
+        return f"failed (exit {proc.returncode}; its error is above)"
+    return json.loads(out.read_text())
+
+
 def run_modes(args: argparse.Namespace) -> None:
-    """--modes: each mode in a process of its own; one table."""
+    """--modes: each mode in a process of its own (a mode listed twice: twice, and compared); one table."""
     gen_tokens = args.prompts * args.samples * args.new_tokens
-    rows, all_records = [], {}
+    rows, results = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in args.modes:
-            out = Path(tmp) / f"{mode}.json"
-            cmd = [sys.executable, __file__, *without_modes(sys.argv[1:]), "--out", str(out)]
-            cmd += [f"--set={o}" for o in MODES[mode]]
-            print(f"== mode {mode}: {' '.join(cmd[1:])}", flush=True)
-            try:  # its step lines shown, its own table not (one table); its stderr passes through
-                proc = subprocess.run(
-                    cmd, timeout=args.mode_timeout_s or None, stdout=subprocess.PIPE, text=True
-                )
-            except subprocess.TimeoutExpired:
-                rows.append((mode, f"timed out after {args.mode_timeout_s} s"))
+        for i, mode in enumerate(args.modes):
+            result = run_mode(args, mode, Path(tmp) / f"{i}.json", args.modes.count(mode) > 1)
+            if isinstance(result, str):
+                rows.append((mode, result, ""))
                 continue
-            print(
-                "\n".join(line for line in proc.stdout.splitlines() if line.startswith("step ")), flush=True
-            )
-            if proc.returncode != 0 or not out.exists():
-                rows.append((mode, f"failed (exit {proc.returncode}; its error is above)"))
-                continue
-            all_records[mode] = json.loads(out.read_text())
-            rows.append((mode, mode_summary(all_records[mode], gen_tokens)))
+            repeat = repeat_verdict(results[mode], result) if mode in results else ""
+            results.setdefault(mode, result)
+            rows.append((mode, mode_summary(result["records"], gen_tokens), repeat))
     steps = f"median of steps 2..{args.steps}" if args.steps > 1 else "one step"
     print(f"\n| mode ({args.prompts} prompts x {args.samples}, {args.prompt_tokens}+{args.new_tokens} tokens; {steps}) "
           "| step s | generate s | train s | sync s | rollout tok/s | max rollout/logp_gap_max | "
-          "mean rollout/token_mult_prob_error |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
-    for mode, r in rows:
+          "mean rollout/token_mult_prob_error | repeat of the mode's first run |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for mode, r, repeat in rows:
         name = f"{mode} ({', '.join(MODES[mode])})" if MODES[mode] else mode
         if isinstance(r, str):
-            print(f"| {name} | {r} | | | | | | |")
+            print(f"| {name} | {r} | | | | | | | |")
             continue
         print(f"| {name} | {r['time/step_s']:.3f} | {r['time/generate_s']:.3f} | {r['time/train_s']:.3f} | "
               f"{r['time/sync_s']:.3f} | {r['rollout_tok_s']:.0f} | {r['logp_gap_max']:.3g} | "
-              f"{r['token_mult_prob_error']:.6f} |")  # fmt: skip
-    base = dict(rows).get("default")
-    if isinstance(base, dict):
-        for mode, r in rows:
-            if mode != "default" and isinstance(r, dict):
+              f"{r['token_mult_prob_error']:.6f} | {repeat} |")  # fmt: skip
+    base = next((r for mode, r, _ in rows if mode == "default" and isinstance(r, dict)), None)
+    if base is not None:
+        for mode, r, repeat in rows:
+            if mode != "default" and isinstance(r, dict) and not repeat:
                 print(f"{mode} / default: step {r['time/step_s'] / base['time/step_s']:.2f}x, "
                       f"rollout tok/s {r['rollout_tok_s'] / base['rollout_tok_s']:.2f}x")  # fmt: skip
     if args.out:
-        Path(args.out).write_text(json.dumps(all_records))
+        Path(args.out).write_text(json.dumps(results))
+
+
+def weights_digest(groups: Groups, folder: Path) -> str:
+    """sha256 of the policy's weights as `save_hf` writes them (every rank's part, gathered)."""
+    groups.train.save_hf(str(folder)).result()
+    digest = hashlib.sha256()
+    for f in sorted(folder.glob("*.safetensors")):
+        digest.update(f.read_bytes())
+    return digest.hexdigest()
 
 
 def main() -> None:
@@ -284,6 +330,8 @@ def main() -> None:
         help="rollout GPUs of their own (cluster.placement=separate); 0 = colocated on the training GPUs",
     )
     add_shape_args(parser)
+    parser.add_argument("--moe", action="store_true", help="a MoE model of Qwen3-30B-A3B's width")
+    parser.add_argument("--moe-layers", type=int, default=8, help="--moe: its layers (of 48)")
     parser.add_argument("--out", default="")
     parser.add_argument("--profile", action="store_true", help="torch.profiler over the last step (inline)")
     parser.add_argument(
@@ -299,6 +347,7 @@ def main() -> None:
         "--modes", type=parse_modes, default=None, help=f"comma-separated, of: {', '.join(MODES)} (one table)"
     )
     parser.add_argument("--mode-timeout-s", type=int, default=0, help="--modes: seconds per mode (0 = none)")
+    parser.add_argument("--weights-digest", action="store_true", help=argparse.SUPPRESS)  # a repeated mode's
     args = parser.parse_args()
     if args.modes and (args.profile or args.profile_train):
         parser.error("--modes runs each mode in its own process: profile one mode with --set instead")
@@ -308,7 +357,7 @@ def main() -> None:
         return run_modes(args)
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_random_qwen3(Path(tmp) / "model", tiny=args.tiny)
+        model_dir = write_model(args, Path(tmp) / "model")
         extra = ["train.compile=false", "rollout.compile=false"] if args.eager else []
         if args.workers > 1 or args.rollout_workers > 0:
             extra += ["cluster.mode=ray", f"cluster.num_workers={args.workers}"]
@@ -335,6 +384,7 @@ def main() -> None:
                 f"mfu {m.get('perf/mfu', float('nan')):.3f}",
                 flush=True,
             )
+        weights = weights_digest(groups, Path(tmp) / "final") if args.weights_digest else None
         groups.close()
     steady = records[1:] or records
     keys = sorted(k for k in steady[0] if k.startswith("time/"))
@@ -352,7 +402,7 @@ def main() -> None:
     print(f"| weight sync ms/GB | {statistics.median(r['sync/ms_per_gb'] for r in steady):.0f} |")
     print(f"| peak memory GiB | {max(r.get('memory/peak_allocated_gib', 0.0) for r in steady):.1f} |")
     if args.out:
-        Path(args.out).write_text(json.dumps(records))
+        Path(args.out).write_text(json.dumps({"records": records, "weights": weights}))
 
 
 if __name__ == "__main__":

@@ -73,8 +73,9 @@ class RolloutConfig:
     of one fixed configuration (the experts' grouped product and MLA's latent attention included).
     train.compile and rollout.compile are then off (a compiled graph fuses and rounds differently);
     the rollout's decode still replays CUDA graphs, of the plain forward. Needs
-    rollout.temperature=1.0, rollout.quantization=none, rollout.tp=1 and parallel degrees 1
-    (data-parallel training ranks are exact)."""
+    rollout.temperature=1.0 and rollout.quantization=none; exact layouts: data and expert
+    parallelism (parallel.ep into rollout.tp=1) and, for dense models, parallel.tp=2 into
+    rollout.tp=2 (not cp, pp, other tensor-parallel degrees or tp into another rollout.tp)."""
 
     env: str = ""
     """Multi-turn environment, "module:Class" (imported like reward plug-ins: next to the YAML file,

@@ -96,7 +96,9 @@ class _VocabParallelHead(torch.autograd.Function):
         for start in range(0, hidden_ND.shape[0], chunk):
             sl = slice(start, start + chunk)
             if is_exact():
-                stats = _gathered_stats(hidden_ND[sl], weight_VlD, targets_N[sl], inv_temp, with_entropy, group)
+                stats = _gathered_stats(
+                    hidden_ND[sl], weight_VlD, targets_N[sl], inv_temp, with_entropy, group
+                )
             else:
                 stats = _local_stats(
                     hidden_ND[sl], weight_VlD, local_N[sl], owned_N[sl], inv_temp, with_entropy, group
