@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -160,6 +161,8 @@ class _ExactOps(TorchDispatchMode):
         kwargs = kwargs or {}
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor splits the op into local ops, which come back here
+        if any(issubclass(t, FakeTensor) for t in types):
+            return func(*args, **kwargs)  # DTensor's shape propagation: no values (nor kernels)
         if not (args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()):
             return func(*args, **kwargs)  # integer and boolean sums are exact in any order
         cuda = uses_kernels(args[0])

@@ -1,5 +1,6 @@
 """benchmarks/bench_e2e.py --modes (issue 42): the GRPO step in the default mode, trainer.deterministic
-and rollout.match_training, each in its own process, in one table with the measured logprob gap."""
+and rollout.match_training, each in its own process, in one table with the measured logprob gap; a
+mode listed twice says whether its repeat gave the same metrics and weights."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 BENCH = Path(__file__).parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
-from bench_e2e import mode_summary, parse_modes, without_modes  # noqa: E402
+from bench_e2e import mode_summary, parse_modes, repeat_verdict, without_modes  # noqa: E402
 
 
 def record(step_s: float, gap: float, error: float) -> dict[str, float]:
@@ -32,6 +33,17 @@ def test_mode_summary_medians_after_the_first_step_and_the_largest_gap_of_all() 
     assert r["rollout_tok_s"] == 1000 / 2.5
     assert r["logp_gap_max"] == 0.5  # every step counts for the gap
     assert r["token_mult_prob_error"] == pytest.approx(1.15)
+
+
+def test_a_repeated_mode_is_identical_only_with_every_metric_but_timings_and_the_weights() -> None:
+    def result(loss: float, step_s: float, weights: str = "w") -> dict:
+        return {"records": [{"train/loss": 1.0, "time/step_s": 9.0}, {"train/loss": loss, "time/step_s": step_s}],
+                "weights": weights}  # fmt: skip
+
+    first = result(0.5, 2.0)
+    assert repeat_verdict(first, result(0.5, 3.0)) == "identical"  # timings may differ
+    assert repeat_verdict(first, result(0.5000001, 2.0)) == "differs: step 1 train/loss"
+    assert repeat_verdict(first, result(0.5, 2.0, weights="v")) == "differs: final weights"
 
 
 def test_each_mode_runs_the_command_line_without_modes_out_and_timeout() -> None:

@@ -49,7 +49,9 @@ def train(ckpt: Path, run_dir: Path, *extra: str) -> list[dict]:
     """`rlloom train arithmetic_smoke` in a fresh process -> its metrics (timings aside)."""
     args = tiny_args(ckpt, run_dir, *RUN, *extra)
     proc = subprocess.run(
-        [sys.executable, "-m", "rlloom.cli", "train", "arithmetic_smoke", *args], capture_output=True, text=True
+        [sys.executable, "-m", "rlloom.cli", "train", "arithmetic_smoke", *args],
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return read_metrics(run_dir)
