@@ -93,7 +93,9 @@ def test_an_agent_prefills_and_samples_what_the_environment_path_does(tiny_check
     import rlloom.agents.driver as driver
     from rlloom.engines.rollout.native.model_runner import ModelRunner
 
-    # Every agent has a worker here: its group's first requests are waited for whatever the load.
+    # Every agent has a thread here (the 8 of env_workers=0: where an agent runs is not what this
+    # compares, and 8 worker processes each importing openai cost more CPU than the two runs):
+    # its group's first requests are waited for whatever the load.
     monkeypatch.setattr(driver, "HOLD_S", 600.0)
     prefilled = []  # tokens each prefill computed (those the prefix cache held are not)
     prefill = ModelRunner._prefill
@@ -120,7 +122,7 @@ def test_an_agent_prefills_and_samples_what_the_environment_path_does(tiny_check
             "rollout.max_new_tokens=24",
             'rollout.stop_strings=["a","e","i","o"]',
             "rollout.n_samples=4",
-            "rollout.env_workers=8",
+            "rollout.env_workers=0",
             "trainer.total_steps=1",
         )[0]
         records = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
