@@ -24,6 +24,9 @@ def _train(ckpt: Path, run_dir: Path, *extra: str) -> list[dict]:
         "logging.console=false",
         "trainer.save_hf_every=-1",
         f"reward.import_dir={HERE}",
+        # The agents run in threads of the trainer: a worker process per agent imports openai (more
+        # CPU than these runs); the workers' isolation is test_failing_agents_cost_only_their_trajectory's.
+        "rollout.env_workers=0",
         *extra,
     ]
     assert main(["train", "arithmetic_smoke", *args]) == 0
@@ -93,9 +96,8 @@ def test_an_agent_prefills_and_samples_what_the_environment_path_does(tiny_check
     import rlloom.agents.driver as driver
     from rlloom.engines.rollout.native.model_runner import ModelRunner
 
-    # Every agent has a thread here (the 8 of env_workers=0: where an agent runs is not what this
-    # compares, and 8 worker processes each importing openai cost more CPU than the two runs):
-    # its group's first requests are waited for whatever the load.
+    # Every agent has a thread here (env_workers=0 runs 8): its group's first requests are waited for
+    # whatever the load.
     monkeypatch.setattr(driver, "HOLD_S", 600.0)
     prefilled = []  # tokens each prefill computed (those the prefix cache held are not)
     prefill = ModelRunner._prefill
@@ -122,7 +124,6 @@ def test_an_agent_prefills_and_samples_what_the_environment_path_does(tiny_check
             "rollout.max_new_tokens=24",
             'rollout.stop_strings=["a","e","i","o"]',
             "rollout.n_samples=4",
-            "rollout.env_workers=0",
             "trainer.total_steps=1",
         )[0]
         records = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
