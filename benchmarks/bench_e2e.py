@@ -64,7 +64,6 @@ from multiturn_env import (  # beside this file
 
 from rlloom.cluster.build import Groups, build_groups
 from rlloom.config import RunConfig, load_config
-from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.dataset import PromptItem
 from rlloom.data.source import PromptSource
 from rlloom.episodes.build import build_episode_driver
@@ -246,7 +245,10 @@ def multiturn_parts(cfg: RunConfig, args: argparse.Namespace) -> tuple[list[Prom
     workers start now)."""
     tokenizer = bench_tokenizer()
     items = chat_prompts(tokenizer, args.prompts * (args.steps + 1), args.prompt_tokens)
-    driver = build_episode_driver(cfg, tokenizer, [], ResponseDecoder.of(tokenizer))
+    # Every turn ends at its length, none at a stop token: an assistant message is all its tokens' text
+    # (a final control token, which rlloom's decoding leaves out as the stop token, too).
+    text = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    driver = build_episode_driver(cfg, tokenizer, [], text)
     return items, FixedLengthTurns(driver)
 
 

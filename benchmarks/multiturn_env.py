@@ -12,7 +12,8 @@ the benchmark's reward function scores the last turn (the parity of its last tok
 Two things differ from a user's run, both for the fixed-length turns of bench_multiturn.py:
 - the tokenizer (`bench_tokenizer`) is the tiny models' character tokenizer with "user" and
   "assistant" as tokens; the random model samples from its whole vocabulary, whose ids beyond the
-  tokenizer's decode to nothing, so a turn's text is short but its tokens are all kept and trained;
+  tokenizer's decode to nothing, so a turn's text is short but its tokens are all kept and trained
+  (an assistant message is the text of all its tokens: no turn ends at a stop token);
 - a turn cut at max_new_tokens ends its trajectory in rlloom (finish reason "length"), so the
   benchmark's driver (`FixedLengthTurns`) passes such a turn on as finished.
 
