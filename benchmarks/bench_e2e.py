@@ -472,7 +472,7 @@ def main() -> None:
         )
     if args.modes and args.placements:
         parser.error("--modes and --placements: one of them per call (one table)")
-    if args.placements and args.gpus < 2:
+    if args.placements and "separate" in args.placements and args.gpus < 2:
         parser.error(f"--gpus {args.gpus}: a separate placement needs 2 GPUs or more")
     if args.tiny:
         tiny_shape(args)
