@@ -57,6 +57,17 @@ async def streamed_then_whole(base_url, row, sampling):
     return {"metrics": {"chunks": float(len(chunks))}}
 
 
+async def streamed_turns(base_url, row, sampling):
+    """Two chat turns, both streamed, with a tool message between them."""
+    async with AsyncOpenAI(base_url=base_url, api_key="none") as client:
+        messages = [{"role": "user", "content": row["prompt"]}]
+        for _ in range(2):
+            stream = await client.chat.completions.create(messages=messages, stream=True, **sampling)
+            content = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+            messages += [{"role": "assistant", "content": content}, {"role": "tool", "content": "42"}]
+    return None
+
+
 async def faulty(base_url, row, sampling):
     """Fails as the row's prompt ends: hang, exit, crash, raise, garbage, or fine (reward 1)."""
     async with AsyncOpenAI(base_url=base_url, api_key="none") as client:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,33 @@ def test_a_streamed_turn_is_sent_while_it_is_sampled_and_trains_exactly(
     assert m["rollout/turns_mean"] == 2.0 and m["rollout/agent_errors"] == 0.0
     assert m["rollout/env_tokens_mean"] > 0  # the streamed content, sent back, extends the session
     assert abs(m["rollout/token_mult_prob_error"] - 1.0) < 1e-5
+
+
+def test_streamed_turns_interrupted_by_a_weight_update_resume_from_what_the_agents_read(
+    tiny_checkpoint, tmp_path, monkeypatch
+):
+    """trainer.mode=async with rollout.partial=drop: a weight update aborts the agents' streamed turns
+    in flight; they resume from the tokens their agents have read (none of them discarded, where
+    before they were sampled again under the new weights: the agent had read other tokens than those
+    trained), and training's logprobs still equal the rollout's."""
+    from rlloom.engines.rollout.native.engine import NativeEngine
+
+    step = NativeEngine.step
+    # 20 ms a decode step: turns are still being sampled when the weights change, on any machine
+    monkeypatch.setattr(NativeEngine, "step", lambda engine: time.sleep(0.02) or step(engine))
+    metrics = _train(
+        tiny_checkpoint,
+        tmp_path / "run",
+        "rollout.agent=agent_fns:streamed_turns",
+        "trainer.mode=async",
+        "rollout.partial=drop",
+        "trainer.total_steps=3",
+    )
+    assert sum(m["async/tokens_interrupted"] for m in metrics) > 0
+    for m in metrics:
+        assert m["async/tokens_discarded"] == 0.0
+        assert m["rollout/turns_mean"] == 2.0 and m["rollout/agent_errors"] == 0.0
+        assert abs(m["rollout/token_mult_prob_error"] - 1.0) < 1e-5
 
 
 def test_an_agent_prefills_and_samples_what_the_environment_path_does(tiny_checkpoint, tmp_path, monkeypatch):
