@@ -36,7 +36,8 @@ def visual_compare() -> RunConfig:
     every 20 steps), one answer token (the tiny models' character tokenizer writes "L" in one token;
     a real model's answer needs a few: rollout.max_new_tokens=8), 8 samples a prompt, and the
     learning rate of a model trained from random weights (a pretrained one wants ~1e-6). On a CPU a
-    tiny model learns the answer's form in ~30 steps, not to read the picture (docs/benchmarks.md)."""
+    tiny model learns the answer's form in ~30 steps, not to read the picture (docs/benchmarks.md
+    says why); `visual_colour` is the task it does learn to read."""
     return RunConfig(
         model=ModelConfig(path="runs/tiny-vl"),
         data=DataConfig(
