@@ -6,6 +6,7 @@ saved by transformers, and a fast tokenizer with a chat template and an end-of-t
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib.util
 import sys
@@ -65,6 +66,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     workers (`--dist loadgroup`, see `ModuleScheduling`), whose Ray unit is the longest."""
     xdist = config.getoption("loadgroup", False)  # set in an xdist worker by `--dist loadgroup`
     items.sort(key=lambda item: _uses_ray(item) != xdist)
+    for item in items if xdist else ():  # the controller's Ray unit, read from the source, is these
+        uses = _ray_tests(item.path)
+        if _uses_ray(item) != ("*" in uses or item.originalname in uses):
+            raise pytest.UsageError(
+                f"{item.nodeid}: the Ray unit (`_ray_tests`) misreads whether it uses Ray"
+            )
 
 
 @pytest.hookimpl(trylast=True)  # after the test's own fixtures are torn down
@@ -76,24 +83,51 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         ray.shutdown()
 
 
+@functools.cache
+def _ray_tests(path: Path) -> frozenset[str]:
+    """The names of the module's tests that use `ray_cluster` ("*": all of them, by the module's
+    `pytestmark`), read from its source: as an argument, in a decorator, or through a fixture of
+    the module that uses it."""
+    if path.suffix != ".py" or "ray_cluster" not in (text := path.read_text()):
+        return frozenset()
+    tree = ast.parse(text)
+    if any(
+        isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets)
+        and "ray_cluster" in ast.unparse(node.value)
+        for node in tree.body
+    ):
+        return frozenset({"*"})
+    functions = [node for node in tree.body if isinstance(node, ast.FunctionDef)]
+    ray_names = {"ray_cluster"}
+    while True:  # a fixture that uses a Ray name is one too
+        found = {
+            f.name
+            for f in functions
+            if {a.arg for a in f.args.args} & ray_names
+            or any(name in ast.unparse(d) for d in f.decorator_list for name in ray_names)
+        }
+        if found <= ray_names:
+            return frozenset(n for n in found if n.startswith("test"))
+        ray_names |= found
+
+
 if importlib.util.find_spec("xdist") is not None:  # the dev extra's pytest-xdist (`make test`)
     from xdist.scheduler import LoadScopeScheduling
 
     class ModuleScheduling(LoadScopeScheduling):
         """`make test`'s schedule over two xdist workers: a module is a unit (its tests run on one
         worker, so a module-scoped baseline run that several tests compare with is built once), and
-        every module that uses `ray_cluster` joins one unit, so one worker starts Ray once and Ray's
-        processes never run twice side by side. The units go out in the collected order, the Ray
-        unit (the longest) first. Built here because the controller sees test ids only (xdist's own
-        `xdist_group` suffix is not applied under pytest 9.2)."""
+        every test that uses `ray_cluster` joins one unit, so one worker starts Ray once and Ray's
+        processes never run twice side by side; a Ray module's other tests stay in their module's
+        unit, free to run on the other worker meanwhile. The units go out in the collected order,
+        the Ray unit (the longest) first. Built here because the controller sees test ids only
+        (xdist's own `xdist_group` suffix is not applied under pytest 9.2)."""
 
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return "ray" if _module_uses_ray(self.config.rootpath / module) else module
-
-    @functools.cache
-    def _module_uses_ray(path: Path) -> bool:
-        return path.suffix == ".py" and "ray_cluster" in path.read_text()
+            module, _, test = nodeid.partition("::")
+            uses = _ray_tests(self.config.rootpath / module)
+            return "ray" if "*" in uses or test.split("[", 1)[0] in uses else module
 
     def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 (xdist's Scheduling)
         if config.getoption("dist") != "loadgroup":

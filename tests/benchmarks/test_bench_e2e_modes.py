@@ -36,14 +36,14 @@ def test_mode_summary_medians_after_the_first_step_and_the_largest_gap_of_all() 
 
 
 def test_a_repeated_mode_is_identical_only_with_every_metric_but_timings_and_the_weights() -> None:
-    def result(loss: float, step_s: float, weights: str = "w") -> dict:
-        return {"records": [{"train/loss": 1.0, "time/step_s": 9.0}, {"train/loss": loss, "time/step_s": step_s}],
-                "weights": weights}  # fmt: skip
+    def result(loss: float, step_s: float, weights: str = "w") -> list[dict]:
+        return [{"train/loss": 1.0, "time/step_s": 9.0},
+                {"train/loss": loss, "time/step_s": step_s, "weights_sha256": weights}]  # fmt: skip
 
     first = result(0.5, 2.0)
     assert repeat_verdict(first, result(0.5, 3.0)) == "identical"  # timings may differ
     assert repeat_verdict(first, result(0.5000001, 2.0)) == "differs: step 1 train/loss"
-    assert repeat_verdict(first, result(0.5, 2.0, weights="v")) == "differs: final weights"
+    assert repeat_verdict(first, result(0.5, 2.0, weights="v")) == "differs: step 1 weights_sha256"
 
 
 def test_each_mode_runs_the_command_line_without_modes_out_and_timeout() -> None:
@@ -66,7 +66,8 @@ def test_each_mode_runs_the_command_line_without_modes_out_and_timeout() -> None
 @pytest.mark.slow
 def test_modes_table_on_cpu_match_training_row_reads_a_zero_gap() -> None:
     """The CLI at the tiny shape: one table, a row for the mode, whose override reached its process
-    (match_training's gap is exactly 0; the default's at this shape is 9.5e-07)."""
+    (match_training's gap is exactly 0; the default's at this shape is 9.5e-07), and a mode listed
+    twice says its repeat was identical (weights included)."""
     env = os.environ | {"PYTHONPATH": str(BENCH.parent)}
     cmd = [
         sys.executable,
@@ -75,7 +76,7 @@ def test_modes_table_on_cpu_match_training_row_reads_a_zero_gap() -> None:
         "--steps",
         "1",
         "--modes",
-        "default,match_training",
+        "default,match_training,deterministic,deterministic",
     ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -84,3 +85,5 @@ def test_modes_table_on_cpu_match_training_row_reads_a_zero_gap() -> None:
             if line.startswith("| match_training")}  # fmt: skip
     assert set(rows) == {"match_training"}
     assert rows["match_training"][6] == "0"
+    repeats = [line.split(" | ")[-1] for line in out.stdout.splitlines() if line.startswith("| deterministic")]
+    assert repeats == [" |", "identical |"]

@@ -104,6 +104,23 @@ def test_one_device_keeps_the_frozen_base_in_the_compute_dtype(tiny_checkpoint):
     torch.testing.assert_close(got.float(), expected.detach(), atol=1e-3, rtol=1.6e-2)
 
 
+# every sample fits the budget the pipeline pads each micro-batch to
+PARALLEL = [
+    *LORA,
+    "trainer.total_steps=2",
+    "train.max_tokens_per_micro_batch=160",
+    "data.max_prompt_length=150",
+]
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_checkpoint, tmp_path_factory) -> list[dict]:
+    """The one-process LoRA run every parallel layout is compared with (run once for all of them)."""
+    run_dir = tmp_path_factory.mktemp("lora_one")
+    assert main(["train", "arithmetic_smoke", *tiny_args(tiny_checkpoint, run_dir, *PARALLEL)]) == 0
+    return read_metrics(run_dir)
+
+
 @pytest.mark.parametrize(
     "layout",
     [
@@ -115,18 +132,17 @@ def test_one_device_keeps_the_frozen_base_in_the_compute_dtype(tiny_checkpoint):
         "parallel.pp=2",
     ],
 )
-def test_lora_in_a_parallel_layout_on_ray_matches_one_process(ray_cluster, tiny_checkpoint, tmp_path, layout):
+def test_lora_in_a_parallel_layout_on_ray_matches_one_process(
+    ray_cluster, one_process, tiny_checkpoint, tmp_path, layout
+):
     """Two colocated Ray workers: every step's metrics equal the one-process LoRA run's, and the
     rollout decodes with what the trainer computes with."""
-    common = [*LORA, "trainer.total_steps=2", "data.num_eval=0"]
-    # every sample fits the budget the pipeline pads each micro-batch to
-    common += ["train.max_tokens_per_micro_batch=160", "data.max_prompt_length=150"]
-    assert main(["train", "arithmetic_smoke", *tiny_args(tiny_checkpoint, tmp_path / "one", *common)]) == 0
     ray = ["cluster.mode=ray", "cluster.num_workers=2", layout]
     assert (
-        main(["train", "arithmetic_smoke", *tiny_args(tiny_checkpoint, tmp_path / "tp", *common, *ray)]) == 0
+        main(["train", "arithmetic_smoke", *tiny_args(tiny_checkpoint, tmp_path / "ray", *PARALLEL, *ray)])
+        == 0
     )
-    want, got = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "tp")
+    want, got = one_process, read_metrics(tmp_path / "ray")
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]
     assert want[0]["reward/mean"] != want[1]["reward/mean"]  # the samples change
     for a, b in zip(want, got):

@@ -293,20 +293,31 @@ def test_arithmetic_rows_answer_with_the_number(tiny_checkpoint):
         assert sample.loss_mask == [1] * len(sample.response_ids)
 
 
+TWO_STEPS = ("train.lr=3e-2", "trainer.total_steps=2")
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_checkpoint, rows_file, tmp_path_factory) -> list[dict]:
+    """The one-process run both Ray layouts are compared with (run once for both)."""
+    run_dir = tmp_path_factory.mktemp("sft_one")
+    run_sft(load_config("arithmetic_smoke", sft_args(tiny_checkpoint, rows_file, run_dir, *TWO_STEPS)))
+    return read_metrics(run_dir)
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")  # the session's one Ray instance
 @pytest.mark.parametrize("layout", [(), ("parallel.tp=2",)], ids=["dp=2", "tp=2"])
-def test_two_ray_workers_match_one_process(layout, tiny_checkpoint, rows_file, tmp_path):
+def test_two_ray_workers_match_one_process(layout, one_process, tiny_checkpoint, rows_file, tmp_path):
     """The whole `rlloom sft` run on 2 Ray workers (FSDP, or tensor parallelism) equals the one-process
     run's losses and gradient norms within rel 1e-4 at lr 3e-2 (the second step trains on the first's
     update)."""
-    common = ("train.lr=3e-2", "trainer.total_steps=2")
-    run_sft(load_config("arithmetic_smoke", sft_args(tiny_checkpoint, rows_file, tmp_path / "one", *common)))
     ray = ("cluster.mode=ray", "cluster.num_workers=2", *layout)
     run_sft(
-        load_config("arithmetic_smoke", sft_args(tiny_checkpoint, rows_file, tmp_path / "ray", *common, *ray))
+        load_config(
+            "arithmetic_smoke", sft_args(tiny_checkpoint, rows_file, tmp_path / "ray", *TWO_STEPS, *ray)
+        )
     )
-    want, got = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "ray")
+    want, got = one_process, read_metrics(tmp_path / "ray")
     assert [m["step"] for m in got] == [1, 2]
     for a, b in zip(want, got):
         for key in ("sft/loss", "sft/tokens", "train/loss", "train/grad_norm"):
