@@ -153,7 +153,12 @@ def overrides(args: argparse.Namespace, placement: str, model_dir: Path, run_dir
         "logging.console=true",
     ]
     if not args.tiny:
-        out += [f"rollout.kv_cache_memory_gb={args.kv_gb}", "rollout.sleep_during_train=true"]
+        out += [  # bench_e2e.py's GPU settings
+            f"rollout.kv_cache_memory_gb={args.kv_gb}",
+            "rollout.sleep_during_train=true",
+            "train.max_tokens_per_micro_batch=32768",
+            "train.gather_once_per_step=true",
+        ]
     if placement == "separate":
         out += ["cluster.placement=separate", "cluster.num_workers=1", "cluster.rollout_workers=1"]
     else:
@@ -346,11 +351,17 @@ def notes(rows: list[Row], work: Path) -> list[str]:
     return out
 
 
-def save(out_dir: str, lines: list[str], rows: list[Row]) -> None:
-    """bench_recovery.md (the table) and .json (every row) in `out_dir`; nothing without one."""
+def save(out_dir: str, lines: list[str], rows: list[Row], work: Path) -> None:
+    """bench_recovery.md (the table), .json (every row) and each case's log (its last MB, in
+    bench_recovery_logs/) in `out_dir`; nothing without one."""
     if not out_dir:
         return
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    logs = Path(out_dir) / "bench_recovery_logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    for r in rows:
+        log = work / r.placement / f"{r.case}.log"
+        if log.exists():
+            (logs / f"{r.placement}-{r.case}.log").write_bytes(log.read_bytes()[-(2**20) :])
     (Path(out_dir) / "bench_recovery.md").write_text("\n".join(lines) + "\n")
     (Path(out_dir) / "bench_recovery.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
 
@@ -416,10 +427,10 @@ def main() -> None:
                 rows.append(row)
                 lines.append(table_line(row))
                 print(lines[-1], flush=True)
-                save(args.out, lines, rows)
+                save(args.out, lines, rows, work)
         lines += ["", *notes(rows, work)]
         print("\n".join(lines[len(rows) + 2 :]), flush=True)
-        save(args.out, lines, rows)
+        save(args.out, lines, rows, work)
 
 
 if __name__ == "__main__":
