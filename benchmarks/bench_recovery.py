@@ -8,10 +8,12 @@ so runs of one config are comparable bit for bit) on a model folder this script 
   heads, head dim 128, vocabulary 151936; as benchmarks/bench_e2e.py) with a character tokenizer
   filled up to the model's vocabulary (`rlloom.models.tiny.char_tokenizer(vocab_size=...)`). A
   smaller batch than T1: 16 prompts x 8 samples x 256 new tokens (ignore_eos), 3 steps, the
-  arithmetic task's prompts (about 60 tokens), lr 1e-4 (the bf16 rollout weights change every step,
-  so a rollout on stale weights would give other samples). `--prompts 64 --new-tokens 512` is T1's batch.
+  arithmetic task's prompts (64 tokens with the chat template), lr 1e-4 (the bf16 rollout weights
+  change every step, so a rollout on stale weights would give other samples), bench_e2e's 32k-token
+  micro-batches; `cluster.timeout_s=120`. T1's batch: `--prompts 64 --new-tokens 512 --kv-gb 40`.
 - `--tiny` (CPU smoke run): the tiny dense test model (`rlloom init-model tiny-dense`), 4 prompts x
-  4 x 16 tokens, lr 3e-2.
+  4 x 16 tokens, lr 3e-2, `cluster.timeout_s=300`, at least 600 s a case (actors start slowly on a
+  busy CPU machine).
 
 The reward is the parity of the response text's CRC-32 (varies inside groups, so every group trains).
 `trainer.save_every=1` (a training restart loads step k-1's checkpoint), `keep_last_checkpoints=1`,
@@ -40,17 +42,18 @@ Weights: the final checkpoint's model tensors (fp32 master weights on a GPU) aga
 uninterrupted run's, bitwise and max |diff|. Metrics: every record's values except times, speeds,
 memory and `cluster/` counts, exactly. Each case has `--case-timeout-s`; a case that fails or runs
 past it gives a row that says so (its log's last lines follow the table). The table is printed row
-by row and, with OUT (or --out) set, written to OUT/bench_recovery.md and .json after every row.
+by row and, with OUT (or --out) set, written to OUT/bench_recovery.md and .json after every row,
+each case's log to OUT/bench_recovery_logs/.
 
 GPU runs with NVLink multicast off keep NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 in
 the environment: the run's processes inherit it and rlloom passes every NCCL_*/TORCH_*/RLLOOM_*
 variable to its Ray actors (cluster/ray_slots.py); the uninterrupted run checks each actor's
 /proc/PID/environ for them and says so under the table.
 
-    python benchmarks/bench_recovery.py                                  # 2 GPUs, both placements
-    python benchmarks/bench_recovery.py --placements separate            # 2 GPUs, one placement
-    python benchmarks/bench_recovery.py --placements colocated --workers 1 --cases train   # 1 GPU
-    python benchmarks/bench_recovery.py --tiny --placements separate     # CPU smoke run
+    python benchmarks/bench_recovery.py                                  # 2 GPUs, both placements (6 runs)
+    python benchmarks/bench_recovery.py --placements separate            # 2 GPUs, one placement (3 runs)
+    python benchmarks/bench_recovery.py --placements colocated --workers 1   # 1 GPU (no in-place replica)
+    python benchmarks/bench_recovery.py --tiny                           # CPU smoke run
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -242,7 +246,7 @@ def run_case(
                 row.note = actor_env_check(run_dir) or ""
             time.sleep(0.05)
         if proc.poll() is None:  # its Ray processes are in its session
-            os.killpg(proc.pid, 9)
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             row.note = f"timed out after {args.case_timeout_s} s"
     for r in read_records(run_dir / "metrics.jsonl"):
@@ -324,14 +328,14 @@ def header(args: argparse.Namespace) -> list[str]:
 
 
 def table_line(r: Row) -> str:
-    lost = None if r.interval_s is None or r.normal_interval_s is None else r.interval_s - r.normal_interval_s
-    if r.case == "none":
-        lost = None
+    timed = r.case != "none" and r.interval_s is not None and r.normal_interval_s is not None
+    lost = r.interval_s - r.normal_interval_s if timed else None
     weights = r.weights if r.weights_max_diff is None else f"{r.weights} ({r.weights_max_diff:.3g})"
     normal = f"{fmt(r.normal_interval_s)} ({fmt(r.normal_step_s, 2)})"
     return (
-        f"| {r.placement} | {r.case} | {r.fault} | {r.exit_code} | {r.rollout_restarts} | {r.train_restarts} | "
-        f"{fmt(r.kill_to_step_s)} | {fmt(r.interval_s)} | {normal} | {fmt(lost)} | {weights or '-'} | "
+        f"| {r.placement} | {r.case} | {r.fault} | {r.exit_code} | {r.rollout_restarts} | "
+        f"{r.train_restarts} | {fmt(r.kill_to_step_s)} | {fmt(r.interval_s)} | {normal} | {fmt(lost)} | "
+        f"{weights or '-'} | "
         f"{r.metrics or '-'} | {r.wall_s:.0f} |"
     )
 
