@@ -39,7 +39,9 @@ VL_CHAT_TEMPLATE = (
 expands to the image's run of tokens (`rlloom.data.images.expand_image_tokens`)."""
 
 
-def char_tokenizer(*, vision: bool = False, vocab_size: int = 0):  # noqa: ANN201 (transformers' PreTrainedTokenizerFast, lazily)
+def char_tokenizer(  # noqa: ANN201 (transformers' PreTrainedTokenizerFast, lazily)
+    *, vision: bool = False, vocab_size: int = 0
+):
     """A fast tokenizer with one token per printable character, a chat template and an end-of-turn
     token (`vision`: and Qwen2.5-VL's three vision tokens, at the end of the vocabulary).
     `vocab_size`: filled up to this many tokens with plain words `<fill_N>` that no text encodes to,
