@@ -73,6 +73,7 @@ def start_ray(cfg: RunConfig, num_slots: int) -> bool:
     if ray.is_initialized():
         return False
     local_cpu = not (uses_gpu(cfg) or cfg.cluster.address)
+    phase = time.perf_counter()
     ray.init(
         address=cfg.cluster.address or None,
         # A local CPU cluster gets a slot per actor even on a machine with fewer cores.
@@ -80,6 +81,8 @@ def start_ray(cfg: RunConfig, num_slots: int) -> bool:
         include_dashboard=False,
         log_to_driver=True,
     )
+    where = f"joined {cfg.cluster.address}" if cfg.cluster.address else "a local instance"
+    log.info("start-up: Ray %.1f s (%s)", time.perf_counter() - phase, where)
     return True
 
 
