@@ -23,6 +23,22 @@ table: the median step and its parts over the steps after the first, rollout tok
 train/rollout logprob gap (the largest rollout/logp_gap_max over the steps, and the mean
 rollout/token_mult_prob_error). A mode that fails or runs past
 `--mode-timeout-s` gets a row that says so.
+
+`--multiturn` runs bench_multiturn.py's episodes through the step (multiturn_env.py): the same 512
+sampled tokens per trajectory in `--turns` 4 turns of 128, after each of the first 3 a 50 ms tool
+(`--tool-ms`) and an observation of 32 tokens (`--obs-tokens`: its message and the chat template's turn
+markers), as a `rollout.env` in `--env-workers` 128 environment worker processes (a worker runs one
+call at a time: 512 trajectories' tool calls take 4 x 50 ms per turn where bench_multiturn.py's all
+overlap; `--env-workers 512` for that, at ~150 MB of host memory a worker). Rollout tok/s counts
+sampled tokens (observations not), and the tables add rollout/turns_mean.
+
+`--placements colocated,separate` runs the step once per placement on `--gpus` 2 GPUs, each in a
+process of its own like `--modes`: `colocated` (`--workers 2`: every GPU trains and generates) and
+`separate` (`--workers 1 --rollout-workers 1`: cluster.placement=separate), one table with the ratio
+of each to the first:
+
+    python benchmarks/bench_e2e.py --multiturn --placements colocated,separate   # 2 GPUs, one call
+    python benchmarks/bench_e2e.py --multiturn --tiny --steps 2 --placements colocated,separate  # CPU
 """
 
 from __future__ import annotations
@@ -34,14 +50,23 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from multiturn_env import (  # beside this file
+    FixedLengthTurns,
+    bench_tokenizer,
+    chat_prompts,
+    multiturn_overrides,
+    observation_text,
+)
 
 from rlloom.cluster.build import Groups, build_groups
 from rlloom.config import RunConfig, load_config
 from rlloom.data.dataset import PromptItem
 from rlloom.data.source import PromptSource
+from rlloom.episodes.build import build_episode_driver
 from rlloom.rewards.runner import RewardRunner
 from rlloom.trainer.step import StepContext, rl_step
 
@@ -158,10 +183,14 @@ def e2e_config(args: argparse.Namespace, model_dir: Path, run_dir: Path, extra: 
 
 
 def e2e_context(
-    cfg: RunConfig, groups: Groups, args: argparse.Namespace, items: list[PromptItem] | None = None
+    cfg: RunConfig,
+    groups: Groups,
+    args: argparse.Namespace,
+    items: list[PromptItem] | None = None,
+    episodes: object = None,
 ) -> StepContext:
     """One step context over `items` (default: random prompts for args.steps + 1 steps) and the parity
-    reward."""
+    reward; `episodes`: a multi-turn episode driver (`multiturn_parts`)."""
     if items is None:
         items = random_prompts(args.prompts * (args.steps + 1), args.prompt_tokens, tiny=args.tiny)
     return StepContext(
@@ -174,7 +203,53 @@ def e2e_context(
         decode=LastTokenText(),
         stop_token_ids=[],
         critic_group=groups.critic,
+        episodes=episodes,
     )
+
+
+def add_multiturn_args(parser: argparse.ArgumentParser) -> None:
+    """--multiturn and its workload (defaults: bench_multiturn.py's)."""
+    parser.add_argument(
+        "--multiturn", action="store_true", help="bench_multiturn.py's episodes (multiturn_env.py)"
+    )
+    parser.add_argument(
+        "--turns", type=int, default=4, help="--multiturn: turns sharing --new-tokens equally"
+    )
+    parser.add_argument("--obs-tokens", type=int, default=32, help="--multiturn: tokens an observation adds")
+    parser.add_argument("--tool-ms", type=float, default=50.0, help="--multiturn: the tool's time per call")
+    parser.add_argument("--env-workers", type=int, default=128, help="--multiturn: environment processes")
+
+
+def turn_tokens(args: argparse.Namespace) -> int:
+    """Sampled tokens per turn: --new-tokens over --turns (single-turn: all of them)."""
+    return args.new_tokens // args.turns if args.multiturn else args.new_tokens
+
+
+def multiturn_overrides_of(args: argparse.Namespace) -> list[str]:
+    """--multiturn's config overrides (ValueError for a shape it cannot run)."""
+    if args.new_tokens % args.turns:
+        raise ValueError(f"--new-tokens {args.new_tokens} is not a multiple of --turns {args.turns}")
+    return multiturn_overrides(
+        turns=args.turns,
+        turn_tokens=turn_tokens(args),
+        prompt_tokens=args.prompt_tokens,
+        obs_tokens=args.obs_tokens,
+        tool_s=args.tool_ms / 1000,
+        env_workers=args.env_workers,
+        observation=observation_text(bench_tokenizer(), args.obs_tokens),
+    )
+
+
+def multiturn_parts(cfg: RunConfig, args: argparse.Namespace) -> tuple[list[PromptItem], FixedLengthTurns]:
+    """--multiturn's chat prompts (for args.steps + 1 steps) and episode driver (its environment
+    workers start now)."""
+    tokenizer = bench_tokenizer()
+    items = chat_prompts(tokenizer, args.prompts * (args.steps + 1), args.prompt_tokens)
+    # Every turn ends at its length, none at a stop token: an assistant message is all its tokens' text
+    # (a final control token, which rlloom's decoding leaves out as the stop token, too).
+    text = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    driver = build_episode_driver(cfg, tokenizer, [], text)
+    return items, FixedLengthTurns(driver)
 
 
 MODES = {
@@ -184,40 +259,79 @@ MODES = {
 }
 """`--modes`: each mode's config overrides."""
 
+PLACEMENTS = ("colocated", "separate")
+"""`--placements`: on `--gpus` G GPUs, colocated = G training ranks, each with a rollout replica;
+separate = G - 1 training GPUs and 1 rollout GPU."""
+
+
+def parse_names(text: str, known: Sequence[str], option: str) -> list[str]:
+    """`text` "a,b" -> ["a", "b"], each one of `known` (the `option` that took it)."""
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in known]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"{option} are a comma-separated list of {', '.join(known)}; got {text!r}"
+        )
+    return names
+
 
 def parse_modes(text: str) -> list[str]:
     """`--modes` "a,b" -> ["a", "b"], each one of MODES."""
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
-    if unknown or not modes:
-        raise argparse.ArgumentTypeError(
-            f"modes are a comma-separated list of {', '.join(MODES)}; got {text!r}"
-        )
-    return modes
+    return parse_names(text, list(MODES), "modes")
+
+
+def parse_placements(text: str) -> list[str]:
+    """`--placements` "a,b" -> ["a", "b"], each one of PLACEMENTS."""
+    return parse_names(text, PLACEMENTS, "placements")
+
+
+VARIANT_OPTIONS = ("--modes", "--placements", "--gpus", "--out", "--mode-timeout-s")
+"""The options of the parent process alone (each variant's process runs without them)."""
 
 
 def without_modes(argv: list[str]) -> list[str]:
-    """The command line minus its --modes option (and --out): what each mode's process runs."""
+    """The command line minus its --modes/--placements options (and --out, --gpus, --mode-timeout-s):
+    what each variant's process runs."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a in ("--modes", "--out", "--mode-timeout-s"):
+        elif a in VARIANT_OPTIONS:
             skip = True
-        elif not a.startswith(("--modes=", "--out=", "--mode-timeout-s=")):
+        elif not a.startswith(tuple(f"{o}=" for o in VARIANT_OPTIONS)):
             out.append(a)
     return out
 
 
+def variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """(row name, the variant process's extra arguments) for each of --modes or --placements."""
+    if args.modes:
+        return [
+            (f"{m} ({', '.join(MODES[m])})" if MODES[m] else m, [f"--set={o}" for o in MODES[m]])
+            for m in args.modes
+        ]
+    g = args.gpus
+    layouts = {
+        "colocated": (f"colocated ({g} GPUs, each training and generating)", g, 0),
+        "separate": (f"separate ({g - 1} training + 1 rollout GPU)", g - 1, 1),
+    }
+    return [
+        (name, ["--workers", str(workers), "--rollout-workers", str(rollout)])
+        for name, workers, rollout in (layouts[p] for p in args.placements)
+    ]
+
+
 def mode_summary(records: list[dict], gen_tokens: int) -> dict[str, float]:
-    """One mode's row: medians over the steps after the first, the largest logp_gap_max over all
-    steps, the mean token_mult_prob_error."""
+    """One variant's row: medians over the steps after the first, the largest logp_gap_max over all
+    steps, the mean token_mult_prob_error. `gen_tokens`: sampled tokens of a step's turn (a
+    multi-turn step's are that times rollout/turns_mean)."""
     steady = records[1:] or records
     out = {
         k: statistics.median(r[k] for r in steady)
         for k in ("time/step_s", "time/generate_s", "time/train_s", "time/sync_s")
     }
-    out["rollout_tok_s"] = gen_tokens / out["time/generate_s"]
+    out["turns_mean"] = statistics.median(r.get("rollout/turns_mean", 1.0) for r in steady)
+    out["rollout_tok_s"] = gen_tokens * out["turns_mean"] / out["time/generate_s"]
     out["logp_gap_max"] = max(r.get("rollout/logp_gap_max", float("nan")) for r in records)
     out["token_mult_prob_error"] = statistics.mean(
         r.get("rollout/token_mult_prob_error", float("nan")) for r in records
@@ -225,52 +339,96 @@ def mode_summary(records: list[dict], gen_tokens: int) -> dict[str, float]:
     return out
 
 
+def run_variant(args: argparse.Namespace, name: str, extra: list[str], out: Path) -> dict | str:
+    """One variant in a process of its own: its records, or why there are none. Its step lines are
+    shown, its own table not (one table); its stderr passes through."""
+    cmd = [sys.executable, __file__, *without_modes(sys.argv[1:]), *extra, "--out", str(out)]
+    print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
+    try:
+        proc = subprocess.run(cmd, timeout=args.mode_timeout_s or None, stdout=subprocess.PIPE, text=True)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {args.mode_timeout_s} s"
+    print("\n".join(line for line in proc.stdout.splitlines() if line.startswith("step ")), flush=True)
+    if proc.returncode != 0 or not out.exists():
+        return f"failed (exit {proc.returncode}; its error is above)"
+    return json.loads(out.read_text())
+
+
 def run_modes(args: argparse.Namespace) -> None:
-    """--modes: each mode in a process of its own; one table."""
-    gen_tokens = args.prompts * args.samples * args.new_tokens
+    """--modes or --placements: each variant in a process of its own; one table, and each variant's
+    step and rollout rate against the first's."""
+    gen_tokens = args.prompts * args.samples * turn_tokens(args)
     rows, all_records = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in args.modes:
-            out = Path(tmp) / f"{mode}.json"
-            cmd = [sys.executable, __file__, *without_modes(sys.argv[1:]), "--out", str(out)]
-            cmd += [f"--set={o}" for o in MODES[mode]]
-            print(f"== mode {mode}: {' '.join(cmd[1:])}", flush=True)
-            try:  # its step lines shown, its own table not (one table); its stderr passes through
-                proc = subprocess.run(
-                    cmd, timeout=args.mode_timeout_s or None, stdout=subprocess.PIPE, text=True
-                )
-            except subprocess.TimeoutExpired:
-                rows.append((mode, f"timed out after {args.mode_timeout_s} s"))
-                continue
-            print(
-                "\n".join(line for line in proc.stdout.splitlines() if line.startswith("step ")), flush=True
-            )
-            if proc.returncode != 0 or not out.exists():
-                rows.append((mode, f"failed (exit {proc.returncode}; its error is above)"))
-                continue
-            all_records[mode] = json.loads(out.read_text())
-            rows.append((mode, mode_summary(all_records[mode], gen_tokens)))
+        for i, (name, extra) in enumerate(variants(args)):
+            result = run_variant(args, name, extra, Path(tmp) / f"{i}.json")
+            if isinstance(result, list):
+                all_records[name], result = result, mode_summary(result, gen_tokens)
+            rows.append((name, result))
     steps = f"median of steps 2..{args.steps}" if args.steps > 1 else "one step"
-    print(f"\n| mode ({args.prompts} prompts x {args.samples}, {args.prompt_tokens}+{args.new_tokens} tokens; {steps}) "
-          "| step s | generate s | train s | sync s | rollout tok/s | max rollout/logp_gap_max | "
-          "mean rollout/token_mult_prob_error |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
-    for mode, r in rows:
-        name = f"{mode} ({', '.join(MODES[mode])})" if MODES[mode] else mode
+    kind = "mode" if args.modes else "placement"
+    shape = f"{args.prompts} prompts x {args.samples}, {args.prompt_tokens}+{args.new_tokens} tokens"
+    if args.multiturn:
+        shape += f" in {args.turns} turns, tool {args.tool_ms:g} ms + {args.obs_tokens} tokens"
+    print(f"\n| {kind} ({shape}; {steps}) | step s | generate s | train s | sync s | rollout tok/s | "
+          "max rollout/logp_gap_max | mean rollout/token_mult_prob_error | rollout/turns_mean |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, r in rows:
         if isinstance(r, str):
-            print(f"| {name} | {r} | | | | | | |")
+            print(f"| {name} | {r} | | | | | | | |")
             continue
         print(f"| {name} | {r['time/step_s']:.3f} | {r['time/generate_s']:.3f} | {r['time/train_s']:.3f} | "
               f"{r['time/sync_s']:.3f} | {r['rollout_tok_s']:.0f} | {r['logp_gap_max']:.3g} | "
-              f"{r['token_mult_prob_error']:.6f} |")  # fmt: skip
-    base = dict(rows).get("default")
+              f"{r['token_mult_prob_error']:.6f} | {r['turns_mean']:.2f} |")  # fmt: skip
+    base_name, base = rows[0]
     if isinstance(base, dict):
-        for mode, r in rows:
-            if mode != "default" and isinstance(r, dict):
-                print(f"{mode} / default: step {r['time/step_s'] / base['time/step_s']:.2f}x, "
+        for name, r in rows[1:]:
+            if isinstance(r, dict):
+                print(f"{name.split(' (')[0]} / {base_name.split(' (')[0]}: step "
+                      f"{r['time/step_s'] / base['time/step_s']:.2f}x, "
                       f"rollout tok/s {r['rollout_tok_s'] / base['rollout_tok_s']:.2f}x")  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(all_records))
+
+
+def run_steps(args: argparse.Namespace) -> list[dict[str, float]]:
+    """The benchmark's steps in this process: their metrics."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_random_qwen3(Path(tmp) / "model", tiny=args.tiny)
+        extra = ["train.compile=false", "rollout.compile=false"] if args.eager else []
+        if args.workers > 1 or args.rollout_workers > 0:
+            extra += ["cluster.mode=ray", f"cluster.num_workers={args.workers}"]
+        if args.rollout_workers > 0:
+            extra += ["cluster.placement=separate", f"cluster.rollout_workers={args.rollout_workers}"]
+        if args.multiturn:
+            extra += multiturn_overrides_of(args)
+        cfg = e2e_config(args, model_dir, Path(tmp) / "run", extra + args.set)
+        groups = build_groups(cfg)
+        items, episodes = multiturn_parts(cfg, args) if args.multiturn else (None, None)
+        ctx = e2e_context(cfg, groups, args, items, episodes)
+        records = []
+        for step in range(args.steps):
+            if args.profile_train and step == args.steps - 1:
+                update = groups.train.update_policy
+                groups.train.update_policy = lambda u, f=update: profiled(lambda: f(u), host_table=True)
+            if args.profile and step == args.steps - 1:
+                m = profiled(lambda s=step: rl_step(ctx, s))
+            else:
+                m = rl_step(ctx, step)
+            if step == 0:
+                groups.freeze_heap()  # as the run loop does (rlloom/heap.py)
+            records.append(m)
+            turns = f", turns {m['rollout/turns_mean']:.2f}" if args.multiturn else ""
+            print(
+                f"step {step}: {m['time/step_s']:.2f} s (generate {m['time/generate_s']:.2f}, "
+                f"train {m['time/train_s']:.2f}, sync {m['time/sync_s']:.2f}), "
+                f"mfu {m.get('perf/mfu', float('nan')):.3f}{turns}",
+                flush=True,
+            )
+        if episodes is not None:
+            episodes.close()
+        groups.close()
+    return records
 
 
 def main() -> None:
@@ -284,6 +442,7 @@ def main() -> None:
         help="rollout GPUs of their own (cluster.placement=separate); 0 = colocated on the training GPUs",
     )
     add_shape_args(parser)
+    add_multiturn_args(parser)
     parser.add_argument("--out", default="")
     parser.add_argument("--profile", action="store_true", help="torch.profiler over the last step (inline)")
     parser.add_argument(
@@ -298,47 +457,37 @@ def main() -> None:
     parser.add_argument(
         "--modes", type=parse_modes, default=None, help=f"comma-separated, of: {', '.join(MODES)} (one table)"
     )
+    parser.add_argument(
+        "--placements",
+        type=parse_placements,
+        default=None,
+        help=f"comma-separated, of: {', '.join(PLACEMENTS)} (one table), on --gpus GPUs",
+    )
+    parser.add_argument("--gpus", type=int, default=2, help="--placements: GPUs of each placement")
     parser.add_argument("--mode-timeout-s", type=int, default=0, help="--modes: seconds per mode (0 = none)")
     args = parser.parse_args()
-    if args.modes and (args.profile or args.profile_train):
-        parser.error("--modes runs each mode in its own process: profile one mode with --set instead")
+    if (args.modes or args.placements) and (args.profile or args.profile_train):
+        parser.error(
+            "--modes/--placements run each variant in its own process: profile one with --set instead"
+        )
+    if args.modes and args.placements:
+        parser.error("--modes and --placements: one of them per call (one table)")
+    if args.placements and "separate" in args.placements and args.gpus < 2:
+        parser.error(f"--gpus {args.gpus}: a separate placement needs 2 GPUs or more")
     if args.tiny:
         tiny_shape(args)
-    if args.modes:
+        args.obs_tokens, args.env_workers = 12, 2  # --multiturn: 2 tokens of text beside the markers
+    if args.multiturn:
+        try:
+            multiturn_overrides_of(args)
+        except ValueError as e:
+            parser.error(str(e))
+    if args.modes or args.placements:
         return run_modes(args)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_random_qwen3(Path(tmp) / "model", tiny=args.tiny)
-        extra = ["train.compile=false", "rollout.compile=false"] if args.eager else []
-        if args.workers > 1 or args.rollout_workers > 0:
-            extra += ["cluster.mode=ray", f"cluster.num_workers={args.workers}"]
-        if args.rollout_workers > 0:
-            extra += ["cluster.placement=separate", f"cluster.rollout_workers={args.rollout_workers}"]
-        cfg = e2e_config(args, model_dir, Path(tmp) / "run", extra + args.set)
-        groups = build_groups(cfg)
-        ctx = e2e_context(cfg, groups, args)
-        records = []
-        for step in range(args.steps):
-            if args.profile_train and step == args.steps - 1:
-                update = groups.train.update_policy
-                groups.train.update_policy = lambda u, f=update: profiled(lambda: f(u), host_table=True)
-            if args.profile and step == args.steps - 1:
-                m = profiled(lambda s=step: rl_step(ctx, s))
-            else:
-                m = rl_step(ctx, step)
-            if step == 0:
-                groups.freeze_heap()  # as the run loop does (rlloom/heap.py)
-            records.append(m)
-            print(
-                f"step {step}: {m['time/step_s']:.2f} s (generate {m['time/generate_s']:.2f}, "
-                f"train {m['time/train_s']:.2f}, sync {m['time/sync_s']:.2f}), "
-                f"mfu {m.get('perf/mfu', float('nan')):.3f}",
-                flush=True,
-            )
-        groups.close()
+    records = run_steps(args)
     steady = records[1:] or records
     keys = sorted(k for k in steady[0] if k.startswith("time/"))
-    gen_tokens = args.prompts * args.samples * args.new_tokens
     print(
         f"\n| stage | median s ({len(steady)} steady steps, workers={args.workers}, "
         f"rollout_workers={args.rollout_workers}) |"
@@ -346,8 +495,13 @@ def main() -> None:
     print("|---|---|")
     for k in keys:
         print(f"| {k} | {statistics.median(r[k] for r in steady):.3f} |")
-    gen_s = statistics.median(r["time/generate_s"] for r in steady)
-    print(f"| rollout tok/s | {gen_tokens / gen_s:.0f} |")
+    summary = mode_summary(records, args.prompts * args.samples * turn_tokens(args))
+    print(f"| rollout tok/s | {summary['rollout_tok_s']:.0f} |")
+    if args.multiturn:
+        print(f"| rollout/turns_mean | {summary['turns_mean']:.2f} |")
+        print(
+            f"| rollout/env_tokens_mean | {statistics.median(r['rollout/env_tokens_mean'] for r in steady):.1f} |"
+        )
     print(f"| train MFU | {statistics.median(r.get('perf/mfu', 0.0) for r in steady):.3f} |")
     print(f"| weight sync ms/GB | {statistics.median(r['sync/ms_per_gb'] for r in steady):.0f} |")
     print(f"| peak memory GiB | {max(r.get('memory/peak_allocated_gib', 0.0) for r in steady):.1f} |")

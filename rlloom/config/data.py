@@ -10,7 +10,9 @@ from rlloom.config.checks import check, check_seed
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
-    task: Literal["arithmetic", "countdown", "visual_compare", "jsonl", "parquet"] = "arithmetic"
+    task: Literal["arithmetic", "countdown", "visual_compare", "visual_colour", "jsonl", "parquet"] = (
+        "arithmetic"
+    )
     """Built-in procedural task, or a dataset file (`path`) of prompts and ground truths."""
     path: str = ""
     """Dataset file for task=jsonl/parquet."""

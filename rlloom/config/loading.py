@@ -41,7 +41,7 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 TASK_ONLY_FIELDS: dict[str, tuple[str, ...]] = {
     "num_digits": ("arithmetic", "visual_compare"),
     "operators": ("arithmetic",),
-    "num_train": ("arithmetic", "countdown", "visual_compare"),
+    "num_train": ("arithmetic", "countdown", "visual_compare", "visual_colour"),
 }
 """`data` fields that only some tasks read: `to_yaml` leaves them out of the other tasks' configs."""
 

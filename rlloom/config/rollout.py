@@ -47,7 +47,8 @@ class RolloutConfig:
     end under the old weights before the update is applied; `abort_resume`: they are aborted, the
     weights updated between decode steps, and they resume under the new weights from prompt + tokens
     so far (KV cache rebuilt; every token keeps the version and logprob of the policy that produced
-    it); `drop`: their tokens are discarded and the samples generated again under the new weights.
+    it); `drop`: their tokens are discarded and the samples generated again under the new weights
+    (but for an agent's streamed request: the agent has read its tokens, so it resumes from them).
     abort_resume and drop need trainer.mode=async. Every mode works at any rollout.tp, inline or on
     Ray: the ranks of a replica abort, resume and take the new weights at the same decode step, as
     the replica's rank 0 decides."""

@@ -1,8 +1,8 @@
 """Choice answers: the response, without surrounding whitespace, must be exactly the ground truth.
 
-For tasks whose answer is one of a few fixed words or letters ("L" or "R" in `visual_compare`):
-"L" matches "L" and " L\n"; "l", "L.", "Left" and "L R" do not. Nothing is read into a
-malformed answer, so a model earns the reward only by answering in the asked form.
+For tasks whose answer is one of a few fixed words or letters ("L" or "R" in `visual_compare`, "A"
+to "D" in `visual_colour`): "L" matches "L" and " L\n"; "l", "L.", "Left" and "L R" do not. Nothing
+is read into a malformed answer, so a model earns the reward only by answering in the asked form.
 """
 
 from __future__ import annotations

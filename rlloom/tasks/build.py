@@ -21,12 +21,14 @@ from rlloom.data.source import PromptSource
 from rlloom.tasks.arithmetic import arithmetic_prompts
 from rlloom.tasks.countdown import countdown_prompts
 from rlloom.tasks.split import Split
+from rlloom.tasks.visual_colour import visual_colour_prompts
 from rlloom.tasks.visual_compare import visual_compare_prompts
 
 DEFAULT_REWARDS = {
     "arithmetic": "number",
     "countdown": "countdown",
     "visual_compare": "choice",
+    "visual_colour": "choice",
     "jsonl": "math",
     "parquet": "math",
 }
@@ -57,13 +59,17 @@ def task_prompts(data_cfg: DataConfig, split: Split = "train") -> list[RawPrompt
             num_digits=cfg.num_digits,
             seed=cfg.seed,
         )
+    if cfg.task == "visual_colour":
+        return visual_colour_prompts(
+            split=split, num_train=cfg.num_train, num_eval=cfg.num_eval, seed=cfg.seed
+        )
     if cfg.task in ("jsonl", "parquet"):
         rows = load_prompt_file(
             cfg.path, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, file_format=cfg.task
         )
         return split_file_rows(rows, num_eval=cfg.num_eval, seed=cfg.seed, split=split)
     raise ValueError(
-        f"data.task={cfg.task!r} is unknown; fix: use arithmetic, countdown, visual_compare, jsonl or parquet"
+        f"data.task={cfg.task!r} is unknown; fix: use arithmetic, countdown, visual_compare, visual_colour, jsonl or parquet"
     )
 
 

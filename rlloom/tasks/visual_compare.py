@@ -15,12 +15,11 @@ dataset on disk. The reward is the built-in `choice` (`rlloom.rewards.choice`).
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
-import tempfile
 from pathlib import Path
 
 from rlloom.data.dataset import RawPrompt
+from rlloom.tasks.pictures import saved_picture, task_folder
 from rlloom.tasks.split import Problem, Split, draw_split
 
 QUESTION = "Which number is larger, the left or the right? Answer L or R."
@@ -31,7 +30,7 @@ FONT_SIZE = 24
 
 def picture_folder() -> Path:
     """Where the pictures are drawn: one folder per drawing version in the temp directory."""
-    return Path(tempfile.gettempdir()) / "rlloom-tasks" / "visual_compare-v1"
+    return task_folder("visual_compare-v1")
 
 
 def draw_compare(rng: random.Random, *, num_digits: int) -> Problem:
@@ -64,15 +63,8 @@ def render_pair(left: int, right: int, num_digits: int):  # noqa: ANN201 (PIL.Im
 
 
 def picture_path(left: int, right: int, num_digits: int, folder: Path) -> str:
-    """The file of a pair's picture in `folder`, drawn on first use (written under a temporary name
-    then renamed, so concurrent runs never read half a file)."""
-    path = folder / f"{left}_{right}.png"
-    if not path.is_file():
-        folder.mkdir(parents=True, exist_ok=True)
-        partial = folder / f".{path.name}.{os.getpid()}.tmp"
-        render_pair(left, right, num_digits).save(partial, format="PNG")
-        os.replace(partial, path)
-    return str(path)
+    """The file of a pair's picture in `folder`, drawn on first use."""
+    return saved_picture(folder / f"{left}_{right}.png", lambda: render_pair(left, right, num_digits))
 
 
 def visual_compare_prompts(

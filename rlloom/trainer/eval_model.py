@@ -39,7 +39,7 @@ from rlloom.trainer.evaluate import EvalScores, score_prompts
 from rlloom.trainer.export import TASK_FILE, build_engine_from_checkpoint, hf_dir, resolve_checkpoint
 from rlloom.trainer.model_folder import check_model_folder, check_tokenizer
 
-PROCEDURAL_TASKS = ("arithmetic", "countdown", "visual_compare")
+PROCEDURAL_TASKS = ("arithmetic", "countdown", "visual_compare", "visual_colour")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -72,13 +72,27 @@ def record(
     return finished
 
 
+def keeps_tokens(request: StreamRequest, keep: bool) -> bool:
+    """Whether an aborted sample of `request` resumes from its tokens so far: under `keep`
+    (abort_resume), and always when it is streamed (`progress`): its client has read them and acts
+    on them (an agent), so a restart under new weights (drop) would train other tokens than those."""
+    return keep or request.progress
+
+
+def discarded_tokens(flights: dict[str, Flight], keep: bool) -> int:
+    """Tokens of the aborted samples of `flights` that a resume (`keep` or not) starts again."""
+    return sum(
+        len(p[0]) for f in flights.values() if not keeps_tokens(f.request, keep) for p in f.partial.values()
+    )
+
+
 def resume_all(engine: RolloutEngine, flights: dict[str, Flight], *, keep: bool) -> None:
-    """Put every aborted sample of `flights` back into `engine`: from its tokens so far (`keep`),
-    or from scratch (its tokens discarded)."""
+    """Put every aborted sample of `flights` back into `engine`: from its tokens so far
+    (`keeps_tokens`), or from scratch (its tokens discarded)."""
     for request_id, flight in flights.items():
         r = flight.request
         for j, (tokens, logprobs, versions) in sorted(flight.partial.items()):
-            if not keep:
+            if not keeps_tokens(r, keep):
                 tokens, logprobs, versions = [], [], []
                 flight.partial[j] = (tokens, logprobs, versions)
             engine.resume_request(

@@ -17,7 +17,8 @@ rollout.tp = 1 nothing is sent. Around a weight update (`rollout.partial`), the 
 - moves the new weights into the engine (any sync: in place, broadcast);
 - `resume(keep=True)`: each sample continues from prompt + its tokens so far, the KV cache rebuilt
   by a prefill under the new weights (abort_resume), or `resume(keep=False)`: its tokens are
-  discarded and it starts again under the new weights (drop).
+  discarded and it starts again under the new weights (drop); a streamed sample (`progress`), whose
+  client has read its tokens, continues from them either way.
 A finished sample comes out of rank 0's `poll()` with the version of each of its tokens; a request
 that asks for `progress` also gets its unfinished samples' tokens so far (`Partial`, the newest of
 each) after every step.
@@ -35,7 +36,15 @@ import torch
 import torch.distributed as dist
 
 from rlloom.engines.rollout import Completion, Partial, RolloutEngine
-from rlloom.workers.flights import Flight, StreamRequest, StreamResult, partial_tokens, record, resume_all
+from rlloom.workers.flights import (
+    Flight,
+    StreamRequest,
+    StreamResult,
+    discarded_tokens,
+    partial_tokens,
+    record,
+    resume_all,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,15 +144,16 @@ class EngineStream:
 
     def resume(self, keep: bool) -> int:
         """Continue every aborted sample under the engine's current weights: from its tokens so far
-        (`keep`) or from scratch; return the tokens discarded (0 with `keep`)."""
+        (`keep`, or a streamed one: `flights.keeps_tokens`) or from scratch; return the tokens
+        discarded."""
         with self._held():
             self._raise()
-            partial = [p for f in self.flights.values() for p in f.partial.values()]
-            if not partial:
+            if not any(f.partial for f in self.flights.values()):
                 return 0
+            discarded = discarded_tokens(self.flights, keep)
             self._resume = keep
             self._start()
-        return 0 if keep else sum(len(p[0]) for p in partial)
+        return discarded
 
     def drop_all(self) -> int:
         """Abort and forget every request and every unpolled sample; return the tokens discarded."""

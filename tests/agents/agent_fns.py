@@ -57,6 +57,17 @@ async def streamed_then_whole(base_url, row, sampling):
     return {"metrics": {"chunks": float(len(chunks))}}
 
 
+async def streamed_turns(base_url, row, sampling):
+    """Two chat turns, both streamed, with a tool message between them."""
+    async with AsyncOpenAI(base_url=base_url, api_key="none") as client:
+        messages = [{"role": "user", "content": row["prompt"]}]
+        for _ in range(2):
+            stream = await client.chat.completions.create(messages=messages, stream=True, **sampling)
+            content = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+            messages += [{"role": "assistant", "content": content}, {"role": "tool", "content": "42"}]
+    return None
+
+
 async def faulty(base_url, row, sampling):
     """Fails as the row's prompt ends: hang, exit, crash, raise, garbage, or fine (reward 1)."""
     async with AsyncOpenAI(base_url=base_url, api_key="none") as client:
@@ -77,3 +88,38 @@ async def faulty(base_url, row, sampling):
 
 def one_argument(base_url):
     """The wrong shape: an agent takes (base_url, row, sampling)."""
+
+
+async def two_turns_killing(base_url, row, sampling):
+    """`two_turns` with its second turn streamed; with KILL_ACTOR_DIR=RUN_DIR set, the first session
+    whose second turn is being sampled after step 1 is logged sends SIGKILL to the rollout actor
+    (rank 0 of RUN_DIR/actors.json) at that turn's first chunk, its request in flight on the replica;
+    RUN_DIR/killed-rollout-0 holds the kill's time.time() and pid."""
+    async with AsyncOpenAI(base_url=base_url, api_key="none") as client:
+        messages = [{"role": "user", "content": row["prompt"]}]
+        first = await client.chat.completions.create(messages=messages, **sampling)
+        messages.append({"role": "assistant", "content": first.choices[0].message.content})
+        messages.append({"role": "tool", "content": "42"})
+        async for _ in await client.chat.completions.create(messages=messages, stream=True, **sampling):
+            _kill_rollout_once()
+    return None
+
+
+def _kill_rollout_once() -> None:
+    import json
+    import signal
+    from pathlib import Path
+
+    run_dir = Path(os.environ.get("KILL_ACTOR_DIR", "/nonexistent"))
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.exists() or not any(json.loads(x)["step"] == 1 for x in metrics.read_text().splitlines()):
+        return
+    try:
+        marker = os.open(run_dir / "killed-rollout-0", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return  # another session killed it
+    actors = json.loads((run_dir / "actors.json").read_text())
+    pid = next(a["pid"] for a in actors if a["role"] == "rollout" and a["rank"] == 0)
+    os.write(marker, f"{time.time()} {pid}\n".encode())
+    os.close(marker)
+    os.kill(pid, signal.SIGKILL)

@@ -1,10 +1,14 @@
 """Agents trained as a user starts them: `rlloom train` with `rollout.agent` naming a function that
 talks to its session through the official `openai` client; the ledger's tokens are exact (training's
-logprobs equal the rollout's), and agents that fail cost only their trajectory."""
+logprobs equal the rollout's), also across a weight update in the asynchronous mode; agents that fail
+cost only their trajectory; and on Ray, a rollout actor killed under the sessions costs nothing but
+its wait (the run ends as the uninterrupted one)."""
 
 from __future__ import annotations
 
 import json
+import re
+import time
 from pathlib import Path
 
 import pytest
@@ -85,6 +89,33 @@ def test_a_streamed_turn_is_sent_while_it_is_sampled_and_trains_exactly(
     assert m["rollout/turns_mean"] == 2.0 and m["rollout/agent_errors"] == 0.0
     assert m["rollout/env_tokens_mean"] > 0  # the streamed content, sent back, extends the session
     assert abs(m["rollout/token_mult_prob_error"] - 1.0) < 1e-5
+
+
+def test_streamed_turns_interrupted_by_a_weight_update_resume_from_what_the_agents_read(
+    tiny_checkpoint, tmp_path, monkeypatch
+):
+    """trainer.mode=async with rollout.partial=drop: a weight update aborts the agents' streamed turns
+    in flight; they resume from the tokens their agents have read (none of them discarded, where
+    before they were sampled again under the new weights: the agent had read other tokens than those
+    trained), and training's logprobs still equal the rollout's."""
+    from rlloom.engines.rollout.native.engine import NativeEngine
+
+    step = NativeEngine.step
+    # 20 ms a decode step: turns are still being sampled when the weights change, on any machine
+    monkeypatch.setattr(NativeEngine, "step", lambda engine: time.sleep(0.02) or step(engine))
+    metrics = _train(
+        tiny_checkpoint,
+        tmp_path / "run",
+        "rollout.agent=agent_fns:streamed_turns",
+        "trainer.mode=async",
+        "rollout.partial=drop",
+        "trainer.total_steps=3",
+    )
+    assert sum(m["async/tokens_interrupted"] for m in metrics) > 0
+    for m in metrics:
+        assert m["async/tokens_discarded"] == 0.0
+        assert m["rollout/turns_mean"] == 2.0 and m["rollout/agent_errors"] == 0.0
+        assert abs(m["rollout/token_mult_prob_error"] - 1.0) < 1e-5
 
 
 def test_an_agent_prefills_and_samples_what_the_environment_path_does(tiny_checkpoint, tmp_path, monkeypatch):
@@ -184,15 +215,68 @@ def test_bad_agents_are_one_line_before_the_model_loads(tiny_checkpoint, tmp_pat
     assert len(err) == 1 and "excludes rollout.env" in err[0]
 
 
-@pytest.mark.slow  # a Ray start: 30-90 s on 2 cores
-def test_an_agent_on_ray_equals_inline(ray_cluster, tiny_checkpoint, tmp_path):
-    args = ["rollout.agent=agent_fns:two_turns", "trainer.total_steps=2", "train.lr=3e-2"]
-    inline = _train(tiny_checkpoint, tmp_path / "inline", *args)
-    on_ray = _train(tiny_checkpoint, tmp_path / "ray", *args, "cluster.mode=ray", "cluster.num_workers=1")
-    for a, b in zip(inline, on_ray, strict=True):
-        for k, v in a.items():
+RAY_ARGS = ("rollout.agent=agent_fns:two_turns", "trainer.total_steps=2", "train.lr=3e-2")
+
+
+@pytest.fixture(scope="module")
+def inline_two_turns(tiny_checkpoint, tmp_path_factory) -> list[dict]:
+    """The one-process run the Ray runs are compared with."""
+    return _train(tiny_checkpoint, tmp_path_factory.mktemp("inline"), *RAY_ARGS)
+
+
+@pytest.mark.slow  # a Ray start and a replacement: 60-150 s on 2 cores
+def test_a_killed_rollout_actor_sends_the_sessions_requests_again_and_the_run_equals_inline(
+    ray_cluster, tiny_checkpoint, inline_two_turns, tmp_path, monkeypatch, capsys
+):
+    """kill -9 of the rollout actor while a session's streamed second turn is being sampled (step 2,
+    separate placement): the replica is replaced in place and the requests it held, that turn's among
+    them, are sent again with their seeds, so the agents get the answers of the uninterrupted run
+    (the inline one, whose agents do not stream: the same tokens), one restart counted."""
+    on_ray = _train_killing(
+        tiny_checkpoint, tmp_path, monkeypatch, "cluster.placement=separate", "cluster.rollout_workers=1"
+    )
+    _, pid = (tmp_path / "killed-rollout-0").read_text().split()
+    assert int(pid) not in {a["pid"] for a in json.loads((tmp_path / "actors.json").read_text())}
+    assert [m.get("cluster/rollout_restarts") for m in on_ray] == [None, 1.0]
+    sent_again = re.search(r"replica 0 replaced in .* s, (\d+) requests sent again", capsys.readouterr().err)
+    assert sent_again and int(sent_again[1]) >= 1, "requests were in flight at the kill"
+    _assert_same_run(inline_two_turns, on_ray)
+
+
+@pytest.mark.slow  # a Ray start and a restart: 60-150 s on 2 cores
+def test_a_killed_colocated_actor_restarts_the_sessions_from_the_checkpoint_and_the_run_equals_inline(
+    ray_cluster, tiny_checkpoint, inline_two_turns, tmp_path, monkeypatch
+):
+    """The same kill with colocated placement (the default), where the dead actor also trained: the
+    run starts again from step 1's checkpoint by itself, its agents and endpoint with it (the killed
+    step's sessions are dropped, their agents' workers stopped), and ends as the uninterrupted run
+    (step 1 on Ray as inline, step 2 after the restart as inline)."""
+    on_ray = _train_killing(tiny_checkpoint, tmp_path, monkeypatch, "trainer.save_every=1")
+    assert [m.get("cluster/train_restarts") for m in on_ray] == [None, 1.0]
+    _assert_same_run(inline_two_turns, on_ray)
+
+
+def _train_killing(ckpt: Path, run_dir: Path, monkeypatch, *extra: str) -> list[dict]:
+    """A Ray run whose agents kill the rollout actor in step 2 (`agent_fns.two_turns_killing`)."""
+    monkeypatch.setenv("KILL_ACTOR_DIR", str(run_dir))
+    return _train(
+        ckpt,
+        run_dir,
+        *RAY_ARGS[1:],
+        "rollout.agent=agent_fns:two_turns_killing",
+        "cluster.mode=ray",
+        "cluster.num_workers=1",
+        "cluster.timeout_s=300",  # actors start slowly on a busy 2-core machine; a death is seen at once
+        *extra,
+    )
+
+
+def _assert_same_run(a: list[dict], b: list[dict]) -> None:
+    """Metrics of two runs equal, up to float32 rounding (the timings aside)."""
+    for ra, rb in zip(a, b, strict=True):
+        for k, v in ra.items():
             if k.startswith(("time/", "perf/", "memory/", "sync/")):
                 continue
             # the train-rollout gap is float32 rounding (~1e-7 either way): an absolute bound
             tol = 2e-6 if k.startswith("rollout/logp_gap") else 1e-5 * abs(v) + 1e-7
-            assert abs(v - b[k]) <= tol, (a["step"], k, v, b[k])
+            assert abs(v - rb[k]) <= tol, (ra["step"], k, v, rb[k])

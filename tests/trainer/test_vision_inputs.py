@@ -7,6 +7,7 @@ with a template that writes no image placeholders, and a split layout for a VL m
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import shutil
@@ -223,15 +224,15 @@ def test_qwen3_vl_trains_on_pictures(tmp_path):
     assert not torch.equal(dict(trained.named_parameters())[name], start[name])
 
 
-def test_visual_compare_recipe_trains_a_step_on_drawn_pictures(tiny_vl, tmp_path, monkeypatch, capsys):
-    """`rlloom train visual_compare model.path=<tiny-vl>`: the task draws its pictures, the model
-    evaluates and trains one step on them with the exact `choice` reward, and `rlloom eval RUN
-    visual_compare` scores the run's held-out pairs."""
-    import rlloom.tasks.visual_compare as task
-
+@pytest.mark.parametrize("recipe", ["visual_compare", "visual_colour"])
+def test_visual_recipe_trains_a_step_on_drawn_pictures(recipe, tiny_vl, tmp_path, monkeypatch, capsys):
+    """`rlloom train visual_compare model.path=<tiny-vl>` (and visual_colour): the task draws its
+    pictures, the model evaluates and trains one step on them with the exact `choice` reward, and
+    `rlloom eval RUN visual_compare` scores the run's held-out problems."""
+    task = importlib.import_module(f"rlloom.tasks.{recipe}")
     monkeypatch.setattr(task, "picture_folder", lambda: tmp_path / "pictures")
     args = [
-        "train", "visual_compare", f"model.path={tiny_vl}", f"trainer.run_dir={tmp_path / 'run'}",
+        "train", recipe, f"model.path={tiny_vl}", f"trainer.run_dir={tmp_path / 'run'}",
         "trainer.total_steps=1", "trainer.prompts_per_step=2", "rollout.n_samples=2", "data.num_train=4",
         "data.num_eval=2", "logging.console=false", "rollout.kv_cache_memory_gb=0.05",
     ]  # fmt: skip
@@ -240,5 +241,5 @@ def test_visual_compare_recipe_trains_a_step_on_drawn_pictures(tiny_vl, tmp_path
     assert list((tmp_path / "pictures").glob("*.png"))
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert samples and all(s["reward"] == float(s["response"] == s["ground_truth"]) for s in samples)
-    assert main(["eval", str(tmp_path / "run"), "visual_compare"]) == 0  # the run's held-out pairs
+    assert main(["eval", str(tmp_path / "run"), recipe]) == 0  # the run's held-out problems
     assert '"prompts": 2' in capsys.readouterr().out

@@ -16,7 +16,7 @@ from stream_ranks import TIMEOUT_S, run_rank, run_schedule
 import rlloom.models as models
 from rlloom.engines.rollout.native import NativeEngine, SamplingParams
 from rlloom.models.adapter import hf_named_tensors
-from rlloom.workers.flights import StreamRequest
+from rlloom.workers.flights import StreamRequest, StreamResult
 from rlloom.workers.stream import EngineStream
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 3]]
@@ -29,8 +29,9 @@ def _engine(path) -> NativeEngine:
     )
 
 
-def _interrupted_stream(path) -> tuple[EngineStream, int]:
-    """A stream whose requests were aborted after 4 or more decode steps (of 14 tokens)."""
+def _interrupted_stream(path, *, streamed: bool = False) -> tuple[EngineStream, int]:
+    """A stream whose requests were aborted after 4 or more decode steps (of 14 tokens); `streamed`:
+    the first prompt's request reports its tokens as they are sampled (`progress`)."""
     engine = _engine(path)
     step, steps, four = engine.step, [], threading.Event()
 
@@ -45,7 +46,9 @@ def _interrupted_stream(path) -> tuple[EngineStream, int]:
     stream = EngineStream(engine)
     stream.add(
         [
-            StreamRequest(request_id=str(i), prompt_ids=p, sampling=PARAMS, prompt_index=i)
+            StreamRequest(
+                request_id=str(i), prompt_ids=p, sampling=PARAMS, prompt_index=i, progress=streamed and i == 0
+            )
             for i, p in enumerate(PROMPTS)
         ]
     )
@@ -61,7 +64,8 @@ def _collect(stream: EngineStream, count: int) -> dict:
     deadline = time.monotonic() + 60
     while len(out) < count and time.monotonic() < deadline:
         for r in stream.poll(0.5):
-            out[(r.completion.prompt_index, r.completion.sample_index)] = r
+            if isinstance(r, StreamResult):  # not a streamed request's tokens so far
+                out[(r.completion.prompt_index, r.completion.sample_index)] = r
     return out
 
 
@@ -84,6 +88,26 @@ def test_interrupted_samples_end_as_uninterrupted_ones(tiny_checkpoint, keep):
     # resumed: the tokens before the abort keep version 0, the rest have version 1; restarted: one
     # version per sample
     assert mixed > 0 if keep else mixed == 0
+    assert stream.drop_all() == 0
+
+
+def test_a_streamed_sample_continues_from_its_tokens_where_the_others_are_dropped(tiny_checkpoint):
+    """partial=drop starts an interrupted sample again under the new weights, but a streamed one (an
+    agent's `stream=true` request) continues from its tokens: its client has read them and acts on
+    them, so a restart would train other tokens than those the agent saw."""
+    straight = {
+        (c.prompt_index, c.sample_index): c for c in _engine(tiny_checkpoint).generate(PROMPTS, PARAMS)
+    }
+    stream, interrupted = _interrupted_stream(tiny_checkpoint, streamed=True)
+    streamed = sum(len(p[0]) for p in stream.flights["0"].partial.values())
+    assert 0 < streamed < interrupted
+    assert stream.resume(keep=False) == interrupted - streamed  # only the plain request's are discarded
+    got = _collect(stream, len(straight))
+    assert got.keys() == straight.keys()
+    for (prompt, j), r in got.items():
+        assert r.completion.token_ids == straight[prompt, j].token_ids  # the same weights, seeded
+        # the streamed prompt's tokens before the abort keep version 0; the other restarted at 1
+        assert (len(set(r.versions)) > 1) == (prompt == 0), (prompt, j, r.versions)
     assert stream.drop_all() == 0
 
 

@@ -10,7 +10,7 @@ from rlloom.config.recipes.arithmetic import (
     calculator_tools,
     dapo_arithmetic,
 )
-from rlloom.config.recipes.visual import visual_compare
+from rlloom.config.recipes.visual import visual_colour, visual_compare
 from rlloom.config.run import RunConfig
 
 RECIPES: dict[str, Callable[[], RunConfig]] = {
@@ -20,5 +20,6 @@ RECIPES: dict[str, Callable[[], RunConfig]] = {
     "arithmetic_sft": arithmetic_sft,
     "calculator_tools": calculator_tools,
     "dapo_arithmetic": dapo_arithmetic,
+    "visual_colour": visual_colour,
     "visual_compare": visual_compare,
 }

@@ -192,3 +192,59 @@ def test_two_ranks_one_without_pictures_equal_one_process(vl):
     batch = _mixed_pair()
     expected = {"grad_norm": single.train_step(batch, **_loss(batch))["train/grad_norm"]}
     spawn(_dp2_worker, args=(free_port(), str(path), expected), nprocs=2, join=True)
+
+
+@pytest.mark.parametrize("kind", ["tiny-vl", "tiny-vl3"])
+def test_each_answer_reads_its_own_picture(kind, tmp_path):
+    """The visual_colour task's four prompts (the same token ids, four solid colours) through the data
+    pipeline into the model `rlloom init-model` writes (transformers' initialisation, as the recipe
+    trains it): the answer position's next-token distribution moves with the picture alone, and the
+    rollout engine's logprob of every sample, and the training engine's in one packed batch, are its
+    own picture's, not another's (the pictures' answers differ 100x more than the tolerance)."""
+    from transformers import AutoTokenizer
+
+    from rlloom.data.chat import tokenize_prompts
+    from rlloom.models.checkpoint import load_image_processing
+    from rlloom.models.mrope import mrope_positions
+    from rlloom.models.tiny import write_tiny_model
+    from rlloom.tasks.visual_colour import visual_colour_prompts
+
+    path = write_tiny_model(kind, tmp_path / "model", hidden=64)
+    raws = visual_colour_prompts(split="eval", num_train=4, num_eval=4, seed=0, folder=tmp_path / "pictures")
+    items = tokenize_prompts(
+        raws, AutoTokenizer.from_pretrained(path), chat_template=True, max_prompt_length=128,
+        images=load_image_processing(path),
+    ).items  # fmt: skip
+    assert len({tuple(item.prompt_ids) for item in items}) == 1 and len(items) == 4
+    model = models.from_pretrained(path)
+    with torch.no_grad():
+        answer_PV = torch.stack([
+            model(
+                torch.tensor(item.prompt_ids), pixel_values=item.images.pixel_values,
+                image_grid_thw=item.images.grid_thw,
+                position_ids=mrope_positions(item.prompt_ids, item.images.grid_thw.tolist(), model.args.vision),
+            )[-1].log_softmax(-1)
+            for item in items
+        ])  # fmt: skip
+    apart_PP = (answer_PV[:, None] - answer_PV[None]).abs().amax(-1)
+    assert apart_PP[~torch.eye(4, dtype=torch.bool)].min() > 1e-3, apart_PP
+
+    rollout = NativeEngine(
+        models.from_pretrained(path), max_model_len=128, num_blocks=64, block_size=4, seed=0, eos_token_ids=[]
+    )
+    out = rollout.generate(
+        [item.prompt_ids for item in items], SamplingParams(n=4, temperature=1.0, max_new_tokens=1, seed=1),
+        [item.images for item in items],
+    )  # fmt: skip
+    expected_S = answer_PV[[c.prompt_index for c in out], [c.token_ids[0] for c in out]]
+    rollout_S = torch.tensor([c.logprobs[0] for c in out])
+    torch.testing.assert_close(rollout_S, expected_S, atol=1e-5, rtol=0)
+
+    batch = RolloutBatch([
+        Sample(prompt_ids=items[c.prompt_index].prompt_ids, response_ids=list(c.token_ids),
+               group_id=c.prompt_index, images=items[c.prompt_index].images)
+        for c in out
+    ])  # fmt: skip
+    engine = NativeTrainEngine(TrainEngineConfig(share_prompts=True), models.from_pretrained(path))
+    logp_BT, _ = engine.forward_logprobs(batch, options=ForwardOptions(temperature=1.0))
+    torch.testing.assert_close(logp_BT[:, 0], expected_S, atol=1e-5, rtol=0)
