@@ -4,6 +4,7 @@ Ray actors placed as placement.py plans (ray.py; Ray imported only then) for clu
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 from rlloom.cluster.base import CriticGroup, RolloutGroup, TrainGroup, WeightSync
@@ -32,6 +33,16 @@ class Groups:
         self.rollout.close()
         self.train.close()
         thaw_heap()  # this process may build more groups: the closed ones must be collectable
+
+
+def cluster_session(cfg: RunConfig) -> AbstractContextManager[None]:
+    """What a whole run (every restart of it) shares: with cluster.mode=ray, Ray, started (or joined)
+    once and shut down at the end when the session started it (`ray_slots.ray_session`); nothing inline."""
+    if cfg.cluster.mode != "ray":
+        return nullcontext()
+    from rlloom.cluster.ray_slots import ray_session
+
+    return ray_session(cfg, plan_placement(cfg).num_slots)
 
 
 def build_groups(cfg: RunConfig) -> Groups:

@@ -18,7 +18,8 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -61,25 +62,52 @@ def slot_roles(placement: Placement, slot: int, *, critic: bool) -> list[tuple[s
     return roles
 
 
+def uses_gpu(cfg: RunConfig) -> bool:
+    """The actors take a GPU each (cluster.device cuda, or auto with CUDA present)."""
+    return cfg.cluster.device == "cuda" or (cfg.cluster.device == "auto" and torch.cuda.is_available())
+
+
+def start_ray(cfg: RunConfig, num_slots: int) -> bool:
+    """Start a local Ray instance, or join `cluster.address`, unless this process is connected
+    already; True when this call connected (its caller shuts Ray down)."""
+    if ray.is_initialized():
+        return False
+    local_cpu = not (uses_gpu(cfg) or cfg.cluster.address)
+    phase = time.perf_counter()
+    ray.init(
+        address=cfg.cluster.address or None,
+        # A local CPU cluster gets a slot per actor even on a machine with fewer cores.
+        num_cpus=max(os.cpu_count() or 1, num_slots) if local_cpu else None,
+        include_dashboard=False,
+        log_to_driver=True,
+    )
+    where = f"joined {cfg.cluster.address}" if cfg.cluster.address else "a local instance"
+    log.info("start-up: Ray %.1f s (%s)", time.perf_counter() - phase, where)
+    return True
+
+
+@contextmanager
+def ray_session(cfg: RunConfig, num_slots: int) -> Iterator[None]:
+    """Ray for a whole run, kept across its training restarts: a restart replaces the actors, not the
+    local Ray instance, whose start costs seconds (on a busy machine more than the 30 s Ray gives its
+    raylet to register, which ended a restarted run with Ray's traceback). Shut down at the end when
+    this session started it."""
+    started = start_ray(cfg, num_slots)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
 class Actors:
     """The run's actors, one per slot; `replace(slot)` starts a fresh one in the same place."""
 
     def __init__(self, cfg: RunConfig, placement: Placement) -> None:
         self.timeout_s = cfg.cluster.timeout_s
         self.run_dir = Path(cfg.trainer.run_dir)
-        self.use_gpu = cfg.cluster.device == "cuda" or (
-            cfg.cluster.device == "auto" and torch.cuda.is_available()
-        )
-        self._owns_ray = not ray.is_initialized()
-        if self._owns_ray:
-            # A local CPU cluster gets a slot per actor even on a machine with fewer cores.
-            local_cpu = not (self.use_gpu or cfg.cluster.address)
-            ray.init(
-                address=cfg.cluster.address or None,
-                num_cpus=max(os.cpu_count() or 1, placement.num_slots) if local_cpu else None,
-                include_dashboard=False,
-                log_to_driver=True,
-            )
+        self.use_gpu = uses_gpu(cfg)
+        self._owns_ray = start_ray(cfg, placement.num_slots)  # False in a run: `ray_session` holds it
         self.node_groups = placement.node_groups
         self.labels = [_label(placement, s) for s in range(placement.num_slots)]
         self.roles = [
@@ -227,7 +255,7 @@ class Actors:
             remove_placement_group(pg)
         self.pgs = []
         if self._owns_ray:
-            ray.shutdown()  # a later run in this process starts afresh (e.g. a resumed run)
+            ray.shutdown()  # a later run in this process starts afresh
             self._owns_ray = False
 
 

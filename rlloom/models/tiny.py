@@ -39,14 +39,20 @@ VL_CHAT_TEMPLATE = (
 expands to the image's run of tokens (`rlloom.data.images.expand_image_tokens`)."""
 
 
-def char_tokenizer(*, vision: bool = False):  # noqa: ANN201 (transformers' PreTrainedTokenizerFast, lazily)
+def char_tokenizer(  # noqa: ANN201 (transformers' PreTrainedTokenizerFast, lazily)
+    *, vision: bool = False, vocab_size: int = 0
+):
     """A fast tokenizer with one token per printable character, a chat template and an end-of-turn
-    token (`vision`: and Qwen2.5-VL's three vision tokens, at the end of the vocabulary)."""
+    token (`vision`: and Qwen2.5-VL's three vision tokens, at the end of the vocabulary).
+    `vocab_size`: filled up to this many tokens with plain words `<fill_N>` that no text encodes to,
+    for a random model of a real vocabulary's width (Qwen3's 151936), every id of which then decodes."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
-    vocab = {tok: i for i, tok in enumerate(SPECIAL + chars + (VISION_TOKENS if vision else []))}
+    tail = VISION_TOKENS if vision else []
+    fill = [f"<fill_{i}>" for i in range(vocab_size - len(SPECIAL) - len(chars) - len(tail))]
+    vocab = {tok: i for i, tok in enumerate(SPECIAL + chars + fill + tail)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()

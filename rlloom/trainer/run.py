@@ -32,7 +32,7 @@ import torch
 
 from rlloom.agents.build import build_agent_driver
 from rlloom.cluster import NoRoom, WorkerFailure
-from rlloom.cluster.build import Groups, build_groups
+from rlloom.cluster.build import Groups, build_groups, cluster_session
 from rlloom.config import RunConfig
 from rlloom.config.loading import to_dict, to_yaml
 from rlloom.data.control_tokens import ResponseDecoder
@@ -104,23 +104,30 @@ def run(cfg: RunConfig) -> RunResult:
         if resume_from is not None:
             check_resume_config(resume_from, cfg)
         check_before_loading(cfg)
-        restarts, cause = 0, None
-        while True:
-            try:
-                return _run(cfg, resume_from, restarts)
-            except WorkerFailure as e:
-                if restarts >= cfg.trainer.max_restarts or isinstance(e, NoRoom):
-                    lost = f"{str(cause).rstrip('.')}, and {e}" if isinstance(e, NoRoom) and cause else str(e)
-                    raise WorkerFailure(f"{lost.rstrip('.')}. {_stopped(cfg, restarts)}") from e
-                restarts, cause = restarts + 1, e
-                resume_from = newest_checkpoint(cfg)
-                log.warning(
-                    "training restart %d of trainer.max_restarts=%d: %s; the groups start again from %s",
-                    restarts,
-                    cfg.trainer.max_restarts,
-                    e,
-                    resume_from or "the beginning (no checkpoint yet)",
-                )
+        with cluster_session(cfg):  # one Ray for every attempt: a restart replaces the actors
+            return _run_restarting(cfg, resume_from)
+
+
+def _run_restarting(cfg: RunConfig, resume_from: Path | None) -> RunResult:
+    """The run from `resume_from`, started again from its newest checkpoint after each
+    `WorkerFailure`, up to `trainer.max_restarts` times."""
+    restarts, cause = 0, None
+    while True:
+        try:
+            return _run(cfg, resume_from, restarts)
+        except WorkerFailure as e:
+            if restarts >= cfg.trainer.max_restarts or isinstance(e, NoRoom):
+                lost = f"{str(cause).rstrip('.')}, and {e}" if isinstance(e, NoRoom) and cause else str(e)
+                raise WorkerFailure(f"{lost.rstrip('.')}. {_stopped(cfg, restarts)}") from e
+            restarts, cause = restarts + 1, e
+            resume_from = newest_checkpoint(cfg)
+            log.warning(
+                "training restart %d of trainer.max_restarts=%d: %s; the groups start again from %s",
+                restarts,
+                cfg.trainer.max_restarts,
+                e,
+                resume_from or "the beginning (no checkpoint yet)",
+            )
 
 
 def newest_checkpoint(cfg: RunConfig) -> Path | None:

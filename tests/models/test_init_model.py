@@ -70,3 +70,14 @@ def test_init_model_refuses_a_folder_in_use_and_bad_sizes(tmp_path, capsys):
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and all(line.startswith("rlloom: error: ") for line in err)
     assert "init-model output" in err[0] and "--hidden 20" in err[1]
+
+
+def test_char_tokenizer_fills_up_to_a_vocabulary_size_whose_every_id_decodes():
+    """benchmarks/bench_recovery.py's random Qwen3-0.6B-shape model samples any of 151936 ids: each
+    must decode (to a filler word no text encodes to) while text still encodes one id a character."""
+    from rlloom.models.tiny import char_tokenizer
+
+    small, filled = char_tokenizer(), char_tokenizer(vocab_size=300)
+    assert len(filled) == 300 and len(char_tokenizer(vision=True, vocab_size=300)) == 300
+    assert filled("What is <fill_3>?")["input_ids"] == small("What is <fill_3>?")["input_ids"]
+    assert filled.decode([len(small), 299]) == f"<fill_0><fill_{299 - len(small)}>"
