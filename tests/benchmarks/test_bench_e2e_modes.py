@@ -85,5 +85,7 @@ def test_modes_table_on_cpu_match_training_row_reads_a_zero_gap() -> None:
             if line.startswith("| match_training")}  # fmt: skip
     assert set(rows) == {"match_training"}
     assert rows["match_training"][6] == "0"
-    repeats = [line.split(" | ")[-1] for line in out.stdout.splitlines() if line.startswith("| deterministic")]
+    repeats = [
+        line.split(" | ")[-1] for line in out.stdout.splitlines() if line.startswith("| deterministic")
+    ]
     assert repeats == [" |", "identical |"]

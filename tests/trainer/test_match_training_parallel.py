@@ -7,7 +7,7 @@ runs the same on 2 GPUs with NCCL):
 - parallel.tp=2 into rollout.tp=2 (dense): both engines add a row-parallel product's two partials
   and take the log-softmax of the gathered logits (models/exact.py, parallel/vocab_parallel.py).
 `rollout/logp_gap_max` is 0.0 at every step; without match_training it is not (the check can
-fail). The exact runs are deterministic ones too: run twice, they give the same metrics (but
+fail). The exact runs are deterministic ones too: run twice (MoE, dense), they give the same metrics (but
 timings) and the same final weights."""
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def test_exact_and_deterministic_in_a_parallel_layout(tmp_path, kind, layout):
     exact = ["rollout.match_training=true", "trainer.deterministic=true", *layout]
     gaps, metrics, weights = train(ckpt, tmp_path / "a", *exact)
     assert gaps == [0.0, 0.0]
+    if kind == "tiny-mla":  # its experts' exchange is tiny-moe's: the repeat and the control are there
+        return
     again = train(ckpt, tmp_path / "b", *exact)
     assert again == (gaps, metrics, weights)  # the deterministic run repeats, weights included
-    if kind != "tiny-mla":  # the default kernels round otherwise: the check can fail
-        assert max(train(ckpt, tmp_path / "default", *layout)[0]) > 0.0
+    assert max(train(ckpt, tmp_path / "default", *layout)[0]) > 0.0  # the default rounds otherwise
