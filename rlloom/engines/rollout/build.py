@@ -65,14 +65,22 @@ def check_rollout(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
         check_kv_cache(cfg, hf_config)
 
 
+def _model_args(hf_config: dict[str, Any]) -> ModelArgs | None:
+    """The model's args for a start-up check, or None where the config does not parse (check_kv_cache
+    or the engine reports the model itself)."""
+    try:
+        return ModelArgs.from_hf_config(hf_config)
+    except ValueError:
+        return None
+
+
 def check_rollout_tp(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
     """rollout.tp must split the model's heads and widths evenly (the engine checks again)."""
     if cfg.rollout.tp == 1:
         return
-    try:
-        args = ModelArgs.from_hf_config(hf_config)
-    except ValueError:
-        return  # check_kv_cache or the engine reports the model itself
+    args = _model_args(hf_config)
+    if args is None:
+        return
     problem = tp_problem(args, cfg.rollout.tp)
     if problem is not None:
         raise ConfigError(f"{problem} ({cfg.model.path})")
@@ -82,10 +90,9 @@ def check_rollout_quantization(cfg: RunConfig, hf_config: dict[str, Any]) -> Non
     """rollout.quantization=fp8 needs routed experts to quantize (the engine checks again)."""
     if cfg.rollout.quantization == "none":
         return
-    try:
-        args = ModelArgs.from_hf_config(hf_config)
-    except ValueError:
-        return  # check_kv_cache or the engine reports the model itself
+    args = _model_args(hf_config)
+    if args is None:
+        return
     if args.moe is None:
         raise ConfigError(
             f"rollout.quantization={cfg.rollout.quantization!r} is invalid for {cfg.model.path} "
@@ -133,10 +140,9 @@ def _check_exact_tp(cfg: RunConfig, hf_config: dict[str, Any]) -> None:
     give training, takes no head-sharded weights."""
     if cfg.parallel.tp == 1:
         return
-    try:
-        args = ModelArgs.from_hf_config(hf_config)
-    except ValueError:
-        return  # check_kv_cache or the engine reports the model itself
+    args = _model_args(hf_config)
+    if args is None:
+        return
     if args.moe is not None or args.mla is not None:
         raise ConfigError(
             f"rollout.match_training=true covers parallel.tp={cfg.parallel.tp} for dense models only in "
