@@ -63,6 +63,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from bounded import run_bounded  # beside this file
 from multiturn_env import (  # beside this file
     FixedLengthTurns,
     bench_tokenizer,
@@ -391,9 +392,8 @@ def run_variant(args: argparse.Namespace, name: str, extra: list[str], out: Path
     shown, its own table not (one table); its stderr passes through."""
     cmd = [sys.executable, __file__, *without_modes(sys.argv[1:]), *extra, "--out", str(out)]
     print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
-    try:
-        proc = subprocess.run(cmd, timeout=args.mode_timeout_s or None, stdout=subprocess.PIPE, text=True)
-    except subprocess.TimeoutExpired:
+    proc = run_bounded(cmd, args.mode_timeout_s, stdout=subprocess.PIPE, text=True)
+    if proc is None:  # its process tree (its Ray instance included) was killed
         return f"timed out after {args.mode_timeout_s} s"
     print("\n".join(line for line in proc.stdout.splitlines() if line.startswith("step ")), flush=True)
     if proc.returncode != 0 or not out.exists():

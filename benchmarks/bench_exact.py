@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bounded import run_bounded  # noqa: E402  (beside this file)
 
 LINES: list[str] = []
 
@@ -198,9 +199,8 @@ def mode_row(args: argparse.Namespace, mode: str) -> dict | None:
     cmd += ["--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)]
     cmd += ["--kv-gb", str(args.kv_gb)] + (["--tiny"] if args.tiny else []) + (["--moe"] if args.moe else [])
     start = time.time()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.mode_timeout_s)
-    except subprocess.TimeoutExpired:
+    proc = run_bounded(cmd, args.mode_timeout_s, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if proc is None:  # its process tree was killed
         emit(f"| {mode} | timed out after {args.mode_timeout_s} s | | | | |")
         return None
     found = [line for line in proc.stdout.splitlines() if line.startswith("RECORDS ")]

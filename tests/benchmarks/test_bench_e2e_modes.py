@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,38 @@ def test_modes_table_on_cpu_match_training_row_reads_a_zero_gap() -> None:
         line.split(" | ")[-1] for line in out.stdout.splitlines() if line.startswith("| deterministic")
     ]
     assert repeats == [" |", "identical |"]
+
+
+def test_a_variant_past_its_time_limit_is_killed_with_the_processes_it_started(tmp_path) -> None:
+    """A mode's child starts a local Ray instance; killing only the child would leave its processes on
+    the GPUs while the next mode runs. The grandchild here stands in for them."""
+    from bounded import run_bounded
+
+    pid_file = tmp_path / "grandchild.pid"
+    script = (
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'],\n"
+        "                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+        "time.sleep(60)\n"
+    )
+    assert run_bounded([sys.executable, "-c", script], 3, stdout=subprocess.PIPE, text=True) is None
+    grandchild = int(pid_file.read_text())
+    for _ in range(50):  # SIGKILL is asynchronous: give the kernel a moment
+        if not alive(grandchild):
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(grandchild, 9)
+        pytest.fail("the grandchild outlived its time-limited parent")
+    done = run_bounded([sys.executable, "-c", "print('ok')"], 30, stdout=subprocess.PIPE, text=True)
+    assert done is not None and done.returncode == 0 and done.stdout == "ok\n"
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, killed and not yet reaped by a subreaper, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
