@@ -15,7 +15,7 @@ from rlloom.agents.api import Answer, ApiError, Choice, Delta, GenRequest
 from rlloom.agents.server import Call, Endpoint
 from rlloom.agents.turns import Formats, StreamCursor, make_choice, prompt_ids, render_prompt
 from rlloom.engines.rollout import Partial, RolloutEngine, SamplingParams
-from rlloom.workers.flights import StreamRequest
+from rlloom.workers.flights import StreamPartial, StreamRequest
 from rlloom.workers.stream import EngineStream
 
 
@@ -101,8 +101,8 @@ def serve(
         if not pending:
             continue
         for result in stream.poll(0.01):
-            if isinstance(result, Partial):
-                _send(pending.get(result.request_id), result)
+            if isinstance(result, StreamPartial):
+                _send(pending.get(result.partial.request_id), result.partial)
                 continue
             c = result.completion
             p = pending.get(c.request_id)

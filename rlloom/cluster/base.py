@@ -18,9 +18,9 @@ import torch
 
 from rlloom.data.images import ImageInputs
 from rlloom.data.types import PolicyUpdate, RolloutBatch, ValueUpdate
-from rlloom.engines.rollout import Completion, Partial, SamplingParams
+from rlloom.engines.rollout import Completion, SamplingParams
 from rlloom.observability.metrics import Metric
-from rlloom.workers.flights import StreamRequest, StreamResult
+from rlloom.workers.flights import StreamPartial, StreamRequest, StreamResult
 
 T_co = TypeVar("T_co", covariant=True)
 T = TypeVar("T")
@@ -155,7 +155,7 @@ class RolloutGroup(Protocol):
         in the background from now on (the asynchronous loop)."""
         ...
 
-    def stream_poll(self, timeout_s: float) -> list[StreamResult | Partial]:
+    def stream_poll(self, timeout_s: float) -> list[StreamResult | StreamPartial]:
         """The samples every replica finished since the last poll (waiting up to `timeout_s`), after
         the tokens so far of unfinished ones whose request asked for them (`StreamRequest.progress`)."""
         ...

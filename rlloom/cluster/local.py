@@ -12,13 +12,13 @@ from rlloom.cluster.base import Done
 from rlloom.config import RunConfig
 from rlloom.data.images import ImageInputs
 from rlloom.data.types import PolicyUpdate, RolloutBatch, ValueUpdate
-from rlloom.engines.rollout import Completion, Partial, SamplingParams
+from rlloom.engines.rollout import Completion, SamplingParams
 from rlloom.heap import freeze_heap
 from rlloom.observability.metrics import Metric
 from rlloom.weight_sync.base import checksum_enabled
 from rlloom.weight_sync.inplace import sync_inplace
 from rlloom.workers.critic import CriticWorker
-from rlloom.workers.flights import StreamRequest, StreamResult
+from rlloom.workers.flights import StreamPartial, StreamRequest, StreamResult
 from rlloom.workers.rollout import RolloutWorker
 from rlloom.workers.train import TrainWorker
 
@@ -113,7 +113,7 @@ class LocalRolloutGroup:
     def stream_add(self, replica: int, requests: list[StreamRequest]) -> None:
         self.worker.stream_add(requests)
 
-    def stream_poll(self, timeout_s: float) -> list[StreamResult | Partial]:
+    def stream_poll(self, timeout_s: float) -> list[StreamResult | StreamPartial]:
         return self.worker.stream_poll(timeout_s)
 
     def stream_abort(self) -> int:

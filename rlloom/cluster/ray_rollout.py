@@ -4,13 +4,17 @@ The group keeps the stream requests each replica holds (sent and not yet deliver
 replica's actor dies or hangs and the group has a `recover` (separate placement, one-rank replicas),
 `recover(replica)` starts a fresh actor in its place and syncs it to the current weights; the held
 requests are sent again with their same seeds, so they make the same samples, and a sample that was
-delivered before the failure is not delivered twice. At most `trainer.max_restarts` replacements a
+delivered before the failure is not delivered twice. A streamed sample whose tokens so far were passed
+on (to an agent, who read them) continues from those tokens instead of starting again: a replay may
+draw other tokens (on a GPU, another batch changes bf16 sums), and the sample trained must be the
+one the agent read. At most `trainer.max_restarts` replacements a
 run; past that, or without a `recover`, the failure goes up to the controller, as does a replacement
 the cluster has no room for (`NoRoom`: its node was lost).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -21,8 +25,8 @@ import ray
 from rlloom.cluster.ray_generate import QueuedGeneration
 from rlloom.cluster.ray_slots import Actors, NoRoom, Refs, SlotFailure, first
 from rlloom.data.images import ImageInputs
-from rlloom.engines.rollout import Partial, SamplingParams
-from rlloom.workers.flights import StreamRequest, StreamResult
+from rlloom.engines.rollout import SamplingParams
+from rlloom.workers.flights import StreamPartial, StreamRequest, StreamResult, Tokens
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,8 @@ class RayRolloutGroup:
         """Per replica: the requests it holds, by id (sent and not yet delivered in full)."""
         self.delivered: dict[str, set[int]] = {}
         """Per held request: the sample indices delivered so far."""
+        self.passed: dict[tuple[str, int], StreamPartial] = {}
+        """(request id, sample index) -> the newest tokens so far passed on of a held streamed sample."""
         self.resend: set[int] = set()
         """Replaced replicas whose held requests wait to be sent again (not while aborting)."""
 
@@ -129,14 +135,29 @@ class RayRolloutGroup:
     def _resend(self) -> None:
         while self.resend:
             replica = self.resend.pop()
-            self._send(replica, list(self.held[replica].values()))
+            self._send(replica, [self._continued(r) for r in self.held[replica].values()])
 
-    def _fresh(self, results: list[StreamResult | Partial]) -> list[StreamResult | Partial]:
+    def _continued(self, r: StreamRequest) -> StreamRequest:
+        """Held request `r` as it is sent again: when tokens of its samples were passed on, each sample
+        not yet delivered continues from its newest (or starts: none passed), the others are not made
+        again."""
+        samples = range(r.first_sample, r.first_sample + max(r.sampling.n, 1))
+        if not any((r.request_id, j) in self.passed for j in samples):
+            return r
+        resume: dict[int, Tokens] = {}
+        for j in (j for j in samples if j not in self.delivered[r.request_id]):
+            p = self.passed.get((r.request_id, j))
+            resume[j] = ([], [], []) if p is None else (p.partial.token_ids, p.partial.logprobs, p.versions)
+        return dataclasses.replace(r, resume=resume)
+
+    def _fresh(self, results: list[StreamResult | StreamPartial]) -> list[StreamResult | StreamPartial]:
         """The results not delivered before (a request sent again makes its samples again); the
-        tokens so far of unfinished samples pass (a re-run sample's start again)."""
+        tokens so far of unfinished samples pass (kept for `_continued`)."""
         out = []
         for x in results:
-            if isinstance(x, Partial):
+            if isinstance(x, StreamPartial):
+                if x.partial.request_id in self.delivered:
+                    self.passed[x.partial.request_id, x.partial.sample_index] = x
                 out.append(x)
                 continue
             c = x.completion
@@ -144,6 +165,7 @@ class RayRolloutGroup:
             if got is None or c.sample_index in got:
                 continue
             got.add(c.sample_index)
+            self.passed.pop((c.request_id, c.sample_index), None)
             for held in self.held:
                 request = held.get(c.request_id)
                 if request is not None and len(got) == request.sampling.n:
@@ -155,7 +177,7 @@ class RayRolloutGroup:
         self._send(replica, requests)
         self._resend()
 
-    def stream_poll(self, timeout_s: float) -> list[StreamResult | Partial]:
+    def stream_poll(self, timeout_s: float) -> list[StreamResult | StreamPartial]:
         results = [x for _, xs in self._streams("stream_poll", timeout_s, extra_s=timeout_s) for x in xs]
         self._resend()
         return self._fresh(results)
@@ -173,6 +195,7 @@ class RayRolloutGroup:
         for held in self.held:
             held.clear()
         self.delivered.clear()
+        self.passed.clear()
         self.resend.clear()
         return discarded
 

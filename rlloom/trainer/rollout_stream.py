@@ -37,13 +37,12 @@ from rlloom.data.control_tokens import ResponseDecoder
 from rlloom.data.dataset import PromptItem
 from rlloom.data.source import Position, PromptSource
 from rlloom.data.types import Sample
-from rlloom.engines.rollout import Partial
 from rlloom.episodes.driver import EpisodeDriver, TurnRequest
 from rlloom.rewards.runner import RewardRunner
 from rlloom.trainer.rollout import RolloutResult
 from rlloom.trainer.rollout_jobs import ROUND_STRIDE, Job, add_group, group_id, make_sample, round_sampling
 from rlloom.trainer.stream_pump import Pump
-from rlloom.workers.flights import StreamRequest, StreamResult
+from rlloom.workers.flights import StreamPartial, StreamRequest, StreamResult
 
 POLL_S = 0.2
 """Longest wait of one poll for finished samples (it returns at the first one)."""
@@ -209,10 +208,11 @@ class RolloutStream:
                 break
         self._send()
 
-    def _record(self, result: StreamResult | Partial) -> None:
-        if isinstance(result, Partial):  # an agent's streaming request: its tokens so far
-            request_id, j = self.turns.get(result.request_id, (result.request_id, result.sample_index))
-            self.episodes.on_progress(j, result)
+    def _record(self, result: StreamResult | StreamPartial) -> None:
+        if isinstance(result, StreamPartial):  # an agent's streaming request: its tokens so far
+            p = result.partial
+            _, j = self.turns.get(p.request_id, (p.request_id, p.sample_index))
+            self.episodes.on_progress(j, p)
             return
         c = result.completion
         request_id, j = self.turns.get(c.request_id, (c.request_id, c.sample_index))

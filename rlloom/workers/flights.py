@@ -8,7 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlloom.data.images import ImageInputs
-from rlloom.engines.rollout import Completion, RolloutEngine, SamplingParams
+from rlloom.engines.rollout import Completion, Partial, RolloutEngine, SamplingParams
+
+Tokens = tuple[list[int], list[float], list[int]]
+"""A sample's tokens so far, their behaviour logprobs and per-token policy versions."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -26,6 +29,10 @@ class StreamRequest:
     """The first sample's index (`RolloutEngine.add_request`)."""
     images: ImageInputs | None = None
     """The prompt's pictures (a vision-language model), encoded once for its n samples."""
+    resume: dict[int, Tokens] = field(default_factory=dict)
+    """Sample index -> the tokens it continues from (none: it starts). When set, these samples
+    alone are made: a streamed request sent again to a replaced replica (`RayRolloutGroup`), whose
+    client read the tokens, so the sample trained is the one it read, not a new draw."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -38,13 +45,51 @@ class StreamResult:
 
 
 @dataclass(kw_only=True, slots=True)
+class StreamPartial:
+    """The tokens so far of one unfinished sample of a `progress` request: what its client is sent."""
+
+    partial: Partial
+    versions: list[int]
+    """The policy version of each of its tokens."""
+
+
+@dataclass(kw_only=True, slots=True)
 class Flight:
     """A request in flight: how many samples are still out, and the tokens of aborted ones."""
 
     request: StreamRequest
     left: int
-    partial: dict[int, tuple[list[int], list[float], list[int]]] = field(default_factory=dict)
-    """sample index -> (tokens, logprobs, token versions) kept from an abort."""
+    partial: dict[int, Tokens] = field(default_factory=dict)
+    """sample index -> (tokens, logprobs, token versions) kept from an abort (or `request.resume`)."""
+
+
+def admit(engine: RolloutEngine, flights: dict[str, Flight], r: StreamRequest) -> None:
+    """Put request `r` into `engine` and `flights`: its n samples, or the samples of `r.resume`, each
+    from its tokens (as after an abort)."""
+    if not r.resume:
+        flights[r.request_id] = Flight(request=r, left=max(r.sampling.n, 1))
+        engine.add_request(
+            r.prompt_ids,
+            r.sampling,
+            request_id=r.request_id,
+            prompt_index=r.prompt_index,
+            first_sample=r.first_sample,
+            images=r.images,
+        )
+        return
+    partial = {j: (list(t), list(lp), list(v)) for j, (t, lp, v) in r.resume.items()}
+    flight = flights[r.request_id] = Flight(request=r, left=len(partial), partial=partial)
+    resume_all(engine, {r.request_id: flight}, keep=True)
+
+
+def streamed(flights: dict[str, Flight], partials: list[Partial], version: int) -> list[StreamPartial]:
+    """The engine's `partials` of requests in `flights` with their tokens' versions: those it resumed
+    from keep theirs, the ones after have the engine's `version`."""
+    out = []
+    for p in partials:
+        _, _, before = flights[p.request_id].partial.get(p.sample_index, ([], [], []))
+        out.append(StreamPartial(partial=p, versions=before + [version] * (len(p.token_ids) - len(before))))
+    return out
 
 
 def partial_tokens(flights: dict[str, Flight]) -> int:
@@ -113,7 +158,7 @@ def _versions(before: list[int], c: Completion) -> list[int]:
     return before + [c.policy_version] * (len(c.token_ids) - len(before))
 
 
-def _merge(flight: Flight, c: Completion) -> tuple[list[int], list[float], list[int]]:
+def _merge(flight: Flight, c: Completion) -> Tokens:
     """An aborted sample's tokens, logprobs and per-token versions so far."""
     _, _, versions = flight.partial.pop(c.sample_index, ([], [], []))
     return list(c.token_ids), list(c.logprobs), _versions(versions, c)

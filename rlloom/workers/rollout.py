@@ -18,10 +18,10 @@ import torch.distributed as dist
 
 from rlloom.config import RunConfig
 from rlloom.data.images import ImageInputs
-from rlloom.engines.rollout import Completion, Partial, SamplingParams
+from rlloom.engines.rollout import Completion, SamplingParams
 from rlloom.engines.rollout.build import build_rollout_engine
 from rlloom.faults import maybe_fail
-from rlloom.workers.flights import StreamRequest, StreamResult
+from rlloom.workers.flights import StreamPartial, StreamRequest, StreamResult
 from rlloom.workers.stream import EngineStream
 
 
@@ -63,7 +63,7 @@ class RolloutWorker:
         maybe_fail("rollout", self.version, self.rank)
         self.stream.add(requests)
 
-    def stream_poll(self, timeout_s: float) -> list[StreamResult | Partial]:
+    def stream_poll(self, timeout_s: float) -> list[StreamResult | StreamPartial]:
         return self.stream.poll(timeout_s)
 
     def stream_abort(self) -> int:

@@ -20,8 +20,8 @@ rollout.tp = 1 nothing is sent. Around a weight update (`rollout.partial`), the 
   discarded and it starts again under the new weights (drop); a streamed sample (`progress`), whose
   client has read its tokens, continues from them either way.
 A finished sample comes out of rank 0's `poll()` with the version of each of its tokens; a request
-that asks for `progress` also gets its unfinished samples' tokens so far (`Partial`, the newest of
-each) after every step.
+that asks for `progress` also gets its unfinished samples' tokens so far (`StreamPartial`, the newest
+of each, with their versions) after every step.
 """
 
 from __future__ import annotations
@@ -35,15 +35,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlloom.engines.rollout import Completion, Partial, RolloutEngine
+from rlloom.engines.rollout import Completion, RolloutEngine
 from rlloom.workers.flights import (
     Flight,
+    StreamPartial,
     StreamRequest,
     StreamResult,
+    admit,
     discarded_tokens,
     partial_tokens,
     record,
     resume_all,
+    streamed,
 )
 
 
@@ -77,7 +80,7 @@ class EngineStream:
         """Requests in flight (flights.py)."""
         self.finished: list[StreamResult] = []
         """Samples finished and not yet polled (rank 0 only)."""
-        self.progress: dict[tuple[str, int], Partial] = {}
+        self.progress: dict[tuple[str, int], StreamPartial] = {}
         """The newest tokens so far of the unfinished samples that asked for them, not yet polled."""
         self.busy_s = 0.0
         """Seconds spent in decode steps."""
@@ -107,7 +110,7 @@ class EngineStream:
             self._queued += requests
             self._start()
 
-    def poll(self, timeout_s: float) -> list[StreamResult | Partial]:
+    def poll(self, timeout_s: float) -> list[StreamResult | StreamPartial]:
         """The samples finished since the last poll, after the tokens so far of those still going
         that asked for them; waiting up to `timeout_s` for the first one (at once on ranks other than
         0, which report none); raises the thread's failure, or a hang. Rank 0 with no news returns
@@ -244,15 +247,7 @@ class EngineStream:
             self._wait_for(lambda: len(self._queued) >= command.admit, f"{command.admit} requests")
             admitted, self._queued = self._queued[: command.admit], self._queued[command.admit :]
             for r in admitted:
-                self.flights[r.request_id] = Flight(request=r, left=max(r.sampling.n, 1))
-                self.engine.add_request(
-                    r.prompt_ids,
-                    r.sampling,
-                    request_id=r.request_id,
-                    prompt_index=r.prompt_index,
-                    first_sample=r.first_sample,
-                    images=r.images,
-                )
+                admit(self.engine, self.flights, r)
         if not command.abort:
             return self.engine.has_unfinished()
         self._abort = False
@@ -304,7 +299,10 @@ class EngineStream:
             return
         self.finished += finished
         watched = {rid for rid, f in self.flights.items() if f.request.progress}
-        partial = self.engine.partial(watched) if watched and not self._aborting else []
-        self.progress.update(((p.request_id, p.sample_index), p) for p in partial if p.token_ids)
+        partial = (
+            [p for p in self.engine.partial(watched) if p.token_ids] if watched and not self._aborting else []
+        )
+        for p in streamed(self.flights, partial, self.engine.policy_version):
+            self.progress[p.partial.request_id, p.partial.sample_index] = p
         if completions or partial:
             self._news.set()
