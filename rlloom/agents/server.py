@@ -1,5 +1,5 @@
-"""`Endpoint`: the OpenAI-compatible HTTP server (FastAPI on uvicorn) in a background thread with an
-event loop of its own, in the process that drives the rollout engine.
+"""`Endpoint`: the OpenAI-compatible HTTP server (a plain ASGI app on uvicorn) in a background thread
+with an event loop of its own, in the process that drives the rollout engine.
 
 It only speaks HTTP: a request is checked (`api.parse_*`; a bad one gets the OpenAI-style 4xx body at
 once), handed over as a `Call` to the thread that owns the engine (`take`), and its handler awaits
@@ -9,9 +9,10 @@ its tokens as they are sampled, `Call.send`, each sent on at once). Routes, each
 `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions`.
 """
 
-# No `from __future__ import annotations`: FastAPI reads the handlers' annotations (`Request`, imported
-# in `_app` only, as the server's packages are optional) as objects.
+from __future__ import annotations
+
 import asyncio
+import json
 import logging
 import queue
 import socket
@@ -33,13 +34,12 @@ from rlloom.agents.api import (
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = 'the OpenAI-compatible endpoint needs FastAPI and uvicorn. Fix: pip install "rlloom[serve]"'
+INSTALL_HINT = 'the OpenAI-compatible endpoint needs uvicorn. Fix: pip install "rlloom[serve]"'
 
 
 def check_installed() -> None:
-    """ValueError with the one-line install hint when FastAPI or uvicorn is missing."""
+    """ValueError with the one-line install hint when uvicorn is missing."""
     try:
-        import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise ValueError(f"{INSTALL_HINT} ({e})") from e
@@ -103,7 +103,15 @@ class Endpoint:
                 f"cannot listen on {self.host}:{self._port} ({e.strerror}). Fix: pick another --port"
             ) from e
         self._port = sock.getsockname()[1]
-        config = uvicorn.Config(self._app(), log_level="warning", access_log=False, timeout_keep_alive=30)
+        config = uvicorn.Config(
+            self._app,
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=30,
+            lifespan="off",
+            proxy_headers=False,
+            interface="asgi3",
+        )
         self._server = uvicorn.Server(config)
         started = threading.Event()
 
@@ -157,70 +165,98 @@ class Endpoint:
             raise first
         return first, events
 
-    # ---- the app -------------------------------------------------------------------------------
+    # ---- the app: plain ASGI on uvicorn ----------------------------------------------------------
 
-    def _app(self) -> Any:
-        from fastapi import FastAPI, Request
-        from fastapi.responses import JSONResponse, StreamingResponse
-        from starlette.exceptions import HTTPException
+    async def _app(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        """Every HTTP request: routed by its path, errors as OpenAI bodies. Plain ASGI rather than a
+        web framework: a framework's routing, middleware and dependency layers cost the trainer
+        process about a millisecond of CPU (and of the engine thread's GIL) on every agent request."""
+        if scope["type"] != "http":
+            return
+        started = False
 
-        app = FastAPI(title="rlloom", docs_url=None, redoc_url=None, openapi_url=None)
+        async def respond(status: int, body: dict[str, Any]) -> None:
+            nonlocal started
+            started = True
+            data = json.dumps(body).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": data})
 
-        @app.exception_handler(ApiError)
-        async def api_error(_: Request, e: ApiError) -> JSONResponse:
-            return JSONResponse(e.body(), status_code=e.status)
-
-        @app.exception_handler(HTTPException)
-        async def http_error(_: Request, e: HTTPException) -> JSONResponse:
-            message = (
-                "no such route; the endpoint serves /v1/models, /v1/chat/completions and /v1/completions"
-            )
-            return JSONResponse(
-                ApiError(e.status_code, message if e.status_code == 404 else str(e.detail)).body(),
-                e.status_code,
-            )
-
-        @app.exception_handler(Exception)
-        async def server_error(_: Request, e: Exception) -> JSONResponse:
-            log.exception("endpoint: a request failed")
-            return JSONResponse(
-                ApiError(500, f"internal error: {type(e).__name__}: {e}").body(), status_code=500
-            )
-
-        def models() -> dict[str, Any]:
-            return {
-                "object": "list",
-                "data": [{"id": self.model_id, "object": "model", "created": 0, "owned_by": "rlloom"}],
-            }
-
-        async def generate(request: Request, session: str | None, kind: str) -> Any:
-            try:
-                body = await request.json()
-            except ValueError as e:
-                raise ApiError(400, f"the request body is not valid JSON ({e})") from e
-            req = parse_chat(body) if kind == "chat" else parse_completion(body)
-            if self.sessions_only and session is None:
+        try:
+            session, route = _route(scope["path"])
+            if route == "models" and scope["method"] == "GET":
+                await respond(200, self._models())
+            elif route in ("chat/completions", "completions") and scope["method"] == "POST":
+                req = _parse(await _body(receive), "chat" if route == "chat/completions" else "completion")
+                if self.sessions_only and session is None:
+                    raise ApiError(
+                        404,
+                        "this endpoint serves training sessions only: use the base URL rlloom gave the agent",
+                    )
+                first, events = await self._submit(session, req)
+                if req.stream:
+                    started = True
+                    await _stream(send, stream_events(req, _until_answer(first, events), model=self.model_id))
+                else:
+                    build = chat_response if req.kind == "chat" else completion_response
+                    await respond(200, build(req, first, model=self.model_id))
+            elif route is not None:
+                raise ApiError(405, f"{scope['method']} is not allowed on {scope['path']}")
+            else:
                 raise ApiError(
-                    404, "this endpoint serves training sessions only: use the base URL rlloom gave the agent"
+                    404,
+                    "no such route; the endpoint serves /v1/models, /v1/chat/completions and /v1/completions",
                 )
-            first, events = await self._submit(session, req)
-            if req.stream:
-                return StreamingResponse(
-                    stream_events(req, _until_answer(first, events), model=self.model_id),
-                    media_type="text/event-stream",
-                )
-            build = chat_response if kind == "chat" else completion_response
-            return JSONResponse(build(req, first, model=self.model_id))
+        except ApiError as e:
+            if not started:
+                await respond(e.status, e.body())
+        except Exception as e:  # noqa: BLE001 - a 500 body, never a traceback to the client
+            log.exception("endpoint: a request failed")
+            if not started:
+                await respond(500, ApiError(500, f"internal error: {type(e).__name__}: {e}").body())
 
-        for prefix in ("/v1", "/sessions/{session}/v1"):
-            app.get(f"{prefix}/models")(lambda session=None: models())
+    def _models(self) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": self.model_id, "object": "model", "created": 0, "owned_by": "rlloom"}],
+        }
 
-            @app.post(f"{prefix}/chat/completions")
-            async def chat(request: Request, session: str | None = None) -> Any:
-                return await generate(request, session, "chat")
 
-            @app.post(f"{prefix}/completions")
-            async def completions(request: Request, session: str | None = None) -> Any:
-                return await generate(request, session, "completion")
+ROUTES = ("models", "chat/completions", "completions")
 
-        return app
+
+def _route(path: str) -> tuple[str | None, str | None]:
+    """(session id or None, route or None) of a URL path: `/v1/<route>` or `/sessions/<id>/v1/<route>`."""
+    session = None
+    if path.startswith("/sessions/"):
+        session, _, path = path[len("/sessions/") :].partition("/")
+        path = "/" + path
+    route = path[len("/v1/") :].rstrip("/") if path.startswith("/v1/") else None
+    return session or None, route if route in ROUTES else None
+
+
+async def _body(receive: Callable) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _parse(body: bytes, kind: str) -> Any:
+    try:
+        data = json.loads(body)
+    except ValueError as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e})") from e
+    return parse_chat(data) if kind == "chat" else parse_completion(data)
+
+
+async def _stream(send: Callable, lines: AsyncIterator[str]) -> None:
+    """A server-sent-event response: each line sent as it comes."""
+    headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    async for line in lines:
+        await send({"type": "http.response.body", "body": line.encode(), "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
