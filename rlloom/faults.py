@@ -21,6 +21,10 @@ costs nothing.
 With `RLLOOM_FAULT_ONCE=FILE` as well, the fault fires only in the process that creates FILE (the
 first to reach it): a Ray run that restarts itself (`trainer.max_restarts`) reaches the same stage,
 step and rank again in a fresh actor, which then lives.
+
+`RLLOOM_FAULT_RESEED=FILE`: a rollout worker started while FILE exists draws other noise for every
+seed (`reseeds`): a replay that samples other tokens for the same seed, as a GPU's bf16 may in
+another batch (for the replacement of a killed rollout actor, FILE the kill's marker).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ WORKER_STAGES = ("update_policy", "save", "rollout")
 STAGES = STEP_STAGES + SAVE_STAGES + WORKER_STAGES
 ENV = "RLLOOM_FAULT"
 ONCE_ENV = "RLLOOM_FAULT_ONCE"
+RESEED_ENV = "RLLOOM_FAULT_RESEED"
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,3 +104,9 @@ def at_stage_end(step: int) -> Callable[[str], None]:
             maybe_fail("rewards", step)
 
     return fire
+
+
+def reseeds() -> bool:
+    """Whether this rollout worker draws other noise for every seed (`RLLOOM_FAULT_RESEED`)."""
+    marker = os.environ.get(RESEED_ENV, "")
+    return bool(marker) and os.path.exists(marker)

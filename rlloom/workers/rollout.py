@@ -11,6 +11,7 @@ over `control_group`) and reports the finished samples.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import torch
@@ -20,7 +21,7 @@ from rlloom.config import RunConfig
 from rlloom.data.images import ImageInputs
 from rlloom.engines.rollout import Completion, SamplingParams
 from rlloom.engines.rollout.build import build_rollout_engine
-from rlloom.faults import maybe_fail
+from rlloom.faults import maybe_fail, reseeds
 from rlloom.workers.flights import StreamPartial, StreamRequest, StreamResult
 from rlloom.workers.stream import EngineStream
 
@@ -47,6 +48,8 @@ class RolloutWorker:
         """Policy version of the weights held (the last `update_weights`)."""
         self.stream = EngineStream(self.engine, group=control_group, timeout_s=cfg.cluster.timeout_s)
         """The step-level producer of the asynchronous loop (idle unless `stream_add` is called)."""
+        self.reseed = reseeds()
+        """A fault for tests: every seeded request draws seed + 1's noise (faults.py)."""
 
     def generate(
         self,
@@ -61,6 +64,8 @@ class RolloutWorker:
 
     def stream_add(self, requests: list[StreamRequest]) -> None:
         maybe_fail("rollout", self.version, self.rank)
+        if self.reseed:
+            requests = [dataclasses.replace(r, sampling=_reseeded(r.sampling)) for r in requests]
         self.stream.add(requests)
 
     def stream_poll(self, timeout_s: float) -> list[StreamResult | StreamPartial]:
@@ -90,3 +95,7 @@ class RolloutWorker:
 
     def wake(self) -> None:
         self.engine.wake()
+
+
+def _reseeded(sampling: SamplingParams) -> SamplingParams:
+    return sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + 1)

@@ -94,15 +94,31 @@ async def two_turns_killing(base_url, row, sampling):
     """`two_turns` with its second turn streamed; with KILL_ACTOR_DIR=RUN_DIR set, the first session
     whose second turn is being sampled after step 1 is logged sends SIGKILL to the rollout actor
     (rank 0 of RUN_DIR/actors.json) at that turn's first chunk, its request in flight on the replica;
-    RUN_DIR/killed-rollout-0 holds the kill's time.time() and pid."""
+    RUN_DIR/killed-rollout-0 holds the kill's time.time() and pid, and each session appends its
+    messages and the second answer it read to RUN_DIR/read.jsonl."""
     async with AsyncOpenAI(base_url=base_url, api_key="none") as client:
         messages = [{"role": "user", "content": row["prompt"]}]
         first = await client.chat.completions.create(messages=messages, **sampling)
         messages.append({"role": "assistant", "content": first.choices[0].message.content})
         messages.append({"role": "tool", "content": "42"})
-        async for _ in await client.chat.completions.create(messages=messages, stream=True, **sampling):
+        read = []
+        async for c in await client.chat.completions.create(messages=messages, stream=True, **sampling):
             _kill_rollout_once()
+            read += [c.choices[0].delta.content or ""] if c.choices else []
+    _log_read(messages, "".join(read))
     return None
+
+
+def _log_read(messages: list[dict], answer: str) -> None:
+    import json
+    from pathlib import Path
+
+    line = json.dumps({"asked": [m["content"] for m in messages], "read": answer}) + "\n"
+    run_dir = Path(os.environ.get("KILL_ACTOR_DIR", "/nonexistent"))
+    if run_dir.is_dir():
+        fd = os.open(run_dir / "read.jsonl", os.O_CREAT | os.O_APPEND | os.O_WRONLY)
+        os.write(fd, line.encode())
+        os.close(fd)
 
 
 def _kill_rollout_once() -> None:

@@ -266,6 +266,37 @@ def test_a_killed_colocated_actor_restarts_the_sessions_from_the_checkpoint_and_
     _assert_same_run(inline_two_turns, on_ray)
 
 
+@pytest.mark.slow  # a Ray start and a replacement: 60-150 s on 2 cores
+def test_a_replacement_that_samples_other_tokens_trains_what_the_agents_read(
+    ray_cluster, tiny_checkpoint, tmp_path, monkeypatch
+):
+    """The separate placement's kill with a replacement actor that draws other tokens for the same
+    seeds (`RLLOOM_FAULT_RESEED`), as a GPU replay in another batch may: the streamed turn in flight
+    goes on from the tokens its agent was sent, so every trained conversation is the one its agent
+    read (before: that turn was sampled again from its start, and the agent had read other tokens
+    than those trained), and training's logprobs still equal the rollout's."""
+    monkeypatch.setenv("RLLOOM_FAULT_RESEED", str(tmp_path / "killed-rollout-0"))
+    on_ray = _train_killing(
+        tiny_checkpoint,
+        tmp_path,
+        monkeypatch,
+        "cluster.placement=separate",
+        "cluster.rollout_workers=1",
+        "logging.samples_per_step=64",
+    )
+    assert [m.get("cluster/rollout_restarts") for m in on_ray] == [None, 1.0]
+    assert all(abs(m["rollout/token_mult_prob_error"] - 1.0) < 1e-5 for m in on_ray)
+    read = [json.loads(x) for x in (tmp_path / "read.jsonl").read_text().splitlines()]
+    # each session's whole conversation (a first answer the template does not read back as sampled
+    # is a sample of its own besides)
+    trained = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    trained = [r for r in trained if len(r["messages"]) == 4]
+    assert len(trained) == len(read) > 0
+    for r in trained:
+        asked, answer = [m["content"] for m in r["messages"][:3]], r["messages"][3]["content"]
+        assert {"asked": asked, "read": answer} in read, (r["step"], asked, answer)
+
+
 def _train_killing(ckpt: Path, run_dir: Path, monkeypatch, *extra: str) -> list[dict]:
     """A Ray run whose agents kill the rollout actor in step 2 (`agent_fns.two_turns_killing`)."""
     monkeypatch.setenv("KILL_ACTOR_DIR", str(run_dir))
