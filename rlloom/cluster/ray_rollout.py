@@ -151,17 +151,19 @@ class RayRolloutGroup:
                 continue
             got.add(c.sample_index)
             out.append(x)
-        self._forget_emptied()
+        self._forget_delivered()
         return out
 
-    def _forget_emptied(self) -> None:
-        """Drop the held requests of each replica that has delivered all of them in full: it is empty,
-        so a request sent later starts in an empty engine, as it would in a fresh one."""
+    def _forget_delivered(self) -> None:
+        """Drop the held requests no replacement needs: a replica's all at once when it has delivered
+        every one in full (it is empty, so a request sent later starts in an empty engine, as in a
+        fresh one); without a `recover` (nothing is sent again: the asynchronous modes, whose
+        replicas are seldom empty) each one as soon as it is delivered in full."""
         for held in self.held:
-            if held and all(len(self.delivered[i]) >= max(r.sampling.n, 1) for i, r in held.items()):
-                for request_id in held:
-                    del self.delivered[request_id]
-                held.clear()
+            done = [i for i, r in held.items() if len(self.delivered[i]) >= max(r.sampling.n, 1)]
+            if self.recover is None or len(done) == len(held):
+                for request_id in done:
+                    del held[request_id], self.delivered[request_id]
 
     def stream_add(self, replica: int, requests: list[StreamRequest]) -> None:
         self._send(replica, requests)
