@@ -139,11 +139,12 @@ class RayRolloutGroup:
 
     def _fresh(self, results: list[StreamResult | Partial]) -> list[StreamResult | Partial]:
         """The results not delivered before (a request sent again makes its samples again); the
-        tokens so far of unfinished samples pass (a re-run sample's start again)."""
+        tokens so far of samples not delivered pass (a re-run sample's start again)."""
         out = []
         for x in results:
             if isinstance(x, Partial):
-                out.append(x)
+                if x.sample_index not in self.delivered.get(x.request_id, ()):
+                    out.append(x)
                 continue
             c = x.completion
             got = self.delivered.get(c.request_id)
