@@ -78,13 +78,13 @@ def compile_decode_forward(model: CausalLM) -> Callable[..., torch.Tensor]:
 
     Dynamo compiles without duck sizing (one symbol for every input size of equal value): with it, a
     first call whose token count equals a width of the model (a prefill of 16 prompts x 64 tokens =
-    Qwen3-0.6B's hidden size 1024) compiled a graph static in the
-    token count, and a later count added a dynamic graph that from then on served that count too. The
-    two round differently (Inductor picks a reduction's tiling by the sizes it compiles for), so which
-    one ran a forward depended on the calls the process made before: a fresh engine (a replaced
-    rollout actor, a resumed run) gave a step other bits than the engine that had run the steps before
-    it. Without duck sizing every count of at least 2 tokens runs the one dynamic graph (a count of 1
-    has its own), whatever came before; `ModelRunner` compiles it at one fixed size."""
+    Qwen3-0.6B's hidden size 1024) compiled a graph static in the token count, and a later count
+    added a dynamic graph that from then on served that count too. The two round differently
+    (Inductor picks a reduction's tiling by the sizes it compiles for), so which one ran a forward
+    depended on the calls the process made before: a fresh engine (a replaced rollout actor, a resumed
+    run) gave a step other bits than the engine that had run the steps before it. Without duck sizing
+    every count of at least 2 tokens runs the one dynamic graph (a count of 1 has its own), whatever
+    came before; `ModelRunner` compiles it at one fixed size."""
     enable_compile_cache()
     layers = [torch.compile(layer, dynamic=True) for layer in model.layers]
 
