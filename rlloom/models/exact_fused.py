@@ -107,16 +107,17 @@ def _launch_rms_norm_bwd(x_RC: torch.Tensor, w_C: torch.Tensor, dy_RC: torch.Ten
     dx = torch.empty_like(x_RC)
     parts = triton.cdiv(R, NORM_BWD_ROWS)
     dw_part = torch.empty(parts, C, dtype=torch.float32, device=x_RC.device)
-    dw = torch.zeros(C, dtype=w_C.dtype, device=x_RC.device)
-    if R:
-        block = triton.next_power_of_2(C)
-        _rms_norm_bwd_kernel[(parts,)](
-            x_RC, w_C, dy_RC, dx, dw_part, R, C, eps,
-            ROWS=NORM_BWD_ROWS, BLOCK=block, num_warps=_row_warps(block), enable_fp_fusion=False,
-        )  # fmt: skip
-        _column_sum_kernel[(triton.cdiv(C, ELEMENTWISE_BLOCK),)](
-            dw_part, dw, parts, C, BLOCK=ELEMENTWISE_BLOCK, num_warps=4, enable_fp_fusion=False
-        )
+    dw = torch.empty(C, dtype=w_C.dtype, device=x_RC.device)
+    if not R:
+        return dx, dw.zero_()
+    block = triton.next_power_of_2(C)
+    _rms_norm_bwd_kernel[(parts,)](
+        x_RC, w_C, dy_RC, dx, dw_part, R, C, eps,
+        ROWS=NORM_BWD_ROWS, BLOCK=block, num_warps=_row_warps(block), enable_fp_fusion=False,
+    )  # fmt: skip
+    _column_sum_kernel[(triton.cdiv(C, ELEMENTWISE_BLOCK),)](
+        dw_part, dw, parts, C, BLOCK=ELEMENTWISE_BLOCK, num_warps=4, enable_fp_fusion=False
+    )
     return dx, dw
 
 
@@ -286,3 +287,41 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
         x_RHD = x_RHD.contiguous()
     cos_RD, sin_RD = (t.expand(*lead, D).reshape(-1, D).contiguous() for t in (cos, sin))
     return _Rope.apply(x_RHD, cos_RD, sin_RD, interleaved).reshape(*lead, H, D)
+
+
+@triton.jit
+def _row_entropy_sum_kernel(z_ptr, lse_ptr, out_ptr, C, BLOCK: tl.constexpr):
+    """out[r] = sum of exp(z - lse[r]) * z over row r: lane i adds columns i, i + BLOCK, ... in order,
+    then one tree over the lanes (`exact_kernels._row_sum_kernel`'s order)."""
+    row = z_ptr + tl.program_id(0).to(tl.int64) * C
+    lse = tl.load(lse_ptr + tl.program_id(0))
+    lanes = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, C, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        z = tl.load(row + offs, mask=offs < C, other=float("-inf"))
+        lanes += tl.where(offs < C, tl.exp(z - lse) * z, 0.0)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(lanes, axis=0))
+
+
+def chunk_stats(
+    logits_CV: torch.Tensor, targets_C: torch.Tensor, inv_temp: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`logprobs.chunk_stats` under exact numerics on CUDA: z and its log-sum-exp exactly as there
+    (the numerics' `row_logsumexp`, so logp keeps the bits the rollout's sampler gets), and the
+    entropy's sum(p * z) in one pass over z (one program per row, a fixed order: deterministic)
+    where the torch formula writes and reads three fp32 [C, V] temporaries."""
+    z_CV = logits_CV.float()
+    if inv_temp != 1.0:
+        z_CV = z_CV * inv_temp
+    lse_C = z_CV.logsumexp(dim=-1)
+    logp_C = z_CV.gather(-1, targets_C.unsqueeze(-1)).squeeze(-1) - lse_C
+    if not with_entropy:
+        return logp_C, lse_C, None
+    z_CV, lse_C = _aligned(z_CV), lse_C.contiguous()
+    C, V = z_CV.shape
+    weighted_C = torch.empty(C, dtype=torch.float32, device=z_CV.device)
+    if C:
+        _row_entropy_sum_kernel[(C,)](
+            z_CV, lse_C, weighted_C, V, BLOCK=ELEMENTWISE_BLOCK, num_warps=4, enable_fp_fusion=False
+        )
+    return logp_C, lse_C, lse_C - weighted_C

@@ -97,6 +97,20 @@ for interleaved in (False, True):
 # cos/sin broadcast over a batch dim: x [B, T, H, D], cos [T, D]
 xb = torch.randn(2, 17, 3, 8)
 close(ef.rope(xb, cos, sin, False), xb * cos.unsqueeze(-2) + layers._rotate_half(xb) * sin.unsqueeze(-2), 1e-6)
+
+# the logprob head's statistics under the numerics: logp and lse the bits of the torch formula on
+# the numerics' kernels (the sampler's), the entropy's fused sum per row, alone or in a batch
+from rlloom.models import logprobs
+exact.uses_kernels = lambda x: True
+logits, targets = (torch.randn(6, 3000) * 3).bfloat16(), torch.randint(0, 3000, (6,))
+for inv_temp in (1.0, 1 / 0.7):
+    with exact.exact_numerics():
+        got = ef.chunk_stats(logits, targets, inv_temp, True)
+        want = logprobs.chunk_stats(logits, targets, inv_temp, True)
+        alone = ef.chunk_stats(logits[4:5], targets[4:5], inv_temp, True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    close(got[2], want[2], 1e-5)
+    assert all(torch.equal(a[0], g[4]) for a, g in zip(alone, got))
 print("ok")
 """
 )
