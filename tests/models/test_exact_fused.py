@@ -111,6 +111,27 @@ for inv_temp in (1.0, 1 / 0.7):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     close(got[2], want[2], 1e-5)
     assert all(torch.equal(a[0], g[4]) for a, g in zip(alone, got))
+
+# training's tensor parallelism hands a norm DTensors (tokens sharded, the weight replicated): the
+# kernel runs on the local rows, the output keeps the placement, the weight's gradient is a Partial
+import os
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29731")
+dist.init_process_group("gloo", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+layers.uses_kernels = lambda x: True
+x, w = torch.randn(10, 40), torch.randn(40)
+plain, (gx, gw) = grads(lambda x, w: layers._exact_rms_norm(x, w, 1e-6), x, w)
+wd = torch.nn.Parameter(distribute_tensor(w, mesh, [Replicate()]))
+xd = DTensor.from_local(x.clone().requires_grad_(), mesh, [Shard(0)])
+with exact.exact_numerics():
+    out = layers._exact_rms_norm(xd, wd, 1e-6)
+assert isinstance(out, DTensor) and out.placements == (Shard(0),) and torch.equal(out.to_local(), plain)
+out.to_local().backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape))
+assert wd.grad.placements == (Partial(),) and torch.equal(wd.grad.to_local(), gw)
+dist.destroy_process_group()
 print("ok")
 """
 )
