@@ -164,7 +164,9 @@ def _silu_mul_bwd_kernel(g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, R, C, BLOCK: tl.c
     u = tl.load(u_ptr + r * C + offs, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + r * C + offs, mask=mask, other=0.0).to(tl.float32)
     s = tl.sigmoid(g)
-    tl.store(dg_ptr + r * C + offs, (dy * u * s * (1.0 + g * (1.0 - s))).to(dg_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        dg_ptr + r * C + offs, (dy * u * s * (1.0 + g * (1.0 - s))).to(dg_ptr.dtype.element_ty), mask=mask
+    )
     tl.store(du_ptr + r * C + offs, (dy * (g * s)).to(du_ptr.dtype.element_ty), mask=mask)
 
 
@@ -267,13 +269,21 @@ class _Rope(torch.autograd.Function):
         ctx.save_for_backward(cos_RD, sin_RD)
         ctx.interleaved, ctx.x_dtype = interleaved, x_RHD.dtype
         out_dtype = torch.promote_types(x_RHD.dtype, cos_RD.dtype)
-        return _launch_rope(x_RHD, cos_RD, sin_RD, out_dtype, IN_PAIRS=interleaved, OUT_PAIRS=False, BACKWARD=False)
+        return _launch_rope(
+            x_RHD, cos_RD, sin_RD, out_dtype, IN_PAIRS=interleaved, OUT_PAIRS=False, BACKWARD=False
+        )
 
     @staticmethod
     def backward(ctx, dy_RHD: torch.Tensor):  # noqa: ANN205
         cos_RD, sin_RD = ctx.saved_tensors
         dx = _launch_rope(
-            dy_RHD.contiguous(), cos_RD, sin_RD, ctx.x_dtype, IN_PAIRS=False, OUT_PAIRS=ctx.interleaved, BACKWARD=True
+            dy_RHD.contiguous(),
+            cos_RD,
+            sin_RD,
+            ctx.x_dtype,
+            IN_PAIRS=False,
+            OUT_PAIRS=ctx.interleaved,
+            BACKWARD=True,
         )
         return dx, None, None, None
 

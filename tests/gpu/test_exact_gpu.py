@@ -279,9 +279,15 @@ def test_fused_kernels_match_torch_and_are_batch_invariant():
     rot = ef.rope(q, cos, sin, False)
     assert_close(rot, q * cos[:, None] + _rotate_half(q) * sin[:, None])
     assert torch.equal(ef.rope(q[9:10], cos[9:10], sin[9:10], False), rot[9:10])
+    pairs = ef.rope(q, cos, sin, True)  # DeepSeek-V3's interleaved pairs, de-interleaved first
+    q_split = q.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+    assert_close(pairs, q_split * cos[:, None] + _rotate_half(q_split) * sin[:, None])
     logits, targets = randn(64, 151936, seed=5, scale=3.0), torch.randint(0, 151936, (64,), device=CUDA)
     with exact_numerics():
-        got, want = ef.chunk_stats(logits, targets, 1.0, True), logprobs.chunk_stats(logits, targets, 1.0, True)
+        got, want = (
+            ef.chunk_stats(logits, targets, 1.0, True),
+            logprobs.chunk_stats(logits, targets, 1.0, True),
+        )
         alone = ef.chunk_stats(logits[3:4], targets[3:4], 1.0, True)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert_close(got[2], want[2], rel=1e-4)
