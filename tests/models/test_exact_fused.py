@@ -192,3 +192,45 @@ def test_a_layer_called_as_rollout_and_as_training_gives_the_same_bits():
     rollout's form (fused q/k/v and gate/up products, one decode row, no gradient) and training's
     (separate projections, packed rows, with a gradient) give the row the same bits."""
     run_in_triton_interpreter(LAYER_SCRIPT)
+
+
+AC_SCRIPT = (
+    FIXED_ORDER_DOT
+    + PRELUDE
+    + r"""
+import tempfile
+import rlloom.engines.rollout.native.attention as paged
+import rlloom.models.attention_ops as attention_ops
+import rlloom.models.moe as moe
+from rlloom.models import from_pretrained
+from rlloom.models.model import unwrapped_name
+from rlloom.models.tiny import write_tiny_model
+from rlloom.parallel.ac import apply_ac
+
+exact.uses_kernels = attention_ops.uses_kernels = paged.uses_kernels = moe.uses_kernels = lambda x: True
+layers.uses_kernels = lambda x: True
+ckpt = write_tiny_model("tiny-dense", tempfile.mkdtemp(), seed=0, hidden=32, layers=1)
+ids, cu = torch.randint(3, 60, (12,)), torch.tensor([0, 5, 12], dtype=torch.int32)
+positions = torch.tensor([*range(5), *range(7)])
+
+def weight_grads(ac):
+    model = from_pretrained(ckpt)
+    if ac:
+        assert apply_ac(model, "full") == 1
+    with exact.exact_numerics():
+        hidden = model.hidden_states(ids, position_ids=positions, cu_seqlens=cu, max_seqlen=7)
+    hidden.square().sum().backward()
+    return {unwrapped_name(n): p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+plain, checkpointed = weight_grads(False), weight_grads(True)
+assert plain.keys() == checkpointed.keys() and all(torch.equal(plain[n], checkpointed[n]) for n in plain)
+print("ok")
+"""
+)
+
+
+def test_activation_checkpointing_recomputes_under_the_forwards_numerics():
+    """train.activation_checkpointing with rollout.match_training: the recomputation in backward
+    runs the fused kernels as the forward did (non-reentrant checkpointing checks the tensors the
+    forward saved), and the weight gradients are the bits of the run without checkpointing."""
+    run_in_triton_interpreter(AC_SCRIPT)
