@@ -213,50 +213,65 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 @triton.jit(do_not_specialize=["R"])
 def _rope_kernel(
     x_ptr, cos_ptr, sin_ptr, y_ptr, R, H, stride_xr, stride_xh,
-    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    IN_PAIRS: tl.constexpr, OUT_PAIRS: tl.constexpr, BACKWARD: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    IN_STEP: tl.constexpr, IN_SECOND: tl.constexpr, OUT_STEP: tl.constexpr, OUT_SECOND: tl.constexpr,
+    BACKWARD: tl.constexpr,
 ):  # fmt: skip
-    """All heads of token program_id(0). Channel j < D/2 pairs with j + D/2 (`*_PAIRS`: with 2j + 1,
-    the interleaved layout, reading 2j and 2j + 1). Forward: y_a = x_a c_a - x_b s_a,
-    y_b = x_b c_b + x_a s_b (`apply_rope`); backward (its transpose): dx_a = dy_a c_a + dy_b s_b,
-    dx_b = dy_b c_b - dy_a s_a."""
-    HALF: tl.constexpr = D // 2
+    """All heads of token program_id(0). Pair j < HALF is channels (j * STEP, j * STEP + SECOND):
+    (j, j + HALF) for rotated halves, (2j, 2j + 1) for interleaved pairs (`_pair_layout`). Forward:
+    y_a = x_a c_a - x_b s_a, y_b = x_b c_b + x_a s_b (`apply_rope`); backward (its transpose):
+    dx_a = dy_a c_a + dy_b s_b, dx_b = dy_b c_b - dy_a s_a."""
     r = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
     j = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < H) & (j < HALF)
-    ia = 2 * j if IN_PAIRS else j
-    ib = 2 * j + 1 if IN_PAIRS else j + HALF
-    oa = 2 * j if OUT_PAIRS else j
-    ob = 2 * j + 1 if OUT_PAIRS else j + HALF
     x_row = x_ptr + r * stride_xr + h * stride_xh
-    xa = tl.load(x_row + ia, mask=mask, other=0.0).to(tl.float32)
-    xb = tl.load(x_row + ib, mask=mask, other=0.0).to(tl.float32)
-    ca = tl.load(cos_ptr + r * D + j, mask=j < HALF, other=0.0).to(tl.float32)
-    cb = tl.load(cos_ptr + r * D + j + HALF, mask=j < HALF, other=0.0).to(tl.float32)
-    sa = tl.load(sin_ptr + r * D + j, mask=j < HALF, other=0.0).to(tl.float32)
-    sb = tl.load(sin_ptr + r * D + j + HALF, mask=j < HALF, other=0.0).to(tl.float32)
+    xa = tl.load(x_row + j * IN_STEP, mask=mask, other=0.0).to(tl.float32)
+    xb = tl.load(x_row + j * IN_STEP + IN_SECOND, mask=mask, other=0.0).to(tl.float32)
+    cs_row = r * (2 * HALF) + j
+    ca = tl.load(cos_ptr + cs_row, mask=j < HALF, other=0.0).to(tl.float32)
+    cb = tl.load(cos_ptr + cs_row + HALF, mask=j < HALF, other=0.0).to(tl.float32)
+    sa = tl.load(sin_ptr + cs_row, mask=j < HALF, other=0.0).to(tl.float32)
+    sb = tl.load(sin_ptr + cs_row + HALF, mask=j < HALF, other=0.0).to(tl.float32)
     if BACKWARD:
         ya = xa * ca + xb * sb
         yb = xb * cb - xa * sa
     else:
         ya = xa * ca - xb * sa
         yb = xb * cb + xa * sb
-    y_row = y_ptr + r * H * D + h * D
-    tl.store(y_row + oa, ya.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(y_row + ob, yb.to(y_ptr.dtype.element_ty), mask=mask)
+    y_row = y_ptr + r * H * (2 * HALF) + h * (2 * HALF)
+    tl.store(y_row + j * OUT_STEP, ya.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_row + j * OUT_STEP + OUT_SECOND, yb.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _pair_layout(interleaved: bool, half: int) -> tuple[int, int]:
+    """(STEP, SECOND) of `_rope_kernel`: where pair j's two channels sit in a head of 2 * half."""
+    return (2, 1) if interleaved else (1, half)
 
 
 def _launch_rope(
-    x_RHD: torch.Tensor, cos_RD: torch.Tensor, sin_RD: torch.Tensor, out_dtype: torch.dtype, **pairs: bool
+    x_RHD: torch.Tensor,
+    cos_RD: torch.Tensor,
+    sin_RD: torch.Tensor,
+    out_dtype: torch.dtype,
+    *,
+    in_pairs: bool,
+    out_pairs: bool,
+    backward: bool,
 ) -> torch.Tensor:
     R, H, D = x_RHD.shape
     y = torch.empty(R, H, D, dtype=out_dtype, device=x_RHD.device)
     if R and H:
-        block_h, block_half = triton.next_power_of_2(H), triton.next_power_of_2(D // 2)
+        half = D // 2
+        block_h, block_half = triton.next_power_of_2(H), triton.next_power_of_2(half)
+        (in_step, in_second), (out_step, out_second) = (
+            _pair_layout(in_pairs, half),
+            _pair_layout(out_pairs, half),
+        )
         _rope_kernel[(R,)](
             x_RHD, cos_RD, sin_RD, y, R, H, x_RHD.stride(0), x_RHD.stride(1),
-            D=D, BLOCK_H=block_h, BLOCK_HALF=block_half, **pairs,
+            HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half, IN_STEP=in_step, IN_SECOND=in_second,
+            OUT_STEP=out_step, OUT_SECOND=out_second, BACKWARD=backward,
             num_warps=_row_warps(block_h * block_half), enable_fp_fusion=False,
         )  # fmt: skip
     return y
@@ -270,7 +285,7 @@ class _Rope(torch.autograd.Function):
         ctx.interleaved, ctx.x_dtype = interleaved, x_RHD.dtype
         out_dtype = torch.promote_types(x_RHD.dtype, cos_RD.dtype)
         return _launch_rope(
-            x_RHD, cos_RD, sin_RD, out_dtype, IN_PAIRS=interleaved, OUT_PAIRS=False, BACKWARD=False
+            x_RHD, cos_RD, sin_RD, out_dtype, in_pairs=interleaved, out_pairs=False, backward=False
         )
 
     @staticmethod
@@ -281,9 +296,9 @@ class _Rope(torch.autograd.Function):
             cos_RD,
             sin_RD,
             ctx.x_dtype,
-            IN_PAIRS=False,
-            OUT_PAIRS=ctx.interleaved,
-            BACKWARD=True,
+            in_pairs=False,
+            out_pairs=ctx.interleaved,
+            backward=True,
         )
         return dx, None, None, None
 
