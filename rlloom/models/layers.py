@@ -38,15 +38,16 @@ def _exact_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     """`exact_fused.rms_norm` on the local rows when training's tensor parallelism hands the norm
     DTensors (tokens or heads sharded, the weight replicated; parallel/tp.py): a row is whole on its
     rank, so the kernel runs on the local shard as the rollout runs it on its rows. The weight's
-    gradient is then this rank's partial sum (Partial), unless x is replicated everywhere."""
+    gradient is then this rank's partial sum (Partial), unless x is replicated everywhere (a plain x
+    beside a DTensor weight is a rank's own rows)."""
     from rlloom.models import exact_fused  # Triton: imported where it runs
 
-    if not isinstance(x, DTensor):
-        return exact_fused.rms_norm(x, weight.to_local() if isinstance(weight, DTensor) else weight, eps)
-    partial = not all(p.is_replicate() for p in x.placements)
+    sharded = not isinstance(x, DTensor) or not all(p.is_replicate() for p in x.placements)
     w = weight
     if isinstance(weight, DTensor):
-        w = weight.to_local(grad_placements=[Partial() if partial else Replicate()] * weight.device_mesh.ndim)
+        w = weight.to_local(grad_placements=[Partial() if sharded else Replicate()] * weight.device_mesh.ndim)
+    if not isinstance(x, DTensor):
+        return exact_fused.rms_norm(x, w, eps)
     out = exact_fused.rms_norm(x.to_local(), w, eps)
     return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False)
 
