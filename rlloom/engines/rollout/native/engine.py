@@ -126,7 +126,7 @@ class NativeEngine:
             enforce_eager=enforce_eager,
             compile=compile and not exact,  # graphs of the plain forward: compiled layers round differently
         )
-        if not caches_prefixes(model, self.runner):
+        if not caches_prefixes(self.runner):
             self.block_manager.enable_prefix_caching = False
         self.sampler = build_sampler(self.device, seed, self.tp, tp_group)
         self._seq_ids, self._arrivals = itertools.count(), itertools.count()

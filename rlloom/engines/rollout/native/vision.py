@@ -9,10 +9,18 @@ run with one position per token (`rope_positions`).
 
 A generated token that happens to be the image placeholder stays a text token (only the prompt's
 placeholders get features), as in transformers' generate.
+
+Prefix caching (block_manager.py) keys a block on its tokens and on the pictures whose placeholders
+it holds (`VisionPrompt.pictures_in`): the placeholder ids are the same for every picture of one
+size, so token ids alone would serve one picture's keys and values to a prompt with another. A
+picture is known by a digest of its pixel values and patch grid (`picture_digest`). M-RoPE
+positions need nothing more: a prompt's positions up to a token depend only on the tokens and the
+pictures' grids before it, so a cached block holds the keys and values its new holder would compute.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +28,7 @@ import torch
 from rlloom.data.images import ImageInputs
 from rlloom.models.model import CausalLM
 from rlloom.models.mrope import decode_delta, mrope_positions
+from rlloom.models.vision import grid_list, merged_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,11 +41,39 @@ class VisionPrompt:
     positions_3T: torch.Tensor
     """[3, T] long M-RoPE positions of the prompt's T tokens (host)."""
     image_token_id: int
+    pictures: tuple[tuple[int, int, int], ...]
+    """(first token, end token, `picture_digest`) of each image's run of placeholders in the prompt."""
 
     @property
     def delta(self) -> int:
         """Generated token j (sequence index) sits at position j + delta."""
         return decode_delta(self.positions_3T)
+
+    def pictures_in(self, start: int, end: int) -> tuple[int, ...]:
+        """The digests of the pictures with placeholders among tokens start..end (a cache block)."""
+        return tuple(digest for first, last, digest in self.pictures if first < end and last > start)
+
+
+def picture_digest(pixels: torch.Tensor, grid: tuple[int, int, int]) -> int:
+    """A picture's identity for prefix caching: a 64-bit digest of its patch grid and pixel values."""
+    digest = hashlib.blake2b(repr(grid).encode(), digest_size=8)
+    digest.update(pixels.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+    return int.from_bytes(digest.digest(), "little")
+
+
+def picture_runs(
+    prompt_ids: list[int], images: ImageInputs, image_token_id: int, merge: int
+) -> tuple[tuple[int, int, int], ...]:
+    """`VisionPrompt.pictures` of a prompt whose placeholder runs fit its images (mrope_positions
+    checked that): image k's run is the first `merged_tokens` placeholders from where k - 1's ended."""
+    grid = grid_list(images.grid_thw)
+    out, start, row = [], 0, 0
+    for thw, size in zip(grid, merged_tokens(grid, merge)):
+        start = prompt_ids.index(image_token_id, start)
+        patches = thw[0] * thw[1] * thw[2]
+        out.append((start, start + size, picture_digest(images.pixel_values[row : row + patches], thw)))
+        start, row = start + size, row + patches
+    return tuple(out)
 
 
 @torch.no_grad()
@@ -47,7 +84,10 @@ def encode_images(model: CausalLM, prompt_ids: list[int], images: ImageInputs) -
     positions = mrope_positions(prompt_ids, images.grid_thw.tolist(), vision)
     param = next(model.visual.parameters())
     embeds = model.visual(images.pixel_values.to(param.device, param.dtype), images.grid_thw)
-    return VisionPrompt(embeds_MD=embeds, positions_3T=positions, image_token_id=vision.image_token_id)
+    pictures = picture_runs(prompt_ids, images, vision.image_token_id, vision.spatial_merge_size)
+    return VisionPrompt(
+        embeds_MD=embeds, positions_3T=positions, image_token_id=vision.image_token_id, pictures=pictures
+    )
 
 
 def request_vision(
