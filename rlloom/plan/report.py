@@ -7,7 +7,8 @@ JSON fields (a contract, issue 18): fits, gpu_memory_gb, cpu_memory_gb_per_node,
 ep, dp, offload_fraction, pp_first_stage_layers, pp_last_stage_layers}, breakdown {params, grads,
 optimizer, activations, buffers}, rollout {model_parallel, weights_gb, kv_cache_gb,
 kv_cache_tokens}; also peak_phase, reason, step_seconds, stage_peaks_gb, problems, suggestion,
-alternatives, train_overrides (the dotted `rlloom train` overrides of the chosen layout).
+alternatives, train_overrides (the dotted `rlloom train` overrides of the chosen layout), vision_tower
+(a vision-language model's tower: params, placement, patches_per_gpu, activations_gb; null otherwise).
 """
 
 from __future__ import annotations
