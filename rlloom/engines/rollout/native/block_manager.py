@@ -13,9 +13,10 @@ before the next forward, and drops one reference to the shared block.
 
 Prefix caching (`enable_prefix_caching`, multi-turn episodes): a full block whose keys and values
 are computed is remembered under a hash of its tokens (and of the pictures whose placeholder tokens
-it holds: vision.py) chained with those of every block before it, when its sequence frees it. A later sequence whose tokens start with the same full blocks (the next
-turn of a trajectory: its conversation so far plus the new messages) takes those blocks, counted, and
-its prefill computes only the tokens after them. A remembered block with no holder stays in the free
+it holds: vision.py) chained with those of every block before it, when its sequence frees it. A
+later sequence whose tokens start with the same full blocks (the next turn of a trajectory: its
+conversation so far plus the new messages) takes those blocks, counted, and its prefill computes
+only the tokens after them. A remembered block with no holder stays in the free
 list, oldest first, and loses its hash when it is taken for something else; `clear_prefix_cache`
 forgets every hash (new weights make the cached keys and values stale).
 """
