@@ -42,7 +42,8 @@ class VisionPrompt:
     """[3, T] long M-RoPE positions of the prompt's T tokens (host)."""
     image_token_id: int
     pictures: tuple[tuple[int, int, int], ...]
-    """(first token, end token, `picture_digest`) of each image's run of placeholders in the prompt."""
+    """(first token, end token, `picture_digest`) of each image's run of placeholders in the prompt
+    (empty without prefix caching: `encode_images`)."""
 
     @property
     def delta(self) -> int:
@@ -77,29 +78,38 @@ def picture_runs(
 
 
 @torch.no_grad()
-def encode_images(model: CausalLM, prompt_ids: list[int], images: ImageInputs) -> VisionPrompt:
-    """Run the vision tower once for a prompt (ValueError when the images do not fit the prompt)."""
+def encode_images(
+    model: CausalLM, prompt_ids: list[int], images: ImageInputs, *, key_pictures: bool
+) -> VisionPrompt:
+    """Run the vision tower once for a prompt (ValueError when the images do not fit the prompt);
+    `key_pictures` (prefix caching) also digests each picture, else `VisionPrompt.pictures` is empty
+    (reading every pixel costs milliseconds a picture)."""
     vision = model.args.vision
     assert vision is not None and model.visual is not None, "images reach only vision-language models"
     positions = mrope_positions(prompt_ids, images.grid_thw.tolist(), vision)
     param = next(model.visual.parameters())
     embeds = model.visual(images.pixel_values.to(param.device, param.dtype), images.grid_thw)
-    pictures = picture_runs(prompt_ids, images, vision.image_token_id, vision.spatial_merge_size)
+    pictures = (
+        picture_runs(prompt_ids, images, vision.image_token_id, vision.spatial_merge_size)
+        if key_pictures
+        else ()
+    )
     return VisionPrompt(
         embeds_MD=embeds, positions_3T=positions, image_token_id=vision.image_token_id, pictures=pictures
     )
 
 
 def request_vision(
-    model: CausalLM, prompt_ids: list[int], images: ImageInputs | None
+    model: CausalLM, prompt_ids: list[int], images: ImageInputs | None, *, key_pictures: bool
 ) -> tuple[VisionPrompt | None, str | None]:
-    """(a request's encoded images or None, why its images cannot be used or None)."""
+    """(a request's encoded images or None, why its images cannot be used or None); `key_pictures`
+    as in `encode_images`."""
     if images is None:
         return None, None
     if model.args.vision is None:
         return None, f"the request has images but the {model.args.model_type} model has no vision tower"
     try:
-        return encode_images(model, prompt_ids, images), None
+        return encode_images(model, prompt_ids, images, key_pictures=key_pictures), None
     except ValueError as err:
         return None, str(err)
 
