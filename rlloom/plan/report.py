@@ -138,7 +138,7 @@ def parse_check(text: str, gpus: int, costs: ModelCosts) -> Layout:
 
 DEFAULT_MAX_PIXELS = 12_845_056
 """Pixels of the largest picture transformers' Qwen2-VL image processor writes when the model folder
-names no size (`max_pixels`, 16384 patches of 14 x 14)."""
+names no size (`max_pixels`: 65,536 patches of 14 x 14, 16,384 image tokens)."""
 
 
 def picture_patches(model: str, raw: dict[str, Any]) -> int:
