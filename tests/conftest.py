@@ -7,6 +7,7 @@ saved by transformers, and a fast tokenizer with a chat template and an end-of-t
 from __future__ import annotations
 
 import ast
+import compileall
 import functools
 import importlib.util
 import sys
@@ -54,6 +55,16 @@ def ray_cluster():
                 raise
     yield
     ray.shutdown()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Writes rlloom's bytecode (`__pycache__`) once, before any test: where PYTHONDONTWRITEBYTECODE
+    is set (as on the 2-core CI machine), every process the suite starts (each Ray actor, CLI and
+    reward-worker subprocess) would otherwise compile rlloom's sources again: 1.7 s of the 9.0 s of
+    CPU an actor spends importing `rlloom.cluster.ray_actor` (docs/benchmarks.md). Up to date, it
+    costs 0.05 s; xdist's workers leave it to the controller."""
+    if not hasattr(config, "workerinput"):
+        compileall.compile_dir(config.rootpath / "rlloom", quiet=1)
 
 
 def _uses_ray(item: pytest.Item | None) -> bool:
