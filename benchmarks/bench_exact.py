@@ -142,11 +142,40 @@ def check_grouped_matmul() -> tuple[bool, float]:
     )
 
 
+def check_rms_norm() -> tuple[bool, float]:
+    """The fused RMSNorm (models/exact_fused.py) at hidden 1024: a row alone."""
+    from rlloom.models.exact_fused import rms_norm
+
+    x, w = _randn(4096, 1024, seed=12, scale=3.0), _randn(1024, seed=13)
+    full = rms_norm(x, w, 1e-6)
+    ref = w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+    return torch.equal(rms_norm(x[100:101], w, 1e-6), full[100:101]), _rel(full, ref)
+
+
+def check_swiglu_rope() -> tuple[bool, float]:
+    """The fused silu(gate) * up on the rollout's fused gate/up halves = on separate tensors, and
+    rope on 16 heads of 128: a row alone."""
+    from rlloom.models.exact_fused import rope, silu_mul
+    from rlloom.models.layers import _rotate_half
+
+    gate, up = _randn(2048, 2 * 3072, seed=14).split(3072, dim=-1)
+    mlp = silu_mul(gate, up)
+    same = torch.equal(silu_mul(gate.contiguous(), up.contiguous()), mlp)
+    q, angles = _randn(2048, 16, 128, seed=15), torch.rand(2048, 64, device="cuda") * 100
+    cos, sin = (f(torch.cat([angles, angles], -1)).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    rot = rope(q, cos, sin, False)
+    same = same and torch.equal(rope(q[9:10], cos[9:10], sin[9:10], False), rot[9:10])
+    ref = q * cos[:, None] + _rotate_half(q) * sin[:, None]
+    return same, max(_rel(mlp, torch.nn.functional.silu(gate) * up), _rel(rot, ref))
+
+
 def kernel_checks() -> None:
     checks: dict[str, Callable[[], tuple[bool, float]]] = {
         "matmul (rows 1/1/297 of 512; fused = separate)": check_matmul,
         "lm head + log-sum-exp (row 1 of 256, V=151936)": check_lm_head,
         "row sum (row 1 of 4096)": check_row_sum,
+        "fused RMSNorm (row 1 of 4096)": check_rms_norm,
+        "fused silu*up (fused halves = separate) and rope (row 1)": check_swiglu_rope,
         "MoE grouped product (a row alone in its expert)": check_grouped_matmul,
         "attention packed (a sequence alone)": check_attention_packed,
         "attention paged decode/prefill = packed": check_attention_paged,

@@ -23,6 +23,12 @@ expert GEMMs, logprob head, fp32 gradient accumulation, sampling) use no atomics
 a given shape; MoE token routing uses gathers, not scatter-adds (models/moe.py); integer counts
 (`scatter_add_` of ones) are exact in any order.
 
+A fresh process must round as one that ran the steps before it (a replaced rollout actor, a resumed
+run): the rollout's compiled decode forward compiles one graph for every token count, at one fixed
+size, in every engine (`compile_decode_forward`, `ModelRunner`), and a replaced rollout replica is
+sent every request its lost engine held, those delivered in full too (`cluster/ray_rollout.py`), so
+it runs the same batches.
+
 torch's fill of uninitialized memory under deterministic mode is turned off: values read from an
 uninitialized buffer here only ever meet an exact zero weight (the KV cache's unused slots under the
 attention mask), which a NaN fill would turn into NaN, and nothing else reads one.

@@ -1,10 +1,16 @@
 """`RayRolloutGroup`: the rollout replicas as Ray actors, and the replacing of a replica that fails.
 
-The group keeps the stream requests each replica holds (sent and not yet delivered in full). When a
-replica's actor dies or hangs and the group has a `recover` (separate placement, one-rank replicas),
-`recover(replica)` starts a fresh actor in its place and syncs it to the current weights; the held
-requests are sent again with their same seeds, so they make the same samples, and a sample that was
-delivered before the failure is not delivered twice. At most `trainer.max_restarts` replacements a
+The group keeps the stream requests each replica holds: every request sent to it since it was last
+empty (all it had been sent delivered in full), in the order sent. When a replica's actor dies or
+hangs and the group has a `recover` (separate placement, one-rank replicas), `recover(replica)`
+starts a fresh actor in its place and syncs it to the current weights; the held requests are sent
+again, all of them at once and with their same seeds, so they make the same samples, and a sample
+that was delivered before the failure is not delivered twice. Requests delivered in full are sent
+again too: the fresh engine then runs the batches the lost one ran (the same requests admitted
+together), and with batch-dependent GPU kernels a token's logits depend on its batch, so the
+replica's step is bit for bit the uninterrupted one's (in trainer.mode=sync a step's requests reach
+an empty replica in one call; a later call, as dynamic sampling's next round, joined the lost
+engine at a step that timing chose). At most `trainer.max_restarts` replacements a
 run; past that, or without a `recover`, the failure goes up to the controller, as does a replacement
 the cluster has no room for (`NoRoom`: its node was lost).
 """
@@ -48,7 +54,7 @@ class RayRolloutGroup:
         self.restarts = 0
         """Replicas replaced so far (the metric cluster/rollout_restarts)."""
         self.held: list[dict[str, StreamRequest]] = [{} for _ in replicas]
-        """Per replica: the requests it holds, by id (sent and not yet delivered in full)."""
+        """Per replica: the requests sent to it since it was last empty, by id, in the order sent."""
         self.delivered: dict[str, set[int]] = {}
         """Per held request: the sample indices delivered so far."""
         self.resend: set[int] = set()
@@ -133,23 +139,32 @@ class RayRolloutGroup:
 
     def _fresh(self, results: list[StreamResult | Partial]) -> list[StreamResult | Partial]:
         """The results not delivered before (a request sent again makes its samples again); the
-        tokens so far of unfinished samples pass (a re-run sample's start again)."""
+        tokens so far of samples not delivered pass (a re-run sample's start again)."""
         out = []
         for x in results:
             if isinstance(x, Partial):
-                out.append(x)
+                if x.sample_index not in self.delivered.get(x.request_id, ()):
+                    out.append(x)
                 continue
             c = x.completion
             got = self.delivered.get(c.request_id)
             if got is None or c.sample_index in got:
                 continue
             got.add(c.sample_index)
-            for held in self.held:
-                request = held.get(c.request_id)
-                if request is not None and len(got) == request.sampling.n:
-                    del held[c.request_id], self.delivered[c.request_id]
             out.append(x)
+        self._forget_delivered()
         return out
+
+    def _forget_delivered(self) -> None:
+        """Drop the held requests no replacement needs: a replica's all at once when it has delivered
+        every one in full (it is empty, so a request sent later starts in an empty engine, as in a
+        fresh one); without a `recover` (nothing is sent again: the asynchronous modes, whose
+        replicas are seldom empty) each one as soon as it is delivered in full."""
+        for held in self.held:
+            done = [i for i, r in held.items() if len(self.delivered[i]) >= max(r.sampling.n, 1)]
+            if self.recover is None or len(done) == len(held):
+                for request_id in done:
+                    del held[request_id], self.delivered[request_id]
 
     def stream_add(self, replica: int, requests: list[StreamRequest]) -> None:
         self._send(replica, requests)

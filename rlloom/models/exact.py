@@ -37,11 +37,17 @@ layers, whose grouped product is not an aten op the mode sees as such, call that
 `grouped_matmul` themselves (`moe.GroupedExperts`); and attention, which reaches
 torch there through FlashAttention's varlen call or the rollout's paged kernel rather than SDPA, is
 routed by its callers (`attention_ops.attend`, the rollout's `PagedAttention`) to one kernel for
-packed, shared-prompt and paged layouts (`exact_attention.py`). Elementwise CUDA kernels compute
+packed, shared-prompt and paged layouts (`exact_attention.py`). RMSNorm, SwiGLU's silu(gate) * up
+and the rotary embedding, which eagerly are several elementwise kernels and a reduction each, are
+called by the model code (`layers.py`, the MoE experts) as one fused batch-invariant kernel per call
+and direction (`exact_fused.py`, with Triton backward passes of a fixed order), in both engines; and
+the training head's entropy pass and logit gradient are fused kernels too (`logprobs._kernels`: the
+log-sum-exp stays the one the rollout's sampler takes). Other elementwise CUDA kernels compute
 every element by the same code whatever its index, so they run as they are. Nothing is compiled
-under the mode: a compiled graph would fuse elementwise work and round differently from the other
-engine's. The rollout's decode still replays CUDA graphs, captured under the mode: a replay launches
-the kernels of the eager forward, with the same bits, without the dispatch mode's Python per op.
+under the mode: a compiled graph would fuse elementwise work its own way and round differently from
+the other engine's; the fused kernels are the same code in both. The rollout's decode still replays
+CUDA graphs, captured under the mode: a replay launches the kernels of the eager forward, with the
+same bits, without the dispatch mode's Python per op.
 """
 
 from __future__ import annotations

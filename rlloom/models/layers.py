@@ -8,6 +8,11 @@ RoPE frequency variants: default, linear (positions / factor), llama3 (Llama 3.1
 yarn (YaRN, Peng et al. 2023, "YaRN: Efficient Context Window Extension of Large Language Models",
 with DeepSeek's mscale / mscale_all_dim attention factor).
 
+Under `rollout.match_training` on CUDA (`exact.is_exact()` and `exact.uses_kernels`) RMSNorm,
+SwiGLU's silu(gate) * up and `apply_rope` run as the fused batch-invariant kernels of
+`exact_fused.py` in both engines (one launch each way where the eager formula is several); elsewhere,
+and in default mode, the torch formulas below run as they are.
+
 Shape legend: N tokens (any leading token dims), H heads, D channels.
 """
 
@@ -18,8 +23,33 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from rlloom.models.args import RopeArgs
+from rlloom.models.exact import is_exact, uses_kernels
+
+
+def _fused(x: torch.Tensor) -> bool:
+    """Whether x's op runs as an `exact_fused` kernel (exact numerics on CUDA)."""
+    return is_exact() and uses_kernels(x)
+
+
+def _exact_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`exact_fused.rms_norm` on the local rows when training's tensor parallelism hands the norm
+    DTensors (tokens or heads sharded, the weight replicated; parallel/tp.py): a row is whole on its
+    rank, so the kernel runs on the local shard as the rollout runs it on its rows. The weight's
+    gradient is then this rank's partial sum (Partial), unless x is replicated everywhere (a plain x
+    beside a DTensor weight is a rank's own rows)."""
+    from rlloom.models import exact_fused  # Triton: imported where it runs
+
+    sharded = not isinstance(x, DTensor) or not all(p.is_replicate() for p in x.placements)
+    w = weight
+    if isinstance(weight, DTensor):
+        w = weight.to_local(grad_placements=[Partial() if sharded else Replicate()] * weight.device_mesh.ndim)
+    if not isinstance(x, DTensor):
+        return exact_fused.rms_norm(x, w, eps)
+    out = exact_fused.rms_norm(x.to_local(), w, eps)
+    return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False)
 
 
 class RMSNorm(nn.Module):
@@ -31,6 +61,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused(x):
+            return _exact_rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -71,7 +103,16 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13.forward_parts(x) if self.fused else (self.w1(x), self.w3(x))
-        return self.w2(F.silu(gate) * up)
+        return self.w2(silu_mul(gate, up))
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's F.silu(gate) * up (the dense MLP's and the routed experts')."""
+    if _fused(gate):
+        from rlloom.models import exact_fused
+
+        return exact_fused.silu_mul(gate, up)
+    return F.silu(gate) * up
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -188,6 +229,10 @@ def apply_rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False
 ) -> torch.Tensor:
     """Rotate x [..., T, H, D] by cos/sin [..., T, D]; interleaved pairs are first de-interleaved."""
+    if _fused(x):
+        from rlloom.models import exact_fused
+
+        return exact_fused.rope(x, cos, sin, interleaved)
     if interleaved:
         x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from rlloom.models.exact import is_exact
+
 
 def chunk_stats(
     logits_CV: torch.Tensor, targets_C: torch.Tensor, inv_temp: float, with_entropy: bool
@@ -67,12 +69,21 @@ def chunk_logit_grad(
     return grad_CV.to(logits_CV.dtype)
 
 
-def _kernels(fused: bool, device: torch.device):  # noqa: ANN202
-    if fused and device.type == "cuda":
-        from rlloom.models import logprob_kernels
+def _kernels(fused: bool, exact: bool, device: torch.device):  # noqa: ANN202
+    """(statistics pass, logit-gradient pass) for the chunks. Under exact numerics (`exact`: the
+    forward ran inside `exact_numerics()`) the statistics keep the numerics' log-sum-exp, whose
+    order the rollout's sampler shares, and on CUDA only the entropy's pass is fused
+    (`exact_fused.chunk_stats`); the backward needs no batch invariance, only a fixed order, which
+    the fused gradient kernel has (elementwise)."""
+    if not (fused and device.type == "cuda"):
+        return chunk_stats, chunk_logit_grad
+    from rlloom.models import logprob_kernels
 
-        return logprob_kernels.chunk_stats, logprob_kernels.chunk_logit_grad
-    return chunk_stats, chunk_logit_grad
+    if exact:
+        from rlloom.models import exact_fused
+
+        return exact_fused.chunk_stats, logprob_kernels.chunk_logit_grad
+    return logprob_kernels.chunk_stats, logprob_kernels.chunk_logit_grad
 
 
 def _add_weight_grad(
@@ -101,19 +112,20 @@ class _LogprobHead(torch.autograd.Function):
         chunk: int,
         with_entropy: bool,
         fused: bool,
+        exact: bool,
     ):
         logp_N, lse_N, entropy_N = _chunked_stats(
-            hidden_ND, weight_VD, targets_N, inv_temp, chunk, with_entropy, fused
+            hidden_ND, weight_VD, targets_N, inv_temp, chunk, with_entropy, fused, exact
         )
         ctx.save_for_backward(hidden_ND, weight_VD, targets_N, lse_N, entropy_N)
-        ctx.inv_temp, ctx.chunk, ctx.fused = inv_temp, chunk, fused
+        ctx.inv_temp, ctx.chunk, ctx.fused, ctx.exact = inv_temp, chunk, fused, exact
         ctx.set_materialize_grads(False)
         return logp_N, entropy_N
 
     @staticmethod
     def backward(ctx, grad_logp_N: torch.Tensor | None, grad_entropy_N: torch.Tensor | None):  # noqa: ANN001, ANN205
         hidden_ND, weight_VD, targets_N, lse_N, entropy_N = ctx.saved_tensors
-        _, logit_grad = _kernels(ctx.fused, hidden_ND.device)
+        _, logit_grad = _kernels(ctx.fused, ctx.exact, hidden_ND.device)
         if grad_logp_N is None:
             grad_logp_N = torch.zeros_like(lse_N)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -143,6 +155,7 @@ class _LogprobHead(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -163,7 +176,8 @@ def token_logprobs(
     targets_N: [N] int64 token ids whose logprob is returned.
     temperature: divides the logits (the sampling temperature of the policy), > 0.
     chunk_tokens: tokens per chunk, >= 1.
-    fused: on CUDA, run the elementwise passes as Triton kernels (same math, one read of the logits).
+    fused: on CUDA, run the elementwise passes as Triton kernels (same math, one read of the logits;
+    inside `exact_numerics()` the ones that keep its numerics: `_kernels`).
     """
     if temperature <= 0:
         raise ValueError(
@@ -180,7 +194,7 @@ def token_logprobs(
     if hidden_ND.shape[0] == 0:
         empty = hidden_ND.new_zeros(0, dtype=torch.float32)
         return empty, (empty if with_entropy else None)
-    args = (hidden_ND, weight_VD, targets_N, 1.0 / temperature, chunk_tokens, with_entropy, fused)
+    args = (hidden_ND, weight_VD, targets_N, 1.0 / temperature, chunk_tokens, with_entropy, fused, is_exact())
     if torch.is_grad_enabled() and (hidden_ND.requires_grad or weight_VD.requires_grad):
         return _LogprobHead.apply(*args)
     with torch.no_grad():
@@ -196,9 +210,10 @@ def _chunked_stats(
     chunk: int,
     with_entropy: bool,
     fused: bool,
+    exact: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(logp [N], lse [N], entropy [N] or None), one chunk of logits at a time."""
-    stats, _ = _kernels(fused, hidden_ND.device)
+    stats, _ = _kernels(fused, exact, hidden_ND.device)
     logps, lses, entropies = [], [], []
     for start in range(0, hidden_ND.shape[0], chunk):
         logits_CV = hidden_ND[start : start + chunk] @ weight_VD.T

@@ -25,7 +25,8 @@ Under exact numerics (rollout.match_training, models/exact.py) on CUDA the three
 through one batch-invariant Triton kernel (`exact_expert_linear`) in both engines, and a token's
 experts are chosen by a stable sort and listed in expert order (`_top_k`), so the router, each
 expert's product and the combine (K rows summed in that order by `gather_sum`, which never adds
-rows of other tokens) give a token the same bits whatever batch it is in.
+rows of other tokens) give a token the same bits whatever batch it is in; the experts' silu(gate) * up
+is `exact_fused`'s kernel there, as the dense MLP's (`layers.silu_mul`).
 The CUDA path never reads a device value on the host (counts by scatter-add, offsets by cumsum on
 the device), so the rollout engine captures MoE decode steps in CUDA graphs with the compiled
 forward; `bincount` would sync (its output size depends on the data) and break both.
@@ -59,7 +60,7 @@ from torch import nn
 
 from rlloom.models.args import MoEArgs
 from rlloom.models.exact import is_exact, uses_kernels
-from rlloom.models.layers import SwiGLU
+from rlloom.models.layers import SwiGLU, silu_mul
 
 
 class Router(nn.Module):
@@ -187,7 +188,7 @@ class GroupedExperts(nn.Module):
     def _mlp(self, xs: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         offsets = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
         linear = self._linear(xs)
-        h = F.silu(linear(xs, self.w1, offsets)) * linear(xs, self.w3, offsets)
+        h = silu_mul(linear(xs, self.w1, offsets), linear(xs, self.w3, offsets))
         return linear(h, self.w2, offsets)
 
     def _linear(self, xs: torch.Tensor) -> ExpertLinear:

@@ -94,7 +94,8 @@ def _apply_in_order(
         apply_tp(model, dims.tp_mesh(), experts_parallel=dims.ep > 1)
     if dims is not None and dims.ep > 1:
         apply_ep(model, dims.ep_mesh())
-    apply_ac(model, ac_mode, ac_every_k)
+    # An uncompiled layer may run under exact numerics (rollout.match_training: never compiled).
+    apply_ac(model, ac_mode, ac_every_k, keep_numerics=not compile_layers)
     if compile_layers:
         apply_compile(model)
     if dims is None:

@@ -1,5 +1,5 @@
 """rollout.match_training on a GPU: the batch-invariant Triton kernels (models/exact_kernels.py,
-models/exact_attention.py) against torch's kernels (within bf16 tolerance) and against themselves
+models/exact_attention.py, models/exact_fused.py) against torch's kernels (within bf16 tolerance) and against themselves
 with the same rows in another batch (bit for bit), and `rlloom train` on a tiny dense, Qwen3-MoE and
 DeepSeek-V3 (MLA) model in bf16 whose `rollout/logp_gap_max` reads 0.0 at every step (the default
 kernels' gap is > 0 on the same run, so the check can fail). Skipped without a GPU.
@@ -236,6 +236,62 @@ def test_attention_backward_is_flash_attentions_gradient():
     packed_attention(*ref_leaves, 0.088, cu, 100).backward(grad)
     for got, ref in zip(leaves, ref_leaves):
         assert_close(got.grad, ref.grad)
+
+
+def test_fused_kernels_match_torch_and_are_batch_invariant():
+    """models/exact_fused.py at Qwen3-0.6B's widths in bf16: RMSNorm (hidden 1024 and the per-head
+    128), silu(gate) * up on the rollout's fused halves, rope on 16 heads of 128, the head's
+    statistics; each against torch's formula, a row alone equal to the row in its batch, and
+    RMSNorm's weight gradient the same bits on a repeat."""
+    from rlloom.models import exact_fused as ef
+    from rlloom.models import logprobs
+    from rlloom.models.exact import exact_numerics
+    from rlloom.models.layers import _rotate_half
+
+    def norm_ref(x, w):  # noqa: ANN001, ANN202
+        return w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    for width in (1024, 128):
+        x, w = randn(3000, width, seed=0, scale=3.0), randn(width, seed=1)
+        full = ef.rms_norm(x, w, 1e-6)
+        assert_close(full, norm_ref(x, w))
+        for rows in (slice(0, 1), slice(7, 8), slice(100, 2900)):
+            assert torch.equal(ef.rms_norm(x[rows], w, 1e-6), full[rows]), rows
+        dy = randn(3000, width, seed=2)
+        dws = []
+        for _ in range(2):
+            xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+            ef.rms_norm(xg, wg, 1e-6).backward(dy)
+            dws.append(wg.grad)
+        assert torch.equal(dws[0], dws[1])
+        xr, wr = x.float().requires_grad_(), w.float().requires_grad_()
+        norm_ref(xr, wr).backward(dy.float())
+        assert_close(xg.grad, xr.grad)
+        assert_close(dws[0], wr.grad)
+    gate_up = randn(3000, 2 * 3072, seed=3)
+    gate, up = gate_up.split(3072, dim=-1)
+    out = ef.silu_mul(gate, up)
+    assert_close(out, F.silu(gate) * up)
+    assert torch.equal(ef.silu_mul(gate.contiguous()[5:6], up.contiguous()[5:6]), out[5:6])
+    q = randn(3000, 16, 128, seed=4)
+    angles = torch.rand(3000, 64, device=CUDA) * 100
+    cos, sin = (f(torch.cat([angles, angles], -1)).to(BF16) for f in (torch.cos, torch.sin))
+    rot = ef.rope(q, cos, sin, False)
+    assert_close(rot, q * cos[:, None] + _rotate_half(q) * sin[:, None])
+    assert torch.equal(ef.rope(q[9:10], cos[9:10], sin[9:10], False), rot[9:10])
+    pairs = ef.rope(q, cos, sin, True)  # DeepSeek-V3's interleaved pairs, de-interleaved first
+    q_split = q.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+    assert_close(pairs, q_split * cos[:, None] + _rotate_half(q_split) * sin[:, None])
+    logits, targets = randn(64, 151936, seed=5, scale=3.0), torch.randint(0, 151936, (64,), device=CUDA)
+    with exact_numerics():
+        got, want = (
+            ef.chunk_stats(logits, targets, 1.0, True),
+            logprobs.chunk_stats(logits, targets, 1.0, True),
+        )
+        alone = ef.chunk_stats(logits[3:4], targets[3:4], 1.0, True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert_close(got[2], want[2], rel=1e-4)
+    assert all(torch.equal(a[0], g[3]) for a, g in zip(alone, got))
 
 
 @pytest.mark.parametrize("kind", ["tiny-dense", "tiny-moe", "tiny-mla"])

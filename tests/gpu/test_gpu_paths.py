@@ -97,6 +97,30 @@ def test_rollout_engine_cuda_graphs_match_eager_and_forward(tmp_path):
         assert max(abs(a - b) for a, b in zip(c.logprobs, want)) < 1e-3
 
 
+def test_a_fresh_engine_generates_the_bits_an_engine_that_ran_before_does(tmp_path, restore_determinism):
+    """Deterministic mode, bf16: a fresh engine (a replaced rollout actor, a resumed run: a new process,
+    here Dynamo reset) and one that generated before give a batch the same tokens and logprobs. The
+    batch's prefill has as many tokens as the model's hidden size (4 x 64 = 256), which a fresh
+    engine compiled into a graph static in the token count (duck sizing) while the other ran its
+    dynamic graph: other roundings, other bits (the replaced replica of bench_recovery.py on 2 x H200)."""
+    from rlloom.determinism import enable_determinism
+    from rlloom.engines.rollout.native import NativeEngine, SamplingParams
+
+    enable_determinism(True)
+    folder = _hf_folder("dense", tmp_path)
+    kw = dict(dtype=torch.bfloat16, device="cuda", max_model_len=256, kv_cache_memory_gb=0.5)
+    before = [[int(x) for x in torch.randint(0, 512, (n,))] for n in (5, 17, 40)]
+    step = [[int(x) for x in torch.randint(0, 512, (64,))] for _ in range(4)]
+    sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=32, seed=3, ignore_eos=True)
+    torch._dynamo.reset()
+    used = NativeEngine.from_pretrained(folder, **kw)
+    used.generate(before, sp)
+    want = used.generate(step, sp)
+    torch._dynamo.reset()  # a new process's compiled code
+    got = NativeEngine.from_pretrained(folder, **kw).generate(step, sp)
+    assert [(c.token_ids, c.logprobs) for c in got] == [(c.token_ids, c.logprobs) for c in want]
+
+
 _FP8 = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
     reason="fp8 needs compute capability >= 8.9",

@@ -132,10 +132,12 @@ import torch
 import rlloom.engines.rollout.native.attention as paged
 import rlloom.models.attention_ops as attention_ops
 import rlloom.models.exact as exact
+import rlloom.models.layers as layers
 import rlloom.models.moe as moe
 
-# Every exact op on the Triton kernels, as on CUDA.
+# Every exact op on the Triton kernels, as on CUDA (the norms, SwiGLU and rope on the fused ones).
 exact.uses_kernels = attention_ops.uses_kernels = paged.uses_kernels = moe.uses_kernels = lambda x: True
+layers.uses_kernels = lambda x: True
 from rlloom.engines.rollout.base import SamplingParams
 from rlloom.engines.rollout.native.engine import NativeEngine
 from rlloom.models import from_pretrained

@@ -298,6 +298,28 @@ def test_compiled_decode_forward_traces_one_layer_and_matches_eager(tmp_path):
     assert counters["stats"]["unique_graphs"] == compiled, "woken up, the decode forward compiled again"
 
 
+def test_compiled_decode_forward_runs_one_graph_whatever_the_first_token_count(tmp_path):
+    """A fresh engine's first forward of as many tokens as the model's hidden size (a prefill of 16
+    prompts x 64 tokens on Qwen3-0.6B, 1024) compiled, with duck sizing, a graph static in the
+    token count; an engine that had decoded before ran that count through its dynamic graph, which
+    rounds differently on a GPU: a replaced rollout actor's step differed from the uninterrupted run's.
+    Now the first call compiles the dynamic graph that every later count (of at least 2) runs."""
+    from torch._dynamo.utils import counters
+
+    from rlloom.engines.rollout.native.model_runner import compile_decode_forward
+
+    torch._dynamo.reset()
+    counters.clear()
+    hidden = 64  # tiny_dense's hidden size
+    engine = _engine(save(tiny_dense(seed=4), tmp_path), max_num_seqs=hidden)
+    graphs = _eager_graphs(engine, hidden, forward=compile_decode_forward(engine.model))
+    graphs.warm_up(hidden, graphs.block_buckets[0])
+    first = counters["stats"]["unique_graphs"]
+    for tokens in (4, 48, hidden):
+        graphs.warm_up(tokens, graphs.block_buckets[0])
+    assert counters["stats"]["unique_graphs"] == first, "another token count compiled another graph"
+
+
 def test_built_from_rollout_config(dense):
     from rlloom.config import RolloutConfig
 

@@ -130,12 +130,18 @@ class DecodeGraphs:
         routes = None if self.route_dtype is None else self.model.last_routes().to(self.route_dtype)
         return hidden, routes
 
-    def _capture(self, bs: int, num_blocks: int) -> None:
-        start = time.perf_counter()
-        try:  # warm-up outside the graph: compilation, lazy kernel and cuBLAS set-up
+    def warm_up(self, bs: int, num_blocks: int) -> None:
+        """The forward of `bs` rows with what the buffers hold, outside any graph: compilation, lazy
+        kernel and cuBLAS set-up. Before any step the buffers hold padding: every row writes only the
+        scratch block."""
+        try:
             self._forward(bs, num_blocks)
         except Exception as err:  # noqa: BLE001 - e.g. an Inductor failure: the caller falls back
             raise GraphCaptureError(f"the decode forward (batch {bs}) failed before capture: {err}") from err
+
+    def _capture(self, bs: int, num_blocks: int) -> None:
+        start = time.perf_counter()
+        self.warm_up(bs, num_blocks)
         torch.cuda.synchronize()
         warm_s = time.perf_counter() - start
         graph = torch.cuda.CUDAGraph()
@@ -151,7 +157,7 @@ class DecodeGraphs:
         self.graphs[(bs, num_blocks)] = graph
         torch.cuda.synchronize()
         logger.info(
-            "decode graph (batch %d, %d blocks) captured in %.2f s (warm-up %.2f s: the first one compiles)",
+            "decode graph (batch %d, %d blocks) captured in %.2f s (warm-up %.2f s)",
             bs, num_blocks, time.perf_counter() - start, warm_s,
         )  # fmt: skip
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+import torch.fx.experimental._config as fx_config
 
 from rlloom.compile_cache import enable_compile_cache
 from rlloom.devices import to_device
@@ -73,13 +74,24 @@ def compile_decode_forward(model: CausalLM) -> Callable[..., torch.Tensor]:
     second run reaches its first token in 17 s instead of 38 s and decodes as fast; the
     Qwen3-30B-A3B width compiles in 5.8 s instead of 16.3 s and decodes at 23.6k instead of 15.4k
     tok/s after a full-batch warm-up (the whole-model graph stalled mid-run). The compiled
-    code is cached on disk (`rlloom.compile_cache`) for later runs of the same shapes."""
+    code is cached on disk (`rlloom.compile_cache`) for later runs of the same shapes.
+
+    Dynamo compiles without duck sizing (one symbol for every input size of equal value): with it, a
+    first call whose token count equals a width of the model (a prefill of 16 prompts x 64 tokens =
+    Qwen3-0.6B's hidden size 1024) compiled a graph static in the token count, and a later count
+    added a dynamic graph that from then on served that count too. The two round differently
+    (Inductor picks a reduction's tiling by the sizes it compiles for), so which one ran a forward
+    depended on the calls the process made before: a fresh engine (a replaced rollout actor, a resumed
+    run) gave a step other bits than the engine that had run the steps before it. Without duck sizing
+    every count of at least 2 tokens runs the one dynamic graph (a count of 1 has its own), whatever
+    came before; `ModelRunner` compiles it at one fixed size."""
     enable_compile_cache()
     layers = [torch.compile(layer, dynamic=True) for layer in model.layers]
 
     def forward(input_ids: torch.Tensor, *, position_ids: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
         piecewise = PiecewiseAttention(attn)
-        return model.hidden_states(input_ids, position_ids=position_ids, attn=piecewise, layers=layers)
+        with fx_config.patch(use_duck_shape=False):  # read when a call compiles
+            return model.hidden_states(input_ids, position_ids=position_ids, attn=piecewise, layers=layers)
 
     return forward
 
@@ -118,6 +130,21 @@ class ModelRunner:
         self.backend: PagedAttention | None = None
         self.graphs: DecodeGraphs | None = None
         self.allocate()
+        if self.compiled_forward is not None:
+            self._compile_now()
+
+    def _compile_now(self) -> None:
+        """Compile the decode forward at the largest decode batch, before any request: Inductor tunes
+        its kernels for the sizes of the call that compiles them, so every engine (a fresh one in a
+        replaced actor or a resumed run too) runs the same kernels, whatever its first request (and
+        the disk cache holds the same entry). A forward that fails to compile falls back to the plain one."""
+        assert self.graphs is not None
+        try:
+            self.graphs.warm_up(self.graphs.batch_sizes[-1], self.graphs.block_buckets[0])
+        except GraphCaptureError as err:
+            logger.warning("%s; using the uncompiled forward from now on", err)
+            self.compiled_forward = None
+            self.graphs = self._new_graphs()
 
     def allocate(self) -> None:
         """Allocate the KV cache (zeros, so masked-out slots never hold NaN); graphs are captured on use."""

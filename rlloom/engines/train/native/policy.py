@@ -142,9 +142,8 @@ class PolicyHead(StreamHead):
                 temperature=options.temperature,
                 chunk_tokens=self.chunk_tokens,
                 with_entropy=options.with_entropy,
-                # Exact: the log-sum-exp of exact numerics, the sampler's (the Triton passes split
-                # the vocabulary their own way).
-                fused=self.fused_head and not self.exact,
+                # Exact: the passes keep exact numerics' log-sum-exp, the sampler's (logprobs._kernels).
+                fused=self.fused_head,
             )
         if num_selected == 0:
             logp_K = logp_K[:0]
