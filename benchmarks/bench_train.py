@@ -5,11 +5,17 @@ GPU (default): random weights of Qwen3-1.7B's shape (28 layers, hidden 2048, int
 bf16 compute (one GPU: bf16 copies, no FSDP). The batch is sequences of lengths uniform in 256..4096 (fixed
 seed, a quarter prompt, the rest response), packed into micro-batches of at most 16k tokens until
 four micro-batches are full. Reported per pass: tokens/s, MFU (model FLOPs over 989 TFLOP/s, see
-rlloom.observability.mfu) and peak allocated memory; the first step is a warm-up and not timed.
+rlloom.observability.mfu), the bound (the pass's FLOPs at that peak: the time at 100% MFU) and peak
+allocated memory; the first step is a warm-up and not timed.
+
+`--vl`: a vision-language GRPO step, the Qwen2.5-VL-3B shape (bench_vlm.py; the 7B's 32-block tower,
+trained) on prompts of one random `--image-size` picture each (448: 1,024 patches, 256 image tokens)
+and responses of 256..1024 tokens, packed the same way; the FLOPs add the tower's (bench_vlm.tower_flops).
 
     python benchmarks/bench_train.py                 # needs a CUDA device
     python benchmarks/bench_train.py --ac off        # without activation checkpointing
-    python benchmarks/bench_train.py --tiny          # a tiny shape on CPU, to check the script
+    python benchmarks/bench_train.py --vl            # the VL step on one GPU
+    python benchmarks/bench_train.py --tiny [--vl]   # a tiny shape on CPU, to check the script
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_rollout import QWEN3_17B  # noqa: E402  (the shapes live in one place)
+from bench_vlm import QWEN2_5_VL_3B, image_prompts, tower_flops  # noqa: E402
+from bench_vlm import TINY as TINY_VL  # noqa: E402
 
 from rlloom.algorithms.losses import aggregate_loss_sum, loss_normalizer
 from rlloom.config import TrainEngineConfig
@@ -69,6 +77,22 @@ def make_batch(
     return RolloutBatch(samples)
 
 
+def make_vl_batch(
+    config: dict, image_size: int, min_new: int, max_new: int, budget: int, num_micro_batches: int, seed: int
+) -> RolloutBatch:
+    """Picture prompts (one random picture each, transformers' image processor) with random responses
+    of min_new..max_new tokens, added while first-fit decreasing still packs them into the micro-batches."""
+    rng = random.Random(seed)
+    samples: list[Sample] = []
+    while True:
+        [prompt], [images] = image_prompts(config, 1, image_size, seed=seed + len(samples))
+        response = [rng.randrange(256) for _ in range(rng.randint(min_new, max_new))]
+        lengths = [s.num_tokens for s in samples] + [len(prompt) + len(response)]
+        if len(pack_micro_batches(range(len(lengths)), lengths, budget)) > num_micro_batches:
+            return RolloutBatch(samples)
+        samples.append(Sample(prompt_ids=prompt, response_ids=response, images=images))
+
+
 def random_model(cfg: dict, device: torch.device) -> torch.nn.Module:
     torch.manual_seed(0)
     model = build_model(cfg, dtype=torch.float32, device=device)
@@ -98,13 +122,20 @@ def main() -> None:
     parser.add_argument("--optimizer-offload", action="store_true", help="AdamW step on CPU")
     parser.add_argument("--eager", action="store_true", help="no torch.compile of the decoder layers")
     parser.add_argument("--profile", action="store_true", help="also print the top kernels of one train step")
+    parser.add_argument("--vl", action="store_true", help="a vision-language GRPO step (Qwen2.5-VL-3B shape)")
+    parser.add_argument("--image-size", type=int, default=448, help="--vl: pixels a side of each picture")
     args = parser.parse_args()
 
     device = torch.device("cpu" if args.tiny else "cuda")
-    cfg_model, (min_len, max_len, budget) = (
-        (TINY, (16, 128, 256)) if args.tiny else (QWEN3_17B, (256, 4096, args.budget))
-    )
-    batch = make_batch(min_len, max_len, budget, args.micro_batches, cfg_model["vocab_size"], seed=0)
+    if args.vl:
+        cfg_model, name = (TINY_VL, "tiny VL") if args.tiny else (QWEN2_5_VL_3B, "Qwen2.5-VL-3B shape")
+        budget = 512 if args.tiny else args.budget
+        size, (min_new, max_new) = (56, (16, 64)) if args.tiny else (args.image_size, (256, 1024))
+        batch = make_vl_batch(cfg_model, size, min_new, max_new, budget, args.micro_batches, seed=0)
+    else:
+        cfg_model, name = (TINY, "tiny") if args.tiny else (QWEN3_17B, "Qwen3-1.7B shape")
+        min_len, max_len, budget = (16, 128, 256) if args.tiny else (256, 4096, args.budget)
+        batch = make_batch(min_len, max_len, budget, args.micro_batches, cfg_model["vocab_size"], seed=0)
     cfg = TrainEngineConfig(
         lr=1e-6,
         max_tokens_per_micro_batch=budget,
@@ -144,22 +175,29 @@ def main() -> None:
         engine.model, seq_lens, int(mask.sum()), body_params=engine._body_params, backward=False
     )
     train_flops = step_flops(engine.model, seq_lens, int(mask.sum()), body_params=engine._body_params)
+    pictures = ""
+    if args.vl:  # the tower's FLOPs on every picture of the batch
+        grid = torch.cat([s.images.grid_thw for s in batch.samples])
+        fwd_flops += tower_flops(engine.model, grid, backward=False)
+        train_flops += tower_flops(engine.model, grid)
+        pictures = f", {len(grid)} pictures ({int(grid.prod(-1).sum())} patches)"
     peak = train[-1].get("memory/peak_allocated_gib", float("nan"))
     print(
-        f"model {'tiny' if args.tiny else 'Qwen3-1.7B shape'}, {engine.compute_dtype}, ac={args.ac}, compile={not args.eager}, "
+        f"model {name}, {engine.compute_dtype}, ac={args.ac}, compile={not args.eager}, "
         f"optimizer_offload={args.optimizer_offload}, device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}"
     )
     print(
         f"batch: {len(batch)} sequences, {tokens} tokens ({int(mask.sum())} response), "
-        f"{int(train[-1]['train/num_micro_batches'])} micro-batches of <= {budget} tokens"
+        f"{int(train[-1]['train/num_micro_batches'])} micro-batches of <= {budget} tokens{pictures}"
     )
-    print(f"{'pass':<26}{'seconds':>10}{'tokens/s':>12}{'MFU':>8}{'peak GiB':>10}")
-    for name, secs, flops, mem in (
+    print(f"{'pass':<26}{'seconds':>10}{'bound s':>10}{'tokens/s':>12}{'MFU':>8}{'peak GiB':>10}")
+    for row, secs, flops, mem in (
         ("train_step (fwd+bwd+opt)", seconds, train_flops, peak),
         ("forward_logprobs", fwd_seconds, fwd_flops, fwd_peak),
     ):
-        mfu = f"{flops / (secs * H100_BF16_PEAK_FLOPS):.1%}" if device.type == "cuda" else "-"
-        print(f"{name:<26}{secs:>10.3f}{tokens / secs:>12.0f}{mfu:>8}{mem:>10.2f}")
+        bound = flops / H100_BF16_PEAK_FLOPS
+        mfu = f"{bound / secs:.1%}" if device.type == "cuda" else "-"
+        print(f"{row:<26}{secs:>10.3f}{bound:>10.3f}{tokens / secs:>12.0f}{mfu:>8}{mem:>10.2f}")
     if args.profile:
         print_profile(engine, batch, loss_fn, normalizer, device)
 

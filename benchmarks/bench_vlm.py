@@ -49,6 +49,15 @@ QWEN2_5_VL_7B = {
         "fullatt_block_indexes": [7, 15, 23, 31],
     },
 }  # fmt: skip
+QWEN2_5_VL_3B = QWEN2_5_VL_7B | {
+    "tie_word_embeddings": True,
+    "text_config": QWEN2_5_VL_7B["text_config"]
+    | {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36,
+       "num_attention_heads": 16, "num_key_value_heads": 2, "tie_word_embeddings": True},
+    "vision_config": QWEN2_5_VL_7B["vision_config"] | {"out_hidden_size": 2048},
+}  # fmt: skip
+"""Qwen2.5-VL-3B's shape (the 7B's tower, a 36-layer decoder of width 2048, tied embeddings): the
+training step's model in `bench_train.py --vl` (fp32 master weights and AdamW fit one H200)."""
 TINY = QWEN2_5_VL_7B | {
     "image_token_id": 290,
     "video_token_id": 291,
@@ -175,18 +184,28 @@ def bench_train(native, prompts, images, new: int, device: torch.device, repeats
         times.append(time.perf_counter() - start)
         native.zero_grad(set_to_none=True)
     seconds = min(times[1:])
-    a, v = native.args, native.args.vision
+    a = native.args
     embedding = a.vocab_size * a.hidden_size * (1 if a.tie_word_embeddings else 2)
     tower = sum(p.numel() for p in native.visual.parameters())
     decoder = sum(p.numel() for p in native.parameters()) - tower - embedding
     text_flops = sum(
         n * transformer_flops_per_token(decoder, a.num_layers, a.num_heads * a.head_dim, n) for n in lens
     )
-    patches = int(grid.prod(-1).sum())
-    window = (v.window_size // v.patch_size) ** 2
-    per_patch = transformer_flops_per_token(tower, v.depth, v.hidden_size, window, causal=False)
-    flops = text_flops + patches * per_patch
+    flops = text_flops + tower_flops(native, grid)
     return {"s": seconds, "tokens": sum(lens), "mfu": mfu(1, seconds, flops)}
+
+
+def tower_flops(native, grid: torch.Tensor, backward: bool = True) -> float:  # noqa: ANN001
+    """FLOPs of the vision tower on pictures of `grid` [I, 3]: 6 x its parameters per patch (2 without
+    the backward) plus its bidirectional attention over a window (the full-attention blocks counted
+    as windows too: a lower bound)."""
+    v = native.args.vision
+    params = sum(p.numel() for p in native.visual.parameters())
+    window = (v.window_size // v.patch_size) ** 2
+    per_patch = transformer_flops_per_token(
+        params, v.depth, v.hidden_size, window, causal=False, backward=backward
+    )
+    return int(grid.prod(-1).sum()) * per_patch
 
 
 def main() -> None:

@@ -215,6 +215,13 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     )
     plan.add_argument("--recompute", choices=("full", "selective", "none"), default="full")
     plan.add_argument(
+        "--images-per-gpu",
+        type=int,
+        default=1,
+        help="a vision-language model: pictures in one micro-batch of one GPU, each as large as the model "
+        "folder's image processor writes them (default 1)",
+    )
+    plan.add_argument(
         "--rollout-quantization",
         choices=("none", "fp8"),
         default="none",

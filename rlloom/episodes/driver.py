@@ -17,6 +17,11 @@ reaching it ends it with finish reason "length"), `rollout.max_observation_token
 observation's content, truncated on `rollout.observation_truncation`'s side).
 Seeds: a trajectory's turn t >= 1 draws from seed (request seed, sample j, turn t), so it does not
 depend on which other trajectories are in flight.
+Pictures (a vision-language model): a row's pictures ride every turn of its trajectories and their
+samples, whose prompts extend the row's prompt token for token (it holds the pictures'
+placeholders; the messages the environment sees are the row's text). A trajectory whose prompt is
+rendered anew instead (an environment's `reset` messages, tools, a chat template that rewrites
+earlier turns) would lose them: it ends with an environment error (`PICTURES_EXTEND`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 
 from rlloom.data.chat import prompt_messages
 from rlloom.data.dataset import PromptItem
+from rlloom.data.images import ImageInputs
 from rlloom.data.types import Sample
 from rlloom.engines.rollout import Completion, SamplingParams
 from rlloom.episodes.calls import EnvCalls, EnvResult, GroupCalls, prompt_row
@@ -38,6 +44,14 @@ from rlloom.episodes.trajectory import Segment, Trajectory, truncate_ids
 from rlloom.episodes.types import Message
 
 log = logging.getLogger(__name__)
+
+PICTURES_EXTEND = (
+    "the row has pictures, which ride only turns whose prompt extends the row's prompt token for token, "
+    "and this trajectory's prompt was rendered anew (reset messages, tools, or a chat template that "
+    "rewrites earlier turns); fix: return None from reset and use rollout.env without tools and with "
+    "rollout.multi_turn_samples=trajectory or auto with a template that keeps earlier turns"
+)
+"""Why a trajectory of a row with pictures ended: its prompt no longer holds their placeholders."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +69,8 @@ class TurnRequest:
     """Report the tokens as they are sampled (`AgentDriver.on_progress`: a streaming request)."""
     first_sample: int = 0
     """The first sample's index (its seeded noise's: `RolloutEngine.add_request`)."""
+    images: ImageInputs | None = None
+    """The row's pictures (a vision-language model): `prompt_ids` start with the row's prompt."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -140,9 +156,22 @@ class EpisodeDriver:
             for j in live
         }
         for j in live:
-            group.trajs[j].segments.append(Segment(prompt_ids=prompts[j]))
+            if group.item.images is not None and prompts[j] != group.item.prompt_ids:
+                group.trajs[j].env_error = PICTURES_EXTEND  # ends as a failed reset does
+                self._end(key, j, reason="stop")
+            else:
+                group.trajs[j].segments.append(Segment(prompt_ids=prompts[j]))
+        live = [j for j in live if not group.trajs[j].done]
         if len(live) == len(group.trajs) and all(prompts[j] == prompts[live[0]] for j in live):
-            return [TurnRequest(key=key, j=None, prompt_ids=prompts[live[0]], sampling=group.sampling)]
+            return [
+                TurnRequest(
+                    key=key,
+                    j=None,
+                    prompt_ids=prompts[live[0]],
+                    sampling=group.sampling,
+                    images=group.item.images,
+                )
+            ]
         return [self._request(key, j, turn=0) for j in live]
 
     # ---- turns ----------------------------------------------------------------------------------
@@ -188,7 +217,10 @@ class EpisodeDriver:
         rendered = self._render(traj.messages)
         ext = None
         if self.settings.multi_turn_samples != "per_turn":
-            ext = extension_ids(self.tokenizer, traj.current.token_ids, rendered)
+            ext = extension_ids(self.tokenizer, self._as_written(group, traj.current.token_ids), rendered)
+        if ext is None and group.item.images is not None:
+            traj.env_error = PICTURES_EXTEND
+            return self._end(key, j, reason="stop") or []
         if ext is None and self.settings.multi_turn_samples == "trajectory":
             traj.env_error = (
                 "the chat template does not extend the previous turns (it rewrote them); fix: set "
@@ -249,7 +281,14 @@ class EpisodeDriver:
         sampling = dataclasses.replace(
             base, n=1, seed=seed, max_new_tokens=max(1, min(base.max_new_tokens, room))
         )
-        return TurnRequest(key=key, j=j, prompt_ids=traj.current.token_ids, sampling=sampling, turn=turn)
+        return TurnRequest(
+            key=key,
+            j=j,
+            prompt_ids=traj.current.token_ids,
+            sampling=sampling,
+            turn=turn,
+            images=group.item.images,
+        )
 
     def _end(self, key: Any, j: int, *, reason: str) -> None:
         group = self.groups[key]
@@ -261,6 +300,16 @@ class EpisodeDriver:
 
     def _render(self, messages: list[Message]) -> Rendered:
         return render_conversation(self.tokenizer, messages, tools=self.settings.tools)
+
+    def _as_written(self, group: _Group, ids: list[int]) -> list[int]:
+        """`ids` as the chat template writes the trajectory's messages: a row's pictures are not among
+        them (they ride as `images`), so the row's prompt ids, each picture's placeholders expanded,
+        stand as its messages rendered without pictures."""
+        item = group.item
+        if item.images is None:
+            return ids
+        messages = prompt_messages(item.prompt, self.settings.system_prompt)
+        return encode(self.tokenizer, self._render(messages)) + ids[len(item.prompt_ids) :]
 
     def _truncated(self, message: Message) -> Message:
         limit = self.settings.max_observation_tokens
@@ -302,6 +351,7 @@ class EpisodeDriver:
                     token_versions=list(seg.versions),
                     routed_experts=seg.routed_experts,
                     trajectory_id=group_id * 1_000 + traj_index if len(segments) > 1 else None,
+                    images=item.images,
                     metadata={
                         "ground_truth": item.ground_truth,
                         "index": item.index,

@@ -66,8 +66,11 @@ class ModelCosts:
     expert_params: int
     """Routed-expert parameters of all layers."""
     tower_params: int = 0
-    """A vision tower's parameters (Qwen2.5-VL; in the root unit, with the embedding). Its
-    activations are not modelled: they scale with the images, not the tokens."""
+    """A vision tower's parameters (Qwen2.5-VL, Qwen3-VL; in the first stage's root unit, with the
+    embedding). 0: a text model."""
+    tower_act_per_patch: int = 0
+    """bf16 elements the vision tower saves for backward per patch of the pictures (they scale with
+    the pictures, not the tokens: `Workload.image_patches_per_gpu`)."""
 
 
 ROUTING_PER_COPY = 3 * 4 + 2 + 1
@@ -192,6 +195,7 @@ def model_costs(args: ModelArgs) -> ModelCosts:
         total_params=body + vocab_hidden + head + tower,
         expert_params=sum(layer.expert_params for layer in layers),
         tower_params=tower,
+        tower_act_per_patch=vision_tower_act_per_patch(args.vision) if args.vision is not None else 0,
     )
 
 
@@ -211,6 +215,20 @@ def vision_tower_params(v: VisionArgs) -> int:
     deepstack = len(v.deepstack_visual_indexes) * (2 * width + mlp)
     tower = patch + h + v.num_position_embeddings * h + v.depth * block
     return tower + 2 * h + mlp + deepstack
+
+
+def vision_tower_act_per_patch(v: VisionArgs) -> int:
+    """bf16 elements the vision tower saves for backward per patch, nothing recomputed (activation
+    checkpointing wraps the decoder layers only): the patch embedding's input; per block its
+    attention's as a decoder layer's with a key and value per head (norm in and out, q/k/v, q/k after
+    RoPE, the output and its copy: `_attention`) and its MLP's (norm in and out, then SwiGLU's gate,
+    up and product, or the two-matrix MLP's hidden and its GELU); each merger's normed input, hidden
+    and GELU (width merge^2 x hidden per merged token: 3 x hidden per patch)."""
+    h, i = v.hidden_size, v.intermediate_size
+    mlp = 2 * h + (3 * i if v.num_position_embeddings is None else 2 * i)
+    block = 9 * h + mlp
+    mergers = 1 + len(v.deepstack_visual_indexes)
+    return v.in_channels * v.temporal_patch_size * v.patch_size**2 + v.depth * block + mergers * 3 * h
 
 
 def value_model_params(costs: ModelCosts) -> int:

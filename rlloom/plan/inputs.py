@@ -70,6 +70,9 @@ class Workload:
     max_tokens_per_gpu: int = 8192
     """Tokens of one micro-batch of one model replica (split over its TP and CP ranks)."""
     recompute: Recompute = "full"
+    image_patches_per_gpu: int = 0
+    """Patches of the pictures in one micro-batch of one GPU (a vision-language model): the vision
+    tower runs them on the first pipeline stage, whole (data parallel only), nothing recomputed."""
     recompute_every_k: int = 1
     """With full recompute: checkpoint every k-th layer (rlloom's activation_checkpointing=every_k)."""
     logprob_chunk_tokens: int = 4096

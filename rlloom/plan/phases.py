@@ -226,6 +226,8 @@ def _activation_bytes(
     eager = 1.0 if work.compiled else EAGER_ACTIVATION_FACTOR
     act = work.compute_bytes  # bytes an element: bf16 on CUDA, fp32 on CPU
     activations = act * t * saved * in_flight * eager
+    if stage == 0:  # the vision tower's, beside the decoder's until the backward reaches it last
+        activations += act * work.image_patches_per_gpu * costs.tower_act_per_patch * in_flight
     largest = max(c.act_none for c, _ in present)
     working = act * t * largest * (1.5 if work.recompute == "full" else 0.5) * eager  # recomputed + grads
     if layout.cp > 1:

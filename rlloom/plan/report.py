@@ -7,7 +7,8 @@ JSON fields (a contract, issue 18): fits, gpu_memory_gb, cpu_memory_gb_per_node,
 ep, dp, offload_fraction, pp_first_stage_layers, pp_last_stage_layers}, breakdown {params, grads,
 optimizer, activations, buffers}, rollout {model_parallel, weights_gb, kv_cache_gb,
 kv_cache_tokens}; also peak_phase, reason, step_seconds, stage_peaks_gb, problems, suggestion,
-alternatives, train_overrides (the dotted `rlloom train` overrides of the chosen layout).
+alternatives, train_overrides (the dotted `rlloom train` overrides of the chosen layout), vision_tower
+(a vision-language model's tower: params, placement, patches_per_gpu, activations_gb; null otherwise).
 """
 
 from __future__ import annotations
@@ -108,6 +109,13 @@ def parse_check(text: str, gpus: int, costs: ModelCosts) -> Layout:
     )
     dp = gpus // (tp * pp * cp)
     _require(
+        not costs.tower_params or tp * pp * cp == 1,
+        text,
+        "a vision-language model trains data parallel only (tp = pp = cp = 1: the sharding plans and "
+        "stages cover the decoder, not the vision tower)",
+        "use tp=1,pp=1,cp=1 (offload may vary)",
+    )
+    _require(
         costs.num_heads % tp == 0 and costs.num_kv_heads % tp == 0,
         text,
         f"tp={tp} must divide the {costs.num_heads} attention heads and {costs.num_kv_heads} KV heads",
@@ -126,6 +134,42 @@ def parse_check(text: str, gpus: int, costs: ModelCosts) -> Layout:
     else:
         _require(ep == 1, text, "ep must be 1 for a dense model", "drop ep")
     return Layout(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, offload_fraction=offload)
+
+
+DEFAULT_MAX_PIXELS = 12_845_056
+"""Pixels of the largest picture transformers' Qwen2-VL image processor writes when the model folder
+names no size (`max_pixels`: 65,536 patches of 14 x 14, 16,384 image tokens)."""
+
+
+def picture_patches(model: str, raw: dict[str, Any]) -> int:
+    """Patches of the largest picture MODEL's image processor writes: its folder's
+    preprocessor_config.json `size.longest_edge` (or `max_pixels`) pixels, else `DEFAULT_MAX_PIXELS`,
+    over the tower's patch area (a picture's two frames make one temporal patch); 0 for a text model."""
+    vision = ModelArgs.from_hf_config(raw).vision
+    if vision is None:
+        return 0
+    folder = Path(model) if Path(model).is_dir() else Path(model).parent
+    file = folder / "preprocessor_config.json"
+    pixels = DEFAULT_MAX_PIXELS
+    if Path(model).exists() and file.is_file():
+        processor = json.loads(file.read_text())
+        pixels = (processor.get("size") or {}).get("longest_edge") or processor.get("max_pixels") or pixels
+    return int(pixels) // vision.patch_size**2
+
+
+def vision_summary(costs: ModelCosts, work: Workload) -> dict[str, Any] | None:
+    """Where the vision tower lives and what it costs (the JSON's `vision_tower`); None: a text model."""
+    if not costs.tower_params:
+        return None
+    return {
+        "params": costs.tower_params,
+        "placement": "first pipeline stage, in the root unit with the embedding: FSDP-sharded over dp "
+        "(data parallel only), whole on every rank's forward",
+        "patches_per_gpu": work.image_patches_per_gpu,
+        "activations_gb": round(
+            work.compute_bytes * work.image_patches_per_gpu * costs.tower_act_per_patch / 2**30, 3
+        ),
+    }
 
 
 def _lora_params(args: Any, raw: dict[str, Any]) -> int:
@@ -250,6 +294,7 @@ def to_json(answer: PlanAnswer, costs: ModelCosts, work: Workload, overrides: li
             "expert_params": costs.expert_params,
             "layers": len(costs.layers),
         },
+        "vision_tower": vision_summary(costs, work),
     }
 
 
@@ -287,6 +332,12 @@ def format_table(
         f"activations {bd.activations:.1f}  buffers {bd.buffers:.1f}",
         f"host      {est.cpu_memory_gb_per_node:.0f} GB per node",
     ]
+    if (tower := vision_summary(costs, work)) is not None:
+        lines.append(
+            f"vision    tower {tower['params'] / 1e6:.1f}M parameters on the first stage (root unit, with the "
+            f"embedding; data parallel only); activations {tower['activations_gb']:.2f} GB for "
+            f"{tower['patches_per_gpu']} patches a GPU"
+        )
     if est.rollout is not None:
         r = est.rollout
         lines.append(
@@ -324,6 +375,11 @@ def run_plan(args: Any) -> int:
         raise ConfigError(
             f"--max-tokens-per-gpu={args.max_tokens_per_gpu} is invalid: must be >= 1. Fix: e.g. 8192."
         )
+    if args.images_per_gpu < 0:
+        raise ConfigError(
+            f"--images-per-gpu={args.images_per_gpu} is invalid: must be >= 0. Fix: e.g. 4 (pictures in one "
+            "micro-batch of one GPU)."
+        )
     costs, raw = load_costs(args.model)
     adapters = _lora_params(args, raw)
     hw = Hardware(
@@ -340,6 +396,7 @@ def run_plan(args: Any) -> int:
     work = Workload(
         max_tokens_per_gpu=args.max_tokens_per_gpu,
         recompute=args.recompute,
+        image_patches_per_gpu=args.images_per_gpu * picture_patches(args.model, raw),
         rollout_quantization=args.rollout_quantization,
         critic_params=value_model_params(costs) if args.critic else 0.0,
         lora_params=adapters,

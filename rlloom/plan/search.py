@@ -1,7 +1,8 @@
 """Layout search: every legal (tp, pp, cp, ep, dp) for the GPU count, the least offload that fits,
 uneven pipeline stages, and the lowest estimated step time among the layouts that fit.
 
-Legal: tp divides the attention and KV heads and stays inside a node; ep divides the routed experts
+Legal: a vision-language model trains data parallel only (tp = pp = cp = ep = 1, as
+`rlloom train` requires); tp divides the attention and KV heads and stays inside a node; ep divides the routed experts
 and the tp * cp * dp ranks of a stage; cp splits the token budget into load-balanced halves; pp has
 at least one layer a stage; tp * pp * cp * dp is the GPU count. The step-time model
 (`step_cost`, docs/plan.md) counts compute, the pipeline bubble, the communication volume of each
@@ -59,13 +60,14 @@ def _powers_of_two(limit: int) -> list[int]:
 def legal_layouts(costs: ModelCosts, hw: Hardware, work: Workload) -> Iterator[Layout]:
     """Every legal layout of `hw.gpus` GPUs, without offload, stages split evenly."""
     num_layers = len(costs.layers)
-    for tp in _powers_of_two(min(hw.gpus_per_node, hw.gpus)):
+    most = 1 if costs.tower_params else hw.gpus  # a vision-language model trains data parallel only
+    for tp in _powers_of_two(min(hw.gpus_per_node, most)):
         if costs.num_heads % tp or costs.num_kv_heads % tp:
             continue
-        for cp in _powers_of_two(min(MAX_CP, hw.gpus // tp)):
+        for cp in _powers_of_two(min(MAX_CP, most // tp)):
             if work.max_tokens_per_gpu % (2 * cp) and cp > 1:
                 continue
-            most_pp = min(num_layers, hw.gpus // (tp * cp))
+            most_pp = min(num_layers, most // (tp * cp))
             for pp in range(1, most_pp + 1):
                 if hw.gpus % (tp * cp * pp):
                     continue

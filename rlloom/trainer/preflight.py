@@ -21,7 +21,8 @@
 - A dataset file (data.task=jsonl/parquet) has the format its task names, its rows read, at least one
   row holds the prompt and answer columns (data.prompt_key, data.answer_key), and data.num_eval
   leaves training rows (`check_data`); rows with pictures name files that exist, and need a
-  vision-language model (`check_images`).
+  vision-language model (`check_images`); an agent (rollout.agent) takes no rows with pictures
+  (`check_agent_pictures`).
 - The logging backends turned on (logging.tensorboard, logging.wandb) are installed.
 - A resume continues the same run: the checkpoint's `config.yaml` differs from this config only in
   the settings of `rlloom.config.resume.FREE_TO_CHANGE`, unless trainer.resume_allow_changes=true
@@ -98,6 +99,21 @@ def check_before_loading(cfg: RunConfig) -> None:
     check_logging_backends(cfg)
     check_episodes(cfg)
     check_agent(cfg)
+    check_agent_pictures(cfg)
+
+
+def check_agent_pictures(cfg: RunConfig) -> None:
+    """An agent's requests reach the rollout as chat text through the OpenAI-compatible endpoint,
+    without the rows' pictures: neither the rollout nor training would see them."""
+    if not cfg.rollout.agent:
+        return
+    first = next((r for r in task_prompts(cfg.data, "train") if r.images), None)
+    if first is not None:
+        raise ConfigError(
+            f"rollout.agent={cfg.rollout.agent!r} is invalid with pictures in the rows (data.task="
+            f"{cfg.data.task!r}, row {first.index + 1}): an agent's requests reach the rollout as chat text "
+            "without them. Fix: use rollout.env for a multi-turn run on pictures, or rows without images."
+        )
 
 
 LOGGING_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}

@@ -252,6 +252,7 @@ class RolloutStream:
                 prompt_index=request.order % ROUND_STRIDE,
                 progress=turn.progress,
                 first_sample=turn.first_sample,
+                images=turn.images,
             )
         )
 

@@ -225,6 +225,18 @@ def test_bad_agents_are_one_line_before_the_model_loads(tiny_checkpoint, tmp_pat
     assert len(err) == 1 and "excludes rollout.env" in err[0]
 
 
+def test_an_agent_on_rows_with_pictures_is_one_line_before_the_model_loads(tmp_path, capsys):
+    """The agent's requests would carry no pictures (the OpenAI endpoint takes chat text)."""
+    from rlloom.models.tiny import write_tiny_model
+
+    model = write_tiny_model("tiny-vl", tmp_path / "model")
+    capsys.readouterr()  # the writer's progress bar
+    args = [f"model.path={model}", f"reward.import_dir={HERE}", "rollout.agent=agent_fns:two_turns"]
+    assert main(["train", "visual_colour", *args, f"trainer.run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rlloom: error: rollout.agent=") and "pictures" in err[0], err
+
+
 RAY_ARGS = ("rollout.agent=agent_fns:two_turns", "trainer.total_steps=2", "train.lr=3e-2")
 
 

@@ -255,3 +255,51 @@ def test_moe_multi_turn_with_routing_replay_is_exact(tmp_path, kind):
         assert m["rollout/turns_mean"] == 3.0
         assert abs(m["rollout/token_mult_prob_error"] - 1.0) < 1e-5
         assert m["moe/route_mismatch_frac"] == 0.0
+
+
+def test_a_multi_turn_run_on_pictures_reads_them_and_caches_its_turns(tmp_path, monkeypatch):
+    """`rlloom train visual_colour` with a two-turn environment on a tiny Qwen2.5-VL: every turn's
+    request carries its row's picture (the vision tower runs for each) and so does every sample
+    (training's logprobs equal the rollout's), the second turns reuse the first turns' cached blocks
+    (keyed on the pictures: the prompts' token ids are all the same), and the run equals one whose
+    prefill recomputes every turn."""
+    from rlloom.engines.rollout.native import block_manager, engine, vision
+    from rlloom.models.tiny import write_tiny_model
+
+    model = write_tiny_model("tiny-vl", tmp_path / "model", hidden=64)
+    towers, cached_tokens = [], []
+    encode, allocate = vision.encode_images, block_manager.BlockManager.allocate
+
+    def counted_encode(*args, **kwargs):
+        towers.append(1)
+        return encode(*args, **kwargs)
+
+    def counted_allocate(self, seq, prefix=None):
+        allocate(self, seq, prefix)
+        cached_tokens.append(seq.num_cached_tokens)
+
+    monkeypatch.setattr(vision, "encode_images", counted_encode)
+    monkeypatch.setattr(block_manager.BlockManager, "allocate", counted_allocate)
+
+    def train(run_dir: Path) -> list[dict]:
+        args = [
+            f"model.path={model}", f"trainer.run_dir={run_dir}", "trainer.total_steps=2",
+            "trainer.prompts_per_step=4", "rollout.n_samples=2", "data.num_eval=0", "logging.console=false",
+            "rollout.kv_cache_memory_gb=0.05", "trainer.save_hf_every=-1", f"reward.import_dir={HERE}",
+            "rollout.env=episode_envs:Turns", "rollout.env_kwargs={turns: 2}", "rollout.env_workers=0",
+            STOP_ANY, "rollout.max_new_tokens=4", "rollout.block_size=4",
+        ]  # fmt: skip
+        assert main(["train", "visual_colour", *args]) == 0
+        return read_metrics(run_dir)
+
+    cached = train(tmp_path / "cached")
+    for m in cached[1:]:
+        assert m["rollout/turns_mean"] == 2.0 and m["rollout/env_errors"] == 0.0
+        assert m["rollout/logp_gap_max"] < 1e-5  # training saw each sample's picture as the rollout did
+    assert len(towers) == 2 * 4 * (1 + 2)  # per step and prompt: the first turn's request, two second turns
+    assert sum(cached_tokens) > 0
+    towers.clear(), cached_tokens.clear()
+    monkeypatch.setattr(engine, "caches_prefixes", lambda runner: False)
+    plain = train(tmp_path / "plain")
+    assert sum(cached_tokens) == 0 and len(towers) == 2 * 4 * 3
+    _close(cached, plain, rel=1e-5)

@@ -307,3 +307,49 @@ def test_control_token_strings_in_observations_stay_plain_text(tiny_checkpoint):
         assert (obs.count(start), obs.count(end)) == (2, 1), tok.convert_ids_to_tokens(obs)
     finally:
         driver.calls.close()
+
+
+def test_a_rows_pictures_ride_the_turns_that_extend_its_prompt(tiny_checkpoint):
+    """A row with pictures: its first and next turns carry them (the next one extends the row's prompt,
+    placeholders and all, though the messages hold no picture), and so do its samples; a trajectory
+    whose prompt is rendered anew (tools, per_turn's new segment) ends with `PICTURES_EXTEND`."""
+    import torch
+
+    from rlloom.data.images import ImageInputs
+    from rlloom.episodes.driver import PICTURES_EXTEND
+
+    tok = load_tokenizer(str(tiny_checkpoint))
+    pictures = ImageInputs(pixel_values=torch.zeros(4, 8), grid_thw=torch.tensor([[1, 2, 2]]))
+    written = tok.encode("<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    prompt = written[:3] + [7, 7] + written[3:]  # as if a picture's placeholders were expanded in it
+    for mode, tools in (("auto", None), ("per_turn", None), ("auto", [{"type": "function"}])):
+        driver = EpisodeDriver(
+            settings=EpisodeSettings(
+                max_turns=4, max_total_tokens=4096, max_observation_tokens=64, observation_truncation="right",
+                multi_turn_samples=mode, tool_parser="hermes", tools=tools,
+            ),
+            calls=EnvCalls(EnvSpec(env="episode_envs:Turns", import_dir=HERE), num_workers=0, timeout_s=10),
+            tokenizer=tok, stop_token_ids=[tok.eos_token_id], decode=ResponseDecoder.of(tok),
+        )  # fmt: skip
+        item = PromptItem(
+            prompt_ids=prompt, prompt_text="", ground_truth="", index=0, prompt="q", images=pictures
+        )
+        driver.begin("r", item, SamplingParams(n=2, seed=1))
+        out = _next(driver)
+        trajs = driver.groups["r"].trajs
+        if tools:  # the first prompt is rendered with the tools: no turn, the trajectories end
+            assert out == [] and [t.env_error for t in trajs] == [PICTURES_EXTEND] * 2
+            continue
+        [first] = out
+        assert first.images is pictures and first.prompt_ids == prompt and first.j is None
+        turn = _turn(driver, tok, "r", 0, "hello")
+        out = _next(driver)
+        if mode == "per_turn":
+            assert out == [] and trajs[0].env_error == PICTURES_EXTEND
+        else:
+            [second] = out
+            assert second.images is pictures and second.prompt_ids[: len(prompt) + len(turn)] == prompt + turn
+            assert len(second.prompt_ids) > len(prompt) + len(
+                turn
+            )  # the observation, rendered as an extension
+        assert driver.take("r", group_id=0)[0].images is pictures

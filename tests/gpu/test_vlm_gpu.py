@@ -128,3 +128,37 @@ def test_vl_training_engine_on_pictures_on_cuda(tmp_path):
         metrics = engine.train_step(batch, **loss)
         assert math.isfinite(metrics["train/grad_norm"]) and metrics["train/grad_norm"] > 0
         assert torch.equal(engine.model.visual.merger.mlp[0].weight, before) == freeze
+
+
+def test_vl_prefix_cache_on_cuda_keys_on_pictures_and_samples_what_recomputing_does(tmp_path):
+    """Prefix caching with the decode CUDA graphs: a picture of the same size (the same token ids)
+    finds only the text block before it cached, the same picture's next turn reuses the first turn's
+    blocks, and every turn samples the tokens (and logprobs, 1e-4) of an engine that recomputes."""
+    from vl_testutil import processed_images, tiny_vl, vl_prompt
+
+    from rlloom.data.images import ImageInputs
+    from rlloom.engines.rollout.native import NativeEngine, SamplingParams
+
+    tiny_vl().save_pretrained(tmp_path)
+    a, b = (processed_images((100, 70), seed=s) for s in (1, 2))
+    ids = vl_prompt(a["image_grid_thw"], 0).tolist()
+    pics = {k: ImageInputs(im["pixel_values"], im["image_grid_thw"]) for k, im in (("a", a), ("b", b))}
+    engines = [
+        NativeEngine.from_pretrained(tmp_path, device="cuda", max_model_len=128, num_blocks=64, block_size=4,
+                                     seed=0, eos_token_ids=[], enable_prefix_caching=caching)
+        for caching in (True, False)
+    ]  # fmt: skip
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=6, seed=3)
+
+    def both(prompt: list[int], picture: str) -> tuple[list[int], int]:
+        before = engines[0].block_manager.num_cached_hits
+        [c], [r] = (e.generate([prompt], sampling, [pics[picture]]) for e in engines)
+        assert c.token_ids == r.token_ids
+        assert max(abs(x - y) for x, y in zip(c.logprobs, r.logprobs)) < 1e-4
+        return c.token_ids, engines[0].block_manager.num_cached_hits - before
+
+    first, hit_a = both(ids, "a")
+    _, hit_b = both(ids, "b")
+    _, hit_turn = both(ids + first + [40, 41, 42], "a")
+    assert (hit_a, hit_b, hit_turn) == (0, 4, 4 * ((len(ids) + 6 - 1) // 4))
+    assert engines[0].runner.graphs is not None and engines[0].runner.graphs.graphs

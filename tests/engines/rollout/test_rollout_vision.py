@@ -1,6 +1,8 @@
 """The rollout engine with images (Qwen2.5-VL, Qwen3-VL): greedy tokens equal transformers' generate for
 image and text prompts in one batch, each prompt's images go through the vision tower once for its n
-samples (Qwen3-VL's DeepStack rows with them), and prefix caching (keyed on token ids) stays off."""
+samples (Qwen3-VL's DeepStack rows with them), and prefix caching keys its blocks on the pictures:
+the same placeholder ids of another picture miss, the same picture hits and samples what a
+recomputed prefill does."""
 
 from __future__ import annotations
 
@@ -54,7 +56,6 @@ def test_greedy_tokens_equal_transformers_generate(vl):
     hf, path = vl
     ids, images = _batch()
     engine = _engine(path, enable_prefix_caching=True)
-    assert not engine.block_manager.enable_prefix_caching  # placeholders are the same ids for every image
     calls = []
     engine.model.visual.register_forward_hook(lambda *_: calls.append(1))
     inputs = [ImageInputs(im["pixel_values"], im["image_grid_thw"]) if im else None for im in images]
@@ -105,6 +106,44 @@ def test_qwen3_vl_greedy_tokens_equal_transformers_generate(tmp_path):
     again = tight.generate([x.tolist() for x in ids], params, inputs)
     assert tight.num_preemptions > 0
     assert [c.token_ids for c in again] == [c.token_ids for c in out]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_prefix_cache_keys_blocks_on_their_pictures(family, vl, tmp_path):
+    """Two pictures of one size give one prompt the same token ids: the second finds only the text
+    block before its picture cached (and answers its own picture), the first picture again finds
+    its blocks, and its next turn reuses the whole first turn; every cached prefill samples the
+    tokens and logprobs of an engine that recomputes it."""
+    path, process = vl[1], processed_images
+    if family == "qwen3_vl":
+        tiny_vl3().save_pretrained(tmp_path)
+        path, process = tmp_path, processed_images3
+    a, b = (process((100, 70), seed=s) for s in (1, 2))
+    assert torch.equal(a["image_grid_thw"], b["image_grid_thw"])
+    ids = vl_prompt(a["image_grid_thw"], 0).tolist()
+    first_picture = ids.index(ids[6])  # 5 text tokens, <start>, then the picture's placeholders
+    pics = {k: ImageInputs(im["pixel_values"], im["image_grid_thw"]) for k, im in (("a", a), ("b", b))}
+    cached, plain = _engine(path, enable_prefix_caching=True), _engine(path)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=6, seed=3)
+
+    def both(prompt: list[int], picture: str) -> tuple[list, int]:
+        hits = cached.block_manager.num_cached_hits
+        [c], [r] = (e.generate([prompt], sampling, [pics[picture]]) for e in (cached, plain))
+        assert c.token_ids == r.token_ids
+        torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=0)
+        return c, cached.block_manager.num_cached_hits - hits
+
+    first, saved = both(ids, "a")
+    assert saved == 0
+    other, saved = both(ids, "b")
+    assert saved == 4 * (first_picture // 4)  # the text block before the picture, nothing after it
+    assert (torch.tensor(other.logprobs) - torch.tensor(first.logprobs)).abs().max() > 1e-3
+    _, saved = both(ids, "a")
+    assert saved == 4 * ((len(ids) - 1) // 4)
+    turn = ids + first.token_ids + [40, 41, 42]
+    _, saved = both(turn, "a")
+    assert saved == 4 * ((len(ids) + 6 - 1) // 4)  # the first turn's prompt and response
+    assert plain.block_manager.num_cached_hits == 0
 
 
 def test_images_for_a_model_without_a_tower_abort_the_request(tmp_path):

@@ -12,10 +12,11 @@ free block, records the (source, destination) pair in `pending_copies` for the m
 before the next forward, and drops one reference to the shared block.
 
 Prefix caching (`enable_prefix_caching`, multi-turn episodes): a full block whose keys and values
-are computed is remembered under a hash of its tokens chained with those of every block before it,
-when its sequence frees it. A later sequence whose tokens start with the same full blocks (the next
-turn of a trajectory: its conversation so far plus the new messages) takes those blocks, counted, and
-its prefill computes only the tokens after them. A remembered block with no holder stays in the free
+are computed is remembered under a hash of its tokens (and of the pictures whose placeholder tokens
+it holds: vision.py) chained with those of every block before it, when its sequence frees it. A
+later sequence whose tokens start with the same full blocks (the next turn of a trajectory: its
+conversation so far plus the new messages) takes those blocks, counted, and its prefill computes
+only the tokens after them. A remembered block with no holder stays in the free
 list, oldest first, and loses its hash when it is taken for something else; `clear_prefix_cache`
 forgets every hash (new weights make the cached keys and values stale).
 """
@@ -89,7 +90,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         blocks = []
-        for h in self._hashes(seq.token_ids, (seq.num_tokens - 1) // self.block_size):
+        for h in self._hashes(seq, (seq.num_tokens - 1) // self.block_size):
             block = self.cached.get(h)
             if block is None:
                 break
@@ -111,18 +112,21 @@ class BlockManager:
         table += [self._take() for _ in range(self.blocks_for(seq.num_tokens) - len(table))]
         seq.block_table = table
 
-    def _hashes(self, token_ids: list[int], num_blocks: int) -> Iterator[int]:
-        """The chained hash of each of the first `num_blocks` full blocks of `token_ids`, computed as
-        they are read (a lookup stops at its first miss)."""
-        h, size = 0, self.block_size
+    def _hashes(self, seq: Sequence, num_blocks: int) -> Iterator[int]:
+        """The chained hash of each of the first `num_blocks` full blocks of `seq`, computed as they
+        are read (a lookup stops at its first miss): a block's tokens and the digests of the pictures
+        whose placeholders it holds, so that the same placeholder ids of another picture miss."""
+        h, size, token_ids = 0, self.block_size, seq.token_ids
         for i in range(num_blocks):
-            h = hash((h, tuple(token_ids[i * size : (i + 1) * size])))
+            start, end = i * size, (i + 1) * size
+            pictures = seq.vision.pictures_in(start, end) if seq.vision is not None else ()
+            h = hash((h, tuple(token_ids[start:end]), pictures))
             yield h
 
     def _remember(self, seq: Sequence) -> None:
         """Remember the full blocks of `seq` whose keys and values are computed (before it frees them)."""
         computed = min(seq.num_cached_tokens, seq.num_tokens) // self.block_size
-        for block, h in zip(seq.block_table, self._hashes(seq.token_ids, computed)):
+        for block, h in zip(seq.block_table, self._hashes(seq, computed)):
             if h not in self.cached and block not in self.block_hash:
                 self.cached[h] = block
                 self.block_hash[block] = h

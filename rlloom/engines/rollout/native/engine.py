@@ -126,7 +126,7 @@ class NativeEngine:
             enforce_eager=enforce_eager,
             compile=compile and not exact,  # graphs of the plain forward: compiled layers round differently
         )
-        if not caches_prefixes(model, self.runner):
+        if not caches_prefixes(self.runner):
             self.block_manager.enable_prefix_caching = False
         self.sampler = build_sampler(self.device, seed, self.tp, tp_group)
         self._seq_ids, self._arrivals = itertools.count(), itertools.count()
@@ -205,7 +205,9 @@ class NativeEngine:
         arrival = next(self._arrivals)
         request_id = f"req-{arrival}" if request_id is None else request_id
         prompt_index = arrival if prompt_index is None else prompt_index
-        vision, error = request_vision(self.model, prompt_ids, images)
+        vision, error = request_vision(
+            self.model, prompt_ids, images, key_pictures=self.block_manager.enable_prefix_caching
+        )
         seqs = [
             Sequence(
                 seq_id=next(self._seq_ids),
@@ -261,7 +263,9 @@ class NativeEngine:
         position len(output_ids) with the same seeded noise (`sample_index` as before). The
         completion carries the current policy version; `sampling.n` is ignored (one sample). MoE:
         its routes are those of the resuming weights for every position (the prefill recomputes them)."""
-        vision, error = request_vision(self.model, prompt_ids, images)
+        vision, error = request_vision(
+            self.model, prompt_ids, images, key_pictures=self.block_manager.enable_prefix_caching
+        )
         error = error or self._request_problem(prompt_ids, sampling)
         if error is not None or len(logprobs) != len(output_ids):
             raise ValueError(

@@ -57,8 +57,7 @@ def build_sampler(
     return VocabParallelSampler(device, shared_seed(seed, tp_group, device), tp)
 
 
-def caches_prefixes(model: torch.nn.Module, runner: ModelRunner) -> bool:
+def caches_prefixes(runner: ModelRunner) -> bool:
     """Whether finished blocks may serve later requests: not for MoE models (the routes of cached
-    positions would be missing) nor vision-language ones (blocks are keyed on token ids, and every
-    image's placeholders are the same ids)."""
-    return runner.route_dtype is None and model.args.vision is None
+    positions would be missing). Vision-language models may: blocks are keyed on the pictures too."""
+    return runner.route_dtype is None
