@@ -54,4 +54,21 @@ def _recompute_as_forward() -> tuple[AbstractContextManager, AbstractContextMana
     (rollout.match_training, models/exact.py). The recomputation then runs the forward's kernels (on
     CUDA the fused autograd Functions of `exact_fused.py`, not the torch formulas), so it saves the
     tensors non-reentrant checkpointing expects and the gradient is taken at the forward's values."""
-    return nullcontext(), exact_numerics(is_exact())
+    return nullcontext(), (_ExactAgain() if is_exact() else nullcontext())
+
+
+class _ExactAgain(AbstractContextManager):
+    """`exact_numerics()` that can be entered more than once: a pipeline schedule that splits the
+    backward (zero-bubble: inputs' gradients, then weights') recomputes a checkpointed layer once per
+    part, and a generator-based context manager is single-use."""
+
+    def __init__(self) -> None:
+        self._open: list[AbstractContextManager] = []
+
+    def __enter__(self) -> None:
+        context = exact_numerics()
+        context.__enter__()
+        self._open.append(context)
+
+    def __exit__(self, *exc: object) -> bool | None:
+        return self._open.pop().__exit__(*exc)
