@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from rlloom.models.exact_kernels import _aligned
+from rlloom.models.logprobs import scaled_logprobs
 
 NORM_BWD_ROWS = 32
 """Rows per program of RMSNorm's backward: the first stage of the weight gradient's fixed-order sum."""
@@ -335,11 +336,7 @@ def chunk_stats(
     (the numerics' `row_logsumexp`, so logp keeps the bits the rollout's sampler gets), and the
     entropy's sum(p * z) in one pass over z (one program per row, a fixed order: deterministic)
     where the torch formula writes and reads three fp32 [C, V] temporaries."""
-    z_CV = logits_CV.float()
-    if inv_temp != 1.0:
-        z_CV = z_CV * inv_temp
-    lse_C = z_CV.logsumexp(dim=-1)
-    logp_C = z_CV.gather(-1, targets_C.unsqueeze(-1)).squeeze(-1) - lse_C
+    z_CV, logp_C, lse_C = scaled_logprobs(logits_CV, targets_C, inv_temp)
     if not with_entropy:
         return logp_C, lse_C, None
     z_CV, lse_C = _aligned(z_CV), lse_C.contiguous()

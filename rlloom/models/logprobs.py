@@ -30,15 +30,23 @@ import torch
 from rlloom.models.exact import is_exact
 
 
-def chunk_stats(
-    logits_CV: torch.Tensor, targets_C: torch.Tensor, inv_temp: float, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """fp32 (logp [C], lse [C], entropy [C] or None) of the temperature-scaled logits."""
+def scaled_logprobs(
+    logits_CV: torch.Tensor, targets_C: torch.Tensor, inv_temp: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 (z [C, V], logp [C], lse [C]): the temperature-scaled logits z, the targets' logprob and
+    z's log-sum-exp (under exact numerics the numerics' `row_logsumexp`, the sampler's order)."""
     z_CV = logits_CV.float()
     if inv_temp != 1.0:
         z_CV = z_CV * inv_temp
     lse_C = z_CV.logsumexp(dim=-1)
-    logp_C = z_CV.gather(-1, targets_C.unsqueeze(-1)).squeeze(-1) - lse_C
+    return z_CV, z_CV.gather(-1, targets_C.unsqueeze(-1)).squeeze(-1) - lse_C, lse_C
+
+
+def chunk_stats(
+    logits_CV: torch.Tensor, targets_C: torch.Tensor, inv_temp: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """fp32 (logp [C], lse [C], entropy [C] or None) of the temperature-scaled logits."""
+    z_CV, logp_C, lse_C = scaled_logprobs(logits_CV, targets_C, inv_temp)
     if not with_entropy:
         return logp_C, lse_C, None
     entropy_C = lse_C - (torch.exp(z_CV - lse_C.unsqueeze(-1)) * z_CV).sum(dim=-1)
